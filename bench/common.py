@@ -1,0 +1,169 @@
+"""Helpers every benchmark shares: medians, the machine's load, memory bandwidth,
+one engine per subprocess (so peak RSS belongs to that engine alone), tables.
+
+Nothing here imports torch: a worker that measures stage 1 or llama.cpp must not
+pay torch's few hundred MB of RSS.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# OpenMP threads that spin while waiting steal the other core from whoever shares
+# the machine (and from our own second thread); every engine runs with this set.
+BENCH_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+BUSY_LOAD = 0.5          # a 1-minute load above this (before we start) means someone else is running
+RESULT_TAG = "BENCH-RESULT "   # the line a worker prints its JSON result on
+
+
+def median(xs: list[float]) -> float:
+    """Median of the runs; nan when there are none (a failed cell)."""
+    return statistics.median(xs) if xs else float("nan")
+
+
+def load_1min() -> float:
+    """The 1-minute load average: roughly how many threads wanted a core lately."""
+    return os.getloadavg()[0]
+
+
+def check_load(when: str) -> str:
+    """A line for the report; warns when the machine was busy (numbers are then low)."""
+    load = load_1min()
+    line = f"1-minute load {when}: {load:.2f} on {os.cpu_count()} cores"
+    if load > BUSY_LOAD:
+        line += "  WARNING: the machine was busy; speeds may be low (rerun when idle)"
+    return line
+
+
+def machine_description() -> str:
+    """CPU model, cores, memory and the SIMD features that matter for these kernels."""
+    cpu, flags = platform.processor() or "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and cpu in ("unknown CPU", platform.processor()):
+                cpu = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    simd = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16") if f in flags]
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, SIMD: {' '.join(simd) or 'none detected'}"
+
+
+# ---------------------------------------------------------------- bandwidth
+
+def measure_bandwidth(threads: list[int], mib: int = 1024, repeats: int = 5) -> dict:
+    """Memory bandwidth in GB/s (1e9 bytes/s), the roofline's denominator.
+
+    - read[n]: a numba prange sum over a `mib` MiB float32 array with n threads. Decode
+      streams every weight once per token and writes almost nothing, so a pure read is
+      the right ceiling. Best of `repeats`: the roofline is what the memory *can* do.
+    - copy: numpy copyto of half the array (1 thread), counting read + write bytes,
+      for comparison with published STREAM-like figures.
+    The array is far larger than any cache, so every pass goes to DRAM.
+    """
+    import numba
+    import numpy as np
+
+    @numba.njit(parallel=True, fastmath=True, cache=False)
+    def read_sum(a):
+        s = 0.0
+        for i in numba.prange(a.shape[0]):   # each thread sums a contiguous slice
+            s += a[i]
+        return s
+
+    a = np.ones(mib * 2**20 // 4, dtype=np.float32)   # touch every page before timing
+    out = {"mib": mib, "read": {}}
+    saved = numba.get_num_threads()
+    for n in threads:
+        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+        read_sum(a[:1024])                              # compile outside the timing
+        best = min(_timed(read_sum, a) for _ in range(repeats))
+        out["read"][n] = a.nbytes / best / 1e9
+    numba.set_num_threads(saved)
+    half = a.size // 2
+    src, dst = a[:half], np.empty(half, dtype=np.float32)
+    best = min(_timed(np.copyto, dst, src) for _ in range(repeats))
+    out["copy"] = 2 * src.nbytes / best / 1e9
+    return out
+
+
+def _timed(fn, *args) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------- workers
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set in MiB.
+
+    VmHWM (the high-water mark of this process's memory map) and not ru_maxrss:
+    Linux carries ru_maxrss over from the parent through fork + exec, so a worker
+    started by a parent holding 1 GB would report at least 1 GB."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024          # kB -> MiB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_worker(module: str, spec: dict, timeout: float, log=print) -> dict:
+    """Run `python -m module --worker SPEC` in a fresh process and return its JSON result.
+
+    One process per engine: its peak RSS is that engine's alone, a crash or a missing
+    package costs one table cell and not the run, and numba/torch/llama.cpp threads
+    never share a process. The worker's own lines are echoed (indented) as progress.
+    """
+    env = dict(os.environ, **BENCH_ENV)
+    repo_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = repo_root + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", module, "--worker", json.dumps(spec)]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=repo_root)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    result = None
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_TAG):
+            result = json.loads(line[len(RESULT_TAG):])
+        elif line.strip():
+            log("    " + line)
+    if result is None:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return {"error": f"worker exited with {proc.returncode}: " + " | ".join(tail)}
+    return result
+
+
+def emit_result(result: dict) -> None:
+    """The worker side of run_worker: one tagged JSON line on stdout."""
+    result["peak_rss_mib"] = peak_rss_mib()
+    print(RESULT_TAG + json.dumps(result), flush=True)
+
+
+# ---------------------------------------------------------------- tables
+
+def fmt_num(x: float | None, digits: int = 1) -> str:
+    if x is None or x != x:          # None or nan: the cell was not measured
+        return "–"
+    return f"{x:,.{digits}f}"
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    """A GitHub pipe table, padded so it also reads well in a terminal."""
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(header), sep] + [line(r) for r in rows])

@@ -1,0 +1,664 @@
+"""CPU benchmark: stage 1 against llama.cpp and transformers, and against the roofline.
+
+    python -m bench.cpu                      # Qwen3-0.6B shapes, 1 and 2 threads (~25 min)
+    python -m bench.cpu --quick              # a small model, one thread count (< 2 min, CI)
+    python -m bench.cpu --threads 2 --formats int8 --runs 5 --out /tmp/bench.md
+
+What it does, in one run (so every number saw the same machine):
+  1. builds a random-weight model with the real Qwen3-0.6B shapes in bf16 with
+     transformers' save_pretrained, and writes the *same* weights as GGUF files
+     (BF16, Q8_0, Q4_0) for llama.cpp; all cached under ~/.cache/qwen3-stages/bench/;
+  2. checks that llama.cpp reads those GGUF files the way transformers reads the
+     folder (BF16 logits of a few tokens, printed);
+  3. measures the memory bandwidth (the roofline's denominator);
+  4. runs every engine in its own subprocess (peak RSS is then that engine's alone):
+     prefill tok/s for a 128- and a 512-token prompt, decode tok/s over 128 greedy
+     tokens with EOS ignored, the median of several runs, at each thread count;
+  5. prints one table, stage 1 ÷ llama.cpp per format, and each decode as a
+     fraction of its roofline = bandwidth ÷ weight bytes read per token.
+
+Decode of one sequence reads every weight once per token and does ~2 FLOP per
+weight, so on a CPU it is bound by memory bandwidth: bytes per token *is* the
+speed. The napkin maths is printed with the table and explained in docs/benchmarks.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from bench.common import (check_load, emit_result, fmt_num, load_1min, machine_description,
+                          markdown_table, measure_bandwidth, median, run_worker)
+
+CACHE = Path(os.environ.get("QWEN3_STAGES_CACHE", Path.home() / ".cache" / "qwen3-stages")) / "bench"
+BUILD_VERSION = 1          # bump when the model files change, so old caches are rebuilt
+
+# stage-1 weight format -> the llama.cpp format that stores the same numbers
+LLAMA_FORMAT = {"bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}
+# the issue's targets, checked at 2 threads: (decode ratio, prefill-512 ratio, % of roofline)
+TARGETS = {"bf16": (1.0, 0.8, 0.9), "int8": (1.0, 0.8, 0.9), "int4": (1.0, 0.8, None)}
+
+
+# ------------------------------------------------------------------ the model
+
+@dataclass
+class Shape:
+    """The architecture numbers of the benchmark model (Qwen3 config.json keys)."""
+    name: str
+    num_hidden_layers: int           # L
+    hidden_size: int                 # C
+    num_attention_heads: int         # H
+    num_key_value_heads: int         # Hkv
+    head_dim: int                    # D
+    intermediate_size: int           # F
+    vocab_size: int                  # V
+    eos_token_id: list[int] = field(default_factory=list)
+
+    def linear_params(self) -> int:
+        """Weights of all matmuls a token goes through, the tied lm_head included."""
+        C, H, Hkv, D, F = (self.hidden_size, self.num_attention_heads, self.num_key_value_heads,
+                           self.head_dim, self.intermediate_size)
+        per_layer = C * H * D + 2 * C * Hkv * D + H * D * C + 3 * C * F   # q, k+v, o, gate+up+down
+        return self.num_hidden_layers * per_layer + self.vocab_size * C   # + lm_head [V, C]
+
+
+QWEN3_0_6B = Shape("qwen3-0.6b-shape", 28, 1024, 16, 8, 128, 3072, 151936, [151645, 151643])
+QUICK = Shape("qwen3-quick", 4, 512, 8, 4, 64, 1536, 32000, [31999])
+
+
+def build_hf_model(shape: Shape, folder: Path) -> None:
+    """A random-weight Qwen3ForCausalLM in bf16, saved by transformers itself."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.Qwen3Config(
+        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_key_value_heads,
+        head_dim=shape.head_dim, max_position_embeddings=40960, rope_theta=1000000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.02,
+        bos_token_id=None, eos_token_id=shape.eos_token_id)
+    model = tf.Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
+    model.save_pretrained(folder)
+    gen = {"eos_token_id": shape.eos_token_id, "do_sample": False}
+    (folder / "generation_config.json").write_text(json.dumps(gen))
+
+
+# HF tensor name (after "model.") -> llama.cpp name; convert_hf_to_gguf permutes q/k only
+# for the llama architecture, and llama.cpp runs qwen3 with NEOX (rotate-half) RoPE, which
+# is exactly HF's layout, so the weights are copied in their HF order.
+GGUF_NAMES = {
+    "embed_tokens.weight": "token_embd.weight",
+    "norm.weight": "output_norm.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name == "lm_head.weight":
+        return "output.weight"
+    rest = hf_name.removeprefix("model.")
+    if rest.startswith("layers."):
+        _, layer, rest = rest.split(".", 2)
+        return f"blk.{layer}.{GGUF_NAMES[rest]}"
+    return GGUF_NAMES[rest]
+
+
+def _byte_level_alphabet() -> list[str]:
+    """GPT-2's 256 printable stand-ins for the bytes 0..255 (byte-level BPE)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def write_gguf(hf_folder: Path, shape: Shape, qtype_name: str, path: Path) -> None:
+    """The HF folder's weights as a llama.cpp GGUF file (qwen3 architecture).
+
+    Like llama.cpp's convert script: 1-D tensors (norms) stay F32, every matrix is
+    stored in `qtype_name` (BF16, Q8_0 or Q4_0 — "pure", no per-tensor exceptions,
+    so every matrix matches stage 1's format). The tokenizer is a minimal gpt2-style
+    vocabulary of V tokens: the benchmark feeds token ids, never text.
+    """
+    import gguf
+    import torch
+    from safetensors import safe_open
+
+    qtype = getattr(gguf.GGMLQuantizationType, qtype_name)
+    ftype = {"BF16": gguf.LlamaFileType.MOSTLY_BF16, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+             "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[qtype_name]
+    cfg = json.loads((hf_folder / "config.json").read_text())
+    tmp = path.with_suffix(".tmp")
+    w = gguf.GGUFWriter(str(tmp), "qwen3")
+    w.add_name(shape.name)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(shape.hidden_size)
+    w.add_block_count(shape.num_hidden_layers)
+    w.add_feed_forward_length(shape.intermediate_size)
+    w.add_head_count(shape.num_attention_heads)
+    w.add_head_count_kv(shape.num_key_value_heads)
+    w.add_key_length(shape.head_dim)
+    w.add_value_length(shape.head_dim)
+    w.add_rope_freq_base(float(cfg.get("rope_theta", cfg.get("rope_parameters", {}).get("rope_theta"))))
+    w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
+    w.add_vocab_size(shape.vocab_size)
+    w.add_file_type(ftype)
+
+    # tokenizer: 256 byte tokens, one merge ("Ġ t" -> "Ġt"), fillers, end-of-text last
+    tokens = _byte_level_alphabet() + ["Ġt"]
+    tokens += [f"tok{i}" for i in range(len(tokens), shape.vocab_size)]
+    types = [gguf.TokenType.NORMAL] * shape.vocab_size
+    for eos in shape.eos_token_id:
+        tokens[eos], types[eos] = ("<|endoftext|>" if eos == shape.eos_token_id[-1] else f"<|special{eos}|>"), gguf.TokenType.CONTROL
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(["Ġ t"])
+    w.add_eos_token_id(shape.eos_token_id[0])
+    w.add_bos_token_id(shape.eos_token_id[-1])
+    w.add_add_bos_token(False)
+
+    files = sorted(hf_folder.glob("*.safetensors"))
+    for f in files:
+        with safe_open(f, framework="pt") as st:
+            for name in st.keys():
+                data = st.get_tensor(name).to(torch.float32).numpy()   # [out, in] as HF stores it
+                if data.ndim == 1:
+                    w.add_tensor(gguf_name(name), data)                 # norms: F32
+                else:
+                    w.add_tensor(gguf_name(name), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tmp.rename(path)
+
+
+def gguf_weight_bytes(path: Path) -> int:
+    """Bytes of every tensor in a GGUF file: with tied embeddings the lm_head reads
+    all of token_embd each token, so this is what one decode step streams."""
+    import gguf
+    return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
+
+
+def prepare_models(shape: Shape, cache: Path, log=print) -> dict:
+    """-> {"hf": folder, "BF16": path, "Q8_0": path, "Q4_0": path}, built once and cached."""
+    root = cache / f"{shape.name}-v{BUILD_VERSION}"
+    hf = root / "hf"
+    paths = {"hf": hf, **{q: root / f"{shape.name}-{q}.gguf" for q in ("BF16", "Q8_0", "Q4_0")}}
+    if not (hf / "DONE").exists():
+        t0 = time.perf_counter()
+        log(f"building the random-weight {shape.name} model in {hf} ...")
+        hf.mkdir(parents=True, exist_ok=True)
+        build_hf_model(shape, hf)
+        (hf / "DONE").write_text("ok")
+        log(f"  done in {time.perf_counter() - t0:.0f} s")
+    for q in ("BF16", "Q8_0", "Q4_0"):
+        if not paths[q].exists():
+            t0 = time.perf_counter()
+            log(f"writing {paths[q].name} ...")
+            write_gguf(hf, shape, q, paths[q])
+            log(f"  done in {time.perf_counter() - t0:.0f} s")
+    return paths
+
+
+# ------------------------------------------------------------------ the engines
+
+class Stage1Runner:
+    """Stage 1 through the Engine protocol, exactly as the chat and the server use it."""
+
+    def __init__(self, folder: str, fmt: str, threads: int, max_ctx: int):
+        from stage1_cpu.engine import LLMEngine
+        quant = {"fp32": "none"}.get(fmt, fmt)
+        self.engine = LLMEngine(folder, quant=quant, threads=threads, max_ctx=max_ctx, progress=False)
+        self.count = 0
+
+    def set_threads(self, n: int) -> None:
+        from stage1_cpu import kernels
+        kernels.set_threads(n)                 # numba's thread count is process-wide
+
+    def weight_bytes(self) -> int:
+        return int(self.engine.weights.nbytes)  # what one decode step reads
+
+    def all_logits(self, ids: list[int]) -> np.ndarray:
+        self.engine.reset()
+        logits = self.engine.model.forward(np.asarray(ids, dtype=np.int64), 0, all_logits=True)
+        self.engine.reset()                    # the cache holds these ids now; forget them
+        return np.asarray(logits, dtype=np.float32)   # [T, V]
+
+    def generate(self, prompt: list[int], new_tokens: int) -> tuple[list[int], float, float]:
+        """-> (tokens, seconds to the first token, seconds for the rest)."""
+        from common.engine import Request
+        from common.sampling import SamplingParams
+        self.count += 1
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        tokens: list[int] = []
+        t0 = time.perf_counter()
+        self.engine.add_request(Request(id=f"bench-{self.count}", prompt_ids=list(prompt), params=params))
+        t_first = None
+        while self.engine.has_work():
+            for ev in self.engine.step():
+                if ev.token_id >= 0:
+                    tokens.append(ev.token_id)
+            if t_first is None and tokens:
+                t_first = time.perf_counter()
+        t_end = time.perf_counter()
+        return tokens, t_first - t0, t_end - t_first
+
+
+class LlamaCppRunner:
+    """llama.cpp through llama-cpp-python's low-level eval: no sampler chain, the same
+    greedy argmax in Python as the other engines, the KV cache cleared per prompt."""
+
+    def __init__(self, path: str, threads: int, max_ctx: int, logits_all: bool = False):
+        import llama_cpp
+        self.llama_cpp = llama_cpp
+        self.llm = llama_cpp.Llama(model_path=path, n_ctx=max_ctx, n_batch=512, n_ubatch=512,
+                                   n_threads=threads, n_threads_batch=threads,
+                                   logits_all=logits_all, verbose=False)
+        self.n_vocab = self.llm.n_vocab()
+
+    def set_threads(self, n: int) -> None:
+        self.llama_cpp.llama_set_n_threads(self.llm.ctx, n, n)
+
+    def _next(self) -> int:
+        ptr = self.llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)   # the last token's logits [V]
+        return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))))
+
+    def generate(self, prompt, new_tokens):
+        self.llm.reset()                       # eval() drops the KV cache from position 0 on
+        t0 = time.perf_counter()
+        self.llm.eval(list(prompt))            # prefill in batches of n_batch = 512
+        tokens = [self._next()]
+        t_first = time.perf_counter()
+        for _ in range(new_tokens - 1):
+            self.llm.eval([tokens[-1]])
+            tokens.append(self._next())
+        return tokens, t_first - t0, time.perf_counter() - t_first
+
+    def all_logits(self, ids: list[int]) -> np.ndarray:
+        self.llm.reset()
+        self.llm.eval(list(ids))
+        return np.array(self.llm.scores[: len(ids)], dtype=np.float32)   # [T, V]
+
+
+class TransformersRunner:
+    """transformers on CPU with its KV cache; only the last position's logits are
+    computed (logits_to_keep=1), as the other engines do."""
+
+    def __init__(self, folder: str, fmt: str, threads: int):
+        import torch
+        import transformers as tf
+        self.torch = torch
+        torch.set_num_threads(threads)
+        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[fmt]
+        self.model = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+
+    def set_threads(self, n: int) -> None:
+        self.torch.set_num_threads(n)
+
+    def generate(self, prompt, new_tokens):
+        torch = self.torch
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = self.model(input_ids=torch.tensor([list(prompt)]), use_cache=True, logits_to_keep=1)
+            tokens = [int(out.logits[0, -1].argmax())]
+            t_first = time.perf_counter()
+            cache = out.past_key_values
+            for _ in range(new_tokens - 1):
+                out = self.model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache,
+                                 use_cache=True, logits_to_keep=1)
+                cache = out.past_key_values
+                tokens.append(int(out.logits[0, -1].argmax()))
+        return tokens, t_first - t0, time.perf_counter() - t_first
+
+    def all_logits(self, ids):
+        with self.torch.inference_mode():
+            out = self.model(input_ids=self.torch.tensor([list(ids)]))
+        return out.logits[0].float().numpy()
+
+
+def prompt_ids(vocab: int, length: int, seed: int) -> list[int]:
+    """Random token ids; a new prompt per run, so no engine can reuse a cached prefix."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(10, vocab - 300, size=length).tolist()
+
+
+def worker(spec: dict) -> None:
+    """Runs in its own process: one engine, one format, every thread count."""
+    result = {"cells": {}, "tokens": None}
+    vocab, max_ctx = spec["vocab"], spec["max_ctx"]
+    t0 = time.perf_counter()
+    try:
+        runner = make_runner(spec, spec["threads"][0])
+    except Exception as e:                      # a missing package or engine is one cell, not the run
+        emit_result({"error": f"{type(e).__name__}: {e}"})
+        return
+    result["load_s"] = time.perf_counter() - t0
+    if spec.get("check_ids"):                   # logits for the correctness check
+        out = Path(spec["check_out"])
+        np.save(out, runner.all_logits(spec["check_ids"]))
+        result["check_file"] = str(out)
+        if spec["engine"] == "llama.cpp":       # that instance kept every position's logits
+            del runner
+            runner = make_runner(spec, spec["threads"][0])
+
+    for n in spec["threads"]:
+        if n != spec["threads"][0]:
+            runner = set_threads(runner, spec, n)
+        runner.generate(prompt_ids(vocab, 32, seed=1), 4)      # warm-up: JIT, allocations
+        cell = {"prefill": {str(p): [] for p in spec["prompt_lens"]}, "decode": []}
+        t_cell = time.perf_counter()
+        for r in range(spec["runs"]):
+            for p in spec["prompt_lens"]:
+                # the first prompt also decodes; the others only prefill (1 token)
+                decode = p == spec["prompt_lens"][0]
+                ids = prompt_ids(vocab, p, seed=1000 * n + 10 * r + p)
+                toks, t_first, t_rest = runner.generate(ids, 1 + spec["decode_tokens"] if decode else 1)
+                cell["prefill"][str(p)].append(p / t_first)
+                if decode:
+                    cell["decode"].append(spec["decode_tokens"] / t_rest)
+                    if result["tokens"] is None:
+                        result["tokens"] = toks[:16]
+            # several runs for a median, but stop early on a slow engine
+            if r + 1 >= spec["min_runs"] and time.perf_counter() - t_cell > spec["cell_seconds"]:
+                break
+        cell["runs"] = r + 1
+        result["cells"][str(n)] = cell
+        print(f"{spec['engine']} {spec['fmt']} threads={n}: decode {median(cell['decode']):.1f} tok/s "
+              f"({cell['runs']} runs)", flush=True)
+    if spec["engine"] == "stage1":
+        result["weight_bytes"] = stage1_weight_bytes(runner)
+    emit_result(result)
+
+
+def make_runner(spec: dict, threads: int):
+    if spec["engine"] == "stage1":
+        return Stage1Runner(spec["path"], spec["fmt"], threads, spec["max_ctx"])
+    if spec["engine"] == "llama.cpp":
+        return LlamaCppRunner(spec["path"], threads, spec["max_ctx"], logits_all=bool(spec.get("check_ids")))
+    return TransformersRunner(spec["path"], spec["fmt"], threads)
+
+
+def set_threads(runner, spec: dict, n: int):
+    """Change the thread count in place where the engine allows it, else rebuild it."""
+    if hasattr(runner, "set_threads"):
+        runner.set_threads(n)
+        return runner
+    del runner
+    return make_runner(spec, n)
+
+
+def stage1_weight_bytes(runner) -> int | None:
+    """Weight bytes one stage-1 decode step reads, as the engine counts them; None if
+    it cannot say (the parent then uses the nominal size of the format)."""
+    try:
+        return runner.weight_bytes()
+    except Exception:
+        return None
+
+
+def nominal_stage1_bytes(shape: Shape, fmt: str, group_size: int = 64) -> int:
+    """Bytes per token of stage 1's formats if the engine does not report them:
+    bf16 2 bytes a weight; int8 one byte plus an fp16 scale per group; int4 half a
+    byte plus an fp16 scale and minimum per group (stage1_cpu/quant.py)."""
+    per_weight = {"bf16": 2.0, "fp32": 4.0, "int8": 1 + 2 / group_size, "int4": 0.5 + 4 / group_size}[fmt]
+    return int(shape.linear_params() * per_weight)
+
+
+# ------------------------------------------------------------------ the report
+
+@dataclass
+class Row:
+    engine: str
+    fmt: str
+    weight_bytes: int | None
+    result: dict
+
+
+def run_all(args, shape: Shape, paths: dict, log) -> tuple[list[Row], dict]:
+    threads = args.threads
+    base = dict(vocab=shape.vocab_size, max_ctx=1024, threads=threads, prompt_lens=args.prompt_lens,
+                decode_tokens=args.decode_tokens, runs=args.runs, min_runs=min(2, args.runs),
+                cell_seconds=args.cell_seconds)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-cpu-"))
+    check_ids = prompt_ids(shape.vocab_size, 8, seed=7)
+    jobs: list[tuple[str, str, str, int | None, dict]] = []
+    if "transformers" in args.engines:
+        for fmt in ["fp32"] + (["bf16"] if "bf16" in args.formats else []):
+            extra = {"check_ids": check_ids, "check_out": str(tmp / "hf.npy")} if fmt == "fp32" else {}
+            nbytes = shape.linear_params() * (4 if fmt == "fp32" else 2)
+            jobs.append(("transformers", fmt, str(paths["hf"]), nbytes, extra))
+    for fmt in args.formats:
+        if "stage1" in args.engines:
+            extra = {"check_ids": check_ids, "check_out": str(tmp / f"stage1-{fmt}.npy")}
+            jobs.append(("stage1", fmt, str(paths["hf"]), nominal_stage1_bytes(shape, fmt), extra))
+        if "llama.cpp" in args.engines:
+            q = LLAMA_FORMAT[fmt]
+            extra = {"check_ids": check_ids, "check_out": str(tmp / f"llama.cpp-{q}.npy")}
+            jobs.append(("llama.cpp", q, str(paths[q]), gguf_weight_bytes(paths[q]), extra))
+
+    rows = []
+    for engine, fmt, path, nbytes, extra in jobs:
+        if engine == "llama.cpp" and not llama_cpp_installed():
+            rows.append(Row(engine, fmt, nbytes, {"error": "not installed"}))
+            continue
+        log(f"running {engine} {fmt} ...")
+        t0 = time.perf_counter()
+        res = run_worker("bench.cpu", dict(base, engine=engine, fmt=fmt, path=path, **extra),
+                         timeout=args.worker_timeout, log=log)
+        if "error" in res:
+            log(f"  {engine} {fmt}: {res['error']}")
+        else:
+            log(f"  done in {time.perf_counter() - t0:.0f} s, peak RSS {res['peak_rss_mib']:.0f} MiB")
+        rows.append(Row(engine, fmt, res.get("weight_bytes") or nbytes, res))
+    # every engine's logits for the same 8 tokens against transformers fp32's
+    check = {}
+    if (tmp / "hf.npy").exists():
+        ref = np.load(tmp / "hf.npy")
+        for row in rows:
+            f = row.result.get("check_file")
+            if f and row.engine != "transformers" and Path(f).exists():
+                check[(row.engine, row.fmt)] = logits_agreement(ref, np.load(f))
+    return rows, check
+
+
+def logits_agreement(ref: np.ndarray, got: np.ndarray) -> dict:
+    """How close an engine's logits [T, V] are to transformers fp32's on the same weights."""
+    err = np.abs(ref - got).max() / np.abs(ref).max()
+    cos = float(np.mean(np.sum(ref * got, -1) / (np.linalg.norm(ref, axis=-1) * np.linalg.norm(got, axis=-1))))
+    top1 = float(np.mean(ref.argmax(-1) == got.argmax(-1)))
+    return {"max_rel_err": float(err), "cosine": cos, "top1": top1, "tokens": len(ref)}
+
+
+def llama_cpp_installed() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def report(args, shape: Shape, rows: list[Row], bw: dict, check: dict, loads: tuple[float, float]) -> str:
+    """The whole result as markdown: machine, bandwidth, one table, ratios, napkin maths."""
+    out = [f"## CPU benchmark: {shape.name} ({'quick' if args.quick else 'full'})", "",
+           f"- machine: {machine_description()}",
+           f"- command: `python -m bench.cpu {' '.join(args.argv)}`".replace(" `", " `").rstrip(),
+           f"- 1-minute load before {loads[0]:.2f}, after {loads[1]:.2f}"
+           + ("  **busy: numbers may be low**" if loads[0] > 0.5 else ""),
+           f"- model: {shape.num_hidden_layers} layers, C={shape.hidden_size}, H/Hkv={shape.num_attention_heads}/"
+           f"{shape.num_key_value_heads}, D={shape.head_dim}, F={shape.intermediate_size}, V={shape.vocab_size}, tied "
+           f"embeddings; {shape.linear_params() / 1e6:.0f} M weights read per token",
+           "- memory bandwidth (numba read, best of 5): "
+           + ", ".join(f"{n} thread{'s' * (n > 1)} {bw['read'][n]:.1f} GB/s" for n in args.threads)
+           + f"; numpy copy (1 thread, read+write) {bw['copy']:.1f} GB/s",
+           f"- medians of up to {args.runs} runs; prefill = prompt tokens ÷ time to the first token; decode = "
+           f"{args.decode_tokens} greedy tokens (EOS ignored) ÷ their time; roofline = bandwidth ÷ weight bytes per token"]
+    out.append("")
+    header = ["engine", "format", "threads", "MB/token", "prefill 128 tok/s", "prefill 512 tok/s",
+              "decode tok/s", "roofline tok/s", "% roofline", "runs", "load s", "peak RSS MiB"]
+    table = []
+    for n in args.threads:
+        for row in rows:
+            cell = row.result.get("cells", {}).get(str(n))
+            if cell is None:
+                table.append([row.engine, row.fmt, n, fmt_num(row.weight_bytes / 1e6 if row.weight_bytes else None, 0)]
+                             + [row.result.get("error", "failed")[:60]] + [""] * 7)
+                continue
+            dec = median(cell["decode"])
+            roof = bw["read"][n] * 1e9 / row.weight_bytes if row.weight_bytes else float("nan")
+            table.append([row.engine, row.fmt, n, fmt_num(row.weight_bytes / 1e6, 0),
+                          *(fmt_num(median(cell["prefill"][str(p)])) for p in args.prompt_lens),
+                          fmt_num(dec), fmt_num(roof), fmt_num(100 * dec / roof, 0) + "%", cell["runs"],
+                          fmt_num(row.result.get("load_s")), fmt_num(row.result.get("peak_rss_mib"), 0)])
+    header[4:6] = [f"prefill {p} tok/s" for p in args.prompt_lens]
+    out += [markdown_table(header, table), ""]
+
+    # stage 1 ÷ llama.cpp, and the issue's targets at 2 threads
+    by = {(r.engine, r.fmt): r for r in rows}
+    ratio_rows = []
+    for n in args.threads:
+        for fmt in args.formats:
+            s, l = by.get(("stage1", fmt)), by.get(("llama.cpp", LLAMA_FORMAT[fmt]))
+            sc = s.result.get("cells", {}).get(str(n)) if s else None
+            lc = l.result.get("cells", {}).get(str(n)) if l else None
+            if not sc or not lc:
+                why = "llama.cpp not installed" if l and l.result.get("error") == "not installed" else "not measured"
+                ratio_rows.append([fmt, LLAMA_FORMAT[fmt], n, why, "", "", "", ""])
+                continue
+            r = {p: median(sc["prefill"][str(p)]) / median(lc["prefill"][str(p)]) for p in args.prompt_lens}
+            rd = median(sc["decode"]) / median(lc["decode"])
+            roof = median(sc["decode"]) * s.weight_bytes / (bw["read"][n] * 1e9)
+            verdict = ""
+            if n == 2 and fmt in TARGETS:
+                t_dec, t_pre, t_roof = TARGETS[fmt]
+                ok = [f"decode {'met' if rd >= t_dec else 'NOT met'} (≥{t_dec:.1f}×)"]
+                if 512 in r:
+                    ok.append(f"prefill 512 {'met' if r[512] >= t_pre else 'NOT met'} (≥{t_pre:.1f}×)")
+                if t_roof:
+                    ok.append(f"roofline {'met' if roof >= t_roof else 'NOT met'} (≥{t_roof:.0%})")
+                verdict = "; ".join(ok)
+            ratio_rows.append([fmt, LLAMA_FORMAT[fmt], n, *(f"{r[p]:.2f}×" for p in args.prompt_lens),
+                               f"{rd:.2f}×", f"{roof:.0%}", verdict])
+    rh = ["stage 1", "llama.cpp", "threads", *(f"prefill {p}" for p in args.prompt_lens), "decode",
+          "stage 1 % roofline", "targets (2 threads)"]
+    out += ["### stage 1 ÷ llama.cpp", "", markdown_table(rh, [r[:len(rh)] for r in ratio_rows]), ""]
+    out += ["### correctness: logits of 8 tokens against transformers fp32 (same weights)", ""]
+    if check:
+        out += [markdown_table(["engine", "format", "max abs error / max abs logit", "cosine", "same argmax"],
+                               [[e, f, f"{c['max_rel_err']:.4f}", f"{c['cosine']:.6f}", f"{c['top1']:.0%}"]
+                                for (e, f), c in check.items()]), ""]
+    else:
+        out += ["not checked (transformers fp32 did not run)", ""]
+    out += napkin(shape, rows, bw, args.threads)
+    return "\n".join(out)
+
+
+def napkin(shape: Shape, rows: list[Row], bw: dict, threads: list[int]) -> list[str]:
+    """Bytes per token per format and the decode speed memory alone allows."""
+    n = max(threads)
+    lines = ["### napkin maths", "",
+             f"decode reads every weight once per token: {shape.linear_params() / 1e6:.0f} M weights "
+             f"(lm_head {shape.vocab_size * shape.hidden_size / 1e6:.0f} M of them). "
+             f"At {bw['read'][n]:.1f} GB/s ({n} threads):", ""]
+    seen = set()
+    for r in rows:
+        if r.weight_bytes and (r.engine, r.fmt) not in seen:
+            seen.add((r.engine, r.fmt))
+            bpw = r.weight_bytes / shape.linear_params()
+            lines.append(f"- {r.engine} {r.fmt}: {bpw:.4f} bytes/weight → {r.weight_bytes / 1e6:.0f} MB/token "
+                         f"→ at most {bw['read'][n] * 1e9 / r.weight_bytes:.1f} tok/s")
+    return lines + [""]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.cpu", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="a small model (4 layers, C=512, V=32000), one thread count, 2 runs: for CI")
+    p.add_argument("--threads", default=None, help="comma-separated thread counts (default 1,2; quick: 2)")
+    p.add_argument("--formats", default="bf16,int8,int4", help="stage-1 formats: bf16,int8,int4")
+    p.add_argument("--engines", default="stage1,llama.cpp,transformers", help="which engines to run")
+    p.add_argument("--runs", type=int, default=None, help="runs per measurement, the median is reported (default 3; quick: 2)")
+    p.add_argument("--cell-seconds", type=float, default=None,
+                   help="stop adding runs (after 2) once one engine/thread count took this long (default 120; quick 15)")
+    p.add_argument("--decode-tokens", type=int, default=128, help="greedy tokens generated for the decode figure")
+    p.add_argument("--prompt-lens", default="128,512", help="prompt lengths for prefill (the first one also decodes)")
+    p.add_argument("--out", type=Path, default=None, help="also write the markdown report to this file")
+    p.add_argument("--cache-dir", type=Path, default=CACHE, help="where the models are built and kept")
+    p.add_argument("--worker-timeout", type=float, default=1800, help="seconds one engine may take in all")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.argv = argv
+    cpus = os.cpu_count() or 1
+    args.threads = [int(t) for t in (args.threads or (str(min(2, cpus)) if args.quick else "1,2")).split(",")]
+    args.formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    args.prompt_lens = [int(x) for x in args.prompt_lens.split(",")]
+    args.runs = args.runs or (2 if args.quick else 3)
+    args.cell_seconds = args.cell_seconds or (15 if args.quick else 120)
+    bad = [f for f in args.formats if f not in LLAMA_FORMAT]
+    if bad:
+        p.error(f"unknown format {bad[0]!r}; choose from {', '.join(LLAMA_FORMAT)}")
+    bad = [e for e in args.engines if e not in ("stage1", "llama.cpp", "transformers")]
+    if bad:
+        p.error(f"unknown engine {bad[0]!r}; choose from stage1, llama.cpp, transformers")
+    if any(t < 1 for t in args.threads) or args.runs < 1 or args.decode_tokens < 1:
+        p.error("--threads, --runs and --decode-tokens must be positive")
+    if max(args.prompt_lens) + args.decode_tokens + 1 > 1024:
+        p.error("prompt length + decode tokens must stay under the 1024-token context the engines are given")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.worker:
+        worker(json.loads(args.worker))
+        return 0
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    log = lambda s: print(s, flush=True)
+    shape = QUICK if args.quick else QWEN3_0_6B
+    t_start = time.perf_counter()
+    load_before = load_1min()
+    log(check_load("before"))
+    paths = prepare_models(shape, args.cache_dir, log)
+    log("measuring memory bandwidth ...")
+    bw = measure_bandwidth(args.threads, mib=256 if args.quick else 1024)
+    log("  " + ", ".join(f"{n} threads: {bw['read'][n]:.1f} GB/s" for n in args.threads))
+    if not llama_cpp_installed():
+        log("llama-cpp-python is not installed (pip install 'qwen3-stages[bench]'): its columns are skipped")
+    rows, check = run_all(args, shape, paths, log)
+    load_after = load_1min()
+    log(check_load("after"))
+    text = report(args, shape, rows, bw, check, (load_before, load_after))
+    text += f"\n(total {time.perf_counter() - t_start:.0f} s)\n"
+    print("\n" + text)
+    if args.out:
+        args.out.write_text(text)
+        log(f"report written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

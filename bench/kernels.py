@@ -1,0 +1,148 @@
+"""Micro-benchmark of stage 1's matmul kernels at Qwen3-0.6B shapes.
+
+    OMP_WAIT_POLICY=PASSIVE python -m bench.kernels [--group-size 64] [--threads 1 2]
+                                                   [--formats none bf16 int8 int4] [--prefill 512]
+
+Napkin maths it prints:
+- the machine's read bandwidth (a parallel numba sum over 512 MiB) and copy
+  bandwidth (numpy copy): decode of one token reads every weight once, so
+  weight bytes / read bandwidth is the fastest a decode step can be;
+- per shape and format, a decode matvec (T=1): GB/s = weight bytes / time,
+  and its share of the read bandwidth;
+- the estimated matmul-only decode tok/s of the whole model
+  (28 layers of q, k, v, o, gate, up, down, plus the 151936 x 1024 lm_head);
+- prefill of --prefill tokens at once: GFLOP/s and the layers' tok/s.
+Times are medians of several runs; the load average is printed because other
+people share this machine (rerun if it was busy).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import time
+
+import numpy as np
+from numba import njit, prange
+
+from stage1_cpu import kernels
+from stage1_cpu.quant import Weight, quantize
+
+# (out, in) of each projection of one Qwen3-0.6B layer: C=1024, H*D=2048, Hkv*D=1024, F=3072
+LAYER = {"q": (2048, 1024), "k": (1024, 1024), "v": (1024, 1024), "o": (1024, 2048),
+         "gate": (3072, 1024), "up": (3072, 1024), "down": (1024, 3072)}
+LM_HEAD = (151936, 1024)
+N_LAYERS = 28
+
+
+@njit(parallel=True, cache=True, fastmath={"reassoc"})
+def _parallel_sum(a):
+    # [n] f32 read once by all threads: the read bandwidth a matvec can hope for
+    n = a.shape[0]
+    nt = 64
+    parts = np.zeros(nt, dtype=np.float32)
+    for c in prange(nt):
+        s = np.float32(0.0)
+        for i in range(c * n // nt, (c + 1) * n // nt):
+            s += a[i]
+        parts[c] = s
+    return parts.sum()
+
+
+def median_time(fn, runs: int, min_time: float = 0.0) -> float:
+    """Median seconds of fn() over `runs` runs (after one warm-up call)."""
+    fn()
+    ts = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def copy_weight(W: Weight) -> Weight:
+    return dataclasses.replace(W, **{k: getattr(W, k).copy() for k in ("data", "scales", "mins")
+                                     if getattr(W, k) is not None})
+
+
+def bandwidth(runs: int) -> tuple[float, float]:
+    a = np.ones(128 * 2**20, dtype=np.float32)   # 512 MiB, far beyond the 32 MiB L3
+    read = a.nbytes / median_time(lambda: _parallel_sum(a), runs) / 1e9
+    b = np.empty_like(a)
+    copy = 2 * a.nbytes / median_time(lambda: np.copyto(b, a), runs) / 1e9
+    return read, copy
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--group-size", type=int, default=64, help="group size of int8 / int4")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="thread counts to time")
+    ap.add_argument("--formats", nargs="+", default=["none", "bf16", "int8", "int4"])
+    ap.add_argument("--runs", type=int, default=15, help="runs per measurement (median)")
+    ap.add_argument("--prefill", type=int, default=512, help="tokens for the prefill timing (0: skip)")
+    ap.add_argument("--no-lm-head", action="store_true", help="skip the 600 MB lm_head shape")
+    args = ap.parse_args()
+
+    print(f"load average at start: {os.getloadavg()[0]:.2f} (2 cores; > 0.5 means someone else is busy)")
+    rng = np.random.default_rng(0)
+    shapes = dict(LAYER) if args.no_lm_head else {**LAYER, "lm_head": LM_HEAD}
+    fp32 = {name: rng.standard_normal(shape, dtype=np.float32) * 0.05 for name, shape in shapes.items()}
+
+    bw = {}
+    for nt in args.threads:
+        kernels.set_threads(nt)
+        bw[nt] = bandwidth(args.runs)
+        print(f"threads={nt}: read bandwidth {bw[nt][0]:.1f} GB/s (numba sum), copy {bw[nt][1]:.1f} GB/s (numpy, read+write)")
+
+    # ---- decode: one token, every weight byte read once ----
+    print(f"\ndecode matvec (T=1), group size {args.group_size}: GB/s = weight bytes / time, % of read bandwidth")
+    print(f"{'shape':>16} {'fmt':>5} {'MB':>7} " + " ".join(f"{'t=' + str(nt):>21}" for nt in args.threads))
+    step_time = {(f, nt): 0.0 for f in args.formats for nt in args.threads}
+    step_bytes = {f: 0 for f in args.formats}
+    for fmt in args.formats:
+        for name, w32 in fp32.items():
+            W = quantize(w32, fmt, args.group_size)
+            # copies of the matrix, > 256 MB in all, used in turn: a real decode step
+            # reads 28 layers' weights, so none of them is still in the 32 MB L3 cache
+            Ws = [W] + [copy_weight(W) for _ in range(-(-256_000_000 // W.nbytes) - 1)]
+            x = rng.standard_normal((1, W.in_features), dtype=np.float32)
+            count = 1 if name == "lm_head" else N_LAYERS
+            step_bytes[fmt] += count * W.nbytes
+            cells = []
+            for nt in args.threads:
+                kernels.set_threads(nt)
+                t = median_time(lambda: [Wi.matmul(x) for Wi in Ws], args.runs) / len(Ws)
+                step_time[(fmt, nt)] += count * t
+                gbs = W.nbytes / t / 1e9
+                cells.append(f"{t * 1e6:7.0f}us {gbs:5.1f}GB/s {100 * gbs / bw[nt][0]:3.0f}%")
+            print(f"{name + ' ' + str(W.in_features) + '>' + str(W.out_features):>16} {fmt:>5} "
+                  f"{W.nbytes / 1e6:7.1f} " + " ".join(cells))
+            del W, Ws
+
+    print("\nestimated decode of Qwen3-0.6B, matmuls only (28 layers + lm_head):")
+    for fmt in args.formats:
+        for nt in args.threads:
+            t = step_time[(fmt, nt)]
+            roof = bw[nt][0] * 1e9 / step_bytes[fmt]
+            print(f"  {fmt:>5} t={nt}: {step_bytes[fmt] / 1e6:6.0f} MB/token  {1 / t:6.1f} tok/s"
+                  f"  (roofline {roof:5.1f} tok/s, {100 / t / roof:3.0f}%)")
+
+    # ---- prefill: T tokens at once, compute-bound ----
+    if args.prefill:
+        T = args.prefill
+        nt = max(args.threads)
+        kernels.set_threads(nt)
+        print(f"\nprefill of {T} tokens, threads={nt}: the 7 layer matmuls (lm_head runs for the last token only)")
+        flops = 2 * T * sum(o * i for o, i in LAYER.values())
+        for fmt in args.formats:
+            total = 0.0
+            for name, shape in LAYER.items():
+                W = quantize(fp32[name], fmt, args.group_size)
+                x = rng.standard_normal((T, W.in_features), dtype=np.float32)
+                total += median_time(lambda: W.matmul(x), max(3, args.runs // 3))
+            print(f"  {fmt:>5}: {flops / total / 1e9:6.1f} GFLOP/s  ->  {T / (N_LAYERS * total):6.1f} tok/s (layers' matmuls only)")
+    print(f"\nload average at end: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

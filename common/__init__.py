@@ -1,0 +1,1 @@
+"""The outer layer shared by every stage: text, protocols, model files."""

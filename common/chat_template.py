@@ -1,0 +1,254 @@
+"""ChatTemplate: a list of chat messages -> the prompt text the model was trained on.
+
+Every instruct model ships its prompt format as a Jinja template (in
+tokenizer_config.json or chat_template.jinja). We render it the way transformers'
+`apply_chat_template(..., tokenize=False)` does, so the prompt is byte-identical:
+
+  * a sandboxed Jinja environment with trim_blocks and lstrip_blocks,
+  * `tojson` that keeps non-ASCII text as is (Jinja's own escapes it for HTML),
+  * `raise_exception(msg)` and `strftime_now(fmt)`, which templates call,
+  * messages with None values dropped, and the reasoning of a message visible
+    under each name templates read it by (reasoning_content, thinking, reasoning),
+  * the tokenizer's bos_token / eos_token as template variables.
+
+Qwen3's template reads `enable_thinking`: False makes the generation prompt end
+with an empty "<think>\\n\\n</think>\\n\\n", so the model answers directly.
+
+A folder without any template gets BUILTIN_CHATML: ChatML with Qwen3's
+conventions for system prompts, tools, tool calls and thinking.
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+from jinja2 import nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class ChatTemplateError(ValueError):
+    """A chat template that does not compile or fails on the given messages."""
+
+
+# Our own ChatML template with Qwen3's conventions. Each turn is
+#   <|im_start|>{role}\n{content}<|im_end|>\n
+# tools go into the system turn as JSON lines inside <tools></tools>; an assistant's
+# tool calls are <tool_call>\n{json}\n</tool_call>; tool results come back as a user
+# turn of <tool_response> blocks. Reasoning is kept only for the assistant turns
+# after the last real user message (the current tool-calling chain), as Qwen3 does;
+# older turns keep just their answer.
+BUILTIN_CHATML = """\
+{%- set has_system = messages and messages[0].role == 'system' %}
+{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if has_system %}{{- messages[0].content + '\\n\\n' }}{%- endif %}
+    {{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n' }}
+    {{- 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}
+    {%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}
+    {{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments '
+        'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n'
+        '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}
+{%- elif has_system %}
+    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{#- the last user message that is a real query, not tool results sent as a user turn
+    (none: no turn counts as after it) #}
+{%- set state = namespace(last_query=messages|length - 1) %}
+{%- for m in messages %}
+    {%- if m.role == 'user' and not (m.content is string and m.content.startswith('<tool_response>')
+                                     and m.content.endswith('</tool_response>')) %}
+        {%- set state.last_query = loop.index0 %}
+    {%- endif %}
+{%- endfor %}
+{%- for m in messages %}
+    {%- set content = m.content if m.content is string else '' %}
+    {%- if m.role == 'system' and loop.first %}
+    {%- elif m.role == 'user' or m.role == 'system' %}
+        {{- '<|im_start|>' + m.role + '\\n' + content + '<|im_end|>\\n' }}
+    {%- elif m.role == 'assistant' %}
+        {#- reasoning: an explicit field, or written inline as <think>...</think> #}
+        {%- set reasoning = m.reasoning_content if m.reasoning_content is string else '' %}
+        {%- if '</think>' in content %}
+            {%- if not reasoning %}
+                {%- set reasoning = content.split('</think>')[0].split('<think>')[-1] %}
+            {%- endif %}
+            {%- set content = content.split('</think>')[-1] %}
+        {%- endif %}
+        {%- set reasoning = reasoning.strip('\\n') %}
+        {%- set content = content.lstrip('\\n') %}
+        {{- '<|im_start|>assistant\\n' }}
+        {%- if loop.index0 > state.last_query and (loop.last or reasoning) %}
+            {{- '<think>\\n' + reasoning + '\\n</think>\\n\\n' }}
+        {%- endif %}
+        {{- content }}
+        {%- for call in m.tool_calls or [] %}
+            {%- set fn = call.function if call.function else call %}
+            {%- if content or not loop.first %}{{- '\\n' }}{%- endif %}
+            {{- '<tool_call>\\n{"name": "' + fn.name + '", "arguments": ' }}
+            {{- fn.arguments if fn.arguments is string else (fn.arguments | tojson) }}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif m.role == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+        {{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
+    {%- else %}
+        {{- raise_exception('unknown message role ' + m.role + '; use system, user, assistant or tool') }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}
+{%- endif %}
+"""
+
+
+# --- the functions and filters transformers gives templates ---
+def _raise_exception(message: str):
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # plain json.dumps: Jinja's built-in tojson escapes <, >, & and ' for HTML,
+    # which would change the prompt (tool schemas often contain them)
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training
+    masks; for rendering it is transparent, but it must parse."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    # sandboxed and immutable: a template from a model repo cannot reach Python
+    # internals or modify our messages
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                       extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _prepare_messages(messages: list[dict]) -> list[dict]:
+    """Messages as transformers hands them to a template (fresh copies, ours untouched)."""
+    prepared = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ChatTemplateError(f"message {i} is a {type(message).__name__}, not a dict with 'role' and 'content'")
+        m = dict(message)
+        if m.get("content", "") is None:
+            # OpenAI clients send content=null next to tool_calls; templates such as
+            # Qwen3's concatenate content, so give them "" (transformers drops the
+            # key instead, and such templates then fail)
+            m["content"] = ""
+        # other None values are dropped, as transformers does: templates test for
+        # a missing key more often than for none
+        m = {k: v for k, v in m.items() if v is not None}
+        # a message's reasoning under every name templates read it by
+        reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
+        if reasoning is not None:
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        prepared.append(m)
+    return prepared
+
+
+class ChatTemplate:
+    def __init__(self, template_str: str, bos_token: str | None = "", eos_token: str | None = "",
+                 name: str = "chat template"):
+        self.source = template_str
+        self.bos_token = bos_token or ""
+        self.eos_token = eos_token or ""
+        self.name = name     # where the template came from, for error messages
+        try:
+            self._template = _environment().from_string(template_str)
+        except jinja2.TemplateSyntaxError as e:
+            raise ChatTemplateError(f"{name} has a Jinja syntax error at line {e.lineno}: {e.message}") from None
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> "ChatTemplate":
+        """The model's template: chat_template.jinja, else tokenizer_config.json's
+        chat_template (a string, or a list of {name, template}: "default" is used),
+        else BUILTIN_CHATML."""
+        folder = Path(folder)
+        cfg_path = folder / "tokenizer_config.json"
+        cfg = {}
+        if cfg_path.is_file():
+            try:
+                cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as e:
+                raise ChatTemplateError(f"{cfg_path} is not valid JSON: {e}") from None
+        bos, eos = _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
+
+        jinja_path = folder / "chat_template.jinja"
+        if jinja_path.is_file():     # transformers >= 4.50 saves the template on its own
+            return cls(jinja_path.read_text(encoding="utf-8"), bos, eos, name=str(jinja_path))
+        template = cfg.get("chat_template")
+        if isinstance(template, list):   # several named templates: take "default"
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            if "default" not in named:
+                raise ChatTemplateError(f"{cfg_path} lists chat templates {sorted(map(str, named))} "
+                                        "but none named 'default'")
+            template = named["default"]
+        if isinstance(template, str) and template.strip():
+            return cls(template, bos, eos, name=f"{cfg_path} chat_template")
+        return cls(BUILTIN_CHATML, bos, eos, name="built-in ChatML template")
+
+    @property
+    def is_builtin(self) -> bool:
+        return self.source == BUILTIN_CHATML
+
+    @property
+    def has_thinking(self) -> bool:
+        """True when the template reacts to enable_thinking (Qwen3 does), so a chat
+        UI can offer /think on|off."""
+        return "enable_thinking" in self.source
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, enable_thinking: bool = True,
+               tools: list[dict] | None = None, **extra) -> str:
+        """The prompt text for `messages` ([{"role": ..., "content": ...}, ...]).
+
+        tools: OpenAI-style tool definitions ({"type": "function", "function": {...}}).
+        extra: more template variables (documents, a custom flag a template reads ...).
+        """
+        context = {}
+        # the tokenizer's special tokens first, so explicit arguments override them
+        if self.bos_token:
+            context["bos_token"] = self.bos_token
+        if self.eos_token:
+            context["eos_token"] = self.eos_token
+        context.update(documents=None, enable_thinking=enable_thinking)
+        context.update(extra)
+        try:
+            return self._template.render(messages=_prepare_messages(messages), tools=tools,
+                                         add_generation_prompt=add_generation_prompt, **context)
+        except jinja2.TemplateError as e:   # includes raise_exception() and undefined variables
+            raise ChatTemplateError(f"{self.name} failed on these messages: {e}") from None
+        except (TypeError, AttributeError, KeyError, IndexError) as e:
+            # e.g. content given as a list of parts to a template that adds strings
+            raise ChatTemplateError(f"{self.name} failed on these messages ({type(e).__name__}: {e}); "
+                                    "check that each message has a string 'role' and 'content'") from None
+
+
+def _token_text(value) -> str | None:
+    """tokenizer_config.json writes a token as "text" or as {"content": "text", ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None

@@ -1,0 +1,200 @@
+"""Read a Hugging Face model folder directly: safetensors, memory-mapped, one tensor at a time.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header
+{name: {dtype, shape, data_offsets: [begin, end]}}, then the raw bytes. We parse
+the header ourselves and map the data with np.memmap, so a tensor costs no memory
+until it is read, and a broken file gets an error naming the file and tensor.
+
+The rename table (HF name -> the engine's short name) lives here, not in the model:
+stages ask for "wq" of layer 3 and never spell out "model.layers.3.self_attn.q_proj.weight".
+"""
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from common.config import ModelConfig
+
+# safetensors dtype -> (numpy storage dtype, bytes per element)
+_DTYPES = {
+    "F32": (np.float32, 4),
+    "F16": (np.float16, 2),
+    "BF16": (np.uint16, 2),   # bf16 is stored as its raw 16 bits; see _to_float32
+}
+
+# the engine's name -> HF name, per layer ({i} = layer, {e} = expert)
+LAYER_NAMES = {
+    "attn_norm": "model.layers.{i}.input_layernorm.weight",           # [C]
+    "wq": "model.layers.{i}.self_attn.q_proj.weight",                 # [H*D, C]
+    "wk": "model.layers.{i}.self_attn.k_proj.weight",                 # [Hkv*D, C]
+    "wv": "model.layers.{i}.self_attn.v_proj.weight",                 # [Hkv*D, C]
+    "wo": "model.layers.{i}.self_attn.o_proj.weight",                 # [C, H*D]
+    "q_norm": "model.layers.{i}.self_attn.q_norm.weight",             # [D]   (qwen3 only)
+    "k_norm": "model.layers.{i}.self_attn.k_norm.weight",             # [D]   (qwen3 only)
+    "mlp_norm": "model.layers.{i}.post_attention_layernorm.weight",   # [C]
+    "w_gate": "model.layers.{i}.mlp.gate_proj.weight",                # [F, C]
+    "w_up": "model.layers.{i}.mlp.up_proj.weight",                    # [F, C]
+    "w_down": "model.layers.{i}.mlp.down_proj.weight",                # [C, F]
+    "router": "model.layers.{i}.mlp.gate.weight",                     # [E, C]  (MoE only)
+    "e_gate": "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",    # [Fe, C] (MoE only)
+    "e_up": "model.layers.{i}.mlp.experts.{e}.up_proj.weight",        # [Fe, C]
+    "e_down": "model.layers.{i}.mlp.experts.{e}.down_proj.weight",    # [C, Fe]
+}
+GLOBAL_NAMES = {
+    "embed": "model.embed_tokens.weight",   # [V, C]
+    "final_norm": "model.norm.weight",      # [C]
+    "lm_head": "lm_head.weight",            # [V, C] (absent when tied)
+}
+
+
+class LoaderError(ValueError):
+    """A model folder whose weights cannot be read; the message names the file and tensor."""
+
+
+def _to_float32(raw: np.ndarray, st_dtype: str) -> np.ndarray:
+    if st_dtype == "BF16":
+        # bf16 is the top half of a float32: shifting the bits back is exact
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    return raw.astype(np.float32)
+
+
+class _File:
+    """One .safetensors file: its parsed header and a lazy memory map of the data."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise LoaderError(f"{path}: file is truncated (no safetensors header); download it again")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise LoaderError(f"{path}: header length {n} exceeds the file size {size}; "
+                                  "the file is truncated or not a safetensors file")
+            try:
+                self.header = json.loads(f.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise LoaderError(f"{path}: the safetensors header is not valid JSON; "
+                                  "the file is corrupt, download it again") from None
+        self.header.pop("__metadata__", None)
+        self.data_start = 8 + n
+        self.data_size = size - self.data_start
+        self._map = None
+
+    def raw(self, name: str) -> tuple[np.ndarray, str]:
+        info = self.header[name]
+        st_dtype = info["dtype"]
+        if st_dtype not in _DTYPES:
+            raise LoaderError(f"{self.path}: tensor {name!r} has dtype {st_dtype}; "
+                              f"supported: {', '.join(_DTYPES)}")
+        np_dtype, width = _DTYPES[st_dtype]
+        begin, end = info["data_offsets"]
+        shape = tuple(info["shape"])
+        if end > self.data_size:
+            raise LoaderError(f"{self.path}: tensor {name!r} ends at byte {end} but the file holds "
+                              f"{self.data_size} data bytes: the file is truncated, download it again")
+        if end - begin != width * int(np.prod(shape)):
+            raise LoaderError(f"{self.path}: tensor {name!r} has {end - begin} bytes, "
+                              f"expected {width * int(np.prod(shape))} for shape {list(shape)}")
+        if self._map is None:
+            self._map = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.data_start)
+        return self._map[begin:end].view(np_dtype).reshape(shape), st_dtype
+
+
+class WeightLoader:
+    """All tensors of a model folder, read on demand.
+
+    loader = WeightLoader(folder)
+    wq = loader.layer("wq", 3)           # float32 [H*D, C], read from the mapped file now
+    """
+
+    def __init__(self, folder: str | Path, config: ModelConfig | None = None):
+        self.folder = Path(folder)
+        self.config = config or ModelConfig.from_folder(folder)
+        index = self.folder / "model.safetensors.index.json"
+        single = self.folder / "model.safetensors"
+        self._where: dict[str, _File] = {}
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError):
+                raise LoaderError(f"{index}: not a valid index (needs a 'weight_map')") from None
+            files = {}
+            for shard in sorted(set(weight_map.values())):
+                path = self.folder / shard
+                if not path.is_file():
+                    raise LoaderError(f"{path}: shard listed in {index.name} is missing; "
+                                      "download the complete model folder")
+                files[shard] = _File(path)
+            for name, shard in weight_map.items():
+                if name not in files[shard].header:
+                    raise LoaderError(f"{files[shard].path}: tensor {name!r} is listed in "
+                                      f"{index.name} but not in the shard")
+                self._where[name] = files[shard]
+        elif single.is_file():
+            f = _File(single)
+            self._where = {name: f for name in f.header}
+        else:
+            raise LoaderError(f"{self.folder}: no model.safetensors or model.safetensors.index.json; "
+                              "--model must be a Hugging Face model folder with safetensors weights")
+
+    def names(self) -> list[str]:
+        return sorted(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._file(name).header[name]["shape"])
+
+    def _file(self, name: str) -> _File:
+        if name not in self._where:
+            raise LoaderError(f"{self.folder}: tensor {name!r} not found in the weights; "
+                              "is this the model the config.json describes?")
+        return self._where[name]
+
+    def get(self, name: str, dtype=np.float32, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """One tensor, converted to dtype (float32, or 'bfloat16' to keep the raw bf16 bits as uint16).
+        shape, when given, is checked."""
+        raw, st_dtype = self._file(name).raw(name)
+        if shape is not None and tuple(raw.shape) != tuple(shape):
+            raise LoaderError(f"{self._file(name).path}: tensor {name!r} has shape {list(raw.shape)}, "
+                              f"expected {list(shape)} from config.json")
+        if dtype == "bfloat16":
+            if st_dtype != "BF16":
+                raise LoaderError(f"tensor {name!r} is {st_dtype}, not BF16")
+            return np.array(raw)
+        out = _to_float32(raw, st_dtype)
+        return out if out.dtype == dtype else out.astype(dtype)
+
+    # --- the rename table, with the shapes config.json implies ---
+    def expected_shape(self, key: str) -> tuple[int, ...] | None:
+        c = self.config
+        C, D, V = c.hidden_size, c.head_dim, c.vocab_size
+        F, Fe, E = c.intermediate_size, c.moe_intermediate_size, c.num_experts
+        return {
+            "attn_norm": (C,), "mlp_norm": (C,), "final_norm": (C,), "q_norm": (D,), "k_norm": (D,),
+            "wq": (c.num_heads * D, C), "wk": (c.num_kv_heads * D, C), "wv": (c.num_kv_heads * D, C),
+            "wo": (C, c.num_heads * D), "w_gate": (F, C), "w_up": (F, C), "w_down": (C, F),
+            "router": (E, C), "e_gate": (Fe, C), "e_up": (Fe, C), "e_down": (C, Fe),
+            "embed": (V, C), "lm_head": (V, C),
+        }.get(key)
+
+    def layer(self, key: str, layer: int, expert: int | None = None, dtype=np.float32) -> np.ndarray:
+        name = LAYER_NAMES[key].format(i=layer, e=expert)
+        return self.get(name, dtype, self.expected_shape(key))
+
+    def glob(self, key: str, dtype=np.float32) -> np.ndarray:
+        """A model-wide tensor: embed, final_norm, lm_head (the embedding when tied)."""
+        if key == "lm_head" and (self.config.tie_word_embeddings or GLOBAL_NAMES["lm_head"] not in self):
+            key = "embed"
+        return self.get(GLOBAL_NAMES[key], dtype, self.expected_shape(key))
+
+    def fused(self, keys: list[str], layer: int, dtype=np.float32) -> np.ndarray:
+        """Several projections of one layer stacked along the output axis, e.g.
+        ["wq", "wk", "wv"] -> [(H + 2*Hkv) * D, C] so one matmul computes q, k and v."""
+        return np.concatenate([self.layer(k, layer, dtype=dtype) for k in keys], axis=0)

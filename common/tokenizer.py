@@ -1,0 +1,160 @@
+"""Tokenizer: text <-> token ids, read from a Hugging Face model folder.
+
+The folder's `tokenizer.json` holds the whole pipeline (normalizer, pre-tokenizer
+regex, BPE vocab and merges, added tokens, decoder); the `tokenizers` library runs
+it, so ids are identical to transformers'. Around it this file adds what the chat
+and the server need:
+
+  * the end-of-turn ids a model may stop on (generation_config.json, config.json
+    and tokenizer_config.json each name some; Qwen3 uses <|im_end|> and <|endoftext|>),
+  * the BOS rule (only when tokenizer_config.json says add_bos_token),
+  * IncrementalDetokenizer, which turns a stream of ids into a stream of text
+    without ever printing half a UTF-8 character.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+
+class TokenizerError(ValueError):
+    """A model folder whose tokenizer cannot be loaded; the message says what to do."""
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON file as a dict; {} when the file does not exist."""
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise TokenizerError(f"{path} is not valid JSON: {e}") from None
+
+
+def _token_text(value) -> str | None:
+    """tokenizer_config.json writes a token as "text" or as {"content": "text", ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _as_id_list(value) -> list[int]:
+    """config files write eos_token_id as one int or a list of ints."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else [int(v) for v in value]
+
+
+class Tokenizer:
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        path = self.folder / "tokenizer.json"
+        if not path.is_file():
+            raise TokenizerError(
+                f"{path} not found: the model folder needs the tokenizer.json that comes with the model "
+                "(download the whole Hugging Face repository, e.g. `huggingface-cli download Qwen/Qwen3-0.6B "
+                "--local-dir DIR`, or pass a folder that has one)")
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # the Rust side raises a plain Exception with its parse error
+            raise TokenizerError(f"{path} could not be loaded by the `tokenizers` library: {e}") from None
+
+        tok_cfg = _read_json(self.folder / "tokenizer_config.json")
+        model_cfg = _read_json(self.folder / "config.json")
+        gen_cfg = _read_json(self.folder / "generation_config.json")
+
+        # --- token strings, for chat templates ({{ bos_token }}, {{ eos_token }}) ---
+        self.bos_token: str | None = _token_text(tok_cfg.get("bos_token"))
+        self.eos_token: str | None = _token_text(tok_cfg.get("eos_token"))
+
+        # --- BOS: prepended by encode() only when the tokenizer config asks for it ---
+        self.add_bos_token = bool(tok_cfg.get("add_bos_token", False))
+        bos_id = self.token_to_id(self.bos_token) if self.bos_token else None
+        if bos_id is None:
+            bos_id = gen_cfg.get("bos_token_id", model_cfg.get("bos_token_id"))
+        self.bos_token_id: int | None = bos_id
+        if self.add_bos_token and self.bos_token_id is None:
+            raise TokenizerError(f"{self.folder / 'tokenizer_config.json'} sets add_bos_token but names no "
+                                 "bos_token that the tokenizer knows; fix bos_token or set add_bos_token false")
+
+        # --- end-of-turn ids: the union of what each file says, first mention first ---
+        eos = _as_id_list(gen_cfg.get("eos_token_id")) + _as_id_list(model_cfg.get("eos_token_id"))
+        if self.eos_token and self.token_to_id(self.eos_token) is not None:
+            eos.append(self.token_to_id(self.eos_token))
+        self.eos_token_ids: list[int] = list(dict.fromkeys(eos))
+
+    # --- text <-> ids ---
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`. Added tokens written in the text (<|im_start|>,
+        <think>, ...) become their single ids. A BOS is added only if the model's
+        tokenizer_config.json says add_bos_token and the text does not already start
+        with one (a chat template that writes {{ bos_token }} must not get two)."""
+        # add_special_tokens=False: the tokenizer.json post-processor must not add
+        # anything behind our back; the BOS rule is the one above, stated once
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """Text of `ids`. Bytes that are not valid UTF-8 (half a character) become U+FFFD."""
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce, added tokens included. The model's
+        embedding table may be larger (Qwen3: 151,669 here, 151,936 rows there)."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocab entry of an id (byte-level BPE writes a space as 'Ġ')."""
+        return self._tok.id_to_token(token_id)
+
+    def detokenizer(self, skip_special_tokens: bool = False) -> "IncrementalDetokenizer":
+        return IncrementalDetokenizer(self, skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Streams text for a stream of generated ids.
+
+    Decoding one token at a time is wrong in two ways: a byte-level token can end
+    in the middle of a multi-byte UTF-8 character (an emoji is often 2-4 tokens),
+    and some decoders change a token's text depending on what precedes it (a
+    SentencePiece "▁" is a space except at the start). So, like text-generation
+    servers, keep a small window of ids: `prefix` is text already returned, and each
+    add() decodes window + new ids; the part past the prefix is new text, returned
+    only when it does not end in U+FFFD (the sign of a character still incomplete).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix_offset = 0   # window start: ids[prefix_offset:read_offset] decode to text already returned
+        self.read_offset = 0     # ids before this have been returned as text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        """Feed one id; return the newly completed text ("" while a character is incomplete)."""
+        self.ids.append(token_id)
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full_text = self._decode(self.ids[self.prefix_offset:])
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+            # complete up to here: return the new part, slide the window forward
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return full_text[len(prefix_text):]
+        return ""    # nothing new yet, or a character still waits for its last bytes
+
+    def flush(self) -> str:
+        """The text still held back (at the end of generation); invalid bytes become U+FFFD."""
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full_text = self._decode(self.ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full_text[len(prefix_text):]

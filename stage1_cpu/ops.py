@@ -1,0 +1,68 @@
+"""The numpy reference for every op of the forward pass: the definition.
+
+stage1_cpu/kernels.py has numba twins with the same names and arguments;
+tests/test_stage1_kernels.py checks that each twin equals its definition here.
+Everything is float32 (the dtype transformers computes its activations in).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """x [..., C], w [C] -> [..., C]: x / rms(x) * w over the last axis.
+    Used on the residual stream ([T, C]) and on each q/k head ([T, H, D], w [D])."""
+    var = np.mean(x * x, axis=-1, keepdims=True)          # [..., 1]
+    return (x / np.sqrt(var + np.float32(eps))).astype(np.float32) * w
+
+
+def rope_tables(max_pos: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [max_pos, D/2]: the rotation angle of pair i at position p is p * theta^(-2i/D).
+    Computed once per model; positions index rows."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))  # [D/2]
+    # transformers forms the angles in float32; doing the same keeps long positions bit-close
+    angles = np.arange(max_pos, dtype=np.float32)[:, None] * inv_freq.astype(np.float32)[None, :]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x [T, H, D], cos/sin [T, D/2] -> [T, H, D].
+    Rotate-half RoPE (the HF layout): dimension i pairs with i + D/2, not with i + 1."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]                  # [T, H, D/2] each
+    c, s = cos[:, None, :], sin[:, None, :]                # [T, 1, D/2] broadcast over heads
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(np.float32)
+
+
+def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, start_pos: int) -> np.ndarray:
+    """Causal GQA attention of T new queries over the cache.
+    q [T, H, D]; k_cache, v_cache [Hkv, Tmax, D] already hold positions 0..start_pos+T-1.
+    Query t sits at position start_pos + t and sees cache positions 0..start_pos + t.
+    -> [T, H, D]"""
+    T, H, D = q.shape
+    Hkv = k_cache.shape[0]
+    group = H // Hkv                                       # query heads sharing one kv head
+    end = start_pos + T
+    k = k_cache[:, :end]                                   # [Hkv, end, D]
+    v = v_cache[:, :end]
+    qg = q.reshape(T, Hkv, group, D).transpose(1, 2, 0, 3)  # [Hkv, group, T, D]
+    scores = qg @ k[:, None].transpose(0, 1, 3, 2) / np.float32(np.sqrt(D))  # [Hkv, group, T, end]
+    # causal mask: query t may not see positions after start_pos + t
+    future = np.arange(end)[None, :] > (start_pos + np.arange(T))[:, None]   # [T, end]
+    scores = np.where(future, -np.inf, scores)
+    scores = scores - scores.max(axis=-1, keepdims=True)
+    p = np.exp(scores)
+    p /= p.sum(axis=-1, keepdims=True)
+    out = p @ v[:, None]                                   # [Hkv, group, T, D]
+    return out.transpose(2, 0, 1, 3).reshape(T, H, D).astype(np.float32)
+
+
+def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """SwiGLU's gate: silu(gate) * up.  [T, F], [T, F] -> [T, F]"""
+    return (gate / (np.float32(1) + np.exp(-gate)) * up).astype(np.float32)
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis, in float32 (the MoE router)."""
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)

@@ -1,0 +1,33 @@
+"""Stage 1's command-line options and engine builder, shared by chat, serve and generate.
+
+Kept free of heavy imports so that `--help` answers at once (numba loads only
+when the engine is built).
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+FORMATS = ("none", "bf16", "int8", "int4")
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("stage 1 (CPU)")
+    g.add_argument("--quant", choices=FORMATS, default="none",
+                   help="weight format: none = float32 as loaded, bf16, or group-quantized int8 / int4 "
+                        "(smaller and faster to read; default none)")
+    g.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128), metavar="G",
+                   help="weights sharing one scale in int8 / int4 (default 32, like llama.cpp's Q8_0 / Q4_1)")
+    g.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="numba threads (default: all cores)")
+
+
+def build_engine(folder: Path, args: argparse.Namespace, progress: bool = True):
+    from stage1_cpu.engine import LLMEngine   # here, so --help does not wait for numba
+    return LLMEngine(folder, quant=args.quant, group_size=args.group_size, max_ctx=args.max_ctx,
+                     threads=args.threads, progress=progress)
+
+
+def describe(args: argparse.Namespace) -> str:
+    quant = "float32" if args.quant == "none" else args.quant
+    return f"stage 1 CPU · {quant}" + (f" · {args.threads} threads" if args.threads else "")

@@ -1,0 +1,243 @@
+"""Weight formats for stage 1: fp32, bf16, and group-wise int8 / int4.
+
+`quantize(w, fmt, group_size)` turns one fp32 matrix [out, in] into a `Weight`
+once, at load time. A Weight multiplies activations without ever rebuilding the
+fp32 matrix: the numba kernels (kernels.py) read the stored bytes and convert
+them in registers. `matmul_ref` is the numpy twin that defines the result
+(dequantize, then matmul): slow, and used only by the tests.
+
+Formats (bytes per weight at group size 64, what a decode step reads):
+  none  fp32, x @ w.T through numpy's BLAS                          4
+  bf16  top 16 bits of the fp32 (round to nearest even)             2
+  int8  q in [-127, 127], W = q * s, one scale s per group          1.031
+  int4  q in [0, 15],    W = q * s + m, scale and minimum per group 0.5625
+
+Scales (and int4 minimums) are stored as fp16: half the bytes of fp32 and, for
+int4 at group size 32, exactly llama.cpp's Q4_1 block (a 4-bit grid plus an
+fp16 scale and minimum per 32 weights), so a GGUF Q4_1 model converted to fp32
+re-quantizes to the same grid.
+
+Symmetric or with a zero point? Measured (scripts of the kernels engineer, rel.
+Frobenius error ||W - deq(W)|| / ||W||, group size 64):
+                                      int8 sym  int8 asym  int4 sym(Q4_0)  int4 asym(Q4_1)
+  random normal 1024x1024              0.59 %    0.53 %       9.5 %           9.0 %
+  student-t (3 dof, heavy tails)       1.10 %    0.78 %      16.0 %          13.3 %
+  normal + 1 % outlier columns x20     1.61 %    0.92 %      20.6 %          15.8 %
+  SmolLM2-135M token_embd (real)       0.55 %    0.62 %      12.3 %          10.5 %
+  SmolLM2-135M blk.5.ffn_down (real)   0.61 %    0.47 %       9.6 %           7.9 %
+int8: both are well under 1 % on real weights, where the 8-bit grid is far finer
+than the weights' own noise; a zero point would cost 2 more bytes per group and
+one more term per group in the kernel, so int8 stays symmetric (like Q8_0).
+int4: the minimum cuts the error by 5-25 %, which matters at 4 bits, for 2 more
+bytes per group (0.531 -> 0.5625 bytes/weight at group size 64, 6 % more to
+read per token), so int4 stores a scale and a minimum.
+
+in_features that is not a multiple of group_size: the last group is padded with
+zero weights (and the activations with zeros at matmul time), so any size works.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from stage1_cpu import kernels
+
+FORMATS = ("none", "bf16", "int8", "int4")
+GROUP_SIZES = (32, 64, 128)
+
+# Prefill (T tokens at once) is compute-bound: the fast path dequantizes a block
+# of ROW_BLOCK rows into an fp32 tile (a few hundred KB, it stays in L2) and
+# hands it to BLAS sgemm, which is far faster than anything numba emits for a
+# GEMM. From PREFILL_MIN_T tokens this beats reading the rows T times in the
+# decode kernel (measured with bench/kernels.py).
+PREFILL_MIN_T = 8
+ROW_BLOCK = 256
+
+
+def f32_to_bf16_bits(w: np.ndarray) -> np.ndarray:
+    """fp32 -> bf16 bits (uint16), rounding to nearest, ties to even (as torch does).
+    NaN stays NaN (quiet bit set, so rounding cannot turn it into inf)."""
+    u = np.ascontiguousarray(w, dtype=np.float32).view(np.uint32)
+    # add 0x7FFF plus the lowest kept bit, then truncate: round half to even
+    rounded = (u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16
+    nan = np.isnan(w)
+    if nan.any():
+        rounded = np.where(nan, (u >> 16) | np.uint32(0x40), rounded)
+    return rounded.astype(np.uint16)
+
+
+def bf16_bits_to_f32(b: np.ndarray) -> np.ndarray:
+    return (b.astype(np.uint32) << 16).view(np.float32)
+
+
+@dataclass(eq=False)
+class Weight:
+    """One matrix [out_features, in_features] in one storage format."""
+    fmt: str                    # none | bf16 | int8 | int4
+    out_features: int
+    in_features: int
+    group_size: int             # 0 for none / bf16
+    data: np.ndarray            # none [O, K] f32 | bf16 [O, K] u16 | int8 [O, Kp] i8 | int4 [O, Kp/2] u8
+    scales: np.ndarray | None = None    # [O, G] fp16 bits (uint16): int8 / int4
+    mins: np.ndarray | None = None      # [O, G] fp16 bits (uint16): int4
+
+    @property
+    def padded_in(self) -> int:
+        """in_features rounded up to whole groups (Kp)."""
+        if self.group_size == 0:
+            return self.in_features
+        return -(-self.in_features // self.group_size) * self.group_size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes read by one full matvec (the roofline's numerator)."""
+        return sum(a.nbytes for a in (self.data, self.scales, self.mins) if a is not None)
+
+    def __repr__(self) -> str:
+        gs = f", group_size={self.group_size}" if self.group_size else ""
+        return f"Weight({self.fmt}, [{self.out_features}, {self.in_features}]{gs}, {self.nbytes / 2**20:.1f} MiB)"
+
+    # -- the fast path -------------------------------------------------------
+
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        """x [T, in] f32 -> x @ W.T [T, out] f32."""
+        x = self._check(x)
+        if self.fmt == "none":
+            return x @ self.data.T                        # BLAS, exact fp32
+        x = self._pad(x)                                  # [T, Kp]
+        T = x.shape[0]
+        if T >= PREFILL_MIN_T:
+            return self._matmul_tiled(x)
+        out = np.empty((T, self.out_features), dtype=np.float32)
+        if self.fmt == "bf16":
+            kernels.matmul_bf16(x, self.data, out)
+        elif self.fmt == "int8":
+            kernels.MATMUL_INT8[self.group_size](x, self.data, self.scales, out)
+        else:
+            kernels.MATMUL_INT4[self.group_size](x, self.data, self.scales, self.mins, out)
+        return out
+
+    def _matmul_tiled(self, x: np.ndarray) -> np.ndarray:
+        """Prefill: dequantize ROW_BLOCK rows at a time into one fp32 tile and
+        multiply the whole [T, Kp] activation block by it with BLAS. Each weight
+        byte is read once for all T tokens; only the tile is ever fp32."""
+        O = self.out_features
+        out_t = np.empty((O, x.shape[0]), dtype=np.float32)   # [out, T]: row blocks are contiguous
+        tile = np.empty((min(ROW_BLOCK, O), x.shape[1]), dtype=np.float32)  # [rows, Kp]
+        xt = np.ascontiguousarray(x.T)                        # [Kp, T]
+        for r0 in range(0, O, ROW_BLOCK):
+            r1 = min(O, r0 + ROW_BLOCK)
+            t = tile[: r1 - r0]
+            self._dequant(np.arange(r0, r1), t)
+            np.matmul(t, xt, out=out_t[r0:r1])                # [rows, T]
+        return out_t.T
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """Dequantize only rows `ids` [T] -> [T, in] f32 (the embedding lookup)."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.out_features):
+            raise IndexError(f"row ids must lie in [0, {self.out_features}); got {ids.min()}..{ids.max()}")
+        if self.fmt == "none":
+            return self.data[ids]
+        out = np.empty((ids.size, self.padded_in), dtype=np.float32)
+        self._dequant(ids, out)
+        return out[:, : self.in_features]
+
+    def _dequant(self, ids: np.ndarray, out: np.ndarray) -> None:
+        if self.fmt == "bf16":
+            kernels.dequant_rows_bf16(ids, self.data, out)
+        elif self.fmt == "int8":
+            kernels.dequant_rows_int8(ids, self.data, self.scales, out)
+        else:
+            kernels.dequant_rows_int4(ids, self.data, self.scales, self.mins, out)
+
+    # -- the numpy twin that defines it ---------------------------------------
+
+    def dequantize(self) -> np.ndarray:
+        """The full fp32 matrix [out, in] (tests and references only)."""
+        if self.fmt == "none":
+            return self.data
+        if self.fmt == "bf16":
+            return bf16_bits_to_f32(self.data)
+        O, gs = self.out_features, self.group_size
+        s = self.scales.view(np.float16).astype(np.float32)[:, :, None]      # [O, G, 1]
+        if self.fmt == "int8":
+            q = self.data.reshape(O, -1, gs).astype(np.float32)               # [O, G, gs]
+            w = q * s
+        else:
+            b = self.data.reshape(O, -1, gs // 2)                             # [O, G, gs/2] bytes
+            q = np.concatenate([b & 15, b >> 4], axis=-1).astype(np.float32)  # [O, G, gs]: low nibbles, then high
+            w = q * s + self.mins.view(np.float16).astype(np.float32)[:, :, None]
+        return w.reshape(O, -1)[:, : self.in_features]
+
+    def matmul_ref(self, x: np.ndarray) -> np.ndarray:
+        return (self._check(x) @ self.dequantize().T).astype(np.float32)
+
+    # -- helpers ---------------------------------------------------------------
+
+    def _check(self, x: np.ndarray) -> np.ndarray:
+        if x.ndim != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"matmul expects x [T, {self.in_features}], got {list(x.shape)} for {self!r}")
+        return np.ascontiguousarray(x, dtype=np.float32)
+
+    def _pad(self, x: np.ndarray) -> np.ndarray:
+        """Zero-pad x [T, in] to [T, Kp] so the last, padded group multiplies zeros."""
+        Kp = self.padded_in
+        if Kp == self.in_features:
+            return x
+        xp = np.zeros((x.shape[0], Kp), dtype=np.float32)
+        xp[:, : self.in_features] = x
+        return xp
+
+
+def quantize(w: np.ndarray, fmt: str, group_size: int = 64) -> Weight:
+    """fp32 [out, in] -> Weight in format fmt (none | bf16 | int8 | int4)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown quantization {fmt!r}; choose one of {', '.join(FORMATS)}")
+    w = np.asarray(w)
+    if w.ndim != 2:
+        raise ValueError(f"quantize expects a 2-D weight [out, in], got shape {list(w.shape)}")
+    O, K = w.shape
+    if fmt == "none":
+        return Weight("none", O, K, 0, np.ascontiguousarray(w, dtype=np.float32))
+    if fmt == "bf16":
+        return Weight("bf16", O, K, 0, f32_to_bf16_bits(w))
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"--group-size {group_size} is not supported; choose one of {GROUP_SIZES}")
+
+    # [O, G, gs]: split each row into groups, the last one padded with zeros
+    gs = group_size
+    Kp = -(-K // gs) * gs
+    wp = np.zeros((O, Kp), dtype=np.float32)
+    wp[:, :K] = w
+    g = wp.reshape(O, Kp // gs, gs)
+
+    if fmt == "int8":
+        # symmetric: the largest |w| of a group maps to 127
+        s = _to_f16(np.abs(g).max(axis=-1) / 127.0)                      # [O, G]
+        sf = s.astype(np.float32)[:, :, None]
+        inv = np.divide(1.0, sf, out=np.zeros_like(sf), where=sf > 0)   # all-zero group: q = 0
+        q = np.clip(np.rint(g * inv), -127, 127).astype(np.int8)
+        return Weight("int8", O, K, gs, q.reshape(O, Kp), scales=s.view(np.uint16))
+
+    # int4, with a minimum: [min, max] of a group maps onto the 16 levels 0..15
+    lo = g.min(axis=-1)
+    hi = g.max(axis=-1)
+    s = _to_f16((hi - lo) / 15.0)                                       # [O, G]
+    m = _to_f16(lo)
+    sf = s.astype(np.float32)[:, :, None]
+    inv = np.divide(1.0, sf, out=np.zeros_like(sf), where=sf > 0)       # constant group: q = 0, W = m
+    q = np.clip(np.rint((g - m.astype(np.float32)[:, :, None]) * inv), 0, 15).astype(np.uint8)
+    # pack: byte j of a group = weight j (low nibble) | weight j + gs/2 (high nibble)
+    half = gs // 2
+    packed = q[:, :, :half] | (q[:, :, half:] << 4)                     # [O, G, gs/2]
+    return Weight("int4", O, K, gs, np.ascontiguousarray(packed.reshape(O, Kp // 2)),
+                  scales=s.view(np.uint16), mins=m.view(np.uint16))
+
+
+def _to_f16(a: np.ndarray) -> np.ndarray:
+    """fp32 -> fp16 for scales; refuses values fp16 cannot hold rather than store inf."""
+    if not np.all(np.isfinite(a)) or np.abs(a).max(initial=0) > 65000:
+        raise ValueError("weights too large (or not finite) for fp16 group scales; use --quant bf16 or none")
+    return a.astype(np.float16)

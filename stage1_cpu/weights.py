@@ -1,0 +1,109 @@
+"""Load a model folder into stage 1's layout, quantizing tensor by tensor.
+
+Each projection becomes a quant.Weight (fp32, bf16, int8 or int4) the moment it
+is read, and the float32 copy is dropped before the next tensor is read: peak
+memory stays near the size of the quantized model plus one fp32 tensor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from rich.progress import Progress
+
+from common.config import ModelConfig
+from common.loader import WeightLoader
+from stage1_cpu.quant import FORMATS, Weight, quantize
+
+
+
+@dataclass
+class ExpertWeights:
+    e_gate: Weight      # [Fe, C]
+    e_up: Weight        # [Fe, C]
+    e_down: Weight      # [C, Fe]
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: np.ndarray           # [C]
+    wq: Weight                      # [H*D, C]
+    wk: Weight                      # [Hkv*D, C]
+    wv: Weight                      # [Hkv*D, C]
+    wo: Weight                      # [C, H*D]
+    mlp_norm: np.ndarray            # [C]
+    q_norm: np.ndarray | None = None        # [D]   qwen3 only
+    k_norm: np.ndarray | None = None        # [D]   qwen3 only
+    w_gate: Weight | None = None            # [F, C] dense MLP
+    w_up: Weight | None = None              # [F, C]
+    w_down: Weight | None = None            # [C, F]
+    router: np.ndarray | None = None        # [E, C] MoE router, kept in fp32 (it is tiny and decides everything)
+    experts: list[ExpertWeights] = field(default_factory=list)
+
+
+@dataclass
+class Weights:
+    config: ModelConfig
+    embed: Weight                   # [V, C] read row by row (rows(ids))
+    lm_head: Weight                 # [V, C] the same object as embed when tied
+    final_norm: np.ndarray          # [C]
+    layers: list[LayerWeights]
+    fmt: str                        # none | bf16 | int8 | int4
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weights one decode step reads (the roofline's numerator)."""
+        seen, total = set(), 0
+        for w in [self.lm_head] + [getattr(l, n) for l in self.layers
+                                   for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")]:
+            if w is not None and id(w) not in seen:
+                seen.add(id(w))
+                total += w.nbytes
+        return total
+
+
+def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
+                 progress: bool = True) -> Weights:
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown --quant {fmt!r}; choose one of {', '.join(FORMATS)}")
+    loader = WeightLoader(folder)
+    cfg = loader.config
+    q = lambda a: quantize(a, fmt, group_size)  # noqa: E731  (fp32 array -> Weight)
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    total = 2 + cfg.num_layers * 7 + n_moe * cfg.num_experts * 3
+    with Progress(transient=True, disable=not progress) as bar:
+        task = bar.add_task(f"loading weights ({fmt})", total=total)
+
+        def step(value):
+            bar.advance(task)
+            return value
+
+        embed = step(q(loader.glob("embed")))
+        tied = cfg.tie_word_embeddings or "lm_head.weight" not in loader
+        lm_head = embed if tied else step(q(loader.glob("lm_head")))
+        layers = []
+        for i in range(cfg.num_layers):
+            L = LayerWeights(
+                attn_norm=loader.layer("attn_norm", i),
+                wq=step(q(loader.layer("wq", i))),
+                wk=step(q(loader.layer("wk", i))),
+                wv=step(q(loader.layer("wv", i))),
+                wo=step(q(loader.layer("wo", i))),
+                mlp_norm=loader.layer("mlp_norm", i),
+            )
+            if cfg.qk_norm:
+                L.q_norm, L.k_norm = loader.layer("q_norm", i), loader.layer("k_norm", i)
+            if cfg.is_moe_layer(i):
+                L.router = loader.layer("router", i)
+                L.experts = [ExpertWeights(step(q(loader.layer("e_gate", i, e))),
+                                           step(q(loader.layer("e_up", i, e))),
+                                           step(q(loader.layer("e_down", i, e))))
+                             for e in range(cfg.num_experts)]
+            else:
+                L.w_gate = step(q(loader.layer("w_gate", i)))
+                L.w_up = step(q(loader.layer("w_up", i)))
+                L.w_down = step(q(loader.layer("w_down", i)))
+            layers.append(L)
+        final_norm = step(loader.glob("final_norm"))
+    return Weights(cfg, embed, lm_head, final_norm, layers, fmt)

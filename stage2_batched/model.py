@@ -1,0 +1,132 @@
+"""The forward pass, top to bottom: a packed batch of token ids in, logits out.
+
+Changed from stage 1: many sequences at once and a paged cache. `tokens` packs
+the new tokens of S sequences (decode tokens and prefill chunks) into one array
+of N, and a BatchInfo says where each one belongs: its position (RoPE, causality),
+its slot in the page pool (where its K/V go), and per sequence the block table
+and context length (where its K/V are read from). Every matmul sees all N tokens
+at once (one GEMM per weight per step, whoever they belong to); only attention
+needs to know about sequences. Each K.op runs a CUDA kernel on cupy arrays and
+its numpy twin on numpy arrays.
+
+    x = embed(tokens)                                   [N, C]
+    for each layer:
+        h = rmsnorm(x)                                  attention block
+        q, k, v = h @ wq.T, h @ wk.T, h @ wv.T
+        q, k = rmsnorm per head (qwen3), then RoPE at each token's own position
+        store k, v in their pages; attend causally over each sequence's pages (GQA)
+        x = x + attn @ wo.T
+        h = rmsnorm(x)                                  MLP block
+        x = x + down(silu(gate(h)) * up(h))             (or the routed experts of a MoE layer)
+    logits = rmsnorm(x) @ lm_head.T                     [S', V] for the last position of each sequence
+
+Weight names follow Hugging Face's (wq is q_proj, ...); the rename table is in
+common/loader.py.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from stage2_batched import kernels, ops
+from stage2_batched.batch import BatchInfo
+from stage2_batched.kv_cache import KVCache
+from stage2_batched.weights import LayerWeights, Weights
+
+
+class Model:
+    def __init__(self, weights: Weights, max_ctx: int, num_pages: int, page_size: int):
+        self.w = weights
+        self.config = cfg = weights.config
+        self.max_ctx = max_ctx
+        self.xp = xp = weights.xp
+        self.cache = KVCache(cfg, num_pages, page_size, xp)
+        # CUDA kernels on cupy arrays, their numpy twins on numpy arrays
+        self.k = kernels
+        cos, sin = ops.rope_tables(max_ctx, cfg.head_dim, cfg.rope_theta)   # [T_max, D/2]
+        self.cos, self.sin = xp.asarray(cos), xp.asarray(sin)
+
+    def forward(self, tokens, batch: BatchInfo, all_logits: bool = False):
+        """tokens [N] of S sequences, packed as batch describes (its arrays on this model's
+        device) -> logits [S', V] of the rows batch.logits_rows, or [N, V] with all_logits."""
+        cfg, w, K = self.config, self.w, self.k
+        N = len(tokens)
+        H, Hkv, D, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+        if int(batch.context_lens.max()) > self.max_ctx:
+            raise ValueError(f"positions up to {int(batch.context_lens.max())} exceed the context "
+                             f"({self.max_ctx}); raise --max-ctx")
+        # each token rotates by its own position: gather one table row per token
+        cos = self.cos[batch.positions]                        # [N, D/2]
+        sin = self.sin[batch.positions]
+
+        # token embedding: one row per token (the embedding gather kernel)
+        x = w.embed.rows(tokens)                               # [N, C]
+
+        for layer, lw in enumerate(w.layers):
+            # ---- attention block ----
+            h = K.rmsnorm(x, lw.attn_norm, eps)                # [N, C]
+            q = lw.wq.matmul(h).reshape(N, H, D)               # [N, H, D]
+            k = lw.wk.matmul(h).reshape(N, Hkv, D)             # [N, Hkv, D]
+            v = lw.wv.matmul(h).reshape(N, Hkv, D)             # [N, Hkv, D]
+            if cfg.qk_norm:
+                # Qwen3: RMSNorm over each head's D values, before RoPE, keeps q.k well scaled
+                q = K.rmsnorm(q, lw.q_norm, eps)
+                k = K.rmsnorm(k, lw.k_norm, eps)
+            q = K.rope(q, cos, sin)                            # rotate each pair by its position's angle
+            k = K.rope(k, cos, sin)
+            self.cache.store(layer, k, v, batch.slot_mapping)  # the new positions join their pages ...
+            att = self.attention(q, layer, batch)              # ... and every query attends over its pages
+            x = K.residual_add(x, lw.wo.matmul(att.reshape(N, H * D)))   # [N, C] residual
+
+            # ---- MLP block ----
+            h = K.rmsnorm(x, lw.mlp_norm, eps)                 # [N, C]
+            if lw.experts:
+                x = K.residual_add(x, self.moe(h, lw))
+            else:
+                # SwiGLU: down(silu(gate(h)) * up(h))
+                x = K.residual_add(x, lw.w_down.matmul(K.silu_mul(lw.w_gate.matmul(h), lw.w_up.matmul(h))))
+
+        # only the last position of each sequence that samples needs logits
+        if not all_logits:
+            x = x[batch.logits_rows]                           # [S', C]
+        x = K.rmsnorm(x, w.final_norm, eps)
+        logits = w.lm_head.matmul(x)                           # [N or S', V]
+        return logits
+
+    def attention(self, q, layer: int, batch: BatchInfo):
+        """Each query over its own sequence's pages. q [N, H, D] -> [N, H, D].
+        The batch starts with num_decode sequences of one query each (decode kernel:
+        the whole context is visible), then the prefill chunks (causal within the chunk,
+        earlier chunks read from the pages like any other position)."""
+        K, d = self.k, batch.num_decode
+        keys, values = self.cache.keys(layer), self.cache.values(layer)
+        att = self.xp.empty_like(q)
+        if d:
+            att[:d] = K.paged_decode_attention(q[:d], keys, values,
+                                               batch.block_tables[:d], batch.context_lens[:d])
+        if d < q.shape[0]:
+            att[d:] = K.prefill_attention(q[d:], keys, values, batch.block_tables,
+                                          batch.token_seq[d:], batch.positions[d:])
+        return att
+
+    def moe(self, h, lw: LayerWeights):
+        """Qwen3-MoE: each token goes to its top-k experts, weighted by the router.
+        h [N, C] -> [N, C]. The routing decision is made on the host (a small [N, E]
+        copy); the experts' matmuls run on the device, one GEMM per chosen expert."""
+        cfg, xp = self.config, self.xp
+        T = h.shape[0]
+        k = cfg.num_experts_per_tok
+        # router in fp32: softmax over all experts, then keep the top k
+        probs = ops.softmax(kernels.to_host(lw.router.matmul(h)))   # [T, E]
+        top = np.argsort(-probs, axis=-1, kind="stable")[:, :k]  # [T, k] expert ids
+        weight = np.take_along_axis(probs, top, axis=-1)       # [T, k]
+        if cfg.norm_topk_prob:
+            weight = weight / weight.sum(axis=-1, keepdims=True)
+        out = xp.zeros_like(h)                                 # [T, C]
+        # group tokens by expert: each chosen expert's weights are read once per step
+        for e in np.unique(top):
+            rows, slot = np.nonzero(top == e)                  # tokens routed to e, and which of their k
+            ex = lw.experts[e]
+            he = h[xp.asarray(rows)]                           # [Te, C]
+            y = ex.e_down.matmul(self.k.silu_mul(ex.e_gate.matmul(he), ex.e_up.matmul(he)))  # [Te, C]
+            out[xp.asarray(rows)] += xp.asarray(weight[rows, slot][:, None].astype(np.float32)) * y
+        return out

@@ -1,0 +1,131 @@
+"""Load a model folder into stage 2's layout: float32 arrays on the device.
+
+Changed from stage 1: no quantization (fp32 in this stage, stage 3 goes bf16);
+each tensor is read from the memory-mapped file and copied to the device (a
+cupy array on "cuda", the numpy array itself on "cpu"). `Weight` keeps stage 1's
+two methods, so the model's lines stay the same: `.matmul(x)` is one cuBLAS GEMM
+(x @ W.T, cupy.matmul) and `.rows(ids)` is the embedding gather kernel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from rich.progress import Progress
+
+from common.config import ModelConfig
+from common.loader import WeightLoader
+from stage2_batched import kernels
+
+
+class Weight:
+    """A float32 matrix [out, in] on the device, in Hugging Face's layout."""
+
+    def __init__(self, data):
+        self.data = data                    # [out, in] cupy or numpy
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    def matmul(self, x):
+        """x [N, in] -> x @ W.T [N, out] (cuBLAS on the GPU reads W transposed, no copy)."""
+        return x @ self.data.T
+
+    def rows(self, ids):
+        """The embedding lookup: ids [N] -> rows [N, in] (kernels.embedding)."""
+        return kernels.embedding(ids, self.data)
+
+
+@dataclass
+class ExpertWeights:
+    e_gate: Weight      # [Fe, C]
+    e_up: Weight        # [Fe, C]
+    e_down: Weight      # [C, Fe]
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: object               # [C]
+    wq: Weight                      # [H*D, C]
+    wk: Weight                      # [Hkv*D, C]
+    wv: Weight                      # [Hkv*D, C]
+    wo: Weight                      # [C, H*D]
+    mlp_norm: object                # [C]
+    q_norm: object | None = None    # [D]   qwen3 only
+    k_norm: object | None = None    # [D]   qwen3 only
+    w_gate: Weight | None = None    # [F, C] dense MLP
+    w_up: Weight | None = None      # [F, C]
+    w_down: Weight | None = None    # [C, F]
+    router: Weight | None = None    # [E, C] MoE router (its logits go to the host for top-k)
+    experts: list[ExpertWeights] = field(default_factory=list)
+
+
+@dataclass
+class Weights:
+    config: ModelConfig
+    embed: Weight                   # [V, C]
+    lm_head: Weight                 # [V, C] the same object as embed when tied
+    final_norm: object              # [C]
+    layers: list[LayerWeights]
+    xp: object                      # the array module: cupy ("cuda") or numpy ("cpu")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weights one decode step reads (the roofline's numerator)."""
+        seen, total = set(), 0
+        for w in [self.lm_head] + [getattr(l, n) for l in self.layers
+                                   for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")]:
+            if w is not None and id(w) not in seen:
+                seen.add(id(w))
+                total += w.nbytes
+        return total
+
+
+def load_weights(folder: str | Path, xp=np, progress: bool = True) -> Weights:
+    loader = WeightLoader(folder)
+    cfg = loader.config
+    dev = lambda a: xp.asarray(np.ascontiguousarray(a, dtype=np.float32))   # noqa: E731  host -> device
+    q = lambda a: Weight(dev(a))                                              # noqa: E731
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    total = 2 + cfg.num_layers * 7 + n_moe * cfg.num_experts * 3
+    with Progress(transient=True, disable=not progress) as bar:
+        task = bar.add_task("loading weights (float32)", total=total)
+
+        def step(value):
+            bar.advance(task)
+            return value
+
+        embed = step(q(loader.glob("embed")))
+        tied = cfg.tie_word_embeddings or "lm_head.weight" not in loader
+        lm_head = embed if tied else step(q(loader.glob("lm_head")))
+        layers = []
+        for i in range(cfg.num_layers):
+            L = LayerWeights(
+                attn_norm=dev(loader.layer("attn_norm", i)),
+                wq=step(q(loader.layer("wq", i))),
+                wk=step(q(loader.layer("wk", i))),
+                wv=step(q(loader.layer("wv", i))),
+                wo=step(q(loader.layer("wo", i))),
+                mlp_norm=dev(loader.layer("mlp_norm", i)),
+            )
+            if cfg.qk_norm:
+                L.q_norm, L.k_norm = dev(loader.layer("q_norm", i)), dev(loader.layer("k_norm", i))
+            if cfg.is_moe_layer(i):
+                L.router = q(loader.layer("router", i))
+                L.experts = [ExpertWeights(step(q(loader.layer("e_gate", i, e))),
+                                           step(q(loader.layer("e_up", i, e))),
+                                           step(q(loader.layer("e_down", i, e))))
+                             for e in range(cfg.num_experts)]
+            else:
+                L.w_gate = step(q(loader.layer("w_gate", i)))
+                L.w_up = step(q(loader.layer("w_up", i)))
+                L.w_down = step(q(loader.layer("w_down", i)))
+            layers.append(L)
+        final_norm = step(dev(loader.glob("final_norm")))
+    return Weights(cfg, embed, lm_head, final_norm, layers, xp)

@@ -1,0 +1,71 @@
+"""Quantization quality on a real pretrained model: the default SmolLM2-135M-Instruct.
+
+Random-weight models cannot tell good quantization from bad (they have no
+knowledge to lose); perplexity on real English text can.
+"""
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from common.chat_template import ChatTemplate
+from common.engine import Request
+from common.models import resolve_model
+from common.sampling import SamplingParams
+from common.tokenizer import Tokenizer
+from stage1_cpu.engine import LLMEngine
+from stage1_cpu.model import Model
+from stage1_cpu.weights import load_weights
+
+TEXT = (Path(__file__).parent / "data" / "english.txt").read_text()
+
+
+@pytest.fixture(scope="module")
+def folder():
+    return resolve_model("smollm2-135m", progress=False)
+
+
+@pytest.fixture(scope="module")
+def perplexities(folder):
+    ids = Tokenizer(folder).encode(TEXT)
+    assert 250 < len(ids) < 512
+    result = {}
+    for fmt in ("none", "int8", "int4"):
+        # group size 32, the engine's default (llama.cpp's Q8_0 / Q4_1 blocks are 32 wide too).
+        # Measured here: int4 at group 64 raises this perplexity by 59 % (20.2 -> 32.1), at
+        # group 32 by 1.5 %. The default model was itself stored as Q4_1 (a 4-bit grid with a
+        # scale and minimum per 32 weights), so group-32 int4 with a minimum lands back on
+        # that grid; group 64 must round it a second time.
+        model = Model(load_weights(folder, fmt, 32, progress=False), 512)
+        logits = model.forward(np.array(ids), 0, all_logits=True)          # [T, V]
+        logits = logits - logits.max(axis=-1, keepdims=True)
+        logp = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+        nll = -logp[np.arange(len(ids) - 1), ids[1:]]                     # predict token t+1 from t
+        result[fmt] = float(np.exp(nll.mean()))
+    return result
+
+
+def test_fp32_perplexity_is_that_of_a_real_language_model(perplexities):
+    # a random model scores ~ vocab size (49152); SmolLM2 on plain English is in the tens
+    assert 2 < perplexities["none"] < 60, perplexities
+
+
+def test_int8_perplexity_within_1_percent_of_fp32(perplexities):
+    assert abs(perplexities["int8"] / perplexities["none"] - 1) < 0.01, perplexities
+
+
+def test_int4_perplexity_within_10_percent_of_fp32(perplexities):
+    assert abs(perplexities["int4"] / perplexities["none"] - 1) < 0.10, perplexities
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_default_model_still_knows_the_capital_of_france(folder, fmt):
+    tok = Tokenizer(folder)
+    prompt = ChatTemplate.from_folder(folder).render(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True)
+    engine = LLMEngine(folder, quant=fmt, group_size=32, max_ctx=256, progress=False)
+    engine.add_request(Request("q", tok.encode(prompt), SamplingParams(temperature=0, max_tokens=16)))
+    out = []
+    while engine.has_work():
+        out += [e.token_id for e in engine.step() if e.finish_reason != "stop"]
+    assert "Paris" in tok.decode(out)

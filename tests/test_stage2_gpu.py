@@ -1,0 +1,136 @@
+"""Stage 2 on a GPU: each CUDA kernel equals its numpy twin at awkward shapes, and the
+engine with device="cuda" produces transformers' greedy tokens.
+
+Skipped as a whole where CuPy cannot see a GPU (the only skip allowed); on a GPU
+machine bench/gpu_check.sh runs this file. Tolerances: float32 kernel vs float32
+twin, different summation order and expf: rtol 1e-4, atol 1e-5 (attention), exact
+for copies (embedding, store_kvcache).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+
+def _gpu_available() -> bool:
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+pytestmark = pytest.mark.skipif(not _gpu_available(), reason="CuPy cannot see a GPU")
+
+from stage2_batched import kernels, ops                    # noqa: E402
+from test_stage2_kernels import HEADS, paged                # noqa: E402
+
+ATT_TOL = dict(rtol=1e-4, atol=1e-5)
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def gpu(*arrays):
+    import cupy
+    return [cupy.asarray(a) for a in arrays]
+
+
+def host(x):
+    return kernels.to_host(x)
+
+
+@pytest.mark.parametrize("H,Hkv,D", HEADS + [(8, 8, 256), (2, 1, 48)])
+@pytest.mark.parametrize("P,lens", [(16, [1]), (16, [1, 16, 17, 40, 3]), (5, [3, 11, 25]), (256, [7, 300, 1])])
+def test_decode_attention_kernel_equals_twin(H, Hkv, D, P, lens):
+    rng = np.random.default_rng(H + P + len(lens))
+    k_cache, v_cache, tables, *_ = paged(rng, lens, Hkv, D, P)
+    q = rng.standard_normal((len(lens), H, D)).astype(np.float32)
+    ctx = np.array(lens, np.int32)
+    expect = ops.paged_decode_attention(q, k_cache, v_cache, tables, ctx)
+    got = kernels.paged_decode_attention(*gpu(q, k_cache, v_cache, tables, ctx))
+    np.testing.assert_allclose(host(got), expect, **ATT_TOL)
+
+
+@pytest.mark.parametrize("H,Hkv,D", HEADS + [(8, 8, 256), (2, 1, 48)])
+@pytest.mark.parametrize("P,chunks", [(16, [(0, 1)]), (16, [(0, 17), (5, 3), (16, 16), (31, 9)]),
+                                      (5, [(0, 7), (12, 1), (3, 12)]), (256, [(0, 300), (250, 13)])])
+def test_prefill_attention_kernel_equals_twin(H, Hkv, D, P, chunks):
+    rng = np.random.default_rng(H + P + len(chunks))
+    lens = [b + n for b, n in chunks]
+    k_cache, v_cache, tables, *_ = paged(rng, lens, Hkv, D, P)
+    token_seq = np.concatenate([np.full(n, s) for s, (_, n) in enumerate(chunks)]).astype(np.int32)
+    positions = np.concatenate([np.arange(b, b + n) for b, n in chunks]).astype(np.int32)
+    q = rng.standard_normal((len(positions), H, D)).astype(np.float32)
+    expect = ops.prefill_attention(q, k_cache, v_cache, tables, token_seq, positions)
+    got = kernels.prefill_attention(*gpu(q, k_cache, v_cache, tables, token_seq, positions))
+    np.testing.assert_allclose(host(got), expect, **ATT_TOL)
+
+
+@pytest.mark.parametrize("N,Hkv,D,P", [(1, 1, 32, 16), (37, 2, 32, 16), (20, 8, 128, 5), (300, 8, 128, 256)])
+def test_store_kvcache_kernel_equals_twin(N, Hkv, D, P):
+    rng = np.random.default_rng(N)
+    NB = (N + P - 1) // P + 4
+    k = rng.standard_normal((N, Hkv, D)).astype(np.float32)
+    v = rng.standard_normal((N, Hkv, D)).astype(np.float32)
+    slots = rng.permutation(NB * P)[:N].astype(np.int32)
+    slots[0] = -1
+    kc, vc = np.zeros((NB, P, Hkv, D), np.float32), np.zeros((NB, P, Hkv, D), np.float32)
+    ops.store_kvcache(k, v, kc, vc, slots)
+    kg, vg = gpu(np.zeros_like(kc), np.zeros_like(vc))
+    kernels.store_kvcache(*gpu(k, v), kg, vg, *gpu(slots))
+    np.testing.assert_array_equal(host(kg), kc)
+    np.testing.assert_array_equal(host(vg), vc)
+
+
+@pytest.mark.parametrize("shape", [(1, 96), (7, 1024), (5, 16, 128), (3, 1, 32), (2, 5000)])
+def test_rmsnorm_kernel_equals_twin(shape):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(shape).astype(np.float32)
+    w = rng.standard_normal(shape[-1]).astype(np.float32)
+    np.testing.assert_allclose(host(kernels.rmsnorm(*gpu(x, w), 1e-6)), ops.rmsnorm(x, w, 1e-6), **TOL)
+
+
+@pytest.mark.parametrize("N,H,D", [(1, 1, 32), (9, 4, 64), (3, 16, 128), (5, 8, 256)])
+def test_rope_kernel_equals_twin(N, H, D):
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((N, H, D)).astype(np.float32)
+    positions = rng.integers(0, 4000, size=N)
+    cos, sin = ops.rope_tables(4000, D, 1e6)
+    expect = ops.rope(x, cos[positions], sin[positions])
+    np.testing.assert_allclose(host(kernels.rope(*gpu(x, cos[positions], sin[positions]))), expect, **TOL)
+
+
+@pytest.mark.parametrize("n", [1, 33, 3000])
+def test_elementwise_and_embedding_kernels_equal_twins(n):
+    rng = np.random.default_rng(n)
+    g = rng.standard_normal((n, 7)).astype(np.float32)
+    u = rng.standard_normal((n, 7)).astype(np.float32)
+    np.testing.assert_allclose(host(kernels.silu_mul(*gpu(g, u))), ops.silu_mul(g, u), **TOL)
+    np.testing.assert_array_equal(host(kernels.residual_add(*gpu(g, u))), ops.residual_add(g, u))
+    table = rng.standard_normal((100, 96)).astype(np.float32)
+    ids = rng.integers(0, 100, size=n).astype(np.int32)
+    np.testing.assert_array_equal(host(kernels.embedding(*gpu(ids, table))), ops.embedding(ids, table))
+
+
+# ---- the whole engine on the GPU ----
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe"])
+def test_engine_on_gpu_equals_transformers(family):
+    from test_stage2_engine import LENGTHS, engine, reference, run
+    lengths = tuple(LENGTHS) if family == "qwen3" else (1, 17, 40, 129)
+    folder, prompts, ref = reference(family, lengths)
+    eng = engine(family, device="cuda")
+    tokens, _ = run(eng, prompts, arrive_every=2)
+    for i in range(len(prompts)):
+        assert tokens[str(i)] == ref[i], f"{family}: request {i} differs on the GPU"
+    assert eng.num_free_pages() == eng.num_total_pages()
+
+
+def test_engine_on_gpu_with_preemption_equals_transformers():
+    from test_stage2_engine import engine, reference, run
+    folder, prompts, ref = reference("qwen3")
+    eng = engine(num_pages=40, max_ctx=512, device="cuda")
+    tokens, _ = run(eng, prompts, arrive_every=0)
+    assert eng.num_preemptions > 0
+    for i in range(len(prompts)):
+        assert tokens[str(i)] == ref[i]
+    assert eng.num_free_pages() == eng.num_total_pages()
