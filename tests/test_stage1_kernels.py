@@ -73,7 +73,9 @@ def test_rope_matches_ops(rng, T, H, D):
     (1, 16, 8, 128, 37),     # decode over a filled cache
     (7, 3, 1, 64, 0),        # prefill, odd head count, one KV head
     (5, 6, 2, 32, 11),       # prefill that continues a cached prefix
-    (64, 4, 4, 64, 3),       # no GQA; large enough to take the parallel path
+    (8, 16, 8, 128, 600),    # few queries over a long cache: the parallel numba path
+    (64, 4, 4, 64, 3),       # no GQA; prefill through BLAS (T >= ATT_BLAS_MIN_T)
+    (130, 3, 1, 32, 9),      # two query blocks of ATT_BLOCK, the second one partial
 ])
 def test_attention_matches_ops(rng, T, H, Hkv, D, start_pos):
     Tmax = start_pos + T + 9  # cache longer than used: stale rows beyond must be ignored

@@ -232,3 +232,21 @@ def test_kernels_dispatch_numpy_arrays_to_the_twins():
     lens = np.array([9, 20], np.int32)
     np.testing.assert_array_equal(kernels.paged_decode_attention(x[:2], k_cache, v_cache, tables, lens),
                                   ops.paged_decode_attention(x[:2], k_cache, v_cache, tables, lens))
+
+
+def test_twins_stage2_does_not_change_are_stage1_ops_as_parsed_code():
+    """STYLE 1: what stage 2 does not claim to change stays stage 1's, line for line
+    (compared as parsed code, so comments may differ); attention is what changes."""
+    import ast
+
+    root = Path(kernels.__file__).resolve().parent.parent
+
+    def functions(path: Path) -> dict[str, str]:
+        tree = ast.parse(path.read_text())
+        return {n.name: ast.dump(n) for n in tree.body if isinstance(n, ast.FunctionDef)}
+
+    one, two = functions(root / "stage1_cpu" / "ops.py"), functions(root / "stage2_batched" / "ops.py")
+    for name in ("rmsnorm", "rope_tables", "rope", "silu_mul", "softmax"):
+        assert two[name] == one[name], f"ops.{name} differs from stage 1's"
+    assert "attention" in one and "attention" not in two
+    assert {"paged_decode_attention", "prefill_attention", "store_kvcache"} <= set(two)
