@@ -361,21 +361,23 @@ def prompt_ids(vocab: int, length: int, seed: int) -> list[int]:
 def worker(spec: dict) -> None:
     """Runs in its own process: one engine, one format, every thread count."""
     result = {"cells": {}}
-    vocab, max_ctx = spec["vocab"], spec["max_ctx"]
-    t0 = time.perf_counter()
+    vocab = spec["vocab"]
+    n0 = spec["threads"][0]
     try:
-        runner = make_runner(spec, spec["threads"][0])
+        if spec.get("check_ids") and spec["engine"] == "llama.cpp":
+            # llama.cpp keeps every position's logits only in a context made for that:
+            # check first, then free it, so the two never count twice in the peak RSS
+            checker = make_runner(spec, n0, check=True)
+            result["check_file"] = save_check_logits(checker, spec)
+            del checker
+        t0 = time.perf_counter()
+        runner = make_runner(spec, n0)
+        result["load_s"] = time.perf_counter() - t0
+        if spec.get("check_ids") and spec["engine"] != "llama.cpp":
+            result["check_file"] = save_check_logits(runner, spec)
     except Exception as e:                      # a missing package or engine is one cell, not the run
         emit_result({"error": f"{type(e).__name__}: {e}"})
         return
-    result["load_s"] = time.perf_counter() - t0
-    if spec.get("check_ids"):                   # logits for the correctness check
-        out = Path(spec["check_out"])
-        np.save(out, runner.all_logits(spec["check_ids"]))
-        result["check_file"] = str(out)
-        if spec["engine"] == "llama.cpp":       # that instance kept every position's logits
-            del runner
-            runner = make_runner(spec, spec["threads"][0])
 
     for n in spec["threads"]:
         if n != spec["threads"][0]:
@@ -403,11 +405,17 @@ def worker(spec: dict) -> None:
     emit_result(result)
 
 
-def make_runner(spec: dict, threads: int):
+def save_check_logits(runner, spec: dict) -> str:
+    """Logits [T, V] of the check prompt, saved for the parent to compare."""
+    np.save(spec["check_out"], runner.all_logits(spec["check_ids"]))
+    return spec["check_out"]
+
+
+def make_runner(spec: dict, threads: int, check: bool = False):
     if spec["engine"] == "stage1":
         return Stage1Runner(spec["path"], spec["fmt"], threads, spec["max_ctx"])
     if spec["engine"] == "llama.cpp":
-        return LlamaCppRunner(spec["path"], threads, spec["max_ctx"], logits_all=bool(spec.get("check_ids")))
+        return LlamaCppRunner(spec["path"], threads, spec["max_ctx"], logits_all=check)
     return TransformersRunner(spec["path"], spec["fmt"], threads)
 
 

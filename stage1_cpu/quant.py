@@ -153,7 +153,7 @@ class Weight:
             return self.data[ids]
         out = np.empty((ids.size, self.padded_in), dtype=np.float32)
         self._dequant(ids, out)
-        return out[:, : self.in_features]
+        return np.ascontiguousarray(out[:, : self.in_features])   # copies only if padded
 
     def _dequant(self, ids: np.ndarray, out: np.ndarray) -> None:
         """Rows ids of W into out [len(ids), Kp] f32."""
@@ -204,6 +204,9 @@ class Weight:
         return xp
 
 
+QUANT_ROWS = 4096  # rows quantized at a time: bounds the fp32 temporaries (~6 x rows x in x 4 bytes)
+
+
 def quantize(w: np.ndarray, fmt: str, group_size: int = 64) -> Weight:
     """fp32 [out, in] -> Weight in format fmt (none | bf16 | int8 | int4)."""
     if fmt not in FORMATS:
@@ -215,38 +218,61 @@ def quantize(w: np.ndarray, fmt: str, group_size: int = 64) -> Weight:
     if fmt == "none":
         return Weight("none", O, K, 0, np.ascontiguousarray(w, dtype=np.float32))
     if fmt == "bf16":
-        return Weight("bf16", O, K, 0, f32_to_bf16_bits(w))
+        data = np.empty((O, K), dtype=np.uint16)
+        for r in range(0, O, QUANT_ROWS):
+            data[r:r + QUANT_ROWS] = f32_to_bf16_bits(w[r:r + QUANT_ROWS])
+        return Weight("bf16", O, K, 0, data)
     if group_size not in GROUP_SIZES:
         raise ValueError(f"--group-size {group_size} is not supported; choose one of {GROUP_SIZES}")
 
-    # [O, G, gs]: split each row into groups, the last one padded with zeros
     gs = group_size
-    Kp = _padded(K, fmt, gs)
-    wp = np.zeros((O, Kp), dtype=np.float32)
-    wp[:, :K] = w
-    g = wp.reshape(O, Kp // gs, gs)
-
+    G = _padded(K, fmt, gs) // gs
+    scales = np.empty((O, G), dtype=np.float16)
     if fmt == "int8":
-        # symmetric: the largest |w| of a group maps to 127
-        s = _to_f16(np.abs(g).max(axis=-1) / 127.0)                      # [O, G]
-        sf = s.astype(np.float32)[:, :, None]
-        inv = np.divide(1.0, sf, out=np.zeros_like(sf), where=sf > 0)   # all-zero group: q = 0
-        q = np.clip(np.rint(g * inv), -127, 127).astype(np.int8)
-        return Weight("int8", O, K, gs, q, scales=s.view(np.uint16))
+        data = np.empty((O, G, gs), dtype=np.int8)
+        mins = None
+    else:
+        data = np.empty((O, G // 2, gs), dtype=np.uint8)
+        mins = np.empty((O, G), dtype=np.float16)
+    # a block of rows at a time, so a 150k-row embedding needs no 4x-size temporaries
+    for r in range(0, O, QUANT_ROWS):
+        rows = slice(r, min(O, r + QUANT_ROWS))
+        # [rows, G, gs]: split each row into groups, the last ones padded with zeros
+        g = np.zeros((rows.stop - r, G * gs), dtype=np.float32)
+        g[:, :K] = w[rows]
+        g = g.reshape(-1, G, gs)
+        if fmt == "int8":
+            data[rows], scales[rows] = _quantize_int8(g)
+        else:
+            data[rows], scales[rows], mins[rows] = _quantize_int4(g)
+    return Weight(fmt, O, K, gs, data, scales=scales.view(np.uint16),
+                  mins=None if mins is None else mins.view(np.uint16))
 
-    # int4, with a minimum: [min, max] of a group maps onto the 16 levels 0..15
+
+def _quantize_int8(g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """g [R, G, gs] f32 -> q [R, G, gs] int8, scales [R, G] fp16. Symmetric:
+    the largest |w| of a group maps to 127."""
+    s = _to_f16(np.abs(g).max(axis=-1) / 127.0)                          # [R, G]
+    sf = s.astype(np.float32)[:, :, None]                                # quantize with the stored (fp16) scale
+    inv = np.divide(1.0, sf, out=np.zeros_like(sf), where=sf > 0)       # all-zero group: q = 0
+    q = np.clip(np.rint(g * inv), -127, 127).astype(np.int8)
+    return q, s
+
+
+def _quantize_int4(g: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """g [R, G, gs] f32 (G even) -> packed [R, G/2, gs] uint8, scales and mins
+    [R, G] fp16. [min, max] of each group maps onto the 16 levels 0..15."""
     lo = g.min(axis=-1)
     hi = g.max(axis=-1)
-    s = _to_f16((hi - lo) / 15.0)                                       # [O, G]
+    s = _to_f16((hi - lo) / 15.0)                                       # [R, G]
     m = _to_f16(lo)
     sf = s.astype(np.float32)[:, :, None]
     inv = np.divide(1.0, sf, out=np.zeros_like(sf), where=sf > 0)       # constant group: q = 0, W = m
     q = np.clip(np.rint((g - m.astype(np.float32)[:, :, None]) * inv), 0, 15).astype(np.uint8)
     # pack pairs of groups: byte j of pair p = weight j of group 2p (low nibble)
     #                                        | weight j of group 2p+1 (high nibble)
-    packed = q[:, 0::2] | (q[:, 1::2] << 4)                             # [O, G/2, gs]
-    return Weight("int4", O, K, gs, np.ascontiguousarray(packed),
-                  scales=s.view(np.uint16), mins=m.view(np.uint16))
+    packed = q[:, 0::2] | (q[:, 1::2] << 4)                             # [R, G/2, gs]
+    return packed, s, m
 
 
 def _padded(K: int, fmt: str, gs: int) -> int:
