@@ -39,7 +39,8 @@ from bench.common import (check_load, emit_result, fmt_num, load_1min, machine_d
                           markdown_table, measure_bandwidth, median, run_worker)
 
 CACHE = Path(os.environ.get("QWEN3_STAGES_CACHE", Path.home() / ".cache" / "qwen3-stages")) / "bench"
-BUILD_VERSION = 1          # bump when the model files change, so old caches are rebuilt
+BUILD_VERSION = 1          # bump when the HF model changes, so old caches are rebuilt
+GGUF_VERSION = 2           # bump when the GGUF writing changes (2: Q4_0 files keep token_embd in Q8_0)
 
 # stage-1 weight format -> the llama.cpp format that stores the same numbers
 LLAMA_FORMAT = {"bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}
@@ -140,9 +141,12 @@ def write_gguf(hf_folder: Path, shape: Shape, qtype_name: str, path: Path) -> No
     """The HF folder's weights as a llama.cpp GGUF file (qwen3 architecture).
 
     Like llama.cpp's convert script: 1-D tensors (norms) stay F32, every matrix is
-    stored in `qtype_name` (BF16, Q8_0 or Q4_0 — "pure", no per-tensor exceptions,
-    so every matrix matches stage 1's format). The tokenizer is a minimal gpt2-style
-    vocabulary of V tokens: the benchmark feeds token ids, never text.
+    stored in `qtype_name` (BF16, Q8_0 or Q4_0), with one exception in Q4_0 files:
+    the matrix every logit goes through (the tied token_embd, or output) is Q8_0.
+    llama-quantize keeps it finer too (Q6_K, which the gguf package cannot write),
+    and stage 1's int4 keeps it in int8, so both engines read the same kind of bytes.
+    The tokenizer is a minimal gpt2-style vocabulary of V tokens: the benchmark feeds
+    token ids, never text.
     """
     import gguf
     import torch
@@ -168,12 +172,13 @@ def write_gguf(hf_folder: Path, shape: Shape, qtype_name: str, path: Path) -> No
     w.add_vocab_size(shape.vocab_size)
     w.add_file_type(ftype)
 
-    # tokenizer: 256 byte tokens, one merge ("Ġ t" -> "Ġt"), fillers, end-of-text last
+    # tokenizer: 256 byte tokens, one merge ("Ġ t" -> "Ġt"), fillers, the end-of-sequence ids
     tokens = _byte_level_alphabet() + ["Ġt"]
     tokens += [f"tok{i}" for i in range(len(tokens), shape.vocab_size)]
     types = [gguf.TokenType.NORMAL] * shape.vocab_size
-    for eos in shape.eos_token_id:
-        tokens[eos], types[eos] = ("<|endoftext|>" if eos == shape.eos_token_id[-1] else f"<|special{eos}|>"), gguf.TokenType.CONTROL
+    for eos in shape.eos_token_id:              # end-of-sequence ids are control tokens
+        name = "<|endoftext|>" if eos == shape.eos_token_id[-1] else f"<|special{eos}|>"
+        tokens[eos], types[eos] = name, gguf.TokenType.CONTROL
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
     w.add_token_list(tokens)
@@ -184,14 +189,19 @@ def write_gguf(hf_folder: Path, shape: Shape, qtype_name: str, path: Path) -> No
     w.add_add_bos_token(False)
 
     files = sorted(hf_folder.glob("*.safetensors"))
+    tied = "lm_head.weight" not in {n for f in files for n in safe_open(f, framework="pt").keys()}
+    logits_matrix = "token_embd.weight" if tied else "output.weight"
     for f in files:
         with safe_open(f, framework="pt") as st:
             for name in st.keys():
                 data = st.get_tensor(name).to(torch.float32).numpy()   # [out, in] as HF stores it
                 if data.ndim == 1:
                     w.add_tensor(gguf_name(name), data)                 # norms: F32
-                else:
-                    w.add_tensor(gguf_name(name), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+                    continue
+                t = qtype
+                if qtype_name == "Q4_0" and gguf_name(name) == logits_matrix:
+                    t = gguf.GGMLQuantizationType.Q8_0
+                w.add_tensor(gguf_name(name), gguf.quants.quantize(data, t), raw_dtype=t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -210,7 +220,7 @@ def prepare_models(shape: Shape, cache: Path, log=print) -> dict:
     """-> {"hf": folder, "BF16": path, "Q8_0": path, "Q4_0": path}, built once and cached."""
     root = cache / f"{shape.name}-v{BUILD_VERSION}"
     hf = root / "hf"
-    paths = {"hf": hf, **{q: root / f"{shape.name}-{q}.gguf" for q in ("BF16", "Q8_0", "Q4_0")}}
+    paths = {"hf": hf, **{q: root / f"{shape.name}-{q}-g{GGUF_VERSION}.gguf" for q in ("BF16", "Q8_0", "Q4_0")}}
     if not (hf / "DONE").exists():
         t0 = time.perf_counter()
         log(f"building the random-weight {shape.name} model in {hf} ...")
@@ -437,12 +447,17 @@ def stage1_weight_bytes(runner) -> int | None:
         return None
 
 
-def nominal_stage1_bytes(shape: Shape, fmt: str, group_size: int = 64) -> int:
-    """Bytes per token of stage 1's formats if the engine does not report them:
-    bf16 2 bytes a weight; int8 one byte plus an fp16 scale per group; int4 half a
-    byte plus an fp16 scale and minimum per group (stage1_cpu/quant.py)."""
-    per_weight = {"bf16": 2.0, "fp32": 4.0, "int8": 1 + 2 / group_size, "int4": 0.5 + 4 / group_size}[fmt]
-    return int(shape.linear_params() * per_weight)
+def nominal_stage1_bytes(shape: Shape, fmt: str, group_size: int = 32) -> int:
+    """Bytes per token of stage 1's formats if the engine does not report them
+    (stage1_cpu/quant.py): bf16 2 bytes a weight; int8 one byte plus an fp16 scale
+    per group; int4 half a byte plus an fp16 scale and minimum per group, with the
+    lm_head kept in int8."""
+    int8 = 1 + 2 / group_size
+    lm_head = shape.vocab_size * shape.hidden_size
+    layers = shape.linear_params() - lm_head
+    if fmt == "int4":
+        return int(layers * (0.5 + 4 / group_size) + lm_head * int8)
+    return int(shape.linear_params() * {"bf16": 2.0, "fp32": 4.0, "int8": int8}[fmt])
 
 
 # ------------------------------------------------------------------ the report
@@ -520,7 +535,7 @@ def report(args, shape: Shape, rows: list[Row], bw: dict, check: dict, loads: tu
     """The whole result as markdown: machine, bandwidth, one table, ratios, napkin maths."""
     out = [f"## CPU benchmark: {shape.name} ({'quick' if args.quick else 'full'})", "",
            f"- machine: {machine_description()}",
-           f"- command: `python -m bench.cpu {' '.join(args.argv)}`".replace(" `", " `").rstrip(),
+           "- command: `" + " ".join(["python -m bench.cpu", *args.argv]) + "`",
            f"- 1-minute load before {loads[0]:.2f}, after {loads[1]:.2f}"
            + ("  **busy: numbers may be low**" if loads[0] > 0.5 else ""),
            f"- model: {shape.num_hidden_layers} layers, C={shape.hidden_size}, H/Hkv={shape.num_attention_heads}/"
@@ -530,7 +545,9 @@ def report(args, shape: Shape, rows: list[Row], bw: dict, check: dict, loads: tu
            + ", ".join(f"{n} thread{'s' * (n > 1)} {bw['read'][n]:.1f} GB/s "
                        f"({bw['start']['read'][n]:.1f} / {bw['end']['read'][n]:.1f})" for n in args.threads)
            + f"; numpy copy (1 thread, read+write) {bw['copy']:.1f} GB/s",
-           f"- medians of up to {args.runs} runs; prefill = prompt tokens ÷ time to the first token; decode = "
+           "- llama.cpp files: the same weights, every matrix in BF16 / Q8_0 / Q4_0, except that the Q4_0 "
+           "file keeps the tied token_embd (the lm_head) in Q8_0, as stage 1's int4 keeps it in int8",
+           f"- medians of up to {args.runs} run{'s' * (args.runs > 1)}; prefill = prompt tokens ÷ time to the first token; decode = "
            f"{args.decode_tokens} greedy tokens (EOS ignored) ÷ their time; roofline = bandwidth ÷ weight bytes per token"]
     out.append("")
     header = ["engine", "format", "threads", "MB/token", "prefill 128 tok/s", "prefill 512 tok/s",
@@ -541,7 +558,7 @@ def report(args, shape: Shape, rows: list[Row], bw: dict, check: dict, loads: tu
             cell = row.result.get("cells", {}).get(str(n))
             if cell is None:
                 table.append([row.engine, row.fmt, n, fmt_num(row.weight_bytes / 1e6 if row.weight_bytes else None, 0)]
-                             + [row.result.get("error", "failed")[:60]] + [""] * 7)
+                             + [row.result.get("error", "failed")[:40]] + [""] * 7)
                 continue
             dec = median(cell["decode"])
             roof = bw["read"][n] * 1e9 / row.weight_bytes if row.weight_bytes else float("nan")
@@ -622,7 +639,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--cell-seconds", type=float, default=None,
                    help="stop adding runs (after 2) once one engine/thread count took this long (default 60; quick 15)")
     p.add_argument("--decode-tokens", type=int, default=128, help="greedy tokens generated for the decode figure")
-    p.add_argument("--prompt-lens", default="128,512", help="prompt lengths for prefill (the first one also decodes)")
+    p.add_argument("--prompt-lens", default="128,512",
+                   help="prompt lengths for prefill (decode follows a prompt of the first length)")
     p.add_argument("--out", type=Path, default=None, help="also write the markdown report to this file")
     p.add_argument("--cache-dir", type=Path, default=CACHE, help="where the models are built and kept")
     p.add_argument("--worker-timeout", type=float, default=1800, help="seconds one engine may take in all")

@@ -113,15 +113,17 @@ class Weight:
     def matmul(self, x: np.ndarray) -> np.ndarray:
         """x [T, in] f32 -> x @ W.T [T, out] f32."""
         x = self._check(x)
-        if self.fmt == "none":
+        T = x.shape[0]
+        if self.fmt == "none" and T >= PREFILL_MIN_T:
             return x @ self.data.T                        # BLAS, exact fp32
         x = self._pad(x)                                  # [T, Kp]
-        T = x.shape[0]
         if T >= PREFILL_MIN_T:
             return self._matmul_tiled(x)
         out = np.empty((T, self.out_features), dtype=np.float32)
         gs = self.group_size
-        if self.fmt == "bf16":
+        if self.fmt == "none":
+            kernels.matmul_f32(x, self.data, out)
+        elif self.fmt == "bf16":
             kernels.matmul_bf16(x, self.data, out)
         elif self.fmt == "int8":
             kernels.matmul_int8(x.reshape(T, -1, gs), self.data, self.scales, out)        # x as [T, G, gs]

@@ -115,9 +115,11 @@ def test_rows_equal_dequantized_rows(rng, fmt, gs):
     assert got.shape == (4, 72) and np.abs(got).max() > 0
 
 
-def test_fp32_matmul_is_exact_blas(rng):
+def test_fp32_matmul_decode_kernel_and_prefill_blas_match_numpy(rng):
     w = randn(rng, 64, 48)
-    x = randn(rng, 3, 48)
+    x = randn(rng, 3, 48)                                  # decode sizes: the numba kernel
+    close(quantize(w, "none").matmul(x), x @ w.T)
+    x = randn(rng, quant.PREFILL_MIN_T, 48)                # prefill: BLAS itself, bit for bit
     np.testing.assert_array_equal(quantize(w, "none").matmul(x), x @ w.T)
 
 
