@@ -42,6 +42,38 @@ def check_load(when: str) -> str:
     return line
 
 
+class NeighbourMeter:
+    """How much CPU *other* processes used while the benchmark ran.
+
+    The load average counts our own threads too, so after a run it says little. Here:
+    busy CPU seconds of the whole machine (/proc/stat) minus the seconds this process
+    and its workers used (os.times), divided by the wall time: 0.0 means the machine
+    was ours, 1.0 means a neighbour kept one core busy all along.
+    """
+
+    def __init__(self):
+        self.t0, self.busy0, self.ours0 = time.perf_counter(), self._busy(), self._ours()
+
+    @staticmethod
+    def _busy() -> float:
+        try:
+            fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        except (OSError, ValueError):
+            return float("nan")
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)     # idle + iowait
+        return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")    # user..steal, in seconds
+
+    @staticmethod
+    def _ours() -> float:
+        t = os.times()
+        return t.user + t.system + t.children_user + t.children_system
+
+    def cores_used_by_others(self) -> float:
+        wall = time.perf_counter() - self.t0
+        others = (self._busy() - self.busy0) - (self._ours() - self.ours0)
+        return max(0.0, others / wall) if wall > 0 else float("nan")
+
+
 def machine_description() -> str:
     """CPU model, cores, memory and the SIMD features that matter for these kernels."""
     cpu, flags = platform.processor() or "unknown CPU", set()
@@ -120,7 +152,7 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_worker(module: str, spec: dict, timeout: float, log=print) -> dict:
+def run_worker(module: str, spec: dict, timeout: float, log=print, omp_wait_policy: str = "PASSIVE") -> dict:
     """Run `python -m module --worker SPEC` in a fresh process and return its JSON result.
 
     One process per engine: its peak RSS is that engine's alone, a crash or a missing
@@ -128,6 +160,10 @@ def run_worker(module: str, spec: dict, timeout: float, log=print) -> dict:
     never share a process. The worker's own lines are echoed (indented) as progress.
     """
     env = dict(os.environ, **BENCH_ENV)
+    if omp_wait_policy == "default":       # the OpenMP runtime's own choice (libgomp: spin a while, then sleep)
+        env.pop("OMP_WAIT_POLICY", None)
+    else:
+        env["OMP_WAIT_POLICY"] = omp_wait_policy
     repo_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = repo_root + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", module, "--worker", json.dumps(spec)]

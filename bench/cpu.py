@@ -35,8 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import (check_load, emit_result, fmt_num, load_1min, machine_description,
-                          markdown_table, measure_bandwidth, median, run_worker)
+from bench.common import (NeighbourMeter, check_load, emit_result, fmt_num, load_1min,
+                          machine_description, markdown_table, measure_bandwidth, median, run_worker)
 
 CACHE = Path(os.environ.get("QWEN3_STAGES_CACHE", Path.home() / ".cache" / "qwen3-stages")) / "bench"
 BUILD_VERSION = 1          # bump when the HF model changes, so old caches are rebuilt
@@ -500,7 +500,7 @@ def run_all(args, shape: Shape, paths: dict, log) -> tuple[list[Row], dict]:
         log(f"running {engine} {fmt} ...")
         t0 = time.perf_counter()
         res = run_worker("bench.cpu", dict(base, engine=engine, fmt=fmt, path=path, **extra),
-                         timeout=args.worker_timeout, log=log)
+                         timeout=args.worker_timeout, log=log, omp_wait_policy=args.omp_wait_policy)
         if "error" in res:
             log(f"  {engine} {fmt}: {res['error']}")
         else:
@@ -531,13 +531,14 @@ def llama_cpp_installed() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def report(args, shape: Shape, rows: list[Row], bw: dict, check: dict, loads: tuple[float, float]) -> str:
+def report(args, shape: Shape, rows: list[Row], bw: dict, check: dict, loads: tuple[float, float, float]) -> str:
     """The whole result as markdown: machine, bandwidth, one table, ratios, napkin maths."""
     out = [f"## CPU benchmark: {shape.name} ({'quick' if args.quick else 'full'})", "",
            f"- machine: {machine_description()}",
            "- command: `" + " ".join(["python -m bench.cpu", *args.argv]) + "`",
-           f"- 1-minute load before {loads[0]:.2f}, after {loads[1]:.2f}"
-           + ("  **busy: numbers may be low**" if loads[0] > 0.5 else ""),
+           f"- 1-minute load before {loads[0]:.2f}, after {loads[1]:.2f} (with the benchmark's own threads); "
+           f"other processes used {loads[2]:.2f} cores on average during the run"
+           + ("  **busy: numbers may be low**" if loads[2] > 0.25 else ""),
            f"- model: {shape.num_hidden_layers} layers, C={shape.hidden_size}, H/Hkv={shape.num_attention_heads}/"
            f"{shape.num_key_value_heads}, D={shape.head_dim}, F={shape.intermediate_size}, V={shape.vocab_size}, tied "
            f"embeddings; {shape.linear_params() / 1e6:.0f} M weights read per token",
@@ -545,6 +546,7 @@ def report(args, shape: Shape, rows: list[Row], bw: dict, check: dict, loads: tu
            + ", ".join(f"{n} thread{'s' * (n > 1)} {bw['read'][n]:.1f} GB/s "
                        f"({bw['start']['read'][n]:.1f} / {bw['end']['read'][n]:.1f})" for n in args.threads)
            + f"; numpy copy (1 thread, read+write) {bw['copy']:.1f} GB/s",
+           f"- OMP_WAIT_POLICY={args.omp_wait_policy} for every engine",
            "- llama.cpp files: the same weights, every matrix in BF16 / Q8_0 / Q4_0, except that the Q4_0 "
            "file keeps the tied token_embd (the lm_head) in Q8_0, as stage 1's int4 keeps it in int8",
            f"- medians of up to {args.runs} run{'s' * (args.runs > 1)}; prefill = prompt tokens ÷ time to the first token; decode = "
@@ -644,6 +646,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="also write the markdown report to this file")
     p.add_argument("--cache-dir", type=Path, default=CACHE, help="where the models are built and kept")
     p.add_argument("--worker-timeout", type=float, default=1800, help="seconds one engine may take in all")
+    p.add_argument("--omp-wait-policy", default="PASSIVE", choices=["PASSIVE", "ACTIVE", "default"],
+                   help="OMP_WAIT_POLICY for every engine (default PASSIVE: fair to a shared machine; llama.cpp "
+                        "and numba's OpenMP threads spin between ops with ACTIVE, faster on an idle machine)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.argv = argv
@@ -673,12 +678,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(json.loads(args.worker))
         return 0
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     log = lambda s: print(s, flush=True)
     shape = QUICK if args.quick else QWEN3_0_6B
     t_start = time.perf_counter()
     load_before = load_1min()
     log(check_load("before"))
+    meter = NeighbourMeter()
     paths = prepare_models(shape, args.cache_dir, log)
     log("measuring memory bandwidth ...")
     bw = measure_bandwidth(args.threads, mib=256 if args.quick else 1024)
@@ -687,14 +692,17 @@ def main(argv: list[str] | None = None) -> int:
         log("llama-cpp-python is not installed (pip install 'qwen3-stages[bench]'): its columns are skipped")
     rows, check = run_all(args, shape, paths, log)
     load_after = load_1min()
-    log(check_load("after"))
+    others = meter.cores_used_by_others()
+    log(check_load("after") + " (this counts the benchmark's own threads)")
+    log(f"other processes used {others:.2f} cores on average during the run"
+        + ("  WARNING: speeds may be low (rerun when idle)" if others > 0.25 else ""))
     # measured again at the end: a neighbour busy at the start lowers one of the two, and
     # the roofline is what the memory *can* do, so it uses the better of the two
     end = measure_bandwidth(args.threads, mib=256 if args.quick else 1024)
     log("bandwidth at the end: " + ", ".join(f"{n} threads: {end['read'][n]:.1f} GB/s" for n in args.threads))
     bw = {"read": {n: max(bw["read"][n], end["read"][n]) for n in args.threads},
           "copy": max(bw["copy"], end["copy"]), "start": bw, "end": end}
-    text = report(args, shape, rows, bw, check, (load_before, load_after))
+    text = report(args, shape, rows, bw, check, (load_before, load_after, others))
     text += f"\n(total {time.perf_counter() - t_start:.0f} s)\n"
     print("\n" + text)
     if args.out:
