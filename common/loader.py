@@ -2,8 +2,9 @@
 
 A safetensors file is an 8-byte little-endian header length, a JSON header
 {name: {dtype, shape, data_offsets: [begin, end]}}, then the raw bytes. We parse
-the header ourselves and map the data with np.memmap, so a tensor costs no memory
-until it is read, and a broken file gets an error naming the file and tensor.
+the header ourselves and map each tensor's bytes with np.memmap when it is read,
+so a tensor costs no memory until then (and none once converted), and a broken
+file gets an error naming the file and tensor.
 
 The rename table (HF name -> the engine's short name) lives here, not in the model:
 stages ask for "wq" of layer 3 and never spell out "model.layers.3.self_attn.q_proj.weight".
@@ -83,7 +84,6 @@ class _File:
         self.header.pop("__metadata__", None)
         self.data_start = 8 + n
         self.data_size = size - self.data_start
-        self._map = None
 
     def raw(self, name: str) -> tuple[np.ndarray, str]:
         info = self.header[name]
@@ -100,9 +100,14 @@ class _File:
         if end - begin != width * int(np.prod(shape)):
             raise LoaderError(f"{self.path}: tensor {name!r} has {end - begin} bytes, "
                               f"expected {width * int(np.prod(shape))} for shape {list(shape)}")
-        if self._map is None:
-            self._map = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.data_start)
-        return self._map[begin:end].view(np_dtype).reshape(shape), st_dtype
+        if end == begin:
+            return np.zeros(shape, dtype=np_dtype), st_dtype
+        # one mapping per tensor, dropped once the caller has converted it: the file's
+        # pages then leave this process (a mapping of the whole file would keep every
+        # page read so far resident, ~the checkpoint's size at the end of loading)
+        mapped = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.data_start + begin,
+                           shape=(end - begin,))
+        return mapped.view(np_dtype).reshape(shape), st_dtype
 
 
 class WeightLoader:
@@ -157,13 +162,17 @@ class WeightLoader:
                               "is this the model the config.json describes?")
         return self._where[name]
 
-    def get(self, name: str, dtype=np.float32, shape: tuple[int, ...] | None = None) -> np.ndarray:
+    def get(self, name: str, dtype=np.float32, shape: tuple[int, ...] | None = None,
+            rows: slice | None = None) -> np.ndarray:
         """One tensor, converted to dtype (float32, or 'bfloat16' to keep the raw bf16 bits as uint16).
-        shape, when given, is checked."""
+        shape, when given, is checked; rows, when given, reads only those rows (the rest of
+        the tensor is never touched)."""
         raw, st_dtype = self._file(name).raw(name)
         if shape is not None and tuple(raw.shape) != tuple(shape):
             raise LoaderError(f"{self._file(name).path}: tensor {name!r} has shape {list(raw.shape)}, "
                               f"expected {list(shape)} from config.json")
+        if rows is not None:
+            raw = raw[rows]
         if dtype == "bfloat16":
             if st_dtype != "BF16":
                 raise LoaderError(f"tensor {name!r} is {st_dtype}, not BF16")
@@ -188,11 +197,11 @@ class WeightLoader:
         name = LAYER_NAMES[key].format(i=layer, e=expert)
         return self.get(name, dtype, self.expected_shape(key))
 
-    def glob(self, key: str, dtype=np.float32) -> np.ndarray:
+    def glob(self, key: str, dtype=np.float32, rows: slice | None = None) -> np.ndarray:
         """A model-wide tensor: embed, final_norm, lm_head (the embedding when tied)."""
         if key == "lm_head" and (self.config.tie_word_embeddings or GLOBAL_NAMES["lm_head"] not in self):
             key = "embed"
-        return self.get(GLOBAL_NAMES[key], dtype, self.expected_shape(key))
+        return self.get(GLOBAL_NAMES[key], dtype, self.expected_shape(key), rows)
 
     def fused(self, keys: list[str], layer: int, dtype=np.float32) -> np.ndarray:
         """Several projections of one layer stacked along the output axis, e.g.

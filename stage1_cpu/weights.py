@@ -84,9 +84,9 @@ def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
             bar.advance(task)
             return value
 
-        embed = step(quantize(loader.glob("embed"), embed_fmt, group_size))
+        embed = step(_quantize_by_rows(loader, "embed", embed_fmt, group_size))
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in loader
-        lm_head = embed if tied else step(quantize(loader.glob("lm_head"), embed_fmt, group_size))
+        lm_head = embed if tied else step(_quantize_by_rows(loader, "lm_head", embed_fmt, group_size))
         layers = []
         for i in range(cfg.num_layers):
             L = LayerWeights(
@@ -112,3 +112,18 @@ def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
             layers.append(L)
         final_norm = step(loader.glob("final_norm"))
     return Weights(cfg, embed, lm_head, final_norm, layers, fmt)
+
+
+def _quantize_by_rows(loader: WeightLoader, key: str, fmt: str, group_size: int,
+                      block: int = 16384) -> Weight:
+    """The embedding / lm_head [V, C] is by far the largest tensor (Qwen3-0.6B: 622 MB in
+    fp32). Quantize it a block of rows at a time straight from the mapped file, so its fp32
+    form never exists whole. -> one Weight, the blocks' rows stacked."""
+    V = loader.config.vocab_size
+    if fmt == "none":
+        return quantize(loader.glob(key), fmt, group_size)   # fp32 is the format itself
+    parts = [quantize(loader.glob(key, rows=slice(r, r + block)), fmt, group_size) for r in range(0, V, block)]
+    stack = lambda name: (None if getattr(parts[0], name) is None  # noqa: E731
+                          else np.concatenate([getattr(p, name) for p in parts]))
+    return Weight(fmt, V, parts[0].in_features, parts[0].group_size, stack("data"),
+                  scales=stack("scales"), mins=stack("mins"))
