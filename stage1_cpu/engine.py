@@ -39,7 +39,7 @@ class _Running:
 class LLMEngine:
     def __init__(self, folder: str | Path, quant: str = "none", group_size: int = 32,
                  max_ctx: int = 4096, threads: int | None = None, progress: bool = True,
-                 prefill_chunk: int = 512, use_numba: bool = True):
+                 prefill_chunk: int = 512, use_numba: bool = True, activations: str = "auto"):
         if threads:
             kernels.set_threads(threads)
         self.folder = Path(folder)
@@ -47,7 +47,7 @@ class LLMEngine:
         if max_ctx < 2:
             raise ValueError("--max-ctx must be at least 2")
         self.max_ctx = max_ctx
-        self.weights = load_weights(folder, quant, group_size, progress)
+        self.weights = load_weights(folder, quant, group_size, progress, activations)
         self.model = Model(self.weights, max_ctx, use_numba=use_numba)
         self.prefill_chunk = prefill_chunk
         self.eos_ids = set(self.config.eos_token_ids)

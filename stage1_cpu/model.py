@@ -3,7 +3,7 @@
     x = embed(tokens)                                   [T, C]
     for each layer:
         h = rmsnorm(x)                                  attention block
-        q, k, v = h @ wq.T, h @ wk.T, h @ wv.T
+        q, k, v = h @ wq.T, h @ wk.T, h @ wv.T          (one matmul: wqkv = [wq; wk; wv])
         q, k = rmsnorm per head (qwen3), then RoPE
         cache k, v; attend causally over the cache (GQA)
         x = x + attn @ wo.T
@@ -52,9 +52,10 @@ class Model:
         for layer, lw in enumerate(w.layers):
             # ---- attention block ----
             h = K.rmsnorm(x, lw.attn_norm, eps)                # [T, C]
-            q = lw.wq.matmul(h).reshape(T, H, D)               # [T, H, D]
-            k = lw.wk.matmul(h).reshape(T, Hkv, D)             # [T, Hkv, D]
-            v = lw.wv.matmul(h).reshape(T, Hkv, D)             # [T, Hkv, D]
+            qkv = lw.wqkv.matmul(h)                            # [T, (H + 2 Hkv) D]: one matmul for q, k, v
+            q = qkv[:, :H * D].reshape(T, H, D)                # [T, H, D]
+            k = qkv[:, H * D:(H + Hkv) * D].reshape(T, Hkv, D)  # [T, Hkv, D]
+            v = qkv[:, (H + Hkv) * D:].reshape(T, Hkv, D)      # [T, Hkv, D]
             if cfg.qk_norm:
                 # Qwen3: RMSNorm over each head's D values, before RoPE, keeps q.k well scaled
                 q = K.rmsnorm(q, lw.q_norm, eps)
@@ -71,8 +72,10 @@ class Model:
             if lw.experts:
                 x = x + self.moe(h, lw)
             else:
-                # SwiGLU: down(silu(gate(h)) * up(h))
-                x = x + lw.w_down.matmul(K.silu_mul(lw.w_gate.matmul(h), lw.w_up.matmul(h)))
+                # SwiGLU: down(silu(gate(h)) * up(h)), gate and up from one matmul
+                gate_up = lw.w_gate_up.matmul(h)               # [T, 2F]
+                F = gate_up.shape[1] // 2
+                x = x + lw.w_down.matmul(K.silu_mul(gate_up[:, :F], gate_up[:, F:]))
 
         # only the last position's logits are needed to pick the next token
         if not all_logits:

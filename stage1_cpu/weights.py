@@ -3,6 +3,12 @@
 Each projection becomes a quant.Weight (fp32, bf16, int8 or int4) the moment it
 is read, and the float32 copy is dropped before the next tensor is read: peak
 memory stays near the size of the quantized model plus one fp32 tensor.
+
+q_proj, k_proj and v_proj become one matrix, as do gate_proj and up_proj: they
+multiply the same input, so one matmul reads that input once and starts the
+threads once instead of three (two) times. At decode, where a parallel region
+costs ~50 us to start under OMP_WAIT_POLICY=PASSIVE, that is 3 of 7 starts per
+layer saved (docs/benchmarks.md has the measurement).
 """
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ from rich.progress import Progress
 
 from common.config import ModelConfig
 from common.loader import WeightLoader
+from stage1_cpu import simd
 from stage1_cpu.quant import FORMATS, Weight, quantize
 
 
@@ -28,15 +35,12 @@ class ExpertWeights:
 @dataclass
 class LayerWeights:
     attn_norm: np.ndarray           # [C]
-    wq: Weight                      # [H*D, C]
-    wk: Weight                      # [Hkv*D, C]
-    wv: Weight                      # [Hkv*D, C]
+    wqkv: Weight                    # [(H + 2*Hkv) * D, C]: q_proj, k_proj, v_proj stacked by rows
     wo: Weight                      # [C, H*D]
     mlp_norm: np.ndarray            # [C]
     q_norm: np.ndarray | None = None        # [D]   qwen3 only
     k_norm: np.ndarray | None = None        # [D]   qwen3 only
-    w_gate: Weight | None = None            # [F, C] dense MLP
-    w_up: Weight | None = None              # [F, C]
+    w_gate_up: Weight | None = None         # [2F, C] dense MLP: gate_proj, up_proj stacked
     w_down: Weight | None = None            # [C, F]
     router: np.ndarray | None = None        # [E, C] MoE router, kept in fp32 (it is tiny and decides everything)
     experts: list[ExpertWeights] = field(default_factory=list)
@@ -50,33 +54,52 @@ class Weights:
     final_norm: np.ndarray          # [C]
     layers: list[LayerWeights]
     fmt: str                        # none | bf16 | int8 | int4
+    int8_act: bool = False          # decode rounds activations to int8 (int8 / int4 weights)
 
     @property
     def nbytes(self) -> int:
         """Bytes of weights one decode step reads (the roofline's numerator)."""
         seen, total = set(), 0
         for w in [self.lm_head] + [getattr(l, n) for l in self.layers
-                                   for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")]:
+                                   for n in ("wqkv", "wo", "w_gate_up", "w_down")]:
             if w is not None and id(w) not in seen:
                 seen.add(id(w))
                 total += w.nbytes
         return total
 
 
+ACTIVATIONS = ("auto", "int8", "fp32")
+
+
+def int8_activations(fmt: str, activations: str = "auto") -> bool:
+    """Whether int8 / int4 decode rounds its activations to int8 (quant.py, simd.py):
+    auto = where the weights are int8 / int4 and the CPU has the instruction."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"unknown --activations {activations!r}; choose one of {', '.join(ACTIVATIONS)}")
+    if activations == "fp32" or fmt not in ("int8", "int4"):
+        return False
+    return activations == "int8" or simd.VNNI   # "int8" on a CPU without it: quantize() explains
+
+
 def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
-                 progress: bool = True) -> Weights:
+                 progress: bool = True, activations: str = "auto") -> Weights:
     if fmt not in FORMATS:
         raise ValueError(f"unknown --quant {fmt!r}; choose one of {', '.join(FORMATS)}")
+    act8 = int8_activations(fmt, activations)
     loader = WeightLoader(folder)
     cfg = loader.config
-    q = lambda a: quantize(a, fmt, group_size)  # noqa: E731  (fp32 array -> Weight)
+    q = lambda a: quantize(a, fmt, group_size, act8)  # noqa: E731  (fp32 array -> Weight)
     # The embedding / lm_head stays at int8 when the rest is int4, as llama.cpp's Q4 files keep
     # token_embd at Q8_0 and the output at Q6_K. It is the one matrix every logit goes through:
     # on the default model, all-int4 flips the first token of "What is the capital of France?"
     # (fp32 margin 0.09 logits) while int8 keeps it; see docs/stage1.md for the measurements.
     embed_fmt = "int8" if fmt == "int4" else fmt
+    # For the same reason its activations stay fp32 unless int8 is asked for by name: on the
+    # default model, int4 weights with int8 activations everywhere flip that same first token
+    # (margin 0.08 logits); with the lm_head's activations in fp32 the answer is unchanged.
+    head_act8 = act8 and activations == "int8"
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
-    total = 2 + cfg.num_layers * 7 + n_moe * cfg.num_experts * 3
+    total = 2 + cfg.num_layers * 4 + n_moe * (cfg.num_experts * 3 - 2)   # bar steps: one per Weight
     with Progress(transient=True, disable=not progress) as bar:
         task = bar.add_task(f"loading weights ({fmt})", total=total)
 
@@ -84,16 +107,14 @@ def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
             bar.advance(task)
             return value
 
-        embed = step(_quantize_by_rows(loader, "embed", embed_fmt, group_size))
+        embed = step(_quantize_by_rows(loader, "embed", embed_fmt, group_size, head_act8))
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in loader
-        lm_head = embed if tied else step(_quantize_by_rows(loader, "lm_head", embed_fmt, group_size))
+        lm_head = embed if tied else step(_quantize_by_rows(loader, "lm_head", embed_fmt, group_size, head_act8))
         layers = []
         for i in range(cfg.num_layers):
             L = LayerWeights(
                 attn_norm=loader.layer("attn_norm", i),
-                wq=step(q(loader.layer("wq", i))),
-                wk=step(q(loader.layer("wk", i))),
-                wv=step(q(loader.layer("wv", i))),
+                wqkv=step(q(loader.fused(["wq", "wk", "wv"], i))),
                 wo=step(q(loader.layer("wo", i))),
                 mlp_norm=loader.layer("mlp_norm", i),
             )
@@ -106,24 +127,24 @@ def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
                                            step(q(loader.layer("e_down", i, e))))
                              for e in range(cfg.num_experts)]
             else:
-                L.w_gate = step(q(loader.layer("w_gate", i)))
-                L.w_up = step(q(loader.layer("w_up", i)))
+                L.w_gate_up = step(q(loader.fused(["w_gate", "w_up"], i)))
                 L.w_down = step(q(loader.layer("w_down", i)))
             layers.append(L)
         final_norm = step(loader.glob("final_norm"))
-    return Weights(cfg, embed, lm_head, final_norm, layers, fmt)
+    return Weights(cfg, embed, lm_head, final_norm, layers, fmt, act8)
 
 
 def _quantize_by_rows(loader: WeightLoader, key: str, fmt: str, group_size: int,
-                      block: int = 16384) -> Weight:
+                      int8_act: bool = False, block: int = 16384) -> Weight:
     """The embedding / lm_head [V, C] is by far the largest tensor (Qwen3-0.6B: 622 MB in
     fp32). Quantize it a block of rows at a time straight from the mapped file, so its fp32
     form never exists whole. -> one Weight, the blocks' rows stacked."""
     V = loader.config.vocab_size
     if fmt == "none":
         return quantize(loader.glob(key), fmt, group_size)   # fp32 is the format itself
-    parts = [quantize(loader.glob(key, rows=slice(r, r + block)), fmt, group_size) for r in range(0, V, block)]
+    parts = [quantize(loader.glob(key, rows=slice(r, r + block)), fmt, group_size, int8_act)
+             for r in range(0, V, block)]
     stack = lambda name: (None if getattr(parts[0], name) is None  # noqa: E731
                           else np.concatenate([getattr(p, name) for p in parts]))
     return Weight(fmt, V, parts[0].in_features, parts[0].group_size, stack("data"),
-                  scales=stack("scales"), mins=stack("mins"))
+                  scales=stack("scales"), mins=stack("mins"), int8_act=int8_act)

@@ -5,6 +5,7 @@ import pytest
 from common.engine import Request
 from common.sampling import SamplingParams
 from models import hf_greedy, hf_logits, make_model
+from stage1_cpu import simd
 from stage1_cpu.engine import LLMEngine
 from stage1_cpu.model import Model
 from stage1_cpu.weights import load_weights
@@ -94,23 +95,48 @@ def test_quantized_logits_close_to_fp32_engine(family):
     assert errs["bf16"] < errs["int8"] < errs["int4"]
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
-def test_quantized_engine_computes_exactly_its_dequantized_model(fmt):
-    """The fused dequantize-and-multiply kernels against fp32 BLAS on the dequantized weights."""
-    from stage1_cpu.quant import quantize
+class _Twin:
+    """A Weight whose matmul is its numpy twin (dequantize, then BLAS; with
+    int8_act, the decode path's activation rounding first)."""
+    def __init__(self, w):
+        self.w = w
+
+    def matmul(self, x):
+        return self.w.matmul_ref(x)
+
+    def rows(self, ids):
+        return self.w.dequantize()[ids]
+
+
+ACT_CASES = [("bf16", "fp32")] + [(f, a) for f in ("int8", "int4") for a in ("fp32", "int8")]
+
+
+@pytest.mark.parametrize("fmt,activations", ACT_CASES)
+@pytest.mark.parametrize("T", [len(PROMPT), 1])        # the prefill path, the decode path
+def test_quantized_engine_computes_exactly_its_numpy_twin(fmt, activations, T):
+    """The fused kernels (and with int8 activations, simd.py's integer dot products)
+    against the numpy twin of every matmul: MoE experts see 1-3 tokens, so both paths run."""
+    if activations == "int8" and not simd.VNNI:
+        pytest.skip("this CPU has no VNNI: int8 activations are not available on it")
     folder = make_model("qwen3_moe", hidden_size=128, intermediate_size=256, initializer_range=0.05)
-    w = load_weights(folder, fmt, 32, progress=False)
-    fused = Model(w, 64).forward(np.array(PROMPT), 0, all_logits=True)
-    as_fp32 = lambda q: quantize(q.dequantize(), "none")  # noqa: E731
-    w.embed = as_fp32(w.embed)
-    w.lm_head = as_fp32(w.lm_head)
+    w = load_weights(folder, fmt, 32, progress=False, activations=activations)
+    assert w.int8_act == (activations == "int8")
+    prompt = np.array(PROMPT)
+    model = Model(w, 64)
+    if T < len(PROMPT):
+        model.forward(prompt[:-T], 0)                       # the rest of the prompt, then T tokens
+    fused = model.forward(prompt[-T:], len(PROMPT) - T, all_logits=True)
+    w.embed, w.lm_head = _Twin(w.embed), _Twin(w.lm_head)
     for lw in w.layers:
-        for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+        for name in ("wqkv", "wo", "w_gate_up", "w_down"):
             if getattr(lw, name) is not None:
-                setattr(lw, name, as_fp32(getattr(lw, name)))
+                setattr(lw, name, _Twin(getattr(lw, name)))
         for ex in lw.experts:
-            ex.e_gate, ex.e_up, ex.e_down = as_fp32(ex.e_gate), as_fp32(ex.e_up), as_fp32(ex.e_down)
-    assert rel_err(fused, Model(w, 64).forward(np.array(PROMPT), 0, all_logits=True)) < 1e-4
+            ex.e_gate, ex.e_up, ex.e_down = _Twin(ex.e_gate), _Twin(ex.e_up), _Twin(ex.e_down)
+    twin = Model(w, 64)
+    if T < len(PROMPT):
+        twin.forward(prompt[:-T], 0)
+    assert rel_err(fused, twin.forward(prompt[-T:], len(PROMPT) - T, all_logits=True)) < 1e-4
 
 
 def test_multi_turn_cache_reuse_equals_prefill_from_scratch():
