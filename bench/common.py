@@ -18,7 +18,9 @@ from pathlib import Path
 
 # OpenMP threads that spin while waiting steal the other core from whoever shares
 # the machine (and from our own second thread); every engine runs with this set.
-BENCH_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+# OPENBLAS_THREAD_TIMEOUT: see stage1_cpu/__init__.py (numpy is imported before stage 1 in a
+# worker, so it must come from the environment); llama.cpp and torch do not use numpy's OpenBLAS.
+BENCH_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "OPENBLAS_THREAD_TIMEOUT": "4"}
 BUSY_LOAD = 0.5          # a 1-minute load above this (before we start) means someone else is running
 RESULT_TAG = "BENCH-RESULT "   # the line a worker prints its JSON result on
 

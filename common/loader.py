@@ -203,7 +203,8 @@ class WeightLoader:
             key = "embed"
         return self.get(GLOBAL_NAMES[key], dtype, self.expected_shape(key), rows)
 
-    def fused(self, keys: list[str], layer: int, dtype=np.float32) -> np.ndarray:
+    def fused(self, keys: list[str], layer: int, expert: int | None = None, dtype=np.float32) -> np.ndarray:
         """Several projections of one layer stacked along the output axis, e.g.
-        ["wq", "wk", "wv"] -> [(H + 2*Hkv) * D, C] so one matmul computes q, k and v."""
-        return np.concatenate([self.layer(k, layer, dtype=dtype) for k in keys], axis=0)
+        ["wq", "wk", "wv"] -> [(H + 2*Hkv) * D, C] so one matmul computes q, k and v
+        (of one MoE expert, with expert: ["e_gate", "e_up"] -> [2 * Fe, C])."""
+        return np.concatenate([self.layer(k, layer, expert, dtype=dtype) for k in keys], axis=0)

@@ -73,9 +73,8 @@ class Model:
                 x = x + self.moe(h, lw)
             else:
                 # SwiGLU: down(silu(gate(h)) * up(h)), gate and up from one matmul
-                gate_up = lw.w_gate_up.matmul(h)               # [T, 2F]
-                F = gate_up.shape[1] // 2
-                x = x + lw.w_down.matmul(K.silu_mul(gate_up[:, :F], gate_up[:, F:]))
+                gate_up = lw.w_gate_up.matmul(h)               # [T, 2F] = [gate | up]
+                x = x + lw.w_down.matmul(K.silu_mul(gate_up))  # [T, F] -> [T, C]
 
         # only the last position's logits are needed to pick the next token
         if not all_logits:
@@ -102,6 +101,6 @@ class Model:
             rows, slot = np.nonzero(top == e)                  # tokens routed to e, and which of their k
             ex = lw.experts[e]
             he = h[rows]                                       # [Te, C]
-            y = ex.e_down.matmul(self.k.silu_mul(ex.e_gate.matmul(he), ex.e_up.matmul(he)))  # [Te, C]
+            y = ex.e_down.matmul(self.k.silu_mul(ex.e_gate_up.matmul(he)))  # [Te, 2Fe] -> [Te, C]
             out[rows] += weight[rows, slot][:, None] * y
         return out

@@ -57,8 +57,11 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, start_pos
     return out.transpose(2, 0, 1, 3).reshape(T, H, D).astype(np.float32)
 
 
-def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """SwiGLU's gate: silu(gate) * up.  [T, F], [T, F] -> [T, F]"""
+def silu_mul(gate_up: np.ndarray) -> np.ndarray:
+    """SwiGLU's gate: silu(gate) * up, on the fused projection's output
+    [T, 2F] = [gate | up] -> [T, F]"""
+    F = gate_up.shape[1] // 2
+    gate, up = gate_up[:, :F], gate_up[:, F:]
     return (gate / (np.float32(1) + np.exp(-gate)) * up).astype(np.float32)
 
 

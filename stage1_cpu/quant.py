@@ -45,13 +45,19 @@ read per token), so int4 stores a scale and a minimum.
 in_features that is not a multiple of group_size: the last group is padded with
 zero weights (and the activations with zeros at matmul time), so any size works.
 
-int8 activations (`int8_act`, decode only). Where the CPU has an integer
+int8 activations (`act="int8"`, decode only). Where the CPU has an integer
 dot-product instruction (simd.VNNI), an int8 / int4 Weight can round the
 activations to int8 as well, per group of gs values (x ~ xq * xs, xs = max|x|/127),
 and multiply integers: 2-2.6x faster per core, enough for decode to run at
 memory speed (simd.py, kernels.matmul_int8_q8 / matmul_int4_q8). llama.cpp
 does the same for its Q8_0 / Q4_0 weights. Prefill keeps float activations:
 there the BLAS tile path is used, and speed comes from the GEMM.
+
+bf16 activations (`act="bf16"`, prefill of bf16 weights only). Where the CPU
+has AVX-512 BF16, prefill rounds the activations to bf16 and runs simd.py's
+vdpbf16ps GEMM instead of dequantizing tiles for sgemm: twice the FLOP/s. The
+products are exact in fp32 and summed in fp32; the one rounding is x's (8
+significant bits), as in llama.cpp's BF16 and transformers' bf16 models.
 """
 from __future__ import annotations
 
@@ -65,12 +71,15 @@ FORMATS = ("none", "bf16", "int8", "int4")
 GROUP_SIZES = (32, 64, 128)
 
 # Prefill (T tokens at once) is compute-bound: the fast path dequantizes a block
-# of ROW_BLOCK rows into an fp32 tile (a few hundred KB, it stays in L2) and
-# hands it to BLAS sgemm, which is far faster than anything numba emits for a
-# GEMM. From PREFILL_MIN_T tokens this beats reading the rows T times in the
-# decode kernel (measured with bench/kernels.py).
+# of ROW_BLOCK rows into an fp32 tile and hands it to BLAS sgemm, which is far
+# faster than anything numba emits for a GEMM. From PREFILL_MIN_T tokens this
+# beats reading the rows T times in the decode kernel (bench/kernels.py).
+# Tile size, measured at T=512 on [6144, 1024] + [1024, 3072] matrices, 2 threads:
+# 256 rows 145-159 GFLOP/s, 512 rows 170-181, 1024 rows 184-187, 2048 rows 174-185.
+# OpenBLAS's threads split the tile's columns, and narrow tiles leave them too
+# little each; 1024 rows x 1024 fp32 is 4 MB, which L3 (32 MB) still holds.
 PREFILL_MIN_T = 8
-ROW_BLOCK = 256
+ROW_BLOCK = 1024
 
 
 def f32_to_bf16_bits(w: np.ndarray) -> np.ndarray:
@@ -99,7 +108,7 @@ class Weight:
     data: np.ndarray            # none [O, K] f32 | bf16 [O, K] u16 | int8 [O, G, gs] i8 | int4 [O, G/2, gs] u8
     scales: np.ndarray | None = None    # [O, G] fp16 bits (uint16): int8 / int4
     mins: np.ndarray | None = None      # [O, G] fp16 bits (uint16): int4
-    int8_act: bool = False              # decode rounds the activations to int8 (int8 / int4 only)
+    act: str = "fp32"                   # activations: fp32 | int8 (decode, int8 / int4) | bf16 (prefill, bf16)
 
     @property
     def padded_in(self) -> int:
@@ -125,12 +134,16 @@ class Weight:
         T = x.shape[0]
         if self.fmt == "none" and T >= PREFILL_MIN_T:
             return x @ self.data.T                        # BLAS, exact fp32
+        if self.act == "bf16" and T >= PREFILL_MIN_T:     # simd.py's bf16 GEMM
+            out = np.empty((T, self.out_features), dtype=np.float32)
+            kernels.matmul_bf16_prefill(kernels.bf16_pairs(x, simd.TOKENS), self.data.view(np.uint32), out)
+            return out
         x = self._pad(x)                                  # [T, Kp]
         if T >= PREFILL_MIN_T:
             return self._matmul_tiled(x)
         out = np.empty((T, self.out_features), dtype=np.float32)
         gs = self.group_size
-        if self.int8_act:
+        if self.act == "int8":
             xq, xa, xs, xsum = kernels.quantize_activations(x.reshape(T, -1, gs))   # [T, G, gs], [T, G]
             if self.fmt == "int8":
                 kernels.matmul_int8_q8(xq, xa, xs, self.data, self.scales, out)
@@ -203,8 +216,10 @@ class Weight:
 
     def matmul_ref(self, x: np.ndarray) -> np.ndarray:
         x = self._check(x)
-        if self.int8_act and x.shape[0] < PREFILL_MIN_T:           # the decode path rounds x first
+        if self.act == "int8" and x.shape[0] < PREFILL_MIN_T:       # the decode path rounds x first
             x = quantize_activations(self._pad(x), self.group_size)[:, : self.in_features]
+        if self.act == "bf16" and x.shape[0] >= PREFILL_MIN_T:      # the prefill path rounds x first
+            x = bf16_bits_to_f32(f32_to_bf16_bits(x))
         return (x @ self.dequantize().T).astype(np.float32)
 
     # -- helpers ---------------------------------------------------------------
@@ -237,14 +252,14 @@ def quantize_activations(x: np.ndarray, gs: int) -> np.ndarray:
 QUANT_ROWS = 4096  # rows quantized at a time: bounds the fp32 temporaries (~6 x rows x in x 4 bytes)
 
 
-def quantize(w: np.ndarray, fmt: str, group_size: int = 64, int8_act: bool = False) -> Weight:
-    """fp32 [out, in] -> Weight in format fmt (none | bf16 | int8 | int4);
-    int8_act: decode with int8 activations (int8 / int4 on a CPU with simd.VNNI)."""
+def quantize(w: np.ndarray, fmt: str, group_size: int = 64, act: str = "fp32") -> Weight:
+    """fp32 [out, in] -> Weight in format fmt (none | bf16 | int8 | int4).
+    act: the activations' format where it pays (see the module docstring):
+    fp32 always works; int8 (decode) needs int8 / int4 weights and simd.VNNI;
+    bf16 (prefill) needs bf16 weights with an even in_features and simd.BF16."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown quantization {fmt!r}; choose one of {', '.join(FORMATS)}")
-    if int8_act and (fmt not in ("int8", "int4") or not simd.VNNI):
-        raise ValueError("int8 activations need int8 / int4 weights and a CPU with AVX-512 VNNI or "
-                         f"AVX-VNNI (this one: {'yes' if simd.VNNI else 'no'}); use fp32 activations")
+    _check_act(act, fmt, np.shape(w)[-1])
     w = np.asarray(w)
     if w.ndim != 2:
         raise ValueError(f"quantize expects a 2-D weight [out, in], got shape {list(w.shape)}")
@@ -255,7 +270,7 @@ def quantize(w: np.ndarray, fmt: str, group_size: int = 64, int8_act: bool = Fal
         data = np.empty((O, K), dtype=np.uint16)
         for r in range(0, O, QUANT_ROWS):
             data[r:r + QUANT_ROWS] = f32_to_bf16_bits(w[r:r + QUANT_ROWS])
-        return Weight("bf16", O, K, 0, data)
+        return Weight("bf16", O, K, 0, data, act=act)
     if group_size not in GROUP_SIZES:
         raise ValueError(f"--group-size {group_size} is not supported; choose one of {GROUP_SIZES}")
 
@@ -280,7 +295,7 @@ def quantize(w: np.ndarray, fmt: str, group_size: int = 64, int8_act: bool = Fal
         else:
             data[rows], scales[rows], mins[rows] = _quantize_int4(g)
     return Weight(fmt, O, K, gs, data, scales=scales.view(np.uint16),
-                  mins=None if mins is None else mins.view(np.uint16), int8_act=int8_act)
+                  mins=None if mins is None else mins.view(np.uint16), act=act)
 
 
 def _quantize_int8(g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -307,6 +322,19 @@ def _quantize_int4(g: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     #                                        | weight j of group 2p+1 (high nibble)
     packed = q[:, 0::2] | (q[:, 1::2] << 4)                             # [R, G/2, gs]
     return packed, s, m
+
+
+def _check_act(act: str, fmt: str, K: int) -> None:
+    if act == "fp32":
+        return
+    if act == "int8" and fmt in ("int8", "int4") and simd.VNNI:
+        return
+    if act == "bf16" and fmt == "bf16" and K % 2 == 0 and simd.BF16:
+        return
+    raise ValueError(
+        f"{act} activations are not available for {fmt} weights [*, {K}] on this CPU: int8 needs "
+        f"int8 / int4 weights and VNNI (here: {'yes' if simd.VNNI else 'no'}), bf16 needs bf16 weights, "
+        f"an even in_features and AVX-512 BF16 (here: {'yes' if simd.BF16 else 'no'}); use fp32")
 
 
 def _padded(K: int, fmt: str, gs: int) -> int:

@@ -27,8 +27,7 @@ from stage1_cpu.quant import FORMATS, Weight, quantize
 
 @dataclass
 class ExpertWeights:
-    e_gate: Weight      # [Fe, C]
-    e_up: Weight        # [Fe, C]
+    e_gate_up: Weight   # [2Fe, C]: gate_proj, up_proj stacked
     e_down: Weight      # [C, Fe]
 
 
@@ -54,7 +53,7 @@ class Weights:
     final_norm: np.ndarray          # [C]
     layers: list[LayerWeights]
     fmt: str                        # none | bf16 | int8 | int4
-    int8_act: bool = False          # decode rounds activations to int8 (int8 / int4 weights)
+    act: str = "fp32"               # the layers' activations: fp32 | int8 (decode) | bf16 (prefill)
 
     @property
     def nbytes(self) -> int:
@@ -71,24 +70,32 @@ class Weights:
 ACTIVATIONS = ("auto", "int8", "fp32")
 
 
-def int8_activations(fmt: str, activations: str = "auto") -> bool:
-    """Whether int8 / int4 decode rounds its activations to int8 (quant.py, simd.py):
-    auto = where the weights are int8 / int4 and the CPU has the instruction."""
+def choose_act(fmt: str, activations: str, in_features: int, lm_head: bool = False) -> str:
+    """The activation format a Weight computes with (quant.py): --activations
+    auto rounds them where the CPU has a faster instruction for it, i.e. to int8
+    at int8 / int4 decode (simd.VNNI; not for the lm_head) and to bf16 at bf16
+    prefill (simd.BF16); int8 also rounds the lm_head's; fp32 never rounds."""
     if activations not in ACTIVATIONS:
         raise ValueError(f"unknown --activations {activations!r}; choose one of {', '.join(ACTIVATIONS)}")
-    if activations == "fp32" or fmt not in ("int8", "int4"):
-        return False
-    return activations == "int8" or simd.VNNI   # "int8" on a CPU without it: quantize() explains
+    if activations == "fp32":
+        return "fp32"
+    if fmt in ("int8", "int4"):
+        if lm_head and activations != "int8":
+            return "fp32"
+        return "int8" if simd.VNNI or activations == "int8" else "fp32"   # int8 without VNNI: quantize() explains
+    if fmt == "bf16" and simd.BF16 and in_features % 2 == 0:
+        return "bf16"
+    return "fp32"
 
 
 def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
                  progress: bool = True, activations: str = "auto") -> Weights:
     if fmt not in FORMATS:
         raise ValueError(f"unknown --quant {fmt!r}; choose one of {', '.join(FORMATS)}")
-    act8 = int8_activations(fmt, activations)
     loader = WeightLoader(folder)
     cfg = loader.config
-    q = lambda a: quantize(a, fmt, group_size, act8)  # noqa: E731  (fp32 array -> Weight)
+    choose_act(fmt, activations, 0)                   # a wrong --activations fails before any reading
+    q = lambda a: quantize(a, fmt, group_size, choose_act(fmt, activations, a.shape[1]))  # noqa: E731
     # The embedding / lm_head stays at int8 when the rest is int4, as llama.cpp's Q4 files keep
     # token_embd at Q8_0 and the output at Q6_K. It is the one matrix every logit goes through:
     # on the default model, all-int4 flips the first token of "What is the capital of France?"
@@ -97,9 +104,9 @@ def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
     # For the same reason its activations stay fp32 unless int8 is asked for by name: on the
     # default model, int4 weights with int8 activations everywhere flip that same first token
     # (margin 0.08 logits); with the lm_head's activations in fp32 the answer is unchanged.
-    head_act8 = act8 and activations == "int8"
+    head_act = choose_act(embed_fmt, activations, cfg.hidden_size, lm_head=True)
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
-    total = 2 + cfg.num_layers * 4 + n_moe * (cfg.num_experts * 3 - 2)   # bar steps: one per Weight
+    total = 2 + cfg.num_layers * 4 + n_moe * (cfg.num_experts - 1) * 2   # bar steps: one per Weight
     with Progress(transient=True, disable=not progress) as bar:
         task = bar.add_task(f"loading weights ({fmt})", total=total)
 
@@ -107,9 +114,9 @@ def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
             bar.advance(task)
             return value
 
-        embed = step(_quantize_by_rows(loader, "embed", embed_fmt, group_size, head_act8))
+        embed = step(_quantize_by_rows(loader, "embed", embed_fmt, group_size, head_act))
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in loader
-        lm_head = embed if tied else step(_quantize_by_rows(loader, "lm_head", embed_fmt, group_size, head_act8))
+        lm_head = embed if tied else step(_quantize_by_rows(loader, "lm_head", embed_fmt, group_size, head_act))
         layers = []
         for i in range(cfg.num_layers):
             L = LayerWeights(
@@ -122,8 +129,7 @@ def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
                 L.q_norm, L.k_norm = loader.layer("q_norm", i), loader.layer("k_norm", i)
             if cfg.is_moe_layer(i):
                 L.router = loader.layer("router", i)
-                L.experts = [ExpertWeights(step(q(loader.layer("e_gate", i, e))),
-                                           step(q(loader.layer("e_up", i, e))),
+                L.experts = [ExpertWeights(step(q(loader.fused(["e_gate", "e_up"], i, e))),
                                            step(q(loader.layer("e_down", i, e))))
                              for e in range(cfg.num_experts)]
             else:
@@ -131,20 +137,20 @@ def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
                 L.w_down = step(q(loader.layer("w_down", i)))
             layers.append(L)
         final_norm = step(loader.glob("final_norm"))
-    return Weights(cfg, embed, lm_head, final_norm, layers, fmt, act8)
+    return Weights(cfg, embed, lm_head, final_norm, layers, fmt, choose_act(fmt, activations, cfg.hidden_size))
 
 
 def _quantize_by_rows(loader: WeightLoader, key: str, fmt: str, group_size: int,
-                      int8_act: bool = False, block: int = 16384) -> Weight:
+                      act: str = "fp32", block: int = 16384) -> Weight:
     """The embedding / lm_head [V, C] is by far the largest tensor (Qwen3-0.6B: 622 MB in
     fp32). Quantize it a block of rows at a time straight from the mapped file, so its fp32
     form never exists whole. -> one Weight, the blocks' rows stacked."""
     V = loader.config.vocab_size
     if fmt == "none":
         return quantize(loader.glob(key), fmt, group_size)   # fp32 is the format itself
-    parts = [quantize(loader.glob(key, rows=slice(r, r + block)), fmt, group_size, int8_act)
+    parts = [quantize(loader.glob(key, rows=slice(r, r + block)), fmt, group_size, act)
              for r in range(0, V, block)]
     stack = lambda name: (None if getattr(parts[0], name) is None  # noqa: E731
                           else np.concatenate([getattr(p, name) for p in parts]))
     return Weight(fmt, V, parts[0].in_features, parts[0].group_size, stack("data"),
-                  scales=stack("scales"), mins=stack("mins"), int8_act=int8_act)
+                  scales=stack("scales"), mins=stack("mins"), act=act)

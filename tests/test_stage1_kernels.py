@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stage1_cpu import kernels, ops, quant
+from stage1_cpu import kernels, ops, quant, simd
 from stage1_cpu.quant import Weight, quantize
 
 RTOL = 1e-5  # fp32, different summation order
@@ -55,8 +55,8 @@ def test_rmsnorm_matches_ops(rng, shape):
 
 @pytest.mark.parametrize("T,F", [(1, 96), (3, 50), (20, 128)])
 def test_silu_mul_matches_ops(rng, T, F):
-    gate, up = randn(rng, T, F, scale=4.0), randn(rng, T, F)
-    close(kernels.silu_mul(gate, up), ops.silu_mul(gate, up))
+    gate_up = np.concatenate([randn(rng, T, F, scale=4.0), randn(rng, T, F)], axis=1)   # [T, 2F]
+    close(kernels.silu_mul(gate_up), ops.silu_mul(gate_up))
 
 
 @pytest.mark.parametrize("T,H,D", [(1, 16, 128), (4, 3, 64), (17, 2, 16)])
@@ -104,6 +104,43 @@ def test_quantized_matmul_matches_dequantized_twin(rng, fmt, gs, O, K):
     for T in (1, 3, quant.PREFILL_MIN_T + 5):
         x = randn(rng, T, K)
         close(W.matmul(x), W.matmul_ref(x))
+
+
+ACT_CASES = [("bf16", 0, "bf16")] + [(f, gs, "int8") for f in ("int8", "int4") for gs in (32, 64, 128)]
+
+
+@pytest.mark.parametrize("fmt,gs,act", ACT_CASES)
+@pytest.mark.parametrize("O,K", [(96, 256), (37, 96), (40, 72)])   # 37 rows: a part-filled bf16 panel
+def test_rounded_activation_matmul_matches_its_twin(rng, fmt, gs, act, O, K):
+    """simd.py's int8 (decode) and bf16 (prefill) dot products against the twin that
+    rounds x the same way, then multiplies in fp32: equal to fp32 rounding."""
+    if (act == "int8" and not simd.VNNI) or (act == "bf16" and not simd.BF16):
+        pytest.skip(f"this CPU lacks the instruction for {act} activations")
+    W = quantize(randn(rng, O, K), fmt, gs, act=act)
+    rounded = 0
+    for T in (1, 3, quant.PREFILL_MIN_T, 21):             # 21 tokens: a part-filled block of 8
+        x = randn(rng, T, K, scale=3.0)
+        close(W.matmul(x), W.matmul_ref(x))
+        as_fp32 = x @ W.dequantize().T
+        rounded += not np.allclose(W.matmul(x), as_fp32, rtol=0, atol=1e-5 * np.abs(as_fp32).max())
+    assert rounded == 2, "the rounding path should run for exactly two of the four token counts"
+
+
+def test_rounded_activations_refused_where_they_cannot_run(rng):
+    with pytest.raises(ValueError, match="not available"):
+        quantize(randn(rng, 4, 64), "none", act="int8")
+    with pytest.raises(ValueError, match="not available"):
+        quantize(randn(rng, 4, 63), "bf16", act="bf16")     # odd in_features: no bf16 pairs
+
+
+def test_int8_activations_keep_nan_and_inf(rng):
+    if not simd.VNNI:
+        pytest.skip("this CPU has no VNNI")
+    W = quantize(randn(rng, 8, 64), "int8", 32, act="int8")
+    x = randn(rng, 1, 64)
+    x[0, 3] = np.nan
+    x[0, 40] = np.inf
+    assert np.isnan(W.matmul(x)).all() and np.isnan(W.matmul_ref(x)).all()
 
 
 @pytest.mark.parametrize("fmt,gs", [("none", 0)] + FORMAT_CASES)
