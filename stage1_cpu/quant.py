@@ -45,19 +45,21 @@ read per token), so int4 stores a scale and a minimum.
 in_features that is not a multiple of group_size: the last group is padded with
 zero weights (and the activations with zeros at matmul time), so any size works.
 
-int8 activations (`act="int8"`, decode only). Where the CPU has an integer
-dot-product instruction (simd.VNNI), an int8 / int4 Weight can round the
-activations to int8 as well, per group of gs values (x ~ xq * xs, xs = max|x|/127),
-and multiply integers: 2-2.6x faster per core, enough for decode to run at
-memory speed (simd.py, kernels.matmul_int8_q8 / matmul_int4_q8). llama.cpp
-does the same for its Q8_0 / Q4_0 weights. Prefill keeps float activations:
-there the BLAS tile path is used, and speed comes from the GEMM.
-
-bf16 activations (`act="bf16"`, prefill of bf16 weights only). Where the CPU
-has AVX-512 BF16, prefill rounds the activations to bf16 and runs simd.py's
-vdpbf16ps GEMM instead of dequantizing tiles for sgemm: twice the FLOP/s. The
-products are exact in fp32 and summed in fp32; the one rounding is x's (8
-significant bits), as in llama.cpp's BF16 and transformers' bf16 models.
+Rounded activations, where the CPU has an instruction that pays for them
+(simd.py; both are off with --activations fp32, and never used for fp32 weights):
+- decode_act="int8" (int8 / int4 weights, simd.VNNI): decode rounds the
+  activations to int8 per group of gs values (x ~ xq * xs, xs = max|x| / 127)
+  and multiplies integers: 2-2.6x faster per core, enough for decode to run at
+  memory speed (kernels.matmul_int8_q8 / matmul_int4_q8). llama.cpp does the
+  same for its Q8_0 / Q4_0 weights.
+- prefill_act="bf16" (bf16 / int8 / int4 weights, simd.BF16): prefill rounds
+  the activations to bf16 and runs a vdpbf16ps GEMM (kernels.matmul_bf16_prefill)
+  instead of fp32 tiles through sgemm: twice the FLOP/s. int8 / int4 weights
+  are dequantized to bf16 for it (one more rounding, 8 significant bits: small
+  next to the quantization's own error); bf16 weights are used as they are.
+  Products are exact in fp32 and summed in fp32, as in llama.cpp's BF16 and
+  transformers' bf16 models.
+The numpy twin (matmul_ref) rounds the same things the same way.
 """
 from __future__ import annotations
 
@@ -80,6 +82,7 @@ GROUP_SIZES = (32, 64, 128)
 # little each; 1024 rows x 1024 fp32 is 4 MB, which L3 (32 MB) still holds.
 PREFILL_MIN_T = 8
 ROW_BLOCK = 1024
+BF16_ROWS = 8192    # rows of an int8 / int4 matrix turned into bf16 at a time (prefill_act="bf16")
 
 
 def f32_to_bf16_bits(w: np.ndarray) -> np.ndarray:
@@ -108,7 +111,8 @@ class Weight:
     data: np.ndarray            # none [O, K] f32 | bf16 [O, K] u16 | int8 [O, G, gs] i8 | int4 [O, G/2, gs] u8
     scales: np.ndarray | None = None    # [O, G] fp16 bits (uint16): int8 / int4
     mins: np.ndarray | None = None      # [O, G] fp16 bits (uint16): int4
-    act: str = "fp32"                   # activations: fp32 | int8 (decode, int8 / int4) | bf16 (prefill, bf16)
+    decode_act: str = "fp32"            # T < PREFILL_MIN_T: fp32 | int8 (int8 / int4 weights)
+    prefill_act: str = "fp32"           # T >= PREFILL_MIN_T: fp32 | bf16 (bf16 / int8 / int4 weights)
 
     @property
     def padded_in(self) -> int:
@@ -134,16 +138,14 @@ class Weight:
         T = x.shape[0]
         if self.fmt == "none" and T >= PREFILL_MIN_T:
             return x @ self.data.T                        # BLAS, exact fp32
-        if self.act == "bf16" and T >= PREFILL_MIN_T:     # simd.py's bf16 GEMM
-            out = np.empty((T, self.out_features), dtype=np.float32)
-            kernels.matmul_bf16_prefill(kernels.bf16_pairs(x, simd.TOKENS), self.data.view(np.uint32), out)
-            return out
         x = self._pad(x)                                  # [T, Kp]
+        if T >= PREFILL_MIN_T and self.prefill_act == "bf16":
+            return self._matmul_bf16(x)
         if T >= PREFILL_MIN_T:
             return self._matmul_tiled(x)
         out = np.empty((T, self.out_features), dtype=np.float32)
         gs = self.group_size
-        if self.act == "int8":
+        if self.decode_act == "int8":
             xq, xa, xs, xsum = kernels.quantize_activations(x.reshape(T, -1, gs))   # [T, G, gs], [T, G]
             if self.fmt == "int8":
                 kernels.matmul_int8_q8(xq, xa, xs, self.data, self.scales, out)
@@ -172,6 +174,25 @@ class Weight:
             self._dequant(np.arange(r0, r1), t)
             # BLAS writes straight into the column block of out (no copy)
             np.matmul(x, t.T, out=out[:, r0:r1])                            # [T, rows]
+        return out
+
+    def _matmul_bf16(self, x: np.ndarray) -> np.ndarray:
+        """Prefill on simd.py's bf16 GEMM: x [T, Kp] rounded to bf16 pairs once; int8 /
+        int4 weights dequantized to bf16 BF16_ROWS rows at a time (8192 x 1024: 16 MB)."""
+        T, O = x.shape[0], self.out_features
+        xb = kernels.bf16_pairs(x, simd.TOKENS)                            # [Tp, Kp/2] bf16 pairs
+        out = np.empty((T, O), dtype=np.float32)
+        if self.fmt == "bf16":
+            kernels.matmul_bf16_prefill(xb, self.data.view(np.uint32), out)
+            return out
+        for r0 in range(0, O, BF16_ROWS):
+            r1 = min(O, r0 + BF16_ROWS)
+            w2 = np.empty((r1 - r0, self.padded_in // 2), dtype=np.uint32)  # [rows, Kp/2] bf16 pairs
+            if self.fmt == "int8":
+                kernels.bf16_pairs_int8(self.data[r0:r1], self.scales[r0:r1], w2)
+            else:
+                kernels.bf16_pairs_int4(self.data[r0:r1], self.scales[r0:r1], self.mins[r0:r1], w2)
+            kernels.matmul_bf16_prefill(xb, w2, out[:, r0:r1])
         return out
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
@@ -216,11 +237,12 @@ class Weight:
 
     def matmul_ref(self, x: np.ndarray) -> np.ndarray:
         x = self._check(x)
-        if self.act == "int8" and x.shape[0] < PREFILL_MIN_T:       # the decode path rounds x first
+        w = self.dequantize()
+        if self.decode_act == "int8" and x.shape[0] < PREFILL_MIN_T:    # decode rounds x to int8
             x = quantize_activations(self._pad(x), self.group_size)[:, : self.in_features]
-        if self.act == "bf16" and x.shape[0] >= PREFILL_MIN_T:      # the prefill path rounds x first
-            x = bf16_bits_to_f32(f32_to_bf16_bits(x))
-        return (x @ self.dequantize().T).astype(np.float32)
+        if self.prefill_act == "bf16" and x.shape[0] >= PREFILL_MIN_T:  # prefill rounds x and W to bf16
+            x, w = bf16_bits_to_f32(f32_to_bf16_bits(x)), bf16_bits_to_f32(f32_to_bf16_bits(w))
+        return (x @ w.T).astype(np.float32)
 
     # -- helpers ---------------------------------------------------------------
 
@@ -252,14 +274,14 @@ def quantize_activations(x: np.ndarray, gs: int) -> np.ndarray:
 QUANT_ROWS = 4096  # rows quantized at a time: bounds the fp32 temporaries (~6 x rows x in x 4 bytes)
 
 
-def quantize(w: np.ndarray, fmt: str, group_size: int = 64, act: str = "fp32") -> Weight:
-    """fp32 [out, in] -> Weight in format fmt (none | bf16 | int8 | int4).
-    act: the activations' format where it pays (see the module docstring):
-    fp32 always works; int8 (decode) needs int8 / int4 weights and simd.VNNI;
-    bf16 (prefill) needs bf16 weights with an even in_features and simd.BF16."""
+def quantize(w: np.ndarray, fmt: str, group_size: int = 64,
+             decode_act: str = "fp32", prefill_act: str = "fp32") -> Weight:
+    """fp32 [out, in] -> Weight in format fmt (none | bf16 | int8 | int4), its
+    activations rounded as asked (see the module docstring; fp32 always works)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown quantization {fmt!r}; choose one of {', '.join(FORMATS)}")
-    _check_act(act, fmt, np.shape(w)[-1])
+    _check_act(decode_act, prefill_act, fmt, np.shape(w)[-1])
+    act = {"decode_act": decode_act, "prefill_act": prefill_act}
     w = np.asarray(w)
     if w.ndim != 2:
         raise ValueError(f"quantize expects a 2-D weight [out, in], got shape {list(w.shape)}")
@@ -270,7 +292,7 @@ def quantize(w: np.ndarray, fmt: str, group_size: int = 64, act: str = "fp32") -
         data = np.empty((O, K), dtype=np.uint16)
         for r in range(0, O, QUANT_ROWS):
             data[r:r + QUANT_ROWS] = f32_to_bf16_bits(w[r:r + QUANT_ROWS])
-        return Weight("bf16", O, K, 0, data, act=act)
+        return Weight("bf16", O, K, 0, data, **act)
     if group_size not in GROUP_SIZES:
         raise ValueError(f"--group-size {group_size} is not supported; choose one of {GROUP_SIZES}")
 
@@ -295,7 +317,7 @@ def quantize(w: np.ndarray, fmt: str, group_size: int = 64, act: str = "fp32") -
         else:
             data[rows], scales[rows], mins[rows] = _quantize_int4(g)
     return Weight(fmt, O, K, gs, data, scales=scales.view(np.uint16),
-                  mins=None if mins is None else mins.view(np.uint16), act=act)
+                  mins=None if mins is None else mins.view(np.uint16), **act)
 
 
 def _quantize_int8(g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -324,17 +346,17 @@ def _quantize_int4(g: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return packed, s, m
 
 
-def _check_act(act: str, fmt: str, K: int) -> None:
-    if act == "fp32":
-        return
-    if act == "int8" and fmt in ("int8", "int4") and simd.VNNI:
-        return
-    if act == "bf16" and fmt == "bf16" and K % 2 == 0 and simd.BF16:
-        return
-    raise ValueError(
-        f"{act} activations are not available for {fmt} weights [*, {K}] on this CPU: int8 needs "
-        f"int8 / int4 weights and VNNI (here: {'yes' if simd.VNNI else 'no'}), bf16 needs bf16 weights, "
-        f"an even in_features and AVX-512 BF16 (here: {'yes' if simd.BF16 else 'no'}); use fp32")
+def _check_act(decode_act: str, prefill_act: str, fmt: str, K: int) -> None:
+    if decode_act not in ("fp32", "int8") or prefill_act not in ("fp32", "bf16"):
+        raise ValueError(f"decode activations are fp32 or int8, prefill ones fp32 or bf16; "
+                         f"got {decode_act!r}, {prefill_act!r}")
+    if decode_act == "int8" and not (fmt in ("int8", "int4") and simd.VNNI):
+        raise ValueError(f"int8 activations are not available for {fmt} weights on this CPU: they need "
+                         f"int8 / int4 weights and VNNI (here: {'yes' if simd.VNNI else 'no'}); use fp32")
+    if prefill_act == "bf16" and not (simd.BF16 and (fmt in ("int8", "int4") or (fmt == "bf16" and K % 2 == 0))):
+        raise ValueError(f"bf16 activations are not available for {fmt} weights [*, {K}] on this CPU: "
+                         f"they need bf16 / int8 / int4 weights, an even in_features (bf16) and "
+                         f"AVX-512 BF16 (here: {'yes' if simd.BF16 else 'no'}); use fp32")
 
 
 def _padded(K: int, fmt: str, gs: int) -> int:

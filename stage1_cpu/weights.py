@@ -53,7 +53,7 @@ class Weights:
     final_norm: np.ndarray          # [C]
     layers: list[LayerWeights]
     fmt: str                        # none | bf16 | int8 | int4
-    act: str = "fp32"               # the layers' activations: fp32 | int8 (decode) | bf16 (prefill)
+    act: dict = field(default_factory=dict)   # the layers' {"decode_act": fp32 | int8, "prefill_act": fp32 | bf16}
 
     @property
     def nbytes(self) -> int:
@@ -70,22 +70,22 @@ class Weights:
 ACTIVATIONS = ("auto", "int8", "fp32")
 
 
-def choose_act(fmt: str, activations: str, in_features: int, lm_head: bool = False) -> str:
-    """The activation format a Weight computes with (quant.py): --activations
-    auto rounds them where the CPU has a faster instruction for it, i.e. to int8
-    at int8 / int4 decode (simd.VNNI; not for the lm_head) and to bf16 at bf16
-    prefill (simd.BF16); int8 also rounds the lm_head's; fp32 never rounds."""
+def choose_act(fmt: str, activations: str, in_features: int, lm_head: bool = False) -> dict:
+    """How a Weight rounds its activations (quant.py): --activations auto rounds
+    them where the CPU has a faster instruction for it: to int8 at int8 / int4
+    decode (simd.VNNI; not the lm_head's) and to bf16 at bf16 / int8 / int4
+    prefill (simd.BF16); int8 also rounds the lm_head's; fp32 never rounds.
+    -> quantize()'s keyword arguments {"decode_act": ..., "prefill_act": ...}."""
     if activations not in ACTIVATIONS:
         raise ValueError(f"unknown --activations {activations!r}; choose one of {', '.join(ACTIVATIONS)}")
-    if activations == "fp32":
-        return "fp32"
-    if fmt in ("int8", "int4"):
-        if lm_head and activations != "int8":
-            return "fp32"
-        return "int8" if simd.VNNI or activations == "int8" else "fp32"   # int8 without VNNI: quantize() explains
-    if fmt == "bf16" and simd.BF16 and in_features % 2 == 0:
-        return "bf16"
-    return "fp32"
+    act = {"decode_act": "fp32", "prefill_act": "fp32"}
+    if activations == "fp32" or fmt == "none":
+        return act
+    if fmt in ("int8", "int4") and (activations == "int8" or (simd.VNNI and not lm_head)):
+        act["decode_act"] = "int8"                  # int8 without VNNI: quantize() explains
+    if simd.BF16 and (fmt != "bf16" or in_features % 2 == 0):
+        act["prefill_act"] = "bf16"
+    return act
 
 
 def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
@@ -95,14 +95,14 @@ def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
     loader = WeightLoader(folder)
     cfg = loader.config
     choose_act(fmt, activations, 0)                   # a wrong --activations fails before any reading
-    q = lambda a: quantize(a, fmt, group_size, choose_act(fmt, activations, a.shape[1]))  # noqa: E731
+    q = lambda a: quantize(a, fmt, group_size, **choose_act(fmt, activations, a.shape[1]))  # noqa: E731
     # The embedding / lm_head stays at int8 when the rest is int4, as llama.cpp's Q4 files keep
     # token_embd at Q8_0 and the output at Q6_K. It is the one matrix every logit goes through:
     # on the default model, all-int4 flips the first token of "What is the capital of France?"
     # (fp32 margin 0.09 logits) while int8 keeps it; see docs/stage1.md for the measurements.
     embed_fmt = "int8" if fmt == "int4" else fmt
-    # For the same reason its activations stay fp32 unless int8 is asked for by name: on the
-    # default model, int4 weights with int8 activations everywhere flip that same first token
+    # For the same reason its decode activations stay fp32 unless int8 is asked for by name: on
+    # the default model, int4 weights with int8 activations everywhere flip that same first token
     # (margin 0.08 logits); with the lm_head's activations in fp32 the answer is unchanged.
     head_act = choose_act(embed_fmt, activations, cfg.hidden_size, lm_head=True)
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
@@ -141,16 +141,16 @@ def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
 
 
 def _quantize_by_rows(loader: WeightLoader, key: str, fmt: str, group_size: int,
-                      act: str = "fp32", block: int = 16384) -> Weight:
+                      act: dict | None = None, block: int = 16384) -> Weight:
     """The embedding / lm_head [V, C] is by far the largest tensor (Qwen3-0.6B: 622 MB in
     fp32). Quantize it a block of rows at a time straight from the mapped file, so its fp32
     form never exists whole. -> one Weight, the blocks' rows stacked."""
     V = loader.config.vocab_size
     if fmt == "none":
         return quantize(loader.glob(key), fmt, group_size)   # fp32 is the format itself
-    parts = [quantize(loader.glob(key, rows=slice(r, r + block)), fmt, group_size, act)
+    parts = [quantize(loader.glob(key, rows=slice(r, r + block)), fmt, group_size, **(act or {}))
              for r in range(0, V, block)]
     stack = lambda name: (None if getattr(parts[0], name) is None  # noqa: E731
                           else np.concatenate([getattr(p, name) for p in parts]))
     return Weight(fmt, V, parts[0].in_features, parts[0].group_size, stack("data"),
-                  scales=stack("scales"), mins=stack("mins"), act=act)
+                  scales=stack("scales"), mins=stack("mins"), **(act or {}))

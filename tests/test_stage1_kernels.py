@@ -106,37 +106,43 @@ def test_quantized_matmul_matches_dequantized_twin(rng, fmt, gs, O, K):
         close(W.matmul(x), W.matmul_ref(x))
 
 
-ACT_CASES = [("bf16", 0, "bf16")] + [(f, gs, "int8") for f in ("int8", "int4") for gs in (32, 64, 128)]
+ACT_CASES = ([("bf16", 0, "fp32", "bf16")] + [(f, gs, "int8", "fp32") for f in ("int8", "int4") for gs in (32, 128)]
+             + [(f, gs, "int8", "bf16") for f in ("int8", "int4") for gs in (32, 64)])
 
 
-@pytest.mark.parametrize("fmt,gs,act", ACT_CASES)
+@pytest.mark.parametrize("fmt,gs,decode_act,prefill_act", ACT_CASES)
 @pytest.mark.parametrize("O,K", [(96, 256), (37, 96), (40, 72)])   # 37 rows: a part-filled bf16 panel
-def test_rounded_activation_matmul_matches_its_twin(rng, fmt, gs, act, O, K):
+def test_rounded_activation_matmul_matches_its_twin(rng, fmt, gs, decode_act, prefill_act, O, K):
     """simd.py's int8 (decode) and bf16 (prefill) dot products against the twin that
-    rounds x the same way, then multiplies in fp32: equal to fp32 rounding."""
-    if (act == "int8" and not simd.VNNI) or (act == "bf16" and not simd.BF16):
-        pytest.skip(f"this CPU lacks the instruction for {act} activations")
-    W = quantize(randn(rng, O, K), fmt, gs, act=act)
-    rounded = 0
+    rounds x (and for bf16, W) the same way, then multiplies in fp32: equal to fp32 rounding."""
+    if (decode_act == "int8" and not simd.VNNI) or (prefill_act == "bf16" and not simd.BF16):
+        pytest.skip("this CPU lacks the instruction for these activations")
+    if fmt == "bf16" and K % 2:
+        pytest.skip("bf16 pairs need an even in_features")
+    W = quantize(randn(rng, O, K), fmt, gs or 64, decode_act=decode_act, prefill_act=prefill_act)
+    rounded = []
     for T in (1, 3, quant.PREFILL_MIN_T, 21):             # 21 tokens: a part-filled block of 8
         x = randn(rng, T, K, scale=3.0)
         close(W.matmul(x), W.matmul_ref(x))
         as_fp32 = x @ W.dequantize().T
-        rounded += not np.allclose(W.matmul(x), as_fp32, rtol=0, atol=1e-5 * np.abs(as_fp32).max())
-    assert rounded == 2, "the rounding path should run for exactly two of the four token counts"
+        rounded.append(not np.allclose(W.matmul(x), as_fp32, rtol=0, atol=1e-5 * np.abs(as_fp32).max()))
+    # the rounding shows exactly on the paths that round: decode (T=1, 3), prefill (T=8, 21)
+    assert rounded == [decode_act != "fp32"] * 2 + [prefill_act != "fp32"] * 2
 
 
 def test_rounded_activations_refused_where_they_cannot_run(rng):
     with pytest.raises(ValueError, match="not available"):
-        quantize(randn(rng, 4, 64), "none", act="int8")
+        quantize(randn(rng, 4, 64), "none", decode_act="int8")
     with pytest.raises(ValueError, match="not available"):
-        quantize(randn(rng, 4, 63), "bf16", act="bf16")     # odd in_features: no bf16 pairs
+        quantize(randn(rng, 4, 63), "bf16", prefill_act="bf16")     # odd in_features: no bf16 pairs
+    with pytest.raises(ValueError, match="fp32 or int8"):
+        quantize(randn(rng, 4, 64), "int8", decode_act="int4")
 
 
 def test_int8_activations_keep_nan_and_inf(rng):
     if not simd.VNNI:
         pytest.skip("this CPU has no VNNI")
-    W = quantize(randn(rng, 8, 64), "int8", 32, act="int8")
+    W = quantize(randn(rng, 8, 64), "int8", 32, decode_act="int8")
     x = randn(rng, 1, 64)
     x[0, 3] = np.nan
     x[0, 40] = np.inf
