@@ -286,6 +286,41 @@ def quantize_activations(x3):
     return xq, xa, xs, xsum
 
 
+@njit(cache=True, fastmath=FAST, error_model="numpy")
+def quantize_activations16(x3):
+    """x3 [T, G, gs] f32 -> x16 [T, G, gs] int16, xs [T, G] f32: x ~ x16 * xs with
+    xs = max |x| / 32767 per group (round to nearest even); NaN / inf as in
+    quantize_activations. The numpy twin: quant.quantize_activations(..., 32767)."""
+    T, G, gs = x3.shape
+    x16 = np.empty((T, G, gs), dtype=np.int16)
+    xs = np.empty((T, G), dtype=np.float32)
+    for t in range(T):
+        for g in range(G):
+            amax = np.float32(0.0)
+            poison = np.float32(0.0)
+            for j in range(gs):
+                amax = max(amax, abs(x3[t, g, j]))
+                poison += x3[t, g, j] * np.float32(0.0)
+            scale = amax / np.float32(32767.0)
+            inv = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
+            for j in range(gs):
+                x16[t, g, j] = np.int32(np.rint(x3[t, g, j] * inv))
+            xs[t, g] = scale + poison
+    return x16, xs
+
+
+@njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
+def matmul_int8_q16(x16, xs, q, s, out):
+    """x16 [T, G, gs], xs [T, G] from quantize_activations16; q [O, G, gs] int8;
+    s [O, G] fp16 bits -> out [T, O] (simd.dot_int8_row_i16)."""
+    T, G, gs = x16.shape
+    O = q.shape[0]
+    qf, sf, xf, xsf = q.reshape(-1), s.reshape(-1), x16.reshape(-1), xs.reshape(-1)
+    for r in prange(O):
+        for t in range(T):
+            out[t, r] = simd.dot_int8_row_i16(qf, r * G * gs, xf, t * G * gs, sf, r * G, xsf, t * G, G, gs)
+
+
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
 def matmul_int8_q8(xq, xa, xs, q, s, out):
     """xq, xa [T, G, gs], xs [T, G] from quantize_activations; q [O, G, gs] int8;

@@ -52,6 +52,9 @@ Rounded activations, where the CPU has an instruction that pays for them
   and multiplies integers: 2-2.6x faster per core, enough for decode to run at
   memory speed (kernels.matmul_int8_q8 / matmul_int4_q8). llama.cpp does the
   same for its Q8_0 / Q4_0 weights.
+- decode_act="int16" (int8 weights, simd.VNNI): the same with 15-bit
+  activations (xs = max|x| / 32767), for the lm_head: almost exact, about as
+  fast as int8 there, where the memory is the limit (kernels.matmul_int8_q16).
 - prefill_act="bf16" (bf16 / int8 / int4 weights, simd.BF16): prefill rounds
   the activations to bf16 and runs a vdpbf16ps GEMM (kernels.matmul_bf16_prefill)
   instead of fp32 tiles through sgemm: twice the FLOP/s. int8 / int4 weights
@@ -111,7 +114,7 @@ class Weight:
     data: np.ndarray            # none [O, K] f32 | bf16 [O, K] u16 | int8 [O, G, gs] i8 | int4 [O, G/2, gs] u8
     scales: np.ndarray | None = None    # [O, G] fp16 bits (uint16): int8 / int4
     mins: np.ndarray | None = None      # [O, G] fp16 bits (uint16): int4
-    decode_act: str = "fp32"            # T < PREFILL_MIN_T: fp32 | int8 (int8 / int4 weights)
+    decode_act: str = "fp32"            # T < PREFILL_MIN_T: fp32 | int8 (int8 / int4 weights) | int16 (int8)
     prefill_act: str = "fp32"           # T >= PREFILL_MIN_T: fp32 | bf16 (bf16 / int8 / int4 weights)
 
     @property
@@ -145,7 +148,10 @@ class Weight:
             return self._matmul_tiled(x)
         out = np.empty((T, self.out_features), dtype=np.float32)
         gs = self.group_size
-        if self.decode_act == "int8":
+        if self.decode_act == "int16":
+            x16, xs = kernels.quantize_activations16(x.reshape(T, -1, gs))           # [T, G, gs], [T, G]
+            kernels.matmul_int8_q16(x16, xs, self.data, self.scales, out)
+        elif self.decode_act == "int8":
             xq, xa, xs, xsum = kernels.quantize_activations(x.reshape(T, -1, gs))   # [T, G, gs], [T, G]
             if self.fmt == "int8":
                 kernels.matmul_int8_q8(xq, xa, xs, self.data, self.scales, out)
@@ -238,8 +244,9 @@ class Weight:
     def matmul_ref(self, x: np.ndarray) -> np.ndarray:
         x = self._check(x)
         w = self.dequantize()
-        if self.decode_act == "int8" and x.shape[0] < PREFILL_MIN_T:    # decode rounds x to int8
-            x = quantize_activations(self._pad(x), self.group_size)[:, : self.in_features]
+        if self.decode_act != "fp32" and x.shape[0] < PREFILL_MIN_T:    # decode rounds x to int8 / int16
+            qmax = 127 if self.decode_act == "int8" else 32767
+            x = quantize_activations(self._pad(x), self.group_size, qmax)[:, : self.in_features]
         if self.prefill_act == "bf16" and x.shape[0] >= PREFILL_MIN_T:  # prefill rounds x and W to bf16
             x, w = bf16_bits_to_f32(f32_to_bf16_bits(x)), bf16_bits_to_f32(f32_to_bf16_bits(w))
         return (x @ w.T).astype(np.float32)
@@ -261,11 +268,12 @@ class Weight:
         return xp
 
 
-def quantize_activations(x: np.ndarray, gs: int) -> np.ndarray:
-    """The twin of kernels.quantize_activations, as the kernels see it: x [T, Kp]
-    f32 -> xq * xs [T, Kp], x rounded to int8 per group of gs with xs = max|x| / 127."""
+def quantize_activations(x: np.ndarray, gs: int, qmax: int = 127) -> np.ndarray:
+    """The twin of kernels.quantize_activations (qmax 127) and quantize_activations16
+    (qmax 32767), as the kernels see it: x [T, Kp] f32 -> xq * xs [T, Kp], x rounded
+    per group of gs to integers in [-qmax, qmax] with xs = max|x| / qmax."""
     g = x.reshape(x.shape[0], -1, gs)                                     # [T, G, gs]
-    scale = np.abs(g).max(axis=-1, keepdims=True) / np.float32(127.0)     # [T, G, 1]
+    scale = np.abs(g).max(axis=-1, keepdims=True) / np.float32(qmax)      # [T, G, 1]
     inv = np.divide(np.float32(1.0), scale, out=np.zeros_like(scale), where=scale > 0)
     poison = (g * np.float32(0.0)).sum(axis=-1, keepdims=True)            # NaN where x has NaN / inf
     return (np.rint(np.nan_to_num(g * inv)) * (scale + poison)).reshape(x.shape).astype(np.float32)
@@ -347,12 +355,15 @@ def _quantize_int4(g: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _check_act(decode_act: str, prefill_act: str, fmt: str, K: int) -> None:
-    if decode_act not in ("fp32", "int8") or prefill_act not in ("fp32", "bf16"):
-        raise ValueError(f"decode activations are fp32 or int8, prefill ones fp32 or bf16; "
+    if decode_act not in ("fp32", "int8", "int16") or prefill_act not in ("fp32", "bf16"):
+        raise ValueError(f"decode activations are fp32, int8 or int16, prefill ones fp32 or bf16; "
                          f"got {decode_act!r}, {prefill_act!r}")
     if decode_act == "int8" and not (fmt in ("int8", "int4") and simd.VNNI):
         raise ValueError(f"int8 activations are not available for {fmt} weights on this CPU: they need "
                          f"int8 / int4 weights and VNNI (here: {'yes' if simd.VNNI else 'no'}); use fp32")
+    if decode_act == "int16" and not (fmt == "int8" and simd.VNNI):
+        raise ValueError(f"int16 activations are not available for {fmt} weights on this CPU: they need "
+                         f"int8 weights and VNNI (here: {'yes' if simd.VNNI else 'no'}); use fp32")
     if prefill_act == "bf16" and not (simd.BF16 and (fmt in ("int8", "int4") or (fmt == "bf16" and K % 2 == 0))):
         raise ValueError(f"bf16 activations are not available for {fmt} weights [*, {K}] on this CPU: "
                          f"they need bf16 / int8 / int4 weights, an even in_features (bf16) and "

@@ -101,24 +101,29 @@ def _splat(builder, value):
     return builder.shuffle_vector(one, ir.Constant(FLOATS8, ir.Undefined), ir.Constant(INTS8, [0] * 8))
 
 
+def _vpdpbusd(builder, unsigned, signed):
+    """32 unsigned bytes . 32 signed bytes -> 8 int32 lanes, each the sum of 4 products."""
+    fn = _declare(builder, "llvm.x86.avx512.vpdpbusd.256", INTS8, [INTS8, INTS8, INTS8])
+    return builder.call(fn, [ir.Constant(INTS8, None), builder.bitcast(unsigned, INTS8),
+                             builder.bitcast(signed, INTS8)])
+
+
 def _emit_row(builder, n_steps, step, tail=None):
     """The row's dot product: sum of float(int dot of a chunk) * its scale over all chunks.
 
-    A chunk is 32 weights: vpdpbusd turns its 32 unsigned and 32 signed bytes
-    into 8 int32 lanes, which are converted to float and multiplied by the
-    chunk's scale (its group's: a group of gs weights is gs / 32 chunks). The 8
-    float lanes are added up once per row, not once per chunk.
-    step(i) gives the two chunks of loop step i as (unsigned, signed, scale)
-    triples; they go to two accumulators, so that a chunk does not wait for the
-    previous chunk's multiply-add (4 cycles). tail() gives one more chunk, if any."""
-    vpdpbusd = _declare(builder, "llvm.x86.avx512.vpdpbusd.256", INTS8, [INTS8, INTS8, INTS8])
+    A chunk is 32 weights, whose integer dot product comes as 8 int32 lanes
+    (one vpdpbusd, or two vpdpwssd for int16 activations). The lanes are
+    converted to float and multiplied by the chunk's scale (its group's: a group
+    of gs weights is gs / 32 chunks); the 8 float lanes are added up once per
+    row, not once per chunk. step(i) gives the two chunks of loop step i as
+    (int32 lanes, scale) pairs; they go to two accumulators, so that a chunk
+    does not wait for the previous chunk's multiply-add (4 cycles). tail()
+    gives one more chunk, if any."""
     fma = _declare(builder, "llvm.fma.v8f32", FLOATS8, [FLOATS8] * 3)
     acc = [cgutils.alloca_once_value(builder, ir.Constant(FLOATS8, None)) for _ in range(2)]
 
     def add_chunk(chunk, slot):                 # slot += float(int dot of the chunk) * its scale
-        unsigned, signed, scale = chunk
-        dot = builder.call(vpdpbusd, [ir.Constant(INTS8, None), builder.bitcast(unsigned, INTS8),
-                                      builder.bitcast(signed, INTS8)])
+        dot, scale = chunk
         lanes = builder.sitofp(dot, FLOATS8)
         builder.store(builder.call(fma, [lanes, _splat(builder, scale), builder.load(slot)]), slot)
 
@@ -169,7 +174,7 @@ def dot_int4_row(typingctx, q, qoff, xq, xoff, s, soff, xs, xsoff, n_groups, gs)
                 g = builder.add(builder.mul(p, ir.Constant(I64, 2)), ir.Constant(I64, half))
                 x = _load32(builder, xp, builder.mul(builder.add(builder.shl(g, shift), c),
                                                      ir.Constant(I64, 32)))
-                chunks.append((nibbles, x, _scale(builder, sp, xsp, g)))   # 0..15 times -127..127
+                chunks.append((_vpdpbusd(builder, nibbles, x), _scale(builder, sp, xsp, g)))  # 0..15 . -127..127
             return chunks
 
         n_pairs = builder.udiv(n_groups_, ir.Constant(I64, 2))
@@ -203,7 +208,54 @@ def dot_int8_row(typingctx, q, qoff, xq, xa, xoff, s, soff, xs, xsoff, n_groups,
             at = builder.mul(k, ir.Constant(I64, 32))
             w = builder.call(psign, [_load32(builder, qp, at), _load32(builder, xp, at)])
             # |xq| unsigned, q * sign(xq) signed
-            return _load32(builder, ap, at), w, _scale(builder, sp, xsp, builder.lshr(k, shift))
+            return _vpdpbusd(builder, _load32(builder, ap, at), w), _scale(builder, sp, xsp, builder.lshr(k, shift))
+
+        def step(i):                                                # chunks 2i and 2i+1
+            k = builder.mul(i, ir.Constant(I64, 2))
+            return chunk(k), chunk(builder.add(k, ir.Constant(I64, 1)))
+
+        def tail(add):                                              # an odd number of chunks
+            with builder.if_then(builder.trunc(n_chunks, ir.IntType(1))):
+                add(chunk(builder.sub(n_chunks, ir.Constant(I64, 1))))
+
+        n_chunks = builder.shl(n_groups_, shift)
+        return _emit_row(builder, builder.udiv(n_chunks, ir.Constant(I64, 2)), step, tail)
+
+    return sig, codegen
+
+
+@intrinsic
+def dot_int8_row_i16(typingctx, q, qoff, x16, xoff, s, soff, xs, xsoff, n_groups, gs):
+    """Row r of an int8 matrix times one token's int16 activations (x ~ x16 * xs,
+    xs = max|x| / 32767 per group): sum_g s[g] * xs[g] * sum_j q[g, j] * x16[g, j].
+
+    For the lm_head, where int8 activations can tip a close top-2 (weights.py):
+    int16 keeps 15 bits of each activation, a rounding error of ~1e-5, at the
+    cost of two vpdpwssd (16 int16 products each, in pairs) per 32 weights, the
+    weights widened from bytes by vpmovsxbw. No overflow: |q x16| <= 127 * 32767,
+    and a lane adds at most gs / 8 <= 16 of them."""
+    sig = types.float32(q, qoff, x16, xoff, s, soff, xs, xsoff, n_groups, gs)
+
+    def codegen(context, builder, signature, args):
+        q_, qoff_, x16_, xoff_, s_, soff_, xs_, xsoff_, n_groups_, gs_ = _as_int64(context, builder, signature, args)
+        ty = signature.args
+        qp = builder.gep(_base(context, builder, ty[0], q_, I8), [qoff_])
+        xp = builder.gep(_base(context, builder, ty[2], x16_, I16), [xoff_])
+        sp = builder.gep(_base(context, builder, ty[4], s_, I16), [soff_])
+        xsp = builder.gep(_base(context, builder, ty[6], xs_, F32), [xsoff_])
+        vpdpwssd = _declare(builder, "llvm.x86.avx512.vpdpwssd.256", INTS8, [INTS8, INTS8, INTS8])
+        bytes16, shorts16 = ir.VectorType(I8, 16), ir.VectorType(I16, 16)
+        shift = _log2_per_group(builder, gs_)                     # chunks per group = 1 << shift
+
+        def chunk(k):
+            dot = ir.Constant(INTS8, None)
+            for half in range(2):                                 # 16 weights each
+                at = builder.add(builder.mul(k, ir.Constant(I64, 32)), ir.Constant(I64, 16 * half))
+                w = builder.load(builder.bitcast(builder.gep(qp, [at]), bytes16.as_pointer()), align=1)
+                x = builder.load(builder.bitcast(builder.gep(xp, [at]), shorts16.as_pointer()), align=2)
+                dot = builder.call(vpdpwssd, [dot, builder.bitcast(builder.sext(w, shorts16), INTS8),
+                                              builder.bitcast(x, INTS8)])
+            return dot, _scale(builder, sp, xsp, builder.lshr(k, shift))
 
         def step(i):                                                # chunks 2i and 2i+1
             k = builder.mul(i, ir.Constant(I64, 2))

@@ -73,16 +73,18 @@ ACTIVATIONS = ("auto", "int8", "fp32")
 def choose_act(fmt: str, activations: str, in_features: int, lm_head: bool = False) -> dict:
     """How a Weight rounds its activations (quant.py): --activations auto rounds
     them where the CPU has a faster instruction for it: to int8 at int8 / int4
-    decode (simd.VNNI; not the lm_head's) and to bf16 at bf16 / int8 / int4
-    prefill (simd.BF16); int8 also rounds the lm_head's; fp32 never rounds.
+    decode (simd.VNNI; the lm_head's to int16) and to bf16 at bf16 / int8 / int4
+    prefill (simd.BF16); int8 rounds the lm_head's to int8 too; fp32 never rounds.
     -> quantize()'s keyword arguments {"decode_act": ..., "prefill_act": ...}."""
     if activations not in ACTIVATIONS:
         raise ValueError(f"unknown --activations {activations!r}; choose one of {', '.join(ACTIVATIONS)}")
     act = {"decode_act": "fp32", "prefill_act": "fp32"}
     if activations == "fp32" or fmt == "none":
         return act
-    if fmt in ("int8", "int4") and (activations == "int8" or (simd.VNNI and not lm_head)):
+    if fmt in ("int8", "int4") and (activations == "int8" or simd.VNNI):
         act["decode_act"] = "int8"                  # int8 without VNNI: quantize() explains
+        if lm_head and fmt == "int8" and activations == "auto":
+            act["decode_act"] = "int16"
     if simd.BF16 and (fmt != "bf16" or in_features % 2 == 0):
         act["prefill_act"] = "bf16"
     return act
@@ -101,9 +103,9 @@ def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
     # on the default model, all-int4 flips the first token of "What is the capital of France?"
     # (fp32 margin 0.09 logits) while int8 keeps it; see docs/stage1.md for the measurements.
     embed_fmt = "int8" if fmt == "int4" else fmt
-    # For the same reason its decode activations stay fp32 unless int8 is asked for by name: on
-    # the default model, int4 weights with int8 activations everywhere flip that same first token
-    # (margin 0.08 logits); with the lm_head's activations in fp32 the answer is unchanged.
+    # For the same reason its decode activations are rounded to int16, not int8, unless int8 is
+    # asked for by name: on the default model, int4 weights with int8 activations everywhere flip
+    # that same first token (margin 0.08 logits); with the lm_head's at int16 (or fp32) they do not.
     head_act = choose_act(embed_fmt, activations, cfg.hidden_size, lm_head=True)
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
     total = 2 + cfg.num_layers * 4 + n_moe * (cfg.num_experts - 1) * 2   # bar steps: one per Weight

@@ -107,7 +107,8 @@ def test_quantized_matmul_matches_dequantized_twin(rng, fmt, gs, O, K):
 
 
 ACT_CASES = ([("bf16", 0, "fp32", "bf16")] + [(f, gs, "int8", "fp32") for f in ("int8", "int4") for gs in (32, 128)]
-             + [(f, gs, "int8", "bf16") for f in ("int8", "int4") for gs in (32, 64)])
+             + [(f, gs, "int8", "bf16") for f in ("int8", "int4") for gs in (32, 64)]
+             + [("int8", gs, "int16", "fp32") for gs in (32, 128)])
 
 
 @pytest.mark.parametrize("fmt,gs,decode_act,prefill_act", ACT_CASES)
@@ -115,7 +116,7 @@ ACT_CASES = ([("bf16", 0, "fp32", "bf16")] + [(f, gs, "int8", "fp32") for f in (
 def test_rounded_activation_matmul_matches_its_twin(rng, fmt, gs, decode_act, prefill_act, O, K):
     """simd.py's int8 (decode) and bf16 (prefill) dot products against the twin that
     rounds x (and for bf16, W) the same way, then multiplies in fp32: equal to fp32 rounding."""
-    if (decode_act == "int8" and not simd.VNNI) or (prefill_act == "bf16" and not simd.BF16):
+    if (decode_act != "fp32" and not simd.VNNI) or (prefill_act == "bf16" and not simd.BF16):
         pytest.skip("this CPU lacks the instruction for these activations")
     if fmt == "bf16" and K % 2:
         pytest.skip("bf16 pairs need an even in_features")
@@ -135,8 +136,10 @@ def test_rounded_activations_refused_where_they_cannot_run(rng):
         quantize(randn(rng, 4, 64), "none", decode_act="int8")
     with pytest.raises(ValueError, match="not available"):
         quantize(randn(rng, 4, 63), "bf16", prefill_act="bf16")     # odd in_features: no bf16 pairs
-    with pytest.raises(ValueError, match="fp32 or int8"):
+    with pytest.raises(ValueError, match="fp32, int8 or int16"):
         quantize(randn(rng, 4, 64), "int8", decode_act="int4")
+    with pytest.raises(ValueError, match="not available"):
+        quantize(randn(rng, 4, 64), "int4", decode_act="int16")
 
 
 def test_int8_activations_keep_nan_and_inf(rng):

@@ -239,3 +239,15 @@ def test_real_qwen3_0_6b_shapes_match_transformers():
     ours = logits_all(folder, ids)
     ref = hf_logits(folder, ids)
     assert rel_err(ours, ref) < 1e-4
+
+
+def test_lm_head_activations_follow_the_option():
+    """auto: the int8 lm_head (int8 and int4 models) decodes with int16 activations, the
+    layers with int8; --activations int8 rounds the lm_head's to int8 too; fp32 none."""
+    if not simd.VNNI:
+        pytest.skip("this CPU has no VNNI")
+    folder = make_model("qwen3")
+    for fmt, activations, head, layers in [("int4", "auto", "int16", "int8"), ("int8", "auto", "int16", "int8"),
+                                           ("int4", "int8", "int8", "int8"), ("int4", "fp32", "fp32", "fp32")]:
+        w = load_weights(folder, fmt, 32, progress=False, activations=activations)
+        assert (w.lm_head.decode_act, w.layers[0].wqkv.decode_act) == (head, layers), (fmt, activations)
