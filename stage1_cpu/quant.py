@@ -275,8 +275,9 @@ def quantize_activations(x: np.ndarray, gs: int, qmax: int = 127) -> np.ndarray:
     g = x.reshape(x.shape[0], -1, gs)                                     # [T, G, gs]
     scale = np.abs(g).max(axis=-1, keepdims=True) / np.float32(qmax)      # [T, G, 1]
     inv = np.divide(np.float32(1.0), scale, out=np.zeros_like(scale), where=scale > 0)
-    poison = (g * np.float32(0.0)).sum(axis=-1, keepdims=True)            # NaN where x has NaN / inf
-    return (np.rint(np.nan_to_num(g * inv)) * (scale + poison)).reshape(x.shape).astype(np.float32)
+    with np.errstate(invalid="ignore"):                                   # inf * 0 is meant here
+        poison = (g * np.float32(0.0)).sum(axis=-1, keepdims=True)        # NaN where x has NaN / inf
+        return (np.rint(np.nan_to_num(g * inv)) * (scale + poison)).reshape(x.shape).astype(np.float32)
 
 
 QUANT_ROWS = 4096  # rows quantized at a time: bounds the fp32 temporaries (~6 x rows x in x 4 bytes)
