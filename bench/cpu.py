@@ -39,6 +39,7 @@ from bench.common import (NeighbourMeter, check_load, emit_result, fmt_num, load
                           machine_description, markdown_table, measure_bandwidth, median, run_worker)
 
 CACHE = Path(os.environ.get("QWEN3_STAGES_CACHE", Path.home() / ".cache" / "qwen3-stages")) / "bench"
+CHECK_TOKENS = 16      # tokens whose logits every engine must agree on (see the correctness table)
 BUILD_VERSION = 1          # bump when the HF model changes, so old caches are rebuilt
 GGUF_VERSION = 2           # bump when the GGUF writing changes (2: Q4_0 files keep token_embd in Q8_0)
 
@@ -256,10 +257,14 @@ class Stage1Runner:
         return int(self.engine.weights.nbytes)  # what one decode step reads
 
     def all_logits(self, ids: list[int]) -> np.ndarray:
+        """[T, V]: the first half in one forward (the prefill path), the second half one
+        token at a time (the decode path): each rounds activations its own way (quant.py)."""
         self.engine.reset()
-        logits = self.engine.model.forward(np.asarray(ids, dtype=np.int64), 0, all_logits=True)
+        model, half = self.engine.model, len(ids) // 2
+        logits = [model.forward(np.asarray(ids[:half], dtype=np.int64), 0, all_logits=True)]
+        logits += [model.forward(np.asarray([t], dtype=np.int64), half + i)[None] for i, t in enumerate(ids[half:])]
         self.engine.reset()                    # the cache holds these ids now; forget them
-        return np.asarray(logits, dtype=np.float32)   # [T, V]
+        return np.concatenate(logits).astype(np.float32)   # [T, V]
 
     def generate(self, prompt: list[int], n_decode: int) -> tuple[list[int], float, float]:
         """-> (tokens, prefill seconds, seconds of n_decode decode steps).
@@ -476,7 +481,7 @@ def run_all(args, shape: Shape, paths: dict, log) -> tuple[list[Row], dict]:
                 decode_tokens=args.decode_tokens, runs=args.runs, min_runs=min(2, args.runs),
                 cell_seconds=args.cell_seconds)
     tmp = Path(tempfile.mkdtemp(prefix="bench-cpu-"))
-    check_ids = prompt_ids(shape.vocab_size, 8, seed=7)
+    check_ids = prompt_ids(shape.vocab_size, CHECK_TOKENS, seed=7)
     jobs: list[tuple[str, str, str, int | None, dict]] = []
     if "transformers" in args.engines:
         for fmt in ["fp32"] + (["bf16"] if "bf16" in args.formats else []):
@@ -506,7 +511,7 @@ def run_all(args, shape: Shape, paths: dict, log) -> tuple[list[Row], dict]:
         else:
             log(f"  done in {time.perf_counter() - t0:.0f} s, peak RSS {res['peak_rss_mib']:.0f} MiB")
         rows.append(Row(engine, fmt, res.get("weight_bytes") or nbytes, res))
-    # every engine's logits for the same 8 tokens against transformers fp32's
+    # every engine's logits for the same CHECK_TOKENS tokens against transformers fp32's
     check = {}
     if (tmp / "hf.npy").exists():
         ref = np.load(tmp / "hf.npy")
@@ -533,6 +538,7 @@ def llama_cpp_installed() -> bool:
 
 def report(args, shape: Shape, rows: list[Row], bw: dict, check: dict, loads: tuple[float, float, float]) -> str:
     """The whole result as markdown: machine, bandwidth, one table, ratios, napkin maths."""
+    from stage1_cpu import simd              # what this CPU lets stage 1 round its activations to
     out = [f"## CPU benchmark: {shape.name} ({'quick' if args.quick else 'full'})", "",
            f"- machine: {machine_description()}",
            "- command: `" + " ".join(["python -m bench.cpu", *args.argv]) + "`",
@@ -547,6 +553,9 @@ def report(args, shape: Shape, rows: list[Row], bw: dict, check: dict, loads: tu
                        f"({bw['start']['read'][n]:.1f} / {bw['end']['read'][n]:.1f})" for n in args.threads)
            + f"; numpy copy (1 thread, read+write) {bw['copy']:.1f} GB/s",
            f"- OMP_WAIT_POLICY={args.omp_wait_policy} for every engine",
+           f"- stage 1 activations (--activations auto): int8 at int8 / int4 decode and int16 for their lm_head "
+           f"(AVX-512 VNNI here: {'yes' if simd.VNNI else 'no'}), bf16 at bf16 / int8 / int4 prefill "
+           f"(AVX-512 BF16 here: {'yes' if simd.BF16 else 'no'})",
            "- llama.cpp files: the same weights, every matrix in BF16 / Q8_0 / Q4_0, except that the Q4_0 "
            "file keeps the tied token_embd (the lm_head) in Q8_0, as stage 1's int4 keeps it in int8",
            f"- medians of up to {args.runs} run{'s' * (args.runs > 1)}; prefill = prompt tokens ÷ time to the first token; decode = "
@@ -602,7 +611,9 @@ def report(args, shape: Shape, rows: list[Row], bw: dict, check: dict, loads: tu
     rh = ["stage 1", "llama.cpp", "threads", *(f"prefill {p}" for p in args.prompt_lens), "decode",
           "stage 1 % roofline", "targets (2 threads)"]
     out += ["### stage 1 ÷ llama.cpp", "", markdown_table(rh, [r[:len(rh)] for r in ratio_rows]), ""]
-    out += ["### correctness: logits of 8 tokens against transformers fp32 (same weights)", ""]
+    out += [f"### correctness: logits of {CHECK_TOKENS} tokens against transformers fp32 (same weights)", "",
+            f"(stage 1 computes the first {CHECK_TOKENS // 2} in one forward, as prefill does, and the other "
+            f"{CHECK_TOKENS // 2} one at a time, as decode does: both ways of rounding the activations are in it)", ""]
     if check:
         out += [markdown_table(["engine", "format", "max abs error / max abs logit", "cosine", "same argmax"],
                                [[e, f, f"{c['max_rel_err']:.4f}", f"{c['cosine']:.6f}", f"{c['top1']:.0%}"]
