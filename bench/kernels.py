@@ -84,25 +84,6 @@ def bandwidth(runs: int) -> tuple[float, float]:
     return read, copy
 
 
-@njit(parallel=True, cache=True)
-def _empty_region(out):
-    for i in prange(out.shape[0]):
-        out[i] = i
-
-
-def region_cost(runs: int = 2000) -> float:
-    """Median seconds to start and join one empty parallel region: what every
-    parallel kernel call pays before any work (the second thread must be woken)."""
-    out = np.zeros(2)
-    _empty_region(out)
-    ts = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        _empty_region(out)
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--group-size", type=int, default=64, help="group size of int8 / int4")
@@ -125,7 +106,7 @@ def main() -> None:
         print(f"threads={nt}: read bandwidth {bw[nt][0]:.1f} GB/s (numba sum), copy {bw[nt][1]:.1f} GB/s "
               f"(numpy, read+write); fastest of {args.runs} runs")
         if nt > 1:
-            print(f"threads={nt}: an empty parallel region costs {region_cost() * 1e6:.1f} us (median; "
+            print(f"threads={nt}: an empty parallel region costs {kernels.parallel_start_cost() * 1e6:.1f} us (median; "
                   f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
                   f"numba threading layer {numba.threading_layer()})")
 

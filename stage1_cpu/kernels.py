@@ -30,6 +30,7 @@ at awkward shapes. What makes them fast:
 """
 
 import math
+import time
 
 import numba
 import numpy as np
@@ -718,6 +719,34 @@ def _attention_blas(q, k_cache, v_cache, start_pos, out):
             out[t0:t1, heads] = (scores @ v_cache[kvh, :n]).reshape(t1 - t0, group, D)
 
 
+ATT_WORK_PER_START_US = 40_000   # decode attention goes parallel from 40k multiply-adds per us of start cost
+
+
+@njit(parallel=True, cache=True)
+def _empty_region(out):
+    for i in prange(out.shape[0]):
+        out[i] = i
+
+
+_START_COST: list[float] = []
+
+
+def parallel_start_cost() -> float:
+    """Median seconds to start and join an empty parallel region, measured on first use
+    (~100 calls): ~1.5 us when idle threads spin (OpenMP's default), ~50 us on this VM
+    with OMP_WAIT_POLICY=PASSIVE, where the sleeping thread's vCPU must be woken."""
+    if not _START_COST:
+        out = np.zeros(2)
+        _empty_region(out)
+        ts = []
+        for _ in range(100):
+            t0 = time.perf_counter()
+            _empty_region(out)
+            ts.append(time.perf_counter() - t0)
+        _START_COST.append(float(np.median(ts)))
+    return _START_COST[0]
+
+
 def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, start_pos: int) -> np.ndarray:
     """q: [T, H, D]; k_cache, v_cache: [Hkv, Tmax, D]; query t sits at position
     start_pos + t and attends to cache positions 0 .. start_pos + t."""
@@ -728,7 +757,14 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, start_pos
     if T >= ATT_BLAS_MIN_T:
         _attention_blas(q, k_cache, v_cache, start_pos, out)
         return out
-    # work ~ H * T * context * D: below ~1M multiply-adds a parallel start costs more than it saves
+    # work ~ H * T * context * D multiply-adds; two threads halve it, but only pay once the
+    # work outweighs starting them (measured, decode at 16/8 heads, D=128, 2 threads):
+    #   positions                    64     256     512    1024
+    #   serial                       18      69     135     269 us
+    #   parallel, PASSIVE            70     112     171     265 us   (start ~52 us: break-even ~2M)
+    #   parallel, default policy     12      39      76     147 us   (start ~1.5 us: always)
+    # so the threshold follows the start cost, measured once (parallel_start_cost).
     work = H * T * (start_pos + T) * D
-    (_attention_parallel if work >= 1 << 20 else _attention_serial)(q, k_cache, v_cache, start_pos, out)
+    parallel = work >= ATT_WORK_PER_START_US * parallel_start_cost() * 1e6
+    (_attention_parallel if parallel else _attention_serial)(q, k_cache, v_cache, start_pos, out)
     return out
