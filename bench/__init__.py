@@ -3,6 +3,12 @@
 
     python -m bench cpu [--quick]     stage 1 vs llama.cpp vs transformers (bench/cpu.py)
     python -m bench kernels           the stage-1 matmul kernels alone (bench/kernels.py)
+    python -m bench profile           one stage-1 forward pass, op by op (bench/profile.py)
 
 Results and their history: docs/benchmarks.md.
 """
+import os
+
+# Before anything imports numpy: stop OpenBLAS's threads spinning after each call
+# (stage1_cpu/__init__.py explains; this package is imported first by `python -m bench`).
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")

@@ -2,6 +2,7 @@
 
     OMP_WAIT_POLICY=PASSIVE python -m bench.kernels [--group-size 64] [--threads 1 2]
                                                    [--formats none bf16 int8 int4] [--prefill 512]
+                                                   [--activations fp32|auto]
 
 Napkin maths it prints:
 - the machine's read bandwidth (a parallel numba sum over 512 MiB) and copy
@@ -10,7 +11,8 @@ Napkin maths it prints:
 - per shape and format, a decode matvec (T=1): GB/s = weight bytes / time,
   and its share of the read bandwidth;
 - the estimated matmul-only decode tok/s of the whole model
-  (28 layers of q, k, v, o, gate, up, down, plus the 151936 x 1024 lm_head);
+  (28 layers of qkv, o, gate_up, down -- stacked as the engine stacks them -- plus
+  the 151936 x 1024 lm_head);
 - the other ops of one layer (norms, RoPE, attention, SwiGLU) at decode
   (one token at position 511) and at prefill;
 - prefill of --prefill tokens at once: GFLOP/s and the layers' tok/s.
@@ -30,11 +32,13 @@ import numpy as np
 from numba import njit, prange
 
 from stage1_cpu import kernels
-from stage1_cpu.quant import Weight, quantize
+from stage1_cpu.quant import Weight
+from stage1_cpu.quant import quantize as quantize_weight
+from stage1_cpu.weights import choose_act
 
-# (out, in) of each projection of one Qwen3-0.6B layer: C=1024, H*D=2048, Hkv*D=1024, F=3072
-LAYER = {"q": (2048, 1024), "k": (1024, 1024), "v": (1024, 1024), "o": (1024, 2048),
-         "gate": (3072, 1024), "up": (3072, 1024), "down": (1024, 3072)}
+# (out, in) of each matmul of one Qwen3-0.6B layer (q/k/v and gate/up stacked, as stage 1 does):
+# C=1024, H*D=2048, Hkv*D=1024, F=3072
+LAYER = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
 LM_HEAD = (151936, 1024)
 N_LAYERS = 28
 
@@ -92,7 +96,14 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=15, help="runs per measurement (median)")
     ap.add_argument("--prefill", type=int, default=512, help="tokens for the prefill timing (0: skip)")
     ap.add_argument("--no-lm-head", action="store_true", help="skip the 600 MB lm_head shape")
+    ap.add_argument("--activations", choices=("fp32", "auto"), default="fp32",
+                    help="fp32: the float kernels; auto: what the engine uses on this CPU (int8 decode "
+                         "activations for int8 / int4, bf16 prefill; stage1_cpu/simd.py)")
     args = ap.parse_args()
+
+    def quantize(w, fmt, gs):          # the lm_head is the only [151936, C] matrix: its own activations
+        head = w.shape[0] == LM_HEAD[0]
+        return quantize_weight(w, fmt, gs, **choose_act(fmt, args.activations, w.shape[1], lm_head=head))
 
     print(f"load average at start: {os.getloadavg()[0]:.2f} (2 cores; > 0.5 means someone else is busy)")
     rng = np.random.default_rng(0)
@@ -109,6 +120,19 @@ def main() -> None:
             print(f"threads={nt}: an empty parallel region costs {kernels.parallel_start_cost() * 1e6:.1f} us (median; "
                   f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
                   f"numba threading layer {numba.threading_layer()})")
+
+    # ---- per-core arithmetic speed: a 1024 x 1024 matvec on one thread, again and again,
+    # so the weights stay in L2 and memory is out of the picture ----
+    kernels.set_threads(1)
+    small = rng.standard_normal((1024, 1024), dtype=np.float32) * 0.05
+    x1 = rng.standard_normal((1, 1024), dtype=np.float32)
+    speeds = []
+    for fmt in args.formats:
+        W = quantize(small, fmt, args.group_size)
+        median_time(lambda: W.matmul(x1), args.runs * 20)
+        speeds.append(f"{fmt} {W.out_features * W.in_features / BEST['last'] / 1e9:.1f}")
+    print(f"\none core, weights in L2 (1024 x 1024 matvec, fastest of {args.runs * 20}): "
+          f"{', '.join(speeds)} G weights/s")
 
     # ---- decode: one token, every weight byte read once ----
     print(f"\ndecode matvec (T=1), group size {args.group_size}: GB/s = weight bytes / time, % of read bandwidth")
@@ -160,7 +184,7 @@ def main() -> None:
         kc = rng.standard_normal((Hkv, 4096, D), dtype=np.float32)
         vc = rng.standard_normal((Hkv, 4096, D), dtype=np.float32)
         cs = rng.standard_normal((T, D // 2), dtype=np.float32)
-        g = rng.standard_normal((T, F), dtype=np.float32)
+        g = rng.standard_normal((T, 2 * F), dtype=np.float32)       # [gate | up]
         wC, wD = np.ones(C, np.float32), np.ones(D, np.float32)
 
         def layer_ops():
@@ -171,7 +195,7 @@ def main() -> None:
             kernels.rope(k, cs, cs)
             kernels.attention(q, kc, vc, start)
             kernels.rmsnorm(x, wC, 1e-6)
-            kernels.silu_mul(g, g)
+            kernels.silu_mul(g)
 
         ops_time[T] = median_time(layer_ops, max(3, args.runs // 3))
         att = median_time(lambda: kernels.attention(q, kc, vc, start), max(3, args.runs // 3))
@@ -184,7 +208,7 @@ def main() -> None:
         T = args.prefill
         nt = max(args.threads)
         kernels.set_threads(nt)
-        print(f"\nprefill of {T} tokens, threads={nt}: the 7 layer matmuls (lm_head runs for the last token only)")
+        print(f"\nprefill of {T} tokens, threads={nt}: the 4 layer matmuls (lm_head runs for the last token only)")
         flops = 2 * T * sum(o * i for o, i in LAYER.values())
         for fmt in args.formats:
             total = 0.0

@@ -1,0 +1,97 @@
+"""Where one stage-1 forward pass spends its time, op by op.
+
+    OMP_WAIT_POLICY=PASSIVE python -m bench profile --quant int4 --threads 2            # decode
+    OMP_WAIT_POLICY=PASSIVE python -m bench profile --quant bf16 --tokens 512           # prefill
+
+Uses the benchmark's Qwen3-0.6B-shape model (built by `python -m bench cpu` into
+~/.cache/qwen3-stages/bench; pass --model for any other folder). Every matmul
+(by shape) and every op of stage1_cpu/kernels.py is wrapped in a timer, then
+--steps forward passes run after a warm-up: T=1 at positions 128, 129, ... (decode)
+or T tokens from position 0 (prefill). "python" is what is left: the forward
+pass's own Python, array slicing and allocation. The wrappers cost ~1 us per call.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model folder (default: the benchmark's 0.6B-shape model)")
+    ap.add_argument("--quant", default="int4", choices=("none", "bf16", "int8", "int4"))
+    ap.add_argument("--activations", default="auto", choices=("auto", "int8", "fp32"))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=1, help="tokens per forward pass: 1 = decode")
+    ap.add_argument("--steps", type=int, default=20, help="forward passes timed (after a warm-up)")
+    args = ap.parse_args()
+
+    from bench.cpu import CACHE
+    from stage1_cpu import kernels, quant
+    from stage1_cpu.engine import LLMEngine
+
+    folder = Path(args.model) if args.model else CACHE / "qwen3-0.6b-shape-v1" / "hf"
+    if not (folder / "config.json").exists():
+        raise SystemExit(f"no model at {folder}: run `python -m bench cpu` once to build it, or pass --model")
+    engine = LLMEngine(folder, quant=args.quant, threads=args.threads, max_ctx=2048, progress=False,
+                       activations=args.activations)
+    model = engine.model
+
+    spent: dict[str, float] = collections.defaultdict(float)
+    calls: collections.Counter = collections.Counter()
+
+    def timed(label_of, fn):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            result = fn(*a, **k)
+            label = label_of(*a)
+            spent[label] += time.perf_counter() - t0
+            calls[label] += 1
+            return result
+        return wrapper
+
+    quant.Weight.matmul = timed(lambda w, x: f"matmul [{w.out_features}, {w.in_features}]", quant.Weight.matmul)
+    for name in ("rmsnorm", "rope", "attention", "silu_mul"):
+        setattr(kernels, name, timed(lambda *a, n=name: n, getattr(kernels, name)))
+
+    T = args.tokens
+    ids = np.arange(T) % model.config.vocab_size
+    model.forward(np.arange(128), 0)                     # a context to decode after
+    pos = 128
+
+    def step():
+        nonlocal pos
+        if T == 1:
+            model.forward(np.array([5]), pos)
+            pos += 1
+        else:
+            model.forward(ids, 0)
+
+    for _ in range(3):
+        step()                                           # warm-up: compilation, allocation
+    spent.clear()
+    calls.clear()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    total = (time.perf_counter() - t0) / args.steps
+
+    print(f"stage 1, {folder.name}, --quant {args.quant} --activations {args.activations}, "
+          f"{args.threads} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")
+    print(f"one forward pass of {T} token{'s' * (T > 1)}: {total * 1e3:.2f} ms (mean of {args.steps})")
+    accounted = 0.0
+    for label, seconds in sorted(spent.items(), key=lambda kv: -kv[1]):
+        per_step = seconds / args.steps
+        accounted += per_step
+        print(f"  {label:28s} {per_step * 1e3:8.2f} ms  {calls[label] // args.steps:4d} calls, "
+              f"{seconds / calls[label] * 1e6:8.0f} us each")
+    print(f"  {'python':28s} {(total - accounted) * 1e3:8.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
