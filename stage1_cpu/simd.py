@@ -52,13 +52,17 @@ import llvmlite.binding as llvm
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
+from numba.core import config as numba_config
 from numba.extending import intrinsic
 
 _features = llvm.get_host_cpu_features()
+# numba compiles for this CPU unless NUMBA_CPU_NAME says otherwise (e.g. "generic" for a portable
+# cache): then these instructions may not exist on the target, and the float kernels are used
+_host = numba_config.CPU_NAME in (None, "host")
 # vpdpbusd on 256-bit registers: AVX-512 VNNI with AVX-512 VL (Ice Lake+, Zen 4+), or AVX-VNNI (Alder Lake+)
-VNNI = bool(_features.get("avxvnni") or (_features.get("avx512vnni") and _features.get("avx512vl")))
+VNNI = _host and bool(_features.get("avxvnni") or (_features.get("avx512vnni") and _features.get("avx512vl")))
 # vdpbf16ps on 512-bit registers: AVX-512 BF16 (Cooper Lake, Sapphire Rapids+, Zen 4+)
-BF16 = bool(_features.get("avx512bf16"))
+BF16 = _host and bool(_features.get("avx512bf16"))
 
 I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 BYTES32 = ir.VectorType(I8, 32)       # one 256-bit register of bytes
