@@ -9,6 +9,10 @@ Uses the benchmark's Qwen3-0.6B-shape model (built by `python -m bench cpu` into
 --steps forward passes run after a warm-up: T=1 at positions 128, 129, ... (decode)
 or T tokens from position 0 (prefill). "python" is what is left: the forward
 pass's own Python, array slicing and allocation. The wrappers cost ~1 us per call.
+A decode step of a dense model normally runs in one parallel region
+(stage1_cpu/decode_step.py), which has no ops to wrap: it is first timed whole,
+alternating token by token with the per-op path (which computes the same logits),
+then the per-op path is timed op by op.
 """
 from __future__ import annotations
 
@@ -55,13 +59,29 @@ def main() -> None:
             return result
         return wrapper
 
+    T = args.tokens
+    ids = np.arange(T) % model.config.vocab_size
+    model.forward(np.arange(128), 0)                     # a context to decode after
+    versus = None
+    if T == 1 and model.decode_step is not None:
+        # the whole step in one parallel region (decode_step.py) against the per-op path,
+        # alternating token by token so that both see the same machine; then the per-op
+        # path below shows where a step's time goes
+        one = model.decode_step
+        versus = {"one region": [], "per op": []}
+        for i in range(args.steps + 3):
+            for name in versus:
+                model.decode_step = one if name == "one region" else None
+                t0 = time.perf_counter()
+                model.forward(np.array([5]), 128 + i)
+                versus[name].append(time.perf_counter() - t0)
+        versus = {name: ts[3:] for name, ts in versus.items()}     # without the warm-up
+        model.decode_step = None
+
     quant.Weight.matmul = timed(lambda w, x: f"matmul [{w.out_features}, {w.in_features}]", quant.Weight.matmul)
     for name in ("rmsnorm", "rope", "attention", "silu_mul"):
         setattr(kernels, name, timed(lambda *a, n=name: n, getattr(kernels, name)))
 
-    T = args.tokens
-    ids = np.arange(T) % model.config.vocab_size
-    model.forward(np.arange(128), 0)                     # a context to decode after
     pos = 128
 
     def step():
@@ -83,6 +103,13 @@ def main() -> None:
 
     print(f"stage 1, {folder.name}, --quant {args.quant} --activations {args.activations}, "
           f"{args.threads} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")
+    if versus is not None:
+        print(f"decode step, alternating the two paths token by token ({args.steps} each):")
+        for name, ts in versus.items():
+            print(f"  {name:10s}  median {np.median(ts) * 1e3:7.2f} ms  {1 / np.median(ts):6.1f} tok/s"
+                  f"   (best {min(ts) * 1e3:.2f} ms)")
+        print(f"  one region / per op: {np.median(versus['per op']) / np.median(versus['one region']):.2f}x")
+        print("the same step op by op (model.forward's kernels, one parallel region each):")
     print(f"one forward pass of {T} token{'s' * (T > 1)}: {total * 1e3:.2f} ms (mean of {args.steps})")
     accounted = 0.0
     for label, seconds in sorted(spent.items(), key=lambda kv: -kv[1]):

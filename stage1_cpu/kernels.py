@@ -16,9 +16,11 @@ at awkward shapes. What makes them fast:
   inf", so a NaN or inf in the activations propagates as it does in numpy.
 - Work is split over output rows with `prange` (one chunk per thread, so each
   thread streams one contiguous slice of the matrix).
-- A parallel region costs ~8-15 us to start here (OpenMP with
-  OMP_WAIT_POLICY=PASSIVE): more than a one-token norm takes, so the small
-  element-wise ops have serial variants that the wrappers pick for few tokens.
+- A parallel region costs ~50 us to start on this VM under
+  OMP_WAIT_POLICY=PASSIVE (1.5 us when idle threads spin): far more than a
+  one-token norm takes, so the small element-wise ops have serial variants that
+  the wrappers pick for few tokens, and a dense model's decode step runs all its
+  ops in one region (decode_step.py, on the row bodies below).
 - Prefill matmuls and attention hand the heavy lifting to BLAS (numpy's
   OpenBLAS): for T tokens at once that is compute-bound work, and BLAS's GEMM
   is 3x faster than anything these loops turn into.
@@ -44,6 +46,16 @@ from stage1_cpu import simd
 # Every kernel also sets error_model="numpy": x / 0 gives inf instead of raising,
 # which removes a branch per division (with it, silu_mul did not vectorise: 6x).
 FAST = {"reassoc", "contract"}
+
+# Each kernel's body for one row (one output row of a matmul, one token of a norm)
+# is an _inline helper: the prange kernels below loop over it, and so does
+# decode_step.py, which runs a whole decode step in one parallel region. One body,
+# two callers: both compute bit for bit the same. Serial and parallel loops must be
+# separate Python functions: numba's on-disk cache tells functions apart by their
+# code, not by parallel=True.
+_inline = njit(inline="always", fastmath=FAST, error_model="numpy")
+_serial = njit(cache=True, fastmath=FAST, error_model="numpy")
+_parallel = njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
 
 
 def set_threads(n: int | None) -> int:
@@ -142,35 +154,45 @@ def exp_f32(x):
 # ---------------------------------------------------------------------------
 
 
+@_inline
+def row_f32(x, t, w, r):
+    """x[t] . w[r]: x [T, K] f32, w [O, K] f32."""
+    acc = np.float32(0.0)
+    for k in range(x.shape[1]):
+        acc += w[r, k] * x[t, k]
+    return acc
+
+
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
 def matmul_f32(x, w, out):
     """x: [T, K] f32, w: [O, K] f32 -> out: [T, O]. Decode only: BLAS would do the
     same, but OpenBLAS's worker threads keep spinning after each call and starve
     the numba threads of the kernels that follow (measured: fp32 decode of the
     default model fell from ~34 to ~3 tok/s in the chat when the two alternated)."""
-    T, K = x.shape
-    O = w.shape[0]
+    T, O = x.shape[0], w.shape[0]
     for r in prange(O):
         for t in range(T):
-            acc = np.float32(0.0)
-            for k in range(K):
-                acc += w[r, k] * x[t, k]
-            out[t, r] = acc
+            out[t, r] = row_f32(x, t, w, r)
+
+
+@_inline
+def row_bf16(x, t, w, r):
+    """x[t] . w[r]: x [T, K] f32, w [O, K] uint16 bf16 bits."""
+    acc = np.float32(0.0)
+    # the hot loop: 2 bytes per weight, converted by a shift
+    for k in range(x.shape[1]):
+        acc += bf16_to_f32(w[r, k]) * x[t, k]
+    return acc
 
 
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
 def matmul_bf16(x, w, out):
     """x: [T, K] f32, w: [O, K] uint16 bf16 bits -> out: [T, O]."""
-    T, K = x.shape
-    O = w.shape[0]
+    T, O = x.shape[0], w.shape[0]
     # prange hands each thread one contiguous block of rows: each streams its own slice
     for r in prange(O):
         for t in range(T):
-            acc = np.float32(0.0)
-            # the hot loop: 2 bytes per weight, converted by a shift
-            for k in range(K):
-                acc += bf16_to_f32(w[r, k]) * x[t, k]
-            out[t, r] = acc
+            out[t, r] = row_bf16(x, t, w, r)
 
 
 # Indexing style, for all kernels below: plain a[r, g, j] with every index a
@@ -181,22 +203,61 @@ def matmul_bf16(x, w, out):
 # the group loop, which was not faster and tripped an assertion in this LLVM.
 
 
+@_inline
+def row_int8(x3, t, q, s, r):
+    """x3[t] . row r of (q, s): x3 [T, G, gs] f32, q [O, G, gs] int8, s [O, G] fp16 bits."""
+    G, gs = x3.shape[1], x3.shape[2]
+    acc = np.float32(0.0)
+    for g in range(G):
+        # integer weights times fp32 activations, scaled once per group
+        part = np.float32(0.0)
+        for j in range(gs):
+            part += np.float32(q[r, g, j]) * x3[t, g, j]
+        acc += part * f16_to_f32(s[r, g])
+    return acc
+
+
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
 def matmul_int8(x3, q, s, out):
     """x3: [T, G, gs] f32 (x split into groups, a view); q: [O, G, gs] int8;
     s: [O, G] fp16 bits -> out: [T, O].  W[r, g, j] = q[r, g, j] * s[r, g]."""
-    T, G, gs = x3.shape
-    O = q.shape[0]
+    T, O = x3.shape[0], q.shape[0]
     for r in prange(O):
         for t in range(T):
-            acc = np.float32(0.0)
-            for g in range(G):
-                # integer weights times fp32 activations, scaled once per group
-                part = np.float32(0.0)
-                for j in range(gs):
-                    part += np.float32(q[r, g, j]) * x3[t, g, j]
-                acc += part * f16_to_f32(s[r, g])
-            out[t, r] = acc
+            out[t, r] = row_int8(x3, t, q, s, r)
+
+
+@_inline
+def group_sums(x4, t, xsum):
+    """xsum[t, p, h] = sum of group 2p+h of token t: x4 [T, P, 2, gs], xsum [T, P, 2]."""
+    for p in range(x4.shape[1]):
+        a = np.float32(0.0)
+        b = np.float32(0.0)
+        for j in range(x4.shape[3]):
+            a += x4[t, p, 0, j]
+            b += x4[t, p, 1, j]
+        xsum[t, p, 0] = a
+        xsum[t, p, 1] = b
+
+
+@_inline
+def row_int4(x4, xsum, t, q, s, m, r):
+    """x4[t] . row r of (q, s, m), matmul_int4's layout; xsum from group_sums."""
+    P, gs = x4.shape[1], x4.shape[3]
+    acc = np.float32(0.0)
+    for p in range(P):
+        lo_part = np.float32(0.0)
+        hi_part = np.float32(0.0)
+        for j in range(gs):
+            # unpack in float: byte = 16 hi + lo. (b & 15 and b >> 4 would be
+            # int64 in numba: a quarter of the lanes per vector, measured slower.)
+            byte = np.float32(q[r, p, j])
+            hi = np.floor(byte * np.float32(0.0625))
+            lo_part += (byte - np.float32(16.0) * hi) * x4[t, p, 0, j]
+            hi_part += hi * x4[t, p, 1, j]
+        acc += (lo_part * f16_to_f32(s[r, 2 * p]) + f16_to_f32(m[r, 2 * p]) * xsum[t, p, 0]
+                + hi_part * f16_to_f32(s[r, 2 * p + 1]) + f16_to_f32(m[r, 2 * p + 1]) * xsum[t, p, 1])
+    return acc
 
 
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
@@ -213,35 +274,13 @@ def matmul_int4(x4, q, s, m, out):
         s * sum(nibble * x) + m * sum(x)
     where sum(x) is shared by every row, computed once per call.
     """
-    T, P, _, gs = x4.shape
-    O = q.shape[0]
-    # [T, P, 2] sum of each group of x
-    xsum = np.empty((T, P, 2), dtype=np.float32)
+    T, O = x4.shape[0], q.shape[0]
+    xsum = np.empty((T, x4.shape[1], 2), dtype=np.float32)   # [T, P, 2] sum of each group of x
     for t in range(T):
-        for p in range(P):
-            a = np.float32(0.0)
-            b = np.float32(0.0)
-            for j in range(gs):
-                a += x4[t, p, 0, j]
-                b += x4[t, p, 1, j]
-            xsum[t, p, 0] = a
-            xsum[t, p, 1] = b
+        group_sums(x4, t, xsum)
     for r in prange(O):
         for t in range(T):
-            acc = np.float32(0.0)
-            for p in range(P):
-                lo_part = np.float32(0.0)
-                hi_part = np.float32(0.0)
-                for j in range(gs):
-                    # unpack in float: byte = 16 hi + lo. (b & 15 and b >> 4 would be
-                    # int64 in numba: a quarter of the lanes per vector, measured slower.)
-                    byte = np.float32(q[r, p, j])
-                    hi = np.floor(byte * np.float32(0.0625))
-                    lo_part += (byte - np.float32(16.0) * hi) * x4[t, p, 0, j]
-                    hi_part += hi * x4[t, p, 1, j]
-                acc += (lo_part * f16_to_f32(s[r, 2 * p]) + f16_to_f32(m[r, 2 * p]) * xsum[t, p, 0]
-                        + hi_part * f16_to_f32(s[r, 2 * p + 1]) + f16_to_f32(m[r, 2 * p + 1]) * xsum[t, p, 1])
-            out[t, r] = acc
+            out[t, r] = row_int4(x4, xsum, t, q, s, m, r)
 
 
 # ---------------------------------------------------------------------------
@@ -252,6 +291,27 @@ def matmul_int4(x4, q, s, m, out):
 # int4 35 G weights/s (the float kernels above: 16 and 13). On 2 threads a
 # 150k-row matrix then reads at the memory's speed (int8 31, int4 28 GB/s).
 # ---------------------------------------------------------------------------
+
+
+@_inline
+def quantize_token(x3, t, xq, xa, xs, xsum):
+    """Token t of quantize_activations, into the given arrays."""
+    for g in range(x3.shape[1]):
+        amax = np.float32(0.0)
+        poison = np.float32(0.0)                # stays 0 unless x holds a NaN or an inf
+        for j in range(x3.shape[2]):
+            amax = max(amax, abs(x3[t, g, j]))
+            poison += x3[t, g, j] * np.float32(0.0)
+        scale = amax / np.float32(127.0)
+        inv = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
+        total = 0
+        for j in range(x3.shape[2]):
+            v = np.int32(np.rint(x3[t, g, j] * inv))
+            xq[t, g, j] = v
+            xa[t, g, j] = abs(v)
+            total += v
+        xs[t, g] = scale + poison               # a NaN / inf in x makes its group's output NaN
+        xsum[t, g] = np.float32(total) * scale + poison
 
 
 @njit(cache=True, fastmath=FAST, error_model="numpy")
@@ -268,23 +328,24 @@ def quantize_activations(x3):
     xs = np.empty((T, G), dtype=np.float32)
     xsum = np.empty((T, G), dtype=np.float32)
     for t in range(T):
-        for g in range(G):
-            amax = np.float32(0.0)
-            poison = np.float32(0.0)                # stays 0 unless x holds a NaN or an inf
-            for j in range(gs):
-                amax = max(amax, abs(x3[t, g, j]))
-                poison += x3[t, g, j] * np.float32(0.0)
-            scale = amax / np.float32(127.0)
-            inv = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
-            total = 0
-            for j in range(gs):
-                v = np.int32(np.rint(x3[t, g, j] * inv))
-                xq[t, g, j] = v
-                xa[t, g, j] = abs(v)
-                total += v
-            xs[t, g] = scale + poison               # a NaN / inf in x makes its group's output NaN
-            xsum[t, g] = np.float32(total) * scale + poison
+        quantize_token(x3, t, xq, xa, xs, xsum)
     return xq, xa, xs, xsum
+
+
+@_inline
+def quantize_token16(x3, t, x16, xs):
+    """Token t of quantize_activations16, into the given arrays."""
+    for g in range(x3.shape[1]):
+        amax = np.float32(0.0)
+        poison = np.float32(0.0)
+        for j in range(x3.shape[2]):
+            amax = max(amax, abs(x3[t, g, j]))
+            poison += x3[t, g, j] * np.float32(0.0)
+        scale = amax / np.float32(32767.0)
+        inv = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
+        for j in range(x3.shape[2]):
+            x16[t, g, j] = np.int32(np.rint(x3[t, g, j] * inv))
+        xs[t, g] = scale + poison
 
 
 @njit(cache=True, fastmath=FAST, error_model="numpy")
@@ -296,18 +357,31 @@ def quantize_activations16(x3):
     x16 = np.empty((T, G, gs), dtype=np.int16)
     xs = np.empty((T, G), dtype=np.float32)
     for t in range(T):
-        for g in range(G):
-            amax = np.float32(0.0)
-            poison = np.float32(0.0)
-            for j in range(gs):
-                amax = max(amax, abs(x3[t, g, j]))
-                poison += x3[t, g, j] * np.float32(0.0)
-            scale = amax / np.float32(32767.0)
-            inv = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
-            for j in range(gs):
-                x16[t, g, j] = np.int32(np.rint(x3[t, g, j] * inv))
-            xs[t, g] = scale + poison
+        quantize_token16(x3, t, x16, xs)
     return x16, xs
+
+
+DECODE_BLOCK_BYTES = 1 << 18   # weights per block of rows of the int8-activation matvecs (~10 us)
+
+
+@_inline
+def decode_block(O, row_bytes):
+    """Rows per block: ~DECODE_BLOCK_BYTES of weights, whole groups of 4 rows."""
+    rows = min(O, max(1, DECODE_BLOCK_BYTES // row_bytes))
+    return max(4, rows + (-rows) % 4)
+
+
+@_inline
+def rows_int8_q16(xf, xsf, t, qf, sf, r0, r1, G, gs, outf, ooff):
+    """outf[ooff + r] = row r of an int8 matrix . token t's int16 activations, r0 <= r < r1
+    (flat arrays): rows_int8_q8's order, with simd.dot_int8_rows_i16."""
+    n4 = (r1 - r0) // 4
+    for b in range(r0, r0 + n4):
+        simd.dot_int8_rows_i16(qf, b * G * gs, n4 * G * gs, xf, t * G * gs, sf, b * G, xsf, t * G, G, gs,
+                               outf, ooff + b, 4)
+    for r in range(r0 + 4 * n4, r1):
+        simd.dot_int8_rows_i16(qf, r * G * gs, G * gs, xf, t * G * gs, sf, r * G, xsf, t * G, G, gs,
+                               outf, ooff + r, 1)
 
 
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
@@ -316,10 +390,26 @@ def matmul_int8_q16(x16, xs, q, s, out):
     s [O, G] fp16 bits -> out [T, O] (simd.dot_int8_row_i16)."""
     T, G, gs = x16.shape
     O = q.shape[0]
-    qf, sf, xf, xsf = q.reshape(-1), s.reshape(-1), x16.reshape(-1), xs.reshape(-1)
-    for r in prange(O):
+    qf, sf, xf, xsf, outf = q.reshape(-1), s.reshape(-1), x16.reshape(-1), xs.reshape(-1), out.reshape(-1)
+    block = decode_block(O, G * gs)
+    for c in prange(-(-O // block)):
         for t in range(T):
-            out[t, r] = simd.dot_int8_row_i16(qf, r * G * gs, xf, t * G * gs, sf, r * G, xsf, t * G, G, gs)
+            rows_int8_q16(xf, xsf, t, qf, sf, c * block, min(O, (c + 1) * block), G, gs, outf, t * O)
+
+
+@_inline
+def rows_int8_q8(xqf, xaf, xsf, t, qf, sf, r0, r1, G, gs, outf, ooff):
+    """outf[ooff + r] = row r of an int8 matrix . token t's int8 activations, r0 <= r < r1
+    (flat arrays). Four rows per simd.dot_int8_rows call, a quarter of the range apart:
+    four sequential streams, which the hardware prefetcher follows (four adjacent
+    rows it does not: simd.py). A row's result does not depend on its company."""
+    n4 = (r1 - r0) // 4
+    for b in range(r0, r0 + n4):
+        simd.dot_int8_rows(qf, b * G * gs, n4 * G * gs, xqf, xaf, t * G * gs, sf, b * G, xsf, t * G, G, gs,
+                           outf, ooff + b, 4)
+    for r in range(r0 + 4 * n4, r1):
+        simd.dot_int8_rows(qf, r * G * gs, G * gs, xqf, xaf, t * G * gs, sf, r * G, xsf, t * G, G, gs,
+                           outf, ooff + r, 1)
 
 
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
@@ -328,11 +418,23 @@ def matmul_int8_q8(xq, xa, xs, q, s, out):
     s [O, G] fp16 bits -> out [T, O]:  out[t, r] = sum_g s[r, g] xs[t, g] (q[r, g] . xq[t, g])."""
     T, G, gs = xq.shape
     O = q.shape[0]
-    # flat views: simd.dot_int8_row walks raw offsets (rows are contiguous)
+    # flat views: simd.dot_int8_rows walks raw offsets (rows are contiguous)
     qf, sf, xqf, xaf, xsf = q.reshape(-1), s.reshape(-1), xq.reshape(-1), xa.reshape(-1), xs.reshape(-1)
-    for r in prange(O):
+    outf = out.reshape(-1)
+    block = decode_block(O, G * gs)                 # each thread takes whole blocks, in order
+    for c in prange(-(-O // block)):
         for t in range(T):
-            out[t, r] = simd.dot_int8_row(qf, r * G * gs, xqf, xaf, t * G * gs, sf, r * G, xsf, t * G, G, gs)
+            rows_int8_q8(xqf, xaf, xsf, t, qf, sf, c * block, min(O, (c + 1) * block), G, gs, outf, t * O)
+
+
+@_inline
+def row_int4_q8(xqf, xsf, xsum, t, qf, sf, m, r, G, gs):
+    """Row r of an int4 matrix times token t's int8 activations (flat arrays;
+    xsum [T, G], m [O, G])."""
+    mins = np.float32(0.0)                      # the minimum's term, G multiply-adds
+    for g in range(G):
+        mins += f16_to_f32(m[r, g]) * xsum[t, g]
+    return simd.dot_int4_row(qf, r * G * gs // 2, xqf, t * G * gs, sf, r * G, xsf, t * G, G, gs) + mins
 
 
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
@@ -340,15 +442,11 @@ def matmul_int4_q8(xq, xs, xsum, q, s, m, out):
     """xq [T, G, gs], xs, xsum [T, G] from quantize_activations; q [O, G/2, gs]
     uint8 (matmul_int4's layout); s, m [O, G] fp16 bits -> out [T, O]:
         out[t, r] = sum_g s[r, g] xs[t, g] (nibbles[r, g] . xq[t, g]) + m[r, g] xsum[t, g]"""
-    T, G, gs = xq.shape
-    O = q.shape[0]
+    T, O = xq.shape[0], q.shape[0]
     qf, sf, xqf, xsf = q.reshape(-1), s.reshape(-1), xq.reshape(-1), xs.reshape(-1)
     for r in prange(O):
         for t in range(T):
-            mins = np.float32(0.0)                  # the minimum's term, G multiply-adds
-            for g in range(G):
-                mins += f16_to_f32(m[r, g]) * xsum[t, g]
-            out[t, r] = simd.dot_int4_row(qf, r * G * gs // 2, xqf, t * G * gs, sf, r * G, xsf, t * G, G, gs) + mins
+            out[t, r] = row_int4_q8(xqf, xsf, xsum, t, qf, sf, m, r, xq.shape[1], xq.shape[2])
 
 
 # ---------------------------------------------------------------------------
@@ -509,16 +607,12 @@ def dequant_rows_int4(ids, q, s, m, out):
 # ---------------------------------------------------------------------------
 
 
-# Each op is written once, for one row, as an inlined helper; a serial and a
-# parallel (prange) loop call it. They must be separate Python functions: numba's
-# on-disk cache tells functions apart by their code, not by parallel=True.
-_inline = njit(inline="always", fastmath=FAST, error_model="numpy")
-_serial = njit(cache=True, fastmath=FAST, error_model="numpy")
-_parallel = njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
+# Each op is written once, for one row, as an inlined helper (_inline, top of
+# the file); a serial and a parallel (prange) loop call it.
 
 
 @_inline
-def _rmsnorm_row(x2, w, eps, out2, t):
+def rmsnorm_row(x2, w, eps, out2, t):
     C = x2.shape[1]
     ss = np.float32(0.0)
     for c in range(C):
@@ -531,13 +625,13 @@ def _rmsnorm_row(x2, w, eps, out2, t):
 @_serial
 def _rmsnorm_serial(x2, w, eps, out2):
     for t in range(x2.shape[0]):
-        _rmsnorm_row(x2, w, eps, out2, t)
+        rmsnorm_row(x2, w, eps, out2, t)
 
 
 @_parallel
 def _rmsnorm_parallel(x2, w, eps, out2):
     for t in prange(x2.shape[0]):
-        _rmsnorm_row(x2, w, eps, out2, t)
+        rmsnorm_row(x2, w, eps, out2, t)
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -549,7 +643,7 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 
 @_inline
-def _silu_mul_row(gate_up, out, t):
+def silu_mul_row(gate_up, out, t):
     F = out.shape[1]
     for f in range(F):
         g = gate_up[t, f]
@@ -559,13 +653,13 @@ def _silu_mul_row(gate_up, out, t):
 @_serial
 def _silu_mul_serial(gate_up, out):
     for t in range(out.shape[0]):
-        _silu_mul_row(gate_up, out, t)
+        silu_mul_row(gate_up, out, t)
 
 
 @_parallel
 def _silu_mul_parallel(gate_up, out):
     for t in prange(out.shape[0]):
-        _silu_mul_row(gate_up, out, t)
+        silu_mul_row(gate_up, out, t)
 
 
 def silu_mul(gate_up: np.ndarray) -> np.ndarray:
@@ -580,15 +674,20 @@ def silu_mul(gate_up: np.ndarray) -> np.ndarray:
 
 
 @_inline
+def rope_head(x, cos, sin, out, t, h):
+    """Head h of token t (out may be x: each pair is read before it is written)."""
+    half = x.shape[2] // 2
+    for i in range(half):
+        x1 = x[t, h, i]
+        x2 = x[t, h, half + i]
+        out[t, h, i] = x1 * cos[t, i] - x2 * sin[t, i]
+        out[t, h, half + i] = x2 * cos[t, i] + x1 * sin[t, i]
+
+
+@_inline
 def _rope_row(x, cos, sin, out, t):
-    H, D = x.shape[1], x.shape[2]
-    half = D // 2
-    for h in range(H):
-        for i in range(half):
-            x1 = x[t, h, i]
-            x2 = x[t, h, half + i]
-            out[t, h, i] = x1 * cos[t, i] - x2 * sin[t, i]
-            out[t, h, half + i] = x2 * cos[t, i] + x1 * sin[t, i]
+    for h in range(x.shape[1]):
+        rope_head(x, cos, sin, out, t, h)
 
 
 @_serial
@@ -616,7 +715,7 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 @_inline
-def _attention_item(q, k_cache, v_cache, start_pos, out, item):
+def attention_item(q, k_cache, v_cache, start_pos, out, item):
     """One (KV head, query) pair: all `group` query heads of KV head kvh for query t."""
     T, H, D = q.shape
     Hkv = k_cache.shape[0]
@@ -664,13 +763,13 @@ def _attention_item(q, k_cache, v_cache, start_pos, out, item):
 @_serial
 def _attention_serial(q, k_cache, v_cache, start_pos, out):
     for item in range(k_cache.shape[0] * q.shape[0]):
-        _attention_item(q, k_cache, v_cache, start_pos, out, item)
+        attention_item(q, k_cache, v_cache, start_pos, out, item)
 
 
 @_parallel
 def _attention_parallel(q, k_cache, v_cache, start_pos, out):
     for item in prange(k_cache.shape[0] * q.shape[0]):
-        _attention_item(q, k_cache, v_cache, start_pos, out, item)
+        attention_item(q, k_cache, v_cache, start_pos, out, item)
 
 
 @_serial

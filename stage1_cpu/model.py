@@ -20,12 +20,13 @@ from __future__ import annotations
 import numpy as np
 
 from stage1_cpu import kernels, ops
+from stage1_cpu.decode_step import DecodeStep
 from stage1_cpu.kv_cache import KVCache
 from stage1_cpu.weights import LayerWeights, Weights
 
 
 class Model:
-    def __init__(self, weights: Weights, max_ctx: int, use_numba: bool = True):
+    def __init__(self, weights: Weights, max_ctx: int, use_numba: bool = True, one_region: bool = True):
         self.w = weights
         self.config = cfg = weights.config
         self.max_ctx = max_ctx
@@ -33,6 +34,10 @@ class Model:
         # the numba kernels by default; ops (the numpy definitions) for checking them
         self.k = kernels if use_numba else ops
         self.cos, self.sin = ops.rope_tables(max_ctx, cfg.head_dim, cfg.rope_theta)  # [T_max, D/2]
+        # decode of a dense model: the same computation as forward() below, in one parallel
+        # region per token instead of one per matmul (decode_step.py)
+        self.decode_step = (DecodeStep(weights, self.cache, self.cos, self.sin)
+                            if use_numba and one_region and DecodeStep.supported(weights) else None)
 
     def forward(self, tokens: np.ndarray, start_pos: int, all_logits: bool = False) -> np.ndarray:
         """tokens [T] at positions start_pos..start_pos+T-1 (the cache already holds
@@ -48,6 +53,8 @@ class Model:
 
         # token embedding: dequantize only the T rows we need
         x = w.embed.rows(np.asarray(tokens, dtype=np.int64))  # [T, C]
+        if T == 1 and self.decode_step and not all_logits:
+            return self.decode_step.step(x[0], start_pos)      # [V]
 
         for layer, lw in enumerate(w.layers):
             # ---- attention block ----

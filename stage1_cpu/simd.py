@@ -33,6 +33,8 @@ weights) and -0.6 % (int4), noise either way (tests/test_quant_quality.py). The
 lm_head, where a close top-2 can tip, gets int16 activations instead
 (dot_int8_row_i16, vpdpwssd). The numpy twin (quant.Weight.matmul_ref) rounds
 the same way, so the kernels are still checked exactly against a definition.
+dot_int8_rows / dot_int8_rows_i16 do the same for up to 4 rows per call, sharing
+the activations and vectorising the scales ("Four rows at a time" below).
 
 Only used where the CPU has the instruction (VNNI below); elsewhere stage 1 keeps
 the float kernels. Vectors are 256 bits wide (32 bytes): on AMD Zen 4 a 512-bit
@@ -108,11 +110,12 @@ def _splat(builder, value):
     return builder.shuffle_vector(one, ir.Constant(FLOATS8, ir.Undefined), ir.Constant(INTS8, [0] * 8))
 
 
-def _vpdpbusd(builder, unsigned, signed):
-    """32 unsigned bytes . 32 signed bytes -> 8 int32 lanes, each the sum of 4 products."""
+def _vpdpbusd(builder, unsigned, signed, acc=None):
+    """32 unsigned bytes . 32 signed bytes -> 8 int32 lanes, each the sum of 4 products
+    (added to acc's lanes if given)."""
     fn = _declare(builder, "llvm.x86.avx512.vpdpbusd.256", INTS8, [INTS8, INTS8, INTS8])
-    return builder.call(fn, [ir.Constant(INTS8, None), builder.bitcast(unsigned, INTS8),
-                             builder.bitcast(signed, INTS8)])
+    return builder.call(fn, [ir.Constant(INTS8, None) if acc is None else acc,
+                             builder.bitcast(unsigned, INTS8), builder.bitcast(signed, INTS8)])
 
 
 def _emit_row(builder, n_steps, step, tail=None):
@@ -274,6 +277,259 @@ def dot_int8_row_i16(typingctx, q, qoff, x16, xoff, s, soff, xs, xsoff, n_groups
 
         n_chunks = builder.shl(n_groups_, shift)
         return _emit_row(builder, builder.udiv(n_chunks, ir.Constant(I64, 2)), step, tail)
+
+    return sig, codegen
+
+
+# ---------------------------------------------------------------------------
+# Four rows at a time (decode matvecs). dot_int8_row spends ~15 instructions
+# on 32 weights, a third of them scalar (the group's fp16 scale: load, convert,
+# times xs, broadcast), and one core reads only ~33 G weights/s from L2. The
+# rows kernels below take up to 4 rows per call and do less per chunk:
+# - the activations of a chunk are loaded once and serve the 4 rows;
+# - the scales s[i, g] * xs[g] of 8 groups are one vcvtph2ps and one vmulps per
+#   row, stored to a 32-float stack buffer; the multiply-adds read them with a
+#   broadcast load (no arithmetic: a broadcast from a register is a shuffle,
+#   and on Zen 4 shuffles compete with vpdpbusd for its two pipes);
+# - int8 activations: no vpsignb per row. q + 128 is unsigned, so
+#   vpdpbusd(q ^ 0x80, xq) = q . xq + 128 sum(xq), and the correction
+#   -128 sum(xq) depends on the activations alone: one vpdpbusd per chunk for
+#   all 4 rows, the rows' int32 sums start from it. (On Zen 4 vpdpbusd,
+#   vpsignb and the float multiply-add share two pipes; the xor has four.)
+# - a group of gs > 32 weights is summed in int32 (vpdpbusd accumulates) and
+#   converted to float once per group;
+# - each row has two float accumulators (even and odd groups), whose 8 lanes
+#   are added up once, at the end.
+# The group loop is emitted once per group size (32, 64, 128: 1, 2 or 4 chunks
+# unrolled) and once with a loop over the chunks, for any other multiple of 32.
+# One core, 1024 x 1024, gs 32, int8 activations: ~49 G weights/s (adjacent
+# rows) to ~54 (rows apart, below), dot_int8_row 33; int16: ~40 to ~43, 31.
+#
+# Memory: the 4 rows are 4 streams. Adjacent rows, 4 streams one row apart,
+# defeat the hardware prefetcher (one core then reads DRAM at ~7 GB/s); the
+# kernels prefetch the next call's 4 rows in that case, and 2 threads reach
+# ~2/3 of the read bandwidth. Rows m > 1 rows apart (e.g. rows b, b + O/4,
+# b + O/2, b + 3 O/4 in call b) are 4 long sequential streams, which the
+# hardware prefetcher follows: 2 threads then read at the memory's speed
+# (150000 x 1024, gs 32: 86-113 %, mostly ~100 %, of the read bandwidth that
+# bench.common.measure_bandwidth measures next to it; the host's varies).
+# ---------------------------------------------------------------------------
+
+ROWS = 4                                     # rows per call of the rows kernels
+
+
+def _rows_pointers(builder, base, off, stride, n_rows):
+    """base + off + i * stride for the ROWS rows; a row i >= n_rows points at row 0
+    (it is computed, never stored, and never read out of bounds)."""
+    ptrs = []
+    for i in range(ROWS):
+        step = builder.mul(ir.Constant(I64, i), stride)
+        real = builder.icmp_signed("<", ir.Constant(I64, i), n_rows)
+        ptrs.append(builder.gep(base, [builder.add(off, builder.select(real, step, ir.Constant(I64, 0)))]))
+    return ptrs
+
+
+def _rows_apart(builder, row_stride, n_groups, gs):
+    """m = row_stride // (n_groups * gs), at least 1: how many matrix rows apart the
+    call's rows are (1 for adjacent rows, and for any row_stride < 2 rows)."""
+    one = ir.Constant(I64, 1)
+    row = builder.mul(n_groups, gs)
+    m = builder.udiv(row_stride, builder.select(builder.icmp_unsigned("<", row, one), one, row))
+    return builder.select(builder.icmp_unsigned("<", m, one), one, m)
+
+
+def _by_group_size(builder, gs, emit):
+    """emit(chunks per group) for gs = 32, 64, 128 (a Python int: unrolled), and
+    emit(an i64 value) for any other multiple of 32."""
+    cases = [(32, 1), (64, 2), (128, 4)]
+
+    def nest(k):
+        if k == len(cases):
+            emit(builder.lshr(gs, ir.Constant(I64, 5)))
+            return
+        size, chunks = cases[k]
+        with builder.if_else(builder.icmp_signed("==", gs, ir.Constant(I64, size))) as (then, otherwise):
+            with then:
+                emit(chunks)
+            with otherwise:
+                nest(k + 1)
+
+    nest(0)
+
+
+def _fold_chunks(builder, chunks, start, init, step):
+    """values = step(at, values) over a group's chunks (at: the chunk's element
+    offset, start + 32 c), from values = init: unrolled when chunks is a Python
+    int, else a loop (its values in stack slots made once, in the entry block)."""
+    if isinstance(chunks, int):
+        values = init
+        for c in range(chunks):
+            values = step(builder.add(start, ir.Constant(I64, 32 * c)), values)
+        return values
+    slots = [cgutils.alloca_once(builder, v.type) for v in init]
+    for v, slot in zip(init, slots):
+        builder.store(v, slot)
+    with cgutils.for_range(builder, chunks) as c:
+        at = builder.add(start, builder.mul(c.index, ir.Constant(I64, 32)))
+        for v, slot in zip(step(at, [builder.load(slot) for slot in slots]), slots):
+            builder.store(v, slot)
+    return [builder.load(slot) for slot in slots]
+
+
+def _prefetch_rows(builder, qps, at, n_bytes):
+    """Asks for the n_bytes from element at of each row into L2 (prefetcht2), a
+    64-byte line at a time."""
+    prefetch = _declare(builder, "llvm.prefetch.p0i8", ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
+    for line in range(0, n_bytes, 64):
+        for qp in qps:
+            address = builder.gep(qp, [builder.add(at, ir.Constant(I64, line))])
+            builder.call(prefetch, [address, ir.Constant(I32, 0), ir.Constant(I32, 1), ir.Constant(I32, 1)])
+
+
+def _emit_rows(builder, qps, sps, xsp, n_groups, gs, ahead, group_dots):
+    """The ROWS rows' dot products (float32 values; see the section comment).
+    qps, sps: each row's weights and fp16 scales; xsp: the activation scales;
+    ahead: how many elements further on each row to prefetch (0: no prefetch; gs
+    32, 64 and 128 only); group_dots(start, chunks): the ROWS rows' int32 lanes
+    (8 each) of the group at element offset start, of `chunks` chunks (see
+    _fold_chunks)."""
+    fma = _declare(builder, "llvm.fma.v8f32", FLOATS8, [FLOATS8] * 3)
+    acc = [[cgutils.alloca_once_value(builder, ir.Constant(FLOATS8, None)) for _ in range(ROWS)]
+           for _ in range(2)]
+    buf = cgutils.alloca_once(builder, F32, size=ROWS * 8)        # a block's scales, [ROWS, 8]
+    n_blocks = builder.lshr(n_groups, ir.Constant(I64, 3))
+
+    def add_group(g, scales, slots, chunks):       # slots[i] += float(row i's int32 lanes of group g) * scales[i]
+        dots = group_dots(builder.mul(g, gs), chunks)
+        for d, scale, slot in zip(dots, scales, slots):
+            lanes = builder.sitofp(d, FLOATS8)
+            builder.store(builder.call(fma, [lanes, _splat(builder, scale), builder.load(slot)]), slot)
+
+    def emit(chunks):
+        with cgutils.for_range(builder, n_blocks) as block:              # 8 groups
+            g0 = builder.shl(block.index, ir.Constant(I64, 3))
+            if isinstance(chunks, int):                                  # the block's bytes, `ahead` further on
+                with builder.if_then(builder.icmp_unsigned("!=", ahead, ir.Constant(I64, 0))):
+                    _prefetch_rows(builder, qps, builder.add(builder.mul(g0, gs), ahead), 8 * 32 * chunks)
+            xs8 = builder.load(builder.bitcast(builder.gep(xsp, [g0]), FLOATS8.as_pointer()), align=4)
+            for i, sp in enumerate(sps):
+                h = builder.load(builder.bitcast(builder.gep(sp, [g0]), ir.VectorType(I16, 8).as_pointer()), align=2)
+                s8 = builder.fmul(builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), 8)), FLOATS8), xs8)
+                builder.store(s8, builder.bitcast(builder.gep(buf, [ir.Constant(I64, 8 * i)]), FLOATS8.as_pointer()),
+                              align=4)
+            with cgutils.for_range(builder, ir.Constant(I64, 4)) as pair:   # groups 2p, 2p + 1 of the block
+                for j in range(2):
+                    k = builder.add(builder.shl(pair.index, ir.Constant(I64, 1)), ir.Constant(I64, j))
+                    scales = [builder.load(builder.gep(buf, [builder.add(ir.Constant(I64, 8 * i), k)]))
+                              for i in range(ROWS)]
+                    add_group(builder.add(g0, k), scales, acc[j], chunks)
+        with cgutils.for_range_slice(builder, builder.shl(n_blocks, ir.Constant(I64, 3)), n_groups,
+                                     ir.Constant(I64, 1)) as (g, _):    # the last n_groups % 8, one at a time
+            add_group(g, [_scale(builder, sp, xsp, g) for sp in sps], acc[0], chunks)
+
+    _by_group_size(builder, gs, emit)
+    total = _declare(builder, "llvm.vector.reduce.fadd.v8f32", F32, [F32, FLOATS8])
+    return [builder.call(total, [ir.Constant(F32, 0.0), builder.fadd(builder.load(a), builder.load(b))],
+                         fastmath=("reassoc",)) for a, b in zip(*acc)]
+
+
+def _rows_setup(context, builder, signature, vals, qi, si):
+    """What both rows kernels need from their arguments (vals: widened by
+    _as_int64): q, qoff, row_stride at qi, qi + 1, qi + 2, and s, soff, xs, xsoff,
+    n_groups, gs, out, ooff, n_rows from si on. Returns the rows' weight and scale
+    pointers, the activation scales', the prefetch distance (0: none) and
+    store(sums), which writes the results."""
+    ty = signature.args
+    q_, qoff_, stride_ = vals[qi:qi + 3]
+    s_, soff_, xs_, xsoff_, n_groups_, gs_, out_, ooff_, n_rows_ = vals[si:si + 9]
+    m = _rows_apart(builder, stride_, n_groups_, gs_)
+    qps = _rows_pointers(builder, _base(context, builder, ty[qi], q_, I8), qoff_, stride_, n_rows_)
+    sps = _rows_pointers(builder, _base(context, builder, ty[si], s_, I16), soff_, builder.mul(m, n_groups_), n_rows_)
+    xsp = builder.gep(_base(context, builder, ty[si + 2], xs_, F32), [xsoff_])
+    outp = builder.gep(_base(context, builder, ty[si + 6], out_, F32), [ooff_])
+    # adjacent rows: prefetch the next call's 4 rows (see the section comment)
+    adjacent = builder.icmp_unsigned("==", m, ir.Constant(I64, 1))
+    ahead = builder.select(adjacent, builder.mul(stride_, ir.Constant(I64, ROWS)), ir.Constant(I64, 0))
+
+    def store(sums):                                     # out[ooff + i m] = sums[i] for i < n_rows
+        for i, v in enumerate(sums):
+            with builder.if_then(builder.icmp_signed("<", ir.Constant(I64, i), n_rows_)):
+                builder.store(v, builder.gep(outp, [builder.mul(ir.Constant(I64, i), m)]))
+
+    return qps, sps, xsp, ahead, store
+
+
+@intrinsic
+def dot_int8_rows(typingctx, q, qoff, row_stride, xq, xa, xoff, s, soff, xs, xsoff, n_groups, gs, out, ooff,
+                  n_rows):
+    """dot_int8_row for n_rows <= 4 rows at once (see the section comment): for i < n_rows,
+
+        out[ooff + i m] = sum_g s[soff + i m n_groups + g] * xs[xsoff + g]
+                            * sum_j q[qoff + i row_stride + g gs + j] * xq[xoff + g gs + j]
+
+    with m = max(1, row_stride // (n_groups gs)): the call's rows are rows of one
+    [O, G, gs] matrix, m rows apart (m = 1, adjacent rows: row_stride = G gs, the
+    scales and outputs of row i at i * n_groups and i). Arguments as in
+    dot_int8_row, plus row_stride (elements of q between the call's rows), out
+    (float32) and n_rows; rows i >= n_rows are neither read nor written. xa (|xq|)
+    is not read: it is there so that both kernels take the same arguments."""
+    sig = types.void(q, qoff, row_stride, xq, xa, xoff, s, soff, xs, xsoff, n_groups, gs, out, ooff, n_rows)
+
+    def codegen(context, builder, signature, args):
+        vals = _as_int64(context, builder, signature, args)
+        qps, sps, xsp, ahead, store = _rows_setup(context, builder, signature, vals, 0, 6)
+        xq_, xoff_, n_groups_, gs_ = vals[3], vals[5], vals[10], vals[11]
+        xp = builder.gep(_base(context, builder, signature.args[3], xq_, I8), [xoff_])
+        bias = ir.Constant(BYTES32, [128] * 32)
+        zero = ir.Constant(INTS8, None)
+
+        def group_dots(start, chunks):
+            # (q + 128) . xq - 128 sum(xq): the correction is the activations' alone, shared by the rows
+            corr = _fold_chunks(builder, chunks, start, [zero],
+                                lambda at, v: [_vpdpbusd(builder, bias, _load32(builder, xp, at), v[0])])[0]
+            return _fold_chunks(builder, chunks, start, [builder.sub(zero, corr)] * ROWS, lambda at, dots: [
+                _vpdpbusd(builder, builder.xor(_load32(builder, qp, at), bias), _load32(builder, xp, at), d)
+                for qp, d in zip(qps, dots)])
+
+        store(_emit_rows(builder, qps, sps, xsp, n_groups_, gs_, ahead, group_dots))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def dot_int8_rows_i16(typingctx, q, qoff, row_stride, x16, xoff, s, soff, xs, xsoff, n_groups, gs, out, ooff,
+                      n_rows):
+    """dot_int8_row_i16 for n_rows <= 4 rows at once: dot_int8_rows (same rows,
+    strides and outputs) with int16 activations x16, two vpdpwssd per row and
+    chunk, the weights widened by vpmovsxbw. No overflow: a lane adds 4 products
+    |q x16| <= 127 * 32767 per chunk, so gs up to 4096."""
+    sig = types.void(q, qoff, row_stride, x16, xoff, s, soff, xs, xsoff, n_groups, gs, out, ooff, n_rows)
+
+    def codegen(context, builder, signature, args):
+        vals = _as_int64(context, builder, signature, args)
+        qps, sps, xsp, ahead, store = _rows_setup(context, builder, signature, vals, 0, 5)
+        x16_, xoff_, n_groups_, gs_ = vals[3], vals[4], vals[9], vals[10]
+        xp = builder.gep(_base(context, builder, signature.args[3], x16_, I16), [xoff_])
+        vpdpwssd = _declare(builder, "llvm.x86.avx512.vpdpwssd.256", INTS8, [INTS8, INTS8, INTS8])
+        bytes16, shorts16 = ir.VectorType(I8, 16), ir.VectorType(I16, 16)
+
+        def chunk(at, dots):
+            dots = list(dots)
+            for half in range(2):                                 # 16 weights each, the activations shared
+                h = builder.add(at, ir.Constant(I64, 16 * half))
+                x = builder.load(builder.bitcast(builder.gep(xp, [h]), shorts16.as_pointer()), align=2)
+                for i, qp in enumerate(qps):
+                    w = builder.load(builder.bitcast(builder.gep(qp, [h]), bytes16.as_pointer()), align=1)
+                    dots[i] = builder.call(vpdpwssd, [dots[i], builder.bitcast(builder.sext(w, shorts16), INTS8),
+                                                      builder.bitcast(x, INTS8)])
+            return dots
+
+        def group_dots(start, chunks):
+            return _fold_chunks(builder, chunks, start, [ir.Constant(INTS8, None)] * ROWS, chunk)
+
+        store(_emit_rows(builder, qps, sps, xsp, n_groups_, gs_, ahead, group_dots))
+        return context.get_dummy_value()
 
     return sig, codegen
 

@@ -6,9 +6,10 @@ memory stays near the size of the quantized model plus one fp32 tensor.
 
 q_proj, k_proj and v_proj become one matrix, as do gate_proj and up_proj: they
 multiply the same input, so one matmul reads that input once and starts the
-threads once instead of three (two) times. At decode, where a parallel region
-costs ~50 us to start under OMP_WAIT_POLICY=PASSIVE, that is 3 of 7 starts per
-layer saved (docs/benchmarks.md has the measurement).
+threads once instead of three (two) times. On the per-op path, where a parallel
+region costs ~50 us to start under OMP_WAIT_POLICY=PASSIVE, that is 3 of 7 starts
+per layer saved (docs/benchmarks.md has the measurement); decode_step.py, which
+starts them once per token, still reads the input once instead of three times.
 """
 from __future__ import annotations
 

@@ -1,0 +1,125 @@
+"""decode_step.py (a decode step in one parallel region) against model.forward's per-op
+path: the same inlined bodies on the same values, so the logits and the KV cache must
+be equal bit for bit, for every weight format and activation rounding, whatever the
+number of threads or worker iterations."""
+import numba
+import numpy as np
+import pytest
+
+from models import make_model
+from stage1_cpu import decode_step, sync
+from stage1_cpu.model import Model
+from stage1_cpu.weights import load_weights
+
+PROMPT = [5, 17, 300, 42, 7, 99, 256, 3, 128, 64, 11, 480, 200, 13]
+CASES = {
+    "qwen3": dict(family="qwen3"),
+    # llama: no q/k norm; 3 heads on 1 KV head, hidden 72 (int4 pads it to 2 groups of 64)
+    "llama_odd": dict(family="llama", head_dim=64, num_attention_heads=3, num_key_value_heads=1,
+                      hidden_size=72, intermediate_size=100),
+}
+
+
+def decode_both(weights, steps=6):
+    """Prefill PROMPT, then decode `steps` greedy tokens with the one-region step and
+    with the per-op path, each on its own cache. -> [(logits_one, logits_per_op)], the two models."""
+    one, per_op = Model(weights, 64), Model(weights, 64, one_region=False)
+    assert one.decode_step is not None and per_op.decode_step is None
+    a, b = one.forward(np.array(PROMPT), 0), per_op.forward(np.array(PROMPT), 0)
+    pairs, pos = [], len(PROMPT)
+    for _ in range(steps):
+        tok = np.array([int(np.argmax(b))])
+        a, b = one.forward(tok, pos), per_op.forward(tok, pos)
+        pairs.append((a, b))
+        pos += 1
+    return pairs, one, per_op
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("fmt", ["none", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("activations", ["auto", "fp32"])
+def test_one_region_equals_per_op_bit_for_bit(case, fmt, activations):
+    weights = load_weights(make_model(**CASES[case]), fmt, 64, progress=False, activations=activations)
+    pairs, one, per_op = decode_both(weights)
+    for a, b in pairs:
+        assert np.abs(b).max() > 1.0                 # real logits, not zeros
+        assert np.array_equal(a, b)
+    assert np.array_equal(one.cache.data, per_op.cache.data)
+    assert len({int(np.argmax(b)) for _, b in pairs}) > 1, "the tokens must vary for this to mean anything"
+
+
+def test_300_tokens_at_two_threads_stay_bit_for_bit():
+    """A worker may run layers ahead of one that woke late (decode_step.py): over many
+    steps the threads' timing varies, and the result must not."""
+    weights = load_weights(make_model(**CASES["qwen3"]), "int8", 32, progress=False)
+    saved = numba.get_num_threads()
+    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    try:
+        one, per_op = Model(weights, 320), Model(weights, 320, one_region=False)
+        one.forward(np.array(PROMPT), 0)
+        b = per_op.forward(np.array(PROMPT), 0)
+        for pos in range(len(PROMPT), 300):
+            tok = np.array([int(np.argmax(b))])
+            a, b = one.forward(tok, pos), per_op.forward(tok, pos)
+            assert np.array_equal(a, b), f"position {pos}"
+    finally:
+        numba.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("workers", [1, 3, 5])
+def test_any_number_of_worker_iterations_gives_the_same_logits(workers):
+    """Items are claimed, not assigned: with more worker iterations than threads (some run
+    one after another on one thread) or just one, nothing deadlocks and nothing changes."""
+    weights = load_weights(make_model(**CASES["qwen3"]), "int8", 32, progress=False)
+    model = Model(weights, 64)
+    model.forward(np.array(PROMPT), 0)
+    ref = model.forward(np.array([7]), len(PROMPT))
+    step = model.decode_step
+    x = weights.embed.rows(np.array([7]))[0]
+    pos = len(PROMPT)
+    logits = np.empty_like(ref)
+    decode_step._decode(workers, x, pos, step.meta, step.data, step.scales, step.mins, step.norms, step.qk_norms,
+                        step.final_norm, step.cache.data, step.cos[pos:pos + 1], step.sin[pos:pos + 1], step.eps,
+                        step.dims, step.qkv, step.att, step.o_out, step.gate_up, step.down_out, logits,
+                        sync.counters(step.n_phases))
+    assert np.array_equal(logits, ref)
+
+
+def test_threads_one_and_two_agree():
+    weights = load_weights(make_model(**CASES["qwen3"]), "int4", 32, progress=False)
+    saved = numba.get_num_threads()
+    try:
+        out = []
+        for n in (1, min(2, numba.config.NUMBA_NUM_THREADS)):
+            numba.set_num_threads(n)
+            pairs, _, _ = decode_both(weights, steps=3)
+            out.append(np.stack([a for a, _ in pairs]))
+        assert np.array_equal(out[0], out[1])
+    finally:
+        numba.set_num_threads(saved)
+
+
+def test_moe_models_keep_the_per_op_path():
+    weights = load_weights(make_model(family="qwen3_moe"), "int8", 32, progress=False)
+    assert not decode_step.DecodeStep.supported(weights)
+    assert Model(weights, 64).decode_step is None
+
+
+def test_counters_claim_each_item_once_and_wait_for_all():
+    """sync.py on its own: 3 phases of 40 items, each item reading the previous phase's
+    output; with any number of worker iterations every item is done exactly once."""
+    @numba.njit(parallel=True)
+    def run(workers, counts, out):
+        for _ in numba.prange(workers):
+            for p in range(out.shape[0]):
+                i = sync.claim(counts, p)
+                while i < out.shape[1]:
+                    out[p, i] += 1 + (out[p - 1, i] if p else 0)
+                    sync.finish(counts, p)
+                    i = sync.claim(counts, p)
+                sync.wait(counts, p, out.shape[1])
+
+    for workers in (1, 2, 7):
+        out = np.zeros((3, 40), dtype=np.int64)
+        run(workers, sync.counters(3), out)
+        assert (out == np.array([[1], [2], [3]])).all()
