@@ -7,11 +7,15 @@ each model once. initializer_range=0.2 makes greedy outputs vary (with the defau
 """
 from __future__ import annotations
 
+import atexit
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
 ROOT = Path(tempfile.mkdtemp(prefix="qwen3-stages-models-"))
+# the 0.6B-shape model alone is 2.4 GB: a session's models go when the session ends
+atexit.register(shutil.rmtree, ROOT, ignore_errors=True)
 _cache: dict = {}
 
 # Small but awkward: head_dim 32 with 4/2 heads, hidden 96 (not a power of two)
