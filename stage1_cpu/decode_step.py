@@ -206,6 +206,11 @@ _READONLY = types.Array(types.uint8, 1, "C", readonly=True)
 _READONLY16 = types.Array(types.uint16, 1, "C", readonly=True)
 
 
+def _format_row(w) -> list[int]:
+    """A Weight as the kernel sees it: (fmt, act, O, K, Kp, gs), a row of meta."""
+    return [FMT[w.fmt], ACT[w.decode_act], w.out_features, w.in_features, w.padded_in, w.group_size]
+
+
 def _flat_list(arrays, ty):
     """A numba typed list of read-only flat views (no copies; the weights may be mapped read-only)."""
     out = List.empty_list(ty)
@@ -220,8 +225,13 @@ class DecodeStep:
 
     @staticmethod
     def supported(weights) -> bool:
-        """Dense models only (MoE layers route per token: model.py runs them)."""
-        return all(not lw.experts for lw in weights.layers)
+        """Dense models whose layers all have the same matrix formats and shapes (the
+        kernel takes one format row per kind of matrix). MoE layers route per token:
+        model.py runs them."""
+        if any(lw.experts for lw in weights.layers):
+            return False
+        kinds = [[_format_row(w) for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)] for lw in weights.layers]
+        return all(k == kinds[0] for k in kinds)
 
     def __init__(self, weights, cache, cos: np.ndarray, sin: np.ndarray):
         cfg = weights.config
@@ -235,14 +245,10 @@ class DecodeStep:
         self.mins = _flat_list([no16 if w.mins is None else w.mins.reshape(-1).view(np.uint16)
                                 for w in every], _READONLY16)
 
-        def row(w):                                   # (fmt, act, O, K, Kp, gs)
-            return [FMT[w.fmt], ACT[w.decode_act], w.out_features, w.in_features, w.padded_in, w.group_size]
-
+        if not self.supported(weights):
+            raise ValueError("decode_step takes dense models with the same formats in every layer")
         first = mats[0]
-        for four in mats:                             # the kernel assumes one format per kind of matrix
-            if [row(w) for w in four] != [row(w) for w in first]:
-                raise ValueError("decode_step needs the same format in every layer")
-        self.meta = np.array([row(w) for w in first] + [row(weights.lm_head)], dtype=np.int64)
+        self.meta = np.array([_format_row(w) for w in first] + [_format_row(weights.lm_head)], dtype=np.int64)
         L, C, H, Hkv, D = cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         F = first[GATE_UP].out_features // 2
         self.norms = np.stack([np.stack([lw.attn_norm, lw.mlp_norm]) for lw in weights.layers]).astype(np.float32)

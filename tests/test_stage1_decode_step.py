@@ -99,6 +99,19 @@ def test_threads_one_and_two_agree():
         numba.set_num_threads(saved)
 
 
+def test_a_layer_in_another_format_keeps_the_per_op_path():
+    """The kernel takes one format per kind of matrix: a model mixing them decodes per op."""
+    from stage1_cpu.quant import quantize
+    weights = load_weights(make_model(**CASES["qwen3"]), "int8", 32, progress=False)
+    lw = weights.layers[1]
+    lw.wo = quantize(lw.wo.dequantize(), "bf16")
+    assert not decode_step.DecodeStep.supported(weights)
+    model = Model(weights, 64)
+    assert model.decode_step is None
+    model.forward(np.array(PROMPT), 0)
+    assert np.abs(model.forward(np.array([3]), len(PROMPT))).max() > 1.0
+
+
 def test_moe_models_keep_the_per_op_path():
     weights = load_weights(make_model(family="qwen3_moe"), "int8", 32, progress=False)
     assert not decode_step.DecodeStep.supported(weights)
