@@ -14,6 +14,10 @@
 Weight names follow Hugging Face's (wq is q_proj, ...); the rename table is in
 common/loader.py. Each matmul is a quant.Weight, so the same code runs fp32,
 bf16, int8 and int4 weights.
+
+One token of a dense model (decode) is handed to decode_step.py, which runs this
+same computation, bit for bit, in one parallel region instead of one per matmul;
+one_region=False keeps it here (the tests compare the two).
 """
 from __future__ import annotations
 
