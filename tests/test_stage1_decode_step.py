@@ -136,3 +136,19 @@ def test_counters_claim_each_item_once_and_wait_for_all():
         out = np.zeros((3, 40), dtype=np.int64)
         run(workers, sync.counters(3), out)
         assert (out == np.array([[1], [2], [3]])).all()
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 5])
+def test_items_cover_every_row_once_big_first_small_last(workers):
+    """_items: a phase's rows cut into big items, then small ones; together every row
+    exactly once, in order, whatever the matrix, row size and number of workers."""
+    for O in (4, 7, 33, 100, 1024, 3072, 6144, 151936):
+        for row_bytes in (64, 512, 1024, 2048, 6144):
+            block, big, n_big, split, n = decode_step._items(O, row_bytes, workers)
+            assert block % 4 == 0 and big == decode_step.BIG * block and split == n_big * big
+            starts = [i * big if i < n_big else split + (i - n_big) * block for i in range(n)]
+            ends = [min(O, s + (big if i < n_big else block)) for i, s in enumerate(starts)]
+            assert starts[0] == 0 and ends[-1] == O
+            assert all(e > s for s, e in zip(starts, ends)) and starts[1:] == ends[:-1]
+            # the phase ends on small items: at least TAIL_ITEMS per worker unless the matrix is small
+            assert n - n_big >= min(decode_step.TAIL_ITEMS * workers, -(-O // block))
