@@ -108,13 +108,7 @@ def measure_bandwidth(threads: list[int], mib: int = 1024, repeats: int = 5) -> 
     import numba
     import numpy as np
 
-    @numba.njit(parallel=True, fastmath=True, cache=False)
-    def read_sum(a):
-        s = 0.0
-        for i in numba.prange(a.shape[0]):   # each thread sums a contiguous slice
-            s += a[i]
-        return s
-
+    read_sum = _read_sum_kernel()
     a = np.ones(mib * 2**20 // 4, dtype=np.float32)   # touch every page before timing
     out = {"mib": mib, "read": {}}
     saved = numba.get_num_threads()
@@ -135,6 +129,67 @@ def _timed(fn, *args) -> float:
     t0 = time.perf_counter()
     fn(*args)
     return time.perf_counter() - t0
+
+
+def _read_sum_kernel():
+    """A numba prange sum over a float32 array: each thread reads one contiguous
+    slice, vectorised; nothing but loads, so it runs at what the memory delivers."""
+    import numba
+
+    @numba.njit(parallel=True, fastmath=True, cache=False)
+    def read_sum(a):
+        s = 0.0
+        for i in numba.prange(a.shape[0]):
+            s += a[i]
+        return s
+
+    return read_sum
+
+
+class BandwidthProbe:
+    """The read bandwidth *right now*, from a process of its own.
+
+    This VM's 2-thread read bandwidth jumps between ~35 and ~55 GB/s within seconds
+    (docs/benchmarks.md), so a figure taken minutes before a decode run says little
+    about that run. A worker asks this probe just before and just after each timed
+    decode run. It lives in its own process so that its 256 MiB array never counts in
+    the engine's peak RSS and its numba threads never share the engine's thread pool;
+    between questions it sleeps on a pipe.
+    """
+
+    def __init__(self, mib: int = 256, repeats: int = 3):
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent)
+                   + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.common", "--probe", str(mib), str(repeats)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        if self.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("the bandwidth probe did not start")
+
+    def read(self, threads: int) -> float:
+        """GB/s that `threads` threads read right now (best of the probe's passes)."""
+        self.proc.stdin.write(f"{threads}\n")
+        self.proc.stdin.flush()
+        return float(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=10)
+
+
+def _probe_server(mib: int, repeats: int) -> None:
+    """The probe's process: one line in (a thread count), one line out (GB/s)."""
+    import numba
+    import numpy as np
+
+    read_sum = _read_sum_kernel()
+    a = np.ones(mib * 2**20 // 4, dtype=np.float32)
+    read_sum(a[:1024])
+    print("ready", flush=True)
+    for line in sys.stdin:
+        numba.set_num_threads(min(int(line), numba.config.NUMBA_NUM_THREADS))
+        best = min(_timed(read_sum, a) for _ in range(repeats))
+        print(f"{a.nbytes / best / 1e9:.3f}", flush=True)
 
 
 # ---------------------------------------------------------------- workers
@@ -205,3 +260,7 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(header), sep] + [line(r) for r in rows])
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--probe"]:
+    _probe_server(int(sys.argv[2]), int(sys.argv[3]))

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import (NeighbourMeter, check_load, emit_result, fmt_num, load_1min,
+from bench.common import (BandwidthProbe, NeighbourMeter, check_load, emit_result, fmt_num, load_1min,
                           machine_description, markdown_table, measure_bandwidth, median, run_worker)
 
 CACHE = Path(os.environ.get("QWEN3_STAGES_CACHE", Path.home() / ".cache" / "qwen3-stages")) / "bench"
@@ -394,11 +394,14 @@ def worker(spec: dict) -> None:
         emit_result({"error": f"{type(e).__name__}: {e}"})
         return
 
+    # the read bandwidth just before and just after each decode run: this VM's moves
+    # within seconds, and the run's roofline is what the memory could do meanwhile
+    probe = BandwidthProbe()
     for n in spec["threads"]:
         if n != spec["threads"][0]:
             runner = set_threads(runner, spec, n)
         runner.generate(prompt_ids(vocab, 32, seed=1), 4)      # warm-up: JIT, allocations
-        cell = {"prefill": {str(p): [] for p in spec["prompt_lens"]}, "decode": []}
+        cell = {"prefill": {str(p): [] for p in spec["prompt_lens"]}, "decode": [], "decode_bw": []}
         t_cell = time.perf_counter()
         for r in range(spec["runs"]):
             # a fresh random prompt each time, so no engine can reuse a cached prefix
@@ -406,8 +409,11 @@ def worker(spec: dict) -> None:
                 _, t_prefill, _ = runner.generate(prompt_ids(vocab, p, seed=1000 * n + 10 * r + p), 0)
                 cell["prefill"][str(p)].append(p / t_prefill)
             p = spec["prompt_lens"][0]         # decode after a prompt of the first length
+            before = probe.read(n)
             _, _, t_decode = runner.generate(prompt_ids(vocab, p, seed=1000 * n + 10 * r + 5), spec["decode_tokens"])
+            after = probe.read(n)
             cell["decode"].append(spec["decode_tokens"] / t_decode)
+            cell["decode_bw"].append(max(before, after))    # the better one, as for the run's figure
             # several runs for a median, but stop early on a slow engine
             if r + 1 >= spec["min_runs"] and time.perf_counter() - t_cell > spec["cell_seconds"]:
                 break
@@ -415,6 +421,7 @@ def worker(spec: dict) -> None:
         result["cells"][str(n)] = cell
         print(f"{spec['engine']} {spec['fmt']} threads={n}: decode {median(cell['decode']):.1f} tok/s "
               f"({cell['runs']} runs)", flush=True)
+    probe.close()
     if spec["engine"] == "stage1":
         result["weight_bytes"] = stage1_weight_bytes(runner)
     emit_result(result)
@@ -548,7 +555,7 @@ def report(args, shape: Shape, rows: list[Row], bw: dict, check: dict, loads: tu
            f"- model: {shape.num_hidden_layers} layers, C={shape.hidden_size}, H/Hkv={shape.num_attention_heads}/"
            f"{shape.num_key_value_heads}, D={shape.head_dim}, F={shape.intermediate_size}, V={shape.vocab_size}, tied "
            f"embeddings; {shape.linear_params() / 1e6:.0f} M weights read per token",
-           f"- memory bandwidth (numba prange read of {bw['start']['mib']} MiB, best of 5, the better of start / end of the run): "
+           f"- memory bandwidth of the run (numba prange read of {bw['start']['mib']} MiB, best of 5, the better of start / end): "
            + ", ".join(f"{n} thread{'s' * (n > 1)} {bw['read'][n]:.1f} GB/s "
                        f"({bw['start']['read'][n]:.1f} / {bw['end']['read'][n]:.1f})" for n in args.threads)
            + f"; numpy copy (1 thread, read+write) {bw['copy']:.1f} GB/s",
@@ -559,23 +566,28 @@ def report(args, shape: Shape, rows: list[Row], bw: dict, check: dict, loads: tu
            "- llama.cpp files: the same weights, every matrix in BF16 / Q8_0 / Q4_0, except that the Q4_0 "
            "file keeps the tied token_embd (the lm_head) in Q8_0, as stage 1's int4 keeps it in int8",
            f"- medians of up to {args.runs} run{'s' * (args.runs > 1)}; prefill = prompt tokens ÷ time to the first token; decode = "
-           f"{args.decode_tokens} greedy tokens (EOS ignored) ÷ their time; roofline = bandwidth ÷ weight bytes per token"]
+           f"{args.decode_tokens} greedy tokens (EOS ignored) ÷ their time",
+           "- roofline = read bandwidth ÷ weight bytes per token, with the bandwidth *of that decode run*: the same "
+           "read, 256 MiB, best of 3, from a process of its own, just before and just after each run (the better "
+           "of the two); `GB/s` is their median and `% roofline` the median over the runs of decode ÷ the run's "
+           "roofline (this VM's bandwidth moves within seconds: see docs/benchmarks.md)"]
     out.append("")
     header = ["engine", "format", "threads", "MB/token", "prefill 128 tok/s", "prefill 512 tok/s",
-              "decode tok/s", "roofline tok/s", "% roofline", "runs", "load s", "peak RSS MiB"]
+              "decode tok/s", "GB/s", "roofline tok/s", "% roofline", "runs", "load s", "peak RSS MiB"]
     table = []
     for n in args.threads:
         for row in rows:
             cell = row.result.get("cells", {}).get(str(n))
             if cell is None:
                 table.append([row.engine, row.fmt, n, fmt_num(row.weight_bytes / 1e6 if row.weight_bytes else None, 0)]
-                             + [row.result.get("error", "failed")[:40]] + [""] * 7)
+                             + [row.result.get("error", "failed")[:40]] + [""] * 8)
                 continue
-            dec = median(cell["decode"])
-            roof = bw["read"][n] * 1e9 / row.weight_bytes if row.weight_bytes else float("nan")
+            gbs, frac = decode_roofline(cell, row.weight_bytes)
             table.append([row.engine, row.fmt, n, fmt_num(row.weight_bytes / 1e6, 0),
                           *(fmt_num(median(cell["prefill"][str(p)])) for p in args.prompt_lens),
-                          fmt_num(dec), fmt_num(roof), fmt_num(100 * dec / roof, 0) + "%", cell["runs"],
+                          fmt_num(median(cell["decode"])), fmt_num(gbs),
+                          fmt_num(gbs * 1e9 / row.weight_bytes if row.weight_bytes else None),
+                          fmt_num(100 * frac, 0) + "%" * (frac == frac), cell["runs"],
                           fmt_num(row.result.get("load_s")), fmt_num(row.result.get("peak_rss_mib"), 0)])
     header[4:6] = [f"prefill {p} tok/s" for p in args.prompt_lens]
     out += [markdown_table(header, table), ""]
@@ -594,7 +606,7 @@ def report(args, shape: Shape, rows: list[Row], bw: dict, check: dict, loads: tu
                 continue
             r = {p: median(sc["prefill"][str(p)]) / median(lc["prefill"][str(p)]) for p in args.prompt_lens}
             rd = median(sc["decode"]) / median(lc["decode"])
-            roof = median(sc["decode"]) * s.weight_bytes / (bw["read"][n] * 1e9)
+            roof = decode_roofline(sc, s.weight_bytes)[1]
             verdict = ""
             if args.quick:
                 verdict = "(targets apply to the full run)" if n == max(args.threads) else ""
@@ -607,7 +619,7 @@ def report(args, shape: Shape, rows: list[Row], bw: dict, check: dict, loads: tu
                     ok.append(f"roofline {'met' if roof >= t_roof else 'NOT met'} (≥{t_roof:.0%})")
                 verdict = "; ".join(ok)
             ratio_rows.append([fmt, LLAMA_FORMAT[fmt], n, *(f"{r[p]:.2f}×" for p in args.prompt_lens),
-                               f"{rd:.2f}×", f"{roof:.0%}", verdict])
+                               f"{rd:.2f}×", fmt_num(100 * roof, 0) + "%" * (roof == roof), verdict])
     rh = ["stage 1", "llama.cpp", "threads", *(f"prefill {p}" for p in args.prompt_lens), "decode",
           "stage 1 % roofline", "targets (2 threads)"]
     out += ["### stage 1 ÷ llama.cpp", "", markdown_table(rh, [r[:len(rh)] for r in ratio_rows]), ""]
@@ -622,6 +634,15 @@ def report(args, shape: Shape, rows: list[Row], bw: dict, check: dict, loads: tu
         out += ["not checked (transformers fp32 did not run)", ""]
     out += napkin(shape, rows, bw, args.threads)
     return "\n".join(out)
+
+
+def decode_roofline(cell: dict, nbytes: int | None) -> tuple[float, float]:
+    """(median read GB/s next to the decode runs, median over the runs of decode
+    tok/s ÷ that run's roofline tok/s); nan where not measured."""
+    bws = cell.get("decode_bw") or []
+    if not bws or not nbytes:
+        return float("nan"), float("nan")
+    return median(bws), median([d * nbytes / (b * 1e9) for d, b in zip(cell["decode"], bws)])
 
 
 def napkin(shape: Shape, rows: list[Row], bw: dict, threads: list[int]) -> list[str]:

@@ -13,6 +13,16 @@ A decode step of a dense model normally runs in one parallel region
 (stage1_cpu/decode_step.py), which has no ops to wrap: it is first timed whole,
 alternating token by token with the per-op path (which computes the same logits),
 then the per-op path is timed op by op.
+
+--against-bandwidth measures how far the one-region step is from the memory's
+speed, and what limits it. Token after token, in turn: the read bandwidth right
+then (bench.common.BandwidthProbe), the real step, and a *read-only* step: the
+same phases, blocks, claims and waits (decode_step.py), but each block only
+summed, never multiplied, and each attention item only reading its K/V rows.
+It shows what the phase structure costs with no arithmetic at all (it is not a
+strict ceiling: one plain stream per item, where the int8 kernel reads four).
+The report gives both as a fraction of the bandwidth measured just before them,
+grouped by it (this VM's 2-thread bandwidth moves between ~35 and ~55 GB/s).
 """
 from __future__ import annotations
 
@@ -33,6 +43,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=1, help="tokens per forward pass: 1 = decode")
     ap.add_argument("--steps", type=int, default=20, help="forward passes timed (after a warm-up)")
+    ap.add_argument("--against-bandwidth", action="store_true",
+                    help="decode only: the one-region step and a read-only copy of it against the bandwidth")
     args = ap.parse_args()
 
     from bench.cpu import CACHE
@@ -62,6 +74,11 @@ def main() -> None:
     T = args.tokens
     ids = np.arange(T) % model.config.vocab_size
     model.forward(np.arange(128), 0)                     # a context to decode after
+    if args.against_bandwidth:
+        if T != 1 or model.decode_step is None:
+            raise SystemExit("--against-bandwidth needs a decode step in one region (a dense model, --tokens 1)")
+        against_bandwidth(model, engine.weights.nbytes, args)
+        return
     versus = None
     if T == 1 and model.decode_step is not None:
         # the whole step in one parallel region (decode_step.py) against the per-op path,
@@ -118,6 +135,132 @@ def main() -> None:
         print(f"  {label:28s} {per_step * 1e3:8.2f} ms  {calls[label] // args.steps:4d} calls, "
               f"{seconds / calls[label] * 1e6:8.0f} us each")
     print(f"  {'python':28s} {(total - accounted) * 1e3:8.2f} ms")
+
+
+# ---------------------------------------------------------------- read-only step
+
+def _read_only_kernels():
+    """numba kernels of the read-only step (compiled on first use: bench only)."""
+    import numba
+    from numba import prange
+
+    from stage1_cpu import sync
+    from stage1_cpu.decode_step import PHASES, _items
+
+    @numba.njit(inline="always")
+    def read_words(a, lo, hi):                        # sum of a[lo:hi], uint64 words: one add per 8 bytes
+        return a[lo:hi].sum()                         # (an explicit loop here does not vectorise)
+
+    @numba.njit(inline="always")
+    def read_phase(words, scale_words, mins_words, O, counts, phase, workers):
+        """A matmul phase: the same items as _matvec, each item's weights and scales
+        summed (one stream each), nothing multiplied."""
+        row = words.size // O
+        block, big, n_big, split, n = _items(O, row * 8, workers)
+        srow, mrow = scale_words.size // O, mins_words.size // O
+        s = np.uint64(0)
+        i = sync.claim(counts, phase)
+        while i < n:
+            r0 = i * big if i < n_big else split + (i - n_big) * block
+            r1 = min(O, r0 + (big if i < n_big else block))
+            s += read_words(words, r0 * row, r1 * row) + read_words(scale_words, r0 * srow, r1 * srow)
+            s += read_words(mins_words, r0 * mrow, r1 * mrow)
+            sync.finish(counts, phase)
+            i = sync.claim(counts, phase)
+        sync.wait(counts, phase, n)
+        return s
+
+    @numba.njit(inline="always", fastmath=True)
+    def read_kv(kv, layer, pos, counts, phase):
+        """An attention phase: each KV head's keys and values up to pos, summed."""
+        Hkv = kv.shape[2]
+        s = np.float32(0.0)
+        i = sync.claim(counts, phase)
+        while i < Hkv:
+            s += kv[layer, 0, i, :pos + 1].sum() + kv[layer, 1, i, :pos + 1].sum()
+            sync.finish(counts, phase)
+            i = sync.claim(counts, phase)
+        sync.wait(counts, phase, Hkv)
+        return s
+
+    @numba.njit(parallel=True)
+    def step(workers, words, scale_words, mins_words, rows, kv, pos, counts):
+        total = np.zeros(workers, dtype=np.float64)
+        L = kv.shape[0]
+        for w in prange(workers):
+            s = 0.0
+            for layer in range(L):
+                p, m = PHASES * layer, 4 * layer
+                s += read_phase(words[m], scale_words[m], mins_words[m], rows[0], counts, p, workers)
+                s += read_kv(kv, layer, pos, counts, p + 1)
+                for k in range(1, 4):
+                    s += read_phase(words[m + k], scale_words[m + k], mins_words[m + k], rows[k], counts,
+                                    p + 1 + k, workers)
+            s += read_phase(words[4 * L], scale_words[4 * L], mins_words[4 * L], rows[4], counts, PHASES * L,
+                            workers)
+            total[w] = s
+        return total.sum()
+
+    return step
+
+
+def against_bandwidth(model, weight_bytes: int, args) -> None:
+    """The real one-region step and its read-only copy, each against the read
+    bandwidth measured right next to it (see the module docstring)."""
+    import numba
+    from numba import types
+    from numba.typed import List
+
+    from bench.common import BandwidthProbe
+    from stage1_cpu import sync
+
+    ds = model.decode_step
+    words_of = lambda arrays: _typed([np.asarray(a).view(np.uint8)[: a.nbytes // 8 * 8].view(np.uint64)
+                                      for a in arrays], List, types)
+    words, scale_words, mins_words = words_of(ds.data), words_of(ds.scales), words_of(ds.mins)
+    rows = ds.meta[:, 2].copy()                     # O of qkv, wo, gate_up, down, lm_head
+    read_step = _read_only_kernels()
+    workers = numba.get_num_threads()
+    probe = BandwidthProbe()
+    kv = model.cache.data
+    samples = []                                    # (GB/s, real step s, read-only step s)
+    pos = 128
+    for i in range(args.steps + 3):
+        bw = probe.read(workers)
+        t0 = time.perf_counter()
+        model.forward(np.array([5]), pos)
+        t1 = time.perf_counter()
+        read_step(workers, words, scale_words, mins_words, rows, kv, pos, sync.counters(ds.n_phases))
+        t2 = time.perf_counter()
+        samples.append((bw, t1 - t0, t2 - t1))
+        pos = pos + 1 if pos < 255 else 128          # positions 128..255, as in the benchmark's decode
+    probe.close()
+    a = np.array(samples[3:])                       # without the warm-up
+    kv_bytes = 2 * kv.shape[0] * kv.shape[2] * kv.shape[4] * 4 * (pos + 1)
+    policy = os.environ.get("OMP_WAIT_POLICY", "unset")
+    print(f"stage 1, --quant {args.quant}, {workers} threads, OMP_WAIT_POLICY={policy}: "
+          f"{weight_bytes / 1e6:.0f} MB of weights per token (+ {kv_bytes / 1e6:.0f} MB of KV cache at position "
+          f"{pos}); each step next to a read of 256 MiB (GB/s)")
+    print("  bandwidth      n   real step                 read-only step")
+    edges = [0, 40, 1e9]
+    for lo, hi in zip(edges, edges[1:]):
+        sel = (a[:, 0] >= lo) & (a[:, 0] < hi)
+        if not sel.any():
+            continue
+        bw, real, ro = (np.median(a[sel, c]) for c in range(3))
+        fr = np.median(weight_bytes / a[sel, 1] / 1e9 / a[sel, 0])
+        fro = np.median(weight_bytes / a[sel, 2] / 1e9 / a[sel, 0])
+        label = f"< {hi:.0f} GB/s" if lo == 0 else f">= {lo:.0f} GB/s"
+        print(f"  {label:12s} {sel.sum():3d}   {real * 1e3:6.2f} ms = {fr:4.0%} of it    "
+              f"{ro * 1e3:6.2f} ms = {fro:4.0%} of it   (median {bw:.1f} GB/s)")
+    print("  (% = weight bytes ÷ step time ÷ the bandwidth measured just before the step, median over the steps)")
+
+
+def _typed(arrays, List, types):
+    out = List.empty_list(types.Array(types.uint64, 1, "C", readonly=True))
+    for a in arrays:
+        out.append(a)
+    return out
 
 
 if __name__ == "__main__":
