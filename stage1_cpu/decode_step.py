@@ -70,13 +70,14 @@ def _rows(fmt, act, r0, r1, out, wf, wb, q8, q4, s2, m2, qf, sf, x2, x3, x4, xsu
     if act == A_INT16:
         kernels.rows_int8_q16(x16f, xsf, 0, qf, sf, r0, r1, G, gs, out, 0)
         return
+    if act == A_FP32 and fmt == BF16:
+        kernels.rows_bf16(x2, 0, wb, r0, r1, out, 0)
+        return
     for r in range(r0, r1):
         if act == A_INT8:
             out[r] = kernels.row_int4_q8(xqf, xsf, xsum, 0, qf, sf, m2, r, G, gs)
         elif fmt == NONE:
             out[r] = kernels.row_f32(x2, 0, wf, r)
-        elif fmt == BF16:
-            out[r] = kernels.row_bf16(x2, 0, wb, r)
         elif fmt == INT8:
             out[r] = kernels.row_int8(x3, 0, q8, s2, r)
         else:
