@@ -367,6 +367,33 @@ class TransformersRunner:
         return out.logits[0].float().numpy()
 
 
+class ReadOnlyRunner:
+    """The ceiling: a "decode" that only reads, with 2 threads, the bytes a stage-1
+    step must read, and computes nothing: the format's weight bytes, plus stage 1's
+    fp32 KV cache up to the position (the roofline counts weights only, but attention
+    reads the cache too). Measured like every engine, next to the same bandwidth
+    probe, its % roofline is how close *anything* reading those bytes got."""
+
+    def __init__(self, weight_bytes: int, kv_bytes_per_position: int, threads: int, max_ctx: int):
+        from bench.common import _read_sum_kernel
+        import numba
+        self.read_sum = _read_sum_kernel()
+        self.weights = np.ones(weight_bytes // 4, dtype=np.float32)
+        self.kv = np.ones((max_ctx, kv_bytes_per_position // 4), dtype=np.float32)   # [T, L*2*Hkv*D]
+        self.read_sum(self.weights[:1024])
+        self.set_threads = lambda n: numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+        self.set_threads(threads)
+
+    def generate(self, prompt, n_decode):
+        """Prefill is not modelled (nan); each decode step reads the weights and the
+        cache's first len(prompt) + i positions."""
+        t0 = time.perf_counter()
+        for i in range(n_decode):
+            self.read_sum(self.weights)
+            self.read_sum(self.kv[:len(prompt) + i].reshape(-1))
+        return [0] * (n_decode + 1), float("nan"), time.perf_counter() - t0
+
+
 def prompt_ids(vocab: int, length: int, seed: int) -> list[int]:
     """Random token ids; a new prompt per run, so no engine can reuse a cached prefix."""
     rng = np.random.default_rng(seed)
@@ -438,6 +465,8 @@ def make_runner(spec: dict, threads: int, check: bool = False):
         return Stage1Runner(spec["path"], spec["fmt"], threads, spec["max_ctx"])
     if spec["engine"] == "llama.cpp":
         return LlamaCppRunner(spec["path"], threads, spec["max_ctx"], logits_all=check)
+    if spec["engine"] == "read only":
+        return ReadOnlyRunner(spec["weight_bytes"], spec["kv_bytes_per_position"], threads, spec["max_ctx"])
     return TransformersRunner(spec["path"], spec["fmt"], threads)
 
 
@@ -503,6 +532,10 @@ def run_all(args, shape: Shape, paths: dict, log) -> tuple[list[Row], dict]:
             q = LLAMA_FORMAT[fmt]
             extra = {"check_ids": check_ids, "check_out": str(tmp / f"llama.cpp-{q}.npy")}
             jobs.append(("llama.cpp", q, str(paths[q]), gguf_weight_bytes(paths[q]), extra))
+        if "stage1" in args.engines:          # the ceiling for stage 1's bytes (ReadOnlyRunner)
+            nbytes = nominal_stage1_bytes(shape, fmt)
+            kv = 2 * shape.num_hidden_layers * shape.num_key_value_heads * shape.head_dim * 4
+            jobs.append(("read only", fmt, "", nbytes, {"weight_bytes": nbytes, "kv_bytes_per_position": kv}))
 
     rows = []
     for engine, fmt, path, nbytes, extra in jobs:
@@ -566,7 +599,8 @@ def report(args, shape: Shape, rows: list[Row], bw: dict, check: dict, loads: tu
            "- llama.cpp files: the same weights, every matrix in BF16 / Q8_0 / Q4_0, except that the Q4_0 "
            "file keeps the tied token_embd (the lm_head) in Q8_0, as stage 1's int4 keeps it in int8",
            f"- medians of up to {args.runs} run{'s' * (args.runs > 1)}; prefill = prompt tokens ÷ time to the first token; decode = "
-           f"{args.decode_tokens} greedy tokens (EOS ignored) ÷ their time",
+           f"{args.decode_tokens} greedy tokens (EOS ignored) ÷ their time"
+           + ("; --quick: the model fits in the L3 cache, so % roofline can pass 100 %" if args.quick else ""),
            "- roofline = read bandwidth ÷ weight bytes per token, with the bandwidth *of that decode run*: the same "
            "read, 256 MiB, best of 3, from a process of its own, just before and just after each run (the better "
            "of the two); `GB/s` is their median and `% roofline` the median over the runs of decode ÷ the run's "
@@ -602,11 +636,14 @@ def report(args, shape: Shape, rows: list[Row], bw: dict, check: dict, loads: tu
             lc = l.result.get("cells", {}).get(str(n)) if l else None
             if not sc or not lc:
                 why = "llama.cpp not installed" if l and l.result.get("error") == "not installed" else "not measured"
-                ratio_rows.append([fmt, LLAMA_FORMAT[fmt], n, why, "", "", "", ""])
+                ratio_rows.append([fmt, LLAMA_FORMAT[fmt], n, why, "", "", "", "", ""])
                 continue
             r = {p: median(sc["prefill"][str(p)]) / median(lc["prefill"][str(p)]) for p in args.prompt_lens}
             rd = median(sc["decode"]) / median(lc["decode"])
             roof = decode_roofline(sc, s.weight_bytes)[1]
+            ro = by.get(("read only", fmt))
+            rc = ro.result.get("cells", {}).get(str(n)) if ro else None
+            ceiling = decode_roofline(rc, ro.weight_bytes)[1] if rc else float("nan")
             verdict = ""
             if args.quick:
                 verdict = "(targets apply to the full run)" if n == max(args.threads) else ""
@@ -619,10 +656,15 @@ def report(args, shape: Shape, rows: list[Row], bw: dict, check: dict, loads: tu
                     ok.append(f"roofline {'met' if roof >= t_roof else 'NOT met'} (≥{t_roof:.0%})")
                 verdict = "; ".join(ok)
             ratio_rows.append([fmt, LLAMA_FORMAT[fmt], n, *(f"{r[p]:.2f}×" for p in args.prompt_lens),
-                               f"{rd:.2f}×", fmt_num(100 * roof, 0) + "%" * (roof == roof), verdict])
+                               f"{rd:.2f}×", fmt_num(100 * roof, 0) + "%" * (roof == roof),
+                               fmt_num(100 * ceiling, 0) + "%" * (ceiling == ceiling), verdict])
     rh = ["stage 1", "llama.cpp", "threads", *(f"prefill {p}" for p in args.prompt_lens), "decode",
-          "stage 1 % roofline", "targets (2 threads)"]
-    out += ["### stage 1 ÷ llama.cpp", "", markdown_table(rh, [r[:len(rh)] for r in ratio_rows]), ""]
+          "stage 1 % roofline", "read only % roofline", "targets (2 threads)"]
+    out += ["### stage 1 ÷ llama.cpp", "", markdown_table(rh, [r[:len(rh)] for r in ratio_rows]), "",
+            "(read only: the `read only` rows above, the ceiling — a numba sum over the format's weight "
+            "bytes plus stage 1's fp32 KV cache up to the position, per token, nothing computed, measured "
+            "like the engines. Its distance from 100 % is what the roofline leaves out: the cache, and a "
+            "sustained read being a little slower than the probe's best pass.)", ""]
     out += [f"### correctness: logits of {CHECK_TOKENS} tokens against transformers fp32 (same weights)", "",
             f"(stage 1 computes the first {CHECK_TOKENS // 2} in one forward, as prefill does, and the other "
             f"{CHECK_TOKENS // 2} one at a time, as decode does: both ways of rounding the activations are in it)", ""]
@@ -654,7 +696,7 @@ def napkin(shape: Shape, rows: list[Row], bw: dict, threads: list[int]) -> list[
              f"At {bw['read'][n]:.1f} GB/s ({n} threads):", ""]
     seen = set()
     for r in rows:
-        if r.weight_bytes and (r.engine, r.fmt) not in seen:
+        if r.weight_bytes and (r.engine, r.fmt) not in seen and r.engine != "read only":
             seen.add((r.engine, r.fmt))
             bpw = r.weight_bytes / shape.linear_params()
             lines.append(f"- {r.engine} {r.fmt}: {bpw:.4f} bytes/weight → {r.weight_bytes / 1e6:.0f} MB/token "
