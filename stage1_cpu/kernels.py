@@ -28,7 +28,9 @@ at awkward shapes. What makes them fast:
   polynomial that vectorises (7x faster).
 - `cache=True` stores the machine code on disk, so only the first run ever
   compiles. Each kernel is called with one fixed set of dtypes, so there is one
-  specialisation each.
+  specialisation each. The cache notices edits to a kernel's own file only: after
+  changing simd.py, or kernels.py's inlined bodies that decode_step.py uses,
+  delete stage1_cpu/__pycache__ (or the old machine code keeps running).
 """
 
 import math
