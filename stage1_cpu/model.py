@@ -15,16 +15,16 @@ Weight names follow Hugging Face's (wq is q_proj, ...); the rename table is in
 common/loader.py. Each matmul is a quant.Weight, so the same code runs fp32,
 bf16, int8 and int4 weights.
 
-One token of a dense model (decode) is handed to decode_step.py, which runs this
-same computation, bit for bit, in one parallel region instead of one per matmul;
-one_region=False keeps it here (the tests compare the two).
+With the fast kernels (--kernels fast, chosen in weights.py), one token of a
+dense model (decode) is handed to the fast path's decode step, which runs this
+same computation, bit for bit, in one parallel region instead of one per
+matmul; one_region=False keeps it here (the tests compare the two).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from stage1_cpu import kernels, ops
-from stage1_cpu.decode_step import DecodeStep
 from stage1_cpu.kv_cache import KVCache
 from stage1_cpu.weights import LayerWeights, Weights
 
@@ -38,10 +38,10 @@ class Model:
         # the numba kernels by default; ops (the numpy definitions) for checking them
         self.k = kernels if use_numba else ops
         self.cos, self.sin = ops.rope_tables(max_ctx, cfg.head_dim, cfg.rope_theta)  # [T_max, D/2]
-        # decode of a dense model: the same computation as forward() below, in one parallel
-        # region per token instead of one per matmul (decode_step.py)
-        self.decode_step = (DecodeStep(weights, self.cache, self.cos, self.sin)
-                            if use_numba and one_region and DecodeStep.supported(weights) else None)
+        # the fast path (weights.fast, stage1_cpu/fast/) may run a dense model's decode step,
+        # the same computation as forward() below, in one parallel region instead of one per matmul
+        fast = weights.fast if use_numba and one_region else None
+        self.decode_step = fast.make_decode_step(weights, self.cache, self.cos, self.sin) if fast else None
 
     def forward(self, tokens: np.ndarray, start_pos: int, all_logits: bool = False) -> np.ndarray:
         """tokens [T] at positions start_pos..start_pos+T-1 (the cache already holds
