@@ -153,8 +153,10 @@ class ModelConfig:
             raise ConfigError(f"hidden_act {act!r} is not supported; only 'silu' (SwiGLU)")
         # transformers 4.x: rope_theta at top level and rope_scaling (or null);
         # 5.x: rope_parameters holds rope_theta, rope_type and the scaling's numbers
-        rope = {**(d.get("rope_parameters") or {}), **(d.get("rope_scaling") or {})}
-        rope_type = rope.get("rope_type", rope.get("type")) or "default"
+        params, scaling_4x = d.get("rope_parameters") or {}, d.get("rope_scaling") or {}
+        rope = {**params, **scaling_4x}
+        rope_type = (scaling_4x.get("rope_type") or scaling_4x.get("type")
+                     or params.get("rope_type") or params.get("type") or "default")
         if rope_type not in ("default", "llama3"):
             raise ConfigError(f"rope type {rope_type!r} is not supported; only the default RoPE and "
                               "'llama3' (Llama 3 / DeepSeek-R1-Distill-Llama scaling)")

@@ -266,3 +266,37 @@ def test_int8_qwen2_moe_logits_close_to_fp32():
     exact = stage1_model(folder).forward(np.array(PROMPT), 0, all_logits=True)
     int8 = stage1_model(folder, "int8").forward(np.array(PROMPT), 0, all_logits=True)
     assert 0 < rel_err(int8, exact) < 5e-2
+
+
+# A template in the style DeepSeek-R1-Distill-Qwen / -Llama ship (written for this test):
+# the BOS token first, then the system prompt bare, full-width-bar role tokens, earlier
+# answers with their reasoning cut off at </think>, and a generation prompt that opens
+# the reasoning. The engine renders whatever template the model folder carries.
+DISTILL_STYLE = (
+    "{% set ns = namespace(system='') %}"
+    "{% for m in messages %}{% if m['role'] == 'system' %}{% set ns.system = m['content'] %}{% endif %}{% endfor %}"
+    "{{ bos_token }}{{ ns.system }}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'user' %}{{ '<｜User｜>' + m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}{% set c = m['content'] %}"
+    "{% if '</think>' in c %}{% set c = c.split('</think>')[-1] %}{% endif %}"
+    "{{ '<｜Assistant｜>' + c + '<｜end▁of▁sentence｜>' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<｜Assistant｜><think>\\n' }}{% endif %}")
+
+
+def test_a_qwen2_folder_renders_its_own_distill_style_chat_template(tmp_path):
+    from common.chat_template import ChatTemplate
+    folder = tmp_path / "distill"
+    shutil.copytree(make_model("qwen2"), folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": {"content": "<｜begin▁of▁sentence｜>"}, "eos_token": "<｜end▁of▁sentence｜>",
+         "chat_template": DISTILL_STYLE}))
+    template = ChatTemplate.from_folder(folder)
+    assert not template.is_builtin
+    text = template.render([{"role": "system", "content": "Be brief."},
+                            {"role": "user", "content": "2+2?"},
+                            {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"},
+                            {"role": "user", "content": "and 3+3?"}])
+    assert text == ("<｜begin▁of▁sentence｜>Be brief.<｜User｜>2+2?<｜Assistant｜>\n\n4<｜end▁of▁sentence｜>"
+                    "<｜User｜>and 3+3?<｜Assistant｜><think>\n")
