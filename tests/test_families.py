@@ -100,6 +100,22 @@ def test_stage1_fp32_greedy_32_tokens_equal_transformers(case):
     assert out == ref
 
 
+@pytest.mark.parametrize("case", ["qwen2", "qwen2_moe_top2_norm_dense_middle"])
+def test_stage1_engine_with_chunked_prefill_equals_transformers(case):
+    """The engine as the chat and server use it: prompts prefilled 5 tokens at a time,
+    the default model options (q/k/v biases keep a dense qwen2 off decode_step.py,
+    which does not add them; MoE never goes there)."""
+    from stage1_cpu.engine import LLMEngine
+    folder, _, _, ref = reference(case)
+    eng = LLMEngine(folder, max_ctx=128, progress=False, prefill_chunk=5)
+    assert eng.model.decode_step is None
+    eng.add_request(Request("r", PROMPT, SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)))
+    out = []
+    while eng.has_work():
+        out += [e.token_id for e in eng.step()]
+    assert out == ref
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_stage2_cpu_logits_of_a_packed_batch_match_transformers(case):
     """Two prompts packed into one batch, every position's logits."""
