@@ -226,6 +226,11 @@ def test_llama3_rope_tables_equal_transformers_rotary_embedding():
         np.testing.assert_allclose(sin, sin_ref[0, :, :half].numpy(), atol=2e-4)
     plain, _ = ops.rope_tables(2000, c.head_dim, c.rope_theta)
     assert np.abs(plain - cos).max() > 0.5                  # the scaling changed the tables
+    # stage 2 does not change RoPE: its twin is stage 1's, as parsed code (STYLE 1)
+    import ast
+    import inspect
+    dump = lambda f: ast.dump(ast.parse(inspect.getsource(f)).body[0])   # noqa: E731
+    assert dump(ops.llama3_inv_freq) == dump(ops2.llama3_inv_freq)
 
 
 # ---- bytes: what the weights hold and what one decode token reads ----
