@@ -135,7 +135,8 @@ def test_config_reads_llama3_rope_scaling_from_4x_and_5x_keys():
     transformers 5.x writes one rope_parameters dict. Both give the same config."""
     from common.config import RopeScaling
     scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
-    new = json.loads((make_model("llama", rope_scaling=dict(rope_type="llama3", **scaling)) / "config.json").read_text())
+    folder = make_model("llama", rope_scaling=dict(rope_type="llama3", **scaling))
+    new = json.loads((folder / "config.json").read_text())
     assert new["rope_parameters"]["rope_type"] == "llama3" and "rope_scaling" not in new
     old = dict(new)
     old["rope_theta"] = old.pop("rope_parameters")["rope_theta"]
@@ -178,7 +179,8 @@ def test_biases_and_shared_expert_tensors_equal_torch():
             np.testing.assert_array_equal(loader.layer(key, i), sd[att + proj + ".bias"])
             assert np.abs(sd[att + proj + ".bias"]).max() > 0.1          # the test model's biases are not zero
         fused = loader.fused(["bq", "bk", "bv"], i)
-        np.testing.assert_array_equal(fused, np.concatenate([sd[att + p + ".bias"] for p in ("q_proj", "k_proj", "v_proj")]))
+        parts = [sd[att + p + ".bias"] for p in ("q_proj", "k_proj", "v_proj")]
+        np.testing.assert_array_equal(fused, np.concatenate(parts))
     mlp = "model.layers.0.mlp."
     assert loader.layer("s_gate", 0).shape == (80, 96) and loader.layer("s_down", 0).shape == (96, 80)
     for key, name in (("s_gate", "shared_expert.gate_proj"), ("s_up", "shared_expert.up_proj"),
