@@ -41,12 +41,15 @@ class LayerWeights:
     wqkv: Weight                    # [(H + 2*Hkv) * D, C]: q_proj, k_proj, v_proj stacked by rows
     wo: Weight                      # [C, H*D]
     mlp_norm: np.ndarray            # [C]
+    bqkv: np.ndarray | None = None          # [(H + 2*Hkv) * D] q, k, v biases stacked (qwen2, qwen2_moe)
     q_norm: np.ndarray | None = None        # [D]   qwen3 only
     k_norm: np.ndarray | None = None        # [D]   qwen3 only
     w_gate_up: Weight | None = None         # [2F, C] dense MLP: gate_proj, up_proj stacked
     w_down: Weight | None = None            # [C, F]
     router: np.ndarray | None = None        # [E, C] MoE router, kept in fp32 (it is tiny and decides everything)
     experts: list[ExpertWeights] = field(default_factory=list)
+    shared_expert: ExpertWeights | None = None  # qwen2_moe: [2Fs, C] and [C, Fs], every token goes through it
+    shared_gate: np.ndarray | None = None   # [1, C] its sigmoid gate, fp32 like the router
 
 
 @dataclass
@@ -63,14 +66,38 @@ class Weights:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of weights one decode step reads (the roofline's numerator)."""
-        seen, total = set(), 0
+        """Bytes of every matrix a decode step may read: attention, dense MLPs, all the
+        experts of MoE layers (routed and shared), routers and shared-expert gates, and
+        the lm_head. Not counted: the embedding (a step reads one row of it; counted
+        once as the lm_head when tied), norms and biases (vectors, KBs). For a dense
+        model this is what one decode step reads; for MoE it is the weights' size,
+        and decode_nbytes is what one step reads."""
+        return self._matrix_bytes(routed_share=1.0)
+
+    @property
+    def decode_nbytes(self) -> int:
+        """Bytes of weights one decode token reads (the roofline's numerator): nbytes with
+        each MoE layer's routed experts counted for only the k of E a token goes to
+        (every expert of a layer has the same size); attention, the shared expert, the
+        router and the lm_head are read whole. Equal to nbytes for a dense model."""
+        cfg = self.config
+        return self._matrix_bytes(routed_share=cfg.num_experts_per_tok / cfg.num_experts
+                                  if cfg.num_experts else 1.0)
+
+    def _matrix_bytes(self, routed_share: float) -> int:
+        seen, total, routed = set(), 0, 0
         for w in [self.lm_head] + [getattr(l, n) for l in self.layers
                                    for n in ("wqkv", "wo", "w_gate_up", "w_down")]:
             if w is not None and id(w) not in seen:
                 seen.add(id(w))
                 total += w.nbytes
-        return total
+        for l in self.layers:
+            for a in (l.router, l.shared_gate):
+                total += a.nbytes if a is not None else 0
+            if l.shared_expert is not None:
+                total += l.shared_expert.e_gate_up.nbytes + l.shared_expert.e_down.nbytes
+            routed += sum(ex.e_gate_up.nbytes + ex.e_down.nbytes for ex in l.experts)
+        return total + round(routed * routed_share)
 
 
 KERNELS = ("auto", "plain", "fast")
@@ -121,7 +148,8 @@ def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
     # that same first token (margin 0.08 logits); with the lm_head's at int16 (or fp32) they do not.
     head_q = quantizer(embed_fmt, head=True)
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
-    total = 2 + cfg.num_layers * 4 + n_moe * (cfg.num_experts - 1) * 2   # bar steps: one per Weight
+    n_shared = n_moe if cfg.shared_expert_intermediate_size else 0
+    total = 2 + cfg.num_layers * 4 + n_moe * (cfg.num_experts - 1) * 2 + n_shared * 2  # one step per Weight
     with Progress(transient=True, disable=not progress) as bar:
         task = bar.add_task(f"loading weights ({fmt})", total=total)
 
@@ -140,6 +168,8 @@ def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
                 wo=step(q(loader.layer("wo", i))),
                 mlp_norm=loader.layer("mlp_norm", i),
             )
+            if cfg.qkv_bias:
+                L.bqkv = loader.fused(["bq", "bk", "bv"], i)   # biases stay fp32: they are added, not multiplied
             if cfg.qk_norm:
                 L.q_norm, L.k_norm = loader.layer("q_norm", i), loader.layer("k_norm", i)
             if cfg.is_moe_layer(i):
@@ -147,6 +177,10 @@ def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
                 L.experts = [ExpertWeights(step(q(loader.fused(["e_gate", "e_up"], i, e))),
                                            step(q(loader.layer("e_down", i, e))))
                              for e in range(cfg.num_experts)]
+                if cfg.shared_expert_intermediate_size:
+                    L.shared_expert = ExpertWeights(step(q(loader.fused(["s_gate", "s_up"], i))),
+                                                    step(q(loader.layer("s_down", i))))
+                    L.shared_gate = loader.layer("shared_gate", i)
             else:
                 L.w_gate_up = step(q(loader.fused(["w_gate", "w_up"], i)))
                 L.w_down = step(q(loader.layer("w_down", i)))

@@ -79,6 +79,6 @@ def _matrices(weights):
         for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down):
             if w is not None:
                 yield w
-        for ex in lw.experts:
+        for ex in lw.experts + ([lw.shared_expert] if lw.shared_expert else []):
             yield ex.e_gate_up
             yield ex.e_down

@@ -274,6 +274,8 @@ class DecodeStep:
         model.py runs them."""
         if any(lw.experts for lw in weights.layers):
             return False
+        if any(lw.bqkv is not None for lw in weights.layers):    # qwen2's q/k/v biases: not added here yet
+            return False
         kinds = [[_format_row(w) for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)] for lw in weights.layers]
         return all(k == kinds[0] for k in kinds)
 
