@@ -101,10 +101,10 @@ def test_threads_one_and_two_agree():
 
 def test_a_layer_in_another_format_keeps_the_per_op_path():
     """The kernel takes one format per kind of matrix: a model mixing them decodes per op."""
-    from stage1_cpu.quant import quantize
+    from stage1_cpu.fast import fast_quantize
     weights = load_weights(make_model(**CASES["qwen3"]), "int8", 32, progress=False)
     lw = weights.layers[1]
-    lw.wo = quantize(lw.wo.dequantize(), "bf16")
+    lw.wo = fast_quantize(lw.wo.dequantize(), "bf16")
     assert not decode_step.DecodeStep.supported(weights)
     model = Model(weights, 64)
     assert model.decode_step is None

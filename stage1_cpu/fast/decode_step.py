@@ -252,7 +252,8 @@ _READONLY16 = types.Array(types.uint16, 1, "C", readonly=True)
 
 def _format_row(w) -> list[int]:
     """A Weight as the kernel sees it: (fmt, act, O, K, Kp, gs), a row of meta."""
-    return [FMT[w.fmt], ACT[w.decode_act], w.out_features, w.in_features, w.padded_in, w.group_size]
+    return [FMT[w.fmt], ACT[getattr(w, "decode_act", "fp32")], w.out_features, w.in_features, w.padded_in,
+            w.group_size]
 
 
 def _flat_list(arrays, ty):
