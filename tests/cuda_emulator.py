@@ -586,6 +586,25 @@ class EmulatedKernel:
                                 f"QS_EMU_SEED={SEED}]")
 
 
+CXXFLAGS = ("-std=c++20", "-O1", "-fPIC", "-pthread", "-w")
+_header: Path | None = None
+
+
+def _precompiled_header(gxx: str, build_dir: Path) -> Path:
+    """emulator.h and its precompiled emulator.h.gch, made once per process (the standard
+    headers it pulls in are most of each file's compile time)."""
+    global _header
+    if _header is None or not _header.with_suffix(".h.gch").is_file():
+        header = build_dir / "emulator.h"
+        header.write_text(EMULATOR_H)
+        r = subprocess.run([gxx, *CXXFLAGS, "-x", "c++-header", str(header), "-o", str(header) + ".gch"],
+                           capture_output=True, text=True, timeout=600)
+        if r.returncode != 0:
+            raise EmulatorError(f"the emulator's header does not compile:\n{r.stderr[-4000:]}")
+        _header = header
+    return _header
+
+
 def build(sources: list[Path], build_dir: Path, timeout: int = 600) -> dict[str, EmulatedKernel]:
     """Compile each .cu file under the emulator (one g++ per file, all at once):
     kernel name -> EmulatedKernel. Raises EmulatorError with g++'s message."""
@@ -593,7 +612,7 @@ def build(sources: list[Path], build_dir: Path, timeout: int = 600) -> dict[str,
     if gxx is None:
         raise FileNotFoundError("g++ is not installed")
     build_dir.mkdir(parents=True, exist_ok=True)
-    (build_dir / "emulator.h").write_text(EMULATOR_H)
+    header = _precompiled_header(gxx, build_dir)
     procs, sigs = {}, {}
     for i, cu in enumerate(sources):
         src = cu.read_text()
@@ -608,9 +627,8 @@ def build(sources: list[Path], build_dir: Path, timeout: int = 600) -> dict[str,
         body = build_dir / f"{stem}.body.cu"
         body.write_text(f'#line 1 "{cu}"\n' + rewrite_shared(src))
         cpp = build_dir / f"{stem}.cpp"
-        cpp.write_text(f'#include "emulator.h"\n#include "{body.name}"\n' + "\n".join(launchers) + "\n")
-        procs[cu] = (subprocess.Popen([gxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w",
-                                       str(cpp), "-o", str(build_dir / f"{stem}.so")],
+        cpp.write_text(f'#include "{header}"\n#include "{body.name}"\n' + "\n".join(launchers) + "\n")
+        procs[cu] = (subprocess.Popen([gxx, *CXXFLAGS, "-shared", str(cpp), "-o", str(build_dir / f"{stem}.so")],
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), stem)
     out = {}
     for cu, (proc, stem) in procs.items():
