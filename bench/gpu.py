@@ -395,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--subset-seqs", type=int, default=8, help="sequences of the transformers comparison")
     ap.add_argument("--subset-tokens", type=int, default=128, help="output tokens per subset sequence, at most")
-    ap.add_argument("--b1-tokens", type=int, default=128, help="new tokens of the batch-1 runs")
+    ap.add_argument("--b1-tokens", type=int, default=64, help="new tokens of the batch-1 runs")
     ap.add_argument("--token-budget", type=int, default=8192)
     ap.add_argument("--quick", action="store_true", help="32 sequences: a smoke run")
     ap.add_argument("--dry-run", action="store_true", help="a tiny model on the CPU: checks the plumbing")

@@ -25,6 +25,18 @@ def work(tmp_path_factory):
     return tmp_path_factory.mktemp("gpu-check-work")
 
 
+def fake_sanitizer(folder: Path, refuses: bool) -> str:
+    """A compute-sanitizer stand-in: drops its own options and runs the program, or refuses
+    the device as compute-sanitizer does on gVisor."""
+    path = folder / ("refusing-sanitizer" if refuses else "sanitizer")
+    if refuses:
+        path.write_text('#!/bin/sh\necho "========= Error: Device not supported"\nexit 1\n')
+    else:
+        path.write_text('#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift 2; done\nexec "$@"\n')
+    path.chmod(0o755)
+    return str(path)
+
+
 def run(out: Path, work: Path, *args: str, timeout: int = 600, **env) -> subprocess.CompletedProcess:
     full_env = dict(os.environ, OUT=str(out), QS_WORK=str(work), **env)
     for k in ("QS_DRY_FAIL", "QS_DRY_HANG", "QS_REQUIRE_GPU"):
@@ -36,7 +48,7 @@ def run(out: Path, work: Path, *args: str, timeout: int = 600, **env) -> subproc
 
 def test_dry_run_passes_and_brings_back_at_most_six_small_files(tmp_path, work):
     out = tmp_path / "out"
-    r = run(out, work, "--dry-run")
+    r = run(out, work, "--dry-run", COMPUTE_SANITIZER=fake_sanitizer(tmp_path, refuses=False))
     assert r.returncode == 0, r.stdout + r.stderr
     files = {p.name for p in out.iterdir()}
     assert files == OUT_NAMES and all(p.is_file() for p in out.iterdir())
@@ -46,6 +58,7 @@ def test_dry_run_passes_and_brings_back_at_most_six_small_files(tmp_path, work):
     for step in ("probe", "kernel_tests", "engine_tests", "benchmark", "sanitizer", "pack"):
         assert f"| {step} |" in summary
     assert "1 passed, 0 failed" in summary
+    assert "memcheck: clean (1 tests); racecheck: clean (1 tests);" in summary
     # stdout: the summary and the benchmark table
     assert "Result: PASS" in r.stdout and "| throughput, 4 seqs (output tok/s) | stage2_batched |" in r.stdout
     # the heavy things are in the work folder, the logs in the archive
@@ -61,12 +74,13 @@ def test_dry_run_passes_and_brings_back_at_most_six_small_files(tmp_path, work):
 def test_dry_run_reports_failures_gpu_skips_and_timeouts(tmp_path, work):
     out = tmp_path / "out"
     r = run(out, work, "--dry-run", QS_DRY_FAIL="1", QS_DRY_HANG="1", QS_CAP_ENGINE="5",
-            QS_CAP_BENCH="5")
+            QS_CAP_BENCH="5", COMPUTE_SANITIZER=fake_sanitizer(tmp_path, refuses=True))
     assert r.returncode == 1, r.stdout + r.stderr
     summary = (out / "summary.md").read_text()
     assert "Result: FAIL" in summary
     assert "**1 passed, 1 failed, 1 errors" in summary          # the skipped GPU test is an error
     assert "| engine_tests | 5 |" in summary and "**timed out** after 20 s" in summary
+    assert "compute-sanitizer refuses this machine (========= Error: Device not supported)" in summary
     # the failing test's traceback and the skip's reason reach stdout
     assert "--- FAILURE: ::test_kernel_stand_in_fails" in r.stdout and "a planted failure" in r.stdout
     assert "QS_REQUIRE_GPU=1 and this GPU test skipped" in r.stdout
