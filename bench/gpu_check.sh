@@ -126,7 +126,7 @@ for c in "${CANDIDATES[@]}"; do
 done
 if [ -z "$PY" ]; then
     msg="no interpreter with $NEED found (tried: ${TRIED[*]:-none}). On the GPU machine the python3 that holds PyTorch has cupy-cuda13x; set PYTHON=/path/to/python, or install CuPy for CUDA 13 (pip install cupy-cuda13x) where a package index is reachable"
-    row "probe" "$CAP_PROBE" "$(elapsed)" "**failed**: $msg"
+    echo "**probe failed** after $(elapsed) s: $msg" >> "$SUMMARY"
     say "$msg"
     pack
     cat "$SUMMARY"
@@ -340,18 +340,21 @@ fi
 cp "$SUMMARY" "$LOGS/summary.md"
 pack
 
-# ---- stdout: the summary, the failures (trimmed), the benchmark table --------------------
-echo
-echo "================================ summary ================================"
-cat "$SUMMARY"
+# ---- stdout: the failures (trimmed), the summary, the benchmark table -------------------
+# (in this order: the device tool returns the last 12,000 characters of the output, so the
+# failures are cut to 120 lines and the summary and the table come last)
 if [ -f "$OUT/gpu_tests.xml" ]; then
     fails=$("$PY" bench/gpu_check_report.py failures "$OUT/gpu_tests.xml" 25)
     if [ -n "$fails" ]; then
         echo
         echo "=============================== failures ================================"
-        echo "$fails" | head -300
+        echo "$fails" | head -120
+        [ "$(echo "$fails" | wc -l)" -gt 120 ] && echo "... (more in gpu_tests.xml and logs.tar.gz)"
     fi
 fi
+echo
+echo "================================ summary ================================"
+cat "$SUMMARY"
 if [ -f "$OUT/gpu_bench.md" ]; then
     echo
     echo "=============================== benchmark ==============================="
