@@ -308,15 +308,20 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 _JSON_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{},:]', re.DOTALL)
 
 
-def _path(where) -> str | None:
-    """("messages", 0, "content") written as OpenAI writes a field: messages[0].content.
-    `where` is a linked list (parent, key) built while walking; None is the body itself."""
+def _segments(where) -> list:
+    """The keys from the body down to a value; `where` is a linked list (parent, key)
+    built while walking, None for the body itself."""
     keys = []
     while where is not None:
         where, key = where
         keys.append(key)
+    return keys[::-1]
+
+
+def _path(where, depth: int | None = None) -> str | None:
+    """A field as OpenAI writes it, messages[0].content, from its first `depth` keys."""
     out = ""
-    for key in reversed(keys):
+    for key in _segments(where)[:depth]:
         out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else str(key))
     return out or None
 
@@ -326,9 +331,15 @@ def _reject_constant(name: str):
 
 
 def _too_deep(where, max_depth: int) -> APIError:
-    path = _path(where)
-    return bad_request(f"{path or 'the request body'} nests arrays/objects more than {max_depth} levels deep; "
-                       "send a flatter structure", path)
+    """Names the field by its first four keys (messages[0].content[0]); the message
+    shows the path to the container that is too deep, cut at 80 characters."""
+    keys = _segments(where)
+    # a body that is an array has no field to name (and is refused for not being an object anyway)
+    field = _path(where, 4) if keys and isinstance(keys[0], str) else None
+    full = _path(where) or ""
+    at = f" (at {full[:80]}{'...' if len(full) > 80 else ''})" if full != field else ""
+    return bad_request(f"{field or 'the request body'} nests arrays/objects more than {max_depth} levels "
+                       f"deep{at}; send a flatter structure", field)
 
 
 def _deep_where(raw: bytes, max_depth: int):
