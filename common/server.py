@@ -912,13 +912,15 @@ class APIKeyGuard:
 
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+ADMITTED = "qwen3_stages.admitted"     # in the ASGI scope: this request counts against max_concurrent
 
 
 class ConcurrencyLimit:
-    """At most limits.max_concurrent generation requests at once, counted from the
-    first byte to the end of the answer (a stream included); one more gets 429 at
-    once, before its body is read. Other paths (/healthz, /v1/models) never wait.
-    All counting happens on the event loop thread, so a plain int is enough."""
+    """At most limits.max_concurrent generation requests at once. A request counts
+    from the moment its whole body has arrived (read_body admits it, or answers 429)
+    to the end of its answer, a stream included; this middleware ends the count.
+    A client still sending its body does not count, so stalled half-sent
+    connections cannot lock others out. All counting is on the event loop thread."""
 
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
@@ -927,18 +929,12 @@ class ConcurrencyLimit:
         if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
             await self.app(scope, receive, send)
             return
-        state = self.state
-        limit = state.limits.max_concurrent
-        if state.in_flight >= limit:
-            err = APIError(429, f"the server is already serving {limit} requests, its limit (--max-concurrent); "
-                           "retry in a moment", type="rate_limit_error", code="too_many_requests")
-            await JSONResponse(err.body(), status_code=429)(scope, receive, send)
-            return
-        state.in_flight += 1
+        scope[ADMITTED] = False
         try:
             await self.app(scope, receive, send)
         finally:
-            state.in_flight -= 1
+            if scope[ADMITTED]:
+                self.state.in_flight -= 1
 
 
 def _sse(obj) -> str:
@@ -969,7 +965,6 @@ def build_app(state: ServerState):
         return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}: {exc}",
                                      type="server_error").body(), status_code=500)
 
-    # the last added is the outermost: the key is checked before a request counts
     app.add_middleware(ConcurrencyLimit, state=state)
     if state.api_key:
         app.add_middleware(APIKeyGuard, key=state.api_key)
@@ -1001,6 +996,13 @@ def build_app(state: ServerState):
                 chunks.append(chunk)
         except ClientDisconnect:
             raise APIError(400, "the client closed the connection while sending the body") from None
+        # the body is here: from now on the request holds memory and will cost work
+        if state.in_flight >= state.limits.max_concurrent:
+            raise APIError(429, f"the server is already serving {state.limits.max_concurrent} requests, its "
+                           "limit (--max-concurrent); retry in a moment", type="rate_limit_error",
+                           code="too_many_requests")
+        state.in_flight += 1
+        request.scope[ADMITTED] = True
         return b"".join(chunks)
 
     async def prepare(fn: Callable[[ServerState, bytes], Job], request: HTTPRequest) -> Job:

@@ -625,13 +625,32 @@ def test_prompt_too_long_for_the_context_is_refused_from_its_length_and_each_pro
     assert len(r.choices) == 4 and counting.calls == [3, 9]
 
 
+def wait_until_served(app, timeout: float = 10.0) -> None:
+    """Until no request counts against --max-concurrent (a reply is sent a moment before
+    its request stops counting)."""
+    deadline = time.time() + timeout
+    while app.state.server.in_flight:
+        assert time.time() < deadline, f"{app.state.server.in_flight} requests still count"
+        time.sleep(0.02)
+
+
 def test_concurrent_requests_over_the_limit_get_429(model_dir, tok):
     engine = ScriptedEngine(tok)
     app = create_app(engine, tok, ChatTemplate.from_folder(model_dir), "scripted", folder=model_dir, max_ctx=512,
                      limits=Limits(max_concurrent=2))
     server = LiveServer(app)
+    stalled = []
     try:
         c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        # clients that send half a body and stall do not count: they cannot lock others out
+        for _ in range(5):
+            sock = socket.create_connection(("127.0.0.1", server.port))
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"model\": ")
+            stalled.append(sock)
+        r = c.chat.completions.create(model="scripted", messages=user("hello"), max_tokens=3)
+        assert r.usage.completion_tokens == 3
+        wait_until_served(app)
         streams = [c.chat.completions.create(model="scripted", messages=user(f"endless {i}"), max_tokens=400,
                                              stream=True) for i in range(2)]
         for s in streams:
@@ -644,14 +663,13 @@ def test_concurrent_requests_over_the_limit_get_429(model_dir, tok):
         assert httpx.get(server.url + "/healthz").status_code == 200        # never limited
         for s in streams:
             s.close()
-        deadline = time.time() + 10
-        while app.state.server.in_flight:
-            assert time.time() < deadline, "the closed streams still count"
-            time.sleep(0.02)
+        wait_until_served(app)
         r = c.chat.completions.create(model="scripted", messages=user("hello"), max_tokens=3)
         assert r.usage.completion_tokens == 3
         server.wait_idle()
     finally:
+        for sock in stalled:
+            sock.close()
         server.close()
 
 

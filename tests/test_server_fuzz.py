@@ -239,7 +239,10 @@ def test_fuzzed_bodies_never_get_a_5xx_and_leak_no_kv_pages(stage2_server, capsy
     server.wait_idle(timeout=60)
     assert not engine.has_work()
     assert engine.num_free_pages() == engine.num_total_pages()
-    assert server.app.state.server.in_flight == 0
+    deadline = time.monotonic() + 10
+    while server.app.state.server.in_flight:      # a reply goes out a moment before its request stops counting
+        assert time.monotonic() < deadline, "requests still count against --max-concurrent"
+        time.sleep(0.02)
     assert httpx.get(server.url + "/healthz").json()["status"] == "ok"
     # and it still computes the right thing: transformers' greedy tokens
     ids = server.tok.encode("<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n")
