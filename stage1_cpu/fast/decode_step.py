@@ -44,7 +44,9 @@ import numpy as np
 from numba import prange, types
 from numba.typed import List
 
-from stage1_cpu import kernels, sync
+from stage1_cpu import kernels
+from stage1_cpu.fast import cpu, sync
+from stage1_cpu.fast import kernels as fk
 from stage1_cpu.kernels import FAST
 
 FMT = {"none": 0, "bf16": 1, "int8": 2, "int4": 3}
@@ -61,27 +63,47 @@ TAIL_ITEMS = 2                            # ... its last 2 per worker are small 
 _njit = numba.njit(cache=True, fastmath=FAST, error_model="numpy")
 
 
-@numba.njit(inline="always", fastmath=FAST, error_model="numpy")
-def _rows(fmt, act, r0, r1, out, wf, wb, q8, q4, s2, m2, qf, sf, x2, x3, x4, xsum4, xqf, xaf, x16f, xsf, xsum, G, gs):
-    """out[r] = row r of W times x, r0 <= r < r1, by the kernel matmul() would use."""
-    if act == A_INT8 and fmt == INT8:
-        kernels.rows_int8_q8(xqf, xaf, xsf, 0, qf, sf, r0, r1, G, gs, out, 0)
-        return
-    if act == A_INT16:
-        kernels.rows_int8_q16(x16f, xsf, 0, qf, sf, r0, r1, G, gs, out, 0)
-        return
-    if act == A_FP32 and fmt == BF16:
+_inline = numba.njit(inline="always", fastmath=FAST, error_model="numpy")
+
+
+@_inline
+def _rows_float(fmt, r0, r1, out, wf, wb, q8, q4, s2, m2, x2, x3, x4, xsum4):
+    """out[r] = row r of W times x (fp32 activations), r0 <= r < r1: the core's row bodies."""
+    if fmt == BF16:
         kernels.rows_bf16(x2, 0, wb, r0, r1, out, 0)
         return
     for r in range(r0, r1):
-        if act == A_INT8:
-            out[r] = kernels.row_int4_q8(xqf, xsf, xsum, 0, qf, sf, m2, r, G, gs)
-        elif fmt == NONE:
+        if fmt == NONE:
             out[r] = kernels.row_f32(x2, 0, wf, r)
         elif fmt == INT8:
             out[r] = kernels.row_int8(x3, 0, q8, s2, r)
         else:
             out[r] = kernels.row_int4(x4, xsum4, 0, q4, s2, m2, r)
+
+
+# Which rows kernel the step inlines is decided here, in Python, from cpu.py: where the CPU
+# has no integer dot product, the intrinsics (fast/kernels.py) are never named, so numba never
+# hands them to LLVM (a runtime `if` would not do: the code is compiled either way).
+if cpu.INT8:
+    @_inline
+    def _rows(fmt, act, r0, r1, out, wf, wb, q8, q4, s2, m2, qf, sf, x2, x3, x4, xsum4, xqf, xaf, x16f, xsf, xsum,
+              G, gs):
+        """out[r] = row r of W times x, r0 <= r < r1, by the kernel matmul() would use."""
+        if act == A_INT8 and fmt == INT8:
+            fk.rows_int8_q8(xqf, xaf, xsf, 0, qf, sf, r0, r1, G, gs, out, 0)
+        elif act == A_INT16:
+            fk.rows_int8_q16(x16f, xsf, 0, qf, sf, r0, r1, G, gs, out, 0)
+        elif act == A_INT8:
+            for r in range(r0, r1):
+                out[r] = fk.row_int4_q8(xqf, xsf, xsum, 0, qf, sf, m2, r, G, gs)
+        else:
+            _rows_float(fmt, r0, r1, out, wf, wb, q8, q4, s2, m2, x2, x3, x4, xsum4)
+else:
+    @_inline
+    def _rows(fmt, act, r0, r1, out, wf, wb, q8, q4, s2, m2, qf, sf, x2, x3, x4, xsum4, xqf, xaf, x16f, xsf, xsum,
+              G, gs):
+        """out[r] = row r of W times x, r0 <= r < r1 (activations are fp32 on this CPU)."""
+        _rows_float(fmt, r0, r1, out, wf, wb, q8, q4, s2, m2, x2, x3, x4, xsum4)
 
 
 @numba.njit(inline="always")
@@ -135,9 +157,9 @@ def _matvec(m, data, scales, mins, x, out, counts, phase, workers):
     xs = np.empty((1, G), dtype=np.float32)
     xsum = np.empty((1, G), dtype=np.float32)
     if act == A_INT8:
-        kernels.quantize_token(x3, 0, xq, xa, xs, xsum)
+        fk.quantize_token(x3, 0, xq, xa, xs, xsum)
     elif act == A_INT16:
-        kernels.quantize_token16(x3, 0, x16, xs)
+        fk.quantize_token16(x3, 0, x16, xs)
     # the weight in the shape its kernel indexes (an empty stand-in for the other formats)
     wf = data.view(np.float32).reshape(O, Kp) if fmt == NONE else np.empty((0, 0), dtype=np.float32)
     wb = data.view(np.uint16).reshape(O, Kp) if fmt == BF16 else np.empty((0, 0), dtype=np.uint16)
@@ -251,6 +273,8 @@ class DecodeStep:
         kernel takes one format row per kind of matrix). MoE layers route per token:
         model.py runs them."""
         if any(lw.experts for lw in weights.layers):
+            return False
+        if any(lw.bqkv is not None for lw in weights.layers):    # qwen2's q/k/v biases: not added here yet
             return False
         kinds = [[_format_row(w) for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)] for lw in weights.layers]
         return all(k == kinds[0] for k in kinds)
