@@ -19,8 +19,9 @@ other than its own:
 
 The event loop only moves bytes and small objects: anything whose cost grows with
 the request (JSON parsing, the checks, the chat template, the tokenizer) runs on a
-small pool of prepare threads, so one large request never stalls /healthz or the
-other clients. The tokenizer releases the GIL while it works (common/tokenizer.py).
+few prepare threads (two for small bodies, two for large ones), so one large
+request never stalls /healthz or the other clients; the tokenizer releases the GIL
+while it works through a long text (common/tokenizer.py).
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
 GET /healthz (503 while the model loads, 200 when ready). Errors use OpenAI's

@@ -887,10 +887,10 @@ def test_stage1_chat_stream_equals_non_stream_for_the_same_seed(stage1):
 
 def test_stage1_serve_command_health_and_api_key(tiny_qwen3):
     """python -m stage1_cpu.serve end to end: 503 while loading is allowed, then 200,
-    the API key enforced, a chat answered."""
+    the API key enforced, a chat answered, --max-body-mb enforced."""
     proc = subprocess.Popen([sys.executable, "-m", "stage1_cpu.serve", "--model", str(tiny_qwen3),
                              "--addr", "127.0.0.1:0", "--max-ctx", "128", "--api-key", "k3y",
-                             "--served-model-name", "tiny", "--log-level", "warning"],
+                             "--served-model-name", "tiny", "--log-level", "warning", "--max-body-mb", "0.01"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
@@ -913,6 +913,10 @@ def test_stage1_serve_command_health_and_api_key(tiny_qwen3):
         r = c.chat.completions.create(model="tiny", messages=user("hi"), max_tokens=3,
                                       extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+        # --max-body-mb 0.01: a body over 10 KiB gets 413
+        r = httpx.post(url + "/v1/chat/completions", headers={"Authorization": "Bearer k3y"},
+                       json={"model": "tiny", "messages": user("x" * 11_000)})
+        assert r.status_code == 413 and "at most 10485 " in r.json()["error"]["message"]
     finally:
         proc.terminate()
         proc.wait(timeout=20)
