@@ -1161,7 +1161,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients send (default: the --model value)")
     parser.add_argument("--max-body-mb", type=float, default=Limits.max_body_bytes / 2**20, metavar="MB",
-                        help="largest request body in MiB; a larger one gets 413 before it is parsed (default %(default)g)")
+                        help="largest request body in MiB; a larger one gets 413 before it is parsed "
+                        "(default %(default)g)")
     parser.add_argument("--max-concurrent", type=int, default=Limits.max_concurrent, metavar="N",
                         help="generation requests served at once; one more gets 429 (default %(default)d)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

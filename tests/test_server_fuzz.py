@@ -57,8 +57,9 @@ message = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "developer", "user", "assistant", "tool"]),
      "content": st.one_of(text, st.lists(part, max_size=2), st.none())},
     optional={"name": nonempty, "tool_call_id": nonempty, "reasoning_content": text})
-tool = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
-    {"name": nonempty}, optional={"description": text, "parameters": st.dictionaries(nonempty, json_value, max_size=2)})})
+function = st.fixed_dictionaries({"name": nonempty}, optional={
+    "description": text, "parameters": st.dictionaries(nonempty, json_value, max_size=2)})
+tool = st.fixed_dictionaries({"type": st.just("function"), "function": function})
 sampling = {
     "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1), "top_k": st.integers(-1, 100),
     "min_p": st.floats(0, 1), "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
