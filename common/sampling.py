@@ -61,7 +61,9 @@ class SamplingParams:
         path = Path(folder) / "generation_config.json" if folder else None
         if path is not None and path.is_file():
             g = json.loads(path.read_text())
-            for key in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"):
+            # presence / frequency: not Hugging Face keys, but a file may name them (ours does)
+            for key in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                        "presence_penalty", "frequency_penalty"):
                 if g.get(key) is not None:
                     values[key] = g[key]
             if g.get("do_sample") is False:
