@@ -8,7 +8,8 @@ BENCHMARKS = {
     "cpu": "bench.cpu",          # stage 1 against llama.cpp, transformers and the roofline
     "kernels": "bench.kernels",  # the stage-1 matmul kernels on their own
     "profile": "bench.profile",  # one stage-1 forward pass, op by op
-    "gpu": "bench.gpu",          # stage 2 on a GPU: nano-vllm's workload, batch-1 decode (bench/gpu_check.sh)
+    "gpu": "bench.gpu",
+    "first-answer": "bench.first_answer",   # how often the default model's first answer is right, per sampling setting          # stage 2 on a GPU: nano-vllm's workload, batch-1 decode (bench/gpu_check.sh)
 }
 
 
