@@ -31,6 +31,7 @@ KERNEL_FILES = {                      # kernel name -> its .cu file under cuda/
     "paged_decode_attention": "decode_attention.cu",
     "merge_attention": "decode_attention.cu",
     "prefill_attention": "prefill_attention.cu",
+    "sample": "sample.cu",
 }
 MAX_HEAD_DIM = 256                    # the attention kernels keep D/32 values per lane in registers
 
@@ -62,6 +63,11 @@ def _bf16(x):
     import cupy
     assert x.dtype == np.uint16, f"expected bf16 bits (uint16), got {x.dtype}"
     return cupy.ascontiguousarray(x)
+
+
+def _ptr(x) -> int:
+    """The device address of a cupy array (what a cuBLAS call takes)."""
+    return x.data.ptr
 
 
 def _i32(x):
@@ -97,9 +103,9 @@ def linear(x, w, out_f32: bool = False):
     cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
     one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)   # alpha, beta on the host
     cublas.gemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, M, N, K,
-                  one.ctypes.data, w.data.ptr, CUDA_R_16BF, K,
-                  x.data.ptr, CUDA_R_16BF, K,
-                  zero.ctypes.data, out.data.ptr, CUDA_R_32F if out_f32 else CUDA_R_16BF, M,
+                  one.ctypes.data, _ptr(w), CUDA_R_16BF, K,
+                  _ptr(x), CUDA_R_16BF, K,
+                  zero.ctypes.data, _ptr(out), CUDA_R_32F if out_f32 else CUDA_R_16BF, M,
                   CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
     return out
 
@@ -162,10 +168,11 @@ def qk_norm_rope_store(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_map
 SPLIT_LEN = 512
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens):
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, split_len: int = 0):
     """q [S, H, D] bf16 (one query per sequence), pages [NB, P, Hkv, D] bf16,
     block_tables [S, max_blocks], context_lens [S] -> [S, H, D] bf16.
-    Two launches: the split kernel (one block per sequence, kv head and split) and the merge."""
+    Two launches: the split kernel (one block per sequence, kv head and split) and the merge.
+    split_len: positions per split (default SPLIT_LEN; the tests use small ones)."""
     if not _on_gpu(q):
         return ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens)
     import cupy
@@ -178,8 +185,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens):
     if S == 0:
         return out
     block_tables, context_lens = _i32(block_tables), _i32(context_lens)
+    split_len = split_len or SPLIT_LEN
     max_len = int(context_lens.max())                # one small copy to size the grid
-    splits = (max_len + SPLIT_LEN - 1) // SPLIT_LEN
+    splits = (max_len + split_len - 1) // split_len
     part_out = cupy.empty((S, H, splits, D), dtype=cupy.float32)
     part_ml = cupy.empty((S, H, splits, 2), dtype=cupy.float32)
     group = H // Hkv
@@ -187,9 +195,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens):
         (S * Hkv, splits), (32 * group,),
         (q, k_cache, v_cache, block_tables, context_lens, part_out, part_ml,
          np.int32(H), np.int32(Hkv), np.int32(D), np.int32(P), np.int32(block_tables.shape[1]),
-         np.int32(SPLIT_LEN), np.int32(splits), np.float32(1.0 / np.sqrt(D))))
+         np.int32(split_len), np.int32(splits), np.float32(1.0 / np.sqrt(D))))
     _kernel("merge_attention")((S * H,), (32,), (part_out, part_ml, context_lens, out, np.int32(H),
-                                                 np.int32(D), np.int32(SPLIT_LEN), np.int32(splits)))
+                                                 np.int32(D), np.int32(split_len), np.int32(splits)))
     return out
 
 
@@ -226,6 +234,21 @@ def swiglu(gate_up):
     if N:
         _kernel("swiglu")(((F2 // 2 + 255) // 256, N), (256,), (gate_up, out, np.int32(F2 // 2)))
     return out
+
+
+def sample(logits, temperature, top_k, top_p, u):
+    """logits [S, V] float32, per-row temperature, top_k, top_p and uniform u [S]
+    -> next tokens [S] int32 (on the device: S ids cross to the host, not S * V logits)."""
+    if not _on_gpu(logits):
+        return ops.sample(logits, temperature, top_k, top_p, u)
+    import cupy
+    logits = _f32(logits)
+    S, V = logits.shape
+    tokens = cupy.empty(S, dtype=cupy.int32)
+    if S:
+        _kernel("sample")((S,), (256,), (logits, _f32(temperature), _i32(top_k), _f32(top_p), _f32(u),
+                                         tokens, np.int32(V)))
+    return tokens
 
 
 def to_host(x) -> np.ndarray:

@@ -3,7 +3,7 @@
 Changed from stage 2: bf16 and fused kernels. Activations between kernels are
 bf16 (the residual stream stays fp32); q/k/v come out of one GEMM and gate/up out
 of another; the kernels that stage 2 ran back to back on the same rows are fused,
-so a layer launches 8 kernels and GEMMs where stage 2 launched 16:
+so a decode layer launches 10 kernels and GEMMs where stage 2 launched 18:
 
     x = embed(tokens)                                   [N, C] bf16
     residual = None

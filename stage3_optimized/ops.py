@@ -158,6 +158,47 @@ def paged_decode_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarr
     return bf16_bits(out)
 
 
+def decode_attention_splits(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                            block_tables: np.ndarray, context_lens: np.ndarray,
+                            split_len: int, splits: int) -> tuple[np.ndarray, np.ndarray]:
+    """Flash-decoding, part 1: each sequence's context cut into pieces of split_len positions;
+    per query head and piece j, the unnormalised softmax of that piece alone:
+        m = max score, l = sum exp(score - m), acc = sum exp(score - m) * v
+    q [S, H, D] bf16, pages bf16 -> part_out [S, H, splits, D] float32, part_ml [S, H, splits, 2]
+    ((m, l); a piece past the context has m = -inf, l = 0, acc = 0)."""
+    S, H, D = q.shape
+    Hkv = k_cache.shape[2]
+    part_out = np.zeros((S, H, splits, D), np.float32)
+    part_ml = np.zeros((S, H, splits, 2), np.float32)
+    part_ml[..., 0] = -np.inf
+    for s in range(S):
+        n = int(context_lens[s])
+        k = f32(_gather_pages(k_cache, block_tables[s], n))   # [Hkv, n, D]
+        v = f32(_gather_pages(v_cache, block_tables[s], n))
+        qs = f32(q[s]) * np.float32(1 / np.sqrt(D))            # [H, D]
+        kh = np.repeat(k, H // Hkv, axis=0)                    # [H, n, D] kv head of each query head
+        vh = np.repeat(v, H // Hkv, axis=0)
+        for j in range(min(splits, (n + split_len - 1) // split_len)):
+            a, b = j * split_len, min(n, (j + 1) * split_len)
+            score = np.einsum("hd,htd->ht", qs, kh[:, a:b])     # [H, b - a]
+            m = score.max(axis=-1)                             # [H]
+            p = np.exp(score - m[:, None])
+            part_ml[s, :, j, 0], part_ml[s, :, j, 1] = m, p.sum(axis=-1)
+            part_out[s, :, j] = np.einsum("ht,htd->hd", p, vh[:, a:b])
+    return part_out, part_ml
+
+
+def merge_attention(part_out: np.ndarray, part_ml: np.ndarray) -> np.ndarray:
+    """Flash-decoding, part 2: rescale each piece to the common max M and normalise once:
+        out = sum_j acc_j exp(m_j - M) / sum_j l_j exp(m_j - M)
+    part_out [S, H, splits, D], part_ml [S, H, splits, 2] -> [S, H, D] bf16"""
+    m, l = part_ml[..., 0], part_ml[..., 1]                    # [S, H, splits]
+    M = m.max(axis=-1, keepdims=True)
+    w = np.where(np.isneginf(m), 0.0, np.exp(m - M)).astype(np.float32)   # empty pieces weigh 0
+    out = (part_out * w[..., None]).sum(axis=2) / (l * w).sum(axis=-1)[..., None]
+    return bf16_bits(out)
+
+
 def prefill_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                       block_tables: np.ndarray, token_seq: np.ndarray,
                       positions: np.ndarray) -> np.ndarray:
@@ -207,6 +248,47 @@ def linear(x: np.ndarray, w: np.ndarray, out_f32: bool = False) -> np.ndarray:
     cuBLAS's, so the two agree to about one bf16 rounding."""
     y = f32(x) @ f32(w).T
     return y.astype(np.float32) if out_f32 else bf16_bits(y)
+
+
+def sample(logits: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+           u: np.ndarray) -> np.ndarray:
+    """The next token of each row of logits [S, V] float32, from uniform numbers u [S] in [0, 1):
+      temperature[s] <= 0: the first argmax (greedy);
+      otherwise w = exp((l - max l) / temperature), and the kept tokens are
+        top-k (0 < top_k[s] < V): the logits >= the top_k-th largest (its ties too),
+        top-p (top_p[s] < 1): of those, the largest logits whose w sum to >= top_p of the
+                              kept mass (the threshold's ties too);
+      the token is the first kept index whose running sum of kept w passes u[s] * (kept mass).
+    -> tokens [S] int32. The kernel finds the same thresholds by a search on the logits'
+    bits instead of a sort; sums differ in order, so the two agree whenever u is not within
+    rounding of a boundary between two tokens (the test draws u away from them)."""
+    S, V = logits.shape
+    out = np.empty(S, np.int32)
+    for s in range(S):
+        if temperature[s] <= 0:
+            out[s] = int(np.argmax(logits[s]))
+            continue
+        keep, w = sampling_set(logits[s], temperature[s], top_k[s], top_p[s])
+        run = np.cumsum(np.where(keep, w, 0), dtype=np.float64)
+        hit = np.flatnonzero(keep & (run > u[s] * run[-1]))
+        out[s] = hit[0] if len(hit) else np.flatnonzero(keep)[-1]
+    return out
+
+
+def sampling_set(l: np.ndarray, temperature: float, top_k: int, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """One row's kept tokens and weights for sample(): l [V] -> (keep [V] bool, w [V] float32)."""
+    V = l.shape[0]
+    l = l.astype(np.float32)
+    w = np.exp((l - l.max()) / np.float32(temperature)).astype(np.float32)
+    keep = np.ones(V, bool)
+    if 0 < top_k < V:
+        keep &= l >= np.sort(l)[-int(top_k)]
+    if top_p < 1:
+        order = np.argsort(-l[keep], kind="stable")
+        mass = np.cumsum(w[keep][order], dtype=np.float64)
+        n = int(np.searchsorted(mass, top_p * mass[-1]))          # first prefix with enough mass
+        keep &= l >= l[keep][order][min(n, len(order) - 1)]
+    return keep, w
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
