@@ -1,7 +1,10 @@
 """BatchInfo: everything the model needs to know about a packed batch, explicitly.
 
-Changed from stage 2: nothing but the package. A sequence with a prefix-cache hit
-simply starts at num_computed > 0, like the next chunk of a chunked prefill.
+Changed from stage 2: the prefill tokens are also cut into tiles of up to 16
+consecutive tokens of one sequence (`tile_start`, `tile_count`), the unit of work of
+the tensor-core prefill kernel (cuda/prefill_attention_tc.cu). A sequence with a
+prefix-cache hit simply starts at num_computed > 0, like the next chunk of a
+chunked prefill.
 
 As in stage 2 (stage 1's forward takes one sequence and a `start_pos`), the
 tokens of S sequences are packed into one array of N tokens, decode sequences
@@ -19,6 +22,8 @@ import numpy as np
 
 from stage3_optimized.sequence import Sequence
 
+PREFILL_TILE = 16                 # query tokens per tile of the tensor-core prefill kernel
+
 
 @dataclass
 class BatchInfo:
@@ -31,6 +36,9 @@ class BatchInfo:
     query_start: np.ndarray       # [S+1] int32  token offsets of the sequences in the packed batch
     logits_rows: np.ndarray       # [S'] int32  packed rows whose logits are needed (last token of
                                   #             each sequence that samples a token this step)
+    tile_start: np.ndarray        # [n_tiles] int32  first token of each prefill tile, counted from
+                                  #             the first prefill token (the batch's num_decode-th)
+    tile_count: np.ndarray        # [n_tiles] int32  its tokens (1..16), all of one sequence
 
     @property
     def num_tokens(self) -> int:
@@ -67,6 +75,13 @@ def build_batch(seqs: list[Sequence], num_tokens: list[int],
         if start + n == len(seq.token_ids):         # the whole sequence is in: sample its next token
             logits_rows.append(query_start[-1] - 1)
 
+    # prefill tiles: each chunk (the sequences after the decodes) cut into runs of <= 16 tokens
+    tile_start, tile_count = [], []
+    for s in range(num_decode, len(seqs)):
+        for t in range(query_start[s], query_start[s + 1], PREFILL_TILE):
+            tile_start.append(t - query_start[num_decode])
+            tile_count.append(min(PREFILL_TILE, query_start[s + 1] - t))
+
     max_blocks = max(len(seq.block_table) for seq in seqs)
     block_tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
     for s, seq in enumerate(seqs):
@@ -81,5 +96,7 @@ def build_batch(seqs: list[Sequence], num_tokens: list[int],
         context_lens=np.array([seq.num_computed + n for seq, n in zip(seqs, counts)], dtype=np.int32),
         query_start=np.array(query_start, dtype=np.int32),
         logits_rows=np.array(logits_rows, dtype=np.int32),
+        tile_start=np.array(tile_start, dtype=np.int32),
+        tile_count=np.array(tile_count, dtype=np.int32),
     )
     return seqs, np.array(tokens, dtype=np.int32), info

@@ -7,7 +7,9 @@ GEMM is cuBLAS gemmEx with bf16 inputs and fp32 accumulation (CUBLAS_COMPUTE_32F
 called through cupy.cuda.cublas, instead of cupy.matmul on float32. The fused
 kernels replace stage 2's rmsnorm + residual_add (add_rmsnorm), rmsnorm + rope +
 store_kvcache (qk_norm_rope_store) and silu_mul (swiglu, which reads the fused
-gate/up GEMM's output).
+gate/up GEMM's output). Decode attention is two launches (the GQA-shared split kernel
+and the merge); prefill attention runs on tensor cores (prefill_attention_tc.cu) where
+the head dim allows, with the plain kernel beside it; `sample` picks tokens on the device.
 
 The wrappers make inputs contiguous, allocate the output, choose the launch grid
 the .cu header documents, and pass scalars as numpy scalars of the C type the
@@ -31,9 +33,11 @@ KERNEL_FILES = {                      # kernel name -> its .cu file under cuda/
     "paged_decode_attention": "decode_attention.cu",
     "merge_attention": "decode_attention.cu",
     "prefill_attention": "prefill_attention.cu",
+    "prefill_attention_tc": "prefill_attention_tc.cu",
     "sample": "sample.cu",
 }
 MAX_HEAD_DIM = 256                    # the attention kernels keep D/32 values per lane in registers
+TC_MAX_HEAD_DIM, TC_WARPS = 128, 4     # the tensor-core prefill: O in registers, 4 heads per block
 
 # cuBLAS / CUDA enums (cublas_api.h, library_types.h): named here so the call reads
 CUDA_R_32F, CUDA_R_16BF = 0, 14
@@ -201,9 +205,13 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, spli
     return out
 
 
-def prefill_attention(q, k_cache, v_cache, block_tables, token_seq, positions):
+def prefill_attention(q, k_cache, v_cache, block_tables, token_seq, positions,
+                      tile_start=None, tile_count=None, tensor_cores: bool = True):
     """q [N, H, D] bf16 packed prefill tokens; token n reads the block table row token_seq[n] and
-    sees positions 0..positions[n] -> [N, H, D] bf16"""
+    sees positions 0..positions[n] -> [N, H, D] bf16.
+    With the tiles of batch.py and a head dim the WMMA kernel takes (a multiple of 16, <= 128),
+    the tensor-core kernel runs (prefill_attention_tc.cu); otherwise, or with
+    tensor_cores=False, the plain one (prefill_attention.cu), which it is tested against."""
     if not _on_gpu(q):
         return ops.prefill_attention(q, k_cache, v_cache, block_tables, token_seq, positions)
     import cupy
@@ -212,14 +220,25 @@ def prefill_attention(q, k_cache, v_cache, block_tables, token_seq, positions):
     P, Hkv = k_cache.shape[1], k_cache.shape[2]
     assert D <= MAX_HEAD_DIM, f"head_dim {D} > {MAX_HEAD_DIM} is not supported by the attention kernels"
     out = cupy.empty_like(q)
-    if N:
-        block_tables = _i32(block_tables)
-        warps = 4                                    # query tokens per block (WARPS in the .cu)
-        _kernel("prefill_attention")(
-            ((N + warps - 1) // warps, H), (32 * warps,),
-            (q, k_cache, v_cache, block_tables, _i32(token_seq), _i32(positions), out,
-             np.int32(N), np.int32(H), np.int32(Hkv), np.int32(D), np.int32(P),
-             np.int32(block_tables.shape[1]), np.float32(1.0 / np.sqrt(D))))
+    if N == 0:
+        return out
+    block_tables = _i32(block_tables)
+    scale = np.float32(1.0 / np.sqrt(D))
+    if tensor_cores and tile_start is not None and D % 16 == 0 and D <= TC_MAX_HEAD_DIM:
+        G = H // Hkv
+        warps = min(G, TC_WARPS)                     # query heads per block (WARPS in the .cu)
+        _kernel("prefill_attention_tc")(
+            (int(tile_start.shape[0]), Hkv * ((G + TC_WARPS - 1) // TC_WARPS)), (32 * warps,),
+            (q, k_cache, v_cache, block_tables, _i32(token_seq), _i32(positions), _i32(tile_start),
+             _i32(tile_count), out, np.int32(H), np.int32(Hkv), np.int32(D), np.int32(P),
+             np.int32(block_tables.shape[1]), scale))
+        return out
+    warps = 4                                        # query tokens per block (WARPS in the .cu)
+    _kernel("prefill_attention")(
+        ((N + warps - 1) // warps, H), (32 * warps,),
+        (q, k_cache, v_cache, block_tables, _i32(token_seq), _i32(positions), out,
+         np.int32(N), np.int32(H), np.int32(Hkv), np.int32(D), np.int32(P),
+         np.int32(block_tables.shape[1]), scale))
     return out
 
 

@@ -99,7 +99,8 @@ class Model:
                                                batch.block_tables[:d], batch.context_lens[:d])
         if d < q.shape[0]:
             att[d:] = K.prefill_attention(q[d:], keys, values, batch.block_tables,
-                                          batch.token_seq[d:], batch.positions[d:])
+                                          batch.token_seq[d:], batch.positions[d:],
+                                          batch.tile_start, batch.tile_count)
         return att
 
     def moe(self, h, lw: LayerWeights):

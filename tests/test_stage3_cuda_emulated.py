@@ -45,6 +45,81 @@ using std::min;
 using std::max;
 inline float __uint_as_float(unsigned bits) { float f; std::memcpy(&f, &bits, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+inline void __syncwarp(unsigned = 0xffffffffu) { warp_barrier[threadIdx.x / 32]->arrive_and_wait(); }
+#define __align__(n) __attribute__((aligned(n)))
+"""
+
+# What <cuda_bf16.h> gives the kernels, for g++: the type and its conversions (round to nearest even).
+CUDA_BF16_SHIM = r"""
+#pragma once
+#include <cstring>
+struct __nv_bfloat16 { unsigned short x; };
+inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short b) { return {b}; }
+inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.x; }
+inline float __bfloat162float(__nv_bfloat16 h) { unsigned u = (unsigned)h.x << 16; float f; std::memcpy(&f, &u, 4); return f; }
+inline __nv_bfloat16 __float2bfloat16(float f)
+{
+    unsigned u; std::memcpy(&u, &f, 4);
+    return {(unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16)};
+}
+"""
+
+# The tensor-core fragment shim: <mma.h>'s nvcuda::wmma for g++. A real fragment spreads a
+# 16x16 tile over the 32 lanes of a warp in an unspecified layout, and the *_sync calls are
+# warp-collective; here every lane keeps the whole tile and does the whole product (the
+# same result, 32 times the work), and only lane 0 stores, so the kernel must __syncwarp()
+# before reading a stored tile, exactly as on a GPU. Products of bf16 values are exact in
+# fp32 and are summed in fp32, as the tensor cores do (in an unspecified order).
+WMMA_SHIM = r"""
+#pragma once
+#include <type_traits>
+#include "cuda_bf16.h"
+namespace nvcuda { namespace wmma {
+struct matrix_a {}; struct matrix_b {}; struct accumulator {};
+struct row_major {}; struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+inline float to_float(float x) { return x; }
+inline float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <class Use, int M, int N, int K, class T, class Layout = void>
+struct fragment {
+    static constexpr int rows = std::is_same_v<Use, matrix_b> ? K : M;
+    static constexpr int cols = std::is_same_v<Use, matrix_a> ? K : N;
+    float v[rows][cols];
+};
+template <class Use, int M, int N, int K, class T, class Layout>
+inline void load_matrix_sync(fragment<Use, M, N, K, T, Layout>& f, const T* p, unsigned ld)
+{
+    using F = fragment<Use, M, N, K, T, Layout>;
+    for (int r = 0; r < F::rows; r++)
+        for (int c = 0; c < F::cols; c++)
+            f.v[r][c] = to_float(std::is_same_v<Layout, col_major> ? p[c * ld + r] : p[r * ld + c]);
+}
+template <int M, int N, int K>
+inline void fill_fragment(fragment<accumulator, M, N, K, float>& f, float x)
+{
+    for (int r = 0; r < M; r++) for (int c = 0; c < N; c++) f.v[r][c] = x;
+}
+template <int M, int N, int K, class TA, class LA, class TB, class LB>
+inline void mma_sync(fragment<accumulator, M, N, K, float>& d, const fragment<matrix_a, M, N, K, TA, LA>& a,
+                     const fragment<matrix_b, M, N, K, TB, LB>& b, const fragment<accumulator, M, N, K, float>& c)
+{
+    float out[M][N];
+    for (int r = 0; r < M; r++)
+        for (int j = 0; j < N; j++) {
+            float sum = c.v[r][j];
+            for (int k = 0; k < K; k++) sum += a.v[r][k] * b.v[k][j];
+            out[r][j] = sum;
+        }
+    for (int r = 0; r < M; r++) for (int j = 0; j < N; j++) d.v[r][j] = out[r][j];
+}
+template <int M, int N, int K>
+inline void store_matrix_sync(float* p, const fragment<accumulator, M, N, K, float>& f, unsigned ld, layout_t layout)
+{
+    if (threadIdx.x % 32 != 0) return;                 // one lane writes the warp's tile
+    for (int r = 0; r < M; r++)
+        for (int c = 0; c < N; c++) (layout == mem_col_major ? p[c * ld + r] : p[r * ld + c]) = f.v[r][c];
+}
+} }
 """
 
 
@@ -66,6 +141,8 @@ def emulated(tmp_path_factory):
         pytest.skip("g++ is not installed")
     build = tmp_path_factory.mktemp("cuda3-emulated")
     (build / "emulator.h").write_text(emu.EMULATOR + SHIM)
+    (build / "cuda_bf16.h").write_text(CUDA_BF16_SHIM)   # found first through -I build
+    (build / "mma.h").write_text(WMMA_SHIM)
     procs, sigs = {}, {}
     for cu in sorted(set(kernels.KERNEL_FILES.values())):
         sigs[cu] = kernel_signatures(cu)
@@ -77,7 +154,7 @@ def emulated(tmp_path_factory):
         src = build / (cu + ".cpp")
         src.write_text(f'#include "emulator.h"\n#include "{CUDA_DIR / cu}"\n' + "\n".join(launchers) + "\n")
         procs[cu] = subprocess.Popen([gxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w",
-                                      str(src), "-o", str(build / (cu + ".so"))],
+                                      "-I", str(build), str(src), "-o", str(build / (cu + ".so"))],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out = {}
     for cu, proc in procs.items():
@@ -278,6 +355,45 @@ def test_prefill_attention_equals_twin(gpu, H, Hkv, D, P, chunks):
     q = bf16_random(rng, (len(positions), H, D))
     out = kernels.prefill_attention(gpu(q), gpu(k_cache), gpu(v_cache), gpu(tables), gpu(token_seq), gpu(positions))
     assert_bf16_close(out.get(), ops.prefill_attention(q, k_cache, v_cache, tables, token_seq, positions))
+
+
+# the tensor-core kernel at awkward shapes: one token, chunks that straddle the 16-token tile
+# and the page, a cached prefix before the chunk, one KV head, GQA groups of 2, 4 and 8
+# (8 takes two blocks of 4 heads), head dims 64 and 128
+TC_CASES = [(H, Hkv, D, P, chunks)
+            for H, Hkv, D in [(1, 1, 64), (4, 2, 64), (8, 2, 128), (8, 1, 64), (2, 1, 128)]
+            for P, chunks in [(16, [(0, 1)]), (16, [(0, 17), (5, 3), (16, 6)]), (5, [(0, 33), (12, 1), (40, 9)])]
+            if not (D == 128 and P == 5 and H >= 8)]
+
+
+@pytest.mark.parametrize("H,Hkv,D,P,chunks", TC_CASES)
+def test_prefill_attention_tensor_cores_equals_twin(gpu, H, Hkv, D, P, chunks):
+    """Tolerance: the kernel rounds the probabilities to bf16 before P V (the tensor cores take
+    bf16), a relative error of up to 2^-9 per probability that the fp32 twin does not make, on
+    top of the output's own bf16 rounding: outputs agree within 2^-6 relative, plus 1 % of the
+    scale for values that cancel, and at least a third bit for bit."""
+    from stage3_optimized.batch import PREFILL_TILE
+    rng = np.random.default_rng(H * 7 + P + D)
+    lens = [b + n for b, n in chunks]
+    k32, v32, tables, *_ = paged(rng, lens, Hkv, D, P)
+    k_cache, v_cache = bf16_bits(k32), bf16_bits(v32)
+    token_seq = np.concatenate([np.full(n, s) for s, (_, n) in enumerate(chunks)]).astype(np.int32)
+    positions = np.concatenate([np.arange(b, b + n) for b, n in chunks]).astype(np.int32)
+    starts = np.cumsum([0] + [n for _, n in chunks])
+    tiles = [(t, min(PREFILL_TILE, stop - t)) for a, stop in zip(starts[:-1], starts[1:])
+             for t in range(a, stop, PREFILL_TILE)]
+    tile_start = np.array([t for t, _ in tiles], np.int32)
+    tile_count = np.array([c for _, c in tiles], np.int32)
+    q = bf16_random(rng, (len(positions), H, D), 2.0)
+    args = [gpu(q), gpu(k_cache), gpu(v_cache), gpu(tables), gpu(token_seq), gpu(positions)]
+    out = kernels.prefill_attention(*args, gpu(tile_start), gpu(tile_count)).get()
+    expect = ops.prefill_attention(q, k_cache, v_cache, tables, token_seq, positions)
+    g, e = f32(out), f32(expect)
+    np.testing.assert_allclose(g, e, rtol=2 ** -6, atol=1e-2 * float(np.abs(e).max()))
+    assert float(np.mean(out == expect)) >= 0.33
+    # and the plain kernel it replaces agrees with the same twin more tightly
+    plain = kernels.prefill_attention(*args, gpu(tile_start), gpu(tile_count), tensor_cores=False).get()
+    assert_bf16_close(plain, expect)
 
 
 def test_engine_on_emulated_kernels_equals_engine_on_twins(gpu, monkeypatch):
