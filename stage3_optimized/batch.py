@@ -2,7 +2,9 @@
 
 Changed from stage 2: the prefill tokens are also cut into tiles of up to 16
 consecutive tokens of one sequence (`tile_start`, `tile_count`), the unit of work of
-the tensor-core prefill kernel (cuda/prefill_attention_tc.cu). A sequence with a
+the tensor-core prefill kernel (cuda/prefill_attention_tc.cu), and the longest context
+stays a host int (`max_context`): stage 2 read it back from the device, a sync per
+step. A sequence with a
 prefix-cache hit simply starts at num_computed > 0, like the next chunk of a
 chunked prefill.
 
@@ -39,6 +41,8 @@ class BatchInfo:
     tile_start: np.ndarray        # [n_tiles] int32  first token of each prefill tile, counted from
                                   #             the first prefill token (the batch's num_decode-th)
     tile_count: np.ndarray        # [n_tiles] int32  its tokens (1..16), all of one sequence
+    max_context: int = 0          # max(context_lens), kept on the host: sizing a launch grid or
+                                  #             checking max_ctx from it needs no device-to-host copy
 
     @property
     def num_tokens(self) -> int:
@@ -98,5 +102,6 @@ def build_batch(seqs: list[Sequence], num_tokens: list[int],
         logits_rows=np.array(logits_rows, dtype=np.int32),
         tile_start=np.array(tile_start, dtype=np.int32),
         tile_count=np.array(tile_count, dtype=np.int32),
+        max_context=max(seq.num_computed + n for seq, n in zip(seqs, counts)),
     )
     return seqs, np.array(tokens, dtype=np.int32), info

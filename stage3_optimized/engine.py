@@ -87,6 +87,7 @@ class LLMEngine:
         self.num_prefill_tokens = self.num_decode_tokens = 0
         self.forward_s = 0.0
         self.cached_tokens: OrderedDict[str, int] = OrderedDict()   # request id -> prompt tokens hit
+        self.device_sampling = True                  # False: every row to the host Sampler (stage 2's way)
 
     def _pool_pages(self, num_pages: int | None, kv_memory: int | None) -> int:
         """Pages in the pool: given, or what kv_memory bytes hold, or most of the free GPU memory
@@ -195,21 +196,32 @@ class LLMEngine:
 
     def _sample(self, seqs: list[Sequence], logits) -> list[int]:
         """The next token of each sequence from its logits row [S', V].
-        Greedy requests without penalties need only the argmax: it is taken on the device
-        and S' ids cross to the host instead of S' * V logits. Every other request copies its
-        row to the host and runs its own Sampler (common/sampling.py), as stage 1 does."""
-        plain = [s.req.params.temperature == 0 and s.req.params.repetition_penalty == 1.0
-                 and not s.req.params.presence_penalty and not s.req.params.frequency_penalty
-                 for s in seqs]
+        Changed from stage 2: requests without penalties or min_p are sampled on the device
+        (kernels.sample: greedy, temperature, top-k, top-p), so S' ids cross to the host
+        instead of S' * V logits. Each request's uniform number comes from its own seeded
+        generator, the one its host Sampler would use: numpy's choice(p=...) draws one
+        uniform and takes the first token whose running sum passes it, which is what the
+        kernel does, so a seed picks the same tokens on both paths (up to fp32 rounding at a
+        boundary). Requests with penalties or min_p copy their row to the host and run
+        their own Sampler (common/sampling.py), as in stage 2."""
+        xp = self.xp
+        plain = [s.req.params.repetition_penalty == 1.0 and not s.req.params.presence_penalty
+                 and not s.req.params.frequency_penalty and not s.req.params.min_p for s in seqs]
         tokens = [0] * len(seqs)
-        if any(plain):
-            rows = [i for i, p in enumerate(plain) if p]
-            ids = kernels.to_host(self.xp.argmax(logits[self.xp.asarray(rows)], axis=-1))
+        rows = [i for i, p in enumerate(plain) if p]
+        if rows and self.device_sampling:
+            ps = [seqs[i].req.params for i in rows]
+            # greedy rows draw nothing: their generators stay where the host path leaves them
+            u = [0.0 if p.temperature == 0 else seqs[i].sampler.rng.random() for i, p in zip(rows, ps)]
+            f32 = lambda v: xp.asarray(np.array(v, dtype=np.float32))   # noqa: E731
+            ids = kernels.to_host(kernels.sample(
+                logits[xp.asarray(rows)], f32([p.temperature for p in ps]),
+                xp.asarray(np.array([p.top_k for p in ps], dtype=np.int32)), f32([p.top_p for p in ps]), f32(u)))
             for i, t in zip(rows, ids.tolist()):
                 tokens[i] = int(t)
-        rest = [i for i, p in enumerate(plain) if not p]
+        rest = [i for i, p in enumerate(plain) if not (p and self.device_sampling)]
         if rest:
-            host = kernels.to_host(logits[self.xp.asarray(rest)])         # [S'', V]
+            host = kernels.to_host(logits[xp.asarray(rest)])             # [S'', V]
             for row, i in zip(host, rest):
                 s = seqs[i]
                 tokens[i] = s.sampler(row, s.prompt_ids, s.output_ids)

@@ -172,11 +172,14 @@ def qk_norm_rope_store(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_map
 SPLIT_LEN = 512
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, split_len: int = 0):
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, split_len: int = 0,
+                           max_len: int | None = None):
     """q [S, H, D] bf16 (one query per sequence), pages [NB, P, Hkv, D] bf16,
     block_tables [S, max_blocks], context_lens [S] -> [S, H, D] bf16.
     Two launches: the split kernel (one block per sequence, kv head and split) and the merge.
-    split_len: positions per split (default SPLIT_LEN; the tests use small ones)."""
+    split_len: positions per split (default SPLIT_LEN; the tests use small ones).
+    max_len: an upper bound of context_lens known on the host (BatchInfo.max_context), which
+    sizes the grid without a device-to-host copy; without it the lengths are read back."""
     if not _on_gpu(q):
         return ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens)
     import cupy
@@ -190,7 +193,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, spli
         return out
     block_tables, context_lens = _i32(block_tables), _i32(context_lens)
     split_len = split_len or SPLIT_LEN
-    max_len = int(context_lens.max())                # one small copy to size the grid
+    if max_len is None:
+        max_len = int(context_lens.max())            # one small copy (and a sync) to size the grid
     splits = (max_len + split_len - 1) // split_len
     part_out = cupy.empty((S, H, splits, D), dtype=cupy.float32)
     part_ml = cupy.empty((S, H, splits, 2), dtype=cupy.float32)

@@ -48,8 +48,8 @@ class Model:
         cfg, w, K = self.config, self.w, self.k
         N = len(tokens)
         H, Hkv, D, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
-        if int(batch.context_lens.max()) > self.max_ctx:
-            raise ValueError(f"positions up to {int(batch.context_lens.max())} exceed the context "
+        if batch.max_context > self.max_ctx:
+            raise ValueError(f"positions up to {batch.max_context} exceed the context "
                              f"({self.max_ctx}); raise --max-ctx")
         # each token rotates by its own position: gather one table row per token
         cos = self.cos[batch.positions]                        # [N, D/2]
@@ -96,7 +96,8 @@ class Model:
         att = self.xp.empty_like(q)                            # [N, H, D] bf16
         if d:
             att[:d] = K.paged_decode_attention(q[:d], keys, values,
-                                               batch.block_tables[:d], batch.context_lens[:d])
+                                               batch.block_tables[:d], batch.context_lens[:d],
+                                               max_len=batch.max_context)
         if d < q.shape[0]:
             att[d:] = K.prefill_attention(q[d:], keys, values, batch.block_tables,
                                           batch.token_seq[d:], batch.positions[d:],

@@ -165,3 +165,31 @@ def test_eviction_under_memory_pressure_leaks_nothing_and_keeps_tokens():
     assert eng.block_manager.num_hit_tokens > 0 and eng.num_preemptions > 0
     assert eng.block_manager.cached_free                              # cached pages survive the end ...
     assert sum(eng.block_manager.ref_count) == 0                      # ... held by nobody
+
+
+def test_device_sampling_picks_the_host_samplers_tokens_for_a_seed():
+    """Temperature / top-k / top-p rows go through kernels.sample (here its twin) with a uniform
+    number from each request's own seeded generator; the host Sampler (stage 2's path) with the
+    same seed must pick the same tokens. A penalty row stays on the host either way."""
+    folder = make_model("qwen3")
+
+    def run(device_sampling: bool):
+        eng = engine(folder)
+        eng.device_sampling = device_sampling
+        params = [SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=1, max_tokens=8, ignore_eos=True),
+                  SamplingParams(temperature=1.2, seed=2, max_tokens=8, ignore_eos=True),
+                  SamplingParams(temperature=0.7, top_p=0.5, seed=3, max_tokens=8, ignore_eos=True),
+                  SamplingParams(temperature=0.8, repetition_penalty=1.3, seed=4, max_tokens=8, ignore_eos=True),
+                  SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)]
+        for i, p in enumerate(params):
+            eng.add_request(Request(str(i), PROMPT[: 5 + i], p))
+        out = {str(i): [] for i in range(len(params))}
+        while eng.has_work():
+            for ev in eng.step():
+                out[ev.request_id].append(ev.token_id)
+        return out
+
+    device, host = run(True), run(False)
+    assert device == host
+    greedy = run(True)["4"]
+    assert device["4"] == greedy and len(set(device["1"])) > 3      # a real draw, not a repeated argmax
