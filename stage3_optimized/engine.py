@@ -155,11 +155,11 @@ class LLMEngine:
         if not scheduled.seqs:
             return events
         seqs, tokens, batch = build_batch(scheduled.seqs, scheduled.num_tokens, self.page_size)
-        for seq in seqs:
-            if seq.id not in self.cached_tokens and seq.num_preemptions == 0:
+        for seq in seqs:                                 # what each request found cached (its first admission)
+            if seq.num_preemptions == 0:
                 self.cached_tokens[seq.id] = seq.num_cached_tokens
-                if len(self.cached_tokens) > 4096:
-                    self.cached_tokens.popitem(last=False)
+        while len(self.cached_tokens) > 4096:
+            self.cached_tokens.popitem(last=False)
 
         # one forward pass for everybody; logits come back only for the sequences that sample
         t0 = time.perf_counter()

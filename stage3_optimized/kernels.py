@@ -228,7 +228,7 @@ def prefill_attention(q, k_cache, v_cache, block_tables, token_seq, positions,
         return out
     block_tables = _i32(block_tables)
     scale = np.float32(1.0 / np.sqrt(D))
-    if tensor_cores and tile_start is not None and D % 16 == 0 and D <= TC_MAX_HEAD_DIM:
+    if tensor_cores and tile_start is not None and D % 16 == 0 and D <= TC_MAX_HEAD_DIM and _tc_available():
         G = H // Hkv
         warps = min(G, TC_WARPS)                     # query heads per block (WARPS in the .cu)
         _kernel("prefill_attention_tc")(
@@ -244,6 +244,21 @@ def prefill_attention(q, k_cache, v_cache, block_tables, token_seq, positions,
          np.int32(N), np.int32(H), np.int32(Hkv), np.int32(D), np.int32(P),
          np.int32(block_tables.shape[1]), scale))
     return out
+
+
+@functools.cache
+def _tc_available() -> bool:
+    """Whether the tensor-core kernel compiles here. It includes <mma.h> and <cuda_bf16.h>,
+    which NVRTC finds only through the CUDA headers CuPy is given; without them the plain
+    kernel runs (said once), so a missing header costs speed, not the engine."""
+    try:
+        _kernel("prefill_attention_tc")
+        return True
+    except Exception as e:  # cupy's CompileException, or a missing toolkit
+        import warnings
+        warnings.warn(f"the tensor-core prefill kernel does not compile here ({type(e).__name__}: "
+                      f"{str(e)[:200]}); using the plain prefill kernel")
+        return False
 
 
 def swiglu(gate_up):
