@@ -44,6 +44,7 @@ CUDA_R_32F, CUDA_R_16BF = 0, 14
 CUBLAS_COMPUTE_32F = 68
 CUBLAS_GEMM_DEFAULT = -1
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
+CUBLAS_POINTER_MODE_HOST = 0
 
 
 @functools.cache
@@ -105,7 +106,8 @@ def linear(x, w, out_f32: bool = False):
         return out
     handle = cupy.cuda.device.get_cublas_handle()
     cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
-    one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)   # alpha, beta on the host
+    cublas.setPointerMode(handle, CUBLAS_POINTER_MODE_HOST)        # alpha and beta are host floats:
+    one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)   # (fp32, the compute type's scalars)
     cublas.gemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, M, N, K,
                   one.ctypes.data, _ptr(w), CUDA_R_16BF, K,
                   _ptr(x), CUDA_R_16BF, K,

@@ -196,6 +196,7 @@ def gpu(emulated, monkeypatch):
     cublas = types.ModuleType("cupy.cuda.cublas")
     cublas.gemmEx = fake_gemm_ex
     cublas.setStream = lambda handle, stream: None
+    cublas.setPointerMode = lambda handle, mode: None
     cuda = types.ModuleType("cupy.cuda")
     cuda.cublas = cublas
     cuda.device = types.SimpleNamespace(get_cublas_handle=lambda: 0)
