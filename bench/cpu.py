@@ -243,10 +243,11 @@ def prepare_models(shape: Shape, cache: Path, log=print) -> dict:
 class Stage1Runner:
     """Stage 1 through the Engine protocol, exactly as the chat and the server use it."""
 
-    def __init__(self, folder: str, fmt: str, threads: int, max_ctx: int):
+    def __init__(self, folder: str, fmt: str, threads: int, max_ctx: int, kernels: str = "auto"):
         from stage1_cpu.engine import LLMEngine
         quant = {"fp32": "none"}.get(fmt, fmt)
-        self.engine = LLMEngine(folder, quant=quant, threads=threads, max_ctx=max_ctx, progress=False)
+        self.engine = LLMEngine(folder, quant=quant, threads=threads, max_ctx=max_ctx, progress=False,
+                                kernels=kernels)
         self.count = 0
 
     def set_threads(self, n: int) -> None:
@@ -462,7 +463,7 @@ def save_check_logits(runner, spec: dict) -> str:
 
 def make_runner(spec: dict, threads: int, check: bool = False):
     if spec["engine"] == "stage1":
-        return Stage1Runner(spec["path"], spec["fmt"], threads, spec["max_ctx"])
+        return Stage1Runner(spec["path"], spec["fmt"], threads, spec["max_ctx"], spec.get("kernels", "auto"))
     if spec["engine"] == "llama.cpp":
         return LlamaCppRunner(spec["path"], threads, spec["max_ctx"], logits_all=check)
     if spec["engine"] == "read only":
@@ -515,7 +516,7 @@ def run_all(args, shape: Shape, paths: dict, log) -> tuple[list[Row], dict]:
     threads = args.threads
     base = dict(vocab=shape.vocab_size, max_ctx=1024, threads=threads, prompt_lens=args.prompt_lens,
                 decode_tokens=args.decode_tokens, runs=args.runs, min_runs=min(2, args.runs),
-                cell_seconds=args.cell_seconds)
+                cell_seconds=args.cell_seconds, kernels=args.kernels)
     tmp = Path(tempfile.mkdtemp(prefix="bench-cpu-"))
     check_ids = prompt_ids(shape.vocab_size, CHECK_TOKENS, seed=7)
     jobs: list[tuple[str, str, str, int | None, dict]] = []
@@ -578,7 +579,7 @@ def llama_cpp_installed() -> bool:
 
 def report(args, shape: Shape, rows: list[Row], bw: dict, check: dict, loads: tuple[float, float, float]) -> str:
     """The whole result as markdown: machine, bandwidth, one table, ratios, napkin maths."""
-    from stage1_cpu import simd              # what this CPU lets stage 1 round its activations to
+    from stage1_cpu.fast import cpu          # what this CPU lets stage 1's fast path use
     out = [f"## CPU benchmark: {shape.name} ({'quick' if args.quick else 'full'})", "",
            f"- machine: {machine_description()}",
            "- command: `" + " ".join(["python -m bench.cpu", *args.argv]) + "`",
@@ -593,9 +594,10 @@ def report(args, shape: Shape, rows: list[Row], bw: dict, check: dict, loads: tu
                        f"({bw['start']['read'][n]:.1f} / {bw['end']['read'][n]:.1f})" for n in args.threads)
            + f"; numpy copy (1 thread, read+write) {bw['copy']:.1f} GB/s",
            f"- OMP_WAIT_POLICY={args.omp_wait_policy} for every engine",
-           f"- stage 1 activations (--activations auto): int8 at int8 / int4 decode and int16 for their lm_head "
-           f"(AVX-512 VNNI here: {'yes' if simd.VNNI else 'no'}), bf16 at bf16 / int8 / int4 prefill "
-           f"(AVX-512 BF16 here: {'yes' if simd.BF16 else 'no'})",
+           f"- stage 1: --kernels {args.kernels}; the fast path's instructions here ({cpu.target_name()}): "
+           f"{cpu.instructions()}. With --activations auto it rounds activations to int8 at int8 / int4 "
+           f"decode (int16 for their lm_head) where it has an int8 dot product, to bf16 at prefill where "
+           f"it has AVX-512 BF16",
            "- llama.cpp files: the same weights, every matrix in BF16 / Q8_0 / Q4_0, except that the Q4_0 "
            "file keeps the tied token_embd (the lm_head) in Q8_0, as stage 1's int4 keeps it in int8",
            f"- medians of up to {args.runs} run{'s' * (args.runs > 1)}; prefill = prompt tokens ÷ time to the first token; decode = "
@@ -723,6 +725,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--omp-wait-policy", default="PASSIVE", choices=["PASSIVE", "ACTIVE", "default"],
                    help="OMP_WAIT_POLICY for every engine (default PASSIVE: fair to a shared machine; llama.cpp "
                         "and numba's OpenMP threads spin between ops with ACTIVE, faster on an idle machine)")
+    p.add_argument("--kernels", default="auto", choices=["auto", "plain", "fast"],
+                   help="stage 1's kernels: plain (the portable core) or fast (stage1_cpu/fast/); default auto")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.argv = argv

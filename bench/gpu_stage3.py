@@ -1,10 +1,13 @@
 """python -m bench.gpu_stage3 [--out DIR] [--quick]: stage 3 on a GPU, the steps bench/gpu.py lacks.
 
-Each step runs in its own subprocess (as in bench/gpu.py: a crash or a timeout loses
-one cell, never the table). bench/gpu.py can call `STEPS` / `run_steps()` from here
-to add these rows to its own run; alone, this module writes gpu_stage3.md / .json.
+bench/gpu.py already runs stage 3 on the full workload and the subset (it finds every
+GPU stage); these are the stage-3 figures it does not measure. Each step runs in its own
+subprocess (a crash or a timeout loses one cell, never the table); bench/gpu.py or
+gpu_check.sh can call `run_steps()` / `table()` or `python -m bench.gpu_stage3`, which
+writes gpu_stage3.md / .json.
 
-  model        the Qwen3-0.6B-shaped random model (bench/gpu.py's step, reused)
+  model        the Qwen3-0.6B-shaped random model (as bench/gpu.py's setup writes it)
+  bandwidth    bench/gpu.py's device-to-device copy: the HBM bandwidth the roofline uses
   s3_ours      stage 3 on nano-vllm's workload (256 sequences, lengths 100..1024, greedy,
                EOS ignored): output tok/s, the number to compare with stage 2's "ours"
   s3_b1        stage 3, one sequence, 0.6B shape: decode tok/s and % of the HBM roofline
@@ -33,13 +36,32 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.gpu import QWEN3_06B, step_bandwidth, step_model, workload  # noqa: E402
+from bench.gpu import QWEN3_06B, bandwidth, workload  # noqa: E402
 
 QWEN3_8B_4L = dict(QWEN3_06B, hidden_size=4096, intermediate_size=12288, num_hidden_layers=4,
                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
 STEPS = {"model": 150, "bandwidth": 40, "s3_b1": 60, "model_8b": 120, "s3_b1_8b": 60, "s3_attn": 60,
          "s3_prefix": 90, "s3_ours": 240}
 DEVICE = os.environ.get("BENCH_GPU_DEVICE", "cuda")     # cpu: a smoke test of this script on the twins
+
+
+def step_model(args) -> dict:
+    """The Qwen3-0.6B-shaped random model (bench/gpu.py's setup writes the same one)."""
+    import torch
+    import transformers as tf
+    folder = Path(args.workdir) / "qwen3-0.6b-random"
+    if (folder / "config.json").is_file():
+        return {"folder": str(folder), "reused": True}
+    torch.manual_seed(0)
+    with torch.device("cuda" if DEVICE == "cuda" else "cpu"):
+        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**QWEN3_06B)).to(torch.bfloat16)
+    model.save_pretrained(folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
+    return {"folder": str(folder)}
+
+
+def step_bandwidth(args) -> dict:
+    return bandwidth(DEVICE)
 
 
 def _sync():
@@ -283,8 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.num_seqs = min(args.num_seqs, 32)
     if args.run:                                       # a worker: one step, its JSON
-        fn = {"model": step_model, "bandwidth": step_bandwidth}.get(args.run) or globals()[f"step_{args.run}"]
-        result = fn(args)
+        result = globals()[f"step_{args.run}"](args)
         (Path(args.workdir) / f"{args.run}.json").write_text(json.dumps(result))
         print(json.dumps(result))
         return 0

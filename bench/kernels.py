@@ -33,8 +33,8 @@ from numba import njit, prange
 
 from stage1_cpu import kernels
 from stage1_cpu.quant import Weight
-from stage1_cpu.quant import quantize as quantize_weight
-from stage1_cpu.weights import choose_act
+from stage1_cpu.fast import choose_act
+from stage1_cpu.fast import fast_quantize as quantize_weight
 
 # (out, in) of each matmul of one Qwen3-0.6B layer (q/k/v and gate/up stacked, as stage 1 does):
 # C=1024, H*D=2048, Hkv*D=1024, F=3072
@@ -98,7 +98,7 @@ def main() -> None:
     ap.add_argument("--no-lm-head", action="store_true", help="skip the 600 MB lm_head shape")
     ap.add_argument("--activations", choices=("fp32", "auto"), default="fp32",
                     help="fp32: the float kernels; auto: what the engine uses on this CPU (int8 decode "
-                         "activations for int8 / int4, bf16 prefill; stage1_cpu/simd.py)")
+                         "activations for int8 / int4, bf16 prefill; stage1_cpu/fast/simd.py)")
     args = ap.parse_args()
 
     def quantize(w, fmt, gs):          # the lm_head is the only [151936, C] matrix: its own activations

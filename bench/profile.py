@@ -10,7 +10,7 @@ Uses the benchmark's Qwen3-0.6B-shape model (built by `python -m bench cpu` into
 or T tokens from position 0 (prefill). "python" is what is left: the forward
 pass's own Python, array slicing and allocation. The wrappers cost ~1 us per call.
 A decode step of a dense model normally runs in one parallel region
-(stage1_cpu/decode_step.py), which has no ops to wrap: it is first timed whole,
+(stage1_cpu/fast/decode_step.py), which has no ops to wrap: it is first timed whole,
 alternating token by token with the per-op path (which computes the same logits),
 then the per-op path is timed op by op.
 
@@ -40,6 +40,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="model folder (default: the benchmark's 0.6B-shape model)")
     ap.add_argument("--quant", default="int4", choices=("none", "bf16", "int8", "int4"))
     ap.add_argument("--activations", default="auto", choices=("auto", "int8", "fp32"))
+    ap.add_argument("--kernels", default="auto", choices=("auto", "plain", "fast"))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=1, help="tokens per forward pass: 1 = decode")
     ap.add_argument("--steps", type=int, default=20, help="forward passes timed (after a warm-up)")
@@ -55,7 +56,7 @@ def main() -> None:
     if not (folder / "config.json").exists():
         raise SystemExit(f"no model at {folder}: run `python -m bench cpu` once to build it, or pass --model")
     engine = LLMEngine(folder, quant=args.quant, threads=args.threads, max_ctx=2048, progress=False,
-                       activations=args.activations)
+                       kernels=args.kernels, activations=args.activations)
     model = engine.model
 
     spent: dict[str, float] = collections.defaultdict(float)
@@ -144,8 +145,8 @@ def _read_only_kernels():
     import numba
     from numba import prange
 
-    from stage1_cpu import sync
-    from stage1_cpu.decode_step import PHASES, _items
+    from stage1_cpu.fast import sync
+    from stage1_cpu.fast.decode_step import PHASES, _items
 
     @numba.njit(inline="always")
     def read_words(a, lo, hi):                        # sum of a[lo:hi], uint64 words: one add per 8 bytes
@@ -212,7 +213,7 @@ def against_bandwidth(model, weight_bytes: int, args) -> None:
     from numba.typed import List
 
     from bench.common import BandwidthProbe
-    from stage1_cpu import sync
+    from stage1_cpu.fast import sync
 
     ds = model.decode_step
     words_of = lambda arrays: _typed([np.asarray(a).view(np.uint8)[: a.nbytes // 8 * 8].view(np.uint64)

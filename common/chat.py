@@ -462,6 +462,23 @@ def run_chat(engine, tokenizer, template, params: SamplingParams | None = None, 
     return 0
 
 
+def _warm_up(engine, console, interactive: bool) -> None:
+    """A cold start compiles the engine's kernels (stage 1: numba) before the first token:
+    do it now, saying so, instead of as a long silent wait after the first question."""
+    if not hasattr(engine, "warm_up") or not engine.kernels_cold():
+        return
+    note = "compiling kernels, first run only …"
+    if interactive and hasattr(console, "_live_stack"):
+        with console.status(note, spinner="dots"):
+            took = engine.warm_up()
+    else:
+        console.print(note, style="dim", markup=False, highlight=False) if interactive else None
+        took = engine.warm_up()
+    if took is not None:
+        console.print(f"compiled kernels in {took:.1f} s (cached for the next runs)",
+                      style="dim", markup=False, highlight=False)
+
+
 def describe_sampling(p: SamplingParams) -> str:
     """The sampling settings in a few words, for the banner (so nothing is hidden)."""
     if p.temperature == 0:
@@ -576,9 +593,12 @@ def _load_and_chat(build_engine: Callable, args: argparse.Namespace, describe: C
             engine = build_engine(folder, args)
     except (OSError, ValueError, RuntimeError, MemoryError) as e:
         return fail(str(e))
+    if hasattr(engine, "describe_kernels"):          # which kernels / instructions the engine chose
+        label = " · ".join(x for x in (label, engine.describe_kernels()) if x)
     banner = " · ".join(x for x in (folder.name, label, f"context {engine.max_ctx} tokens") if x)
     if not interactive:
         err.print(f"loaded {banner} in {time.perf_counter() - t0:.1f} s", markup=False, highlight=False)
+    _warm_up(engine, shared if interactive else err, interactive)
 
     show_prompt = args.show_prompt or os.environ.get(SHOW_PROMPT_ENV, "") not in ("", "0")
     return run_chat(engine, tokenizer, template, params, system=args.system, thinking=args.think == "on",

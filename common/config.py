@@ -1,12 +1,17 @@
 """ModelConfig: the numbers a stage needs, read from a model folder's config.json.
 
-Three families share one dataclass:
+Five families share one dataclass:
   qwen3      Qwen3ForCausalLM      per-head RMSNorm on q and k before RoPE
   qwen3_moe  Qwen3MoeForCausalLM   the same attention, a routed MoE MLP
-  llama      LlamaForCausalLM      no q/k norm (SmolLM2, DeepSeek's dense layout)
+  llama      LlamaForCausalLM      no q/k norm (SmolLM2, DeepSeek's dense layout,
+                                   DeepSeek-R1-Distill-Llama with Llama 3 RoPE scaling)
+  qwen2      Qwen2ForCausalLM      no q/k norm, biases on q, k and v
+                                   (DeepSeek-R1-Distill-Qwen)
+  qwen2_moe  Qwen2MoeForCausalLM   qwen2's attention, routed experts plus a shared
+                                   expert behind a sigmoid gate (Qwen1.5-MoE, Qwen2-MoE)
 
-Real checkpoints use transformers 4.x keys (rope_theta, num_experts); models
-saved by transformers 5.x use rope_parameters and num_local_experts. Both work.
+Real checkpoints use transformers 4.x keys (rope_theta, rope_scaling, num_experts);
+models saved by transformers 5.x use rope_parameters and num_local_experts. Both work.
 """
 from __future__ import annotations
 
@@ -18,16 +23,32 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
 }
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
 
 
 class ConfigError(ValueError):
     """A config.json this engine cannot run; the message says which key and why."""
 
 
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3's RoPE scaling (rope_type "llama3", Llama 3.1 and DeepSeek-R1-Distill-Llama).
+    Wavelengths longer than original_max_position_embeddings / low_freq_factor are
+    stretched by `factor`, those shorter than original_max_position_embeddings /
+    high_freq_factor are kept, and the band between is blended smoothly
+    (ops.llama3_inv_freq has the formula)."""
+    factor: float                           # how much longer the context is than in pretraining
+    low_freq_factor: float                  # the low end of the blended band
+    high_freq_factor: float                 # the high end (> low_freq_factor)
+    original_max_position_embeddings: int   # the pretraining context length
+
+
 @dataclass
 class ModelConfig:
-    family: str                  # "qwen3" | "qwen3_moe" | "llama"
+    family: str                  # "qwen3" | "qwen3_moe" | "llama" | "qwen2" | "qwen2_moe"
     vocab_size: int              # V
     hidden_size: int             # C
     intermediate_size: int       # F, the dense MLP width
@@ -36,23 +57,27 @@ class ModelConfig:
     num_kv_heads: int            # Hkv key/value heads (GQA: H % Hkv == 0)
     head_dim: int                # D
     rope_theta: float = 10000.0  # RoPE base
+    rope_scaling: RopeScaling | None = None   # Llama 3's frequency scaling; None: plain RoPE
+    qkv_bias: bool = False       # q_proj, k_proj, v_proj add a bias (qwen2, qwen2_moe)
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False   # lm_head reuses embed_tokens
     max_position_embeddings: int = 32768
-    # --- mixture of experts (qwen3_moe only) ---
+    # --- mixture of experts (qwen3_moe, qwen2_moe) ---
     num_experts: int = 0         # E routed experts per MoE layer (0: dense model)
     num_experts_per_tok: int = 0 # k experts chosen per token
     moe_intermediate_size: int = 0   # width of one expert's MLP
     norm_topk_prob: bool = False # renormalise the k chosen router weights to sum to 1
     decoder_sparse_step: int = 1 # every n-th layer is MoE ...
     mlp_only_layers: list[int] = field(default_factory=list)  # ... except these, which stay dense
+    shared_expert_intermediate_size: int = 0  # qwen2_moe: width of the shared expert every token goes through
     # --- special tokens ---
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         if self.family not in ARCHITECTURES.values():
-            raise ConfigError(f"unknown model family {self.family!r}; supported: qwen3, qwen3_moe, llama")
+            raise ConfigError(f"unknown model family {self.family!r}; supported: "
+                              + ", ".join(ARCHITECTURES.values()))
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
@@ -61,19 +86,39 @@ class ModelConfig:
                               f"num_key_value_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for rotate-half RoPE, got {self.head_dim}")
-        if self.family == "qwen3_moe" and not (0 < self.num_experts_per_tok <= self.num_experts):
+        if self.family in MOE_FAMILIES and not (0 < self.num_experts_per_tok <= self.num_experts):
             raise ConfigError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts "
                               f"({self.num_experts})")
+        if self.family in MOE_FAMILIES and self.moe_intermediate_size <= 0:
+            raise ConfigError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
+        if self.family == "qwen2_moe" and self.shared_expert_intermediate_size <= 0:
+            raise ConfigError("qwen2_moe needs shared_expert_intermediate_size > 0 (the shared expert's "
+                              f"width), got {self.shared_expert_intermediate_size}")
+        if self.decoder_sparse_step <= 0:
+            raise ConfigError(f"decoder_sparse_step must be positive, got {self.decoder_sparse_step}")
+        r = self.rope_scaling
+        if r is not None:
+            if r.factor <= 0 or r.low_freq_factor <= 0 or r.original_max_position_embeddings <= 0:
+                raise ConfigError(f"llama3 rope scaling needs factor, low_freq_factor and "
+                                  f"original_max_position_embeddings > 0, got {r}")
+            if r.high_freq_factor <= r.low_freq_factor:
+                raise ConfigError(f"llama3 rope scaling needs high_freq_factor ({r.high_freq_factor}) > "
+                                  f"low_freq_factor ({r.low_freq_factor}): the blend divides by their difference")
 
     @property
     def qk_norm(self) -> bool:
-        """Qwen3 normalises each q and k head with RMSNorm before RoPE; Llama does not."""
-        return self.family != "llama"
+        """Qwen3 normalises each q and k head with RMSNorm before RoPE; Llama and Qwen2 do not."""
+        return self.family in ("qwen3", "qwen3_moe")
+
+    @property
+    def is_moe(self) -> bool:
+        """A family with routed experts (some of its layers may still be dense)."""
+        return self.family in MOE_FAMILIES
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Qwen3-MoE's rule: layer i is sparse unless listed in mlp_only_layers,
-        and only every decoder_sparse_step-th layer is."""
-        return (self.family == "qwen3_moe" and self.num_experts > 0
+        """Qwen3-MoE's and Qwen2-MoE's rule: layer i is sparse unless listed in
+        mlp_only_layers, and only every decoder_sparse_step-th layer is."""
+        return (self.is_moe and self.num_experts > 0
                 and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
 
@@ -81,7 +126,7 @@ class ModelConfig:
     def from_dict(cls, d: dict) -> "ModelConfig":
         arch = (d.get("architectures") or [None])[0]
         if arch is None:
-            family = {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "llama": "llama"}.get(d.get("model_type"))
+            family = d.get("model_type") if d.get("model_type") in ARCHITECTURES.values() else None
             if family is None:
                 raise ConfigError("config.json has no 'architectures' and an unknown 'model_type' "
                                   f"({d.get('model_type')!r}); supported: " + ", ".join(ARCHITECTURES))
@@ -95,25 +140,45 @@ class ModelConfig:
                 raise ConfigError(f"config.json is missing the key {key!r} (needed for {family})")
             return d[key]
 
-        if d.get("attention_bias"):
-            raise ConfigError("attention_bias=true is not supported (Qwen3 and Llama checkpoints have no bias)")
+        if family in ("qwen3", "qwen3_moe", "llama") and d.get("attention_bias"):
+            raise ConfigError(f"attention_bias=true is not supported for {family} (its checkpoints have no "
+                              "bias; only qwen2 and qwen2_moe have q/k/v biases)")
+        if d.get("mlp_bias"):
+            raise ConfigError("mlp_bias=true is not supported (the MLP projections have no bias)")
+        if d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or []):
+            raise ConfigError("sliding-window attention (use_sliding_window=true) is not supported; "
+                              "every layer must attend over the whole context")
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"hidden_act {act!r} is not supported; only 'silu' (SwiGLU)")
-        scaling = d.get("rope_scaling") or {}
-        rope_params = d.get("rope_parameters") or {}
-        rope_type = scaling.get("rope_type", scaling.get("type")) or rope_params.get("rope_type", "default")
-        if rope_type not in ("default", None):
-            raise ConfigError(f"rope type {rope_type!r} is not supported; only the default RoPE")
-        # transformers 4.x: rope_theta at top level; 5.x: inside rope_parameters
-        theta = d.get("rope_theta", rope_params.get("rope_theta"))
+        # transformers 4.x: rope_theta at top level and rope_scaling (or null);
+        # 5.x: rope_parameters holds rope_theta, rope_type and the scaling's numbers
+        params, scaling_4x = d.get("rope_parameters") or {}, d.get("rope_scaling") or {}
+        rope = {**params, **scaling_4x}
+        rope_type = (scaling_4x.get("rope_type") or scaling_4x.get("type")
+                     or params.get("rope_type") or params.get("type") or "default")
+        if rope_type not in ("default", "llama3"):
+            raise ConfigError(f"rope type {rope_type!r} is not supported; only the default RoPE and "
+                              "'llama3' (Llama 3 / DeepSeek-R1-Distill-Llama scaling)")
+        if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ConfigError("partial_rotary_factor != 1 is not supported: RoPE must rotate the whole head")
+        scaling = None
+        if rope_type == "llama3":
+            missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                   "original_max_position_embeddings") if rope.get(k) is None]
+            if missing:
+                raise ConfigError(f"rope type 'llama3' needs {', '.join(missing)} in 'rope_scaling' "
+                                  "(or 'rope_parameters')")
+            scaling = RopeScaling(float(rope["factor"]), float(rope["low_freq_factor"]),
+                                  float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
+        theta = d.get("rope_theta", rope.get("rope_theta"))
         if theta is None:
             raise ConfigError("config.json is missing the key 'rope_theta' (or 'rope_parameters.rope_theta')")
 
         hidden, heads = need("hidden_size"), need("num_attention_heads")
         eos = d.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        moe = family == "qwen3_moe"
+        moe = family in MOE_FAMILIES
         experts = d.get("num_experts", d.get("num_local_experts")) if moe else 0
         if moe and experts is None:
             raise ConfigError("config.json is missing the key 'num_experts' (or 'num_local_experts')")
@@ -127,6 +192,9 @@ class ModelConfig:
             num_kv_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or hidden // heads,
             rope_theta=float(theta),
+            rope_scaling=scaling,
+            # Qwen2 always has q/k/v biases; Qwen2-MoE has them unless qkv_bias says otherwise
+            qkv_bias=family == "qwen2" or (family == "qwen2_moe" and bool(d.get("qkv_bias", True))),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
@@ -136,6 +204,8 @@ class ModelConfig:
             norm_topk_prob=bool(d.get("norm_topk_prob", False)),
             decoder_sparse_step=int(d.get("decoder_sparse_step", 1) or 1),
             mlp_only_layers=list(d.get("mlp_only_layers") or []),
+            shared_expert_intermediate_size=(int(need("shared_expert_intermediate_size"))
+                                             if family == "qwen2_moe" else 0),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

@@ -33,6 +33,9 @@ LAYER_NAMES = {
     "wk": "model.layers.{i}.self_attn.k_proj.weight",                 # [Hkv*D, C]
     "wv": "model.layers.{i}.self_attn.v_proj.weight",                 # [Hkv*D, C]
     "wo": "model.layers.{i}.self_attn.o_proj.weight",                 # [C, H*D]
+    "bq": "model.layers.{i}.self_attn.q_proj.bias",                   # [H*D]   (qwen2, qwen2_moe)
+    "bk": "model.layers.{i}.self_attn.k_proj.bias",                   # [Hkv*D] (qwen2, qwen2_moe)
+    "bv": "model.layers.{i}.self_attn.v_proj.bias",                   # [Hkv*D] (qwen2, qwen2_moe)
     "q_norm": "model.layers.{i}.self_attn.q_norm.weight",             # [D]   (qwen3 only)
     "k_norm": "model.layers.{i}.self_attn.k_norm.weight",             # [D]   (qwen3 only)
     "mlp_norm": "model.layers.{i}.post_attention_layernorm.weight",   # [C]
@@ -43,6 +46,10 @@ LAYER_NAMES = {
     "e_gate": "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",    # [Fe, C] (MoE only)
     "e_up": "model.layers.{i}.mlp.experts.{e}.up_proj.weight",        # [Fe, C]
     "e_down": "model.layers.{i}.mlp.experts.{e}.down_proj.weight",    # [C, Fe]
+    "s_gate": "model.layers.{i}.mlp.shared_expert.gate_proj.weight",  # [Fs, C] (qwen2_moe only)
+    "s_up": "model.layers.{i}.mlp.shared_expert.up_proj.weight",      # [Fs, C]
+    "s_down": "model.layers.{i}.mlp.shared_expert.down_proj.weight",  # [C, Fs]
+    "shared_gate": "model.layers.{i}.mlp.shared_expert_gate.weight",  # [1, C]  sigmoid gate of the shared expert
 }
 GLOBAL_NAMES = {
     "embed": "model.embed_tokens.weight",   # [V, C]
@@ -185,11 +192,15 @@ class WeightLoader:
         c = self.config
         C, D, V = c.hidden_size, c.head_dim, c.vocab_size
         F, Fe, E = c.intermediate_size, c.moe_intermediate_size, c.num_experts
+        Fs = c.shared_expert_intermediate_size
         return {
             "attn_norm": (C,), "mlp_norm": (C,), "final_norm": (C,), "q_norm": (D,), "k_norm": (D,),
             "wq": (c.num_heads * D, C), "wk": (c.num_kv_heads * D, C), "wv": (c.num_kv_heads * D, C),
-            "wo": (C, c.num_heads * D), "w_gate": (F, C), "w_up": (F, C), "w_down": (C, F),
+            "wo": (C, c.num_heads * D),
+            "bq": (c.num_heads * D,), "bk": (c.num_kv_heads * D,), "bv": (c.num_kv_heads * D,),
+            "w_gate": (F, C), "w_up": (F, C), "w_down": (C, F),
             "router": (E, C), "e_gate": (Fe, C), "e_up": (Fe, C), "e_down": (C, Fe),
+            "s_gate": (Fs, C), "s_up": (Fs, C), "s_down": (C, Fs), "shared_gate": (1, C),
             "embed": (V, C), "lm_head": (V, C),
         }.get(key)
 
@@ -206,5 +217,6 @@ class WeightLoader:
     def fused(self, keys: list[str], layer: int, expert: int | None = None, dtype=np.float32) -> np.ndarray:
         """Several projections of one layer stacked along the output axis, e.g.
         ["wq", "wk", "wv"] -> [(H + 2*Hkv) * D, C] so one matmul computes q, k and v
-        (of one MoE expert, with expert: ["e_gate", "e_up"] -> [2 * Fe, C])."""
+        (of one MoE expert, with expert: ["e_gate", "e_up"] -> [2 * Fe, C]; the biases
+        ["bq", "bk", "bv"] -> [(H + 2*Hkv) * D], in the same order as the rows)."""
         return np.concatenate([self.layer(k, layer, expert, dtype=dtype) for k in keys], axis=0)

@@ -22,7 +22,7 @@ import numpy as np
 from common.config import ModelConfig
 from common.engine import Request, TokenEvent, check_prompt
 from common.sampling import Sampler
-from stage1_cpu import kernels
+from stage1_cpu import kernels as numba_kernels
 from stage1_cpu.model import Model
 from stage1_cpu.weights import load_weights
 
@@ -39,15 +39,16 @@ class _Running:
 class LLMEngine:
     def __init__(self, folder: str | Path, quant: str = "none", group_size: int = 32,
                  max_ctx: int = 4096, threads: int | None = None, progress: bool = True,
-                 prefill_chunk: int = 512, use_numba: bool = True, activations: str = "auto"):
+                 prefill_chunk: int = 512, use_numba: bool = True, kernels: str = "auto",
+                 activations: str = "auto"):
         if threads:
-            kernels.set_threads(threads)
+            numba_kernels.set_threads(threads)
         self.folder = Path(folder)
         self.config: ModelConfig = ModelConfig.from_folder(folder)
         if max_ctx < 2:
             raise ValueError("--max-ctx must be at least 2")
         self.max_ctx = max_ctx
-        self.weights = load_weights(folder, quant, group_size, progress, activations)
+        self.weights = load_weights(folder, quant, group_size, progress, kernels, activations)
         self.model = Model(self.weights, max_ctx, use_numba=use_numba)
         self.prefill_chunk = prefill_chunk
         self.eos_ids = set(self.config.eos_token_ids)
@@ -80,6 +81,41 @@ class LLMEngine:
     def reset(self) -> None:
         """Forget the cached conversation (the next prompt is prefilled from scratch)."""
         self.cached_ids = []
+
+    def describe_kernels(self) -> str:
+        """Which kernels multiply the weights, for the banner."""
+        w = self.weights
+        return w.fast.describe(w) if w.fast else "plain kernels"
+
+    def warm_up(self) -> float | None:
+        """On the first run of this version of stage 1 with these weights' format and
+        kernels, compile every kernel a conversation needs, before the first prompt:
+        1 token (decode), 2 (few tokens), 8 and 64 (prefill, serial and parallel variants).
+        -> seconds it took, or None when a previous run already did it (numba's disk
+        cache then holds the machine code, loaded in milliseconds on first use)."""
+        if not self.kernels_cold():
+            return None
+        t0 = time.perf_counter()
+        pos = 0
+        for T in (1, 2, 8, 64):
+            if pos + T > self.max_ctx:
+                break
+            self.model.forward(np.zeros(T, dtype=np.int64), pos)
+            pos += T
+        self.cached_ids = []                      # the cache holds nothing a prompt can reuse
+        self._warm_mark().parent.mkdir(parents=True, exist_ok=True)
+        self._warm_mark().touch()
+        return time.perf_counter() - t0
+
+    def kernels_cold(self) -> bool:
+        """True until warm_up() has run once for this stage-1 version, format and kernels."""
+        return self.model.k is numba_kernels and not self._warm_mark().exists()
+
+    def _warm_mark(self) -> Path:
+        import stage1_cpu
+        w = self.weights
+        act = "-".join(f"{k}={v}" for k, v in sorted(w.act.items()))
+        return Path(stage1_cpu.CACHE_DIR) / f"warm-{w.fmt}-{w.kernels}-{act}"
 
     def step(self) -> list[TokenEvent]:
         events = [TokenEvent(rid, -1, "abort") for rid in self.aborted]

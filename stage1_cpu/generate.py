@@ -46,6 +46,10 @@ def main(argv=None) -> int:
             folder, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
             max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
         engine = build_engine(folder, args)
+        print(f"[{engine.describe_kernels()}]", file=sys.stderr)
+        if engine.kernels_cold():
+            print("compiling kernels, first run only ...", file=sys.stderr, flush=True)
+            print(f"compiled kernels in {engine.warm_up():.1f} s", file=sys.stderr)
         ids = tok.encode(text)
         engine.add_request(Request("generate", ids, params))
     except (ValueError, OSError) as e:

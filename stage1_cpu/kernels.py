@@ -10,27 +10,30 @@ at awkward shapes. What makes them fast:
   weight rows in their stored format (bf16 / int8 / int4) and convert to fp32 in
   registers; a full-precision copy of a weight matrix is never made.
 - The inner loops are plain `for j in range(n): acc += a[j] * b[j]` over
-  contiguous memory, which LLVM turns into AVX-512 code. `fastmath` is limited
+  contiguous memory, which LLVM turns into the CPU's vector code. `fastmath` is limited
   to {"reassoc", "contract"}: reassociation lets LLVM split a sum into vector
   lanes, contraction gives fused multiply-adds. We never assume "no NaN / no
   inf", so a NaN or inf in the activations propagates as it does in numpy.
 - Work is split over output rows with `prange` (one chunk per thread, so each
   thread streams one contiguous slice of the matrix).
-- A parallel region costs ~50 us to start on this VM under
-  OMP_WAIT_POLICY=PASSIVE (1.5 us when idle threads spin): far more than a
-  one-token norm takes, so the small element-wise ops have serial variants that
-  the wrappers pick for few tokens, and a dense model's decode step runs all its
-  ops in one region (decode_step.py, on the row bodies below).
+- A parallel region costs tens of microseconds to start when idle threads sleep
+  (OMP_WAIT_POLICY=PASSIVE; ~1.5 us when they spin): far more than a one-token
+  norm takes, so the small element-wise ops have serial variants that the
+  wrappers pick for few tokens.
 - Prefill matmuls and attention hand the heavy lifting to BLAS (numpy's
   OpenBLAS): for T tokens at once that is compute-bound work, and BLAS's GEMM
   is 3x faster than anything these loops turn into.
 - numba's np.exp is a scalar libm call; softmax and SiLU use exp_f32, a
   polynomial that vectorises (7x faster).
 - `cache=True` stores the machine code on disk, so only the first run ever
-  compiles. Each kernel is called with one fixed set of dtypes, so there is one
-  specialisation each. The cache notices edits to a kernel's own file only: after
-  changing simd.py, or kernels.py's inlined bodies that decode_step.py uses,
-  delete stage1_cpu/__pycache__ (or the old machine code keeps running).
+  compiles (stage1_cpu/__init__.py keys that cache on the sources of the whole
+  package, since numba itself notices edits to a kernel's own file only).
+
+Nothing here names a CPU instruction: LLVM picks the vector instructions of
+whatever CPU runs it (SSE2, AVX2, AVX-512, NEON). The row bodies are `_inline`
+helpers so that stage1_cpu/fast/ can run the same bodies in its one-region
+decode step (and get the same bits); its int8-activation and bf16 kernels,
+which do name instructions, live there too.
 """
 
 import math
@@ -42,8 +45,6 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from stage1_cpu import simd
-
 # reassoc: let LLVM split reductions over vector lanes; contract: allow FMA.
 # Every kernel also sets error_model="numpy": x / 0 gives inf instead of raising,
 # which removes a branch per division (with it, silu_mul did not vectorise: 6x).
@@ -51,8 +52,8 @@ FAST = {"reassoc", "contract"}
 
 # Each kernel's body for one row (one output row of a matmul, one token of a norm)
 # is an _inline helper: the prange kernels below loop over it, and so does
-# decode_step.py, which runs a whole decode step in one parallel region. One body,
-# two callers: both compute bit for bit the same. Serial and parallel loops must be
+# fast/decode_step.py, which runs a whole decode step in one parallel region. One
+# body, two callers: both compute bit for bit the same. Serial and parallel loops must be
 # separate Python functions: numba's on-disk cache tells functions apart by their
 # code, not by parallel=True.
 _inline = njit(inline="always", fastmath=FAST, error_model="numpy")
@@ -177,6 +178,18 @@ def matmul_f32(x, w, out):
             out[t, r] = row_f32(x, t, w, r)
 
 
+# Decode matvecs give each thread whole blocks of rows, in order: long sequential
+# streams for the hardware prefetcher, and few enough blocks that scheduling costs nothing.
+DECODE_BLOCK_BYTES = 1 << 18   # weights per block of rows of the decode matvecs (~10 us)
+
+
+@_inline
+def decode_block(O, row_bytes):
+    """Rows per block: ~DECODE_BLOCK_BYTES of weights, whole groups of 4 rows."""
+    rows = min(O, max(1, DECODE_BLOCK_BYTES // row_bytes))
+    return max(4, rows + (-rows) % 4)
+
+
 @_inline
 def rows4_bf16(x, t, w, r, m):
     """x[t] . w[r + i m] for i = 0..3, in one pass over x[t]: four rows m apart are
@@ -254,7 +267,7 @@ def matmul_int8(x3, q, s, out):
 
 @_inline
 def group_sums(x4, t, xsum):
-    """xsum[t, p, h] = sum of group 2p+h of token t: x4 [T, P, 2, gs], xsum [T, P, 2]."""
+    """xsum[t, p, h] = sum of group 2p+h of token t: x4 [T, G/2, 2, gs], xsum [T, G/2, 2]."""
     for p in range(x4.shape[1]):
         a = np.float32(0.0)
         b = np.float32(0.0)
@@ -287,8 +300,8 @@ def row_int4(x4, xsum, t, q, s, m, r):
 
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
 def matmul_int4(x4, q, s, m, out):
-    """x4: [T, P, 2, gs] f32 (x split into pairs of groups, a view);
-    q: [O, P, gs] uint8; s, m: [O, 2P] fp16 bits, scale and minimum per group.
+    """x4: [T, G/2, 2, gs] f32 (x split into pairs of groups, a view);
+    q: [O, G/2, gs] uint8; s, m: [O, G] fp16 bits, scale and minimum per group.
 
     Byte j of pair p holds weight j of group 2p in its low nibble and weight j
     of group 2p+1 in its high nibble (llama.cpp's Q4 layout with the two
@@ -300,7 +313,7 @@ def matmul_int4(x4, q, s, m, out):
     where sum(x) is shared by every row, computed once per call.
     """
     T, O = x4.shape[0], q.shape[0]
-    xsum = np.empty((T, x4.shape[1], 2), dtype=np.float32)   # [T, P, 2] sum of each group of x
+    xsum = np.empty((T, x4.shape[1], 2), dtype=np.float32)   # [T, G/2, 2] sum of each group of x
     for t in range(T):
         group_sums(x4, t, xsum)
     for r in prange(O):
@@ -309,269 +322,63 @@ def matmul_int4(x4, q, s, m, out):
 
 
 # ---------------------------------------------------------------------------
-# Quantized matmul with int8 activations (decode, where the CPU has VNNI; see
-# simd.py): the activations are rounded to int8 per group once per call, and
-# each row's dot product is integer multiply-adds, 32 per instruction.
-# Measured on one core, weights in L2 (1024 x 1024, group size 32): int8 30,
-# int4 35 G weights/s (the float kernels above: 16 and 13). On 2 threads a
-# 150k-row matrix then reads at the memory's speed (int8 31, int4 28 GB/s).
+# Matvecs over segments of one matrix (the routed experts of a MoE layer at
+# decode, stacked into one matrix per projection): out[s, i] = x[s] . W[starts[s] + i]
+# for i < n. One parallel region serves all k chosen experts, instead of one per
+# expert and projection (2k starts per layer), so both threads stream expert
+# weights the whole time. Blocks of rows never cross a segment; each row is the
+# same body as in the matmul kernels above, so a segment's result is, bit for bit,
+# its expert's own matmul.
 # ---------------------------------------------------------------------------
 
 
 @_inline
-def quantize_token(x3, t, xq, xa, xs, xsum):
-    """Token t of quantize_activations, into the given arrays."""
-    for g in range(x3.shape[1]):
-        amax = np.float32(0.0)
-        poison = np.float32(0.0)                # stays 0 unless x holds a NaN or an inf
-        for j in range(x3.shape[2]):
-            amax = max(amax, abs(x3[t, g, j]))
-            poison += x3[t, g, j] * np.float32(0.0)
-        scale = amax / np.float32(127.0)
-        inv = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
-        total = 0
-        for j in range(x3.shape[2]):
-            v = np.int32(np.rint(x3[t, g, j] * inv))
-            xq[t, g, j] = v
-            xa[t, g, j] = abs(v)
-            total += v
-        xs[t, g] = scale + poison               # a NaN / inf in x makes its group's output NaN
-        xsum[t, g] = np.float32(total) * scale + poison
-
-
-@njit(cache=True, fastmath=FAST, error_model="numpy")
-def quantize_activations(x3):
-    """x3 [T, G, gs] f32 -> xq [T, G, gs] int8, xa = |xq| [T, G, gs] uint8,
-    xs [T, G] f32, xsum [T, G] f32.  x ~ xq * xs, with xs = max |x| / 127 per
-    group (round to nearest even); xsum = xs * sum(xq), the group's sum of the
-    rounded x (the int4 minimum multiplies it). A NaN or inf in a group sets its
-    xs and xsum to NaN, so it reaches the output as in the float kernels.
-    The numpy twin: quant.quantize_activations."""
-    T, G, gs = x3.shape
-    xq = np.empty((T, G, gs), dtype=np.int8)
-    xa = np.empty((T, G, gs), dtype=np.uint8)
-    xs = np.empty((T, G), dtype=np.float32)
-    xsum = np.empty((T, G), dtype=np.float32)
-    for t in range(T):
-        quantize_token(x3, t, xq, xa, xs, xsum)
-    return xq, xa, xs, xsum
-
-
-@_inline
-def quantize_token16(x3, t, x16, xs):
-    """Token t of quantize_activations16, into the given arrays."""
-    for g in range(x3.shape[1]):
-        amax = np.float32(0.0)
-        poison = np.float32(0.0)
-        for j in range(x3.shape[2]):
-            amax = max(amax, abs(x3[t, g, j]))
-            poison += x3[t, g, j] * np.float32(0.0)
-        scale = amax / np.float32(32767.0)
-        inv = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
-        for j in range(x3.shape[2]):
-            x16[t, g, j] = np.int32(np.rint(x3[t, g, j] * inv))
-        xs[t, g] = scale + poison
-
-
-@njit(cache=True, fastmath=FAST, error_model="numpy")
-def quantize_activations16(x3):
-    """x3 [T, G, gs] f32 -> x16 [T, G, gs] int16, xs [T, G] f32: x ~ x16 * xs with
-    xs = max |x| / 32767 per group (round to nearest even); NaN / inf as in
-    quantize_activations. The numpy twin: quant.quantize_activations(..., 32767)."""
-    T, G, gs = x3.shape
-    x16 = np.empty((T, G, gs), dtype=np.int16)
-    xs = np.empty((T, G), dtype=np.float32)
-    for t in range(T):
-        quantize_token16(x3, t, x16, xs)
-    return x16, xs
-
-
-DECODE_BLOCK_BYTES = 1 << 18   # weights per block of rows of the int8-activation matvecs (~10 us)
-
-
-@_inline
-def decode_block(O, row_bytes):
-    """Rows per block: ~DECODE_BLOCK_BYTES of weights, whole groups of 4 rows."""
-    rows = min(O, max(1, DECODE_BLOCK_BYTES // row_bytes))
-    return max(4, rows + (-rows) % 4)
-
-
-@_inline
-def rows_int8_q16(xf, xsf, t, qf, sf, r0, r1, G, gs, outf, ooff):
-    """outf[ooff + r] = row r of an int8 matrix . token t's int16 activations, r0 <= r < r1
-    (flat arrays): rows_int8_q8's order, with simd.dot_int8_rows_i16."""
-    n4 = (r1 - r0) // 4
-    for b in range(r0, r0 + n4):
-        simd.dot_int8_rows_i16(qf, b * G * gs, n4 * G * gs, xf, t * G * gs, sf, b * G, xsf, t * G, G, gs,
-                               outf, ooff + b, 4)
-    for r in range(r0 + 4 * n4, r1):
-        simd.dot_int8_rows_i16(qf, r * G * gs, G * gs, xf, t * G * gs, sf, r * G, xsf, t * G, G, gs,
-                               outf, ooff + r, 1)
+def segment_block(n, row_bytes):
+    """Rows per block of a segment, and blocks per segment."""
+    block = decode_block(n, row_bytes)
+    return block, -(-n // block)
 
 
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
-def matmul_int8_q16(x16, xs, q, s, out):
-    """x16 [T, G, gs], xs [T, G] from quantize_activations16; q [O, G, gs] int8;
-    s [O, G] fp16 bits -> out [T, O] (simd.dot_int8_row_i16)."""
-    T, G, gs = x16.shape
-    O = q.shape[0]
-    qf, sf, xf, xsf, outf = q.reshape(-1), s.reshape(-1), x16.reshape(-1), xs.reshape(-1), out.reshape(-1)
-    block = decode_block(O, G * gs)
-    for c in prange(-(-O // block)):
-        for t in range(T):
-            rows_int8_q16(xf, xsf, t, qf, sf, c * block, min(O, (c + 1) * block), G, gs, outf, t * O)
-
-
-@_inline
-def rows_int8_q8(xqf, xaf, xsf, t, qf, sf, r0, r1, G, gs, outf, ooff):
-    """outf[ooff + r] = row r of an int8 matrix . token t's int8 activations, r0 <= r < r1
-    (flat arrays). Four rows per simd.dot_int8_rows call, a quarter of the range apart:
-    four sequential streams, which the hardware prefetcher follows (four adjacent
-    rows it does not: simd.py). A row's result does not depend on its company."""
-    n4 = (r1 - r0) // 4
-    for b in range(r0, r0 + n4):
-        simd.dot_int8_rows(qf, b * G * gs, n4 * G * gs, xqf, xaf, t * G * gs, sf, b * G, xsf, t * G, G, gs,
-                           outf, ooff + b, 4)
-    for r in range(r0 + 4 * n4, r1):
-        simd.dot_int8_rows(qf, r * G * gs, G * gs, xqf, xaf, t * G * gs, sf, r * G, xsf, t * G, G, gs,
-                           outf, ooff + r, 1)
+def segments_f32(x, w, starts, out):
+    """x [S, K], w [O, K] f32, starts [S] -> out [S, n]."""
+    S, n = out.shape
+    for j in prange(S * n):
+        s, i = j // n, j % n
+        out[s, i] = row_f32(x, s, w, starts[s] + i)
 
 
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
-def matmul_int8_q8(xq, xa, xs, q, s, out):
-    """xq, xa [T, G, gs], xs [T, G] from quantize_activations; q [O, G, gs] int8;
-    s [O, G] fp16 bits -> out [T, O]:  out[t, r] = sum_g s[r, g] xs[t, g] (q[r, g] . xq[t, g])."""
-    T, G, gs = xq.shape
-    O = q.shape[0]
-    # flat views: simd.dot_int8_rows walks raw offsets (rows are contiguous)
-    qf, sf, xqf, xaf, xsf = q.reshape(-1), s.reshape(-1), xq.reshape(-1), xa.reshape(-1), xs.reshape(-1)
+def segments_bf16(x, w, starts, out):
+    """x [S, K] f32, w [O, K] bf16 bits, starts [S] -> out [S, n] (contiguous)."""
+    S, n = out.shape
     outf = out.reshape(-1)
-    block = decode_block(O, G * gs)                 # each thread takes whole blocks, in order
-    for c in prange(-(-O // block)):
-        for t in range(T):
-            rows_int8_q8(xqf, xaf, xsf, t, qf, sf, c * block, min(O, (c + 1) * block), G, gs, outf, t * O)
-
-
-@_inline
-def row_int4_q8(xqf, xsf, xsum, t, qf, sf, m, r, G, gs):
-    """Row r of an int4 matrix times token t's int8 activations (flat arrays;
-    xsum [T, G], m [O, G])."""
-    mins = np.float32(0.0)                      # the minimum's term, G multiply-adds
-    for g in range(G):
-        mins += f16_to_f32(m[r, g]) * xsum[t, g]
-    return simd.dot_int4_row(qf, r * G * gs // 2, xqf, t * G * gs, sf, r * G, xsf, t * G, G, gs) + mins
+    block, per = segment_block(n, 2 * w.shape[1])
+    for j in prange(S * per):
+        s, b = j // per, j % per
+        r0 = starts[s] + b * block
+        rows_bf16(x, s, w, r0, min(starts[s] + n, r0 + block), outf, s * n - starts[s])
 
 
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
-def matmul_int4_q8(xq, xs, xsum, q, s, m, out):
-    """xq [T, G, gs], xs, xsum [T, G] from quantize_activations; q [O, G/2, gs]
-    uint8 (matmul_int4's layout); s, m [O, G] fp16 bits -> out [T, O]:
-        out[t, r] = sum_g s[r, g] xs[t, g] (nibbles[r, g] . xq[t, g]) + m[r, g] xsum[t, g]"""
-    T, O = xq.shape[0], q.shape[0]
-    qf, sf, xqf, xsf = q.reshape(-1), s.reshape(-1), xq.reshape(-1), xs.reshape(-1)
-    for r in prange(O):
-        for t in range(T):
-            out[t, r] = row_int4_q8(xqf, xsf, xsum, t, qf, sf, m, r, xq.shape[1], xq.shape[2])
+def segments_int8(x3, q, sc, starts, out):
+    """x3 [S, G, gs] f32, q [O, G, gs] int8, sc [O, G] fp16 bits, starts [S] -> out [S, n]."""
+    S, n = out.shape
+    for j in prange(S * n):
+        s, i = j // n, j % n
+        out[s, i] = row_int8(x3, s, q, sc, starts[s] + i)
 
 
-# ---------------------------------------------------------------------------
-# bf16 prefill GEMM (where the CPU has AVX-512 BF16; see simd.py): x rounded to
-# bf16 pairs once, then each thread takes 16-row panels of W, packs a panel
-# (32 KB at K=1024, it stays in L1/L2) and runs simd.dot_bf16_panel over the
-# tokens, 8 at a time. Measured, T=512, 2 threads: ~350 GFLOP/s (sgemm: ~180).
-# ---------------------------------------------------------------------------
-
-
-@njit(cache=True, error_model="numpy")
-def bf16_pairs(x, tokens):
-    """x [T, K] f32 (K even) -> [Tp, K/2] uint32: bf16(x[t, 2k2]) in the low half,
-    bf16(x[t, 2k2+1]) in the high half, rounded to nearest even; Tp = T rounded
-    up to a multiple of `tokens`, the extra rows zero."""
-    T, K = x.shape
-    Tp = -(-T // tokens) * tokens
-    out = np.zeros((Tp, K // 2), dtype=np.uint32)
-    u = x.view(np.uint32)
-    for t in range(T):
-        for k2 in range(K // 2):
-            out[t, k2] = _bf16_bits(u[t, 2 * k2]) | (_bf16_bits(u[t, 2 * k2 + 1]) << np.uint32(16))
-    return out
-
-
-@njit(inline="always", error_model="numpy")
-def _bf16_bits(u):
-    """float32 bits -> bf16 bits, round half to even; NaN stays NaN (as quant.f32_to_bf16_bits)."""
-    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-        return (u >> np.uint32(16)) | np.uint32(0x40)
-    return (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-
-
-@njit(parallel=True, cache=True, error_model="numpy")
-def bf16_pairs_int8(q, s, w2):
-    """q [R, G, gs] int8, s [R, G] fp16 bits -> w2 [R, G*gs/2] uint32: the
-    dequantized rows q * s as bf16 pairs (rounded to nearest even)."""
-    R, G, gs = q.shape
-    for r in prange(R):
-        for g in range(G):
-            sc = f16_to_f32(s[r, g])
-            for j in range(0, gs, 2):
-                lo = _bf16_bits(_f32_bits(np.float32(q[r, g, j]) * sc))
-                hi = _bf16_bits(_f32_bits(np.float32(q[r, g, j + 1]) * sc))
-                w2[r, (g * gs + j) // 2] = lo | (hi << np.uint32(16))
-
-
-@njit(parallel=True, cache=True, error_model="numpy")
-def bf16_pairs_int4(q, s, m, w2):
-    """q [R, P, gs] uint8 (matmul_int4's layout), s, m [R, 2P] fp16 bits ->
-    w2 [R, P*gs] uint32: the dequantized rows nibble * s + m as bf16 pairs."""
-    R, P, gs = q.shape
-    for r in prange(R):
-        for p in range(P):
-            for half in range(2):                   # group 2p: low nibbles, 2p+1: high
-                g = 2 * p + half
-                sc = f16_to_f32(s[r, g])
-                mn = f16_to_f32(m[r, g])
-                for j in range(0, gs, 2):
-                    a = (q[r, p, j] >> (4 * half)) & 15
-                    b = (q[r, p, j + 1] >> (4 * half)) & 15
-                    lo = _bf16_bits(_f32_bits(np.float32(a) * sc + mn))
-                    hi = _bf16_bits(_f32_bits(np.float32(b) * sc + mn))
-                    w2[r, (g * gs + j) // 2] = lo | (hi << np.uint32(16))
-
-
-@intrinsic
-def _f32_bits(typingctx, x):
-    """float32 -> its 32 bits as uint32."""
-    sig = types.uint32(types.float32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return sig, codegen
-
-
-@njit(parallel=True, cache=True, error_model="numpy")
-def matmul_bf16_prefill(xb, w2, out):
-    """xb [Tp, K2] uint32 from bf16_pairs; w2 [O, K2] uint32 (the bf16 weight
-    [O, K] viewed as pairs) -> out [T, O] f32, T <= Tp."""
-    Tp, K2 = xb.shape
-    O = w2.shape[0]
-    T = out.shape[0]
-    xf = xb.reshape(-1)
-    for p in prange(-(-O // simd.PANEL)):
-        o0 = p * simd.PANEL
-        rows = min(simd.PANEL, O - o0)
-        # [K2, 16]: the panel transposed, so one load gives 16 rows at one k2 (zeros past O)
-        panel = np.zeros((K2, simd.PANEL), dtype=np.uint32)
-        for i in range(rows):
-            for k2 in range(K2):
-                panel[k2, i] = w2[o0 + i, k2]
-        pf = panel.reshape(-1)
-        res = np.empty(simd.TOKENS * simd.PANEL, dtype=np.float32)   # [TOKENS, 16]
-        for t0 in range(0, Tp, simd.TOKENS):
-            simd.dot_bf16_panel(pf, xf, t0 * K2, K2, res)
-            for t in range(min(simd.TOKENS, T - t0)):
-                for i in range(rows):
-                    out[t0 + t, o0 + i] = res[t * simd.PANEL + i]
+@njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
+def segments_int4(x4, q, sc, m, starts, out):
+    """x4 [S, G/2, 2, gs] f32, q [O, G/2, gs] uint8, sc, m [O, G] fp16 bits -> out [S, n]."""
+    S, n = out.shape
+    xsum = np.empty((S, x4.shape[1], 2), dtype=np.float32)   # [S, G/2, 2] sum of each group of x
+    for s in range(S):
+        group_sums(x4, s, xsum)
+    for j in prange(S * n):
+        s, i = j // n, j % n
+        out[s, i] = row_int4(x4, xsum, s, q, sc, m, starts[s] + i)
 
 
 # ---------------------------------------------------------------------------
@@ -607,7 +414,7 @@ def dequant_rows_int8(ids, q, s, out):
 
 @njit(cache=True, fastmath=FAST, error_model="numpy")
 def dequant_rows_int4(ids, q, s, m, out):
-    """q: [O, P, gs] uint8 -> out: [R, P, 2, gs] (group 2p, then group 2p+1)."""
+    """q: [O, G/2, gs] uint8 -> out: [R, G/2, 2, gs] (group 2p, then group 2p+1)."""
     _, P, gs = q.shape
     for i in range(ids.shape[0]):
         r = ids[i]

@@ -18,10 +18,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         "(smaller and faster to read; default none)")
     g.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128), metavar="G",
                    help="weights sharing one scale in int8 / int4 (default 32, like llama.cpp's Q8_0 / Q4_1)")
+    g.add_argument("--kernels", choices=("auto", "plain", "fast"), default="auto",
+                   help="plain: the readable core kernels, on any CPU; fast: stage1_cpu/fast/ (one parallel "
+                        "region per decode step, the CPU's int8 / bf16 dot products where it has them); "
+                        "auto: fast wherever it runs (default)")
     g.add_argument("--activations", choices=("auto", "int8", "fp32"), default="auto",
-                   help="int8 / int4 decode: round the activations to int8 and multiply integers "
-                        "(2x faster per core, as llama.cpp does). auto: where the CPU has VNNI, "
-                        "except the lm_head; int8: everywhere")
+                   help="fast kernels, int8 / int4 decode: round the activations to int8 and multiply "
+                        "integers (as llama.cpp does). auto: where the CPU has an int8 dot product "
+                        "(VNNI or AVX2), the lm_head at int16; int8: everywhere; fp32: never")
     g.add_argument("--threads", type=int, default=None, metavar="N",
                    help="numba threads (default: all cores)")
 
@@ -29,10 +33,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 def build_engine(folder: Path, args: argparse.Namespace, progress: bool = True):
     from stage1_cpu.engine import LLMEngine   # here, so --help does not wait for numba
     return LLMEngine(folder, quant=args.quant, group_size=args.group_size, max_ctx=args.max_ctx,
-                     threads=args.threads, progress=progress, activations=args.activations)
+                     threads=args.threads, progress=progress, kernels=args.kernels,
+                     activations=args.activations)
 
 
 def describe(args: argparse.Namespace) -> str:
+    """A few words for the banner (the engine's describe_kernels() adds which kernels and
+    instructions it chose)."""
     quant = "float32" if args.quant == "none" else args.quant
     if args.quant in ("int8", "int4") and getattr(args, "activations", "auto") != "auto":
         quant += f" · {args.activations} activations"

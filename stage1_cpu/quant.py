@@ -45,24 +45,10 @@ read per token), so int4 stores a scale and a minimum.
 in_features that is not a multiple of group_size: the last group is padded with
 zero weights (and the activations with zeros at matmul time), so any size works.
 
-Rounded activations, where the CPU has an instruction that pays for them
-(simd.py; both are off with --activations fp32, and never used for fp32 weights):
-- decode_act="int8" (int8 / int4 weights, simd.VNNI): decode rounds the
-  activations to int8 per group of gs values (x ~ xq * xs, xs = max|x| / 127)
-  and multiplies integers: 2-2.6x faster per core, enough for decode to run at
-  memory speed (kernels.matmul_int8_q8 / matmul_int4_q8). llama.cpp does the
-  same for its Q8_0 / Q4_0 weights.
-- decode_act="int16" (int8 weights, simd.VNNI): the same with 15-bit
-  activations (xs = max|x| / 32767), for the lm_head: almost exact, about as
-  fast as int8 there, where the memory is the limit (kernels.matmul_int8_q16).
-- prefill_act="bf16" (bf16 / int8 / int4 weights, simd.BF16): prefill rounds
-  the activations to bf16 and runs a vdpbf16ps GEMM (kernels.matmul_bf16_prefill)
-  instead of fp32 tiles through sgemm: twice the FLOP/s. int8 / int4 weights
-  are dequantized to bf16 for it (one more rounding, 8 significant bits: small
-  next to the quantization's own error); bf16 weights are used as they are.
-  Products are exact in fp32 and summed in fp32, as in llama.cpp's BF16 and
-  transformers' bf16 models.
-The numpy twin (matmul_ref) rounds the same things the same way.
+The fast path (stage1_cpu/fast/weight.py) subclasses Weight to round the
+activations too (int8 at decode, bf16 at prefill) where the CPU has an
+instruction that pays for it; everything here is fp32 arithmetic on the stored
+weights.
 """
 from __future__ import annotations
 
@@ -70,12 +56,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stage1_cpu import kernels, simd
+from stage1_cpu import kernels
 
 FORMATS = ("none", "bf16", "int8", "int4")
 GROUP_SIZES = (32, 64, 128)
 
-# Prefill (T tokens at once) is compute-bound: the fast path dequantizes a block
+# Prefill (T tokens at once) is compute-bound: matmul dequantizes a block
 # of ROW_BLOCK rows into an fp32 tile and hands it to BLAS sgemm, which is far
 # faster than anything numba emits for a GEMM. From PREFILL_MIN_T tokens this
 # beats reading the rows T times in the decode kernel (bench/kernels.py).
@@ -85,7 +71,6 @@ GROUP_SIZES = (32, 64, 128)
 # little each; 1024 rows x 1024 fp32 is 4 MB, which L3 (32 MB) still holds.
 PREFILL_MIN_T = 8
 ROW_BLOCK = 1024
-BF16_ROWS = 8192    # rows of an int8 / int4 matrix turned into bf16 at a time (prefill_act="bf16")
 
 
 def f32_to_bf16_bits(w: np.ndarray) -> np.ndarray:
@@ -114,8 +99,6 @@ class Weight:
     data: np.ndarray            # none [O, K] f32 | bf16 [O, K] u16 | int8 [O, G, gs] i8 | int4 [O, G/2, gs] u8
     scales: np.ndarray | None = None    # [O, G] fp16 bits (uint16): int8 / int4
     mins: np.ndarray | None = None      # [O, G] fp16 bits (uint16): int4
-    decode_act: str = "fp32"            # T < PREFILL_MIN_T: fp32 | int8 (int8 / int4 weights) | int16 (int8)
-    prefill_act: str = "fp32"           # T >= PREFILL_MIN_T: fp32 | bf16 (bf16 / int8 / int4 weights)
 
     @property
     def padded_in(self) -> int:
@@ -133,7 +116,7 @@ class Weight:
         gs = f", group_size={self.group_size}" if self.group_size else ""
         return f"Weight({self.fmt}, [{self.out_features}, {self.in_features}]{gs}, {self.nbytes / 2**20:.1f} MiB)"
 
-    # -- the fast path -------------------------------------------------------
+    # -- the numba kernels ----------------------------------------------------
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
         """x [T, in] f32 -> x @ W.T [T, out] f32."""
@@ -142,29 +125,38 @@ class Weight:
         if self.fmt == "none" and T >= PREFILL_MIN_T:
             return x @ self.data.T                        # BLAS, exact fp32
         x = self._pad(x)                                  # [T, Kp]
-        if T >= PREFILL_MIN_T and self.prefill_act == "bf16":
-            return self._matmul_bf16(x)
         if T >= PREFILL_MIN_T:
             return self._matmul_tiled(x)
         out = np.empty((T, self.out_features), dtype=np.float32)
         gs = self.group_size
-        if self.decode_act == "int16":
-            x16, xs = kernels.quantize_activations16(x.reshape(T, -1, gs))           # [T, G, gs], [T, G]
-            kernels.matmul_int8_q16(x16, xs, self.data, self.scales, out)
-        elif self.decode_act == "int8":
-            xq, xa, xs, xsum = kernels.quantize_activations(x.reshape(T, -1, gs))   # [T, G, gs], [T, G]
-            if self.fmt == "int8":
-                kernels.matmul_int8_q8(xq, xa, xs, self.data, self.scales, out)
-            else:
-                kernels.matmul_int4_q8(xq, xs, xsum, self.data, self.scales, self.mins, out)
-        elif self.fmt == "none":
+        if self.fmt == "none":
             kernels.matmul_f32(x, self.data, out)
         elif self.fmt == "bf16":
             kernels.matmul_bf16(x, self.data, out)
         elif self.fmt == "int8":
             kernels.matmul_int8(x.reshape(T, -1, gs), self.data, self.scales, out)        # x as [T, G, gs]
         else:
-            kernels.matmul_int4(x.reshape(T, -1, 2, gs), self.data, self.scales, self.mins, out)  # [T, P, 2, gs]
+            kernels.matmul_int4(x.reshape(T, -1, 2, gs), self.data, self.scales, self.mins, out)  # [T, G/2, 2, gs]
+        return out
+
+    def matmul_segments(self, x: np.ndarray, starts: np.ndarray, n: int) -> np.ndarray:
+        """out[s] = x[s] @ W[starts[s]:starts[s] + n].T: each row of x [S, in] times its own
+        segment of n rows -> [S, n]. One parallel region for all segments (kernels.py):
+        a MoE layer's chosen experts, stacked into one matrix, at decode."""
+        x = self._pad(self._check(x))                             # [S, Kp]
+        starts = np.ascontiguousarray(starts, dtype=np.int64)
+        if starts.size and (starts.min() < 0 or starts.max() + n > self.out_features):
+            raise IndexError(f"segments of {n} rows at {starts.tolist()} leave [0, {self.out_features})")
+        S, gs = x.shape[0], self.group_size
+        out = np.empty((S, n), dtype=np.float32)
+        if self.fmt == "none":
+            kernels.segments_f32(x, self.data, starts, out)
+        elif self.fmt == "bf16":
+            kernels.segments_bf16(x, self.data, starts, out)
+        elif self.fmt == "int8":
+            kernels.segments_int8(x.reshape(S, -1, gs), self.data, self.scales, starts, out)
+        else:
+            kernels.segments_int4(x.reshape(S, -1, 2, gs), self.data, self.scales, self.mins, starts, out)
         return out
 
     def _matmul_tiled(self, x: np.ndarray) -> np.ndarray:
@@ -180,25 +172,6 @@ class Weight:
             self._dequant(np.arange(r0, r1), t)
             # BLAS writes straight into the column block of out (no copy)
             np.matmul(x, t.T, out=out[:, r0:r1])                            # [T, rows]
-        return out
-
-    def _matmul_bf16(self, x: np.ndarray) -> np.ndarray:
-        """Prefill on simd.py's bf16 GEMM: x [T, Kp] rounded to bf16 pairs once; int8 /
-        int4 weights dequantized to bf16 BF16_ROWS rows at a time (8192 x 1024: 16 MB)."""
-        T, O = x.shape[0], self.out_features
-        xb = kernels.bf16_pairs(x, simd.TOKENS)                            # [Tp, Kp/2] bf16 pairs
-        out = np.empty((T, O), dtype=np.float32)
-        if self.fmt == "bf16":
-            kernels.matmul_bf16_prefill(xb, self.data.view(np.uint32), out)
-            return out
-        for r0 in range(0, O, BF16_ROWS):
-            r1 = min(O, r0 + BF16_ROWS)
-            w2 = np.empty((r1 - r0, self.padded_in // 2), dtype=np.uint32)  # [rows, Kp/2] bf16 pairs
-            if self.fmt == "int8":
-                kernels.bf16_pairs_int8(self.data[r0:r1], self.scales[r0:r1], w2)
-            else:
-                kernels.bf16_pairs_int4(self.data[r0:r1], self.scales[r0:r1], self.mins[r0:r1], w2)
-            kernels.matmul_bf16_prefill(xb, w2, out[:, r0:r1])
         return out
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
@@ -235,7 +208,7 @@ class Weight:
         if self.fmt == "int8":
             w = self.data.astype(np.float32) * s                              # [O, G, gs]
         else:
-            b = self.data                                                     # [O, P, gs] bytes
+            b = self.data                                                     # [O, G/2, gs] bytes
             q = np.stack([b & 15, b >> 4], axis=2).reshape(O, -1, gs)         # [O, G, gs]: group 2p low, 2p+1 high
             q = q.astype(np.float32)
             w = q * s + self.mins.view(np.float16).astype(np.float32)[:, :, None]
@@ -243,13 +216,7 @@ class Weight:
 
     def matmul_ref(self, x: np.ndarray) -> np.ndarray:
         x = self._check(x)
-        w = self.dequantize()
-        if self.decode_act != "fp32" and x.shape[0] < PREFILL_MIN_T:    # decode rounds x to int8 / int16
-            qmax = 127 if self.decode_act == "int8" else 32767
-            x = quantize_activations(self._pad(x), self.group_size, qmax)[:, : self.in_features]
-        if self.prefill_act == "bf16" and x.shape[0] >= PREFILL_MIN_T:  # prefill rounds x and W to bf16
-            x, w = bf16_bits_to_f32(f32_to_bf16_bits(x)), bf16_bits_to_f32(f32_to_bf16_bits(w))
-        return (x @ w.T).astype(np.float32)
+        return (x @ self.dequantize().T).astype(np.float32)
 
     # -- helpers ---------------------------------------------------------------
 
@@ -268,29 +235,13 @@ class Weight:
         return xp
 
 
-def quantize_activations(x: np.ndarray, gs: int, qmax: int = 127) -> np.ndarray:
-    """The twin of kernels.quantize_activations (qmax 127) and quantize_activations16
-    (qmax 32767), as the kernels see it: x [T, Kp] f32 -> xq * xs [T, Kp], x rounded
-    per group of gs to integers in [-qmax, qmax] with xs = max|x| / qmax."""
-    g = x.reshape(x.shape[0], -1, gs)                                     # [T, G, gs]
-    scale = np.abs(g).max(axis=-1, keepdims=True) / np.float32(qmax)      # [T, G, 1]
-    inv = np.divide(np.float32(1.0), scale, out=np.zeros_like(scale), where=scale > 0)
-    with np.errstate(invalid="ignore"):                                   # inf * 0 is meant here
-        poison = (g * np.float32(0.0)).sum(axis=-1, keepdims=True)        # NaN where x has NaN / inf
-        return (np.rint(np.nan_to_num(g * inv)) * (scale + poison)).reshape(x.shape).astype(np.float32)
-
-
 QUANT_ROWS = 4096  # rows quantized at a time: bounds the fp32 temporaries (~6 x rows x in x 4 bytes)
 
 
-def quantize(w: np.ndarray, fmt: str, group_size: int = 64,
-             decode_act: str = "fp32", prefill_act: str = "fp32") -> Weight:
-    """fp32 [out, in] -> Weight in format fmt (none | bf16 | int8 | int4), its
-    activations rounded as asked (see the module docstring; fp32 always works)."""
+def quantize(w: np.ndarray, fmt: str, group_size: int = 32) -> Weight:
+    """fp32 [out, in] -> Weight in format fmt (none | bf16 | int8 | int4)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown quantization {fmt!r}; choose one of {', '.join(FORMATS)}")
-    _check_act(decode_act, prefill_act, fmt, np.shape(w)[-1])
-    act = {"decode_act": decode_act, "prefill_act": prefill_act}
     w = np.asarray(w)
     if w.ndim != 2:
         raise ValueError(f"quantize expects a 2-D weight [out, in], got shape {list(w.shape)}")
@@ -301,7 +252,7 @@ def quantize(w: np.ndarray, fmt: str, group_size: int = 64,
         data = np.empty((O, K), dtype=np.uint16)
         for r in range(0, O, QUANT_ROWS):
             data[r:r + QUANT_ROWS] = f32_to_bf16_bits(w[r:r + QUANT_ROWS])
-        return Weight("bf16", O, K, 0, data, **act)
+        return Weight("bf16", O, K, 0, data)
     if group_size not in GROUP_SIZES:
         raise ValueError(f"--group-size {group_size} is not supported; choose one of {GROUP_SIZES}")
 
@@ -326,7 +277,7 @@ def quantize(w: np.ndarray, fmt: str, group_size: int = 64,
         else:
             data[rows], scales[rows], mins[rows] = _quantize_int4(g)
     return Weight(fmt, O, K, gs, data, scales=scales.view(np.uint16),
-                  mins=None if mins is None else mins.view(np.uint16), **act)
+                  mins=None if mins is None else mins.view(np.uint16))
 
 
 def _quantize_int8(g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -353,22 +304,6 @@ def _quantize_int4(g: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     #                                        | weight j of group 2p+1 (high nibble)
     packed = q[:, 0::2] | (q[:, 1::2] << 4)                             # [R, G/2, gs]
     return packed, s, m
-
-
-def _check_act(decode_act: str, prefill_act: str, fmt: str, K: int) -> None:
-    if decode_act not in ("fp32", "int8", "int16") or prefill_act not in ("fp32", "bf16"):
-        raise ValueError(f"decode activations are fp32, int8 or int16, prefill ones fp32 or bf16; "
-                         f"got {decode_act!r}, {prefill_act!r}")
-    if decode_act == "int8" and not (fmt in ("int8", "int4") and simd.VNNI):
-        raise ValueError(f"int8 activations are not available for {fmt} weights on this CPU: they need "
-                         f"int8 / int4 weights and VNNI (here: {'yes' if simd.VNNI else 'no'}); use fp32")
-    if decode_act == "int16" and not (fmt == "int8" and simd.VNNI):
-        raise ValueError(f"int16 activations are not available for {fmt} weights on this CPU: they need "
-                         f"int8 weights and VNNI (here: {'yes' if simd.VNNI else 'no'}); use fp32")
-    if prefill_act == "bf16" and not (simd.BF16 and (fmt in ("int8", "int4") or (fmt == "bf16" and K % 2 == 0))):
-        raise ValueError(f"bf16 activations are not available for {fmt} weights [*, {K}] on this CPU: "
-                         f"they need bf16 / int8 / int4 weights, an even in_features (bf16) and "
-                         f"AVX-512 BF16 (here: {'yes' if simd.BF16 else 'no'}); use fp32")
 
 
 def _padded(K: int, fmt: str, gs: int) -> int:

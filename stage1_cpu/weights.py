@@ -8,11 +8,16 @@ q_proj, k_proj and v_proj become one matrix, as do gate_proj and up_proj: they
 multiply the same input, so one matmul reads that input once and starts the
 threads once instead of three (two) times. On the per-op path, where a parallel
 region costs ~50 us to start under OMP_WAIT_POLICY=PASSIVE, that is 3 of 7 starts
-per layer saved (docs/benchmarks.md has the measurement); decode_step.py, which
-starts them once per token, still reads the input once instead of three times.
+per layer saved (docs/benchmarks.md has the measurement); fast/decode_step.py,
+which starts them once per token, still reads the input once instead of three.
+
+This is also the one place that chooses the kernels (--kernels): plain is the core
+alone; fast imports stage1_cpu.fast (here, and only here) and stores FastWeights,
+whose activations are rounded where the CPU has an instruction for it.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,9 +26,7 @@ from rich.progress import Progress
 
 from common.config import ModelConfig
 from common.loader import WeightLoader
-from stage1_cpu import simd
 from stage1_cpu.quant import FORMATS, Weight, quantize
-
 
 
 @dataclass
@@ -38,12 +41,17 @@ class LayerWeights:
     wqkv: Weight                    # [(H + 2*Hkv) * D, C]: q_proj, k_proj, v_proj stacked by rows
     wo: Weight                      # [C, H*D]
     mlp_norm: np.ndarray            # [C]
+    bqkv: np.ndarray | None = None          # [(H + 2*Hkv) * D] q, k, v biases stacked (qwen2, qwen2_moe)
     q_norm: np.ndarray | None = None        # [D]   qwen3 only
     k_norm: np.ndarray | None = None        # [D]   qwen3 only
     w_gate_up: Weight | None = None         # [2F, C] dense MLP: gate_proj, up_proj stacked
     w_down: Weight | None = None            # [C, F]
     router: np.ndarray | None = None        # [E, C] MoE router, kept in fp32 (it is tiny and decides everything)
-    experts: list[ExpertWeights] = field(default_factory=list)
+    experts: list[ExpertWeights] = field(default_factory=list)   # views into the two stacks below
+    experts_gate_up: Weight | None = None   # [E * 2Fe, C] every routed expert's gate_up, stacked by rows
+    experts_down: Weight | None = None      # [E * C, Fe] every routed expert's down, stacked by rows
+    shared_expert: ExpertWeights | None = None  # qwen2_moe: [2Fs, C] and [C, Fs], every token goes through it
+    shared_gate: np.ndarray | None = None   # [1, C] its sigmoid gate, fp32 like the router
 
 
 @dataclass
@@ -54,51 +62,84 @@ class Weights:
     final_norm: np.ndarray          # [C]
     layers: list[LayerWeights]
     fmt: str                        # none | bf16 | int8 | int4
-    act: dict = field(default_factory=dict)   # the layers' {"decode_act": fp32 | int8, "prefill_act": fp32 | bf16}
+    kernels: str = "plain"          # plain | fast: which kernels multiply them (--kernels)
+    fast: object = None             # the stage1_cpu.fast module when kernels == "fast", else None
+    act: dict = field(default_factory=dict)   # fast: the layers' {"decode_act": ..., "prefill_act": ...}
 
     @property
     def nbytes(self) -> int:
-        """Bytes of weights one decode step reads (the roofline's numerator)."""
-        seen, total = set(), 0
+        """Bytes of every matrix a decode step may read: attention, dense MLPs, all the
+        experts of MoE layers (routed and shared), routers and shared-expert gates, and
+        the lm_head. Not counted: the embedding (a step reads one row of it; counted
+        once as the lm_head when tied), norms and biases (vectors, KBs). For a dense
+        model this is what one decode step reads; for MoE it is the weights' size,
+        and decode_nbytes is what one step reads."""
+        return self._matrix_bytes(routed_share=1.0)
+
+    @property
+    def decode_nbytes(self) -> int:
+        """Bytes of weights one decode token reads (the roofline's numerator): nbytes with
+        each MoE layer's routed experts counted for only the k of E a token goes to
+        (every expert of a layer has the same size); attention, the shared expert, the
+        router and the lm_head are read whole. Equal to nbytes for a dense model."""
+        cfg = self.config
+        return self._matrix_bytes(routed_share=cfg.num_experts_per_tok / cfg.num_experts
+                                  if cfg.num_experts else 1.0)
+
+    def _matrix_bytes(self, routed_share: float) -> int:
+        seen, total, routed = set(), 0, 0
         for w in [self.lm_head] + [getattr(l, n) for l in self.layers
                                    for n in ("wqkv", "wo", "w_gate_up", "w_down")]:
             if w is not None and id(w) not in seen:
                 seen.add(id(w))
                 total += w.nbytes
-        return total
+        for l in self.layers:
+            for a in (l.router, l.shared_gate):
+                total += a.nbytes if a is not None else 0
+            if l.shared_expert is not None:
+                total += l.shared_expert.e_gate_up.nbytes + l.shared_expert.e_down.nbytes
+            routed += sum(ex.e_gate_up.nbytes + ex.e_down.nbytes for ex in l.experts)
+        return total + round(routed * routed_share)
 
 
-ACTIVATIONS = ("auto", "int8", "fp32")
+KERNELS = ("auto", "plain", "fast")
 
 
-def choose_act(fmt: str, activations: str, in_features: int, lm_head: bool = False) -> dict:
-    """How a Weight rounds its activations (quant.py): --activations auto rounds
-    them where the CPU has a faster instruction for it: to int8 at int8 / int4
-    decode (simd.VNNI; the lm_head's to int16) and to bf16 at bf16 / int8 / int4
-    prefill (simd.BF16); int8 rounds the lm_head's to int8 too; fp32 never rounds.
-    -> quantize()'s keyword arguments {"decode_act": ..., "prefill_act": ...}."""
-    if activations not in ACTIVATIONS:
-        raise ValueError(f"unknown --activations {activations!r}; choose one of {', '.join(ACTIVATIONS)}")
-    act = {"decode_act": "fp32", "prefill_act": "fp32"}
-    if activations == "fp32" or fmt == "none":
-        return act
-    if fmt in ("int8", "int4") and (activations == "int8" or simd.VNNI):
-        act["decode_act"] = "int8"                  # int8 without VNNI: quantize() explains
-        if lm_head and fmt == "int8" and activations == "auto":
-            act["decode_act"] = "int16"
-    if simd.BF16 and (fmt != "bf16" or in_features % 2 == 0):
-        act["prefill_act"] = "bf16"
-    return act
+def choose_kernels(kernels: str, activations: str = "auto"):
+    """--kernels auto | plain | fast -> the stage1_cpu.fast module, or None for the core
+    alone. auto is fast wherever it runs (fast.available()). The import is here, lazy:
+    nothing of the fast path is loaded, let alone compiled, with plain."""
+    if kernels not in KERNELS:
+        raise ValueError(f"unknown --kernels {kernels!r}; choose one of {', '.join(KERNELS)}")
+    if kernels == "plain":
+        if activations not in ("auto", "fp32"):
+            raise ValueError(f"--activations {activations} needs the fast kernels; use --kernels fast or auto")
+        return None
+    from stage1_cpu import fast
+    why_not = fast.available()
+    if why_not and kernels == "fast":
+        raise ValueError(f"--kernels fast is not available here: {why_not}; use --kernels plain")
+    return None if why_not else fast
 
 
 def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
-                 progress: bool = True, activations: str = "auto") -> Weights:
+                 progress: bool = True, kernels: str = "auto", activations: str = "auto") -> Weights:
     if fmt not in FORMATS:
         raise ValueError(f"unknown --quant {fmt!r}; choose one of {', '.join(FORMATS)}")
+    fast = choose_kernels(kernels, activations)      # a wrong --kernels / --activations fails before any reading
+    if fast:
+        fast.choose_act(fmt, activations, 0)
+
+    def quantizer(fmt: str, head: bool = False):
+        """fp32 [O, K] -> Weight (the core) or FastWeight (its activations chosen for this CPU)."""
+        if not fast:
+            return lambda a: quantize(a, fmt, group_size)
+        return lambda a: fast.fast_quantize(a, fmt, group_size,
+                                            **fast.choose_act(fmt, activations, a.shape[1], lm_head=head))
+
     loader = WeightLoader(folder)
     cfg = loader.config
-    choose_act(fmt, activations, 0)                   # a wrong --activations fails before any reading
-    q = lambda a: quantize(a, fmt, group_size, **choose_act(fmt, activations, a.shape[1]))  # noqa: E731
+    q = quantizer(fmt)
     # The embedding / lm_head stays at int8 when the rest is int4, as llama.cpp's Q4 files keep
     # token_embd at Q8_0 and the output at Q6_K. It is the one matrix every logit goes through:
     # on the default model, all-int4 flips the first token of "What is the capital of France?"
@@ -107,9 +148,10 @@ def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
     # For the same reason its decode activations are rounded to int16, not int8, unless int8 is
     # asked for by name: on the default model, int4 weights with int8 activations everywhere flip
     # that same first token (margin 0.08 logits); with the lm_head's at int16 (or fp32) they do not.
-    head_act = choose_act(embed_fmt, activations, cfg.hidden_size, lm_head=True)
+    head_q = quantizer(embed_fmt, head=True)
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
-    total = 2 + cfg.num_layers * 4 + n_moe * (cfg.num_experts - 1) * 2   # bar steps: one per Weight
+    n_shared = n_moe if cfg.shared_expert_intermediate_size else 0
+    total = 2 + cfg.num_layers * 4 + n_moe * (cfg.num_experts - 1) * 2 + n_shared * 2  # one step per Weight
     with Progress(transient=True, disable=not progress) as bar:
         task = bar.add_task(f"loading weights ({fmt})", total=total)
 
@@ -117,9 +159,9 @@ def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
             bar.advance(task)
             return value
 
-        embed = step(_quantize_by_rows(loader, "embed", embed_fmt, group_size, head_act))
+        embed = step(_quantize_by_rows(loader, "embed", head_q, embed_fmt))
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in loader
-        lm_head = embed if tied else step(_quantize_by_rows(loader, "lm_head", embed_fmt, group_size, head_act))
+        lm_head = embed if tied else step(_quantize_by_rows(loader, "lm_head", head_q, embed_fmt))
         layers = []
         for i in range(cfg.num_layers):
             L = LayerWeights(
@@ -128,32 +170,58 @@ def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
                 wo=step(q(loader.layer("wo", i))),
                 mlp_norm=loader.layer("mlp_norm", i),
             )
+            if cfg.qkv_bias:
+                L.bqkv = loader.fused(["bq", "bk", "bv"], i)   # biases stay fp32: they are added, not multiplied
             if cfg.qk_norm:
                 L.q_norm, L.k_norm = loader.layer("q_norm", i), loader.layer("k_norm", i)
             if cfg.is_moe_layer(i):
                 L.router = loader.layer("router", i)
-                L.experts = [ExpertWeights(step(q(loader.fused(["e_gate", "e_up"], i, e))),
-                                           step(q(loader.layer("e_down", i, e))))
+                experts = [ExpertWeights(step(q(loader.fused(["e_gate", "e_up"], i, e))),
+                                         step(q(loader.layer("e_down", i, e))))
+                           for e in range(cfg.num_experts)]
+                # one matrix per projection for all E experts, each expert a view of its rows: decode
+                # multiplies the k chosen experts' rows in one parallel region (Weight.matmul_segments)
+                L.experts_gate_up = _stack([ex.e_gate_up for ex in experts])
+                L.experts_down = _stack([ex.e_down for ex in experts])
+                del experts
+                Fe2, C = L.experts_gate_up.out_features // cfg.num_experts, cfg.hidden_size
+                L.experts = [ExpertWeights(_rows(L.experts_gate_up, e * Fe2, (e + 1) * Fe2),
+                                           _rows(L.experts_down, e * C, (e + 1) * C))
                              for e in range(cfg.num_experts)]
+                if cfg.shared_expert_intermediate_size:
+                    L.shared_expert = ExpertWeights(step(q(loader.fused(["s_gate", "s_up"], i))),
+                                                    step(q(loader.layer("s_down", i))))
+                    L.shared_gate = loader.layer("shared_gate", i)
             else:
                 L.w_gate_up = step(q(loader.fused(["w_gate", "w_up"], i)))
                 L.w_down = step(q(loader.layer("w_down", i)))
             layers.append(L)
         final_norm = step(loader.glob("final_norm"))
-    return Weights(cfg, embed, lm_head, final_norm, layers, fmt, choose_act(fmt, activations, cfg.hidden_size))
+    return Weights(cfg, embed, lm_head, final_norm, layers, fmt, "fast" if fast else "plain", fast,
+                   fast.choose_act(fmt, activations, cfg.hidden_size) if fast else {})
 
 
-def _quantize_by_rows(loader: WeightLoader, key: str, fmt: str, group_size: int,
-                      act: dict | None = None, block: int = 16384) -> Weight:
+def _quantize_by_rows(loader: WeightLoader, key: str, q, fmt: str, block: int = 16384) -> Weight:
     """The embedding / lm_head [V, C] is by far the largest tensor (Qwen3-0.6B: 622 MB in
-    fp32). Quantize it a block of rows at a time straight from the mapped file, so its fp32
-    form never exists whole. -> one Weight, the blocks' rows stacked."""
+    fp32). Quantize it a block of rows at a time straight from the mapped file (q: a
+    quantizer()), so its fp32 form never exists whole. -> one Weight, the blocks' rows stacked."""
     V = loader.config.vocab_size
     if fmt == "none":
-        return quantize(loader.glob(key), fmt, group_size)   # fp32 is the format itself
-    parts = [quantize(loader.glob(key, rows=slice(r, r + block)), fmt, group_size, **(act or {}))
-             for r in range(0, V, block)]
-    stack = lambda name: (None if getattr(parts[0], name) is None  # noqa: E731
-                          else np.concatenate([getattr(p, name) for p in parts]))
-    return Weight(fmt, V, parts[0].in_features, parts[0].group_size, stack("data"),
-                  scales=stack("scales"), mins=stack("mins"), **(act or {}))
+        return q(loader.glob(key))                            # fp32 is the format itself
+    parts = [q(loader.glob(key, rows=slice(r, r + block))) for r in range(0, V, block)]
+    return parts[0] if len(parts) == 1 else _stack(parts)
+
+
+def _stack(ws: list[Weight]) -> Weight:
+    """Weights of one format and in_features -> one Weight, their rows stacked in order."""
+    cat = lambda name: (None if getattr(ws[0], name) is None  # noqa: E731
+                        else np.concatenate([getattr(w, name) for w in ws]))
+    return dataclasses.replace(ws[0], out_features=sum(w.out_features for w in ws), data=cat("data"),
+                               scales=cat("scales"), mins=cat("mins"))
+
+
+def _rows(w: Weight, r0: int, r1: int) -> Weight:
+    """Rows r0..r1-1 of w as a Weight of their own: views, no copy."""
+    view = lambda a: None if a is None else a[r0:r1]  # noqa: E731
+    return dataclasses.replace(w, out_features=r1 - r0, data=view(w.data), scales=view(w.scales),
+                               mins=view(w.mins))

@@ -12,12 +12,13 @@ its numpy twin on numpy arrays.
     x = embed(tokens)                                   [N, C]
     for each layer:
         h = rmsnorm(x)                                  attention block
-        q, k, v = h @ wq.T, h @ wk.T, h @ wv.T
+        q, k, v = h @ wq.T, h @ wk.T, h @ wv.T          (+ bq, bk, bv: qwen2, qwen2_moe)
         q, k = rmsnorm per head (qwen3), then RoPE at each token's own position
         store k, v in their pages; attend causally over each sequence's pages (GQA)
         x = x + attn @ wo.T
         h = rmsnorm(x)                                  MLP block
-        x = x + down(silu(gate(h)) * up(h))             (or the routed experts of a MoE layer)
+        x = x + down(silu(gate(h)) * up(h))             (or the routed experts of a MoE layer,
+                                                         plus a gated shared expert: qwen2_moe)
     logits = rmsnorm(x) @ lm_head.T                     [S', V] for the last position of each sequence
 
 Weight names follow Hugging Face's (wq is q_proj, ...); the rename table is in
@@ -42,7 +43,7 @@ class Model:
         self.cache = KVCache(cfg, num_pages, page_size, xp)
         # CUDA kernels on cupy arrays, their numpy twins on numpy arrays
         self.k = kernels
-        cos, sin = ops.rope_tables(max_ctx, cfg.head_dim, cfg.rope_theta)   # [T_max, D/2]
+        cos, sin = ops.rope_tables(max_ctx, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)   # [T_max, D/2]
         self.cos, self.sin = xp.asarray(cos), xp.asarray(sin)
 
     def forward(self, tokens, batch: BatchInfo, all_logits: bool = False):
@@ -64,9 +65,13 @@ class Model:
         for layer, lw in enumerate(w.layers):
             # ---- attention block ----
             h = K.rmsnorm(x, lw.attn_norm, eps)                # [N, C]
-            q = lw.wq.matmul(h).reshape(N, H, D)               # [N, H, D]
-            k = lw.wk.matmul(h).reshape(N, Hkv, D)             # [N, Hkv, D]
-            v = lw.wv.matmul(h).reshape(N, Hkv, D)             # [N, Hkv, D]
+            q, k, v = lw.wq.matmul(h), lw.wk.matmul(h), lw.wv.matmul(h)   # [N, H*D], [N, Hkv*D] x 2
+            if lw.bq is not None:
+                # Qwen2: q, k and v have biases (one broadcast add each, cupy's own elementwise kernel)
+                q, k, v = q + lw.bq, k + lw.bk, v + lw.bv
+            q = q.reshape(N, H, D)                             # [N, H, D]
+            k = k.reshape(N, Hkv, D)                           # [N, Hkv, D]
+            v = v.reshape(N, Hkv, D)                           # [N, Hkv, D]
             if cfg.qk_norm:
                 # Qwen3: RMSNorm over each head's D values, before RoPE, keeps q.k well scaled
                 q = K.rmsnorm(q, lw.q_norm, eps)
@@ -110,6 +115,8 @@ class Model:
 
     def moe(self, h, lw: LayerWeights):
         """Qwen3-MoE: each token goes to its top-k experts, weighted by the router.
+        Qwen2-MoE adds a shared expert that every token goes through, scaled by a
+        sigmoid gate of its own.
         h [N, C] -> [N, C]. The routing decision is made on the host (a small [N, E]
         copy); the experts' matmuls run on the device, one GEMM per chosen expert."""
         cfg, xp = self.config, self.xp
@@ -129,4 +136,10 @@ class Model:
             he = h[xp.asarray(rows)]                           # [Te, C]
             y = ex.e_down.matmul(self.k.silu_mul(ex.e_gate.matmul(he), ex.e_up.matmul(he)))  # [Te, C]
             out[xp.asarray(rows)] += xp.asarray(weight[rows, slot][:, None].astype(np.float32)) * y
+        if lw.shared_expert is not None:
+            # the shared expert: every token, weighted by sigmoid(h . shared_gate) in (0, 1)
+            ex = lw.shared_expert
+            y = ex.e_down.matmul(self.k.silu_mul(ex.e_gate.matmul(h), ex.e_up.matmul(h)))   # [T, C]
+            gate = lw.shared_gate.matmul(h)                    # [T, 1]
+            out += y / (1 + xp.exp(-gate))
         return out

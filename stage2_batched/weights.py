@@ -57,6 +57,9 @@ class LayerWeights:
     wv: Weight                      # [Hkv*D, C]
     wo: Weight                      # [C, H*D]
     mlp_norm: object                # [C]
+    bq: object | None = None        # [H*D]   q_proj's bias (qwen2, qwen2_moe)
+    bk: object | None = None        # [Hkv*D] k_proj's bias
+    bv: object | None = None        # [Hkv*D] v_proj's bias
     q_norm: object | None = None    # [D]   qwen3 only
     k_norm: object | None = None    # [D]   qwen3 only
     w_gate: Weight | None = None    # [F, C] dense MLP
@@ -64,6 +67,8 @@ class LayerWeights:
     w_down: Weight | None = None    # [C, F]
     router: Weight | None = None    # [E, C] MoE router (its logits go to the host for top-k)
     experts: list[ExpertWeights] = field(default_factory=list)
+    shared_expert: ExpertWeights | None = None  # qwen2_moe: [Fs, C] x 2, [C, Fs]; every token goes through it
+    shared_gate: Weight | None = None           # [1, C] its sigmoid gate
 
 
 @dataclass
@@ -77,14 +82,34 @@ class Weights:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of weights one decode step reads (the roofline's numerator)."""
-        seen, total = set(), 0
+        """Bytes of every matrix a decode step may read: attention, dense MLPs, all the
+        experts of MoE layers (routed and shared), routers and shared-expert gates, and
+        the lm_head. Not counted: the embedding (one row per token; counted once as the
+        lm_head when tied), norms and biases. For a dense model this is what one decode
+        step reads; for MoE, decode_nbytes is."""
+        return self._matrix_bytes(routed_share=1.0)
+
+    @property
+    def decode_nbytes(self) -> int:
+        """Bytes of weights one token's decode reads (the roofline's numerator): nbytes with
+        each MoE layer's routed experts counted for only the k of E a token goes to."""
+        cfg = self.config
+        return self._matrix_bytes(routed_share=cfg.num_experts_per_tok / cfg.num_experts
+                                  if cfg.num_experts else 1.0)
+
+    def _matrix_bytes(self, routed_share: float) -> int:
+        seen, total, routed = set(), 0, 0
         for w in [self.lm_head] + [getattr(l, n) for l in self.layers
-                                   for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")]:
+                                   for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down",
+                                             "router", "shared_gate")]:
             if w is not None and id(w) not in seen:
                 seen.add(id(w))
                 total += w.nbytes
-        return total
+        for l in self.layers:
+            if l.shared_expert is not None:
+                total += sum(w.nbytes for w in vars(l.shared_expert).values())
+            routed += sum(w.nbytes for ex in l.experts for w in vars(ex).values())
+        return total + round(routed * routed_share)
 
 
 def load_weights(folder: str | Path, xp=np, progress: bool = True) -> Weights:
@@ -93,7 +118,8 @@ def load_weights(folder: str | Path, xp=np, progress: bool = True) -> Weights:
     dev = lambda a: xp.asarray(np.ascontiguousarray(a, dtype=np.float32))   # noqa: E731  host -> device
     q = lambda a: Weight(dev(a))                                              # noqa: E731
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
-    total = 2 + cfg.num_layers * 7 + n_moe * cfg.num_experts * 3
+    n_shared = n_moe if cfg.shared_expert_intermediate_size else 0
+    total = 2 + cfg.num_layers * 7 + n_moe * (cfg.num_experts - 1) * 3 + n_shared * 3
     with Progress(transient=True, disable=not progress) as bar:
         task = bar.add_task("loading weights (float32)", total=total)
 
@@ -114,6 +140,8 @@ def load_weights(folder: str | Path, xp=np, progress: bool = True) -> Weights:
                 wo=step(q(loader.layer("wo", i))),
                 mlp_norm=dev(loader.layer("mlp_norm", i)),
             )
+            if cfg.qkv_bias:
+                L.bq, L.bk, L.bv = (dev(loader.layer(b, i)) for b in ("bq", "bk", "bv"))
             if cfg.qk_norm:
                 L.q_norm, L.k_norm = dev(loader.layer("q_norm", i)), dev(loader.layer("k_norm", i))
             if cfg.is_moe_layer(i):
@@ -122,6 +150,11 @@ def load_weights(folder: str | Path, xp=np, progress: bool = True) -> Weights:
                                            step(q(loader.layer("e_up", i, e))),
                                            step(q(loader.layer("e_down", i, e))))
                              for e in range(cfg.num_experts)]
+                if cfg.shared_expert_intermediate_size:
+                    L.shared_expert = ExpertWeights(step(q(loader.layer("s_gate", i))),
+                                                    step(q(loader.layer("s_up", i))),
+                                                    step(q(loader.layer("s_down", i))))
+                    L.shared_gate = q(loader.layer("shared_gate", i))
             else:
                 L.w_gate = step(q(loader.layer("w_gate", i)))
                 L.w_up = step(q(loader.layer("w_up", i)))

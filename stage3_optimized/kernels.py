@@ -250,9 +250,8 @@ def prefill_attention(q, k_cache, v_cache, block_tables, token_seq, positions,
 
 @functools.cache
 def _tc_available() -> bool:
-    """Whether the tensor-core kernel compiles here. It includes <mma.h> and <cuda_bf16.h>,
-    which NVRTC finds only through the CUDA headers CuPy is given; without them the plain
-    kernel runs (said once), so a missing header costs speed, not the engine."""
+    """Whether the tensor-core kernel compiles here (it needs sm_80 or newer for bf16 wmma);
+    if not, the plain kernel runs (said once), so an old GPU costs speed, not the engine."""
     try:
         _kernel("prefill_attention_tc")
         return True

@@ -39,7 +39,7 @@ class Model:
         self.cache = KVCache(cfg, num_pages, page_size, xp)
         # CUDA kernels on cupy arrays, their numpy twins on numpy arrays
         self.k = kernels
-        cos, sin = ops.rope_tables(max_ctx, cfg.head_dim, cfg.rope_theta)   # [T_max, D/2]
+        cos, sin = ops.rope_tables(max_ctx, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)   # [T_max, D/2]
         self.cos, self.sin = xp.asarray(cos), xp.asarray(sin)
 
     def forward(self, tokens, batch: BatchInfo, all_logits: bool = False):

@@ -66,13 +66,32 @@ def add_rmsnorm(x: np.ndarray, residual: np.ndarray | None, w: np.ndarray, eps: 
     return bf16_bits(rmsnorm(r, w, eps)), r.astype(np.float32)
 
 
-def rope_tables(max_pos: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+def rope_tables(max_pos: int, head_dim: int, theta: float, scaling=None) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin [max_pos, D/2] float32: the rotation angle of pair i at position p is p * theta^(-2i/D).
+    scaling (config.RopeScaling, Llama 3's) changes the frequencies, see llama3_inv_freq.
     Computed once per model; positions index rows."""
     inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))  # [D/2]
+    if scaling is not None:
+        inv_freq = llama3_inv_freq(inv_freq, scaling)
     # transformers forms the angles in float32; doing the same keeps long positions bit-close
     angles = np.arange(max_pos, dtype=np.float32)[:, None] * inv_freq.astype(np.float32)[None, :]
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def llama3_inv_freq(inv_freq: np.ndarray, scaling) -> np.ndarray:
+    """Llama 3's RoPE scaling: inv_freq [D/2] -> [D/2]. A pair whose wavelength 2 pi / f is
+    longer than the pretraining context / low_freq_factor never turned a full circle in
+    pretraining: slow it down by `factor` so longer contexts stay within the angles it saw.
+    A wavelength shorter than the context / high_freq_factor is kept (it turned many times,
+    local order depends on it). Between the two, blend: s = 0 at the long end, 1 at the
+    short end, f' = (1 - s) f / factor + s f."""
+    L, lo, hi, factor = (scaling.original_max_position_embeddings, scaling.low_freq_factor,
+                         scaling.high_freq_factor, scaling.factor)
+    wavelen = 2 * np.pi / inv_freq                         # [D/2] positions per full turn
+    s = (L / wavelen - lo) / (hi - lo)                     # [D/2] blend weight, in [0, 1] in the band
+    blended = (1 - s) * inv_freq / factor + s * inv_freq
+    return np.where(wavelen > L / lo, inv_freq / factor,   # long wavelengths: slowed by factor
+                    np.where(wavelen < L / hi, inv_freq, blended))   # short ones: kept
 
 
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

@@ -92,6 +92,9 @@ class Weights:
 def load_weights(folder: str | Path, xp=np, progress: bool = True) -> Weights:
     loader = WeightLoader(folder)
     cfg = loader.config
+    if cfg.qkv_bias or cfg.shared_expert_intermediate_size:
+        raise ValueError(f"stage 3 does not run {cfg.family} models yet (q/k/v biases or a shared "
+                         "expert): use stage 2 (python -m stage2_batched.serve) for this model")
     # round to bf16 on the host (round to nearest even), then one copy of the bits to the device
     dev = lambda a: xp.asarray(np.ascontiguousarray(bf16_bits(a)))          # noqa: E731  host -> device
     q = lambda a: Weight(dev(a))                                              # noqa: E731

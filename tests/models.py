@@ -3,7 +3,9 @@
 make_model() builds a model folder with save_pretrained (real architecture, real
 file layout) and caches it for the whole pytest session, so the suite pays for
 each model once. initializer_range=0.2 makes greedy outputs vary (with the default
-0.02 a tied tiny model repeats one token forever).
+0.02 a tied tiny model repeats one token forever). transformers initialises the
+q/k/v biases of qwen2 / qwen2_moe to zero; they are drawn at random here, so a
+model that ignored them would fail the comparison.
 """
 from __future__ import annotations
 
@@ -48,19 +50,31 @@ def make_model(family: str = "qwen3", dtype: str = "float32", sharded: bool = Fa
     elif family == "llama":
         kw["rope_theta"] = 100000.0
         cfg_cls, model_cls = tf.LlamaConfig, tf.LlamaForCausalLM
+    elif family == "qwen2":
+        kw["rope_theta"] = 1000000.0
+        cfg_cls, model_cls = tf.Qwen2Config, tf.Qwen2ForCausalLM
+    elif family == "qwen2_moe":
+        # Qwen2-MoE's defaults: no renormalisation of the top k; a shared expert wider
+        # than a routed one (the real 14B-A2.7B: 5632 against 1408)
+        kw.update(num_experts=8, num_experts_per_tok=4, moe_intermediate_size=48,
+                  shared_expert_intermediate_size=80, norm_topk_prob=False, decoder_sparse_step=1,
+                  mlp_only_layers=[], rope_theta=1000000.0)
+        cfg_cls, model_cls = tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM
     else:
         raise ValueError(family)
     kw.update(overrides)
     torch.manual_seed(seed)
     config = cfg_cls(**kw)
     model = model_cls(config).eval()
-    if family == "qwen3_moe":
-        # transformers 5 initialises the expert weights with the default 0.02 whatever
-        # initializer_range says; scale them up so the experts matter
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "experts" in name and p.std() < 0.05:
-                    p.normal_(0.0, kw["initializer_range"])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "experts" in name and p.std() < 0.05:
+                # transformers 5 initialises Qwen3-MoE's expert weights with the default 0.02
+                # whatever initializer_range says; scale them up so the experts matter
+                p.normal_(0.0, kw["initializer_range"])
+            elif name.endswith(".bias"):
+                # zero in transformers' init; large enough here to move every logit
+                p.normal_(0.0, 0.5)
     model = model.to(getattr(torch, dtype))
     out = ROOT / f"{family}-{dtype}-{'sh' if sharded else 'one'}-{'tok' if tokenizer else 'notok'}-{seed}-{len(_cache)}"
     model.save_pretrained(out, max_shard_size="200KB" if sharded else "10GB")

@@ -110,6 +110,13 @@ def test_config_reads_4x_and_5x_keys_and_generation_eos():
     ({"hidden_size": None}, "missing the key 'hidden_size'"),
     ({"num_key_value_heads": 3}, "multiple of"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+    ({"rope_scaling": {"type": "linear", "factor": 4.0}}, "'linear' is not supported"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}},
+     "needs original_max_position_embeddings"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 8192}}, r"high_freq_factor \(4.0\) > low_freq_factor"),
+    ({"attention_bias": True}, "attention_bias=true is not supported for qwen3"),
+    ({"use_sliding_window": True, "sliding_window": 4096}, "sliding-window"),
 ])
 def test_config_errors_name_the_key(change, message):
     d = json.loads((make_model("qwen3") / "config.json").read_text())
@@ -121,3 +128,65 @@ def test_config_errors_name_the_key(change, message):
 def test_config_missing_folder_says_what_a_model_folder_is(tmp_path):
     with pytest.raises(ConfigError, match="Hugging Face model folder"):
         ModelConfig.from_folder(tmp_path)
+
+
+def test_config_reads_llama3_rope_scaling_from_4x_and_5x_keys():
+    """Real checkpoints (DeepSeek-R1-Distill-Llama) write rope_theta and rope_scaling;
+    transformers 5.x writes one rope_parameters dict. Both give the same config."""
+    from common.config import RopeScaling
+    scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+    folder = make_model("llama", rope_scaling=dict(rope_type="llama3", **scaling))
+    new = json.loads((folder / "config.json").read_text())
+    assert new["rope_parameters"]["rope_type"] == "llama3" and "rope_scaling" not in new
+    old = dict(new)
+    old["rope_theta"] = old.pop("rope_parameters")["rope_theta"]
+    old["rope_scaling"] = dict(type="llama3", **scaling)        # the older spelling of rope_type
+    a, b = ModelConfig.from_dict(new), ModelConfig.from_dict(old)
+    assert a == b and a.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 8192) and a.rope_theta == 1e5
+    old["rope_scaling"] = None                                   # Qwen2 checkpoints write null
+    assert ModelConfig.from_dict(old).rope_scaling is None
+
+
+def test_config_of_a_real_qwen2_moe_checkpoint_shape():
+    """4.x keys as Qwen1.5-MoE-A2.7B's config.json has them (num_experts, rope_theta,
+    use_sliding_window false), written here by hand from its documented shape."""
+    d = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "vocab_size": 151936,
+         "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24, "num_attention_heads": 16,
+         "num_key_value_heads": 16, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+         "use_sliding_window": False, "sliding_window": 32768, "max_window_layers": 21,
+         "decoder_sparse_step": 1, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+         "num_experts_per_tok": 4, "num_experts": 60, "norm_topk_prob": False, "tie_word_embeddings": False}
+    c = ModelConfig.from_dict(d)
+    assert (c.family, c.num_experts, c.head_dim, c.qkv_bias, c.qk_norm) == ("qwen2_moe", 60, 128, True, False)
+    assert all(c.is_moe_layer(i) for i in range(24)) and c.shared_expert_intermediate_size == 5632
+    d.pop("shared_expert_intermediate_size")
+    with pytest.raises(ConfigError, match="shared_expert_intermediate_size"):
+        ModelConfig.from_dict(d)
+    d2 = {**d, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
+    c2 = ModelConfig.from_dict(d2)
+    assert (c2.family, c2.qkv_bias, c2.num_experts, c2.is_moe_layer(0)) == ("qwen2", True, 0, False)
+
+
+def test_biases_and_shared_expert_tensors_equal_torch():
+    import transformers as tf
+    folder = make_model("qwen2_moe", num_hidden_layers=3, mlp_only_layers=[1])
+    model = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    loader = WeightLoader(folder)
+    for i in range(3):
+        att = f"model.layers.{i}.self_attn."
+        for key, proj in (("bq", "q_proj"), ("bk", "k_proj"), ("bv", "v_proj")):
+            np.testing.assert_array_equal(loader.layer(key, i), sd[att + proj + ".bias"])
+            assert np.abs(sd[att + proj + ".bias"]).max() > 0.1          # the test model's biases are not zero
+        fused = loader.fused(["bq", "bk", "bv"], i)
+        parts = [sd[att + p + ".bias"] for p in ("q_proj", "k_proj", "v_proj")]
+        np.testing.assert_array_equal(fused, np.concatenate(parts))
+    mlp = "model.layers.0.mlp."
+    assert loader.layer("s_gate", 0).shape == (80, 96) and loader.layer("s_down", 0).shape == (96, 80)
+    for key, name in (("s_gate", "shared_expert.gate_proj"), ("s_up", "shared_expert.up_proj"),
+                      ("s_down", "shared_expert.down_proj"), ("shared_gate", "shared_expert_gate")):
+        np.testing.assert_array_equal(loader.layer(key, 0), sd[mlp + name + ".weight"])
+    # the dense middle layer has the dense MLP's names and no experts
+    assert loader.layer("w_gate", 1).shape == (160, 96)
+    with pytest.raises(LoaderError, match="shared_expert"):
+        loader.layer("s_gate", 1)

@@ -13,7 +13,7 @@ from common.engine import Request
 from common.models import resolve_model
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
-from stage1_cpu import simd
+from stage1_cpu.fast import cpu
 from stage1_cpu.engine import LLMEngine
 from stage1_cpu.model import Model
 from stage1_cpu.weights import load_weights
@@ -75,7 +75,7 @@ def test_quantized_default_model_still_knows_the_capital_of_france(folder, fmt):
 
 def _decode_perplexity(folder, ids, fmt, activations):
     """Perplexity with every position fed one at a time: the decode path, where
-    int8 / int4 weights meet int8 activations (quant.py, simd.py)."""
+    int8 / int4 weights meet int8 activations (fast/weight.py, fast/simd.py)."""
     model = Model(load_weights(folder, fmt, 32, progress=False, activations=activations), 512)
     nll = []
     for t in range(len(ids) - 1):
@@ -85,7 +85,7 @@ def _decode_perplexity(folder, ids, fmt, activations):
     return float(np.exp(np.mean(nll)))
 
 
-@pytest.mark.skipif(not simd.VNNI, reason="this CPU has no VNNI: int8 activations are not available on it")
+@pytest.mark.skipif(not cpu.INT8, reason="no int8 dot product here (AVX-512 VNNI / AVX-VNNI vpdpbusd, or AVX2 vpmaddubsw)")
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_int8_activations_cost_under_one_percent_of_perplexity(folder, fmt):
     # Measured on the first 200 tokens: int8 weights 21.641 (fp32 activations) -> 21.753 with

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from models import make_model
-from stage1_cpu import decode_step, sync
+from stage1_cpu.fast import decode_step, sync
 from stage1_cpu.model import Model
 from stage1_cpu.weights import load_weights
 
@@ -101,10 +101,10 @@ def test_threads_one_and_two_agree():
 
 def test_a_layer_in_another_format_keeps_the_per_op_path():
     """The kernel takes one format per kind of matrix: a model mixing them decodes per op."""
-    from stage1_cpu.quant import quantize
+    from stage1_cpu.fast import fast_quantize
     weights = load_weights(make_model(**CASES["qwen3"]), "int8", 32, progress=False)
     lw = weights.layers[1]
-    lw.wo = quantize(lw.wo.dequantize(), "bf16")
+    lw.wo = fast_quantize(lw.wo.dequantize(), "bf16")
     assert not decode_step.DecodeStep.supported(weights)
     model = Model(weights, 64)
     assert model.decode_step is None
@@ -152,3 +152,58 @@ def test_items_cover_every_row_once_big_first_small_last(workers):
             assert all(e > s for s, e in zip(starts, ends)) and starts[1:] == ends[:-1]
             # the phase ends on small items: at least TAIL_ITEMS per worker unless the matrix is small
             assert n - n_big >= min(decode_step.TAIL_ITEMS * workers, -(-O // block))
+
+
+@pytest.mark.parametrize("fmt", ["none", "bf16", "int8", "int4"])
+def test_fast_path_with_fp32_activations_equals_plain_path_bit_for_bit(fmt):
+    """--kernels fast --activations fp32 runs the core's own row bodies (one region per
+    step instead of one per matmul): its logits are the plain path's, bit for bit."""
+    folder = make_model(**CASES["llama_odd"])
+    fast = Model(load_weights(folder, fmt, 64, progress=False, kernels="fast", activations="fp32"), 64)
+    plain = Model(load_weights(folder, fmt, 64, progress=False, kernels="plain"), 64)
+    assert fast.decode_step is not None and plain.decode_step is None and plain.w.fast is None
+    a, b = fast.forward(np.array(PROMPT), 0), plain.forward(np.array(PROMPT), 0)
+    assert np.array_equal(a, b)
+    for pos in range(len(PROMPT), len(PROMPT) + 4):
+        tok = np.array([int(np.argmax(b))])
+        a, b = fast.forward(tok, pos), plain.forward(tok, pos)
+        assert np.array_equal(a, b), pos
+    assert len(np.unique(np.round(b, 3))) > 10, "logits must vary for the comparison to mean anything"
+
+
+def test_plain_kernels_never_import_the_fast_path():
+    """The core runs without stage1_cpu.fast: --kernels plain loads and decodes a model
+    and the fast package (whose kernels name CPU instructions) is never imported."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    folder = make_model(**CASES["qwen3"])
+    code = ("import sys, numpy as np\n"
+            "from stage1_cpu.weights import load_weights\nfrom stage1_cpu.model import Model\n"
+            f"m = Model(load_weights({str(folder)!r}, 'int8', 32, progress=False, kernels='plain'), 32)\n"
+            "m.forward(np.array([1, 2, 3]), 0); m.forward(np.array([4]), 3)\n"
+            "bad = sorted(k for k in sys.modules if k.startswith('stage1_cpu.fast'))\n"
+            "assert not bad, bad\nprint('ok')\n")
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_unknown_kernels_and_plain_with_int8_activations_are_refused():
+    folder = make_model(**CASES["qwen3"])
+    with pytest.raises(ValueError, match="--kernels"):
+        load_weights(folder, "int8", 32, progress=False, kernels="turbo")
+    with pytest.raises(ValueError, match="needs the fast kernels"):
+        load_weights(folder, "int8", 32, progress=False, kernels="plain", activations="int8")
+
+
+@pytest.mark.parametrize("kernels", ["plain", "fast"])
+def test_engine_with_threads_and_kernels_options(kernels):
+    """--threads and --kernels together (the chat's and the server's options)."""
+    from stage1_cpu.engine import LLMEngine
+    engine = LLMEngine(make_model(**CASES["qwen3"]), quant="int8", max_ctx=64, threads=1, progress=False,
+                       kernels=kernels)
+    assert numba.get_num_threads() == 1
+    assert engine.weights.kernels == kernels
+    assert ("plain kernels" == engine.describe_kernels()) == (kernels == "plain")
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)

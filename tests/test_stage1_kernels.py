@@ -15,8 +15,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stage1_cpu import kernels, ops, quant, simd
+from stage1_cpu import kernels, ops, quant
+from stage1_cpu.fast import cpu
+from stage1_cpu.fast.weight import fast_quantize
 from stage1_cpu.quant import Weight, quantize
+
+NO_INT8_DOT = "this CPU (or NUMBA_CPU_NAME) has no int8 dot product: neither AVX-512 VNNI / AVX-VNNI (vpdpbusd) nor AVX2 (vpmaddubsw)"
+NO_BF16 = "this CPU (or NUMBA_CPU_NAME) has no AVX-512 BF16 (vdpbf16ps)"
 
 RTOL = 1e-5  # fp32, different summation order
 
@@ -122,11 +127,13 @@ ACT_CASES = ([("bf16", 0, "fp32", "bf16")] + [(f, gs, "int8", "fp32") for f in (
 def test_rounded_activation_matmul_matches_its_twin(rng, fmt, gs, decode_act, prefill_act, O, K):
     """simd.py's int8 (decode) and bf16 (prefill) dot products against the twin that
     rounds x (and for bf16, W) the same way, then multiplies in fp32: equal to fp32 rounding."""
-    if (decode_act != "fp32" and not simd.VNNI) or (prefill_act == "bf16" and not simd.BF16):
-        pytest.skip("this CPU lacks the instruction for these activations")
+    if decode_act != "fp32" and not cpu.INT8:
+        pytest.skip(NO_INT8_DOT)
+    if prefill_act == "bf16" and not cpu.BF16:
+        pytest.skip(NO_BF16)
     if fmt == "bf16" and K % 2:
         pytest.skip("bf16 pairs need an even in_features")
-    W = quantize(randn(rng, O, K), fmt, gs or 64, decode_act=decode_act, prefill_act=prefill_act)
+    W = fast_quantize(randn(rng, O, K), fmt, gs or 64, decode_act=decode_act, prefill_act=prefill_act)
     rounded = []
     for T in (1, 3, quant.PREFILL_MIN_T, 21):             # 21 tokens: a part-filled block of 8
         x = randn(rng, T, K, scale=3.0)
@@ -139,19 +146,19 @@ def test_rounded_activation_matmul_matches_its_twin(rng, fmt, gs, decode_act, pr
 
 def test_rounded_activations_refused_where_they_cannot_run(rng):
     with pytest.raises(ValueError, match="not available"):
-        quantize(randn(rng, 4, 64), "none", decode_act="int8")
+        fast_quantize(randn(rng, 4, 64), "none", decode_act="int8")
     with pytest.raises(ValueError, match="not available"):
-        quantize(randn(rng, 4, 63), "bf16", prefill_act="bf16")     # odd in_features: no bf16 pairs
+        fast_quantize(randn(rng, 4, 63), "bf16", prefill_act="bf16")     # odd in_features: no bf16 pairs
     with pytest.raises(ValueError, match="fp32, int8 or int16"):
-        quantize(randn(rng, 4, 64), "int8", decode_act="int4")
+        fast_quantize(randn(rng, 4, 64), "int8", decode_act="int4")
     with pytest.raises(ValueError, match="not available"):
-        quantize(randn(rng, 4, 64), "int4", decode_act="int16")
+        fast_quantize(randn(rng, 4, 64), "int4", decode_act="int16")
 
 
 def test_int8_activations_keep_nan_and_inf(rng):
-    if not simd.VNNI:
-        pytest.skip("this CPU has no VNNI")
-    W = quantize(randn(rng, 8, 64), "int8", 32, decode_act="int8")
+    if not cpu.INT8:
+        pytest.skip(NO_INT8_DOT)
+    W = fast_quantize(randn(rng, 8, 64), "int8", 32, decode_act="int8")
     x = randn(rng, 1, 64)
     x[0, 3] = np.nan
     x[0, 40] = np.inf
@@ -278,3 +285,26 @@ def test_clear_errors():
         quantize(w, "int8").matmul(np.ones((1, 63), np.float32))
     with pytest.raises(ValueError, match="fp16"):
         quantize(w * 1e9, "int8")
+
+
+@pytest.mark.parametrize("fmt,gs,decode_act", [("none", 0, "fp32"), ("bf16", 0, "fp32"), ("int8", 32, "fp32"),
+                                               ("int4", 64, "fp32"), ("int8", 32, "int8"), ("int4", 32, "int8")])
+def test_matmul_segments_equal_each_segments_own_matmul_bit_for_bit(rng, fmt, gs, decode_act):
+    """A MoE layer's chosen experts at decode: matmul_segments multiplies row s of x by rows
+    starts[s]..starts[s]+n of the stacked matrix, all in one parallel region. Each segment
+    must equal that expert's own matmul exactly (the MoE decode path relies on it), and
+    the twin within fp32 rounding."""
+    if decode_act != "fp32" and not cpu.INT8:
+        pytest.skip(NO_INT8_DOT)
+    E, n, K = 6, 44, 72                                    # 44 rows: blocks of 4 plus a tail; K not a group multiple
+    W = fast_quantize(randn(rng, E * n, K), fmt, gs or 32, decode_act=decode_act)
+    starts = np.array([0, 3 * n, 5 * n], dtype=np.int64)   # experts 0, 3, 5
+    x = randn(rng, 3, K)
+    out = W.matmul_segments(x, starts, n)
+    assert out.shape == (3, n)
+    for s, st in enumerate(starts):
+        one = W.matmul(x[s:s + 1])[0, st:st + n]
+        assert np.array_equal(out[s], one), (s, float(np.abs(out[s] - one).max()))
+        close(out[s:s + 1], W.matmul_ref(x[s:s + 1])[:, st:st + n], rtol=1e-5 if decode_act == "fp32" else 1e-4)
+    with pytest.raises(IndexError):
+        W.matmul_segments(x, np.array([0, 3 * n, 6 * n - 1]), n)

@@ -5,7 +5,7 @@ import pytest
 from common.engine import Request
 from common.sampling import SamplingParams
 from models import hf_greedy, hf_logits, make_model
-from stage1_cpu import simd
+from stage1_cpu.fast import cpu
 from stage1_cpu.engine import LLMEngine
 from stage1_cpu.model import Model
 from stage1_cpu.weights import load_weights
@@ -18,9 +18,9 @@ def rel_err(a, b):
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
-def logits_all(folder, ids, fmt="none", use_numba=True, group_size=64, activations="auto"):
-    model = Model(load_weights(folder, fmt, group_size, progress=False, activations=activations), 256,
-                  use_numba=use_numba)
+def logits_all(folder, ids, fmt="none", use_numba=True, group_size=64, activations="auto", kernels="auto"):
+    model = Model(load_weights(folder, fmt, group_size, progress=False, kernels=kernels, activations=activations),
+                  256, use_numba=use_numba)
     return model.forward(np.array(ids), 0, all_logits=True)
 
 
@@ -71,7 +71,7 @@ def test_numba_kernels_and_numpy_definitions_give_the_same_model():
 def test_sharded_bf16_folder_runs_in_bf16_close_to_transformers_bf16():
     folder = make_model("qwen3", dtype="bfloat16", sharded=True)
     ours = logits_all(folder, PROMPT, fmt="bf16", activations="fp32")
-    fast = logits_all(folder, PROMPT, fmt="bf16")     # prefill rounds matmul inputs to bf16 (simd.BF16)
+    fast = logits_all(folder, PROMPT, fmt="bf16")     # prefill rounds matmul inputs to bf16 (cpu.BF16)
     ref = hf_logits(folder, PROMPT, dtype="bfloat16")
     exact = hf_logits(folder, PROMPT, dtype="float32")
     # transformers bf16 rounds every activation to bf16 (the residual stream too); with fp32
@@ -104,9 +104,13 @@ class _Twin:
     activations' rounding of the path taken: int8 at decode, bf16 at prefill)."""
     def __init__(self, w):
         self.w = w
+        self.out_features = w.out_features
 
     def matmul(self, x):
         return self.w.matmul_ref(x)
+
+    def matmul_segments(self, x, starts, n):            # a MoE layer's chosen experts, one row of x each
+        return np.concatenate([self.w.matmul_ref(x[s:s + 1])[:, st:st + n] for s, st in enumerate(starts)])
 
     def rows(self, ids):
         return self.w.dequantize()[ids]
@@ -122,8 +126,10 @@ ACT_CASES = [("bf16", "fp32", "fp32 fp32"), ("bf16", "auto", "fp32 bf16"), ("int
 def test_quantized_engine_computes_exactly_its_numpy_twin(fmt, activations, act, T):
     """The fused kernels (and simd.py's int8 / bf16 dot products) against the numpy
     twin of every matmul: MoE experts see 1-3 tokens, so both paths run."""
-    if ("int8" in act and not simd.VNNI) or ("bf16" in act and not simd.BF16):
-        pytest.skip(f"this CPU lacks an instruction for {act} activations")
+    if "int8" in act and not cpu.INT8:
+        pytest.skip("no int8 dot product here (AVX-512 VNNI / AVX-VNNI vpdpbusd, or AVX2 vpmaddubsw)")
+    if "bf16" in act and not cpu.BF16:
+        act = act.replace("bf16", "fp32")              # no AVX-512 BF16 (vdpbf16ps): prefill stays fp32
     folder = make_model("qwen3_moe", hidden_size=128, intermediate_size=256, initializer_range=0.05)
     w = load_weights(folder, fmt, 32, progress=False, activations=activations)
     assert f"{w.act['decode_act']} {w.act['prefill_act']}" == act
@@ -139,6 +145,8 @@ def test_quantized_engine_computes_exactly_its_numpy_twin(fmt, activations, act,
                 setattr(lw, name, _Twin(getattr(lw, name)))
         for ex in lw.experts:
             ex.e_gate_up, ex.e_down = _Twin(ex.e_gate_up), _Twin(ex.e_down)
+        if lw.experts_gate_up is not None:                  # the same experts, stacked (decode)
+            lw.experts_gate_up, lw.experts_down = _Twin(lw.experts_gate_up), _Twin(lw.experts_down)
     twin = Model(w, 64)
     if T < len(PROMPT):
         twin.forward(prompt[:-T], 0)
@@ -244,8 +252,8 @@ def test_real_qwen3_0_6b_shapes_match_transformers():
 def test_lm_head_activations_follow_the_option():
     """auto: the int8 lm_head (int8 and int4 models) decodes with int16 activations, the
     layers with int8; --activations int8 rounds the lm_head's to int8 too; fp32 none."""
-    if not simd.VNNI:
-        pytest.skip("this CPU has no VNNI")
+    if not cpu.INT8:
+        pytest.skip("no int8 dot product here (AVX-512 VNNI / AVX-VNNI vpdpbusd, or AVX2 vpmaddubsw)")
     folder = make_model("qwen3")
     for fmt, activations, head, layers in [("int4", "auto", "int16", "int8"), ("int8", "auto", "int16", "int8"),
                                            ("int4", "int8", "int8", "int8"), ("int4", "fp32", "fp32", "fp32")]:

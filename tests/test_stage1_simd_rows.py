@@ -22,9 +22,11 @@ import numpy as np
 import pytest
 from numba import njit
 
-from stage1_cpu import kernels, simd
+from stage1_cpu.fast import cpu, simd
+from stage1_cpu.fast import kernels
 
-pytestmark = pytest.mark.skipif(not simd.VNNI, reason="the CPU (or NUMBA_CPU_NAME) has no 256-bit VNNI")
+pytestmark = pytest.mark.skipif(not cpu.INT8, reason="the CPU (or NUMBA_CPU_NAME) has no int8 dot product: "
+                                "neither AVX-512 VNNI / AVX-VNNI (vpdpbusd) nor AVX2 (vpmaddubsw)")
 
 RTOL = 1e-5
 

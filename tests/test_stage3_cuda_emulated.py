@@ -1,14 +1,15 @@
 """Stage 3's CUDA sources run on the CPU under the g++ emulator, each against its numpy twin.
 
-The emulator is stage 2's (tests/test_stage2_cuda_emulated.py: one OS thread per CUDA
-thread, real block barriers, warp shuffles through a per-warp buffer), used as it is,
-with a few lines added here for what stage 3's kernels also call: bit casts between
-float and unsigned (bf16 <-> fp32), `min`. The kernels are launched through
-stage3_optimized/kernels.py itself, with stage 2's stand-in for CuPy plus a stand-in
-for cuBLAS's gemmEx that reads its arguments the way cuBLAS does (column-major,
-leading dimensions, op T / op N), so the wrappers' argument order, dtypes, launch grids
-and the GEMM's transposition are checked too; finally the whole stage-3 engine runs
-with device="cuda" on the emulated kernels.
+The emulator is tests/cuda_emulator.py (one OS thread per CUDA thread, blocks in a seeded
+shuffled order, poisoned shared memory, checked barriers and shuffle masks), used as it is.
+The tensor-core kernel, which it cannot run by itself, gets a fragment shim here: a copy
+of prefill_attention_tc.cu with the CPU versions of its five PTX wmma helpers in front
+(FRAGMENT_SHIM below). The kernels are launched through
+stage3_optimized/kernels.py itself, with the emulator's stand-in for CuPy plus a stand-in
+for cuBLAS's gemmEx that reads its arguments the way cuBLAS does (column-major, leading
+dimensions, op T / op N), so the wrappers' argument order, dtypes, launch grids and the
+GEMM's transposition are checked too; finally the whole stage-3 engine runs with
+device="cuda" on the emulated kernels.
 
 Tolerances. Kernel and twin compute in fp32 and round once to bf16, but not in the
 same order (a warp's shuffle tree vs numpy's pairwise sums, x * rsqrt vs x / sqrt), so
@@ -31,139 +32,73 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import test_stage2_cuda_emulated as emu
+import cuda_emulator as emu
 from stage3_optimized import kernels, ops
 from stage3_optimized.ops import bf16_bits, f32
 from test_stage2_kernels import paged
 
 CUDA_DIR = Path(kernels.__file__).parent / "cuda"
 
-SHIM = r"""
-// --- stage 3's additions to the emulator ---
-#include <algorithm>
-using std::min;
-using std::max;
-inline float __uint_as_float(unsigned bits) { float f; std::memcpy(&f, &bits, 4); return f; }
-inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
-inline void __syncwarp(unsigned = 0xffffffffu) { warp_barrier[threadIdx.x / 32]->arrive_and_wait(); }
-#define __align__(n) __attribute__((aligned(n)))
-"""
-
-# What <cuda_bf16.h> gives the kernels, for g++: the type and its conversions (round to nearest even).
-CUDA_BF16_SHIM = r"""
-#pragma once
+# The tensor-core fragment shim: the CPU versions of the five functions that
+# prefill_attention_tc.cu defines with PTX wmma under __CUDA_ARCH__. A real fragment spreads
+# a 16x16 tile over the 32 lanes of a warp in an unspecified layout, and the calls are
+# warp-collective; here every lane keeps the whole tile and does the whole product (the same
+# result, 32 times the work), and only lane 0 stores, so the kernel must __syncwarp() before
+# it reads a stored tile, exactly as on a GPU. Products of bf16 values are exact in fp32 and
+# are summed in fp32, as the tensor cores do (in an unspecified order).
+FRAGMENT_SHIM = r"""
 #include <cstring>
-struct __nv_bfloat16 { unsigned short x; };
-inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short b) { return {b}; }
-inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.x; }
-inline float __bfloat162float(__nv_bfloat16 h) { unsigned u = (unsigned)h.x << 16; float f; std::memcpy(&f, &u, 4); return f; }
-inline __nv_bfloat16 __float2bfloat16(float f)
+struct FragA { float v[16][16]; };
+struct FragB { float v[16][16]; };
+struct FragC { float v[16][16]; };
+inline float qs_bf16(unsigned short b) { unsigned u = (unsigned)b << 16; float f; std::memcpy(&f, &u, 4); return f; }
+inline void fill_zero(FragC& c) { for (int r = 0; r < 16; r++) for (int k = 0; k < 16; k++) c.v[r][k] = 0.0f; }
+inline void load_a_row(FragA& a, const unsigned short* p, unsigned ld)
 {
-    unsigned u; std::memcpy(&u, &f, 4);
-    return {(unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16)};
+    for (int r = 0; r < 16; r++) for (int k = 0; k < 16; k++) a.v[r][k] = qs_bf16(p[r * ld + k]);
 }
-"""
-
-# The tensor-core fragment shim: <mma.h>'s nvcuda::wmma for g++. A real fragment spreads a
-# 16x16 tile over the 32 lanes of a warp in an unspecified layout, and the *_sync calls are
-# warp-collective; here every lane keeps the whole tile and does the whole product (the
-# same result, 32 times the work), and only lane 0 stores, so the kernel must __syncwarp()
-# before reading a stored tile, exactly as on a GPU. Products of bf16 values are exact in
-# fp32 and are summed in fp32, as the tensor cores do (in an unspecified order).
-WMMA_SHIM = r"""
-#pragma once
-#include <type_traits>
-#include "cuda_bf16.h"
-namespace nvcuda { namespace wmma {
-struct matrix_a {}; struct matrix_b {}; struct accumulator {};
-struct row_major {}; struct col_major {};
-enum layout_t { mem_row_major, mem_col_major };
-inline float to_float(float x) { return x; }
-inline float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <class Use, int M, int N, int K, class T, class Layout = void>
-struct fragment {
-    static constexpr int rows = std::is_same_v<Use, matrix_b> ? K : M;
-    static constexpr int cols = std::is_same_v<Use, matrix_a> ? K : N;
-    float v[rows][cols];
-};
-template <class Use, int M, int N, int K, class T, class Layout>
-inline void load_matrix_sync(fragment<Use, M, N, K, T, Layout>& f, const T* p, unsigned ld)
+template <bool COL>
+inline void load_b(FragB& b, const unsigned short* p, unsigned ld)
 {
-    using F = fragment<Use, M, N, K, T, Layout>;
-    for (int r = 0; r < F::rows; r++)
-        for (int c = 0; c < F::cols; c++)
-            f.v[r][c] = to_float(std::is_same_v<Layout, col_major> ? p[c * ld + r] : p[r * ld + c]);
+    for (int k = 0; k < 16; k++) for (int c = 0; c < 16; c++) b.v[k][c] = qs_bf16(COL ? p[c * ld + k] : p[k * ld + c]);
 }
-template <int M, int N, int K>
-inline void fill_fragment(fragment<accumulator, M, N, K, float>& f, float x)
+template <bool COL>
+inline void mma(FragC& c, const FragA& a, const FragB& b)
 {
-    for (int r = 0; r < M; r++) for (int c = 0; c < N; c++) f.v[r][c] = x;
-}
-template <int M, int N, int K, class TA, class LA, class TB, class LB>
-inline void mma_sync(fragment<accumulator, M, N, K, float>& d, const fragment<matrix_a, M, N, K, TA, LA>& a,
-                     const fragment<matrix_b, M, N, K, TB, LB>& b, const fragment<accumulator, M, N, K, float>& c)
-{
-    float out[M][N];
-    for (int r = 0; r < M; r++)
-        for (int j = 0; j < N; j++) {
+    for (int r = 0; r < 16; r++)
+        for (int j = 0; j < 16; j++) {
             float sum = c.v[r][j];
-            for (int k = 0; k < K; k++) sum += a.v[r][k] * b.v[k][j];
-            out[r][j] = sum;
+            for (int k = 0; k < 16; k++) sum += a.v[r][k] * b.v[k][j];
+            c.v[r][j] = sum;
         }
-    for (int r = 0; r < M; r++) for (int j = 0; j < N; j++) d.v[r][j] = out[r][j];
 }
-template <int M, int N, int K>
-inline void store_matrix_sync(float* p, const fragment<accumulator, M, N, K, float>& f, unsigned ld, layout_t layout)
+inline void store_c_row(float* p, const FragC& c, unsigned ld)
 {
     if (threadIdx.x % 32 != 0) return;                 // one lane writes the warp's tile
-    for (int r = 0; r < M; r++)
-        for (int c = 0; c < N; c++) (layout == mem_col_major ? p[c * ld + r] : p[r * ld + c]) = f.v[r][c];
+    for (int r = 0; r < 16; r++) for (int j = 0; j < 16; j++) p[r * ld + j] = c.v[r][j];
 }
-} }
 """
 
 
-def kernel_signatures(cu: str) -> dict[str, list[str]]:
-    """Every kernel of a .cu file: name -> its parameter declarations."""
-    text = (CUDA_DIR / cu).read_text()
-    out = {}
-    for m in re.finditer(r'extern "C" __global__ void (\w+)\((.*?)\)\s*\{', text, re.S):
-        params = re.sub(r"//[^\n]*", "", m.group(2))
-        out[m.group(1)] = [" ".join(p.split()) for p in params.split(",")]
+def shimmed_copy(cu: Path, folder: Path) -> Path:
+    """A copy of a tensor-core .cu file with FRAGMENT_SHIM in front (g++ skips the PTX versions)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / cu.name
+    out.write_text(FRAGMENT_SHIM + cu.read_text())
     return out
 
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
-    """kernel name -> EmulatedKernel, every stage-3 .cu compiled under the emulator."""
-    gxx = shutil.which("g++")
-    if gxx is None:
+    """kernel name -> EmulatedKernel: every stage-3 .cu compiled under the emulator (the
+    tensor-core one through its shimmed copy)."""
+    if shutil.which("g++") is None:
         pytest.skip("g++ is not installed")
     build = tmp_path_factory.mktemp("cuda3-emulated")
-    (build / "emulator.h").write_text(emu.EMULATOR + SHIM)
-    (build / "cuda_bf16.h").write_text(CUDA_BF16_SHIM)   # found first through -I build
-    (build / "mma.h").write_text(WMMA_SHIM)
-    procs, sigs = {}, {}
-    for cu in sorted(set(kernels.KERNEL_FILES.values())):
-        sigs[cu] = kernel_signatures(cu)
-        launchers = []
-        for name, params in sigs[cu].items():
-            names = ", ".join(p.split()[-1] for p in params)
-            launchers.append(f'extern "C" void launch_{name}(unsigned gx, unsigned gy, unsigned bx, '
-                             f'{", ".join(params)}) {{ launch(gx, gy, bx, [=] {{ {name}({names}); }}); }}')
-        src = build / (cu + ".cpp")
-        src.write_text(f'#include "emulator.h"\n#include "{CUDA_DIR / cu}"\n' + "\n".join(launchers) + "\n")
-        procs[cu] = subprocess.Popen([gxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w",
-                                      "-I", str(build), str(src), "-o", str(build / (cu + ".so"))],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out = {}
-    for cu, proc in procs.items():
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, f"{cu} does not compile as C++ under the emulator:\n{err}"
-        lib = ctypes.CDLL(str(build / (cu + ".so")))
-        for name, params in sigs[cu].items():
-            out[name] = emu.EmulatedKernel(getattr(lib, f"launch_{name}"), name, params)
-    return out
+    sources = []
+    for cu in sorted({CUDA_DIR / f for f in kernels.KERNEL_FILES.values()}):
+        sources.append(cu if emu.unsupported(cu.read_text()) is None else shimmed_copy(cu, build / "shimmed"))
+    return emu.build(sources, build / "build")
 
 
 def _matrix(ptr: int, dtype: int, ld: int, rows: int, cols: int) -> np.ndarray:
@@ -208,7 +143,7 @@ def gpu(emulated, monkeypatch):
     monkeypatch.setattr(kernels, "_on_gpu", lambda x: isinstance(x, emu.Dev))
     monkeypatch.setattr(kernels, "_kernel", lambda name: emulated[name])
     monkeypatch.setattr(kernels, "_ptr", lambda x: x.ctypes.data)
-    return lambda a: np.ascontiguousarray(a).copy().view(emu.Dev)
+    return emu.dev
 
 
 def assert_bf16_close(got, expect, min_exact=0.9):

@@ -62,3 +62,10 @@ def test_untouched_functions_are_stage2s(name):
     for fn in UNCHANGED[name]:
         assert fn in two and fn in three, f"{name}: {fn} is missing"
         assert two[fn] == three[fn], f"{name}: {fn} differs from stage 2's"
+
+
+def test_every_cu_file_is_in_the_kernel_table():
+    """Every stage-3 .cu file is launched from kernels.py (tests/test_cuda_compile.py compiles
+    them all; tests/test_stage3_cuda_emulated.py runs them)."""
+    from stage3_optimized import kernels
+    assert {p.name for p in (S3 / "cuda").glob("*.cu")} == set(kernels.KERNEL_FILES.values())

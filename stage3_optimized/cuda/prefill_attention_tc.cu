@@ -1,4 +1,4 @@
-// prefill_attention_tc.cu — FlashAttention-2-style causal prefill on tensor cores (WMMA, bf16),
+// prefill_attention_tc.cu — FlashAttention-2-style causal prefill on tensor cores (PTX wmma, bf16),
 // reading every key and value (earlier chunks, cached prefix pages) from the paged pool.
 //
 // Computes:    the same as prefill_attention.cu: for packed query token n of sequence
@@ -23,16 +23,77 @@
 //              block_tables: [S, max_blocks] int32; token_seq, positions: [N] int32;
 //              tile_start, tile_count: [num_tiles] int32; D a multiple of 16, <= 128
 //
+// Emulator: unsupported (tensor-core wmma PTX; tests/test_stage3_cuda_emulated.py runs it with a fragment shim)
 // FLOPs: 4 * N * p * D per head (two GEMMs), on tensor cores at up to ~990 TFLOP/s (H200, bf16)
 // instead of the CUDA cores' ~67 (fp32) that prefill_attention.cu uses.
 //
 // Version history
-//   v1: WMMA 16x16x16 tiles, one warp per query head, K/V tiles shared by up to 4 heads of a
+//   v1: wmma 16x16x16 tiles (PTX, no header), one warp per query head, K/V tiles shared by up to 4 heads of a
 //       GQA group, online softmax between shared-memory score tiles, O in registers.
 
-#include <mma.h>
-#include <cuda_bf16.h>
-using namespace nvcuda;
+// The tensor-core instructions, as PTX `wmma` (what <mma.h>'s nvcuda::wmma compiles to), so
+// this file needs no header: NVRTC, which cupy.RawModule uses, has none of its own. A fragment is a
+// 16x16 tile spread over the 32 lanes of a warp in an unspecified layout: 4 registers of bf16 pairs
+// for A and B, 8 floats for the fp32 accumulator. The load / mma / store calls are warp-collective.
+// The CPU emulator supplies its own versions of these five functions (tests/test_stage3_cuda_emulated.py).
+#ifdef __CUDA_ARCH__
+struct FragA { unsigned r[4]; };         // A [16 rows, 16 k] bf16, row-major in memory
+struct FragB { unsigned r[4]; };         // B [16 k, 16 cols] bf16
+struct FragC { float r[8]; };            // C [16, 16] fp32
+
+__device__ __forceinline__ void fill_zero(FragC& c)
+{
+#pragma unroll
+    for (int i = 0; i < 8; i++) c.r[i] = 0.0f;
+}
+__device__ __forceinline__ void load_a_row(FragA& a, const unsigned short* p, unsigned ld)
+{
+    asm volatile("wmma.load.a.sync.aligned.row.m16n16k16.bf16 {%0, %1, %2, %3}, [%4], %5;"
+                 : "=r"(a.r[0]), "=r"(a.r[1]), "=r"(a.r[2]), "=r"(a.r[3]) : "l"(p), "r"(ld) : "memory");
+}
+template <bool COL>                       // B read column-major (K^T from a row-major K) or row-major (V)
+__device__ __forceinline__ void load_b(FragB& b, const unsigned short* p, unsigned ld)
+{
+    if (COL)
+        asm volatile("wmma.load.b.sync.aligned.col.m16n16k16.bf16 {%0, %1, %2, %3}, [%4], %5;"
+                     : "=r"(b.r[0]), "=r"(b.r[1]), "=r"(b.r[2]), "=r"(b.r[3]) : "l"(p), "r"(ld) : "memory");
+    else
+        asm volatile("wmma.load.b.sync.aligned.row.m16n16k16.bf16 {%0, %1, %2, %3}, [%4], %5;"
+                     : "=r"(b.r[0]), "=r"(b.r[1]), "=r"(b.r[2]), "=r"(b.r[3]) : "l"(p), "r"(ld) : "memory");
+}
+template <bool COL>                       // c += a . b, fp32 accumulation
+__device__ __forceinline__ void mma(FragC& c, const FragA& a, const FragB& b)
+{
+    if (COL)
+        asm volatile("wmma.mma.sync.aligned.row.col.m16n16k16.f32.bf16.bf16.f32 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, {%12, %13, %14, %15}, "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7};"
+                     : "+f"(c.r[0]), "+f"(c.r[1]), "+f"(c.r[2]), "+f"(c.r[3]),
+                       "+f"(c.r[4]), "+f"(c.r[5]), "+f"(c.r[6]), "+f"(c.r[7])
+                     : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]),
+                       "r"(b.r[0]), "r"(b.r[1]), "r"(b.r[2]), "r"(b.r[3]));
+    else
+        asm volatile("wmma.mma.sync.aligned.row.row.m16n16k16.f32.bf16.bf16.f32 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, {%12, %13, %14, %15}, "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7};"
+                     : "+f"(c.r[0]), "+f"(c.r[1]), "+f"(c.r[2]), "+f"(c.r[3]),
+                       "+f"(c.r[4]), "+f"(c.r[5]), "+f"(c.r[6]), "+f"(c.r[7])
+                     : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]),
+                       "r"(b.r[0]), "r"(b.r[1]), "r"(b.r[2]), "r"(b.r[3]));
+}
+__device__ __forceinline__ void store_c_row(float* p, const FragC& c, unsigned ld)
+{
+    asm volatile("wmma.store.d.sync.aligned.row.m16n16k16.f32 [%0], {%1, %2, %3, %4, %5, %6, %7, %8}, %9;"
+                 :: "l"(p), "f"(c.r[0]), "f"(c.r[1]), "f"(c.r[2]), "f"(c.r[3]),
+                    "f"(c.r[4]), "f"(c.r[5]), "f"(c.r[6]), "f"(c.r[7]), "r"(ld) : "memory");
+}
+#endif
+
+__device__ __forceinline__ unsigned short f32_to_bf16(float f)
+{
+    const unsigned u = (unsigned)__float_as_int(f);             // round to nearest even
+    return (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
 
 #define T16 16                      // the WMMA tile: 16 queries x 16 keys x 16 dims
 #define WARPS 4                     // query heads per block (a larger GQA group takes several blocks)
@@ -50,10 +111,10 @@ extern "C" __global__ void prefill_attention_tc(const unsigned short* __restrict
                                                 unsigned short* __restrict__ out,           // [N, H, D]
                                                 int H, int Hkv, int D, int P, int max_blocks, float scale)
 {
-    __shared__ __align__(32) __nv_bfloat16 k_tile[T16][MAX_D];        // 16 keys of kv head g
-    __shared__ __align__(32) __nv_bfloat16 v_tile[T16][MAX_D];
+    __shared__ __align__(32) unsigned short k_tile[T16][MAX_D];       // 16 keys of kv head g (bf16)
+    __shared__ __align__(32) unsigned short v_tile[T16][MAX_D];
     __shared__ __align__(32) float scores[WARPS][T16][T16];           // S, then P V slices
-    __shared__ __align__(32) __nv_bfloat16 probs[WARPS][T16][T16];    // P (and Q slices on the way in)
+    __shared__ __align__(32) unsigned short probs[WARPS][T16][T16];   // P (and Q slices on the way in)
 
     const int G = H / Hkv;
     const int blocks_per_group = (G + WARPS - 1) / WARPS;
@@ -69,16 +130,16 @@ extern "C" __global__ void prefill_attention_tc(const unsigned short* __restrict
 
     // Q's D/16 fragments, loaded once through the warp's 16x16 staging tile (rows past count are 0)
     const int row = lane / 2, half = lane % 2;        // the softmax and O layout: two lanes per row
-    wmma::fragment<wmma::matrix_a, T16, T16, T16, __nv_bfloat16, wmma::row_major> q_frag[MAX_D / T16];
+    FragA q_frag[MAX_D / T16];
 #pragma unroll
     for (int kk = 0; kk < MAX_D / T16; kk++) {
         if (kk >= kd) break;
         for (int c = half * 8; c < half * 8 + 8; c++) {
             const unsigned short bits = (active && row < count) ? q[((size_t)(n0 + row) * H + h) * D + kk * T16 + c] : 0;
-            probs[warp][row][c] = __ushort_as_bfloat16(bits);
+            probs[warp][row][c] = bits;
         }
         __syncwarp();
-        wmma::load_matrix_sync(q_frag[kk], &probs[warp][0][0], T16);
+        load_a_row(q_frag[kk], &probs[warp][0][0], T16);
         __syncwarp();
     }
 
@@ -102,23 +163,23 @@ extern "C" __global__ void prefill_attention_tc(const unsigned short* __restrict
                 kb = k_cache[at];
                 vb = v_cache[at];
             }
-            k_tile[i][d] = __ushort_as_bfloat16(kb);
-            v_tile[i][d] = __ushort_as_bfloat16(vb);
+            k_tile[i][d] = kb;
+            v_tile[i][d] = vb;
         }
         __syncthreads();
         if (!active) continue;
 
         // S = Q K^T on tensor cores: K's row-major tile read as a col-major B is K^T
-        wmma::fragment<wmma::accumulator, T16, T16, T16, float> s_frag;
-        wmma::fill_fragment(s_frag, 0.0f);
+        FragC s_frag;
+        fill_zero(s_frag);
 #pragma unroll
         for (int kk = 0; kk < MAX_D / T16; kk++) {
             if (kk >= kd) break;
-            wmma::fragment<wmma::matrix_b, T16, T16, T16, __nv_bfloat16, wmma::col_major> k_frag;
-            wmma::load_matrix_sync(k_frag, &k_tile[0][kk * T16], MAX_D);
-            wmma::mma_sync(s_frag, q_frag[kk], k_frag, s_frag);
+            FragB k_frag;
+            load_b<true>(k_frag, &k_tile[0][kk * T16], MAX_D);
+            mma<true>(s_frag, q_frag[kk], k_frag);
         }
-        wmma::store_matrix_sync(&scores[warp][0][0], s_frag, T16, wmma::mem_row_major);
+        store_c_row(&scores[warp][0][0], s_frag, T16);
         __syncwarp();
 
         // online softmax on this lane's 8 scores of its row (the partner lane has the other 8)
@@ -139,7 +200,7 @@ extern "C" __global__ void prefill_attention_tc(const unsigned short* __restrict
         for (int j = 0; j < 8; j++) {
             const float p = expf(sc[j] - base);       // 0 for a masked key
             sum += p;
-            probs[warp][row][half * 8 + j] = __float2bfloat16(p);
+            probs[warp][row][half * 8 + j] = f32_to_bf16(p);
         }
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         l = l * correction + sum;
@@ -147,17 +208,17 @@ extern "C" __global__ void prefill_attention_tc(const unsigned short* __restrict
         __syncwarp();
 
         // O = O * correction + P V, one 16-column slice of V at a time
-        wmma::fragment<wmma::matrix_a, T16, T16, T16, __nv_bfloat16, wmma::row_major> p_frag;
-        wmma::load_matrix_sync(p_frag, &probs[warp][0][0], T16);
+        FragA p_frag;
+        load_a_row(p_frag, &probs[warp][0][0], T16);
 #pragma unroll
         for (int kk = 0; kk < MAX_D / T16; kk++) {
             if (kk >= kd) break;
-            wmma::fragment<wmma::matrix_b, T16, T16, T16, __nv_bfloat16, wmma::row_major> v_frag;
-            wmma::fragment<wmma::accumulator, T16, T16, T16, float> pv;
-            wmma::fill_fragment(pv, 0.0f);
-            wmma::load_matrix_sync(v_frag, &v_tile[0][kk * T16], MAX_D);
-            wmma::mma_sync(pv, p_frag, v_frag, pv);
-            wmma::store_matrix_sync(&scores[warp][0][0], pv, T16, wmma::mem_row_major);
+            FragB v_frag;
+            FragC pv;
+            fill_zero(pv);
+            load_b<false>(v_frag, &v_tile[0][kk * T16], MAX_D);
+            mma<false>(pv, p_frag, v_frag);
+            store_c_row(&scores[warp][0][0], pv, T16);
             __syncwarp();
 #pragma unroll
             for (int j = 0; j < 8; j++) o[kk][j] = o[kk][j] * correction + scores[warp][row][half * 8 + j];
@@ -171,6 +232,6 @@ extern "C" __global__ void prefill_attention_tc(const unsigned short* __restrict
     for (int kk = 0; kk < MAX_D / T16; kk++) {
         if (kk >= kd) break;
 #pragma unroll
-        for (int j = 0; j < 8; j++) dst[kk * T16 + half * 8 + j] = __bfloat16_as_ushort(__float2bfloat16(o[kk][j] / l));
+        for (int j = 0; j < 8; j++) dst[kk * T16 + half * 8 + j] = f32_to_bf16(o[kk][j] / l);
     }
 }

@@ -23,10 +23,10 @@
 
 #define MAX_PAIRS 4                      // (D / 2) / 32 pairs per lane for D <= 256
 
-__device__ __forceinline__ float bf16_to_f32(unsigned short b) { return __uint_as_float(((unsigned)b) << 16); }
+__device__ __forceinline__ float bf16_to_f32(unsigned short b) { return __int_as_float((int)(((unsigned)b) << 16)); }
 __device__ __forceinline__ unsigned short f32_to_bf16(float f)
 {
-    const unsigned u = __float_as_uint(f);                       // round to nearest even
+    const unsigned u = (unsigned)__float_as_int(f);                      // round to nearest even
     return (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 

@@ -31,7 +31,7 @@
 __device__ __forceinline__ unsigned order_key(float f)
 {
     // float -> unsigned with the same order: flip all bits of negatives, the sign bit of positives
-    const unsigned u = __float_as_uint(f);
+    const unsigned u = (unsigned)__float_as_int(f);
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 

@@ -10,10 +10,10 @@
 //   stage 2 silu_mul.cu: fp32, gate and up from two GEMMs (two arrays).
 //   v1 (stage 3): bf16, the two halves of one row of the fused GEMM.
 
-__device__ __forceinline__ float bf16_to_f32(unsigned short b) { return __uint_as_float(((unsigned)b) << 16); }
+__device__ __forceinline__ float bf16_to_f32(unsigned short b) { return __int_as_float((int)(((unsigned)b) << 16)); }
 __device__ __forceinline__ unsigned short f32_to_bf16(float f)
 {
-    const unsigned u = __float_as_uint(f);                       // round to nearest even
+    const unsigned u = (unsigned)__float_as_int(f);                      // round to nearest even
     return (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 

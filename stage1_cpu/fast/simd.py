@@ -1,15 +1,15 @@
 """The CPU's dot-product instructions (int8, int16, bf16), called by name from numba.
 
-Why: a decode matvec must unpack every weight it reads. The plain numba kernels
-(kernels.matmul_int8 / matmul_int4) turn each weight into a float32 and multiply
-it by a float32 activation: 4-6 vector instructions per 16 weights. One core
-manages 13-16 G weights/s that way, which for int4 (0.625 byte/weight) is only
-~8 GB/s of the ~30 GB/s the memory can deliver: int4 decode was compute-bound.
+Why: a decode matvec must unpack every weight it reads. The core's kernels
+(stage1_cpu/kernels.py: matmul_int8, matmul_int4) turn each weight into a
+float32 and multiply it by a float32 activation: several vector instructions
+per 16 weights, so that one core converts int8 and int4 weights more slowly
+than the memory delivers their bytes. int8 / int4 decode was compute-bound
+(the measurements are in docs/benchmarks.md).
 
 llama.cpp's answer, and ours: quantize the *activations* to int8 too (once per
 matvec, per group of gs values: x ~ xq * xs), so that a group's dot product is a
-sum of int8 x int8 products, and let `vpdpbusd` (AVX-512 VNNI / AVX-VNNI) do
-32 of those multiply-adds per instruction:
+sum of int8 x int8 products, done by the CPU's integer dot-product instructions:
 
     vpdpbusd acc, a, b:  acc[i] += a[4i]*b[4i] + ... + a[4i+3]*b[4i+3]
                          (a: 32 unsigned bytes, b: 32 signed bytes, acc: 8 x int32)
@@ -24,52 +24,64 @@ vector types and LLVM does not find vpdpbusd in a scalar loop, so this module
 writes the inner loop of one row in LLVM IR (llvmlite, the library numba itself
 emits code with) and exposes it as a numba intrinsic: inside a @njit kernel it
 is called like a function and inlined like any other code. Everything around it
-(threads, activation quantization, the min term) stays plain numba, in kernels.py.
+(threads, activation quantization, the min term) stays plain numba, in
+stage1_cpu/fast/kernels.py.
+
+Which instructions, decided by cpu.py (cpu.INT8) before anything here is compiled:
+  "vnni"  vpdpbusd (and vpdpwssd for int16), AVX-512 VNNI with VL or AVX-VNNI:
+          32 int8 multiply-adds into 8 int32 lanes, one instruction.
+  "avx2"  the same sums in two instructions, as llama.cpp does on AVX2 CPUs:
+          vpmaddubsw (unsigned x signed bytes, adjacent pairs added into 16
+          int16 lanes) and vpmaddwd by ones (pairs of int16 into int32). The
+          int16 step saturates at 32767, so each pair sum must stay within it:
+          the kernels pass |xq| (<= 127) against q * sign(xq) (|.| <= 127) or
+          against nibbles (<= 15), never the VNNI rows kernel's q + 128 trick,
+          whose 255 * 127 * 2 would saturate (dot_int8_rows).
+  None    nothing here is compiled; the fast path keeps the core's float kernels.
+A kernel that names an instruction the target lacks does not run slowly: LLVM
+aborts the process ("Cannot select ... VPDPWSSD"). Hence the choice is made in
+Python, and nothing that every CPU compiles refers to these intrinsics.
 
 Cost of the approximation: the activations lose what int8 cannot hold, as in
 llama.cpp, where Q8_0 / Q4_0 weights always meet int8 activations. Measured on
 the default model, 200 tokens decoded one at a time: perplexity +0.5 % (int8
 weights) and -0.6 % (int4), noise either way (tests/test_quant_quality.py). The
 lm_head, where a close top-2 can tip, gets int16 activations instead
-(dot_int8_row_i16, vpdpwssd). The numpy twin (quant.Weight.matmul_ref) rounds
-the same way, so the kernels are still checked exactly against a definition.
-dot_int8_rows / dot_int8_rows_i16 do the same for up to 4 rows per call, sharing
-the activations and vectorising the scales ("Four rows at a time" below).
+(dot_int8_row_i16, vpdpwssd or vpmaddwd). The numpy twin
+(stage1_cpu/fast/weight.py: FastWeight.matmul_ref) rounds the same way, so the
+kernels are still checked exactly against a definition. dot_int8_rows /
+dot_int8_rows_i16 do the same for up to 4 rows per call, sharing the
+activations and vectorising the scales ("Four rows at a time" below).
 
-Only used where the CPU has the instruction (VNNI below); elsewhere stage 1 keeps
-the float kernels. Vectors are 256 bits wide (32 bytes): on AMD Zen 4 a 512-bit
-op costs two 256-bit ones anyway, and 256 bits is the width of AVX-VNNI too
-(untested here: this machine has AVX-512).
+Vectors are 256 bits wide (32 bytes): the width of AVX2 and AVX-VNNI, and on
+AMD Zen 4 a 512-bit op costs two 256-bit ones anyway.
 
-The same idea serves bf16 prefill (the last section, dot_bf16_panel): a GEMM
-whose inner instruction is vdpbf16ps, a bf16 x bf16 -> fp32 multiply-add of 32
-pairs, twice the fp32 FMA's throughput. With the activations rounded to bf16
-(as llama.cpp and transformers' bf16 models do) the [512, 1024] x [1024, 6144]
-product of a prefill runs at ~350 GFLOP/s on 2 cores against OpenBLAS sgemm's
-~180.
+The same idea serves bf16 prefill (the last section, dot_bf16_panel; AVX-512
+BF16 only, cpu.BF16): a GEMM whose inner instruction is vdpbf16ps, a bf16 x bf16
+-> fp32 multiply-add of 32 pairs, twice the fp32 FMA's throughput. With the
+activations rounded to bf16 (as llama.cpp and transformers' bf16 models do) a
+prefill's matmuls run at about twice OpenBLAS sgemm's FLOP/s.
 """
 from __future__ import annotations
 
-import llvmlite.binding as llvm
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.core import config as numba_config
 from numba.extending import intrinsic
 
-_features = llvm.get_host_cpu_features()
-# numba compiles for this CPU unless NUMBA_CPU_NAME says otherwise (e.g. "generic" for a portable
-# cache): then these instructions may not exist on the target, and the float kernels are used
-_host = numba_config.CPU_NAME in (None, "host")
-# vpdpbusd on 256-bit registers: AVX-512 VNNI with AVX-512 VL (Ice Lake+, Zen 4+), or AVX-VNNI (Alder Lake+)
-VNNI = _host and bool(_features.get("avxvnni") or (_features.get("avx512vnni") and _features.get("avx512vl")))
-# vdpbf16ps on 512-bit registers: AVX-512 BF16 (Cooper Lake, Sapphire Rapids+, Zen 4+)
-BF16 = _host and bool(_features.get("avx512bf16"))
+from stage1_cpu.fast import cpu
+
+# Which instruction to emit is cpu.py's decision, made before anything here is compiled:
+# these intrinsics are only ever compiled where cpu.INT8 (or cpu.BF16) says they exist.
+VNNI = cpu.INT8 == "vnni"     # vpdpbusd / vpdpwssd on 256-bit registers
+AVX2 = cpu.INT8 == "avx2"     # the same sums by vpmaddubsw / vpmaddwd
+BF16 = cpu.BF16               # vdpbf16ps on 512-bit registers
 
 I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 BYTES32 = ir.VectorType(I8, 32)       # one 256-bit register of bytes
 INTS8 = ir.VectorType(I32, 8)         # ... of int32 lanes
 FLOATS8 = ir.VectorType(F32, 8)       # ... of float32 lanes
+SHORTS16 = ir.VectorType(I16, 16)     # ... of int16 lanes
 
 
 def _declare(builder, name, ret, args):
@@ -112,10 +124,32 @@ def _splat(builder, value):
 
 def _vpdpbusd(builder, unsigned, signed, acc=None):
     """32 unsigned bytes . 32 signed bytes -> 8 int32 lanes, each the sum of 4 products
-    (added to acc's lanes if given)."""
-    fn = _declare(builder, "llvm.x86.avx512.vpdpbusd.256", INTS8, [INTS8, INTS8, INTS8])
-    return builder.call(fn, [ir.Constant(INTS8, None) if acc is None else acc,
-                             builder.bitcast(unsigned, INTS8), builder.bitcast(signed, INTS8)])
+    (added to acc's lanes if given). VNNI: one vpdpbusd. AVX2: vpmaddubsw adds pairs
+    of products into 16 int16 lanes (saturating: callers keep |pair sum| <= 2 * 255 * 127
+    out of it, i.e. they pass |x| <= 127 against |w| <= 127, or nibbles), then
+    vpmaddwd by ones adds pairs of those into int32: the same sums, exactly."""
+    zero = ir.Constant(INTS8, None)
+    if VNNI:
+        fn = _declare(builder, "llvm.x86.avx512.vpdpbusd.256", INTS8, [INTS8, INTS8, INTS8])
+        return builder.call(fn, [zero if acc is None else acc,
+                                 builder.bitcast(unsigned, INTS8), builder.bitcast(signed, INTS8)])
+    maddubs = _declare(builder, "llvm.x86.avx2.pmadd.ub.sw", SHORTS16, [BYTES32, BYTES32])
+    pairs = builder.call(maddubs, [unsigned, signed])                       # 16 x int16
+    quads = _vpdpwssd(builder, None, pairs, ir.Constant(SHORTS16, [1] * 16))
+    return quads if acc is None else builder.add(acc, quads)
+
+
+def _vpdpwssd(builder, acc, a, b):
+    """16 int16 . 16 int16 -> 8 int32 lanes, each the sum of 2 products (added to acc's
+    lanes if given; acc None: from zero). VNNI: vpdpwssd; AVX2: vpmaddwd, then an add."""
+    a, b = builder.bitcast(a, SHORTS16), builder.bitcast(b, SHORTS16)
+    if VNNI:
+        fn = _declare(builder, "llvm.x86.avx512.vpdpwssd.256", INTS8, [INTS8, INTS8, INTS8])
+        return builder.call(fn, [ir.Constant(INTS8, None) if acc is None else acc,
+                                 builder.bitcast(a, INTS8), builder.bitcast(b, INTS8)])
+    maddwd = _declare(builder, "llvm.x86.avx2.pmadd.wd", INTS8, [SHORTS16, SHORTS16])
+    dot = builder.call(maddwd, [a, b])
+    return dot if acc is None else builder.add(acc, dot)
 
 
 def _emit_row(builder, n_steps, step, tail=None):
@@ -157,7 +191,7 @@ def dot_int4_row(typingctx, q, qoff, xq, xoff, s, soff, xs, xsoff, n_groups, gs)
     """Row r of an int4 matrix times one token's int8 activations, without the
     minimum term:  sum_g s[g] * xs[g] * sum_j nibble[g, j] * xq[g, j].
 
-    q: uint8 bytes of the matrix (kernels.matmul_int4's [O, P, gs] layout, flat),
+    q: uint8 bytes of the matrix (kernels.matmul_int4's [O, G/2, gs] layout, flat),
     the row starting at qoff; xq: int8 activations, the token's at xoff; s: fp16
     scale bits, the row's at soff; xs: activation scales, the token's at xsoff.
     Group 2p is the low nibbles of pair p's gs bytes, group 2p+1 the high ones."""
@@ -253,7 +287,6 @@ def dot_int8_row_i16(typingctx, q, qoff, x16, xoff, s, soff, xs, xsoff, n_groups
         xp = builder.gep(_base(context, builder, ty[2], x16_, I16), [xoff_])
         sp = builder.gep(_base(context, builder, ty[4], s_, I16), [soff_])
         xsp = builder.gep(_base(context, builder, ty[6], xs_, F32), [xsoff_])
-        vpdpwssd = _declare(builder, "llvm.x86.avx512.vpdpwssd.256", INTS8, [INTS8, INTS8, INTS8])
         bytes16, shorts16 = ir.VectorType(I8, 16), ir.VectorType(I16, 16)
         shift = _log2_per_group(builder, gs_)                     # chunks per group = 1 << shift
 
@@ -263,8 +296,7 @@ def dot_int8_row_i16(typingctx, q, qoff, x16, xoff, s, soff, xs, xsoff, n_groups
                 at = builder.add(builder.mul(k, ir.Constant(I64, 32)), ir.Constant(I64, 16 * half))
                 w = builder.load(builder.bitcast(builder.gep(qp, [at]), bytes16.as_pointer()), align=1)
                 x = builder.load(builder.bitcast(builder.gep(xp, [at]), shorts16.as_pointer()), align=2)
-                dot = builder.call(vpdpwssd, [dot, builder.bitcast(builder.sext(w, shorts16), INTS8),
-                                              builder.bitcast(x, INTS8)])
+                dot = _vpdpwssd(builder, dot, builder.sext(w, shorts16), x)
             return dot, _scale(builder, sp, xsp, builder.lshr(k, shift))
 
         def step(i):                                                # chunks 2i and 2i+1
@@ -472,7 +504,7 @@ def dot_int8_rows(typingctx, q, qoff, row_stride, xq, xa, xoff, s, soff, xs, xso
     scales and outputs of row i at i * n_groups and i). Arguments as in
     dot_int8_row, plus row_stride (elements of q between the call's rows), out
     (float32) and n_rows; rows i >= n_rows are neither read nor written. xa (|xq|)
-    is not read: it is there so that both kernels take the same arguments."""
+    is read on AVX2 only (no q + 128 trick there: vpmaddubsw would saturate)."""
     sig = types.void(q, qoff, row_stride, xq, xa, xoff, s, soff, xs, xsoff, n_groups, gs, out, ooff, n_rows)
 
     def codegen(context, builder, signature, args):
@@ -482,6 +514,20 @@ def dot_int8_rows(typingctx, q, qoff, row_stride, xq, xa, xoff, s, soff, xs, xso
         xp = builder.gep(_base(context, builder, signature.args[3], xq_, I8), [xoff_])
         bias = ir.Constant(BYTES32, [128] * 32)
         zero = ir.Constant(INTS8, None)
+        if not VNNI:
+            # AVX2: vpmaddubsw saturates at 2 * 255 * 127, so no (q + 128) trick: |xq| against
+            # q * sign(xq) (vpsignb per row), as dot_int8_row does; both stay within 127
+            ap = builder.gep(_base(context, builder, signature.args[4], vals[4], I8), [xoff_])
+            psign = _declare(builder, "llvm.x86.avx2.psign.b", BYTES32, [BYTES32, BYTES32])
+
+            def group_dots(start, chunks):
+                return _fold_chunks(builder, chunks, start, [zero] * ROWS, lambda at, dots: [
+                    _vpdpbusd(builder, _load32(builder, ap, at),
+                              builder.call(psign, [_load32(builder, qp, at), _load32(builder, xp, at)]), d)
+                    for qp, d in zip(qps, dots)])
+
+            store(_emit_rows(builder, qps, sps, xsp, n_groups_, gs_, ahead, group_dots))
+            return context.get_dummy_value()
 
         def group_dots(start, chunks):
             # (q + 128) . xq - 128 sum(xq): the correction is the activations' alone, shared by the rows
@@ -511,7 +557,6 @@ def dot_int8_rows_i16(typingctx, q, qoff, row_stride, x16, xoff, s, soff, xs, xs
         qps, sps, xsp, ahead, store = _rows_setup(context, builder, signature, vals, 0, 5)
         x16_, xoff_, n_groups_, gs_ = vals[3], vals[4], vals[9], vals[10]
         xp = builder.gep(_base(context, builder, signature.args[3], x16_, I16), [xoff_])
-        vpdpwssd = _declare(builder, "llvm.x86.avx512.vpdpwssd.256", INTS8, [INTS8, INTS8, INTS8])
         bytes16, shorts16 = ir.VectorType(I8, 16), ir.VectorType(I16, 16)
 
         def chunk(at, dots):
@@ -521,8 +566,7 @@ def dot_int8_rows_i16(typingctx, q, qoff, row_stride, x16, xoff, s, soff, xs, xs
                 x = builder.load(builder.bitcast(builder.gep(xp, [h]), shorts16.as_pointer()), align=2)
                 for i, qp in enumerate(qps):
                     w = builder.load(builder.bitcast(builder.gep(qp, [h]), bytes16.as_pointer()), align=1)
-                    dots[i] = builder.call(vpdpwssd, [dots[i], builder.bitcast(builder.sext(w, shorts16), INTS8),
-                                                      builder.bitcast(x, INTS8)])
+                    dots[i] = _vpdpwssd(builder, dots[i], builder.sext(w, shorts16), x)
             return dots
 
         def group_dots(start, chunks):

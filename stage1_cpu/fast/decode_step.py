@@ -1,10 +1,11 @@
 """A whole decode step (one token, all layers, the logits) in one parallel region.
 
-model.py's forward pass calls one numba kernel per op: for one token that is
-4 matmuls per layer plus the lm_head, 113 parallel regions for Qwen3-0.6B, each
-starting the threads anew (~50 us each under OMP_WAIT_POLICY=PASSIVE on this VM,
-docs/benchmarks.md), with Python and small serial ops in between. Here the
-threads start once per token and stay for all of it:
+Changed from the core (stage1_cpu/model.py): model.py's forward pass calls one
+numba kernel per op: for one token that is 4 matmuls per layer plus the lm_head,
+113 parallel regions for Qwen3-0.6B, each starting the threads anew (tens of
+microseconds each when idle threads sleep, OMP_WAIT_POLICY=PASSIVE; about a
+microsecond when they spin), with Python and small serial ops in between. Here
+the threads start once per token and stay for all of it:
 
     for worker in prange(threads):                 # the only parallel region
         x = embedding row                          (every worker keeps its own copy)
@@ -31,11 +32,24 @@ layer's that overwrote them. (A first version reused one buffer for all layers:
 it passed a 6-token bit-for-bit check, then one engine test's 32-token greedy
 output parted from transformers' at its third token.)
 
-Every op is the same inlined body the per-op kernels run (kernels.py: rows_int8_q8,
-rmsnorm_row, attention_item, ...), in the same order on the same values, so the
-logits are bit for bit those of model.forward: tests/test_stage1_decode_step.py
-checks exactly that, for every weight format and activation rounding. MoE layers
-are not covered (model.py runs them as before).
+Every op is the same inlined body the per-op kernels run, in the same order on
+the same values: the core's (stage1_cpu/kernels.py: row_f32, rows_bf16, row_int8,
+row_int4, rmsnorm_row, rope_head, attention_item, silu_mul_row) and, for rounded
+activations, the fast path's (stage1_cpu/fast/kernels.py: rows_int8_q8,
+rows_int8_q16, row_int4_q8, quantize_token). So the logits and the KV cache are
+bit for bit those of model.forward with the same weights: with fp32 activations
+those of the plain path, with rounded ones those of FastWeight.matmul
+(tests/test_stage1_decode_step.py checks both, for every weight format).
+
+Which row bodies the step inlines is chosen in Python from cpu.INT8 (the `if`
+around _rows below): where the CPU has no integer dot product the fast
+kernels are never named, so numba never hands their instructions to LLVM. (A
+runtime branch would not do: both sides are compiled, and on an AVX2-only CPU
+LLVM aborted with "Cannot select ... VPDPWSSD".)
+
+Not covered, and run by model.py's per-op path instead (DecodeStep.supported):
+MoE layers (qwen3_moe, qwen2_moe), qwen2's q/k/v biases, and models whose
+layers differ in format or shape.
 """
 from __future__ import annotations
 
@@ -44,7 +58,9 @@ import numpy as np
 from numba import prange, types
 from numba.typed import List
 
-from stage1_cpu import kernels, sync
+from stage1_cpu import kernels
+from stage1_cpu.fast import cpu, sync
+from stage1_cpu.fast import kernels as fk
 from stage1_cpu.kernels import FAST
 
 FMT = {"none": 0, "bf16": 1, "int8": 2, "int4": 3}
@@ -61,27 +77,47 @@ TAIL_ITEMS = 2                            # ... its last 2 per worker are small 
 _njit = numba.njit(cache=True, fastmath=FAST, error_model="numpy")
 
 
-@numba.njit(inline="always", fastmath=FAST, error_model="numpy")
-def _rows(fmt, act, r0, r1, out, wf, wb, q8, q4, s2, m2, qf, sf, x2, x3, x4, xsum4, xqf, xaf, x16f, xsf, xsum, G, gs):
-    """out[r] = row r of W times x, r0 <= r < r1, by the kernel matmul() would use."""
-    if act == A_INT8 and fmt == INT8:
-        kernels.rows_int8_q8(xqf, xaf, xsf, 0, qf, sf, r0, r1, G, gs, out, 0)
-        return
-    if act == A_INT16:
-        kernels.rows_int8_q16(x16f, xsf, 0, qf, sf, r0, r1, G, gs, out, 0)
-        return
-    if act == A_FP32 and fmt == BF16:
+_inline = numba.njit(inline="always", fastmath=FAST, error_model="numpy")
+
+
+@_inline
+def _rows_float(fmt, r0, r1, out, wf, wb, q8, q4, s2, m2, x2, x3, x4, xsum4):
+    """out[r] = row r of W times x (fp32 activations), r0 <= r < r1: the core's row bodies."""
+    if fmt == BF16:
         kernels.rows_bf16(x2, 0, wb, r0, r1, out, 0)
         return
     for r in range(r0, r1):
-        if act == A_INT8:
-            out[r] = kernels.row_int4_q8(xqf, xsf, xsum, 0, qf, sf, m2, r, G, gs)
-        elif fmt == NONE:
+        if fmt == NONE:
             out[r] = kernels.row_f32(x2, 0, wf, r)
         elif fmt == INT8:
             out[r] = kernels.row_int8(x3, 0, q8, s2, r)
         else:
             out[r] = kernels.row_int4(x4, xsum4, 0, q4, s2, m2, r)
+
+
+# Which rows kernel the step inlines is decided here, in Python, from cpu.py: where the CPU
+# has no integer dot product, the intrinsics (fast/kernels.py) are never named, so numba never
+# hands them to LLVM (a runtime `if` would not do: the code is compiled either way).
+if cpu.INT8:
+    @_inline
+    def _rows(fmt, act, r0, r1, out, wf, wb, q8, q4, s2, m2, qf, sf, x2, x3, x4, xsum4, xqf, xaf, x16f, xsf, xsum,
+              G, gs):
+        """out[r] = row r of W times x, r0 <= r < r1, by the kernel matmul() would use."""
+        if act == A_INT8 and fmt == INT8:
+            fk.rows_int8_q8(xqf, xaf, xsf, 0, qf, sf, r0, r1, G, gs, out, 0)
+        elif act == A_INT16:
+            fk.rows_int8_q16(x16f, xsf, 0, qf, sf, r0, r1, G, gs, out, 0)
+        elif act == A_INT8:
+            for r in range(r0, r1):
+                out[r] = fk.row_int4_q8(xqf, xsf, xsum, 0, qf, sf, m2, r, G, gs)
+        else:
+            _rows_float(fmt, r0, r1, out, wf, wb, q8, q4, s2, m2, x2, x3, x4, xsum4)
+else:
+    @_inline
+    def _rows(fmt, act, r0, r1, out, wf, wb, q8, q4, s2, m2, qf, sf, x2, x3, x4, xsum4, xqf, xaf, x16f, xsf, xsum,
+              G, gs):
+        """out[r] = row r of W times x, r0 <= r < r1 (activations are fp32 on this CPU)."""
+        _rows_float(fmt, r0, r1, out, wf, wb, q8, q4, s2, m2, x2, x3, x4, xsum4)
 
 
 @numba.njit(inline="always")
@@ -135,9 +171,9 @@ def _matvec(m, data, scales, mins, x, out, counts, phase, workers):
     xs = np.empty((1, G), dtype=np.float32)
     xsum = np.empty((1, G), dtype=np.float32)
     if act == A_INT8:
-        kernels.quantize_token(x3, 0, xq, xa, xs, xsum)
+        fk.quantize_token(x3, 0, xq, xa, xs, xsum)
     elif act == A_INT16:
-        kernels.quantize_token16(x3, 0, x16, xs)
+        fk.quantize_token16(x3, 0, x16, xs)
     # the weight in the shape its kernel indexes (an empty stand-in for the other formats)
     wf = data.view(np.float32).reshape(O, Kp) if fmt == NONE else np.empty((0, 0), dtype=np.float32)
     wb = data.view(np.uint16).reshape(O, Kp) if fmt == BF16 else np.empty((0, 0), dtype=np.uint16)
@@ -230,7 +266,8 @@ _READONLY16 = types.Array(types.uint16, 1, "C", readonly=True)
 
 def _format_row(w) -> list[int]:
     """A Weight as the kernel sees it: (fmt, act, O, K, Kp, gs), a row of meta."""
-    return [FMT[w.fmt], ACT[w.decode_act], w.out_features, w.in_features, w.padded_in, w.group_size]
+    return [FMT[w.fmt], ACT[getattr(w, "decode_act", "fp32")], w.out_features, w.in_features, w.padded_in,
+            w.group_size]
 
 
 def _flat_list(arrays, ty):
@@ -251,6 +288,8 @@ class DecodeStep:
         kernel takes one format row per kind of matrix). MoE layers route per token:
         model.py runs them."""
         if any(lw.experts for lw in weights.layers):
+            return False
+        if any(lw.bqkv is not None for lw in weights.layers):    # qwen2's q/k/v biases: not added here yet
             return False
         kinds = [[_format_row(w) for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)] for lw in weights.layers]
         return all(k == kinds[0] for k in kinds)

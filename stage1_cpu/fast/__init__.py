@@ -1,0 +1,84 @@
+"""Stage 1's fast path: the same engine, at the CPU's full speed.
+
+The core (stage1_cpu/*.py) is plain numba that LLVM vectorises for whatever CPU
+runs it. This package sits beside it and changes three things, each its own
+lesson (docs/stage1.md, "The fast path"):
+
+    simd.py, kernels.py   int8 (or int16) activations at decode, multiplied by the
+                          CPU's integer dot-product instructions; a bf16 GEMM at prefill
+    weight.py             FastWeight: a quant.Weight that routes those cases to them
+    sync.py,              a dense model's whole decode step in one parallel region,
+    decode_step.py        on the core's own row bodies (the same bits)
+
+cpu.py decides, in Python and before anything is compiled, which instructions
+exist on the target (cpu.INT8: "vnni" | "avx2" | None; cpu.BF16). A kernel that
+names an instruction is compiled only where it exists; where none does (an
+ARM64 laptop, NUMBA_CPU_NAME=generic), the fast path is the one-region step on
+fp32 activations, bit for bit the core's result.
+
+The core never imports this package: stage1_cpu/weights.py does, lazily, when
+--kernels is fast (or auto), and hands the model what it needs.
+"""
+from __future__ import annotations
+
+import os
+
+from stage1_cpu.fast import cpu
+from stage1_cpu.fast.weight import FastWeight, as_fast, check_act, fast_quantize  # noqa: F401
+
+ACTIVATIONS = ("auto", "int8", "fp32")
+
+
+def available() -> str | None:
+    """None if the fast path runs here, else why not. The one-region step naps with the
+    C library's usleep (sync.py): POSIX systems only."""
+    return None if os.name == "posix" else "the one-region decode step needs a POSIX C library (usleep)"
+
+
+def choose_act(fmt: str, activations: str, in_features: int, lm_head: bool = False) -> dict:
+    """How a FastWeight rounds its activations: --activations auto rounds them where the
+    CPU has an instruction that pays for it: to int8 at int8 / int4 decode (cpu.INT8; the
+    int8 lm_head's to int16) and to bf16 at bf16 / int8 / int4 prefill (cpu.BF16); int8
+    rounds the lm_head's to int8 too; fp32 never rounds.
+    -> fast_quantize()'s keyword arguments {"decode_act": ..., "prefill_act": ...}."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"unknown --activations {activations!r}; choose one of {', '.join(ACTIVATIONS)}")
+    act = {"decode_act": "fp32", "prefill_act": "fp32"}
+    if activations == "fp32" or fmt == "none":
+        return act
+    if fmt in ("int8", "int4") and (activations == "int8" or cpu.INT8):
+        act["decode_act"] = "int8"                  # int8 without an instruction: check_act explains
+        if lm_head and fmt == "int8" and activations == "auto":
+            act["decode_act"] = "int16"
+    if cpu.BF16 and (fmt != "bf16" or in_features % 2 == 0):
+        act["prefill_act"] = "bf16"
+    return act
+
+
+def make_decode_step(weights, cache, cos, sin):
+    """The one-region decode step for these weights, or None where it does not apply
+    (MoE layers, layers in different formats): the model then runs its per-op path."""
+    from stage1_cpu.fast.decode_step import DecodeStep
+    return DecodeStep(weights, cache, cos, sin) if DecodeStep.supported(weights) else None
+
+
+def describe(weights) -> str:
+    """For the banner: which kernels and instructions this model uses."""
+    acts = sorted({w.decode_act for w in _matrices(weights)} - {"fp32"})
+    pre = sorted({w.prefill_act for w in _matrices(weights)} - {"fp32"})
+    what = [f"{'/'.join(acts)} decode activations" if acts else "fp32 activations"]
+    if pre:
+        what.append("bf16 prefill")
+    isa = {"vnni": "VNNI", "avx2": "AVX2", None: "no int8 dot instruction"}[cpu.INT8]
+    return f"fast kernels ({', '.join(what)}; {isa}{', AVX-512 BF16' if cpu.BF16 else ''})"
+
+
+def _matrices(weights):
+    yield weights.lm_head
+    for lw in weights.layers:
+        for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down):
+            if w is not None:
+                yield w
+        for ex in lw.experts + ([lw.shared_expert] if lw.shared_expert else []):
+            yield ex.e_gate_up
+            yield ex.e_down

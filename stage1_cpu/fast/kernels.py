@@ -1,0 +1,308 @@
+"""The fast path's kernels: int8 / int16 activations at decode, the bf16 GEMM at prefill.
+
+Changed from the core (stage1_cpu/kernels.py): the core's matvecs turn every
+weight into a float32 and multiply it by a float32 activation. Here the
+activations are rounded once per matvec (to int8, or int16 for the lm_head),
+and each group's dot product is integer multiply-adds done by the CPU's own
+dot-product instructions (simd.py): `diff` kernels.matmul_int8 against
+matmul_int8_q8 below shows the whole change. Prefill can round its activations
+to bf16 and run a vdpbf16ps GEMM instead of fp32 tiles through BLAS.
+
+These kernels call simd.py's intrinsics, so they are compiled only on a CPU that
+has those instructions: stage1_cpu/fast/__init__.py decides, in Python, before
+anything here is compiled, and the core never imports this package.
+Each has a numpy twin: fast/weight.py (FastWeight.matmul_ref, quantize_activations).
+"""
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+from stage1_cpu.fast import simd
+from stage1_cpu.kernels import FAST, _inline, decode_block, f16_to_f32, segment_block
+
+
+# ---------------------------------------------------------------------------
+# Quantized matmul with int8 activations (decode, where the CPU has an int8 dot
+# product: AVX-512 VNNI / AVX-VNNI, or AVX2's pair of multiply-adds; see
+# simd.py): the activations are rounded to int8 per group once per call, and
+# each row's dot product is integer multiply-adds, 32 per instruction (VNNI).
+# Measured on one core, weights in L2 (1024 x 1024, group size 32): int8 30,
+# int4 35 G weights/s (the core's float kernels: 16 and 13; measured
+# on an AVX-512 machine, docs/benchmarks.md). On 2 threads a
+# 150k-row matrix then reads at the memory's speed (int8 31, int4 28 GB/s).
+# ---------------------------------------------------------------------------
+
+
+@_inline
+def quantize_token(x3, t, xq, xa, xs, xsum):
+    """Token t of quantize_activations, into the given arrays."""
+    for g in range(x3.shape[1]):
+        amax = np.float32(0.0)
+        poison = np.float32(0.0)                # stays 0 unless x holds a NaN or an inf
+        for j in range(x3.shape[2]):
+            amax = max(amax, abs(x3[t, g, j]))
+            poison += x3[t, g, j] * np.float32(0.0)
+        scale = amax / np.float32(127.0)
+        inv = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
+        total = 0
+        for j in range(x3.shape[2]):
+            v = np.int32(np.rint(x3[t, g, j] * inv))
+            xq[t, g, j] = v
+            xa[t, g, j] = abs(v)
+            total += v
+        xs[t, g] = scale + poison               # a NaN / inf in x makes its group's output NaN
+        xsum[t, g] = np.float32(total) * scale + poison
+
+
+@njit(cache=True, fastmath=FAST, error_model="numpy")
+def quantize_activations(x3):
+    """x3 [T, G, gs] f32 -> xq [T, G, gs] int8, xa = |xq| [T, G, gs] uint8,
+    xs [T, G] f32, xsum [T, G] f32.  x ~ xq * xs, with xs = max |x| / 127 per
+    group (round to nearest even); xsum = xs * sum(xq), the group's sum of the
+    rounded x (the int4 minimum multiplies it). A NaN or inf in a group sets its
+    xs and xsum to NaN, so it reaches the output as in the float kernels.
+    The numpy twin: quant.quantize_activations."""
+    T, G, gs = x3.shape
+    xq = np.empty((T, G, gs), dtype=np.int8)
+    xa = np.empty((T, G, gs), dtype=np.uint8)
+    xs = np.empty((T, G), dtype=np.float32)
+    xsum = np.empty((T, G), dtype=np.float32)
+    for t in range(T):
+        quantize_token(x3, t, xq, xa, xs, xsum)
+    return xq, xa, xs, xsum
+
+
+@_inline
+def quantize_token16(x3, t, x16, xs):
+    """Token t of quantize_activations16, into the given arrays."""
+    for g in range(x3.shape[1]):
+        amax = np.float32(0.0)
+        poison = np.float32(0.0)
+        for j in range(x3.shape[2]):
+            amax = max(amax, abs(x3[t, g, j]))
+            poison += x3[t, g, j] * np.float32(0.0)
+        scale = amax / np.float32(32767.0)
+        inv = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
+        for j in range(x3.shape[2]):
+            x16[t, g, j] = np.int32(np.rint(x3[t, g, j] * inv))
+        xs[t, g] = scale + poison
+
+
+@njit(cache=True, fastmath=FAST, error_model="numpy")
+def quantize_activations16(x3):
+    """x3 [T, G, gs] f32 -> x16 [T, G, gs] int16, xs [T, G] f32: x ~ x16 * xs with
+    xs = max |x| / 32767 per group (round to nearest even); NaN / inf as in
+    quantize_activations. The numpy twin: quant.quantize_activations(..., 32767)."""
+    T, G, gs = x3.shape
+    x16 = np.empty((T, G, gs), dtype=np.int16)
+    xs = np.empty((T, G), dtype=np.float32)
+    for t in range(T):
+        quantize_token16(x3, t, x16, xs)
+    return x16, xs
+
+
+@_inline
+def rows_int8_q16(xf, xsf, t, qf, sf, r0, r1, G, gs, outf, ooff):
+    """outf[ooff + r] = row r of an int8 matrix . token t's int16 activations, r0 <= r < r1
+    (flat arrays): rows_int8_q8's order, with simd.dot_int8_rows_i16."""
+    n4 = (r1 - r0) // 4
+    for b in range(r0, r0 + n4):
+        simd.dot_int8_rows_i16(qf, b * G * gs, n4 * G * gs, xf, t * G * gs, sf, b * G, xsf, t * G, G, gs,
+                               outf, ooff + b, 4)
+    for r in range(r0 + 4 * n4, r1):
+        simd.dot_int8_rows_i16(qf, r * G * gs, G * gs, xf, t * G * gs, sf, r * G, xsf, t * G, G, gs,
+                               outf, ooff + r, 1)
+
+
+@njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
+def matmul_int8_q16(x16, xs, q, s, out):
+    """x16 [T, G, gs], xs [T, G] from quantize_activations16; q [O, G, gs] int8;
+    s [O, G] fp16 bits -> out [T, O] (simd.dot_int8_row_i16)."""
+    T, G, gs = x16.shape
+    O = q.shape[0]
+    qf, sf, xf, xsf, outf = q.reshape(-1), s.reshape(-1), x16.reshape(-1), xs.reshape(-1), out.reshape(-1)
+    block = decode_block(O, G * gs)
+    for c in prange(-(-O // block)):
+        for t in range(T):
+            rows_int8_q16(xf, xsf, t, qf, sf, c * block, min(O, (c + 1) * block), G, gs, outf, t * O)
+
+
+@_inline
+def rows_int8_q8(xqf, xaf, xsf, t, qf, sf, r0, r1, G, gs, outf, ooff):
+    """outf[ooff + r] = row r of an int8 matrix . token t's int8 activations, r0 <= r < r1
+    (flat arrays). Four rows per simd.dot_int8_rows call, a quarter of the range apart:
+    four sequential streams, which the hardware prefetcher follows (four adjacent
+    rows it does not: simd.py). A row's result does not depend on its company."""
+    n4 = (r1 - r0) // 4
+    for b in range(r0, r0 + n4):
+        simd.dot_int8_rows(qf, b * G * gs, n4 * G * gs, xqf, xaf, t * G * gs, sf, b * G, xsf, t * G, G, gs,
+                           outf, ooff + b, 4)
+    for r in range(r0 + 4 * n4, r1):
+        simd.dot_int8_rows(qf, r * G * gs, G * gs, xqf, xaf, t * G * gs, sf, r * G, xsf, t * G, G, gs,
+                           outf, ooff + r, 1)
+
+
+@njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
+def matmul_int8_q8(xq, xa, xs, q, s, out):
+    """xq, xa [T, G, gs], xs [T, G] from quantize_activations; q [O, G, gs] int8;
+    s [O, G] fp16 bits -> out [T, O]:  out[t, r] = sum_g s[r, g] xs[t, g] (q[r, g] . xq[t, g])."""
+    T, G, gs = xq.shape
+    O = q.shape[0]
+    # flat views: simd.dot_int8_rows walks raw offsets (rows are contiguous)
+    qf, sf, xqf, xaf, xsf = q.reshape(-1), s.reshape(-1), xq.reshape(-1), xa.reshape(-1), xs.reshape(-1)
+    outf = out.reshape(-1)
+    block = decode_block(O, G * gs)                 # each thread takes whole blocks, in order
+    for c in prange(-(-O // block)):
+        for t in range(T):
+            rows_int8_q8(xqf, xaf, xsf, t, qf, sf, c * block, min(O, (c + 1) * block), G, gs, outf, t * O)
+
+
+@_inline
+def row_int4_q8(xqf, xsf, xsum, t, qf, sf, m, r, G, gs):
+    """Row r of an int4 matrix times token t's int8 activations (flat arrays;
+    xsum [T, G], m [O, G])."""
+    mins = np.float32(0.0)                      # the minimum's term, G multiply-adds
+    for g in range(G):
+        mins += f16_to_f32(m[r, g]) * xsum[t, g]
+    return simd.dot_int4_row(qf, r * G * gs // 2, xqf, t * G * gs, sf, r * G, xsf, t * G, G, gs) + mins
+
+
+@njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
+def matmul_int4_q8(xq, xs, xsum, q, s, m, out):
+    """xq [T, G, gs], xs, xsum [T, G] from quantize_activations; q [O, G/2, gs]
+    uint8 (matmul_int4's layout); s, m [O, G] fp16 bits -> out [T, O]:
+        out[t, r] = sum_g s[r, g] xs[t, g] (nibbles[r, g] . xq[t, g]) + m[r, g] xsum[t, g]"""
+    T, O = xq.shape[0], q.shape[0]
+    qf, sf, xqf, xsf = q.reshape(-1), s.reshape(-1), xq.reshape(-1), xs.reshape(-1)
+    for r in prange(O):
+        for t in range(T):
+            out[t, r] = row_int4_q8(xqf, xsf, xsum, t, qf, sf, m, r, xq.shape[1], xq.shape[2])
+
+
+@njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
+def segments_int8_q8(xq, xa, xs, q, s, starts, out):
+    """kernels.segments_int8 with int8 activations: xq, xa [S, G, gs], xs [S, G] from
+    quantize_activations; q [O, G, gs] int8; s [O, G] fp16 bits -> out [S, n]."""
+    S, G, gs = xq.shape
+    n = out.shape[1]
+    qf, sf, xqf, xaf, xsf, outf = q.reshape(-1), s.reshape(-1), xq.reshape(-1), xa.reshape(-1), xs.reshape(-1), \
+        out.reshape(-1)
+    block, per = segment_block(n, G * gs)
+    for j in prange(S * per):
+        t, b = j // per, j % per
+        r0 = starts[t] + b * block
+        rows_int8_q8(xqf, xaf, xsf, t, qf, sf, r0, min(starts[t] + n, r0 + block), G, gs, outf, t * n - starts[t])
+
+
+@njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
+def segments_int4_q8(xq, xs, xsum, q, s, m, starts, out):
+    """kernels.segments_int4 with int8 activations (matmul_int4_q8's arguments) -> out [S, n]."""
+    S, G, gs = xq.shape
+    n = out.shape[1]
+    qf, sf, xqf, xsf = q.reshape(-1), s.reshape(-1), xq.reshape(-1), xs.reshape(-1)
+    for j in prange(S * n):
+        t, i = j // n, j % n
+        out[t, i] = row_int4_q8(xqf, xsf, xsum, t, qf, sf, m, starts[t] + i, G, gs)
+
+
+# ---------------------------------------------------------------------------
+# bf16 prefill GEMM (where the CPU has AVX-512 BF16; see simd.py): x rounded to
+# bf16 pairs once, then each thread takes 16-row panels of W, packs a panel
+# (32 KB at K=1024, it stays in L1/L2) and runs simd.dot_bf16_panel over the
+# tokens, 8 at a time. Measured, T=512, 2 threads: ~350 GFLOP/s (sgemm: ~180).
+# ---------------------------------------------------------------------------
+
+
+@njit(cache=True, error_model="numpy")
+def bf16_pairs(x, tokens):
+    """x [T, K] f32 (K even) -> [Tp, K/2] uint32: bf16(x[t, 2k2]) in the low half,
+    bf16(x[t, 2k2+1]) in the high half, rounded to nearest even; Tp = T rounded
+    up to a multiple of `tokens`, the extra rows zero."""
+    T, K = x.shape
+    Tp = -(-T // tokens) * tokens
+    out = np.zeros((Tp, K // 2), dtype=np.uint32)
+    u = x.view(np.uint32)
+    for t in range(T):
+        for k2 in range(K // 2):
+            out[t, k2] = _bf16_bits(u[t, 2 * k2]) | (_bf16_bits(u[t, 2 * k2 + 1]) << np.uint32(16))
+    return out
+
+
+@njit(inline="always", error_model="numpy")
+def _bf16_bits(u):
+    """float32 bits -> bf16 bits, round half to even; NaN stays NaN (as quant.f32_to_bf16_bits)."""
+    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return (u >> np.uint32(16)) | np.uint32(0x40)
+    return (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def bf16_pairs_int8(q, s, w2):
+    """q [R, G, gs] int8, s [R, G] fp16 bits -> w2 [R, G*gs/2] uint32: the
+    dequantized rows q * s as bf16 pairs (rounded to nearest even)."""
+    R, G, gs = q.shape
+    for r in prange(R):
+        for g in range(G):
+            sc = f16_to_f32(s[r, g])
+            for j in range(0, gs, 2):
+                lo = _bf16_bits(_f32_bits(np.float32(q[r, g, j]) * sc))
+                hi = _bf16_bits(_f32_bits(np.float32(q[r, g, j + 1]) * sc))
+                w2[r, (g * gs + j) // 2] = lo | (hi << np.uint32(16))
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def bf16_pairs_int4(q, s, m, w2):
+    """q [R, G/2, gs] uint8 (matmul_int4's layout), s, m [R, G] fp16 bits ->
+    w2 [R, G*gs/2] uint32: the dequantized rows nibble * s + m as bf16 pairs."""
+    R, P, gs = q.shape
+    for r in prange(R):
+        for p in range(P):
+            for half in range(2):                   # group 2p: low nibbles, 2p+1: high
+                g = 2 * p + half
+                sc = f16_to_f32(s[r, g])
+                mn = f16_to_f32(m[r, g])
+                for j in range(0, gs, 2):
+                    a = (q[r, p, j] >> (4 * half)) & 15
+                    b = (q[r, p, j + 1] >> (4 * half)) & 15
+                    lo = _bf16_bits(_f32_bits(np.float32(a) * sc + mn))
+                    hi = _bf16_bits(_f32_bits(np.float32(b) * sc + mn))
+                    w2[r, (g * gs + j) // 2] = lo | (hi << np.uint32(16))
+
+
+@intrinsic
+def _f32_bits(typingctx, x):
+    """float32 -> its 32 bits as uint32."""
+    sig = types.uint32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return sig, codegen
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def matmul_bf16_prefill(xb, w2, out):
+    """xb [Tp, K2] uint32 from bf16_pairs; w2 [O, K2] uint32 (the bf16 weight
+    [O, K] viewed as pairs) -> out [T, O] f32, T <= Tp."""
+    Tp, K2 = xb.shape
+    O = w2.shape[0]
+    T = out.shape[0]
+    xf = xb.reshape(-1)
+    for p in prange(-(-O // simd.PANEL)):
+        o0 = p * simd.PANEL
+        rows = min(simd.PANEL, O - o0)
+        # [K2, 16]: the panel transposed, so one load gives 16 rows at one k2 (zeros past O)
+        panel = np.zeros((K2, simd.PANEL), dtype=np.uint32)
+        for i in range(rows):
+            for k2 in range(K2):
+                panel[k2, i] = w2[o0 + i, k2]
+        pf = panel.reshape(-1)
+        res = np.empty(simd.TOKENS * simd.PANEL, dtype=np.float32)   # [TOKENS, 16]
+        for t0 in range(0, Tp, simd.TOKENS):
+            simd.dot_bf16_panel(pf, xf, t0 * K2, K2, res)
+            for t in range(min(simd.TOKENS, T - t0)):
+                for i in range(rows):
+                    out[t0 + t, o0 + i] = res[t * simd.PANEL + i]
+
