@@ -193,3 +193,11 @@ def test_device_sampling_picks_the_host_samplers_tokens_for_a_seed():
     assert device == host
     greedy = run(True)["4"]
     assert device["4"] == greedy and len(set(device["1"])) > 3      # a real draw, not a repeated argmax
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_moe"])
+def test_families_stage3_does_not_run_yet_are_refused_with_a_message(family):
+    """q/k/v biases and shared experts are not in stage 3 yet: loading must fail loudly, not
+    drop those weights and answer wrongly."""
+    with pytest.raises(ValueError, match="stage 3 does not run"):
+        engine(make_model(family))
