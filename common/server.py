@@ -824,7 +824,12 @@ class Generation:
     def usage(self) -> dict:
         prompt = sum(len(ids) for ids in dict.fromkeys(tuple(c.prompt_ids) for c in self.choices))
         completion = sum(c.n_tokens for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        cached = getattr(self.state.loop.engine, "num_cached_tokens", None)   # an engine with a prefix cache
+        if cached is not None:
+            firsts = {tuple(c.prompt_ids): c.id for c in reversed(self.choices)}   # one choice per prompt
+            usage["prompt_tokens_details"] = {"cached_tokens": sum(cached(i) for i in firsts.values())}
+        return usage
 
 
 async def _until_disconnect(request) -> None:
