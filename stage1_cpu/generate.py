@@ -51,7 +51,7 @@ def main(argv=None) -> int:
             repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
             frequency_penalty=args.frequency_penalty, seed=args.seed, max_tokens=args.max_tokens,
             ignore_eos=args.ignore_eos)
-        engine = build_engine(folder, args)
+        engine = build_engine(folder, args, progress=sys.stdout.isatty())   # piped: stdout is the text alone
         print(f"[{engine.describe_kernels()}]", file=sys.stderr)
         if engine.kernels_cold():
             print("compiling kernels, first run only ...", file=sys.stderr, flush=True)
