@@ -233,8 +233,9 @@ def gguf_weight_bytes(path: Path) -> int:
     return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
 
 
-def prepare_models(shape: Shape, cache: Path, log=print) -> dict:
-    """-> {"hf": folder, "BF16": path, "Q8_0": path, "Q4_0": path}, built once and cached."""
+def prepare_models(shape: Shape, cache: Path, log=print, quants=("BF16", "Q8_0", "Q4_0")) -> dict:
+    """-> {"hf": folder, "BF16": path, "Q8_0": path, "Q4_0": path}, built once and cached;
+    only the GGUF files in `quants` are written (none when llama.cpp is not measured)."""
     root = cache / f"{shape.name}-v{BUILD_VERSION}"
     hf = root / "hf"
     paths = {"hf": hf, **{q: root / f"{shape.name}-{q}-g{GGUF_VERSION}.gguf" for q in ("BF16", "Q8_0", "Q4_0")}}
@@ -245,7 +246,7 @@ def prepare_models(shape: Shape, cache: Path, log=print) -> dict:
         build_hf_model(shape, hf)
         (hf / "DONE").write_text("ok")
         log(f"  done in {time.perf_counter() - t0:.0f} s")
-    for q in ("BF16", "Q8_0", "Q4_0"):
+    for q in quants:
         if not paths[q].exists():
             t0 = time.perf_counter()
             log(f"writing {paths[q].name} ...")
@@ -928,7 +929,8 @@ def main(argv: list[str] | None = None) -> int:
     load_before = load_1min()
     log(check_load("before"))
     meter = NeighbourMeter()
-    paths = prepare_models(shape, args.cache_dir, log)
+    paths = prepare_models(shape, args.cache_dir, log, [LLAMA_FORMAT[f] for f in args.formats]
+                           if "llama.cpp" in args.engines else [])
     log("measuring memory bandwidth ...")
     bw = measure_bandwidth(args.threads, mib=256 if args.quick else 1024)
     log("  " + ", ".join(f"{n} threads: {bw['read'][n]:.1f} GB/s" for n in args.threads))
