@@ -10,6 +10,7 @@
 #
 #   bench/build_llama_avx2.sh [DEST]          # default DEST: ~/.cache/qwen3-stages/llama-avx2
 #   bench/build_llama_avx2.sh DEST --install  # also pip-install the wheel into this Python's env
+#                                             # (on an AVX2-only host this build is the native one)
 #
 # Output: DEST/lib/libllama.so, libggml*.so (what LLAMA_CPP_LIB_PATH points at) and DEST/wheel/*.whl.
 # The sdist comes from PyPI (pip download), or from $LLAMA_SDIST if set (a .tar.gz).
@@ -55,6 +56,6 @@ with zipfile.ZipFile(wheel) as z:
 print("libraries:", ", ".join(sorted(p.name for p in out.iterdir())))
 EOF
 if [ "$INSTALL" = "--install" ]; then
-    $PY -m pip install --no-deps --force-reinstall "$WHEEL"
+    $PY -m pip install --force-reinstall "$WHEEL"      # its dependencies (diskcache, ...) from the index
 fi
 echo "use it with: python -m bench cpu --cpu-profile avx2 --llama-avx2-lib $DEST/lib"
