@@ -10,6 +10,7 @@ BENCHMARKS = {
     "kernels": "bench.kernels",  # the stage-1 matmul kernels on their own
     "profile": "bench.profile",  # one stage-1 forward pass, op by op
     "gpu": "bench.gpu",          # stage 2 on a GPU: nano-vllm's workload, batch-1 decode (bench/gpu_check.sh)
+    "first-answer": "bench.first_answer",   # how often the default model's first answer is right, per sampling setting
 }
 
 

@@ -261,14 +261,10 @@ class Stage1Runner:
     """Stage 1 through the Engine protocol, exactly as the chat and the server use it."""
 
     def __init__(self, folder: str, fmt: str, threads: int, max_ctx: int, kernels: str = "auto"):
-        from stage1_cpu import kernels as core_kernels
         from stage1_cpu.engine import LLMEngine
         self.kernels = kernels
         quant = {"fp32": "none"}.get(fmt, fmt)
-        # the thread count is set here, not through LLMEngine(threads=...): there the `kernels`
-        # argument shadows the stage1_cpu.kernels module (engine.py, reported to the lead)
-        core_kernels.set_threads(threads)
-        self.engine = LLMEngine(folder, quant=quant, threads=None, max_ctx=max_ctx, progress=False,
+        self.engine = LLMEngine(folder, quant=quant, threads=threads, max_ctx=max_ctx, progress=False,
                                 kernels=kernels)
         self.count = 0
 

@@ -322,6 +322,66 @@ def matmul_int4(x4, q, s, m, out):
 
 
 # ---------------------------------------------------------------------------
+# Matvecs over segments of one matrix (the routed experts of a MoE layer at
+# decode, stacked into one matrix per projection): out[s, i] = x[s] . W[starts[s] + i]
+# for i < n. One parallel region serves all k chosen experts, instead of one per
+# expert and projection (2k starts per layer), so both threads stream expert
+# weights the whole time. Blocks of rows never cross a segment; each row is the
+# same body as in the matmul kernels above, so a segment's result is, bit for bit,
+# its expert's own matmul.
+# ---------------------------------------------------------------------------
+
+
+@_inline
+def segment_block(n, row_bytes):
+    """Rows per block of a segment, and blocks per segment."""
+    block = decode_block(n, row_bytes)
+    return block, -(-n // block)
+
+
+@njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
+def segments_f32(x, w, starts, out):
+    """x [S, K], w [O, K] f32, starts [S] -> out [S, n]."""
+    S, n = out.shape
+    for j in prange(S * n):
+        s, i = j // n, j % n
+        out[s, i] = row_f32(x, s, w, starts[s] + i)
+
+
+@njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
+def segments_bf16(x, w, starts, out):
+    """x [S, K] f32, w [O, K] bf16 bits, starts [S] -> out [S, n] (contiguous)."""
+    S, n = out.shape
+    outf = out.reshape(-1)
+    block, per = segment_block(n, 2 * w.shape[1])
+    for j in prange(S * per):
+        s, b = j // per, j % per
+        r0 = starts[s] + b * block
+        rows_bf16(x, s, w, r0, min(starts[s] + n, r0 + block), outf, s * n - starts[s])
+
+
+@njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
+def segments_int8(x3, q, sc, starts, out):
+    """x3 [S, G, gs] f32, q [O, G, gs] int8, sc [O, G] fp16 bits, starts [S] -> out [S, n]."""
+    S, n = out.shape
+    for j in prange(S * n):
+        s, i = j // n, j % n
+        out[s, i] = row_int8(x3, s, q, sc, starts[s] + i)
+
+
+@njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
+def segments_int4(x4, q, sc, m, starts, out):
+    """x4 [S, G/2, 2, gs] f32, q [O, G/2, gs] uint8, sc, m [O, G] fp16 bits -> out [S, n]."""
+    S, n = out.shape
+    xsum = np.empty((S, x4.shape[1], 2), dtype=np.float32)   # [S, G/2, 2] sum of each group of x
+    for s in range(S):
+        group_sums(x4, s, xsum)
+    for j in prange(S * n):
+        s, i = j // n, j % n
+        out[s, i] = row_int4(x4, xsum, s, q, sc, m, starts[s] + i)
+
+
+# ---------------------------------------------------------------------------
 # Dequantize selected rows to fp32: the embedding lookup, and the fp32 tile
 # that the prefill path hands to BLAS (a block of rows, never the whole matrix).
 # ids: [R] int64; out: [R, Kp] f32, viewed in the weight's group layout.

@@ -113,13 +113,23 @@ class Model:
         if cfg.norm_topk_prob:
             weight = weight / weight.sum(axis=-1, keepdims=True)
         out = np.zeros_like(h)                                 # [T, C]
-        # group tokens by expert: each chosen expert's weights are read once per step
-        for e in np.unique(top):
-            rows, slot = np.nonzero(top == e)                  # tokens routed to e, and which of their k
-            ex = lw.experts[e]
-            he = h[rows]                                       # [Te, C]
-            y = ex.e_down.matmul(self.k.silu_mul(ex.e_gate_up.matmul(he)))  # [Te, 2Fe] -> [Te, C]
-            out[rows] += weight[rows, slot][:, None] * y
+        if T == 1:
+            # decode: the k chosen experts' rows of the stacked matrices, all k in one parallel
+            # region per projection (2 instead of 2k), the same sums in the same order as below
+            ids = np.unique(top[0])                            # [k] expert ids, sorted
+            Fe2, C = lw.experts[0].e_gate_up.out_features, h.shape[1]
+            gu = lw.experts_gate_up.matmul_segments(np.repeat(h, len(ids), axis=0), ids * Fe2, Fe2)  # [k, 2Fe]
+            y = lw.experts_down.matmul_segments(self.k.silu_mul(gu), ids * C, C)                     # [k, C]
+            for j, e in enumerate(ids):
+                out[0] += weight[0, top[0] == e][0] * y[j]
+        else:
+            # group tokens by expert: each chosen expert's weights are read once per step
+            for e in np.unique(top):
+                rows, slot = np.nonzero(top == e)              # tokens routed to e, and which of their k
+                ex = lw.experts[e]
+                he = h[rows]                                   # [Te, C]
+                y = ex.e_down.matmul(self.k.silu_mul(ex.e_gate_up.matmul(he)))  # [Te, 2Fe] -> [Te, C]
+                out[rows] += weight[rows, slot][:, None] * y
         if lw.shared_expert is not None:
             # the shared expert: every token, weighted by sigmoid(h . shared_gate) in (0, 1)
             ex = lw.shared_expert

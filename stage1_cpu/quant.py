@@ -139,6 +139,26 @@ class Weight:
             kernels.matmul_int4(x.reshape(T, -1, 2, gs), self.data, self.scales, self.mins, out)  # [T, G/2, 2, gs]
         return out
 
+    def matmul_segments(self, x: np.ndarray, starts: np.ndarray, n: int) -> np.ndarray:
+        """out[s] = x[s] @ W[starts[s]:starts[s] + n].T: each row of x [S, in] times its own
+        segment of n rows -> [S, n]. One parallel region for all segments (kernels.py):
+        a MoE layer's chosen experts, stacked into one matrix, at decode."""
+        x = self._pad(self._check(x))                             # [S, Kp]
+        starts = np.ascontiguousarray(starts, dtype=np.int64)
+        if starts.size and (starts.min() < 0 or starts.max() + n > self.out_features):
+            raise IndexError(f"segments of {n} rows at {starts.tolist()} leave [0, {self.out_features})")
+        S, gs = x.shape[0], self.group_size
+        out = np.empty((S, n), dtype=np.float32)
+        if self.fmt == "none":
+            kernels.segments_f32(x, self.data, starts, out)
+        elif self.fmt == "bf16":
+            kernels.segments_bf16(x, self.data, starts, out)
+        elif self.fmt == "int8":
+            kernels.segments_int8(x.reshape(S, -1, gs), self.data, self.scales, starts, out)
+        else:
+            kernels.segments_int4(x.reshape(S, -1, 2, gs), self.data, self.scales, self.mins, starts, out)
+        return out
+
     def _matmul_tiled(self, x: np.ndarray) -> np.ndarray:
         """Prefill: dequantize ROW_BLOCK rows at a time into one fp32 tile and
         multiply the whole [T, Kp] activation block by it with BLAS. Each weight

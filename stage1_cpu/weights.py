@@ -47,7 +47,9 @@ class LayerWeights:
     w_gate_up: Weight | None = None         # [2F, C] dense MLP: gate_proj, up_proj stacked
     w_down: Weight | None = None            # [C, F]
     router: np.ndarray | None = None        # [E, C] MoE router, kept in fp32 (it is tiny and decides everything)
-    experts: list[ExpertWeights] = field(default_factory=list)
+    experts: list[ExpertWeights] = field(default_factory=list)   # views into the two stacks below
+    experts_gate_up: Weight | None = None   # [E * 2Fe, C] every routed expert's gate_up, stacked by rows
+    experts_down: Weight | None = None      # [E * C, Fe] every routed expert's down, stacked by rows
     shared_expert: ExpertWeights | None = None  # qwen2_moe: [2Fs, C] and [C, Fs], every token goes through it
     shared_gate: np.ndarray | None = None   # [1, C] its sigmoid gate, fp32 like the router
 
@@ -174,8 +176,17 @@ def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
                 L.q_norm, L.k_norm = loader.layer("q_norm", i), loader.layer("k_norm", i)
             if cfg.is_moe_layer(i):
                 L.router = loader.layer("router", i)
-                L.experts = [ExpertWeights(step(q(loader.fused(["e_gate", "e_up"], i, e))),
-                                           step(q(loader.layer("e_down", i, e))))
+                experts = [ExpertWeights(step(q(loader.fused(["e_gate", "e_up"], i, e))),
+                                         step(q(loader.layer("e_down", i, e))))
+                           for e in range(cfg.num_experts)]
+                # one matrix per projection for all E experts, each expert a view of its rows: decode
+                # multiplies the k chosen experts' rows in one parallel region (Weight.matmul_segments)
+                L.experts_gate_up = _stack([ex.e_gate_up for ex in experts])
+                L.experts_down = _stack([ex.e_down for ex in experts])
+                del experts
+                Fe2, C = L.experts_gate_up.out_features // cfg.num_experts, cfg.hidden_size
+                L.experts = [ExpertWeights(_rows(L.experts_gate_up, e * Fe2, (e + 1) * Fe2),
+                                           _rows(L.experts_down, e * C, (e + 1) * C))
                              for e in range(cfg.num_experts)]
                 if cfg.shared_expert_intermediate_size:
                     L.shared_expert = ExpertWeights(step(q(loader.fused(["s_gate", "s_up"], i))),
@@ -198,9 +209,19 @@ def _quantize_by_rows(loader: WeightLoader, key: str, q, fmt: str, block: int = 
     if fmt == "none":
         return q(loader.glob(key))                            # fp32 is the format itself
     parts = [q(loader.glob(key, rows=slice(r, r + block))) for r in range(0, V, block)]
-    if len(parts) == 1:
-        return parts[0]
-    stack = lambda name: (None if getattr(parts[0], name) is None  # noqa: E731
-                          else np.concatenate([getattr(p, name) for p in parts]))
-    return dataclasses.replace(parts[0], out_features=V, data=stack("data"), scales=stack("scales"),
-                               mins=stack("mins"))
+    return parts[0] if len(parts) == 1 else _stack(parts)
+
+
+def _stack(ws: list[Weight]) -> Weight:
+    """Weights of one format and in_features -> one Weight, their rows stacked in order."""
+    cat = lambda name: (None if getattr(ws[0], name) is None  # noqa: E731
+                        else np.concatenate([getattr(w, name) for w in ws]))
+    return dataclasses.replace(ws[0], out_features=sum(w.out_features for w in ws), data=cat("data"),
+                               scales=cat("scales"), mins=cat("mins"))
+
+
+def _rows(w: Weight, r0: int, r1: int) -> Weight:
+    """Rows r0..r1-1 of w as a Weight of their own: views, no copy."""
+    view = lambda a: None if a is None else a[r0:r1]  # noqa: E731
+    return dataclasses.replace(w, out_features=r1 - r0, data=view(w.data), scales=view(w.scales),
+                               mins=view(w.mins))

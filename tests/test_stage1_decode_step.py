@@ -101,10 +101,10 @@ def test_threads_one_and_two_agree():
 
 def test_a_layer_in_another_format_keeps_the_per_op_path():
     """The kernel takes one format per kind of matrix: a model mixing them decodes per op."""
-    from stage1_cpu.quant import quantize
+    from stage1_cpu.fast import fast_quantize
     weights = load_weights(make_model(**CASES["qwen3"]), "int8", 32, progress=False)
     lw = weights.layers[1]
-    lw.wo = quantize(lw.wo.dequantize(), "bf16")
+    lw.wo = fast_quantize(lw.wo.dequantize(), "bf16")
     assert not decode_step.DecodeStep.supported(weights)
     model = Model(weights, 64)
     assert model.decode_step is None
@@ -195,3 +195,15 @@ def test_unknown_kernels_and_plain_with_int8_activations_are_refused():
         load_weights(folder, "int8", 32, progress=False, kernels="turbo")
     with pytest.raises(ValueError, match="needs the fast kernels"):
         load_weights(folder, "int8", 32, progress=False, kernels="plain", activations="int8")
+
+
+@pytest.mark.parametrize("kernels", ["plain", "fast"])
+def test_engine_with_threads_and_kernels_options(kernels):
+    """--threads and --kernels together (the chat's and the server's options)."""
+    from stage1_cpu.engine import LLMEngine
+    engine = LLMEngine(make_model(**CASES["qwen3"]), quant="int8", max_ctx=64, threads=1, progress=False,
+                       kernels=kernels)
+    assert numba.get_num_threads() == 1
+    assert engine.weights.kernels == kernels
+    assert ("plain kernels" == engine.describe_kernels()) == (kernels == "plain")
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)

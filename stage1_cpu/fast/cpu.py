@@ -29,10 +29,11 @@ from numba.core import config as numba_config
 
 def target_features() -> set[str]:
     """The feature names numba compiles for ("avx2", "avx512vnni", ...)."""
-    if numba_config.CPU_FEATURES is not None:                 # NUMBA_CPU_FEATURES, or "" for generic
+    # exactly what numba passes to LLVM: NUMBA_CPU_FEATURES if set ("" for NUMBA_CPU_NAME=generic),
+    # else the host's features, even with another NUMBA_CPU_NAME (so NUMBA_CPU_NAME=haswell alone
+    # on an AVX-512 host still allows AVX-512: a faithful stand-in sets NUMBA_CPU_FEATURES too)
+    if numba_config.CPU_FEATURES is not None:
         flat = numba_config.CPU_FEATURES
-    elif numba_config.CPU_NAME not in (None, "host"):
-        flat = ""                                             # a named CPU without a feature list: assume none
     else:
         flat = llvm.get_host_cpu_features().flatten()
     return {f[1:] for f in flat.split(",") if f.startswith("+")}

@@ -1,10 +1,11 @@
 """A whole decode step (one token, all layers, the logits) in one parallel region.
 
-model.py's forward pass calls one numba kernel per op: for one token that is
-4 matmuls per layer plus the lm_head, 113 parallel regions for Qwen3-0.6B, each
-starting the threads anew (~50 us each under OMP_WAIT_POLICY=PASSIVE on this VM,
-docs/benchmarks.md), with Python and small serial ops in between. Here the
-threads start once per token and stay for all of it:
+Changed from the core (stage1_cpu/model.py): model.py's forward pass calls one
+numba kernel per op: for one token that is 4 matmuls per layer plus the lm_head,
+113 parallel regions for Qwen3-0.6B, each starting the threads anew (tens of
+microseconds each when idle threads sleep, OMP_WAIT_POLICY=PASSIVE; about a
+microsecond when they spin), with Python and small serial ops in between. Here
+the threads start once per token and stay for all of it:
 
     for worker in prange(threads):                 # the only parallel region
         x = embedding row                          (every worker keeps its own copy)
@@ -31,11 +32,24 @@ layer's that overwrote them. (A first version reused one buffer for all layers:
 it passed a 6-token bit-for-bit check, then one engine test's 32-token greedy
 output parted from transformers' at its third token.)
 
-Every op is the same inlined body the per-op kernels run (kernels.py: rows_int8_q8,
-rmsnorm_row, attention_item, ...), in the same order on the same values, so the
-logits are bit for bit those of model.forward: tests/test_stage1_decode_step.py
-checks exactly that, for every weight format and activation rounding. MoE layers
-are not covered (model.py runs them as before).
+Every op is the same inlined body the per-op kernels run, in the same order on
+the same values: the core's (stage1_cpu/kernels.py: row_f32, rows_bf16, row_int8,
+row_int4, rmsnorm_row, rope_head, attention_item, silu_mul_row) and, for rounded
+activations, the fast path's (stage1_cpu/fast/kernels.py: rows_int8_q8,
+rows_int8_q16, row_int4_q8, quantize_token). So the logits and the KV cache are
+bit for bit those of model.forward with the same weights: with fp32 activations
+those of the plain path, with rounded ones those of FastWeight.matmul
+(tests/test_stage1_decode_step.py checks both, for every weight format).
+
+Which row bodies the step inlines is chosen in Python from cpu.INT8 (the `if`
+around _rows below): where the CPU has no integer dot product the fast
+kernels are never named, so numba never hands their instructions to LLVM. (A
+runtime branch would not do: both sides are compiled, and on an AVX2-only CPU
+LLVM aborted with "Cannot select ... VPDPWSSD".)
+
+Not covered, and run by model.py's per-op path instead (DecodeStep.supported):
+MoE layers (qwen3_moe, qwen2_moe), qwen2's q/k/v biases, and models whose
+layers differ in format or shape.
 """
 from __future__ import annotations
 
@@ -252,7 +266,8 @@ _READONLY16 = types.Array(types.uint16, 1, "C", readonly=True)
 
 def _format_row(w) -> list[int]:
     """A Weight as the kernel sees it: (fmt, act, O, K, Kp, gs), a row of meta."""
-    return [FMT[w.fmt], ACT[w.decode_act], w.out_features, w.in_features, w.padded_in, w.group_size]
+    return [FMT[w.fmt], ACT[getattr(w, "decode_act", "fp32")], w.out_features, w.in_features, w.padded_in,
+            w.group_size]
 
 
 def _flat_list(arrays, ty):

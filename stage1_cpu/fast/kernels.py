@@ -20,7 +20,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from stage1_cpu.fast import simd
-from stage1_cpu.kernels import FAST, _inline, decode_block, f16_to_f32
+from stage1_cpu.kernels import FAST, _inline, decode_block, f16_to_f32, segment_block
 
 
 # ---------------------------------------------------------------------------
@@ -179,6 +179,32 @@ def matmul_int4_q8(xq, xs, xsum, q, s, m, out):
     for r in prange(O):
         for t in range(T):
             out[t, r] = row_int4_q8(xqf, xsf, xsum, t, qf, sf, m, r, xq.shape[1], xq.shape[2])
+
+
+@njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
+def segments_int8_q8(xq, xa, xs, q, s, starts, out):
+    """kernels.segments_int8 with int8 activations: xq, xa [S, G, gs], xs [S, G] from
+    quantize_activations; q [O, G, gs] int8; s [O, G] fp16 bits -> out [S, n]."""
+    S, G, gs = xq.shape
+    n = out.shape[1]
+    qf, sf, xqf, xaf, xsf, outf = q.reshape(-1), s.reshape(-1), xq.reshape(-1), xa.reshape(-1), xs.reshape(-1), \
+        out.reshape(-1)
+    block, per = segment_block(n, G * gs)
+    for j in prange(S * per):
+        t, b = j // per, j % per
+        r0 = starts[t] + b * block
+        rows_int8_q8(xqf, xaf, xsf, t, qf, sf, r0, min(starts[t] + n, r0 + block), G, gs, outf, t * n - starts[t])
+
+
+@njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
+def segments_int4_q8(xq, xs, xsum, q, s, m, starts, out):
+    """kernels.segments_int4 with int8 activations (matmul_int4_q8's arguments) -> out [S, n]."""
+    S, G, gs = xq.shape
+    n = out.shape[1]
+    qf, sf, xqf, xsf = q.reshape(-1), s.reshape(-1), xq.reshape(-1), xs.reshape(-1)
+    for j in prange(S * n):
+        t, i = j // n, j % n
+        out[t, i] = row_int4_q8(xqf, xsf, xsum, t, qf, sf, m, starts[t] + i, G, gs)
 
 
 # ---------------------------------------------------------------------------

@@ -1,15 +1,15 @@
 """The CPU's dot-product instructions (int8, int16, bf16), called by name from numba.
 
-Why: a decode matvec must unpack every weight it reads. The plain numba kernels
-(kernels.matmul_int8 / matmul_int4) turn each weight into a float32 and multiply
-it by a float32 activation: 4-6 vector instructions per 16 weights. One core
-manages 13-16 G weights/s that way, which for int4 (0.625 byte/weight) is only
-~8 GB/s of the ~30 GB/s the memory can deliver: int4 decode was compute-bound.
+Why: a decode matvec must unpack every weight it reads. The core's kernels
+(stage1_cpu/kernels.py: matmul_int8, matmul_int4) turn each weight into a
+float32 and multiply it by a float32 activation: several vector instructions
+per 16 weights, so that one core converts int8 and int4 weights more slowly
+than the memory delivers their bytes. int8 / int4 decode was compute-bound
+(the measurements are in docs/benchmarks.md).
 
 llama.cpp's answer, and ours: quantize the *activations* to int8 too (once per
 matvec, per group of gs values: x ~ xq * xs), so that a group's dot product is a
-sum of int8 x int8 products, and let `vpdpbusd` (AVX-512 VNNI / AVX-VNNI) do
-32 of those multiply-adds per instruction:
+sum of int8 x int8 products, done by the CPU's integer dot-product instructions:
 
     vpdpbusd acc, a, b:  acc[i] += a[4i]*b[4i] + ... + a[4i+3]*b[4i+3]
                          (a: 32 unsigned bytes, b: 32 signed bytes, acc: 8 x int32)
@@ -24,29 +24,43 @@ vector types and LLVM does not find vpdpbusd in a scalar loop, so this module
 writes the inner loop of one row in LLVM IR (llvmlite, the library numba itself
 emits code with) and exposes it as a numba intrinsic: inside a @njit kernel it
 is called like a function and inlined like any other code. Everything around it
-(threads, activation quantization, the min term) stays plain numba, in kernels.py.
+(threads, activation quantization, the min term) stays plain numba, in
+stage1_cpu/fast/kernels.py.
+
+Which instructions, decided by cpu.py (cpu.INT8) before anything here is compiled:
+  "vnni"  vpdpbusd (and vpdpwssd for int16), AVX-512 VNNI with VL or AVX-VNNI:
+          32 int8 multiply-adds into 8 int32 lanes, one instruction.
+  "avx2"  the same sums in two instructions, as llama.cpp does on AVX2 CPUs:
+          vpmaddubsw (unsigned x signed bytes, adjacent pairs added into 16
+          int16 lanes) and vpmaddwd by ones (pairs of int16 into int32). The
+          int16 step saturates at 32767, so each pair sum must stay within it:
+          the kernels pass |xq| (<= 127) against q * sign(xq) (|.| <= 127) or
+          against nibbles (<= 15), never the VNNI rows kernel's q + 128 trick,
+          whose 255 * 127 * 2 would saturate (dot_int8_rows).
+  None    nothing here is compiled; the fast path keeps the core's float kernels.
+A kernel that names an instruction the target lacks does not run slowly: LLVM
+aborts the process ("Cannot select ... VPDPWSSD"). Hence the choice is made in
+Python, and nothing that every CPU compiles refers to these intrinsics.
 
 Cost of the approximation: the activations lose what int8 cannot hold, as in
 llama.cpp, where Q8_0 / Q4_0 weights always meet int8 activations. Measured on
 the default model, 200 tokens decoded one at a time: perplexity +0.5 % (int8
 weights) and -0.6 % (int4), noise either way (tests/test_quant_quality.py). The
 lm_head, where a close top-2 can tip, gets int16 activations instead
-(dot_int8_row_i16, vpdpwssd). The numpy twin (quant.Weight.matmul_ref) rounds
-the same way, so the kernels are still checked exactly against a definition.
-dot_int8_rows / dot_int8_rows_i16 do the same for up to 4 rows per call, sharing
-the activations and vectorising the scales ("Four rows at a time" below).
+(dot_int8_row_i16, vpdpwssd or vpmaddwd). The numpy twin
+(stage1_cpu/fast/weight.py: FastWeight.matmul_ref) rounds the same way, so the
+kernels are still checked exactly against a definition. dot_int8_rows /
+dot_int8_rows_i16 do the same for up to 4 rows per call, sharing the
+activations and vectorising the scales ("Four rows at a time" below).
 
-Only used where the CPU has the instruction (VNNI below); elsewhere stage 1 keeps
-the float kernels. Vectors are 256 bits wide (32 bytes): on AMD Zen 4 a 512-bit
-op costs two 256-bit ones anyway, and 256 bits is the width of AVX-VNNI too
-(untested here: this machine has AVX-512).
+Vectors are 256 bits wide (32 bytes): the width of AVX2 and AVX-VNNI, and on
+AMD Zen 4 a 512-bit op costs two 256-bit ones anyway.
 
-The same idea serves bf16 prefill (the last section, dot_bf16_panel): a GEMM
-whose inner instruction is vdpbf16ps, a bf16 x bf16 -> fp32 multiply-add of 32
-pairs, twice the fp32 FMA's throughput. With the activations rounded to bf16
-(as llama.cpp and transformers' bf16 models do) the [512, 1024] x [1024, 6144]
-product of a prefill runs at ~350 GFLOP/s on 2 cores against OpenBLAS sgemm's
-~180.
+The same idea serves bf16 prefill (the last section, dot_bf16_panel; AVX-512
+BF16 only, cpu.BF16): a GEMM whose inner instruction is vdpbf16ps, a bf16 x bf16
+-> fp32 multiply-add of 32 pairs, twice the fp32 FMA's throughput. With the
+activations rounded to bf16 (as llama.cpp and transformers' bf16 models do) a
+prefill's matmuls run at about twice OpenBLAS sgemm's FLOP/s.
 """
 from __future__ import annotations
 
