@@ -1,7 +1,8 @@
 """Benchmarks, kept apart from the tests: they print tables and napkin maths
 (bytes per token against measured bandwidth), and never fail on speed.
 
-    python -m bench cpu [--quick]     stage 1 vs llama.cpp vs transformers (bench/cpu.py)
+    python -m bench cpu [--quick]     stage 1 vs llama.cpp vs transformers, both wait policies (bench/cpu.py)
+    python -m bench ladder            the ablation ladder: naive matmul -> threads -> fused -> int4 -> int8 activations
     python -m bench kernels           the stage-1 matmul kernels alone (bench/kernels.py)
     python -m bench profile           one stage-1 forward pass, op by op (bench/profile.py)
 

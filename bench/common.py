@@ -76,8 +76,8 @@ class NeighbourMeter:
         return max(0.0, others / wall) if wall > 0 else float("nan")
 
 
-def machine_description() -> str:
-    """CPU model, cores, memory and the SIMD features that matter for these kernels."""
+def cpu_flags() -> tuple[str, set[str]]:
+    """(the CPU's model name, its /proc/cpuinfo flags); ("unknown CPU", set()) where there is none."""
     cpu, flags = platform.processor() or "unknown CPU", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -88,7 +88,14 @@ def machine_description() -> str:
                 break
     except OSError:
         pass
-    simd = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16") if f in flags]
+    return cpu, flags
+
+
+def machine_description() -> str:
+    """CPU model, cores, memory and the SIMD features that matter for these kernels."""
+    cpu, flags = cpu_flags()
+    simd = [f for f in ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
+            if f in flags]
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, SIMD: {' '.join(simd) or 'none detected'}"
 
@@ -209,14 +216,17 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_worker(module: str, spec: dict, timeout: float, log=print, omp_wait_policy: str = "PASSIVE") -> dict:
+def run_worker(module: str, spec: dict, timeout: float, log=print, omp_wait_policy: str = "PASSIVE",
+               env_extra: dict | None = None) -> dict:
     """Run `python -m module --worker SPEC` in a fresh process and return its JSON result.
 
     One process per engine: its peak RSS is that engine's alone, a crash or a missing
     package costs one table cell and not the run, and numba/torch/llama.cpp threads
     never share a process. The worker's own lines are echoed (indented) as progress.
+    omp_wait_policy: PASSIVE, ACTIVE, or "default" (unset: the OpenMP runtime's own choice);
+    env_extra: more variables for this worker alone (e.g. NUMBA_CPU_NAME, LLAMA_CPP_LIB_PATH).
     """
-    env = dict(os.environ, **BENCH_ENV)
+    env = dict(os.environ, **BENCH_ENV, **(env_extra or {}))
     if omp_wait_policy == "default":       # the OpenMP runtime's own choice (libgomp: spin a while, then sleep)
         env.pop("OMP_WAIT_POLICY", None)
     else:

@@ -1,8 +1,10 @@
 """CPU benchmark: stage 1 against llama.cpp and transformers, and against the roofline.
 
-    python -m bench.cpu                      # Qwen3-0.6B shapes, 1 and 2 threads (~25 min)
-    python -m bench.cpu --quick              # a small model, one thread count (< 2 min, CI)
+    python -m bench.cpu                      # Qwen3-0.6B shapes, both wait policies (~25 min idle)
+    python -m bench.cpu --quick              # a small model, one thread count, PASSIVE (< 2 min, CI)
     python -m bench.cpu --threads 2 --formats int8 --runs 5 --out /tmp/bench.md
+    python -m bench.cpu --kernels plain      # stage 1 without its fast path (stage1_cpu/fast/)
+    python -m bench.cpu --cpu-profile avx2   # an AVX-512 host standing in for an AVX2 CPU
 
 What it does, in one run (so every number saw the same machine):
   1. builds a random-weight model with the real Qwen3-0.6B shapes in bf16 with
@@ -11,11 +13,14 @@ What it does, in one run (so every number saw the same machine):
   2. checks that llama.cpp reads those GGUF files the way transformers reads the
      folder (BF16 logits of a few tokens, printed);
   3. measures the memory bandwidth (the roofline's denominator);
-  4. runs every engine in its own subprocess (peak RSS is then that engine's alone):
-     prefill tok/s for a 128- and a 512-token prompt, decode tok/s over 128 greedy
-     tokens with EOS ignored, the median of several runs, at each thread count;
-  5. prints one table, stage 1 ÷ llama.cpp per format, and each decode as a
-     fraction of its roofline = bandwidth ÷ weight bytes read per token.
+  4. runs every engine in its own subprocess (peak RSS is then that engine's alone),
+     once per OpenMP wait policy (PASSIVE, and the runtime's default, under which
+     idle threads spin a while): prefill tok/s for a 128- and a 512-token prompt,
+     decode tok/s over 128 greedy tokens with EOS ignored, the median of several
+     runs, at each thread count; each worker reports the instructions it used;
+  5. prints the headline, stage 1 ÷ llama.cpp per format with each engine at its
+     own best policy, then one table per policy, and each decode as a fraction of
+     its roofline = bandwidth ÷ weight bytes one decode token reads.
 
 Decode of one sequence reads every weight once per token and does ~2 FLOP per
 weight, so on a CPU it is bound by memory bandwidth: bytes per token *is* the
@@ -35,8 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import (BandwidthProbe, NeighbourMeter, check_load, emit_result, fmt_num, load_1min,
-                          machine_description, markdown_table, measure_bandwidth, median, run_worker)
+from bench.common import (BandwidthProbe, NeighbourMeter, check_load, cpu_flags, emit_result, fmt_num,
+                          load_1min, machine_description, markdown_table, measure_bandwidth, median, run_worker)
 
 CACHE = Path(os.environ.get("QWEN3_STAGES_CACHE", Path.home() / ".cache" / "qwen3-stages")) / "bench"
 CHECK_TOKENS = 16      # tokens whose logits every engine must agree on (see the correctness table)
@@ -47,6 +52,17 @@ GGUF_VERSION = 2           # bump when the GGUF writing changes (2: Q4_0 files k
 LLAMA_FORMAT = {"bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}
 # the issue's targets, checked at 2 threads: (decode ratio, prefill-512 ratio, % of roofline)
 TARGETS = {"bf16": (1.0, 0.8, 0.9), "int8": (1.0, 0.8, 0.9), "int4": (1.0, 0.8, None)}
+POLICIES = {"both": ["PASSIVE", "default"], "PASSIVE": ["PASSIVE"], "ACTIVE": ["ACTIVE"], "default": ["default"]}
+
+# --cpu-profile avx2: an "AVX2 machine" on an AVX-512 host. numba compiles stage 1 for a
+# Haswell (no AVX-512, no VNNI; the fast path then picks its AVX2 int8 dot product), llama.cpp
+# loads a second build made without AVX-512 (bench/build_llama_avx2.sh), torch caps its kernels
+# at AVX2. The feature list is LLVM's names for what a Haswell has (a CPU name alone would leave
+# stage1_cpu/fast/cpu.py assuming no features at all).
+HASWELL_FEATURES = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fsgsbase,+fxsr,+invpcid,+lzcnt,"
+                    "+mmx,+movbe,+pclmul,+popcnt,+rdrnd,+sahf,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,"
+                    "+xsave,+xsaveopt")
+AVX2_LLAMA_LIB = CACHE.parent / "llama-avx2" / "lib"     # where bench/build_llama_avx2.sh puts it
 
 
 # ------------------------------------------------------------------ the model
@@ -217,8 +233,9 @@ def gguf_weight_bytes(path: Path) -> int:
     return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
 
 
-def prepare_models(shape: Shape, cache: Path, log=print) -> dict:
-    """-> {"hf": folder, "BF16": path, "Q8_0": path, "Q4_0": path}, built once and cached."""
+def prepare_models(shape: Shape, cache: Path, log=print, quants=("BF16", "Q8_0", "Q4_0")) -> dict:
+    """-> {"hf": folder, "BF16": path, "Q8_0": path, "Q4_0": path}, built once and cached;
+    only the GGUF files in `quants` are written (none when llama.cpp is not measured)."""
     root = cache / f"{shape.name}-v{BUILD_VERSION}"
     hf = root / "hf"
     paths = {"hf": hf, **{q: root / f"{shape.name}-{q}-g{GGUF_VERSION}.gguf" for q in ("BF16", "Q8_0", "Q4_0")}}
@@ -229,7 +246,7 @@ def prepare_models(shape: Shape, cache: Path, log=print) -> dict:
         build_hf_model(shape, hf)
         (hf / "DONE").write_text("ok")
         log(f"  done in {time.perf_counter() - t0:.0f} s")
-    for q in ("BF16", "Q8_0", "Q4_0"):
+    for q in quants:
         if not paths[q].exists():
             t0 = time.perf_counter()
             log(f"writing {paths[q].name} ...")
@@ -245,6 +262,7 @@ class Stage1Runner:
 
     def __init__(self, folder: str, fmt: str, threads: int, max_ctx: int, kernels: str = "auto"):
         from stage1_cpu.engine import LLMEngine
+        self.kernels = kernels
         quant = {"fp32": "none"}.get(fmt, fmt)
         self.engine = LLMEngine(folder, quant=quant, threads=threads, max_ctx=max_ctx, progress=False,
                                 kernels=kernels)
@@ -255,7 +273,15 @@ class Stage1Runner:
         kernels.set_threads(n)                 # numba's thread count is process-wide
 
     def weight_bytes(self) -> int:
-        return int(self.engine.weights.nbytes)  # what one decode step reads
+        """What one decode token reads: decode_nbytes (for MoE only the routed experts' share;
+        nbytes, all of it, for a dense model)."""
+        w = self.engine.weights
+        return int(getattr(w, "decode_nbytes", w.nbytes))
+
+    def isa(self) -> str:
+        from stage1_cpu.fast import cpu
+        return (f"--kernels {self.kernels}: {self.engine.describe_kernels()}; numba target {cpu.target_name()}, "
+                f"the fast path's instructions there: {cpu.instructions()}")
 
     def all_logits(self, ids: list[int]) -> np.ndarray:
         """[T, V]: the first half in one forward (the prefill path), the second half one
@@ -311,6 +337,13 @@ class LlamaCppRunner:
     def set_threads(self, n: int) -> None:
         self.llama_cpp.llama_set_n_threads(self.llm.ctx, n, n)
 
+    def isa(self) -> str:
+        """llama.cpp's system info (the instruction sets its ggml-cpu was built with) and its library."""
+        info = self.llama_cpp.llama_print_system_info()
+        info = info.decode(errors="replace") if isinstance(info, bytes) else str(info)
+        lib = getattr(self.llama_cpp.llama_cpp, "_base_path", "?")
+        return f"llama-cpp-python {getattr(self.llama_cpp, '__version__', '?')} from {lib}: {info.strip()}"
+
     def _next(self) -> int:
         ptr = self.llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)   # the last token's logits [V]
         return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))))
@@ -346,6 +379,10 @@ class TransformersRunner:
 
     def set_threads(self, n: int) -> None:
         self.torch.set_num_threads(n)
+
+    def isa(self) -> str:
+        torch = self.torch
+        return f"torch {torch.__version__}, ATen CPU capability {torch.backends.cpu.get_cpu_capability()}"
 
     def generate(self, prompt, n_decode):
         torch = self.torch
@@ -385,6 +422,10 @@ class ReadOnlyRunner:
         self.set_threads = lambda n: numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
         self.set_threads(threads)
 
+    def isa(self) -> str:
+        from stage1_cpu.fast import cpu
+        return f"a numba sum, target {cpu.target_name()}"
+
     def generate(self, prompt, n_decode):
         """Prefill is not modelled (nan); each decode step reads the weights and the
         cache's first len(prompt) + i positions."""
@@ -416,6 +457,10 @@ def worker(spec: dict) -> None:
         t0 = time.perf_counter()
         runner = make_runner(spec, n0)
         result["load_s"] = time.perf_counter() - t0
+        try:
+            result["isa"] = runner.isa()
+        except Exception as e:                  # a report line, never a failed cell
+            result["isa"] = f"unknown ({type(e).__name__}: {e})"
         if spec.get("check_ids") and spec["engine"] != "llama.cpp":
             result["check_file"] = save_check_logits(runner, spec)
     except Exception as e:                      # a missing package or engine is one cell, not the run
@@ -510,28 +555,71 @@ class Row:
     fmt: str
     weight_bytes: int | None
     result: dict
+    wall_s: float = float("nan")     # what this engine's worker cost, start to finish
 
 
-def run_all(args, shape: Shape, paths: dict, log) -> tuple[list[Row], dict]:
-    threads = args.threads
+def table_plans(args) -> list[dict]:
+    """Which runs each table makes: one table per wait policy. The first measures
+    everything asked for (every thread count, transformers fp32 and the logits check);
+    the second, in a full run, only the largest thread count and transformers bf16,
+    so that two policies cost ~1.5x one, not 2x (a full run stays under ~40 min)."""
+    plans = []
+    for i, policy in enumerate(POLICIES[args.omp_wait_policy]):
+        first = i == 0
+        threads = args.threads if first or args.quick else [max(args.threads)]
+        hf = (["fp32"] if first else []) + (["bf16"] if "bf16" in args.formats else [])
+        plans.append({"policy": policy, "threads": threads, "check": first, "transformers": hf})
+    return plans
+
+
+def profile_env(args, engine: str) -> dict:
+    """The variables that make a worker an "AVX2 machine" under --cpu-profile avx2."""
+    if args.cpu_profile != "avx2":
+        return {}
+    if engine in ("stage1", "read only"):
+        return {"NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": HASWELL_FEATURES}
+    if engine == "llama.cpp":
+        return {"LLAMA_CPP_LIB_PATH": str(args.llama_lib)} if args.llama_lib else {}
+    if engine == "transformers":
+        return {"ATEN_CPU_CAPABILITY": "avx2"}
+    return {}
+
+
+def choose_llama_lib(args) -> tuple[Path | None, str | None, str]:
+    """--cpu-profile avx2: (LLAMA_CPP_LIB_PATH or None for the installed build, why llama.cpp
+    cannot run as an AVX2 build (or None), a line for the report)."""
+    lib = args.llama_avx2_lib or AVX2_LLAMA_LIB
+    if (lib / "libllama.so").exists() or (lib / "libllama.dylib").exists():
+        return lib, None, f"llama.cpp: the AVX2 build in {lib} (LLAMA_CPP_LIB_PATH)"
+    if args.llama_avx2_lib is None and "avx512f" not in cpu_flags()[1]:
+        return None, None, ("llama.cpp: the installed build (this host has no AVX-512, so its native build "
+                            "already is an AVX2 build)")
+    why = f"no AVX2 build of llama.cpp in {lib}: run bench/build_llama_avx2.sh"
+    return None, why, "llama.cpp: " + why
+
+
+def run_all(args, shape: Shape, paths: dict, log, plan: dict) -> tuple[list[Row], dict]:
+    """One table: every engine and format of the plan, under its wait policy."""
+    threads = plan["threads"]
     base = dict(vocab=shape.vocab_size, max_ctx=1024, threads=threads, prompt_lens=args.prompt_lens,
                 decode_tokens=args.decode_tokens, runs=args.runs, min_runs=min(2, args.runs),
                 cell_seconds=args.cell_seconds, kernels=args.kernels)
     tmp = Path(tempfile.mkdtemp(prefix="bench-cpu-"))
     check_ids = prompt_ids(shape.vocab_size, CHECK_TOKENS, seed=7)
+    check = lambda out: {"check_ids": check_ids, "check_out": str(tmp / out)} if plan["check"] else {}
     jobs: list[tuple[str, str, str, int | None, dict]] = []
     if "transformers" in args.engines:
-        for fmt in ["fp32"] + (["bf16"] if "bf16" in args.formats else []):
-            extra = {"check_ids": check_ids, "check_out": str(tmp / "hf.npy")} if fmt == "fp32" else {}
+        for fmt in plan["transformers"]:
+            extra = check("hf.npy") if fmt == "fp32" else {}
             nbytes = shape.linear_params() * (4 if fmt == "fp32" else 2)
             jobs.append(("transformers", fmt, str(paths["hf"]), nbytes, extra))
     for fmt in args.formats:
         if "stage1" in args.engines:
-            extra = {"check_ids": check_ids, "check_out": str(tmp / f"stage1-{fmt}.npy")}
+            extra = check(f"stage1-{fmt}.npy")
             jobs.append(("stage1", fmt, str(paths["hf"]), nominal_stage1_bytes(shape, fmt), extra))
         if "llama.cpp" in args.engines:
             q = LLAMA_FORMAT[fmt]
-            extra = {"check_ids": check_ids, "check_out": str(tmp / f"llama.cpp-{q}.npy")}
+            extra = check(f"llama.cpp-{q}.npy")
             jobs.append(("llama.cpp", q, str(paths[q]), gguf_weight_bytes(paths[q]), extra))
         if "stage1" in args.engines:          # the ceiling for stage 1's bytes (ReadOnlyRunner)
             nbytes = nominal_stage1_bytes(shape, fmt)
@@ -543,15 +631,20 @@ def run_all(args, shape: Shape, paths: dict, log) -> tuple[list[Row], dict]:
         if engine == "llama.cpp" and not llama_cpp_installed():
             rows.append(Row(engine, fmt, nbytes, {"error": "not installed"}))
             continue
-        log(f"running {engine} {fmt} ...")
+        if engine == "llama.cpp" and args.llama_missing:
+            rows.append(Row(engine, fmt, nbytes, {"error": args.llama_missing}))
+            continue
+        log(f"running {engine} {fmt} (OMP_WAIT_POLICY={plan['policy']}) ...")
         t0 = time.perf_counter()
         res = run_worker("bench.cpu", dict(base, engine=engine, fmt=fmt, path=path, **extra),
-                         timeout=args.worker_timeout, log=log, omp_wait_policy=args.omp_wait_policy)
+                         timeout=args.worker_timeout, log=log, omp_wait_policy=plan["policy"],
+                         env_extra=profile_env(args, engine))
+        wall = time.perf_counter() - t0
         if "error" in res:
             log(f"  {engine} {fmt}: {res['error']}")
         else:
-            log(f"  done in {time.perf_counter() - t0:.0f} s, peak RSS {res['peak_rss_mib']:.0f} MiB")
-        rows.append(Row(engine, fmt, res.get("weight_bytes") or nbytes, res))
+            log(f"  done in {wall:.0f} s, peak RSS {res['peak_rss_mib']:.0f} MiB")
+        rows.append(Row(engine, fmt, res.get("weight_bytes") or nbytes, res, wall))
     # every engine's logits for the same CHECK_TOKENS tokens against transformers fp32's
     check = {}
     if (tmp / "hf.npy").exists():
@@ -577,12 +670,13 @@ def llama_cpp_installed() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def report(args, shape: Shape, rows: list[Row], bw: dict, check: dict, loads: tuple[float, float, float]) -> str:
-    """The whole result as markdown: machine, bandwidth, one table, ratios, napkin maths."""
-    from stage1_cpu.fast import cpu          # what this CPU lets stage 1's fast path use
-    out = [f"## CPU benchmark: {shape.name} ({'quick' if args.quick else 'full'})", "",
+def report(args, shape: Shape, tables: list[dict], bw: dict, loads: tuple[float, float, float]) -> str:
+    """The whole result as markdown: machine and instructions, the headline (each engine at
+    its best policy), then per policy one table and its ratios; correctness; napkin maths."""
+    out = [f"## CPU benchmark: {shape.name} ({'quick' if args.quick else 'full'}"
+           + (", AVX2 machine stand-in" if args.cpu_profile == "avx2" else "") + ")", "",
            f"- machine: {machine_description()}",
-           "- command: `" + " ".join(["python -m bench.cpu", *args.argv]) + "`",
+           "- command: `" + " ".join(["python -m bench cpu", *args.argv]) + "`",
            f"- 1-minute load before {loads[0]:.2f}, after {loads[1]:.2f} (with the benchmark's own threads); "
            f"other processes used {loads[2]:.2f} cores on average during the run"
            + ("  **busy: numbers may be low**" if loads[2] > 0.25 else ""),
@@ -593,30 +687,102 @@ def report(args, shape: Shape, rows: list[Row], bw: dict, check: dict, loads: tu
            + ", ".join(f"{n} thread{'s' * (n > 1)} {bw['read'][n]:.1f} GB/s "
                        f"({bw['start']['read'][n]:.1f} / {bw['end']['read'][n]:.1f})" for n in args.threads)
            + f"; numpy copy (1 thread, read+write) {bw['copy']:.1f} GB/s",
-           f"- OMP_WAIT_POLICY={args.omp_wait_policy} for every engine",
-           f"- stage 1: --kernels {args.kernels}; the fast path's instructions here ({cpu.target_name()}): "
-           f"{cpu.instructions()}. With --activations auto it rounds activations to int8 at int8 / int4 "
-           f"decode (int16 for their lm_head) where it has an int8 dot product, to bf16 at prefill where "
-           f"it has AVX-512 BF16",
-           "- llama.cpp files: the same weights, every matrix in BF16 / Q8_0 / Q4_0, except that the Q4_0 "
-           "file keeps the tied token_embd (the lm_head) in Q8_0, as stage 1's int4 keeps it in int8",
-           f"- medians of up to {args.runs} run{'s' * (args.runs > 1)}; prefill = prompt tokens ÷ time to the first token; decode = "
-           f"{args.decode_tokens} greedy tokens (EOS ignored) ÷ their time"
-           + ("; --quick: the model fits in the L3 cache, so % roofline can pass 100 %" if args.quick else ""),
-           "- roofline = read bandwidth ÷ weight bytes per token, with the bandwidth *of that decode run*: the same "
-           "read, 256 MiB, best of 3, from a process of its own, just before and just after each run (the better "
-           "of the two); `GB/s` is their median and `% roofline` the median over the runs of decode ÷ the run's "
-           "roofline (this VM's bandwidth moves within seconds: see docs/benchmarks.md)"]
-    out.append("")
-    header = ["engine", "format", "threads", "MB/token", "prefill 128 tok/s", "prefill 512 tok/s",
-              "decode tok/s", "GB/s", "roofline tok/s", "% roofline", "runs", "load s", "peak RSS MiB"]
+           "- tables (one per OMP_WAIT_POLICY, every engine in its own subprocess; `default` = the variable "
+           "unset, the OpenMP runtime's choice: libgomp spins a while before it sleeps): "
+           + "; ".join(f"{t['plan']['policy']}: threads {','.join(map(str, t['plan']['threads']))}, "
+                       f"cost {t['wall_s'] / 60:.1f} min, other processes {t['others']:.2f} cores"
+                       + (" **busy**" if t["others"] > 0.25 else "") for t in tables)]
+    if args.cpu_profile == "avx2":
+        out.append("- --cpu-profile avx2: stage 1 compiled for NUMBA_CPU_NAME=haswell with Haswell's features "
+                   "(no AVX-512); transformers with ATEN_CPU_CAPABILITY=avx2; " + args.llama_line)
+    out.append("- llama.cpp files: the same weights, every matrix in BF16 / Q8_0 / Q4_0, except that the Q4_0 "
+               "file keeps the tied token_embd (the lm_head) in Q8_0, as stage 1's int4 keeps it in int8")
+    out.append(f"- medians of up to {args.runs} run{'s' * (args.runs > 1)}; prefill = prompt tokens ÷ time to the "
+               f"first token; decode = {args.decode_tokens} greedy tokens (EOS ignored) ÷ their time"
+               + ("; --quick: the model fits in the L3 cache, so % roofline can pass 100 %" if args.quick else ""))
+    out += ["", "### instruction sets each engine used", ""]
+    seen = set()
+    for t in tables[:1]:
+        for row in t["rows"]:
+            isa = row.result.get("isa")
+            if isa and (row.engine, isa) not in seen:
+                seen.add((row.engine, isa))
+                out.append(f"- {row.engine} {row.fmt}: {isa}")
+    out += [""] + headline(args, tables)
+    for t in tables:
+        plan = t["plan"]
+        out += [f"### OMP_WAIT_POLICY={plan['policy']} (this table: {t['wall_s'] / 60:.1f} min, other processes "
+                f"{t['others']:.2f} cores{'  **busy**' if t['others'] > 0.25 else ''})", ""]
+        out += engine_table(args, t["rows"], plan["threads"])
+        out += ratio_table(args, t["rows"], plan["threads"])
+        if plan["check"]:
+            out += correctness(t["check"])
+    out += ["roofline = read bandwidth ÷ weight bytes one decode token reads (stage 1: `Weights.decode_nbytes`), "
+            "with the bandwidth *of that decode run*: the same read, 256 MiB, best of 3, from a process of its own, "
+            "just before and just after each run (the better of the two); `GB/s` is their median and `% roofline` "
+            "the median over the runs of decode ÷ the run's roofline (this VM's bandwidth moves within seconds: "
+            "see docs/benchmarks.md). `read only`: the ceiling — a numba sum over the format's weight bytes plus "
+            "stage 1's fp32 KV cache up to the position, per token, nothing computed.", ""]
+    out += napkin(shape, tables[0]["rows"], bw, args.threads)
+    return "\n".join(out)
+
+
+def best_by_policy(args, tables: list[dict]) -> dict:
+    """(engine, format, threads, metric) -> (best median, the policy that gave it), over every table."""
+    best = {}
+    for t in tables:
+        for row in t["rows"]:
+            for n, cell in row.result.get("cells", {}).items():
+                values = {"decode": median(cell["decode"])}
+                values.update({p: median(cell["prefill"][str(p)]) for p in args.prompt_lens})
+                for metric, v in values.items():
+                    key = (row.engine, row.fmt, int(n), metric)
+                    if v == v and (key not in best or v > best[key][0]):
+                        best[key] = (v, t["plan"]["policy"])
+    return best
+
+
+def headline(args, tables: list[dict]) -> list[str]:
+    """stage 1 ÷ llama.cpp per format, decode and the longest prefill, each engine at its own
+    best policy (a ratio under one policy alone flatters whichever engine suffers less from it)."""
+    best = best_by_policy(args, tables)
+    p = max(args.prompt_lens)
+    rows = []
+    threads = sorted({n for t in tables for n in t["plan"]["threads"]})
+    for n in threads:
+        for fmt in args.formats:
+            q = LLAMA_FORMAT[fmt]
+            cells = []
+            ratios = {}
+            for metric in ("decode", p):
+                s, l = best.get(("stage1", fmt, n, metric)), best.get(("llama.cpp", q, n, metric))
+                ratios[metric] = s[0] / l[0] if s and l else float("nan")
+                cells += [f"{s[0]:.1f} ({s[1]})" if s else "–", f"{l[0]:.1f} ({l[1]})" if l else "–",
+                          f"{ratios[metric]:.2f}×" if ratios[metric] == ratios[metric] else "–"]
+            verdict = ""
+            if not args.quick and n == 2 and fmt in TARGETS and ratios["decode"] == ratios["decode"]:
+                t_dec, t_pre, _ = TARGETS[fmt]
+                verdict = f"decode {'met' if ratios['decode'] >= t_dec else 'NOT met'} (≥{t_dec:.1f}×)"
+                if ratios[p] == ratios[p]:
+                    verdict += f"; prefill {p} {'met' if ratios[p] >= t_pre else 'NOT met'} (≥{t_pre:.1f}×)"
+            rows.append([fmt, q, n, *cells, verdict])
+    header = ["stage 1", "llama.cpp", "threads", "stage 1 decode tok/s", "llama.cpp decode tok/s", "decode ratio",
+              f"stage 1 prefill {p}", f"llama.cpp prefill {p}", f"prefill {p} ratio", "targets (2 threads)"]
+    return [f"### headline: stage 1 ÷ llama.cpp, each engine at its own best wait policy (--kernels {args.kernels})",
+            "", "(the policy that gave each figure in brackets; the bf16 decode target applies where AVX-512 BF16 "
+            "exists, the int8 / int4 ones everywhere)", "", markdown_table(header, rows), ""]
+
+
+def engine_table(args, rows: list[Row], threads: list[int]) -> list[str]:
+    header = ["engine", "format", "threads", "MB/token", *(f"prefill {p} tok/s" for p in args.prompt_lens),
+              "decode tok/s", "GB/s", "roofline tok/s", "% roofline", "runs", "load s", "peak RSS MiB", "wall s"]
     table = []
-    for n in args.threads:
+    for n in threads:
         for row in rows:
             cell = row.result.get("cells", {}).get(str(n))
             if cell is None:
-                table.append([row.engine, row.fmt, n, fmt_num(row.weight_bytes / 1e6 if row.weight_bytes else None, 0)]
-                             + [row.result.get("error", "failed")[:40]] + [""] * 8)
+                table.append([row.engine, row.fmt, n, fmt_num(row.weight_bytes / 1e6 if row.weight_bytes else None, 0),
+                              row.result.get("error", "failed")[:60]] + [""] * (len(header) - 5))
                 continue
             gbs, frac = decode_roofline(cell, row.weight_bytes)
             table.append([row.engine, row.fmt, n, fmt_num(row.weight_bytes / 1e6, 0),
@@ -624,60 +790,47 @@ def report(args, shape: Shape, rows: list[Row], bw: dict, check: dict, loads: tu
                           fmt_num(median(cell["decode"])), fmt_num(gbs),
                           fmt_num(gbs * 1e9 / row.weight_bytes if row.weight_bytes else None),
                           fmt_num(100 * frac, 0) + "%" * (frac == frac), cell["runs"],
-                          fmt_num(row.result.get("load_s")), fmt_num(row.result.get("peak_rss_mib"), 0)])
-    header[4:6] = [f"prefill {p} tok/s" for p in args.prompt_lens]
-    out += [markdown_table(header, table), ""]
+                          fmt_num(row.result.get("load_s")), fmt_num(row.result.get("peak_rss_mib"), 0),
+                          fmt_num(row.wall_s, 0)])
+    return [markdown_table(header, table), ""]
 
-    # stage 1 ÷ llama.cpp, and the issue's targets at 2 threads
+
+def ratio_table(args, rows: list[Row], threads: list[int]) -> list[str]:
+    """stage 1 ÷ llama.cpp under this table's policy, and how close each got to its roofline."""
     by = {(r.engine, r.fmt): r for r in rows}
     ratio_rows = []
-    for n in args.threads:
+    for n in threads:
         for fmt in args.formats:
             s, l = by.get(("stage1", fmt)), by.get(("llama.cpp", LLAMA_FORMAT[fmt]))
             sc = s.result.get("cells", {}).get(str(n)) if s else None
             lc = l.result.get("cells", {}).get(str(n)) if l else None
             if not sc or not lc:
-                why = "llama.cpp not installed" if l and l.result.get("error") == "not installed" else "not measured"
-                ratio_rows.append([fmt, LLAMA_FORMAT[fmt], n, why, "", "", "", "", ""])
+                why = (l.result.get("error") if l and l.result.get("error") else "not measured")[:60]
+                ratio_rows.append([fmt, LLAMA_FORMAT[fmt], n, why] + [""] * (len(args.prompt_lens) + 2))
                 continue
-            r = {p: median(sc["prefill"][str(p)]) / median(lc["prefill"][str(p)]) for p in args.prompt_lens}
+            r = [median(sc["prefill"][str(p)]) / median(lc["prefill"][str(p)]) for p in args.prompt_lens]
             rd = median(sc["decode"]) / median(lc["decode"])
             roof = decode_roofline(sc, s.weight_bytes)[1]
             ro = by.get(("read only", fmt))
             rc = ro.result.get("cells", {}).get(str(n)) if ro else None
             ceiling = decode_roofline(rc, ro.weight_bytes)[1] if rc else float("nan")
-            verdict = ""
-            if args.quick:
-                verdict = "(targets apply to the full run)" if n == max(args.threads) else ""
-            elif n == 2 and fmt in TARGETS:
-                t_dec, t_pre, t_roof = TARGETS[fmt]
-                ok = [f"decode {'met' if rd >= t_dec else 'NOT met'} (≥{t_dec:.1f}×)"]
-                if 512 in r:
-                    ok.append(f"prefill 512 {'met' if r[512] >= t_pre else 'NOT met'} (≥{t_pre:.1f}×)")
-                if t_roof:
-                    ok.append(f"roofline {'met' if roof >= t_roof else 'NOT met'} (≥{t_roof:.0%})")
-                verdict = "; ".join(ok)
-            ratio_rows.append([fmt, LLAMA_FORMAT[fmt], n, *(f"{r[p]:.2f}×" for p in args.prompt_lens),
-                               f"{rd:.2f}×", fmt_num(100 * roof, 0) + "%" * (roof == roof),
-                               fmt_num(100 * ceiling, 0) + "%" * (ceiling == ceiling), verdict])
+            ratio_rows.append([fmt, LLAMA_FORMAT[fmt], n, *(f"{x:.2f}×" for x in r), f"{rd:.2f}×",
+                               fmt_num(100 * roof, 0) + "%" * (roof == roof),
+                               fmt_num(100 * ceiling, 0) + "%" * (ceiling == ceiling)])
     rh = ["stage 1", "llama.cpp", "threads", *(f"prefill {p}" for p in args.prompt_lens), "decode",
-          "stage 1 % roofline", "read only % roofline", "targets (2 threads)"]
-    out += ["### stage 1 ÷ llama.cpp", "", markdown_table(rh, [r[:len(rh)] for r in ratio_rows]), "",
-            "(read only: the `read only` rows above, the ceiling — a numba sum over the format's weight "
-            "bytes plus stage 1's fp32 KV cache up to the position, per token, nothing computed, measured "
-            "like the engines. Its distance from 100 % is what the roofline leaves out: the cache, and a "
-            "sustained read being a little slower than the probe's best pass.)", ""]
-    out += [f"### correctness: logits of {CHECK_TOKENS} tokens against transformers fp32 (same weights)", "",
-            f"(stage 1 computes the first {CHECK_TOKENS // 2} in one forward, as prefill does, and the other "
-            f"{CHECK_TOKENS // 2} one at a time, as decode does: both ways of rounding the activations are in it)", ""]
-    if check:
-        out += [markdown_table(["engine", "format", "max abs error / max abs logit", "cosine", "same argmax"],
-                               [[e, f, f"{c['max_rel_err']:.4f}", f"{c['cosine']:.6f}", f"{c['top1']:.0%}"]
-                                for (e, f), c in check.items()]), ""]
-    else:
-        out += ["not checked (transformers fp32 did not run)", ""]
-    out += napkin(shape, rows, bw, args.threads)
-    return "\n".join(out)
+          "stage 1 % roofline", "read only % roofline"]
+    return ["stage 1 ÷ llama.cpp under this policy:", "", markdown_table(rh, [r[:len(rh)] for r in ratio_rows]), ""]
+
+
+def correctness(check: dict) -> list[str]:
+    out = [f"#### correctness: logits of {CHECK_TOKENS} tokens against transformers fp32 (same weights)", "",
+           f"(stage 1 computes the first {CHECK_TOKENS // 2} in one forward, as prefill does, and the other "
+           f"{CHECK_TOKENS // 2} one at a time, as decode does: both ways of rounding the activations are in it)", ""]
+    if not check:
+        return out + ["not checked (transformers fp32 did not run)", ""]
+    return out + [markdown_table(["engine", "format", "max abs error / max abs logit", "cosine", "same argmax"],
+                                 [[e, f, f"{c['max_rel_err']:.4f}", f"{c['cosine']:.6f}", f"{c['top1']:.0%}"]
+                                  for (e, f), c in check.items()]), ""]
 
 
 def decode_roofline(cell: dict, nbytes: int | None) -> tuple[float, float]:
@@ -722,11 +875,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="also write the markdown report to this file")
     p.add_argument("--cache-dir", type=Path, default=CACHE, help="where the models are built and kept")
     p.add_argument("--worker-timeout", type=float, default=1800, help="seconds one engine may take in all")
-    p.add_argument("--omp-wait-policy", default="PASSIVE", choices=["PASSIVE", "ACTIVE", "default"],
-                   help="OMP_WAIT_POLICY for every engine (default PASSIVE: fair to a shared machine; llama.cpp "
-                        "and numba's OpenMP threads spin between ops with ACTIVE, faster on an idle machine)")
+    p.add_argument("--omp-wait-policy", default=None, choices=list(POLICIES),
+                   help="OMP_WAIT_POLICY for every engine: both (a table under PASSIVE, then one under the "
+                        "runtime's default, where idle threads spin a while; the headline takes each engine at "
+                        "its best), PASSIVE, ACTIVE or default. Default: both; --quick: PASSIVE")
     p.add_argument("--kernels", default="auto", choices=["auto", "plain", "fast"],
                    help="stage 1's kernels: plain (the portable core) or fast (stage1_cpu/fast/); default auto")
+    p.add_argument("--cpu-profile", default="native", choices=["native", "avx2"],
+                   help="avx2: stand in for an AVX2-only CPU on an AVX-512 host (stage 1 under "
+                        "NUMBA_CPU_NAME=haswell, llama.cpp from bench/build_llama_avx2.sh's build)")
+    p.add_argument("--llama-avx2-lib", type=Path, default=None,
+                   help=f"--cpu-profile avx2: the folder of the AVX2 build's libllama.so (default {AVX2_LLAMA_LIB})")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.argv = argv
@@ -736,6 +895,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     args.prompt_lens = [int(x) for x in args.prompt_lens.split(",")]
     args.runs = args.runs or (2 if args.quick else 3)
+    args.omp_wait_policy = args.omp_wait_policy or ("PASSIVE" if args.quick else "both")
+    args.llama_lib, args.llama_missing, args.llama_line = None, None, ""
+    if args.cpu_profile == "avx2":
+        args.llama_lib, args.llama_missing, args.llama_line = choose_llama_lib(args)
     args.cell_seconds = args.cell_seconds or (15 if args.quick else 60)
     bad = [f for f in args.formats if f not in LLAMA_FORMAT]
     if bad:
@@ -762,13 +925,23 @@ def main(argv: list[str] | None = None) -> int:
     load_before = load_1min()
     log(check_load("before"))
     meter = NeighbourMeter()
-    paths = prepare_models(shape, args.cache_dir, log)
+    paths = prepare_models(shape, args.cache_dir, log, [LLAMA_FORMAT[f] for f in args.formats]
+                           if "llama.cpp" in args.engines else [])
     log("measuring memory bandwidth ...")
     bw = measure_bandwidth(args.threads, mib=256 if args.quick else 1024)
     log("  " + ", ".join(f"{n} threads: {bw['read'][n]:.1f} GB/s" for n in args.threads))
     if not llama_cpp_installed():
         log("llama-cpp-python is not installed (pip install 'qwen3-stages[bench]'): its columns are skipped")
-    rows, check = run_all(args, shape, paths, log)
+    if args.cpu_profile == "avx2":
+        log("--cpu-profile avx2: stage 1 under NUMBA_CPU_NAME=haswell; " + args.llama_line)
+    tables = []
+    for plan in table_plans(args):
+        log(f"--- table: OMP_WAIT_POLICY={plan['policy']}, threads {plan['threads']}")
+        t0, table_meter = time.perf_counter(), NeighbourMeter()
+        rows, check = run_all(args, shape, paths, log, plan)
+        tables.append({"plan": plan, "rows": rows, "check": check, "wall_s": time.perf_counter() - t0,
+                       "others": table_meter.cores_used_by_others()})
+        log(f"--- that table took {tables[-1]['wall_s'] / 60:.1f} min")
     load_after = load_1min()
     others = meter.cores_used_by_others()
     log(check_load("after") + " (this counts the benchmark's own threads)")
@@ -780,7 +953,7 @@ def main(argv: list[str] | None = None) -> int:
     log("bandwidth at the end: " + ", ".join(f"{n} threads: {end['read'][n]:.1f} GB/s" for n in args.threads))
     bw = {"read": {n: max(bw["read"][n], end["read"][n]) for n in args.threads},
           "copy": max(bw["copy"], end["copy"]), "start": bw, "end": end}
-    text = report(args, shape, rows, bw, check, (load_before, load_after, others))
+    text = report(args, shape, tables, bw, (load_before, load_after, others))
     text += f"\n(total {time.perf_counter() - t_start:.0f} s)\n"
     print("\n" + text)
     if args.out:

@@ -1,0 +1,217 @@
+"""The ablation ladder: what each idea of stage 1's decode buys, one rung at a time.
+
+    python -m bench ladder                     # Qwen3-0.6B's matrices, 2 threads (~2 min idle)
+    python -m bench ladder --quick             # 4 small layers (seconds; CI)
+    python -m bench ladder --threads 2 --tokens 7 --out /tmp/ladder.md
+
+The teaching CPU engines we learn from show their speed as a ladder: start from the
+naive program and add one idea per rung. This is that ladder on stage 1's own
+kernels, for the matrix-vector products of one decode token: every projection of
+every layer (q/k/v and gate/up stacked, as stage 1 stores them) and the lm_head.
+Those products are ~95 % of a decode step's time, so ms per token here is
+almost the engine's decode step (attention, norms and sampling are left out).
+
+    rung 1  one thread; each matrix dequantized to fp32, then multiplied (int8 weights)
+    rung 2  the same, with prange threads
+    rung 3  fused: int8 weights converted in registers (kernels.matmul_int8), no fp32 copy
+    rung 4  int4 weights (kernels.matmul_int4); the lm_head stays int8, as the engine keeps it
+    rung 5  the fast path: int4 weights, activations rounded to int8 and multiplied by the
+            CPU's integer dot product (stage1_cpu/fast; only where cpu.INT8 is not None)
+
+The weights are random (speed does not depend on their values), built straight in
+stage 1's storage formats (quant.Weight), never as fp32 matrices. Each rung is
+warmed up once (compilation), then timed over --tokens tokens (a new random
+activation each); the median is reported.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before numba starts its threads (bench/common.py)
+
+import argparse
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from bench.common import NeighbourMeter, check_load, machine_description, markdown_table
+from stage1_cpu import kernels
+from stage1_cpu.quant import Weight, _padded
+
+GROUP = 32      # stage 1's default group size (options.py)
+
+
+# ------------------------------------------------------------------ rungs 1-2: dequantize, then multiply
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def dequant_int8(q, s, out):
+    """q [O, G, gs] int8, s [O, G] fp16 bits -> out [O, G, gs] f32 = q * s, rows over threads.
+    With one thread this is the plain loop; the fp32 matrix it writes is 4x the int8 one,
+    and the matvec that follows reads it back: 9 bytes of traffic per weight instead of ~1."""
+    for r in prange(q.shape[0]):
+        for g in range(q.shape[1]):
+            sc = kernels.f16_to_f32(s[r, g])
+            for j in range(q.shape[2]):
+                out[r, g, j] = np.float32(q[r, g, j]) * sc
+
+
+def dequant_then_matmul(w: Weight, x: np.ndarray, buf: np.ndarray) -> np.ndarray:
+    """Rungs 1-2: the whole matrix to fp32 (into buf), then the fp32 matvec (kernels.matmul_f32)."""
+    O, Kp = w.out_features, w.padded_in
+    wf = buf[: O * Kp].reshape(O, Kp)                     # [O, Kp] f32
+    dequant_int8(w.data, w.scales, wf.reshape(O, -1, w.group_size))
+    out = np.empty((1, O), dtype=np.float32)
+    kernels.matmul_f32(w._pad(x), wf, out)
+    return out
+
+
+# ------------------------------------------------------------------ the model's matrices
+
+def model_matrices(shape, fmt: str, rng: np.random.Generator) -> list[Weight]:
+    """Every matrix one decode token multiplies, in stage 1's layout, random: per layer
+    wqkv [(H+2Hkv)D, C], wo [C, HD], w_gate_up [2F, C], w_down [C, F]; then the lm_head
+    [V, C], kept in int8 when the layers are int4 (as stage 1's loader keeps it)."""
+    C, H, Hkv, D, F = (shape.hidden_size, shape.num_attention_heads, shape.num_key_value_heads,
+                       shape.head_dim, shape.intermediate_size)
+    per_layer = [((H + 2 * Hkv) * D, C), (C, H * D), (2 * F, C), (C, F)]
+    mats = [random_weight(O, K, fmt, rng) for _ in range(shape.num_hidden_layers) for O, K in per_layer]
+    return mats + [random_weight(shape.vocab_size, C, "int8", rng)]
+
+
+def random_weight(O: int, K: int, fmt: str, rng: np.random.Generator) -> Weight:
+    """A random Weight in stage 1's int8 / int4 layout (quant.py), made without an fp32 copy."""
+    Kp = _padded(K, fmt, GROUP)
+    G = Kp // GROUP
+    scales = (rng.random((O, G), dtype=np.float32) * 1e-3 + 1e-3).astype(np.float16).view(np.uint16)
+    if fmt == "int8":
+        data = rng.integers(-127, 128, size=(O, G, GROUP), dtype=np.int8)
+        return Weight("int8", O, K, GROUP, data, scales=scales)
+    data = rng.integers(0, 256, size=(O, G // 2, GROUP), dtype=np.uint8)
+    mins = (-8 * scales.view(np.float16).astype(np.float32)).astype(np.float16).view(np.uint16)
+    return Weight("int4", O, K, GROUP, data, scales=scales, mins=mins)
+
+
+# ------------------------------------------------------------------ timing
+
+def time_rung(step, mats: list, C: int, tokens: int, rng: np.random.Generator) -> list[float]:
+    """ms per token of step(w, x) over all matrices: one warm-up token, then `tokens`.
+    Each matrix gets an activation of its own in_features (as a decode step does)."""
+    xs = {K: rng.standard_normal((tokens + 1, K), dtype=np.float32) for K in {w.in_features for w in mats}}
+    times = []
+    for t in range(tokens + 1):
+        t0 = time.perf_counter()
+        for w in mats:
+            step(w, xs[w.in_features][t:t + 1])
+        if t:                                              # token 0 compiles / warms up
+            times.append(1e3 * (time.perf_counter() - t0))
+    return times
+
+
+def run_ladder(shape, threads: int, tokens: int, log=print) -> list[dict]:
+    from stage1_cpu.fast import cpu
+
+    rng = np.random.default_rng(0)
+    t0 = time.perf_counter()
+    int8 = model_matrices(shape, "int8", rng)
+    int4 = model_matrices(shape, "int4", rng)
+    log(f"built the random matrices in {time.perf_counter() - t0:.1f} s")
+    biggest = max(w.out_features * w.padded_in for w in int8)
+    buf = np.empty(biggest, dtype=np.float32)               # the fp32 copy of rungs 1-2, reused
+    buf.fill(0.0)                                            # touch its pages outside the timing
+
+    rungs = [
+        ("1 thread, dequantize to fp32 then multiply", "int8", 1, int8,
+         lambda w, x: dequant_then_matmul(w, x, buf)),
+        (f"+ prange threads ({threads})", "int8", threads, int8, lambda w, x: dequant_then_matmul(w, x, buf)),
+        ("+ fused dequantization (kernels.matmul_int8)", "int8", threads, int8, lambda w, x: w.matmul(x)),
+        ("+ int4 weights (kernels.matmul_int4)", "int4", threads, int4, lambda w, x: w.matmul(x)),
+    ]
+    if cpu.INT8:
+        from stage1_cpu import fast
+        fast4 = [fast.as_fast(w, **fast.choose_act(w.fmt, "auto", w.in_features, lm_head=i == len(int4) - 1))
+                 for i, w in enumerate(int4)]
+        isa = {"vnni": "VNNI", "avx2": "AVX2 vpmaddubsw"}[cpu.INT8]
+        rungs.append((f"+ int8 activations, {isa} (stage1_cpu/fast)", "int4", threads, fast4,
+                      lambda w, x: w.matmul(x)))
+    else:
+        log("the fast path has no int8 dot product on this target: its rung is left out")
+
+    rows = []
+    for name, fmt, n, mats, step in rungs:
+        kernels.set_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+        nbytes = sum(w.nbytes for w in mats)
+        ms = time_rung(step, mats, shape.hidden_size, tokens, rng)
+        med = statistics.median(ms)
+        rows.append({"rung": name, "fmt": fmt, "threads": n, "MB": nbytes / 1e6, "ms": med,
+                     "min": min(ms), "max": max(ms)})
+        log(f"  {name}: {med:.1f} ms/token (min {min(ms):.1f}, max {max(ms):.1f})")
+    return rows
+
+
+def report(rows: list[dict], shape, args, loads: tuple[float, float]) -> str:
+    from stage1_cpu.fast import cpu
+
+    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    out = [f"### Ablation ladder: {shape.name}, decode matmuls of one token ({when})", "",
+           "- command: `" + " ".join(["python -m bench ladder", *args.argv]) + "`",
+           f"- machine: {machine_description()}; numba target {cpu.target_name()} ({cpu.instructions()})",
+           f"- OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}; 1-minute load before "
+           f"{loads[0]:.2f}; other processes used {loads[1]:.2f} cores on average during the run"
+           + ("  **busy: numbers may be low**" if loads[1] > 0.25 else ""),
+           f"- {shape.num_hidden_layers} layers × (wqkv, wo, w_gate_up, w_down) + lm_head "
+           f"[{shape.vocab_size}, {shape.hidden_size}], group size {GROUP}; median of {args.tokens} tokens "
+           "after one warm-up; GB/s = weight bytes ÷ time (rungs 1-2 also write and re-read an fp32 copy)", ""]
+    base = rows[0]["ms"]
+    table = []
+    for i, r in enumerate(rows):
+        step = rows[i - 1]["ms"] / r["ms"] if i else 1.0
+        table.append([str(i + 1), r["rung"], r["fmt"], str(r["threads"]), f"{r['MB']:,.0f}",
+                      f"{r['ms']:,.1f}", f"{r['MB'] / r['ms']:.1f}", f"{step:.2f}×", f"{base / r['ms']:.1f}×"])
+    out.append(markdown_table(["rung", "what", "weights", "threads", "MB/token", "ms/token", "GB/s",
+                               "× previous", "× rung 1"], table))
+    return "\n".join(out) + "\n"
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m bench ladder", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="the small model of bench cpu --quick (4 layers, C=512)")
+    p.add_argument("--layers", type=int, default=None, help="fewer layers than the shape has (faster, less memory)")
+    p.add_argument("--threads", type=int, default=None, help="threads of rungs 2+ (default: all, at most 2)")
+    p.add_argument("--tokens", type=int, default=5, help="timed tokens per rung (the median is reported)")
+    p.add_argument("--out", type=Path, default=None, help="also write the markdown table to this file")
+    args = p.parse_args(argv)
+    args.argv = argv
+    args.threads = args.threads or min(2, numba.config.NUMBA_NUM_THREADS)
+    if args.threads < 1 or args.tokens < 1:
+        p.error("--threads and --tokens must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dataclasses import replace
+
+    from bench.cpu import QUICK, QWEN3_0_6B
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    shape = QUICK if args.quick else QWEN3_0_6B
+    if args.layers:
+        shape = replace(shape, num_hidden_layers=args.layers, name=f"{shape.name}, {args.layers} layers")
+    log = lambda s: print(s, flush=True)
+    log(check_load("before"))
+    load0, meter = os.getloadavg()[0], NeighbourMeter()
+    rows = run_ladder(shape, args.threads, args.tokens, log)
+    text = report(rows, shape, args, (load0, meter.cores_used_by_others()))
+    print("\n" + text)
+    if args.out:
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""bench/cpu.py's plans and headline, and bench/ladder.py's naive rung, without running any engine.
+
+The benchmark's numbers come from subprocess workers; what decides which runs are made
+and which figure the headline quotes is plain Python, checked here on made-up results.
+"""
+import numpy as np
+import pytest
+
+from bench import cpu as bench_cpu
+
+
+def _cell(decode: float, p128: float, p512: float) -> dict:
+    return {"prefill": {"128": [p128], "512": [p512]}, "decode": [decode], "decode_bw": [30.0], "runs": 1}
+
+
+def test_full_run_measures_both_policies_and_the_second_one_smaller():
+    args = bench_cpu.parse_args([])
+    plans = bench_cpu.table_plans(args)
+    assert [p["policy"] for p in plans] == ["PASSIVE", "default"]
+    assert plans[0]["threads"] == [1, 2] and plans[0]["check"] and plans[0]["transformers"] == ["fp32", "bf16"]
+    assert plans[1]["threads"] == [2] and not plans[1]["check"] and plans[1]["transformers"] == ["bf16"]
+
+
+def test_quick_run_is_passive_only_unless_asked():
+    assert [p["policy"] for p in bench_cpu.table_plans(bench_cpu.parse_args(["--quick"]))] == ["PASSIVE"]
+    both = bench_cpu.table_plans(bench_cpu.parse_args(["--quick", "--omp-wait-policy", "both"]))
+    assert [p["policy"] for p in both] == ["PASSIVE", "default"]
+
+
+def test_headline_takes_each_engine_at_its_own_best_policy():
+    args = bench_cpu.parse_args(["--threads", "2", "--formats", "int8"])
+    plans = bench_cpu.table_plans(args)
+    passive = [bench_cpu.Row("stage1", "int8", 1, {"cells": {"2": _cell(40.0, 100.0, 200.0)}}),
+               bench_cpu.Row("llama.cpp", "Q8_0", 1, {"cells": {"2": _cell(20.0, 90.0, 150.0)}})]
+    default = [bench_cpu.Row("stage1", "int8", 1, {"cells": {"2": _cell(38.0, 110.0, 190.0)}}),
+               bench_cpu.Row("llama.cpp", "Q8_0", 1, {"cells": {"2": _cell(32.0, 80.0, 250.0)}})]
+    tables = [{"plan": plans[0], "rows": passive}, {"plan": plans[1], "rows": default}]
+    best = bench_cpu.best_by_policy(args, tables)
+    assert best[("stage1", "int8", 2, "decode")] == (40.0, "PASSIVE")
+    assert best[("llama.cpp", "Q8_0", 2, "decode")] == (32.0, "default")
+    assert best[("llama.cpp", "Q8_0", 2, 512)] == (250.0, "default")
+    line = "\n".join(bench_cpu.headline(args, tables))
+    assert "1.25×" in line            # decode 40 / 32: stage 1 PASSIVE against llama.cpp default
+    assert "0.80×" in line            # prefill 512: 200 / 250
+    assert "decode met (≥1.0×); prefill 512 met (≥0.8×)" in line
+
+
+def test_avx2_profile_sets_haswell_for_stage1_and_the_lib_for_llama(tmp_path):
+    (tmp_path / "libllama.so").write_bytes(b"")
+    args = bench_cpu.parse_args(["--cpu-profile", "avx2", "--llama-avx2-lib", str(tmp_path)])
+    env = bench_cpu.profile_env(args, "stage1")
+    assert env["NUMBA_CPU_NAME"] == "haswell"
+    assert "+avx2" in env["NUMBA_CPU_FEATURES"].split(",") and "avx512" not in env["NUMBA_CPU_FEATURES"]
+    assert bench_cpu.profile_env(args, "llama.cpp") == {"LLAMA_CPP_LIB_PATH": str(tmp_path)}
+    assert bench_cpu.profile_env(args, "transformers") == {"ATEN_CPU_CAPABILITY": "avx2"}
+    assert bench_cpu.profile_env(bench_cpu.parse_args([]), "stage1") == {}
+    missing = bench_cpu.parse_args(["--cpu-profile", "avx2", "--llama-avx2-lib", str(tmp_path / "nope")])
+    assert missing.llama_missing and "build_llama_avx2.sh" in missing.llama_missing
+
+
+def test_ladder_naive_rung_equals_the_weights_own_definition():
+    from bench import ladder
+    rng = np.random.default_rng(3)
+    w = ladder.random_weight(70, 100, "int8", rng)          # 100 is not a multiple of the group: padded
+    x = rng.standard_normal((1, 100), dtype=np.float32)
+    buf = np.empty(w.out_features * w.padded_in, dtype=np.float32)
+    got = ladder.dequant_then_matmul(w, x, buf)
+    np.testing.assert_allclose(got, w.matmul_ref(x), rtol=1e-5, atol=1e-5)
+    assert np.abs(got).max() > 0
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_ladder_matrices_have_the_model_shapes(fmt):
+    from bench import ladder
+    mats = ladder.model_matrices(bench_cpu.QUICK, fmt, np.random.default_rng(0))
+    s = bench_cpu.QUICK
+    assert len(mats) == 4 * s.num_hidden_layers + 1
+    assert (mats[0].out_features, mats[0].in_features) == (
+        (s.num_attention_heads + 2 * s.num_key_value_heads) * s.head_dim, s.hidden_size)
+    assert mats[-1].fmt == "int8" and mats[-1].out_features == s.vocab_size
+    assert {m.fmt for m in mats[:-1]} == {fmt}
