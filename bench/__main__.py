@@ -8,6 +8,7 @@ BENCHMARKS = {
     "cpu": "bench.cpu",          # stage 1 against llama.cpp, transformers and the roofline
     "kernels": "bench.kernels",  # the stage-1 matmul kernels on their own
     "profile": "bench.profile",  # one stage-1 forward pass, op by op
+    "moe": "bench.moe",          # the MoE benchmark: stage 1 against llama.cpp (qwen3moe) and transformers
     "gpu": "bench.gpu",          # stage 2 on a GPU: nano-vllm's workload, batch-1 decode (bench/gpu_check.sh)
 }
 
