@@ -22,7 +22,7 @@ import numpy as np
 from common.config import ModelConfig
 from common.engine import Request, TokenEvent, check_prompt
 from common.sampling import Sampler
-from stage1_cpu import kernels
+from stage1_cpu import kernels as numba_kernels
 from stage1_cpu.model import Model
 from stage1_cpu.weights import load_weights
 
@@ -42,7 +42,7 @@ class LLMEngine:
                  prefill_chunk: int = 512, use_numba: bool = True, kernels: str = "auto",
                  activations: str = "auto"):
         if threads:
-            kernels.set_threads(threads)
+            numba_kernels.set_threads(threads)
         self.folder = Path(folder)
         self.config: ModelConfig = ModelConfig.from_folder(folder)
         if max_ctx < 2:
@@ -109,7 +109,7 @@ class LLMEngine:
 
     def kernels_cold(self) -> bool:
         """True until warm_up() has run once for this stage-1 version, format and kernels."""
-        return self.model.k is kernels and not self._warm_mark().exists()
+        return self.model.k is numba_kernels and not self._warm_mark().exists()
 
     def _warm_mark(self) -> Path:
         import stage1_cpu

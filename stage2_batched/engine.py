@@ -46,7 +46,7 @@ def array_module(device: str):
         cupy.cuda.runtime.getDeviceCount()
     except Exception as e:  # ImportError, or CUDARuntimeError when no GPU / driver
         raise RuntimeError(f"device='cuda' needs CuPy and an NVIDIA GPU ({type(e).__name__}: {e}); "
-                           "install it with `pip install cupy-cuda12x`, or run with --device cpu "
+                           "install it with `pip install cupy-cuda13x` (CUDA 13), or run with --device cpu "
                            "(the numpy twins, slow but complete)") from None
     return cupy
 
@@ -88,8 +88,7 @@ class LLMEngine:
                     kv_memory = 2**30                       # 1 GiB of host memory for the twins
                 else:
                     # what is free once the weights are in, less room for one step's activations
-                    free, _total = self.xp.cuda.Device().mem_info
-                    kv_memory = int((free - 4 * 2**30) * 0.9)
+                    kv_memory = int((self._free_gpu_bytes() - 4 * 2**30) * 0.9)
             num_pages = kv_memory // per_page
         need = (self.max_ctx + self.page_size - 1) // self.page_size
         if num_pages < need:
@@ -98,6 +97,19 @@ class LLMEngine:
                 f"({per_page / 2**20:.1f} MiB each) but one sequence of --max-ctx {self.max_ctx} needs "
                 f"{need}; give it more memory (--kv-memory) or lower --max-ctx")
         return num_pages
+
+    def _free_gpu_bytes(self) -> int:
+        """Bytes this engine can still allocate on the GPU. CuPy's memory pool keeps the
+        blocks that earlier arrays (an earlier engine in this process, say) have given back:
+        the driver counts them as used, so mem_info alone would leave a second engine no
+        room for its pool. Hand the unreferenced blocks back first, and count the ones the
+        pool still caches (free for our allocations) as free."""
+        import gc
+        gc.collect()                                 # an earlier engine's arrays, if unreferenced
+        pool = self.xp.get_default_memory_pool()
+        pool.free_all_blocks()
+        free, _total = self.xp.cuda.Device().mem_info
+        return free + pool.free_bytes()
 
     # ---- leak checks and stats ----
     def num_free_pages(self) -> int:

@@ -195,3 +195,15 @@ def test_unknown_kernels_and_plain_with_int8_activations_are_refused():
         load_weights(folder, "int8", 32, progress=False, kernels="turbo")
     with pytest.raises(ValueError, match="needs the fast kernels"):
         load_weights(folder, "int8", 32, progress=False, kernels="plain", activations="int8")
+
+
+@pytest.mark.parametrize("kernels", ["plain", "fast"])
+def test_engine_with_threads_and_kernels_options(kernels):
+    """--threads and --kernels together (the chat's and the server's options)."""
+    from stage1_cpu.engine import LLMEngine
+    engine = LLMEngine(make_model(**CASES["qwen3"]), quant="int8", max_ctx=64, threads=1, progress=False,
+                       kernels=kernels)
+    assert numba.get_num_threads() == 1
+    assert engine.weights.kernels == kernels
+    assert ("plain kernels" == engine.describe_kernels()) == (kernels == "plain")
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)

@@ -1,187 +1,65 @@
-"""The CUDA sources of stage 2 themselves, launched by kernels.py, run on the CPU.
+"""The CUDA sources themselves, launched by kernels.py, run on the CPU under the
+emulator of tests/cuda_emulator.py (one OS thread per CUDA thread; blocks in a seeded,
+shuffled order, 2-4 live at once; per-block shared memory poisoned at the block's start;
+shared-memory, launch and shuffle-mask limits checked; a watchdog for deadlocks).
 
-Without a GPU, nvcc only proves that a kernel compiles. Here each .cu file is compiled
-as C++ (g++) under a tiny emulator of the CUDA execution model, one OS thread per CUDA
-thread: blockIdx / threadIdx per thread, `__shared__` memory shared by the block,
-`__syncthreads()` as a barrier of the block, `__shfl_xor_sync` as an exchange through
-a per-warp buffer between two barriers of the warp. Blocks run one after another. That
-is enough to execute the index arithmetic, the online softmax, the warp reductions and
-the shared-memory merges exactly as written, so a wrong offset or a missed rescale
-fails here instead of on the GPU.
-
-The kernels are launched through stage2_batched/kernels.py itself, with a stand-in
+Without a GPU, nvcc only proves that a kernel compiles. Here each .cu file runs: the
+index arithmetic, the online softmax, the warp reductions and the shared-memory merges
+execute as written, so a wrong offset or a missed rescale fails here instead of on the
+GPU. The kernels are launched through stage2_batched/kernels.py itself, with a stand-in
 for CuPy (arrays are numpy arrays of a marker type; RawModule functions become the
-emulated kernels, and every argument is checked against the kernel's C signature:
-a float* must get a contiguous float32 array, an int an np.int32 ...). So the
-wrappers' argument order, dtypes and launch grids are checked too, and finally the
-whole engine (model.py's GPU branch) runs on the emulated kernels. What it cannot catch: races that need real
-parallelism, memory-model and performance issues — tests/test_stage2_gpu.py runs the
-same comparisons on a GPU.
+emulated kernels, and every argument is checked against the kernel's C signature: a
+float* must get a contiguous float32 array, an int an np.int32 ...). So the wrappers'
+argument order, dtypes and launch grids are checked too, and finally the whole engine
+(model.py's GPU branch) runs on the emulated kernels.
+
+The second half plants one bug of each kind the emulator claims to catch in a copy of a
+real kernel, and checks that it is caught. A failure prints the emulator's seed
+(QS_EMU_SEED replays it). Every .cu file of every stage (stage*/cuda) is compiled under
+the emulator; a file that uses what it cannot model says `// Emulator: unsupported (why)`.
 
 Skipped only where no C++20 compiler (g++) is installed.
 """
 from __future__ import annotations
 
-import ctypes
-import re
 import shutil
-import subprocess
 import sys
-import types
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+import cuda_emulator as emu
+from cuda_emulator import Dev, EmulatorError, dev, fake_cupy
+from cuda_sources import cu_files, cu_id
 from stage2_batched import kernels, ops
 from test_stage2_kernels import paged
 
 CUDA_DIR = Path(kernels.__file__).parent / "cuda"
 TOL = dict(rtol=1e-5, atol=1e-5)
-
-EMULATOR = r"""
-// --- a minimal CUDA execution model on CPU threads (blocks run one at a time) ---
-#include <barrier>
-#include <cmath>
-#include <cstddef>
-#include <cstring>
-#include <memory>
-#include <thread>
-#include <vector>
-struct Dim3 { unsigned x = 0, y = 0, z = 0; };
-static thread_local Dim3 threadIdx, blockIdx;
-static Dim3 blockDim, gridDim;
-static std::barrier<>* block_barrier;
-static std::barrier<>* warp_barrier[32];
-static float warp_buffer[32][32];                       // [warp][lane]
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __restrict__ __restrict
-#define __shared__ static                               // one copy, shared by the block's threads
-inline void __syncthreads() { block_barrier->arrive_and_wait(); }
-inline float __shfl_xor_sync(unsigned, float v, int offset) {
-    const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    warp_buffer[warp][lane] = v;
-    warp_barrier[warp]->arrive_and_wait();             // everybody has written ...
-    const float other = warp_buffer[warp][lane ^ offset];
-    warp_barrier[warp]->arrive_and_wait();             // ... and read, before the next exchange
-    return other;
-}
-inline float __int_as_float(unsigned bits) { float f; std::memcpy(&f, &bits, 4); return f; }
-inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
-
-template <class Body>
-void launch(unsigned gx, unsigned gy, unsigned threads, Body body) {
-    gridDim = {gx, gy, 1};
-    blockDim = {threads, 1, 1};
-    for (unsigned by = 0; by < gy; by++) {
-        for (unsigned bx = 0; bx < gx; bx++) {
-            std::barrier<> block(threads);
-            block_barrier = &block;
-            std::vector<std::unique_ptr<std::barrier<>>> warps;
-            for (unsigned w = 0; w * 32 < threads; w++) {
-                warps.push_back(std::make_unique<std::barrier<>>(threads - w * 32 < 32 ? threads - w * 32 : 32));
-                warp_barrier[w] = warps.back().get();
-            }
-            std::vector<std::thread> pool;
-            for (unsigned t = 0; t < threads; t++) {
-                pool.emplace_back([=] { threadIdx = {t, 0, 0}; blockIdx = {bx, by, 0}; body(); });
-            }
-            for (auto& th : pool) th.join();
-        }
-    }
-}
-"""
-
-def kernel_signature(cu: str) -> tuple[str, list[str]]:
-    """The kernel's name and its parameter declarations, as written in the .cu file."""
-    text = (CUDA_DIR / cu).read_text()
-    m = re.search(r'extern "C" __global__ void (\w+)\((.*?)\)\s*\{', text, re.S)
-    params = re.sub(r"//[^\n]*", "", m.group(2))
-    return m.group(1), [" ".join(p.split()) for p in params.split(",")]
+ALL_CU = cu_files()
 
 
-C_TYPES = {"int": ctypes.c_int, "float": ctypes.c_float, "long long": ctypes.c_longlong}
-NP_SCALARS = {"int": np.int32, "float": np.float32, "long long": np.int64}
-NP_POINTEES = {"int": np.int32, "float": np.float32}
+@pytest.fixture(autouse=True)
+def _emulator_seed_in_the_report(request):
+    """A failing test shows the seed its launches used (QS_EMU_SEED=... replays them)."""
+    yield
+    request.node.add_report_section("call", "emulator", f"QS_EMU_SEED={emu.SEED}")
 
 
-class EmulatedKernel:
-    """What cupy.RawModule(...).get_function(name) returns: kernel((grid), (block), (args))."""
-
-    def __init__(self, fn, name: str, params: list[str]):
-        self.name, self.params = name, params
-        self.fn = fn
-        self.fn.argtypes = [ctypes.c_uint] * 3 + [
-            ctypes.c_void_p if "*" in p else C_TYPES[" ".join(p.split()[:-1])] for p in params]
-
-    def __call__(self, grid, block, args):
-        assert len(args) == len(self.params), f"{self.name}: {len(args)} arguments for {len(self.params)} parameters"
-        assert len(block) == 1 and 1 <= len(grid) <= 2, f"{self.name}: grid {grid}, block {block}"
-        values = []
-        for arg, param in zip(args, self.params):
-            words = param.replace("*", " * ").split()
-            base = " ".join(w for w in words[:-1] if w not in ("const", "__restrict__", "*"))
-            if "*" in words:
-                assert isinstance(arg, Dev), f"{self.name}: {param} got {type(arg).__name__}, not a device array"
-                assert arg.flags.c_contiguous, f"{self.name}: {param} is not contiguous"
-                assert arg.dtype == NP_POINTEES[base], f"{self.name}: {param} got {arg.dtype}"
-                values.append(arg.ctypes.data)
-            else:
-                assert type(arg) is NP_SCALARS[base], f"{self.name}: {param} got {type(arg).__name__}"
-                values.append(arg.item())
-        gx, gy = grid[0], grid[1] if len(grid) > 1 else 1
-        self.fn(gx, gy, block[0], *values)
-
-
-class Dev(np.ndarray):
-    """A 'device array' of the stand-in CuPy: a numpy array that kernels.py must treat as cupy."""
-
-    def get(self) -> np.ndarray:
-        return np.array(self, copy=True).view(np.ndarray)
-
-
-def fake_cupy():
-    cp = types.ModuleType("cupy")
-    dev = lambda a: a.view(Dev) if isinstance(a, np.ndarray) else np.asarray(a).view(Dev)  # noqa: E731
-    cp.asarray = lambda a, dtype=None: dev(np.array(a, dtype=dtype, copy=True))
-    cp.ascontiguousarray = lambda a, dtype=None: dev(np.ascontiguousarray(a, dtype=dtype))
-    cp.empty = lambda shape, dtype=np.float32: dev(np.empty(shape, dtype))
-    cp.zeros = lambda shape, dtype=np.float32: dev(np.zeros(shape, dtype))
-    cp.empty_like = lambda a, dtype=None: dev(np.empty_like(np.asarray(a), dtype=dtype))
-    cp.zeros_like = lambda a, dtype=None: dev(np.zeros_like(np.asarray(a), dtype=dtype))
-    cp.argmax = lambda a, axis=None: dev(np.asarray(np.argmax(np.asarray(a), axis=axis)))
-    cp.float32, cp.int32, cp.int64 = np.float32, np.int32, np.int64
-    return cp
+def _need_gxx():
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is not installed")
 
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
-    """kernel name -> EmulatedKernel, every .cu compiled under the emulator."""
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("g++ is not installed")
-    build = tmp_path_factory.mktemp("cuda-emulated")
-    (build / "emulator.h").write_text(EMULATOR)
-    procs, sigs = {}, {}
-    for cu in sorted(kernels.KERNEL_FILES.values()):       # compile all at once (one g++ per file)
-        name, params = sigs[cu] = kernel_signature(cu)
-        names = ", ".join(p.split()[-1] for p in params)
-        launcher = (f'extern "C" void launch_{name}(unsigned gx, unsigned gy, unsigned bx, {", ".join(params)}) '
-                    f'{{ launch(gx, gy, bx, [=] {{ {name}({names}); }}); }}')
-        src = build / (cu + ".cpp")
-        src.write_text(f'#include "emulator.h"\n#include "{CUDA_DIR / cu}"\n{launcher}\n')
-        procs[cu] = subprocess.Popen([gxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w",
-                                      str(src), "-o", str(build / (cu + ".so"))],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out = {}
-    for cu, proc in procs.items():
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, f"{cu} does not compile as C++ under the emulator:\n{err}"
-        name, params = sigs[cu]
-        out[name] = EmulatedKernel(getattr(ctypes.CDLL(str(build / (cu + ".so"))), f"launch_{name}"), name, params)
-    return out
+    """kernel name -> EmulatedKernel: every .cu file of every stage that the emulator
+    supports, compiled at once (one g++ per file)."""
+    _need_gxx()
+    sources = [cu for cu in ALL_CU if emu.unsupported(cu.read_text()) is None]
+    return emu.build(sources, tmp_path_factory.mktemp("cuda-emulated"))
 
 
 @pytest.fixture
@@ -190,11 +68,20 @@ def gpu(emulated, monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy())
     monkeypatch.setattr(kernels, "_on_gpu", lambda x: isinstance(x, Dev))
     monkeypatch.setattr(kernels, "_kernel", lambda name: emulated[name])
-    return lambda a: np.ascontiguousarray(a).copy().view(Dev)
+    return dev
 
 
-def test_every_kernel_is_emulated(emulated):
-    assert set(emulated) == set(kernels.KERNEL_FILES)
+@pytest.mark.parametrize("cu", ALL_CU, ids=cu_id)
+def test_every_cu_file_runs_under_the_emulator(emulated, cu):
+    why = emu.unsupported(cu.read_text())
+    if why is not None:
+        pytest.skip(f"{cu_id(cu)} says the emulator cannot run it: {why}")
+    names = [name for name, _ in emu.kernel_signatures(cu.read_text())]
+    assert names and all(n in emulated for n in names)
+
+
+def test_every_stage2_kernel_is_emulated(emulated):
+    assert set(kernels.KERNEL_FILES) <= set(emulated)
 
 
 # kept small (the emulator runs one OS thread per CUDA thread); the GPU test runs them all
@@ -298,3 +185,171 @@ def test_engine_on_emulated_kernels_equals_engine_on_twins(gpu, monkeypatch):
     got, eng = run("cuda")
     assert isinstance(eng.model.cache.k_pool, Dev) and isinstance(eng.weights.embed.data, Dev)
     assert got == expect and all(len(t) == 2 for t in got.values())
+
+
+def test_engine_sizes_its_kv_pool_from_what_cupys_pool_holds():
+    """stage2_batched/engine.py: a second engine in one process counts the bytes CuPy's pool
+    caches (the first engine's, given back to the pool but not to the driver) as free, after
+    handing the unreferenced ones back."""
+    from stage2_batched.engine import LLMEngine
+
+    class Pool:
+        freed = False
+
+        def free_all_blocks(self):
+            self.freed = True
+
+        def free_bytes(self):
+            return 3 * 2**30
+
+    pool = Pool()
+    device = SimpleNamespace(mem_info=(2 * 2**30, 141 * 2**30))
+    eng = LLMEngine.__new__(LLMEngine)
+    eng.xp = SimpleNamespace(get_default_memory_pool=lambda: pool, cuda=SimpleNamespace(Device=lambda: device))
+    assert eng._free_gpu_bytes() == 5 * 2**30 and pool.freed
+
+
+# ---------------------------------------------------------------------------
+# planted bugs: each kind the emulator claims to catch, in a copy of a real kernel
+# ---------------------------------------------------------------------------
+
+def plant(file: str, kernel: str, new_name: str, *edits: tuple[str, str]) -> str:
+    """The source of CUDA_DIR/file with the kernel renamed and each (old, new) edit applied
+    (each must apply exactly once, so a changed kernel cannot silently void the test)."""
+    src = (CUDA_DIR / file).read_text()
+    for old, new in ((f"void {kernel}(", f"void {new_name}("), *edits):
+        assert src.count(old) == 1, f"{file}: the planted edit {old!r} no longer applies"
+        src = src.replace(old, new)
+    return src
+
+
+PLANTED = {
+    # block b reads what block b-1 wrote: right only if the blocks run in order
+    "residual_add_chain": ("residual_add.cu", "residual_add", [
+        ("out[i] = x[i] + y[i];",
+         "out[i] = x[i] + (blockIdx.x > 0 && threadIdx.x == 0 ? out[i - 1] : y[i]);")]),
+    # threads past the row's end never write their partial sum: right only on zeroed memory
+    "rmsnorm_unwritten": ("rmsnorm.cu", "rmsnorm", [
+        ("partial[threadIdx.x] = ss;", "if (threadIdx.x < C) partial[threadIdx.x] = ss;")]),
+    # 64 KB of static shared memory
+    "decode_big_smem": ("decode_attention.cu", "paged_decode_attention", [
+        ("__shared__ float sm_acc[WARPS][MAX_D];", "__shared__ float sm_acc[WARPS][MAX_D * 16];")]),
+    # dynamic shared memory (a correct kernel: the launch decides whether it is valid)
+    "rmsnorm_dynamic": ("rmsnorm.cu", "rmsnorm", [
+        ("__shared__ float partial[BLOCK];", "extern __shared__ float partial[];")]),
+    # half a warp in the reduction's mask
+    "decode_half_mask": ("decode_attention.cu", "paged_decode_attention", [
+        ("__shfl_xor_sync(0xffffffffu, x, offset)", "__shfl_xor_sync(0x0000ffffu, x, offset)")]),
+    # threads that have no element return before the block's barrier
+    "rmsnorm_early_exit": ("rmsnorm.cu", "rmsnorm", [
+        ("    partial[threadIdx.x] = ss;", "    if (threadIdx.x >= C) return;\n    partial[threadIdx.x] = ss;")]),
+    # lane 0 waits in a shuffle for lanes that wait at the barrier for lane 0
+    "rmsnorm_deadlock": ("rmsnorm.cu", "rmsnorm", [
+        ("    partial[threadIdx.x] = ss;",
+         "    if (threadIdx.x == 0) ss += __shfl_xor_sync(0xffffffffu, ss, 1);\n    partial[threadIdx.x] = ss;")]),
+}
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    """name -> EmulatedKernel of every planted copy, compiled at once."""
+    _need_gxx()
+    folder = tmp_path_factory.mktemp("planted")
+    sources = []
+    for name, (file, kernel, edits) in PLANTED.items():
+        path = folder / "stage2_batched" / "cuda" / f"{name}.cu"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(plant(file, kernel, name, *edits))
+        sources.append(path)
+    return emu.build(sources, folder / "build")
+
+
+def test_planted_dependency_between_blocks_is_revealed_by_the_shuffled_order(planted):
+    """In order, each block's first element adds its predecessor's last output (1 + 2 = 3);
+    blocks in a shuffled order, several at once, read it before it is written (1 + 0)."""
+    n, threads = 32 * 24, 32
+    x, y = dev(np.ones(n, np.float32)), dev(np.ones(n, np.float32))
+    out = dev(np.zeros(n, np.float32))
+    planted["residual_add_chain"]((n // threads,), (threads,), (x, y, out, np.int64(n)))
+    firsts = out.get()[threads::threads]                  # the first element of blocks 1..23
+    assert not np.array_equal(firsts, np.full_like(firsts, 3.0)), "every block ran after its predecessor"
+    assert set(np.unique(firsts).tolist()) <= {1.0, 3.0}
+
+
+def test_planted_read_of_unwritten_shared_memory_is_poisoned(planted, emulated):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 100)).astype(np.float32)       # C = 100 < 256 threads
+    w = rng.standard_normal(100).astype(np.float32)
+    out = dev(np.zeros_like(x))
+    planted["rmsnorm_unwritten"]((5,), (256,), (dev(x), dev(w), out, np.int32(100), np.float32(1e-6)))
+    assert np.isnan(out.get()).all(), "threads 100..255 never wrote partial[]: poison must reach the sum"
+    out = dev(np.zeros_like(x))                                 # the real kernel at the same shape
+    emulated["rmsnorm"]((5,), (256,), (dev(x), dev(w), out, np.int32(100), np.float32(1e-6)))
+    np.testing.assert_allclose(out.get(), ops.rmsnorm(x, w, 1e-6), **TOL)
+
+
+def test_planted_static_shared_memory_over_48_kb_is_refused(planted, gpu, monkeypatch):
+    monkeypatch.setattr(kernels, "_kernel", lambda name: planted["decode_big_smem"])
+    rng = np.random.default_rng(1)
+    k_cache, v_cache, tables, *_ = paged(rng, [3], 1, 32, 16)
+    q = rng.standard_normal((1, 2, 32)).astype(np.float32)
+    with pytest.raises(EmulatorError, match=r"static __shared__ memory reaches 65568 bytes .* over the 49152"):
+        kernels.paged_decode_attention(gpu(q), gpu(k_cache), gpu(v_cache), gpu(tables), gpu(np.array([3], np.int32)))
+
+
+def test_planted_dynamic_shared_memory_is_checked_against_the_attribute_and_the_opt_in_limit(planted):
+    kernel = planted["rmsnorm_dynamic"]
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((3, 300)).astype(np.float32)
+    w = rng.standard_normal(300).astype(np.float32)
+    args = lambda out: (dev(x), dev(w), out, np.int32(300), np.float32(1e-6))  # noqa: E731
+    out = dev(np.zeros_like(x))
+    kernel((3,), (256,), args(out), shared_mem=256 * 4)        # what it needs: runs, and is right
+    np.testing.assert_allclose(out.get(), ops.rmsnorm(x, w, 1e-6), **TOL)
+    with pytest.raises(EmulatorError, match="launch gave 0 bytes"):
+        kernel((3,), (256,), args(dev(np.zeros_like(x))))
+    with pytest.raises(EmulatorError, match=r"over the kernel's max_dynamic_shared_size_bytes \(49152\)"):
+        kernel((3,), (256,), args(dev(np.zeros_like(x))), shared_mem=64 * 1024)
+    kernel.max_dynamic_shared_size_bytes = 100 * 1024           # raised, as a FlashAttention kernel does
+    kernel((3,), (256,), args(dev(np.zeros_like(x))), shared_mem=64 * 1024)
+    with pytest.raises(EmulatorError, match=r"opt-in limit of sm_90 \(232448 bytes"):
+        kernel.max_dynamic_shared_size_bytes = 240 * 1024
+
+
+@pytest.mark.parametrize("grid,block,match", [
+    ((2,), (2048,), "2048 threads; at most 1024"),
+    ((2,), (32, 32, 2), "2048 threads; at most 1024"),
+    ((2,), (1, 1, 128), "at most 1024"),
+    ((2, 70000), (256,), "over the limits"),
+    ((0,), (256,), "at least 1"),
+])
+def test_planted_launch_outside_the_limits_is_refused(emulated, grid, block, match):
+    x = dev(np.ones((2, 64), np.float32))
+    with pytest.raises(EmulatorError, match=match):
+        emulated["rmsnorm"](grid, block, (x, dev(np.ones(64, np.float32)), dev(np.zeros((2, 64), np.float32)),
+                                          np.int32(64), np.float32(1e-6)))
+
+
+def test_planted_shuffle_outside_its_mask_is_an_error(planted, gpu, monkeypatch):
+    monkeypatch.setattr(kernels, "_kernel", lambda name: planted["decode_half_mask"])
+    rng = np.random.default_rng(3)
+    k_cache, v_cache, tables, *_ = paged(rng, [5], 1, 32, 16)
+    q = rng.standard_normal((1, 1, 32)).astype(np.float32)
+    with pytest.raises(EmulatorError, match=r"(leaves out the calling lane|outside the mask 0x0000ffff).*\n.*seed"):
+        kernels.paged_decode_attention(gpu(q), gpu(k_cache), gpu(v_cache), gpu(tables), gpu(np.array([5], np.int32)))
+
+
+def test_planted_barrier_after_an_early_return_is_an_error(planted):
+    x = dev(np.ones((2, 100), np.float32))
+    with pytest.raises(EmulatorError, match=r"100 of 256 threads reached __syncthreads\(\) at line \d+ and 156 exited"):
+        planted["rmsnorm_early_exit"]((2,), (256,), (x, dev(np.ones(100, np.float32)),
+                                                     dev(np.zeros((2, 100), np.float32)), np.int32(100),
+                                                     np.float32(1e-6)))
+
+
+def test_planted_deadlock_is_ended_by_the_watchdog(planted, monkeypatch):
+    monkeypatch.setattr(emu, "WATCHDOG_S", 2.0)
+    x = dev(np.ones((1, 64), np.float32))
+    with pytest.raises(EmulatorError, match=r"watchdog: no progress for 2 s, a deadlock: block \(0,0,0\) thread"):
+        planted["rmsnorm_deadlock"]((1,), (256,), (x, dev(np.ones(64, np.float32)), dev(np.zeros((1, 64), np.float32)),
+                                                   np.int32(64), np.float32(1e-6)))

@@ -2,7 +2,10 @@
 engine with device="cuda" produces transformers' greedy tokens.
 
 Skipped as a whole where CuPy cannot see a GPU (the only skip allowed); on a GPU
-machine bench/gpu_check.sh runs this file. Tolerances: float32 kernel vs float32
+machine bench/gpu_check.sh runs this file with QS_REQUIRE_GPU=1, which turns that skip
+into a failure (tests/conftest.py). The script runs the tests without "engine" in their
+name as its kernel step, those with it as its engine step, and the two marked
+`sanitize` (small shapes) once more under compute-sanitizer. Tolerances: float32 kernel vs float32
 twin, different summation order and expf: rtol 1e-4, atol 1e-5 (attention), exact
 for copies (embedding, store_kvcache).
 """
@@ -12,15 +15,18 @@ import numpy as np
 import pytest
 
 
-def _gpu_available() -> bool:
+def _why_no_gpu() -> str | None:
+    """None where CuPy sees a GPU, else why not (the skip's reason)."""
     try:
         import cupy
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
+        n = cupy.cuda.runtime.getDeviceCount()
+        return None if n > 0 else "CuPy sees 0 GPUs"
+    except Exception as e:                               # ImportError, CUDARuntimeError, ...
+        return f"CuPy cannot see a GPU ({type(e).__name__}: {e})"
 
 
-pytestmark = pytest.mark.skipif(not _gpu_available(), reason="CuPy cannot see a GPU")
+WHY_NO_GPU = _why_no_gpu()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(WHY_NO_GPU is not None, reason=str(WHY_NO_GPU))]
 
 from stage2_batched import kernels, ops                    # noqa: E402
 from test_stage2_kernels import HEADS, paged                # noqa: E402
@@ -111,6 +117,54 @@ def test_elementwise_and_embedding_kernels_equal_twins(n):
     np.testing.assert_array_equal(host(kernels.embedding(*gpu(ids, table))), ops.embedding(ids, table))
 
 
+# ---- small shapes, for compute-sanitizer (bench/gpu_check.sh runs these under memcheck,
+# and the attention ones under racecheck: instrumented launches are slow, so one small
+# case per kernel, with a ragged batch and a partial page)
+
+@pytest.mark.sanitize
+def test_attention_kernels_on_small_shapes_for_the_sanitizer():
+    rng = np.random.default_rng(7)
+    H, Hkv, D, P, lens = 4, 2, 64, 16, [1, 17, 5]
+    k_cache, v_cache, tables, *_ = paged(rng, lens, Hkv, D, P)
+    q = rng.standard_normal((len(lens), H, D)).astype(np.float32)
+    ctx = np.array(lens, np.int32)
+    got = kernels.paged_decode_attention(*gpu(q, k_cache, v_cache, tables, ctx))
+    np.testing.assert_allclose(host(got), ops.paged_decode_attention(q, k_cache, v_cache, tables, ctx), **ATT_TOL)
+    chunks = [(0, 5), (9, 3)]
+    lens = [b + n for b, n in chunks]
+    k_cache, v_cache, tables, *_ = paged(rng, lens, Hkv, D, P)
+    token_seq = np.concatenate([np.full(n, s) for s, (_, n) in enumerate(chunks)]).astype(np.int32)
+    positions = np.concatenate([np.arange(b, b + n) for b, n in chunks]).astype(np.int32)
+    q = rng.standard_normal((len(positions), H, D)).astype(np.float32)
+    got = kernels.prefill_attention(*gpu(q, k_cache, v_cache, tables, token_seq, positions))
+    np.testing.assert_allclose(host(got), ops.prefill_attention(q, k_cache, v_cache, tables, token_seq, positions),
+                               **ATT_TOL)
+
+
+@pytest.mark.sanitize
+def test_other_kernels_on_small_shapes_for_the_sanitizer():
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((3, 300)).astype(np.float32)
+    w = rng.standard_normal(300).astype(np.float32)
+    np.testing.assert_allclose(host(kernels.rmsnorm(*gpu(x, w), 1e-6)), ops.rmsnorm(x, w, 1e-6), **TOL)
+    y = rng.standard_normal((3, 300)).astype(np.float32)
+    np.testing.assert_allclose(host(kernels.silu_mul(*gpu(x, y))), ops.silu_mul(x, y), **TOL)
+    np.testing.assert_array_equal(host(kernels.residual_add(*gpu(x, x))), ops.residual_add(x, x))
+    r = rng.standard_normal((3, 2, 32)).astype(np.float32)
+    cos, sin = ops.rope_tables(64, 32, 1e6)
+    pos = np.array([0, 5, 63])
+    np.testing.assert_allclose(host(kernels.rope(*gpu(r, cos[pos], sin[pos]))), ops.rope(r, cos[pos], sin[pos]), **TOL)
+    table = rng.standard_normal((10, 96)).astype(np.float32)
+    ids = np.array([3, 0, 9], np.int32)
+    np.testing.assert_array_equal(host(kernels.embedding(*gpu(ids, table))), ops.embedding(ids, table))
+    slots = np.array([5, -1, 12], np.int32)
+    kc, vc = np.zeros((4, 4, 2, 32), np.float32), np.zeros((4, 4, 2, 32), np.float32)
+    kg, vg = gpu(kc, vc)
+    kernels.store_kvcache(*gpu(r, r), kg, vg, *gpu(slots))
+    ops.store_kvcache(r, r, kc, vc, slots)
+    np.testing.assert_array_equal(host(kg), kc)
+
+
 # ---- the whole engine on the GPU ----
 
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe"])
@@ -134,3 +188,21 @@ def test_engine_on_gpu_with_preemption_equals_transformers():
     for i in range(len(prompts)):
         assert tokens[str(i)] == ref[i]
     assert eng.num_free_pages() == eng.num_total_pages()
+
+
+def test_second_engine_in_one_process_sizes_its_kv_pool():
+    """The first engine's memory goes back to CuPy's pool, not to the driver: the second
+    engine must still find room for its pages (stage2_batched/engine.py _free_gpu_bytes)."""
+    import gc
+
+    import cupy
+    from models import make_model
+    from stage2_batched.engine import LLMEngine
+    folder = make_model("qwen3")
+    first = LLMEngine(folder, max_ctx=512, device="cuda", progress=False)
+    pages_first = first.num_total_pages()
+    del first
+    gc.collect()
+    assert cupy.get_default_memory_pool().total_bytes() > 0
+    second = LLMEngine(folder, max_ctx=512, device="cuda", progress=False)
+    assert second.num_total_pages() >= 0.9 * pages_first

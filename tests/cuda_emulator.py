@@ -1,0 +1,684 @@
+"""A small emulator of the CUDA execution model, for running the .cu sources on a CPU.
+
+Each .cu file is compiled as C++20 by g++ together with EMULATOR_H below; each CUDA
+thread of a block is an OS thread. What it models, and the bugs each part catches:
+
+- blocks of a grid run in a seeded, shuffled order, 2 to 4 of them live at once: a
+  kernel whose blocks depend on one another (block b reads what block b-1 wrote) gives
+  different answers from run to run, as on a GPU, instead of the in-order answer;
+- `__shared__` memory belongs to its block and is poisoned (every byte 0xFF: a float
+  NaN, an int -1) when the block starts: a read of shared memory that no thread of the
+  block wrote shows up as NaN instead of a lucky zero or the previous block's data;
+- static shared memory is checked against the 48 KB a block may have, dynamic shared
+  memory (`extern __shared__`) against the kernel's max_dynamic_shared_size_bytes
+  attribute (48 KB unless raised, as in CuPy) and, with the static part, against the
+  target's opt-in limit (227 KB on sm_90, 163 KB on sm_80);
+- launches check blockDim (at most 1024 threads, z at most 64) and the grid (x < 2^31,
+  y and z at most 65535);
+- `__syncthreads()` is a barrier that every thread of the block must reach at the same
+  call: threads that exited early, or that wait at another `__syncthreads`, are an error
+  that names the line;
+- warp shuffles (`__shfl_xor_sync`, `_down_`, `_up_`, `__shfl_sync`, `__syncwarp`)
+  exchange values among exactly the lanes of their mask: a lane that calls with a mask
+  that leaves itself out, reads a lane outside the mask, or names lanes that do not
+  exist or have exited, is an error;
+- a watchdog turns a deadlock (threads that wait for one another, no progress for
+  QS_EMU_WATCHDOG_S seconds, default 20) into an error that says who waits where.
+
+Every error fails the launch with a message that carries the seed: QS_EMU_SEED=S replays
+the same block orders (the seed of each launch is derived from S and the launch's number
+in the process). What it cannot catch: races between threads that happen to run in a
+benign order on the CPU, the GPU's memory model, warp-synchronous code without *_sync,
+performance. Busy-waiting kernel code (a spin on global memory) is not interrupted by
+the watchdog; pytest-timeout's thread method is the backstop there.
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+import random
+import re
+import shutil
+import subprocess
+import types
+from pathlib import Path
+
+import numpy as np
+
+from cuda_sources import OPTIN_SMEM_LIMIT, STATIC_SMEM_LIMIT
+
+SEED = int(os.environ.get("QS_EMU_SEED") or random.SystemRandom().randrange(2**31))
+WATCHDOG_S = float(os.environ.get("QS_EMU_WATCHDOG_S", "20"))
+TARGET = os.environ.get("QS_EMU_TARGET", "sm_90")
+DEFAULT_DYNAMIC_SMEM = 48 * 1024          # what a kernel may use before it raises its attribute
+MAX_THREADS, MAX_BLOCK = 1024, (1024, 1024, 64)
+MAX_GRID = (2**31 - 1, 65535, 65535)
+_launch_number = itertools.count()
+
+
+class EmulatorError(AssertionError):
+    """A launch the GPU would refuse, or a kernel bug the emulator caught."""
+
+
+EMULATOR_H = r"""
+// --- the CUDA execution model on CPU threads (tests/cuda_emulator.py) ---
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+struct Dim3 { unsigned x = 1, y = 1, z = 1; };
+static thread_local Dim3 threadIdx, blockIdx;
+static Dim3 blockDim, gridDim;
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __noinline__
+#define __restrict__ __restrict
+#define __launch_bounds__(...)
+using std::min;
+using std::max;
+
+namespace qs {
+struct Abort {};                                   // unwinds a thread after an error
+
+struct LaunchArgs {                                // mirrored by LaunchArgs in cuda_emulator.py
+    unsigned gx, gy, gz, bx, by, bz;
+    unsigned long long dynamic_smem, seed;
+    int live;
+    double watchdog_s;
+    unsigned long long optin_smem, static_smem_limit;
+};
+
+struct Launch {
+    LaunchArgs a;
+    std::mutex mu;
+    std::atomic<bool> aborted{false};
+    std::string error;
+};
+static Launch* launch_state = nullptr;
+
+struct Warp {
+    unsigned existing = 0, exited = 0;             // lane bit masks
+    unsigned mask = 0, arrived = 0, readers = 0, round = 0;
+    bool reading = false;
+    int line = 0;
+    const char* what = "";
+    unsigned long long value[32];
+};
+
+struct Block {
+    Dim3 idx;
+    unsigned nthreads = 0;
+    std::mutex mu;
+    std::condition_variable cv;
+    unsigned arrived = 0, exited = 0, generation = 0;
+    int line = -1;
+    std::vector<Warp> warps;
+    std::map<int, std::unique_ptr<unsigned char[]>> statics;
+    unsigned long long static_bytes = 0;
+    std::unique_ptr<unsigned char[]> dynamic;
+};
+static thread_local Block* cur = nullptr;
+static thread_local unsigned tid = 0;              // linear thread index in the block
+
+inline std::string fmt(const char* f, ...) {
+    char buf[1024];
+    va_list ap;
+    va_start(ap, f);
+    vsnprintf(buf, sizeof buf, f, ap);
+    va_end(ap);
+    return buf;
+}
+
+inline std::string where() {
+    return fmt("block (%u,%u,%u) thread (%u,%u,%u)", blockIdx.x, blockIdx.y, blockIdx.z,
+               threadIdx.x, threadIdx.y, threadIdx.z);
+}
+
+inline void record(const std::string& msg) {       // the first error of the launch wins
+    std::lock_guard<std::mutex> g(launch_state->mu);
+    if (!launch_state->aborted) {
+        launch_state->error = msg;
+        launch_state->aborted = true;
+    }
+}
+
+[[noreturn]] inline void fail(const std::string& msg) {
+    record(msg);
+    throw Abort{};
+}
+
+// wait on the block's condition variable until done(); the watchdog fails the launch
+// when nothing changes for watchdog_s seconds, another thread's error ends the wait
+template <class Done, class Describe>
+void wait(std::unique_lock<std::mutex>& lk, Done done, Describe describe) {
+    const auto deadline = std::chrono::steady_clock::now() +
+                          std::chrono::duration<double>(launch_state->a.watchdog_s);
+    while (!done()) {
+        if (launch_state->aborted) throw Abort{};
+        if (std::chrono::steady_clock::now() >= deadline) {
+            fail(fmt("watchdog: no progress for %.0f s, a deadlock: %s waits %s",
+                     launch_state->a.watchdog_s, where().c_str(), describe().c_str()));
+        }
+        cur->cv.wait_for(lk, std::chrono::milliseconds(20));
+    }
+}
+
+inline std::string divergent(const Block& b) {
+    return fmt("block (%u,%u,%u): %u of %u threads reached __syncthreads() at line %d and %u exited "
+               "before it: every thread of the block must reach each barrier (on the GPU: a hang or "
+               "garbage)", b.idx.x, b.idx.y, b.idx.z, b.arrived, b.nthreads, b.line, b.exited);
+}
+
+inline void syncthreads(int line) {
+    Block& b = *cur;
+    std::unique_lock<std::mutex> lk(b.mu);
+    if (b.arrived == 0) {
+        b.line = line;
+    } else if (b.line != line) {
+        fail(fmt("%s: threads of one block wait at different __syncthreads() (line %d and line %d): "
+                 "a barrier inside a branch that not every thread takes", where().c_str(), b.line, line));
+    }
+    b.arrived++;
+    if (b.arrived + b.exited == b.nthreads) {
+        if (b.exited) fail(divergent(b));
+        b.arrived = 0;
+        b.generation++;
+        b.cv.notify_all();
+        return;
+    }
+    const unsigned gen = b.generation;
+    wait(lk, [&] { return b.generation != gen; }, [&] {
+        return fmt("at __syncthreads() line %d: %u of %u threads there, %u exited", line, b.arrived,
+                   b.nthreads, b.exited);
+    });
+}
+
+inline void thread_exit() {
+    Block& b = *cur;
+    std::unique_lock<std::mutex> lk(b.mu);
+    const unsigned lane = tid % 32;
+    Warp& w = b.warps[tid / 32];
+    b.exited++;
+    w.exited |= 1u << lane;
+    b.cv.notify_all();
+    if (b.arrived > 0 && b.arrived + b.exited == b.nthreads) fail(divergent(b));
+    if (w.arrived && !w.reading && ((w.mask >> lane) & 1u) && !((w.arrived >> lane) & 1u)) {
+        fail(fmt("%s exited while lanes 0x%08x of its warp wait for it in %s at line %d (mask 0x%08x)",
+                 where().c_str(), w.arrived, w.what, w.line, w.mask));
+    }
+}
+
+enum Kind { XOR, DOWN, UP, IDX };
+
+// a warp shuffle among exactly the lanes of `mask`
+template <class T>
+T shfl(int line, const char* what, Kind kind, unsigned mask, T v, int arg, int width) {
+    static_assert(sizeof(T) <= 8, "shuffles move at most 8 bytes");
+    Block& b = *cur;
+    const unsigned lane = tid % 32, wi = tid / 32;
+    Warp& w = b.warps[wi];
+    if (width < 1 || width > 32 || (width & (width - 1)))
+        fail(fmt("%s: %s at line %d with width %d (a power of 2 up to 32)", where().c_str(), what, line, width));
+    const int seg = lane & ~(width - 1);
+    int src = lane;
+    switch (kind) {
+        case XOR: src = lane ^ arg; if (src < seg || src >= seg + width) src = lane; break;
+        case DOWN: src = lane + arg; if (src >= seg + width) src = lane; break;
+        case UP: src = lane - arg; if (src < seg) src = lane; break;
+        case IDX: src = seg + (arg & (width - 1)); break;
+    }
+    std::unique_lock<std::mutex> lk(b.mu);
+    if (!((mask >> lane) & 1u))
+        fail(fmt("%s (lane %u of warp %u) calls %s at line %d with mask 0x%08x, which leaves out the "
+                 "calling lane", where().c_str(), lane, wi, what, line, mask));
+    if (mask & ~w.existing)
+        fail(fmt("%s: %s at line %d with mask 0x%08x names lanes that do not exist (this warp has 0x%08x)",
+                 where().c_str(), what, line, mask, w.existing));
+    if (!((mask >> src) & 1u))
+        fail(fmt("%s (lane %u) reads lane %d in %s at line %d, outside the mask 0x%08x (undefined on the GPU)",
+                 where().c_str(), lane, src, what, line, mask));
+    wait(lk, [&] { return !w.reading; }, [&] { return fmt("to enter %s at line %d", what, line); });
+    if (w.arrived == 0) {
+        w.mask = mask;
+        w.line = line;
+        w.what = what;
+    } else if (w.mask != mask || w.line != line) {
+        fail(fmt("%s: lanes of warp %u meet in different shuffles: mask 0x%08x at line %d and mask 0x%08x "
+                 "at line %d", where().c_str(), wi, w.mask, w.line, mask, line));
+    }
+    if (mask & w.exited)
+        fail(fmt("%s: %s at line %d with mask 0x%08x, but lanes 0x%08x have exited", where().c_str(), what,
+                 line, mask, mask & w.exited));
+    std::memcpy(&w.value[lane], &v, sizeof(T));
+    w.arrived |= 1u << lane;
+    const unsigned round = w.round;
+    if (w.arrived == mask) {
+        w.reading = true;
+        w.readers = std::popcount(mask);
+        b.cv.notify_all();
+    } else {
+        wait(lk, [&] { return w.reading && w.round == round; }, [&] {
+            return fmt("in %s at line %d (mask 0x%08x): lanes 0x%08x arrived", what, line, mask, w.arrived);
+        });
+    }
+    T out;
+    std::memcpy(&out, &w.value[src], sizeof(T));
+    if (--w.readers == 0) {
+        w.reading = false;
+        w.arrived = 0;
+        w.round++;
+        b.cv.notify_all();
+    }
+    return out;
+}
+
+// a block's own __shared__ variable, poisoned (0xFF bytes) at its first use in the block
+inline void* shared(int id, unsigned long long size, const char* name, int line) {
+    Block& b = *cur;
+    std::lock_guard<std::mutex> g(b.mu);
+    auto it = b.statics.find(id);
+    if (it != b.statics.end()) return it->second.get();
+    b.static_bytes += size;
+    const auto& a = launch_state->a;
+    if (b.static_bytes > a.static_smem_limit)
+        fail(fmt("%s: static __shared__ memory reaches %llu bytes with '%s' (line %d), over the %llu bytes "
+                 "a block may have; use extern __shared__ and raise max_dynamic_shared_size_bytes",
+                 where().c_str(), b.static_bytes, name, line, a.static_smem_limit));
+    if (b.static_bytes + a.dynamic_smem > a.optin_smem)
+        fail(fmt("%s: %llu bytes of static + %llu of dynamic shared memory, over the target's opt-in limit "
+                 "of %llu", where().c_str(), b.static_bytes, a.dynamic_smem, a.optin_smem));
+    auto mem = std::make_unique<unsigned char[]>(size + 16);
+    std::memset(mem.get(), 0xFF, size + 16);
+    void* p = mem.get();
+    b.statics[id] = std::move(mem);
+    return p;
+}
+
+inline void* dynamic_shared() {
+    if (!cur->dynamic) fail(fmt("%s: extern __shared__ memory used, but the launch gave 0 bytes of it",
+                                where().c_str()));
+    return cur->dynamic.get();
+}
+
+template <class Body>
+void run_block(unsigned long long i, Body& body) {
+    const auto& a = launch_state->a;
+    Block b;
+    b.idx = {unsigned(i % a.gx), unsigned((i / a.gx) % a.gy), unsigned(i / ((unsigned long long)a.gx * a.gy))};
+    b.nthreads = a.bx * a.by * a.bz;
+    b.warps.resize((b.nthreads + 31) / 32);
+    for (unsigned w = 0; w < b.warps.size(); w++) {
+        const unsigned n = std::min(32u, b.nthreads - 32 * w);
+        b.warps[w].existing = n == 32 ? 0xffffffffu : (1u << n) - 1;
+    }
+    if (a.dynamic_smem) {
+        b.dynamic = std::make_unique<unsigned char[]>(a.dynamic_smem);
+        std::memset(b.dynamic.get(), 0xFF, a.dynamic_smem);
+    }
+    std::vector<std::thread> threads;
+    threads.reserve(b.nthreads);
+    for (unsigned t = 0; t < b.nthreads; t++) {
+        threads.emplace_back([&, t] {
+            cur = &b;
+            tid = t;
+            threadIdx = {t % a.bx, (t / a.bx) % a.by, t / (a.bx * a.by)};
+            blockIdx = b.idx;
+            try {
+                body();
+                thread_exit();
+            } catch (Abort&) {
+            } catch (std::exception& e) {
+                record(where() + ": " + e.what());
+            }
+            std::lock_guard<std::mutex> g(b.mu);   // wake the others, who see the abort
+            b.cv.notify_all();
+        });
+    }
+    for (auto& th : threads) th.join();
+}
+
+// every block once, in a shuffled order, `live` blocks at a time -> 0, or 1 and the error
+template <class Body>
+int launch(const LaunchArgs* args, char* err, int errlen, Body body) {
+    Launch L;
+    L.a = *args;
+    launch_state = &L;
+    gridDim = {L.a.gx, L.a.gy, L.a.gz};
+    blockDim = {L.a.bx, L.a.by, L.a.bz};
+    const unsigned long long n = (unsigned long long)L.a.gx * L.a.gy * L.a.gz;
+    std::vector<unsigned long long> order(n);
+    std::iota(order.begin(), order.end(), 0ull);
+    std::mt19937_64 rng(L.a.seed);
+    std::shuffle(order.begin(), order.end(), rng);
+    std::atomic<unsigned long long> next{0};
+    auto slot = [&] {
+        for (;;) {
+            const unsigned long long i = next++;
+            if (i >= n || L.aborted) return;
+            run_block(order[i], body);
+        }
+    };
+    std::vector<std::thread> slots;
+    for (int s = 0; s < L.a.live && (unsigned long long)s < n; s++) slots.emplace_back(slot);
+    for (auto& th : slots) th.join();
+    launch_state = nullptr;
+    if (L.aborted) {
+        std::snprintf(err, errlen, "%s", L.error.c_str());
+        return 1;
+    }
+    return 0;
+}
+}  // namespace qs
+
+#define __syncthreads() qs::syncthreads(__LINE__)
+template <class T> T qs_xor(int line, unsigned m, T v, int x, int w = 32) { return qs::shfl(line, "__shfl_xor_sync", qs::XOR, m, v, x, w); }
+template <class T> T qs_down(int line, unsigned m, T v, int d, int w = 32) { return qs::shfl(line, "__shfl_down_sync", qs::DOWN, m, v, d, w); }
+template <class T> T qs_up(int line, unsigned m, T v, int d, int w = 32) { return qs::shfl(line, "__shfl_up_sync", qs::UP, m, v, d, w); }
+template <class T> T qs_idx(int line, unsigned m, T v, int s, int w = 32) { return qs::shfl(line, "__shfl_sync", qs::IDX, m, v, s, w); }
+inline void qs_syncwarp(int line, unsigned m = 0xffffffffu) { qs::shfl(line, "__syncwarp", qs::IDX, m, 0, int(qs::tid % 32), 32); }
+#define __shfl_xor_sync(...) qs_xor(__LINE__, __VA_ARGS__)
+#define __shfl_down_sync(...) qs_down(__LINE__, __VA_ARGS__)
+#define __shfl_up_sync(...) qs_up(__LINE__, __VA_ARGS__)
+#define __shfl_sync(...) qs_idx(__LINE__, __VA_ARGS__)
+#define __syncwarp(...) qs_syncwarp(__LINE__ __VA_OPT__(,) __VA_ARGS__)
+
+inline float __int_as_float(int bits) { float f; std::memcpy(&f, &bits, 4); return f; }
+inline float __int_as_float(unsigned bits) { float f; std::memcpy(&f, &bits, 4); return f; }
+inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline float __expf(float x) { return std::exp(x); }
+inline float __logf(float x) { return std::log(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+template <class T> T __ldg(const T* p) { return *p; }
+template <class T> T atomicAdd(T* p, T v) { return std::atomic_ref<T>(*p).fetch_add(v); }
+template <class T> T atomicExch(T* p, T v) { return std::atomic_ref<T>(*p).exchange(v); }
+"""
+
+
+class LaunchArgs(ctypes.Structure):
+    _fields_ = [(k, ctypes.c_uint) for k in ("gx", "gy", "gz", "bx", "by", "bz")] + [
+        ("dynamic_smem", ctypes.c_ulonglong), ("seed", ctypes.c_ulonglong), ("live", ctypes.c_int),
+        ("watchdog_s", ctypes.c_double), ("optin_smem", ctypes.c_ulonglong),
+        ("static_smem_limit", ctypes.c_ulonglong)]
+
+
+# ---------------------------------------------------------------------------
+# the .cu source as C++: comments blanked, __shared__ made per block
+# ---------------------------------------------------------------------------
+
+def strip_comments(src: str) -> str:
+    """Comments replaced by spaces, newlines kept (line numbers stay right)."""
+    def blank(m):
+        return re.sub(r"[^\n]", " ", m.group(0))
+    return re.sub(r"//[^\n]*|/\*.*?\*/", blank, src, flags=re.S)
+
+
+DYNAMIC = re.compile(r"extern\s+__shared__\s+([^;\[]*?)\s*\b(\w+)\s*\[\s*\]\s*;")
+STATIC = re.compile(r"__shared__\s+([^;]*);")
+DECLARATOR = re.compile(r"^\s*(\w+)\s*((?:\[[^\]]*\])*)\s*$")
+FIRST = re.compile(r"^\s*(.*?)\s*\b(\w+)\s*((?:\[[^\]]*\])*)\s*$", re.S)
+ALIGN = re.compile(r"\b(?:__align__|alignas)\s*\([^)]*\)")
+
+
+def rewrite_shared(src: str) -> str:
+    """`__shared__ T a[N], b[M];` -> references into the block's own poisoned memory;
+    `extern __shared__ T s[];` -> a pointer to the launch's dynamic shared memory."""
+    code = strip_comments(src)
+    code = DYNAMIC.sub(lambda m: f"{ALIGN.sub('', m.group(1)).strip()}* {m.group(2)} = "
+                                 f"reinterpret_cast<{ALIGN.sub('', m.group(1)).strip()}*>(qs::dynamic_shared());",
+                       code)
+    ids = itertools.count()
+
+    def one(m):
+        parts = m.group(1).split(",")
+        first = FIRST.match(parts[0])
+        if first is None:
+            raise ValueError(f"cannot read the __shared__ declaration {m.group(0)!r}")
+        ctype = ALIGN.sub("", first.group(1)).strip()
+        decls = [(first.group(2), first.group(3))]
+        for p in parts[1:]:
+            d = DECLARATOR.match(p)
+            if d is None:
+                raise ValueError(f"cannot read the __shared__ declaration {m.group(0)!r}")
+            decls.append((d.group(1), d.group(2)))
+        out = []
+        for name, dims in decls:
+            i = next(ids)
+            if dims:
+                out.append(f"{ctype} (&{name}){dims} = *reinterpret_cast<{ctype} (*){dims}>("
+                           f"qs::shared({i}, sizeof({ctype}{dims}), \"{name}\", __LINE__));")
+            else:
+                out.append(f"{ctype}& {name} = *reinterpret_cast<{ctype}*>("
+                           f"qs::shared({i}, sizeof({ctype}), \"{name}\", __LINE__));")
+        return " ".join(out)
+
+    return STATIC.sub(one, code)
+
+
+KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+(\w+)\s*\((.*?)\)\s*\{',
+                    re.S)
+
+
+def kernel_signatures(src: str) -> list[tuple[str, list[str]]]:
+    """[(kernel name, [parameter declarations])] of every extern "C" __global__ kernel."""
+    return [(m.group(1), [" ".join(p.split()) for p in m.group(2).split(",")])
+            for m in KERNEL.finditer(strip_comments(src))]
+
+
+def unsupported(src: str) -> str | None:
+    """A file can say `// Emulator: unsupported (why)` (tensor-core WMMA, bf16 ...)."""
+    m = re.search(r"//\s*Emulator:\s*unsupported\s*(.*)", src)
+    return m.group(1).strip() if m else None
+
+
+# ---------------------------------------------------------------------------
+# build and launch
+# ---------------------------------------------------------------------------
+
+C_TYPES = {"int": ctypes.c_int, "unsigned": ctypes.c_uint, "unsigned int": ctypes.c_uint,
+           "float": ctypes.c_float, "long long": ctypes.c_longlong, "size_t": ctypes.c_size_t}
+NP_SCALARS = {"int": np.int32, "unsigned": np.uint32, "unsigned int": np.uint32, "float": np.float32,
+              "long long": np.int64, "size_t": np.uint64}
+NP_POINTEES = {"int": np.int32, "float": np.float32, "unsigned": np.uint32, "unsigned int": np.uint32,
+               "long long": np.int64}
+
+
+def _base_type(param: str) -> tuple[str, bool]:
+    """'const float* __restrict__ q' -> ('float', True)"""
+    words = param.replace("*", " * ").split()
+    pointer = "*" in words
+    base = " ".join(w for w in words[:-1] if w not in ("const", "__restrict__", "*"))
+    return base, pointer
+
+
+class EmulatedKernel:
+    """What cupy.RawModule(...).get_function(name) returns: kernel(grid, block, args,
+    shared_mem=0), with the attribute max_dynamic_shared_size_bytes."""
+
+    def __init__(self, fn, name: str, params: list[str], source: Path, target: str = TARGET):
+        self.name, self.params, self.source, self.target = name, params, source, target
+        self.fn = fn
+        self.fn.restype = ctypes.c_int
+        self.fn.argtypes = [ctypes.POINTER(LaunchArgs), ctypes.c_char_p, ctypes.c_int] + [
+            ctypes.c_void_p if ptr else C_TYPES[base] for base, ptr in map(_base_type, params)]
+        self._max_dynamic = DEFAULT_DYNAMIC_SMEM
+
+    @property
+    def max_dynamic_shared_size_bytes(self) -> int:
+        return self._max_dynamic
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, value: int) -> None:
+        limit = OPTIN_SMEM_LIMIT[self.target]
+        if not 0 <= value <= limit:
+            raise EmulatorError(f"{self.name}: max_dynamic_shared_size_bytes = {value} is over the opt-in limit "
+                                f"of {self.target} ({limit} bytes per block)")
+        self._max_dynamic = int(value)
+
+    def _check_launch(self, grid, block, shared_mem) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        name = self.name
+        if not (1 <= len(grid) <= 3 and 1 <= len(block) <= 3):
+            raise EmulatorError(f"{name}: grid {grid} and block {block} must have 1 to 3 dimensions")
+        g = tuple(int(x) for x in grid) + (1,) * (3 - len(grid))
+        b = tuple(int(x) for x in block) + (1,) * (3 - len(block))
+        if min(g) < 1 or min(b) < 1:
+            raise EmulatorError(f"{name}: grid {grid}, block {block}: every dimension must be at least 1 "
+                                f"(an empty launch is an invalid configuration on the GPU)")
+        if b[0] * b[1] * b[2] > MAX_THREADS or any(x > m for x, m in zip(b, MAX_BLOCK)):
+            raise EmulatorError(f"{name}: block {block} has {b[0] * b[1] * b[2]} threads; at most {MAX_THREADS} "
+                                f"per block, and at most {MAX_BLOCK} per dimension")
+        if any(x > m for x, m in zip(g, MAX_GRID)):
+            raise EmulatorError(f"{name}: grid {grid} is over the limits {MAX_GRID}")
+        if shared_mem > self._max_dynamic:
+            raise EmulatorError(f"{name}: {shared_mem} bytes of dynamic shared memory, over the kernel's "
+                                f"max_dynamic_shared_size_bytes ({self._max_dynamic}); raise the attribute "
+                                f"(at most {OPTIN_SMEM_LIMIT[self.target]} on {self.target})")
+        return g, b
+
+    def __call__(self, grid, block, args, shared_mem: int = 0, **_):
+        name = self.name
+        if len(args) != len(self.params):
+            raise EmulatorError(f"{name}: {len(args)} arguments for {len(self.params)} parameters")
+        g, b = self._check_launch(grid, block, int(shared_mem))
+        values = []
+        for arg, param in zip(args, self.params):
+            base, pointer = _base_type(param)
+            if pointer:
+                if not isinstance(arg, Dev):
+                    raise EmulatorError(f"{name}: {param} got {type(arg).__name__}, not a device array")
+                if not arg.flags.c_contiguous:
+                    raise EmulatorError(f"{name}: {param} is not contiguous")
+                if arg.dtype != NP_POINTEES[base]:
+                    raise EmulatorError(f"{name}: {param} got {arg.dtype}")
+                values.append(arg.ctypes.data)
+            else:
+                if type(arg) is not NP_SCALARS[base]:
+                    raise EmulatorError(f"{name}: {param} got {type(arg).__name__}, not {NP_SCALARS[base].__name__}")
+                values.append(arg.item())
+        number = next(_launch_number)
+        seed = (SEED * 1_000_003 + number) % 2**63
+        live = 2 + seed % 3
+        la = LaunchArgs(*g, *b, dynamic_smem=int(shared_mem), seed=seed, live=live, watchdog_s=WATCHDOG_S,
+                        optin_smem=OPTIN_SMEM_LIMIT[self.target], static_smem_limit=STATIC_SMEM_LIMIT)
+        err = ctypes.create_string_buffer(2048)
+        if self.fn(ctypes.byref(la), err, len(err), *values) != 0:
+            raise EmulatorError(f"{name} ({self.source.name}): {err.value.decode(errors='replace')}\n"
+                                f"[emulator: launch #{number}, seed {seed}, {live} blocks live; replay with "
+                                f"QS_EMU_SEED={SEED}]")
+
+
+CXXFLAGS = ("-std=c++20", "-O1", "-fPIC", "-pthread", "-w")
+_header: Path | None = None
+
+
+def _precompiled_header(gxx: str, build_dir: Path) -> Path:
+    """emulator.h and its precompiled emulator.h.gch, made once per process (the standard
+    headers it pulls in are most of each file's compile time)."""
+    global _header
+    if _header is None or not _header.with_suffix(".h.gch").is_file():
+        header = build_dir / "emulator.h"
+        header.write_text(EMULATOR_H)
+        r = subprocess.run([gxx, *CXXFLAGS, "-x", "c++-header", str(header), "-o", str(header) + ".gch"],
+                           capture_output=True, text=True, timeout=600)
+        if r.returncode != 0:
+            raise EmulatorError(f"the emulator's header does not compile:\n{r.stderr[-4000:]}")
+        _header = header
+    return _header
+
+
+def build(sources: list[Path], build_dir: Path, timeout: int = 600) -> dict[str, EmulatedKernel]:
+    """Compile each .cu file under the emulator (one g++ per file, all at once):
+    kernel name -> EmulatedKernel. Raises EmulatorError with g++'s message."""
+    gxx = shutil.which("g++")
+    if gxx is None:
+        raise FileNotFoundError("g++ is not installed")
+    build_dir.mkdir(parents=True, exist_ok=True)
+    header = _precompiled_header(gxx, build_dir)
+    procs, sigs = {}, {}
+    for i, cu in enumerate(sources):
+        src = cu.read_text()
+        sigs[cu] = kernel_signatures(src)
+        launchers = []
+        for name, params in sigs[cu]:
+            names = ", ".join(p.split()[-1].lstrip("*") for p in params)
+            launchers.append(
+                f'extern "C" int launch_{name}(const qs::LaunchArgs* a, char* err, int errlen, '
+                f'{", ".join(params)}) {{ return qs::launch(a, err, errlen, [=] {{ {name}({names}); }}); }}')
+        stem = f"{i:02d}_{cu.parent.parent.name}_{cu.stem}"
+        body = build_dir / f"{stem}.body.cu"
+        body.write_text(f'#line 1 "{cu}"\n' + rewrite_shared(src))
+        cpp = build_dir / f"{stem}.cpp"
+        cpp.write_text(f'#include "{header}"\n#include "{body.name}"\n' + "\n".join(launchers) + "\n")
+        procs[cu] = (subprocess.Popen([gxx, *CXXFLAGS, "-shared", str(cpp), "-o", str(build_dir / f"{stem}.so")],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), stem)
+    out = {}
+    for cu, (proc, stem) in procs.items():
+        _, err = proc.communicate(timeout=timeout)
+        if proc.returncode != 0:
+            raise EmulatorError(f"{cu} does not compile as C++ under the emulator:\n{err[-4000:]}")
+        lib = ctypes.CDLL(str(build_dir / f"{stem}.so"))
+        for name, params in sigs[cu]:
+            out[name] = EmulatedKernel(getattr(lib, f"launch_{name}"), name, params, cu)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# a stand-in for CuPy: numpy arrays of a marker type
+# ---------------------------------------------------------------------------
+
+class Dev(np.ndarray):
+    """A 'device array' of the stand-in CuPy: a numpy array that kernels.py must treat as cupy."""
+
+    def get(self) -> np.ndarray:
+        return np.array(self, copy=True).view(np.ndarray)
+
+
+def dev(a) -> Dev:
+    return np.ascontiguousarray(a).copy().view(Dev)
+
+
+class _Pool:
+    """cupy.get_default_memory_pool(): nothing cached on the host."""
+
+    def free_all_blocks(self):
+        pass
+
+    def free_bytes(self) -> int:
+        return 0
+
+    def total_bytes(self) -> int:
+        return 0
+
+
+def fake_cupy() -> types.ModuleType:
+    cp = types.ModuleType("cupy")
+    as_dev = lambda a: a.view(Dev) if isinstance(a, np.ndarray) else np.asarray(a).view(Dev)  # noqa: E731
+    cp.asarray = lambda a, dtype=None: as_dev(np.array(a, dtype=dtype, copy=True))
+    cp.ascontiguousarray = lambda a, dtype=None: as_dev(np.ascontiguousarray(a, dtype=dtype))
+    cp.empty = lambda shape, dtype=np.float32: as_dev(np.empty(shape, dtype))
+    cp.zeros = lambda shape, dtype=np.float32: as_dev(np.zeros(shape, dtype))
+    cp.empty_like = lambda a, dtype=None: as_dev(np.empty_like(np.asarray(a), dtype=dtype))
+    cp.zeros_like = lambda a, dtype=None: as_dev(np.zeros_like(np.asarray(a), dtype=dtype))
+    cp.argmax = lambda a, axis=None: as_dev(np.asarray(np.argmax(np.asarray(a), axis=axis)))
+    cp.float32, cp.int32, cp.int64 = np.float32, np.int32, np.int64
+    cp.get_default_memory_pool = lambda: _Pool()
+    return cp

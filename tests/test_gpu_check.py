@@ -1,0 +1,123 @@
+"""bench/gpu_check.sh's plumbing, on a CPU (--dry-run): the GPU machine is lent rarely
+and briefly, so the one script must work the first time. Checked here: the step caps add
+up, OUT receives at most 6 small files with names the device tool brings back, heavy
+files stay in the work folder, failures and GPU-test skips (QS_REQUIRE_GPU=1) fail the
+run and reach stdout with their tracebacks, a step that outlives its cap is cut and
+reported, and a machine without CuPy fails in seconds with a message."""
+from __future__ import annotations
+
+import os
+import subprocess
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "bench" / "gpu_check.sh"
+OUT_NAMES = {"summary.md", "logs.tar.gz", "gpu_bench.md", "gpu_bench.json", "gpu_tests.xml"}
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """One work folder for the module: the dry run's tiny model is written once."""
+    return tmp_path_factory.mktemp("gpu-check-work")
+
+
+def fake_sanitizer(folder: Path, refuses: bool) -> str:
+    """A compute-sanitizer stand-in: drops its own options and runs the program, or refuses
+    the device as compute-sanitizer does on gVisor."""
+    path = folder / ("refusing-sanitizer" if refuses else "sanitizer")
+    if refuses:
+        path.write_text('#!/bin/sh\necho "========= Error: Device not supported"\nexit 1\n')
+    else:
+        path.write_text('#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift 2; done\nexec "$@"\n')
+    path.chmod(0o755)
+    return str(path)
+
+
+def run(out: Path, work: Path, *args: str, timeout: int = 600, **env) -> subprocess.CompletedProcess:
+    full_env = dict(os.environ, OUT=str(out), QS_WORK=str(work), **env)
+    for k in ("QS_DRY_FAIL", "QS_DRY_HANG", "QS_REQUIRE_GPU"):
+        if k not in env:
+            full_env.pop(k, None)
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
+                          env=full_env, cwd=ROOT)
+
+
+def test_dry_run_passes_and_brings_back_at_most_six_small_files(tmp_path, work):
+    out = tmp_path / "out"
+    r = run(out, work, "--dry-run", COMPUTE_SANITIZER=fake_sanitizer(tmp_path, refuses=False))
+    assert r.returncode == 0, r.stdout + r.stderr
+    files = {p.name for p in out.iterdir()}
+    assert files == OUT_NAMES and all(p.is_file() for p in out.iterdir())
+    assert all(p.stat().st_size < 2**20 for p in out.iterdir())
+    summary = (out / "summary.md").read_text()
+    assert "Result: PASS" in summary and "Caps add up to 295 s of 300" in summary
+    for step in ("probe", "kernel_tests", "engine_tests", "benchmark", "sanitizer", "pack"):
+        assert f"| {step} |" in summary
+    assert "1 passed, 0 failed" in summary
+    assert "memcheck: clean (1 tests); racecheck: clean (1 tests);" in summary
+    # stdout: the summary and the benchmark table
+    assert "Result: PASS" in r.stdout and "| throughput, 4 seqs (output tok/s) | stage2_batched |" in r.stdout
+    # the heavy things are in the work folder, the logs in the archive
+    assert (work / "bench" / "tiny-random" / "config.json").is_file()
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        names = set(tar.getnames())
+    assert {"logs/kernel_tests.log", "logs/engine_tests.log", "logs/bench.log", "logs/summary.md"} <= names
+    assert not any("tiny-random" in n for n in names)
+    junit = (out / "gpu_tests.xml").read_text()
+    assert "test_kernel_stand_in_passes" in junit and "test_engine_stand_in_passes" in junit
+
+
+def test_dry_run_reports_failures_gpu_skips_and_timeouts(tmp_path, work):
+    out = tmp_path / "out"
+    r = run(out, work, "--dry-run", QS_DRY_FAIL="1", QS_DRY_HANG="1", QS_CAP_ENGINE="5",
+            QS_CAP_BENCH="5", COMPUTE_SANITIZER=fake_sanitizer(tmp_path, refuses=True))
+    assert r.returncode == 1, r.stdout + r.stderr
+    summary = (out / "summary.md").read_text()
+    assert "Result: FAIL" in summary
+    assert "**1 passed, 1 failed, 1 errors" in summary          # the skipped GPU test is an error
+    assert "| engine_tests | 5 |" in summary and "**timed out** after 20 s" in summary
+    assert "compute-sanitizer refuses this machine (========= Error: Device not supported)" in summary
+    # the failing test's traceback and the skip's reason reach stdout
+    assert "--- FAILURE: ::test_kernel_stand_in_fails" in r.stdout and "a planted failure" in r.stdout
+    assert "QS_REQUIRE_GPU=1 and this GPU test skipped" in r.stdout
+    assert len(list(out.iterdir())) <= 6
+
+
+def test_caps_that_do_not_add_up_are_refused(tmp_path, work):
+    r = run(tmp_path / "out", work, "--dry-run", QS_CAP_BENCH="200", timeout=30)
+    assert r.returncode == 2 and "add up to 365 s, more than 300 s" in r.stderr
+
+
+def test_a_work_folder_inside_out_is_refused(tmp_path):
+    out = tmp_path / "out"
+    r = run(out, out / "work", "--dry-run", timeout=30)
+    assert r.returncode == 2 and "inside OUT" in r.stderr
+
+
+def test_without_cupy_it_fails_in_seconds_with_a_message(tmp_path, work):
+    try:
+        import cupy  # noqa: F401
+        pytest.skip("CuPy is installed here: the no-CuPy path cannot be shown")
+    except ImportError:
+        pass
+    out = tmp_path / "out"
+    t0 = time.perf_counter()
+    r = run(out, work, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert time.perf_counter() - t0 < 60
+    assert "no interpreter with cupy found" in r.stdout
+    assert "no interpreter with cupy found" in (out / "summary.md").read_text()
+
+
+def test_bench_caps_add_up_and_the_newest_stage_runs_the_full_workload_first():
+    from bench.gpu import gpu_stages, plan
+    assert "stage2_batched" in gpu_stages()
+    for stages in (["stage2_batched"], ["stage3_optimized", "stage2_batched"]):
+        steps = plan(130, stages)
+        assert list(steps)[:2] == ["setup", f"full:{stages[0]}"]
+        assert sum(steps.values()) <= 130
+        assert {f"small:{s}" for s in stages} | {"small:hf"} <= set(steps)
