@@ -594,8 +594,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="stop adding runs (after 2) once one engine took this long (default 60; quick 10)")
     p.add_argument("--decode-tokens", type=int, default=None, help="greedy tokens for the decode figure (default 128; quick 32)")
     p.add_argument("--prompt-lens", default="128,512", help="prefill prompt lengths (decode follows the first)")
-    p.add_argument("--no-read-only", dest="read_only", action="store_false",
-                   help="skip the read-only ceiling rows (a numba sum over stage 1's bytes per token)")
+    p.add_argument("--read-only", default=None, choices=["yes", "no"],
+                   help="the read-only ceiling rows (a numba sum over stage 1's bytes per token); default yes, quick no")
     p.add_argument("--out", type=Path, default=None, help="also write the markdown report to this file")
     p.add_argument("--cache-dir", type=Path, default=CACHE, help="where the models are built and kept")
     p.add_argument("--worker-timeout", type=float, default=2400, help="seconds one engine may take in all")
@@ -610,6 +610,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.runs = args.runs or (1 if args.quick else 3)
     args.cell_seconds = args.cell_seconds or (10 if args.quick else 60)
     args.decode_tokens = args.decode_tokens or (32 if args.quick else 128)
+    args.read_only = (args.read_only or ("no" if args.quick else "yes")) == "yes"
     for name, given, allowed in (("format", args.formats, LLAMA_FORMAT), ("kernels", args.kernels, ("auto", "plain", "fast")),
                                  ("engine", args.engines, ("stage1", "llama.cpp", "transformers"))):
         bad = [g for g in given if g not in allowed]
