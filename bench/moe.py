@@ -319,7 +319,7 @@ def napkin(shape: MoeShape, bw: float, threads: int, prompt_len: int) -> list[st
     bf16 = 2 * shape.linear_params()
     lines = ["### napkin maths", "",
              f"Weights one decode token reads (bf16 bytes): attention {2 * attn / 1e6:,.0f} MB, the k={k} chosen "
-             f"experts of each layer {2 * routed / 1e6:,.0f} MB, routers {2 * L * shape.router_params() / 1e6:,.1f} MB, "
+             f"experts in each of the {L} layers {2 * routed / 1e6:,.0f} MB, routers {2 * L * shape.router_params() / 1e6:,.1f} MB, "
              f"lm_head {2 * head / 1e6:,.0f} MB ({head / shape.linear_params():.0%} of the "
              f"{bf16 / 1e6:,.0f} MB). The file holds {2 * shape.total_params() / 1e9:.2f} GB: the {E - k} experts a "
              f"token skips per layer ({2 * (every - routed) / 1e9:.2f} GB) cost memory, not bandwidth. A dense model "
@@ -335,7 +335,8 @@ def napkin(shape: MoeShape, bw: float, threads: int, prompt_len: int) -> list[st
     lines += [f"Prefill of {prompt_len} tokens, per layer: one token at a time reads {per_token:,} experts' weights "
               f"({per_token * 2 * expert / 1e9:.2f} GB in bf16); grouped per expert, each expert that any token "
               f"chose is read once: at most {E}, about {distinct:.1f} with routing spread over them "
-              f"({distinct * 2 * expert / 1e6:.0f} MB), {per_token / distinct:.0f}x fewer bytes. Each expert's "
+              f"({distinct * 2 * expert / 1e6:.0f} MB), {per_token / distinct:.0f}x fewer bytes (all {L} layers: "
+              f"{L * per_token * 2 * expert / 1e9:.1f} GB against {L * distinct * 2 * expert / 1e9:.2f} GB). Each expert's "
               f"matmul then has about {per_token / distinct:.0f} rows (P·k/E tokens), which is what turns the "
               f"experts from a bandwidth-bound matvec into a compute-bound matmul.", ""]
     return lines
