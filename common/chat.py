@@ -490,7 +490,19 @@ def describe_sampling(p: SamplingParams) -> str:
         parts += [f"min-p {p.min_p:g}"] if p.min_p else []
         parts += [f"seed {p.seed}"] if p.seed is not None else []
     parts += [f"repetition penalty {p.repetition_penalty:g}"] if p.repetition_penalty != 1 else []
+    parts += [f"presence penalty {p.presence_penalty:g}"] if p.presence_penalty else []
+    parts += [f"frequency penalty {p.frequency_penalty:g}"] if p.frequency_penalty else []
     return ", ".join(parts)
+
+
+def chat_sampling(folder: Path | None, args: argparse.Namespace) -> SamplingParams:
+    """The chat's sampling: the model's generation_config.json (folder None: none; the
+    default model's says greedy with presence penalty 0.5, docs/chat.md tells why),
+    then the flags the user gave. The banner prints the result."""
+    return SamplingParams.from_generation_config(
+        folder, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty, seed=args.seed)
 
 
 def build_parser(prog: str | None = None, add_args: Callable | None = None,
@@ -504,13 +516,18 @@ def build_parser(prog: str | None = None, add_args: Callable | None = None,
     p.add_argument("--system", default=None, metavar="TEXT", help="a system message at the start of the conversation")
     p.add_argument("--think", choices=["on", "off"], default="on",
                    help="start with thinking shown / enabled (Qwen3); /think switches it later (default on)")
-    s = p.add_argument_group("sampling (defaults: the model's generation_config.json, else "
-                             "temperature 1, no top-k / top-p)")
+    s = p.add_argument_group("sampling (defaults: the model's generation_config.json, else temperature 1, "
+                             "no top-k / top-p; the default model's: greedy, presence penalty 0.5)")
     s.add_argument("--temperature", type=float, default=None, metavar="T", help="0 = greedy")
     s.add_argument("--top-p", type=float, default=None, metavar="P")
     s.add_argument("--top-k", type=int, default=None, metavar="K")
     s.add_argument("--min-p", type=float, default=None, metavar="P")
-    s.add_argument("--repetition-penalty", type=float, default=None, metavar="R")
+    s.add_argument("--repetition-penalty", type=float, default=None, metavar="R",
+                   help="> 1 discourages every token already seen, the prompt's too")
+    s.add_argument("--presence-penalty", type=float, default=None, metavar="A",
+                   help="subtracted from the logit of every token the answer already holds")
+    s.add_argument("--frequency-penalty", type=float, default=None, metavar="F",
+                   help="subtracted once per time the answer already holds the token")
     s.add_argument("--seed", type=int, default=None, metavar="N", help="the same seed gives the same answers")
     s.add_argument("--max-tokens", type=int, default=None, metavar="N",
                    help="at most N tokens per answer (default: until the context is full)")
@@ -550,9 +567,7 @@ def _load_and_chat(build_engine: Callable, args: argparse.Namespace, describe: C
     if args.max_ctx < 2:
         return fail("--max-ctx must be at least 2")
     try:
-        params = SamplingParams.from_generation_config(
-            None, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty, seed=args.seed)
+        params = chat_sampling(None, args)      # the flags checked before anything loads
     except ValueError as e:
         return fail(str(e))
     if args.max_tokens is not None and args.max_tokens < 1:
@@ -568,9 +583,7 @@ def _load_and_chat(build_engine: Callable, args: argparse.Namespace, describe: C
         folder = Path(resolve_model(args.model))
         tokenizer = Tokenizer(folder)
         template = ChatTemplate.from_folder(folder)
-        params = SamplingParams.from_generation_config(
-            folder, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty, seed=args.seed)
+        params = chat_sampling(folder, args)
     except (OSError, ValueError, RuntimeError) as e:
         return fail(str(e))
 

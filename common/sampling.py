@@ -61,7 +61,9 @@ class SamplingParams:
         path = Path(folder) / "generation_config.json" if folder else None
         if path is not None and path.is_file():
             g = json.loads(path.read_text())
-            for key in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"):
+            # presence / frequency: not Hugging Face keys, but a file may name them (ours does)
+            for key in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                        "presence_penalty", "frequency_penalty"):
                 if g.get(key) is not None:
                     values[key] = g[key]
             if g.get("do_sample") is False:
@@ -98,7 +100,9 @@ def filter_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         kth = np.partition(logits, V - params.top_k)[V - params.top_k]   # k-th largest value
         logits[logits < kth] = -np.inf
     if params.top_p < 1.0 or params.min_p > 0.0:
-        probs = _softmax(logits)
+        # float64: the cumulative mass of a 150k vocabulary in float32 drifts by ~1e-4,
+        # enough to move the top-p cut by a token; ties at the cut are then decided by it
+        probs = _softmax(logits.astype(np.float64))
         if params.top_p < 1.0:
             order = np.argsort(-probs, kind="stable")
             cum = np.cumsum(probs[order])
@@ -130,6 +134,5 @@ class Sampler:
         logits = apply_penalties(logits, p, prompt_ids, output_ids)
         if p.temperature == 0.0:
             return int(np.argmax(logits))
-        probs = _softmax(filter_logits(logits, p)).astype(np.float64)
-        probs /= probs.sum()
+        probs = _softmax(filter_logits(logits, p).astype(np.float64))   # [V], sums to 1 in float64
         return int(self.rng.choice(probs.shape[0], p=probs))

@@ -92,8 +92,16 @@ class Tokenizer:
         tokenizer_config.json says add_bos_token and the text does not already start
         with one (a chat template that writes {{ bos_token }} must not get two)."""
         # add_special_tokens=False: the tokenizer.json post-processor must not add
-        # anything behind our back; the BOS rule is the one above, stated once
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        # anything behind our back; the BOS rule is the one above, stated once.
+        if len(text) < 8192:
+            ids = self._tok.encode(text, add_special_tokens=False).ids
+        else:
+            # the same ids, but encode_batch releases the GIL while it works (encode
+            # holds it): the server tokenizes on a worker thread, and a long prompt
+            # must not stop its event loop for seconds. A short text stays on encode:
+            # it takes microseconds, and encode_batch would wait for a free thread
+            # of the tokenizer's own pool, which long prompts may be holding.
+            ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         if self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id] + ids
         return ids

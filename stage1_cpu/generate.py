@@ -29,6 +29,10 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=None)
     ap.add_argument("--top-p", type=float, default=None)
     ap.add_argument("--top-k", type=int, default=None)
+    ap.add_argument("--min-p", type=float, default=None)
+    ap.add_argument("--repetition-penalty", type=float, default=None)
+    ap.add_argument("--presence-penalty", type=float, default=None, help="0 turns the default model's off")
+    ap.add_argument("--frequency-penalty", type=float, default=None)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--ignore-eos", action="store_true")
     args = ap.parse_args(argv)
@@ -43,9 +47,11 @@ def main(argv=None) -> int:
                 [{"role": "user", "content": args.prompt}], add_generation_prompt=True,
                 enable_thinking=not args.no_think)
         params = SamplingParams.from_generation_config(
-            folder, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-            max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
-        engine = build_engine(folder, args)
+            folder, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty, seed=args.seed, max_tokens=args.max_tokens,
+            ignore_eos=args.ignore_eos)
+        engine = build_engine(folder, args, progress=sys.stdout.isatty())   # piped: stdout is the text alone
         print(f"[{engine.describe_kernels()}]", file=sys.stderr)
         if engine.kernels_cold():
             print("compiling kernels, first run only ...", file=sys.stderr, flush=True)

@@ -1,2 +1,3 @@
-"""Stage 3 (planned, not built yet): BF16 + cuBLAS, FlashAttention-2 style prefill,
-GQA-shared decode, fused kernels, automatic prefix caching. See ../shared/DESIGN.md."""
+"""Stage 3: stage 2 made fast — bf16 with cuBLAS GEMMs, fused kernels, GQA-shared
+split-KV decode attention, automatic prefix caching (each kernel with a numpy twin,
+so device="cpu" runs everything). Reading order: docs/stage3.md."""

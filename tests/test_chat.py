@@ -29,6 +29,9 @@ ROOT = Path(__file__).resolve().parent.parent
 ENV = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(ROOT), TERM="xterm-256color",
            COLUMNS="200", LINES="50")
 PROMPT = "> "                                   # the chat's input prompt (colour codes around it)
+# a cold start compiles stage 1's kernels before the banner ("compiling kernels, first run only"):
+# minutes on a busy 2-core machine, once per source version
+COLD = 900
 CURSOR_SHOWN = r"\x1b\[\?25h"                   # rich shows the cursor again when the spinner stops
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
@@ -65,8 +68,8 @@ def test_terminal_chat_default_model_multi_turn_reset_think_ctrl_c_exit(default_
     pexpect = pytest.importorskip("pexpect")
     child = spawn_chat(["--quant", "int8", "--temperature", "0", "--max-tokens", "200"])
     try:
-        child.expect("Ctrl-D to leave")
-        child.expect_exact(PROMPT)
+        child.expect("Ctrl-D to leave", timeout=COLD)
+        child.expect_exact(PROMPT, timeout=COLD)
 
         # turn 1: the answer streams, then the stats line, then a new prompt
         child.sendline("What is the capital of France?")
@@ -122,8 +125,8 @@ def test_ctrl_d_or_ctrl_c_at_empty_prompt_leaves_with_exit_code_0(qwen3_folder, 
     pexpect = pytest.importorskip("pexpect")
     child = spawn_chat(["--model", str(qwen3_folder)], timeout=90)
     try:
-        child.expect("Ctrl-D to leave")
-        child.expect_exact(PROMPT)
+        child.expect("Ctrl-D to leave", timeout=COLD)
+        child.expect_exact(PROMPT, timeout=COLD)
         if key == "ctrl-d":
             child.sendeof()
         else:
@@ -149,7 +152,7 @@ def test_piped_prompts_are_exactly_the_qwen3_template_rendering_thinking_on_and_
     run = subprocess.run(
         [sys.executable, "-m", "stage1_cpu.chat", "--model", str(qwen3_folder), "--temperature", "0",
          "--max-tokens", "6", "--system", "You are terse.", "--show-prompt"],
-        input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=120, env=ENV, cwd=ROOT)
+        input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=COLD, env=ENV, cwd=ROOT)
     assert run.returncode == 0, run.stderr
     records = [json.loads(line[len("[prompt] "):]) for line in run.stderr.splitlines()
                if line.startswith("[prompt] ")]

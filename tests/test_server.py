@@ -10,6 +10,7 @@ Two engines behind the same server code:
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import random
@@ -28,7 +29,7 @@ import pytest
 
 from common.chat_template import ChatTemplate
 from common.engine import Request, TokenEvent, check_prompt
-from common.server import create_app
+from common.server import Limits, create_app
 from common.tokenizer import Tokenizer
 from qwen_tokenizer import qwen3_tokenizer_dir  # noqa: F401  (session fixture)
 
@@ -409,6 +410,349 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(client, scrip
 
 
 # ============================================================================
+# Hostile input: refused early, with a 4xx that names the field (docs/server.md)
+# ============================================================================
+CHAT_OK = {"model": "scripted", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
+
+
+def post_raw(url: str, body: bytes, **kw) -> tuple[httpx.Response, float]:
+    t = time.perf_counter()
+    r = httpx.post(url, content=body, headers={"Content-Type": "application/json"}, timeout=60, **kw)
+    return r, time.perf_counter() - t
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = None, says: str = "") -> dict:
+    assert r.status_code == status, r.text[:500]
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    assert says in err["message"], err
+    return err
+
+
+def assert_still_serves(client) -> None:
+    good = client.chat.completions.create(model="scripted", messages=user("hello"), max_tokens=3)
+    assert good.choices[0].finish_reason == "length" and good.usage.completion_tokens == 3
+
+
+def test_a_body_over_the_limit_gets_413_before_it_is_parsed(client, scripted, capsys):
+    url = scripted.url + "/v1/chat/completions"
+    limit = scripted.app.state.server.limits.max_body_bytes
+    assert limit == 4 * 2**20        # the default of --max-body-mb
+    # the 50 MB chat request of the report: it took 66.7 s to reach a 400 when it was parsed and tokenized
+    big = json.dumps({**CHAT_OK, "messages": user("word " * 10_000_000)}).encode()
+    r, seconds = post_raw(url, big)
+    assert_error(r, 413, says=f"at most {limit}")
+    assert r.json()["error"]["code"] == "request_too_large"
+    assert seconds < 10
+    # a chunked body (no Content-Length) is cut off as soon as it passes the limit
+    def chunks():
+        for _ in range(limit // 2**16 + 8):
+            yield b"x" * 2**16
+    t = time.perf_counter()
+    r = httpx.post(url, content=chunks(), headers={"Content-Type": "application/json"}, timeout=60)
+    chunked_seconds = time.perf_counter() - t
+    assert_error(r, 413, says="more than")
+    # a body just under the limit is parsed (and refused for what it says, not for its size)
+    under = b'{"model": "scripted", "messages": "' + b"x" * (limit - 40) + b'"}'
+    assert len(under) <= limit
+    r, _ = post_raw(url, under)
+    assert_error(r, 400, param="messages")
+    with capsys.disabled():
+        print(f"\n[server] a {len(big) / 1e6:.0f} MB body got 413 in {seconds:.2f} s; "
+              f"a chunked one in {chunked_seconds:.2f} s")
+    assert_still_serves(client)
+
+
+def test_deep_nesting_gets_400_naming_the_field(client, scripted):
+    url = scripted.url + "/v1/chat/completions"
+    # 100,000 '[' (the report: 500 RecursionError): json.loads gives up, a scan finds where
+    r, seconds = post_raw(url, b"[" * 100_000)
+    err = assert_error(r, 400, says="the request body nests arrays/objects more than 64 levels deep (at [0][0]")
+    assert err["param"] is None
+    assert seconds < 5
+    head = b'{"model": "scripted", "messages": [{"role": "user", "content": '
+    r, _ = post_raw(url, head + b"[" * 100_000 + b"]" * 100_000 + b"}]}")
+    err = assert_error(r, 400, param="messages[0].content[0]", says="more than 64 levels deep")
+    assert "(at messages[0].content[0][0][0]" in err["message"], err
+    # deep enough to fail our walk but not json.loads: the same answer
+    r, _ = post_raw(url, json.dumps({**CHAT_OK, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"x": functools.reduce(lambda v, _: [v], range(80), 0)}}}]}).encode())
+    err = assert_error(r, 400, param="tools[0].function.parameters", says="more than 64 levels deep")
+    assert "(at tools[0].function.parameters.x[0][0]" in err["message"], err
+    # a tool schema about 25 levels deep is fine
+    deep_ok = functools.reduce(lambda v, _: {"type": "object", "properties": {"a": v}}, range(10), {"type": "string"})
+    r = httpx.post(url, json={**CHAT_OK, "tools": [{"type": "function",
+                                                    "function": {"name": "f", "parameters": deep_ok}}]})
+    assert r.status_code == 200, r.text
+    assert_still_serves(client)
+
+
+def test_lone_surrogates_get_400_naming_the_field(client, scripted):
+    """Lone UTF-16 surrogates are refused, not replaced by U+FFFD (see docs/server.md)."""
+    url = scripted.url + "/v1/chat/completions"
+    # the report: "\ud800" escapes in a message got 500 TypeError from the tokenizer
+    body = b'{"model": "scripted", "max_tokens": 3, "messages": [{"role": "user", "content": "ab\\ud800cd"}]}'
+    assert_error(post_raw(url, body)[0], 400, param="messages[0].content", says="lone UTF-16 surrogate (\\ud800")
+    body = b'{"model": "scripted", "max_tokens": 3, "messages": [{"role": "user", "content": [' \
+           b'{"type": "text", "text": "ok"}, {"type": "text", "text": "\\udfff"}]}]}'
+    assert_error(post_raw(url, body)[0], 400, param="messages[0].content[1].text")
+    # the surrogate's UTF-8 bytes written raw (ED A0 80): the same
+    body = b'{"model": "scripted", "max_tokens": 3, "messages": [{"role": "user", "content": "\xed\xa0\x80"}]}'
+    assert_error(post_raw(url, body)[0], 400, param="messages[0].content")
+    # in a key
+    body = b'{"model": "scripted", "max_tokens": 3, "messages": [{"role": "user", "content": "x", "\\ud800": 1}]}'
+    assert_error(post_raw(url, body)[0], 400, param="messages[0]", says="key")
+    # bytes that are not UTF-8 at all
+    assert_error(post_raw(url, b'{"model": "scripted", "messages": "\xff"}')[0], 400, says="not valid JSON")
+    # a surrogate *pair* is a character like any other
+    body = b'{"model": "scripted", "max_tokens": 3, "messages": [{"role": "user", "content": "smile \\ud83d\\ude00"}]}'
+    r, _ = post_raw(url, body)
+    assert r.status_code == 200, r.text
+    assert "smile \U0001F600" in scripted.engine.tok.decode(scripted.engine.requests[-1].prompt_ids)
+    assert_still_serves(client)
+
+
+@pytest.mark.parametrize("endpoint,patch,param", [
+    ("chat", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0]"),
+    ("chat", {"messages": [{"role": ["user"], "content": "x"}]}, "messages[0].role"),
+    ("chat", {"messages": ["hello"]}, "messages[0]"),
+    ("chat", {"messages": [{"role": "user", "content": "x", "name": {"a": 1}}]}, "messages[0].name"),
+    ("chat", {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": 3}}]}]},
+     "messages[0].tool_calls[0]"),
+    ("chat", {"tools": [{"type": "function", "function": "get_weather"}]}, "tools[0]"),
+    ("chat", {"chat_template_kwargs": {"enable_thinking": "yes"}}, "chat_template_kwargs.enable_thinking"),
+    ("chat", {"chat_template_kwargs": {"self": 1}}, "messages"),
+    ("chat", {"chat_template_kwargs": {"not a name": 1}}, "chat_template_kwargs"),
+    ("chat", {"chat_template_kwargs": []}, "chat_template_kwargs"),
+    ("chat", {"stream_options": "yes"}, "stream_options"),
+    ("chat", {"model": 7}, "model"),
+    ("chat", {"n": "2"}, "n"),
+    ("chat", {"n": 65}, "n"),
+    ("chat", {"top_p": 5}, "top_p"),
+    ("chat", {"top_k": 2.5}, "top_k"),
+    ("chat", {"min_p": -1}, "min_p"),
+    ("chat", {"temperature": 2.5}, "temperature"),
+    ("chat", {"repetition_penalty": 1e-300}, "repetition_penalty"),
+    ("chat", {"repetition_penalty": 1e300}, "repetition_penalty"),
+    ("chat", {"seed": -1}, "seed"),
+    ("chat", {"seed": 2**64}, "seed"),
+    ("chat", {"max_tokens": "ten"}, "max_tokens"),
+    ("chat", {"max_completion_tokens": 0}, "max_completion_tokens"),
+    ("chat", {"stop": ["s"] * 17}, "stop"),
+    ("chat", {"stop": "x" * 257}, "stop"),
+    ("chat", {"stop_token_ids": ["a"]}, "stop_token_ids"),
+    ("chat", {"stop_token_ids": list(range(257))}, "stop_token_ids"),
+    ("chat", {"logit_bias": {"50256": -100}}, "logit_bias"),
+    ("chat", {"logprobs": True}, "logprobs"),
+    ("chat", {"ignore_eos": 1}, "ignore_eos"),
+    ("completions", {"prompt": {"text": "x"}}, "prompt"),
+    ("completions", {"prompt": [1, "a"]}, "prompt"),
+    ("completions", {"prompt": ["a", [1, 2], [10**9]]}, "prompt[2]"),
+    ("completions", {"prompt": ["a"] * 9, "n": 8}, "n"),
+    ("completions", {"echo": "yes"}, "echo"),
+    ("completions", {"suffix": "x"}, "suffix"),
+])
+def test_wrong_types_and_values_anywhere_get_400_naming_the_field(scripted, endpoint, patch, param):
+    if endpoint == "chat":
+        url, body = scripted.url + "/v1/chat/completions", {**CHAT_OK, **patch}
+    else:
+        url, body = scripted.url + "/v1/completions", {"model": "scripted", "prompt": "hi", "max_tokens": 3, **patch}
+    r, _ = post_raw(url, json.dumps(body).encode())
+    assert_error(r, 400, param=param)
+
+
+def test_json_without_nan_or_huge_integers(client, scripted):
+    url = scripted.url + "/v1/chat/completions"
+    assert_error(post_raw(url, b'{"model": "scripted", "temperature": NaN, "messages": []}')[0], 400,
+                 says="NaN is not valid JSON")
+    assert_error(post_raw(url, b'{"model": "scripted", "seed": ' + b"9" * 5000 + b', "messages": []}')[0], 400,
+                 says="not valid JSON")
+    # 1e999 is a valid JSON number that Python reads as infinity
+    body = b'{"model": "scripted", "temperature": 1e999, "messages": [{"role": "user", "content": "x"}]}'
+    assert_error(post_raw(url, body)[0], 400, param="temperature")
+
+
+def test_a_tiny_temperature_is_greedy_and_does_not_break_the_engine_step(client, scripted):
+    # 1e-300 is 0 in float32: dividing logits by it would fail the whole batch's step
+    r = client.chat.completions.create(model="scripted", messages=user("hello"), max_tokens=3, temperature=1e-300)
+    assert r.choices[0].finish_reason == "length"
+    assert scripted.engine.requests[-1].params.temperature == 0.0
+
+
+class CountingTokenizer:
+    """The real tokenizer, counting encode() calls and the characters they were given."""
+
+    def __init__(self, tok):
+        self.tok, self.calls = tok, []
+
+    def encode(self, text):
+        self.calls.append(len(text))
+        return self.tok.encode(text)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+def test_prompt_too_long_for_the_context_is_refused_from_its_length_and_each_prompt_is_tokenized_once(
+        client, scripted, tok, monkeypatch):
+    state = scripted.app.state.server
+    counting = CountingTokenizer(tok)
+    monkeypatch.setattr(state, "tokenizer", counting)
+    assert state.longest_token == 128          # Qwen3's longest vocabulary entry: 128 spaces
+    bound = 2 * 128 * 512
+    assert state.max_prompt_chars == bound
+    # over the bound: refused without tokenizing
+    for endpoint, body, param in [
+            ("chat/completions", {**CHAT_OK, "messages": user("x" * bound)}, "messages"),
+            ("completions", {"model": "scripted", "prompt": "x" * (bound + 1)}, "prompt")]:
+        r, seconds = post_raw(f"{scripted.url}/v1/{endpoint}", json.dumps(body).encode())
+        assert_error(r, 400, param=param, says=f"holds at most {bound}")
+        assert counting.calls == [] and seconds < 5
+    # under it but still too many tokens: tokenized once, then refused
+    r, _ = post_raw(scripted.url + "/v1/completions",
+                    json.dumps({"model": "scripted", "prompt": "word " * 600, "max_tokens": 3}).encode())
+    assert_error(r, 400, param="prompt", says="context holds 512")
+    assert counting.calls == [3000]
+    # a chat request: the rendered prompt tokenized once, for n choices
+    counting.calls.clear()
+    r = client.chat.completions.create(model="scripted", messages=user("hello"), max_tokens=3, n=3)
+    assert len(r.choices) == 3 and len(counting.calls) == 1
+    # a batch of two text prompts, n=2: each prompt once
+    counting.calls.clear()
+    r = client.completions.create(model="scripted", prompt=["one", "two three"], max_tokens=2, n=2)
+    assert len(r.choices) == 4 and counting.calls == [3, 9]
+
+
+def wait_until_served(app, timeout: float = 10.0) -> None:
+    """Until no request counts against --max-concurrent (a reply is sent a moment before
+    its request stops counting)."""
+    deadline = time.time() + timeout
+    while app.state.server.in_flight:
+        assert time.time() < deadline, f"{app.state.server.in_flight} requests still count"
+        time.sleep(0.02)
+
+
+def test_concurrent_requests_over_the_limit_get_429(model_dir, tok):
+    engine = ScriptedEngine(tok)
+    app = create_app(engine, tok, ChatTemplate.from_folder(model_dir), "scripted", folder=model_dir, max_ctx=512,
+                     limits=Limits(max_concurrent=2))
+    server = LiveServer(app)
+    stalled = []
+    try:
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        # clients that send half a body and stall do not count: they cannot lock others out
+        for _ in range(5):
+            sock = socket.create_connection(("127.0.0.1", server.port))
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"model\": ")
+            stalled.append(sock)
+        r = c.chat.completions.create(model="scripted", messages=user("hello"), max_tokens=3)
+        assert r.usage.completion_tokens == 3
+        wait_until_served(app)
+        streams = [c.chat.completions.create(model="scripted", messages=user(f"endless {i}"), max_tokens=400,
+                                             stream=True) for i in range(2)]
+        for s in streams:
+            next(iter(s))                      # both are being served
+        r = httpx.post(server.url + "/v1/chat/completions", json=CHAT_OK)
+        err = assert_error(r, 429, says="--max-concurrent")
+        assert err["type"] == "rate_limit_error"
+        with pytest.raises(openai.RateLimitError):
+            c.completions.create(model="scripted", prompt="hi", max_tokens=2)
+        assert httpx.get(server.url + "/healthz").status_code == 200        # never limited
+        for s in streams:
+            s.close()
+        wait_until_served(app)
+        r = c.chat.completions.create(model="scripted", messages=user("hello"), max_tokens=3)
+        assert r.usage.completion_tokens == 3
+        server.wait_idle()
+    finally:
+        for sock in stalled:
+            sock.close()
+        server.close()
+
+
+def test_health_and_a_small_chat_answer_within_1s_while_a_max_size_request_is_prepared(model_dir, tok, capsys):
+    """A request of the largest body this server takes, with a context large enough that
+    the character pre-check lets it through: it is parsed, rendered and tokenized (seconds
+    of work) and then refused for its token count. Meanwhile /healthz and a small chat
+    request are timed: each must answer in under 1 s more than the same probe took just
+    before, with no large request in flight (that baseline is ~10 ms on an idle machine;
+    on a shared, oversubscribed VM it is what the machine itself adds).
+
+    The server here takes 1 MiB bodies (--max-body-mb 1) so that the test takes seconds:
+    at the default 4 MiB the tokenizer alone needs ~20 s on a 2-core VM (docs/server.md)."""
+    big_ctx, limits = 300_000, Limits(max_body_bytes=2**20)
+    engine = ScriptedEngine(tok, max_ctx=big_ctx)
+    app = create_app(engine, tok, ChatTemplate.from_folder(model_dir), "scripted", folder=model_dir,
+                     max_ctx=big_ctx, limits=limits)
+    server = LiveServer(app)
+    try:
+        body = max_size_chat_body(limits.max_body_bytes)
+        big: dict = {}
+
+        def send_big():
+            t = time.perf_counter()
+            big["response"] = httpx.post(server.url + "/v1/chat/completions", content=body, timeout=300,
+                                         headers={"Content-Type": "application/json"})
+            big["seconds"], big["end"] = time.perf_counter() - t, time.perf_counter()
+
+        def probe(h: httpx.Client, i: int) -> tuple[float, float, float]:
+            """(/healthz seconds, small chat seconds, when the pair ended)"""
+            t0 = time.perf_counter()
+            assert h.get("/healthz").status_code == 200
+            t1 = time.perf_counter()
+            r = h.post("/v1/chat/completions", json={**CHAT_OK, "messages": user(f"hello {i}")})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+            t2 = time.perf_counter()
+            return t1 - t0, t2 - t1, t2
+
+        with httpx.Client(base_url=server.url, timeout=30) as h:
+            baseline = [probe(h, i) for i in range(8)]
+            thread = threading.Thread(target=send_big)
+            thread.start()
+            time.sleep(0.3)                    # the body is sent; the server is working on it
+            probes = []
+            deadline = time.perf_counter() + 120
+            while thread.is_alive() and time.perf_counter() < deadline:
+                probes.append(probe(h, len(probes)))
+                time.sleep(0.05)
+        thread.join(timeout=300)
+        assert_error(big["response"], 400, param="messages", says=f"context holds {big_ctx}")
+        during = [p for p in probes if p[2] < big["end"]]      # the probes answered while it was in flight
+        assert len(during) >= 3, (big, probes)
+        health, chat = sorted(p[0] for p in during), sorted(p[1] for p in during)
+        base_health, base_chat = max(p[0] for p in baseline), max(p[1] for p in baseline)
+        with capsys.disabled():
+            print(f"\n[server] a {len(body) / 2**20:.2f} MiB chat request took {big['seconds']:.1f} s "
+                  f"(refused after tokenizing); meanwhile {len(during)} probes: /healthz max "
+                  f"{health[-1] * 1000:.0f} ms (median {health[len(health) // 2] * 1000:.0f}), small chat max "
+                  f"{chat[-1] * 1000:.0f} ms (median {chat[len(chat) // 2] * 1000:.0f}); before it: /healthz max "
+                  f"{base_health * 1000:.0f} ms, small chat max {base_chat * 1000:.0f} ms")
+        # /healthz is the event loop alone: every probe. The small chat also needs a prepare
+        # thread and the engine thread, and on a shared VM one of those can miss the CPU for
+        # a moment: nine probes in ten
+        assert health[-1] < 1.0 + base_health
+        assert chat[(len(chat) * 9) // 10 - 1] < 1.0 + base_chat, chat
+    finally:
+        server.close()
+
+
+def max_size_chat_body(limit: int) -> bytes:
+    """A chat request of just under `limit` bytes: made-up words in random order, text
+    the tokenizer has to work through (it caches a word's pieces, as it would for prose)."""
+    rng = random.Random(0)
+    words = ["".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(2, 9))) for _ in range(3000)]
+    text = " ".join(rng.choices(words, k=limit // 6))[:limit - 200]
+    body = json.dumps({"model": "scripted", "messages": user(text), "max_tokens": 3}).encode()
+    assert limit - 300 < len(body) <= limit
+    return body
+
+
+# ============================================================================
 # Load and faults
 # ============================================================================
 def test_32_concurrent_streams_all_complete(scripted):
@@ -545,10 +889,10 @@ def test_stage1_chat_stream_equals_non_stream_for_the_same_seed(stage1):
 
 def test_stage1_serve_command_health_and_api_key(tiny_qwen3):
     """python -m stage1_cpu.serve end to end: 503 while loading is allowed, then 200,
-    the API key enforced, a chat answered."""
+    the API key enforced, a chat answered, --max-body-mb enforced."""
     proc = subprocess.Popen([sys.executable, "-m", "stage1_cpu.serve", "--model", str(tiny_qwen3),
                              "--addr", "127.0.0.1:0", "--max-ctx", "128", "--api-key", "k3y",
-                             "--served-model-name", "tiny", "--log-level", "warning"],
+                             "--served-model-name", "tiny", "--log-level", "warning", "--max-body-mb", "0.01"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
@@ -571,6 +915,10 @@ def test_stage1_serve_command_health_and_api_key(tiny_qwen3):
         r = c.chat.completions.create(model="tiny", messages=user("hi"), max_tokens=3,
                                       extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+        # --max-body-mb 0.01: a body over 10 KiB gets 413
+        r = httpx.post(url + "/v1/chat/completions", headers={"Authorization": "Bearer k3y"},
+                       json={"model": "tiny", "messages": user("x" * 11_000)})
+        assert r.status_code == 413 and "at most 10485 " in r.json()["error"]["message"]
     finally:
         proc.terminate()
         proc.wait(timeout=20)

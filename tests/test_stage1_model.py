@@ -104,9 +104,13 @@ class _Twin:
     activations' rounding of the path taken: int8 at decode, bf16 at prefill)."""
     def __init__(self, w):
         self.w = w
+        self.out_features = w.out_features
 
     def matmul(self, x):
         return self.w.matmul_ref(x)
+
+    def matmul_segments(self, x, starts, n):            # a MoE layer's chosen experts, one row of x each
+        return np.concatenate([self.w.matmul_ref(x[s:s + 1])[:, st:st + n] for s, st in enumerate(starts)])
 
     def rows(self, ids):
         return self.w.dequantize()[ids]
@@ -141,6 +145,8 @@ def test_quantized_engine_computes_exactly_its_numpy_twin(fmt, activations, act,
                 setattr(lw, name, _Twin(getattr(lw, name)))
         for ex in lw.experts:
             ex.e_gate_up, ex.e_down = _Twin(ex.e_gate_up), _Twin(ex.e_down)
+        if lw.experts_gate_up is not None:                  # the same experts, stacked (decode)
+            lw.experts_gate_up, lw.experts_down = _Twin(lw.experts_gate_up), _Twin(lw.experts_down)
     twin = Model(w, 64)
     if T < len(PROMPT):
         twin.forward(prompt[:-T], 0)

@@ -1,0 +1,240 @@
+"""The stage-3 Engine: stage 2's continuous batching, in bf16, with a prefix cache.
+
+Changed from stage 2: the model runs in bf16 with fused kernels (model.py), and
+the block manager shares the pages of common prefixes (block_manager.py). The
+engine's part of prefix caching is small: after each forward pass it registers
+the pages that became full (`block_manager.register`), so the next request with
+the same prefix finds them, and it remembers how many prompt tokens each request
+found cached (`num_cached_tokens(request_id)`, for the server's usage).
+`enable_prefix_caching=False` turns the cache off (every request computes its
+whole prompt, as in stage 2). One step, as in stage 2:
+
+    scheduler.schedule()   which sequences, how many tokens each (budget, slots, pages, cache hits)
+    build_batch()          their tokens packed into one array + a BatchInfo
+    model.forward()        one pass for the whole batch -> logits of the sequences that sample
+    register full pages    the prefix cache learns what this step computed
+    sampler, per request   the next token, on the host (common/sampling.py)
+    finish / free          stop, length or abort: the sequence's pages go back at once
+
+device="cuda" keeps weights and the page pool on the GPU (CuPy) and launches the
+kernels in cuda/; device="cpu" keeps everything in numpy and runs their twins, so
+the whole engine is tested on a machine without a GPU.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+
+from common.config import ModelConfig
+from common.engine import Request, TokenEvent, check_prompt
+from stage3_optimized import kernels
+from stage3_optimized.batch import build_batch
+from stage3_optimized.block_manager import BlockManager
+from stage3_optimized.kv_cache import KVCache
+from stage3_optimized.model import Model
+from stage3_optimized.scheduler import Scheduler
+from stage3_optimized.sequence import Sequence
+from stage3_optimized.weights import load_weights
+
+DEVICES = ("cuda", "cpu")
+
+
+def array_module(device: str):
+    """numpy for "cpu"; cupy for "cuda", with a message that says what to do when it is missing."""
+    if device not in DEVICES:
+        raise ValueError(f"unknown device {device!r}; choose 'cuda' (NVIDIA GPU with CuPy) or 'cpu'")
+    if device == "cpu":
+        return np
+    try:
+        import cupy
+        cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # ImportError, or CUDARuntimeError when no GPU / driver
+        raise RuntimeError(f"device='cuda' needs CuPy and an NVIDIA GPU ({type(e).__name__}: {e}); "
+                           "install it with `pip install cupy-cuda13x` (CUDA 13), or run with --device cpu "
+                           "(the numpy twins, slow but complete)") from None
+    return cupy
+
+
+class LLMEngine:
+    def __init__(self, folder: str | Path, max_ctx: int = 4096, slots: int = 256,
+                 token_budget: int = 8192, page_size: int = 256, num_pages: int | None = None,
+                 kv_memory: int | None = None, device: str = "cuda", progress: bool = True,
+                 enable_prefix_caching: bool = True):
+        self.folder = Path(folder)
+        self.config: ModelConfig = ModelConfig.from_folder(folder)
+        if max_ctx < 2:
+            raise ValueError("--max-ctx must be at least 2")
+        if page_size < 1:
+            raise ValueError(f"--page-size must be positive, got {page_size}")
+        self.max_ctx = max_ctx
+        self.device = device
+        self.xp = xp = array_module(device)
+        self.weights = load_weights(folder, xp, progress)
+        self.page_size = page_size
+        num_pages = self._pool_pages(num_pages, kv_memory)
+        self.model = Model(self.weights, max_ctx, num_pages, page_size)
+        self.block_manager = BlockManager(num_pages, page_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, slots, token_budget)
+        self.eos_ids = set(self.config.eos_token_ids)
+        self.arrivals = itertools.count()
+        self.aborted: list[str] = []                 # reported by the next step()
+        # counters for benchmarks and the server's stats
+        self.num_steps = 0
+        self.num_prefill_tokens = self.num_decode_tokens = 0
+        self.forward_s = 0.0
+        self.cached_tokens: OrderedDict[str, int] = OrderedDict()   # request id -> prompt tokens hit
+        self.device_sampling = True                  # False: every row to the host Sampler (stage 2's way)
+
+    def _pool_pages(self, num_pages: int | None, kv_memory: int | None) -> int:
+        """Pages in the pool: given, or what kv_memory bytes hold, or most of the free GPU memory
+        (1 GiB on cpu)."""
+        per_page = KVCache.bytes_per_page(self.config, self.page_size)
+        if num_pages is None:
+            if kv_memory is None:
+                if self.device == "cpu":
+                    kv_memory = 2**30                       # 1 GiB of host memory for the twins
+                else:
+                    # what is free once the weights are in, less room for one step's activations
+                    kv_memory = int((self._free_gpu_bytes() - 4 * 2**30) * 0.9)
+            num_pages = kv_memory // per_page
+        need = (self.max_ctx + self.page_size - 1) // self.page_size
+        if num_pages < need:
+            raise ValueError(
+                f"the KV cache pool holds {num_pages} pages of {self.page_size} positions "
+                f"({per_page / 2**20:.1f} MiB each) but one sequence of --max-ctx {self.max_ctx} needs "
+                f"{need}; give it more memory (--kv-memory) or lower --max-ctx")
+        return num_pages
+
+    def _free_gpu_bytes(self) -> int:
+        """Bytes this engine can still allocate on the GPU. CuPy's memory pool keeps the
+        blocks that earlier arrays (an earlier engine in this process, say) have given back:
+        the driver counts them as used, so mem_info alone would leave a second engine no
+        room for its pool. Hand the unreferenced blocks back first, and count the ones the
+        pool still caches (free for our allocations) as free."""
+        import gc
+        gc.collect()                                 # an earlier engine's arrays, if unreferenced
+        pool = self.xp.get_default_memory_pool()
+        pool.free_all_blocks()
+        free, _total = self.xp.cuda.Device().mem_info
+        return free + pool.free_bytes()
+
+    # ---- leak checks and stats ----
+    def num_free_pages(self) -> int:
+        return self.block_manager.num_free_pages()
+
+    def num_total_pages(self) -> int:
+        return self.block_manager.num_pages
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    def num_cached_tokens(self, request_id: str) -> int:
+        """Prompt tokens of a request that came from the prefix cache (0 when unknown):
+        the server's usage.prompt_tokens_details.cached_tokens. Kept for the last
+        4096 requests, so a finished request can still be asked."""
+        return self.cached_tokens.get(request_id, 0)
+
+    def prefix_cache_hit_rate(self) -> float:
+        """Prompt tokens found in the cache / prompt tokens looked up, since the start."""
+        bm = self.block_manager
+        return bm.num_hit_tokens / max(bm.num_lookup_tokens, 1)
+
+    # ---- the Engine protocol ----
+    def add_request(self, req: Request) -> None:
+        check_prompt(req.prompt_ids, self.max_ctx, self.config.vocab_size)
+        if self.scheduler.find(req.id) is not None:
+            raise ValueError(f"request id {req.id!r} is already running; ids must be unique")
+        self.scheduler.add(Sequence.from_request(req, next(self.arrivals)))
+
+    def abort(self, request_id: str) -> None:
+        seq = self.scheduler.find(request_id)
+        if seq is not None:
+            self.scheduler.finish(seq)               # its pages are free from this moment
+            self.aborted.append(request_id)
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.has_work() or self.aborted)
+
+    def step(self) -> list[TokenEvent]:
+        events = [TokenEvent(rid, -1, "abort") for rid in self.aborted]
+        self.aborted = []
+        scheduled = self.scheduler.schedule()
+        if not scheduled.seqs:
+            return events
+        seqs, tokens, batch = build_batch(scheduled.seqs, scheduled.num_tokens, self.page_size)
+        for seq in seqs:                                 # what each request found cached (its first admission)
+            if seq.num_preemptions == 0:
+                self.cached_tokens[seq.id] = seq.num_cached_tokens
+        while len(self.cached_tokens) > 4096:
+            self.cached_tokens.popitem(last=False)
+
+        # one forward pass for everybody; logits come back only for the sequences that sample
+        t0 = time.perf_counter()
+        xp = self.xp
+        logits = self.model.forward(xp.asarray(tokens), batch.to(xp))      # [S', V] on the device
+        self.num_steps += 1
+
+        sampling = []
+        for seq, n in zip(seqs, np.diff(batch.query_start).tolist()):
+            if n == 1:
+                self.num_decode_tokens += 1
+            else:
+                self.num_prefill_tokens += n
+            seq.num_computed += n
+            self.block_manager.register(seq)             # its newly full pages join the prefix cache
+            if seq.num_computed == len(seq.token_ids):   # all in: its next token is sampled now
+                sampling.append(seq)
+        assert len(sampling) == logits.shape[0]
+        chosen = self._sample(sampling, logits)
+        self.forward_s += time.perf_counter() - t0
+
+        for seq, token in zip(sampling, chosen):
+            seq.token_ids.append(token)
+            p = seq.req.params
+            finish = None
+            if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+                finish = "stop"                       # the event carries the stop token; it is not answer text
+            elif len(seq.output_ids) >= p.max_tokens or len(seq.token_ids) >= self.max_ctx:
+                finish = "length"
+            if finish is not None:
+                self.scheduler.finish(seq)            # pages back to the free list now
+            events.append(TokenEvent(seq.id, token, finish))
+        return events
+
+    def _sample(self, seqs: list[Sequence], logits) -> list[int]:
+        """The next token of each sequence from its logits row [S', V].
+        Changed from stage 2: requests without penalties or min_p are sampled on the device
+        (kernels.sample: greedy, temperature, top-k, top-p), so S' ids cross to the host
+        instead of S' * V logits. Each request's uniform number comes from its own seeded
+        generator, the one its host Sampler would use: numpy's choice(p=...) draws one
+        uniform and takes the first token whose running sum passes it, which is what the
+        kernel does, so a seed picks the same tokens on both paths (up to fp32 rounding at a
+        boundary). Requests with penalties or min_p copy their row to the host and run
+        their own Sampler (common/sampling.py), as in stage 2."""
+        xp = self.xp
+        plain = [s.req.params.repetition_penalty == 1.0 and not s.req.params.presence_penalty
+                 and not s.req.params.frequency_penalty and not s.req.params.min_p for s in seqs]
+        tokens = [0] * len(seqs)
+        rows = [i for i, p in enumerate(plain) if p]
+        if rows and self.device_sampling:
+            ps = [seqs[i].req.params for i in rows]
+            # greedy rows draw nothing: their generators stay where the host path leaves them
+            u = [0.0 if p.temperature == 0 else seqs[i].sampler.rng.random() for i, p in zip(rows, ps)]
+            f32 = lambda v: xp.asarray(np.array(v, dtype=np.float32))   # noqa: E731
+            ids = kernels.to_host(kernels.sample(
+                logits[xp.asarray(rows)], f32([p.temperature for p in ps]),
+                xp.asarray(np.array([p.top_k for p in ps], dtype=np.int32)), f32([p.top_p for p in ps]), f32(u)))
+            for i, t in zip(rows, ids.tolist()):
+                tokens[i] = int(t)
+        rest = [i for i, p in enumerate(plain) if not (p and self.device_sampling)]
+        if rest:
+            host = kernels.to_host(logits[xp.asarray(rest)])             # [S'', V]
+            for row, i in zip(host, rest):
+                s = seqs[i]
+                tokens[i] = s.sampler(row, s.prompt_ids, s.output_ids)
+        return tokens

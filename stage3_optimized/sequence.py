@@ -1,0 +1,59 @@
+"""One request's life inside the batched engine: its tokens, its pages, its progress.
+
+Changed from stage 2: prefix caching. A sequence also remembers which of its full
+pages' contents it knows (`page_keys`, one per full page of its block table, see
+block_manager.py) and how many of its prompt tokens it found in the cache instead
+of computing them (`num_cached_tokens`, reported in the server's usage).
+Pure Python: nothing here touches the device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from common.engine import Request
+from common.sampling import Sampler
+
+
+class Status(Enum):
+    WAITING = "waiting"      # queued, or preempted: no pages, nothing in the cache
+    RUNNING = "running"      # admitted: owns pages, gets tokens every step it is scheduled
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    req: Request
+    arrival: int                       # admission order: lower is older (preemption takes the highest)
+    sampler: Sampler                   # the request's own sampler (its own RNG)
+    token_ids: list[int] = field(default_factory=list)   # prompt + generated so far
+    num_prompt: int = 0
+    num_computed: int = 0              # leading tokens whose K/V are in the cache
+    block_table: list[int] = field(default_factory=list) # page of positions [i*P, (i+1)*P)
+    status: Status = Status.WAITING
+    num_preemptions: int = 0
+    page_keys: list = field(default_factory=list)        # PageKey of each full page (block_manager.py)
+    num_cached_tokens: int = 0         # prompt tokens found in the prefix cache at (first) admission
+
+    @classmethod
+    def from_request(cls, req: Request, arrival: int) -> "Sequence":
+        return cls(req=req, arrival=arrival, sampler=Sampler(req.params),
+                   token_ids=list(req.prompt_ids), num_prompt=len(req.prompt_ids))
+
+    @property
+    def id(self) -> str:
+        return self.req.id
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt]
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt:]
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens still to feed: the rest of the prompt, or 1 (the last sampled token) when decoding.
+        After a preemption this is the whole prompt plus the output so far (recompute)."""
+        return len(self.token_ids) - self.num_computed

@@ -1,0 +1,20 @@
+"""python -m stage3_optimized.serve --model DIR [--addr 127.0.0.1:8000] [--slots N] [--token-budget N]
+
+The OpenAI-compatible server (common/server.py) over the stage-3 engine.
+Changed from stage 2: only the engine, and its --no-prefix-caching option; the
+usage of each answer reports prompt_tokens_details.cached_tokens (the engine's
+num_cached_tokens). HTTP, templates, tokenization, parsing and streaming are
+the same for every stage.
+"""
+from __future__ import annotations
+
+from common.server import main as serve_main
+from stage3_optimized.options import add_args, build_engine
+
+
+def main(argv: list[str] | None = None) -> None:
+    serve_main(build_engine, argv, prog="python -m stage3_optimized.serve", add_args=add_args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Load a model folder into stage 3's layout: bf16 arrays on the device, projections fused.
+
+Changed from stage 2:
+  * bf16 instead of float32: every matrix and norm weight is rounded to bf16 once,
+    here, and kept as its 16 bits (uint16): half the bytes a decode step reads.
+    `.matmul(x)` is a cuBLAS GEMM with bf16 inputs and fp32 accumulation
+    (kernels.linear), `.rows(ids)` the bf16 embedding gather.
+  * Fused projections: q, k and v are one [(H + 2 Hkv) * D, C] matrix (`wqkv`), gate
+    and up one [2F, C] matrix (`w_gate_up`), concatenated along the output rows
+    at load time. One GEMM reads h once and launches once instead of three times
+    (or twice); the model splits the output by columns.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from rich.progress import Progress
+
+from common.config import ModelConfig
+from common.loader import WeightLoader
+from stage3_optimized import kernels
+from stage3_optimized.ops import bf16_bits
+
+
+class Weight:
+    """A bf16 matrix [out, in] (uint16 bits) on the device, in Hugging Face's layout."""
+
+    def __init__(self, data):
+        self.data = data                    # [out, in] cupy or numpy
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    def matmul(self, x, out_f32: bool = False):
+        """x [N, in] bf16 -> x @ W.T [N, out] bf16 (float32 with out_f32: the logits).
+        cuBLAS on the GPU reads W transposed, no copy; fp32 accumulation."""
+        return kernels.linear(x, self.data, out_f32)
+
+    def rows(self, ids):
+        """The embedding lookup: ids [N] -> rows [N, in] (kernels.embedding)."""
+        return kernels.embedding(ids, self.data)
+
+
+@dataclass
+class ExpertWeights:
+    e_gate_up: Weight   # [2Fe, C]  gate_proj, up_proj stacked
+    e_down: Weight      # [C, Fe]
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: object               # [C]
+    wqkv: Weight                    # [(H + 2*Hkv)*D, C]  q_proj, k_proj, v_proj stacked
+    wo: Weight                      # [C, H*D]
+    mlp_norm: object                # [C]
+    q_norm: object | None = None    # [D]   qwen3 only
+    k_norm: object | None = None    # [D]   qwen3 only
+    w_gate_up: Weight | None = None # [2F, C] dense MLP: gate_proj, up_proj stacked
+    w_down: Weight | None = None    # [C, F]
+    router: Weight | None = None    # [E, C] MoE router (its logits go to the host for top-k)
+    experts: list[ExpertWeights] = field(default_factory=list)
+
+
+@dataclass
+class Weights:
+    config: ModelConfig
+    embed: Weight                   # [V, C]
+    lm_head: Weight                 # [V, C] the same object as embed when tied
+    final_norm: object              # [C]
+    layers: list[LayerWeights]
+    xp: object                      # the array module: cupy ("cuda") or numpy ("cpu")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weights one decode step reads (the roofline's numerator)."""
+        seen, total = set(), 0
+        for w in [self.lm_head] + [getattr(l, n) for l in self.layers
+                                   for n in ("wqkv", "wo", "w_gate_up", "w_down")]:
+            if w is not None and id(w) not in seen:
+                seen.add(id(w))
+                total += w.nbytes
+        return total
+
+
+def load_weights(folder: str | Path, xp=np, progress: bool = True) -> Weights:
+    loader = WeightLoader(folder)
+    cfg = loader.config
+    if cfg.qkv_bias or cfg.shared_expert_intermediate_size:
+        raise ValueError(f"stage 3 does not run {cfg.family} models yet (q/k/v biases or a shared "
+                         "expert): use stage 2 (python -m stage2_batched.serve) for this model")
+    # round to bf16 on the host (round to nearest even), then one copy of the bits to the device
+    dev = lambda a: xp.asarray(np.ascontiguousarray(bf16_bits(a)))          # noqa: E731  host -> device
+    q = lambda a: Weight(dev(a))                                              # noqa: E731
+    fuse = lambda *parts: Weight(dev(np.concatenate([np.asarray(p, np.float32) for p in parts])))  # noqa: E731
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    total = 2 + cfg.num_layers * 7 + n_moe * cfg.num_experts * 3
+    with Progress(transient=True, disable=not progress) as bar:
+        task = bar.add_task("loading weights (bf16)", total=total)
+
+        def step(value):
+            bar.advance(task)
+            return value
+
+        embed = step(q(loader.glob("embed")))
+        tied = cfg.tie_word_embeddings or "lm_head.weight" not in loader
+        lm_head = embed if tied else step(q(loader.glob("lm_head")))
+        layers = []
+        for i in range(cfg.num_layers):
+            L = LayerWeights(
+                attn_norm=dev(loader.layer("attn_norm", i)),
+                wqkv=step(step(step(fuse(loader.layer("wq", i), loader.layer("wk", i), loader.layer("wv", i))))),
+                wo=step(q(loader.layer("wo", i))),
+                mlp_norm=dev(loader.layer("mlp_norm", i)),
+            )
+            if cfg.qk_norm:
+                L.q_norm, L.k_norm = dev(loader.layer("q_norm", i)), dev(loader.layer("k_norm", i))
+            if cfg.is_moe_layer(i):
+                L.router = q(loader.layer("router", i))
+                L.experts = [ExpertWeights(step(step(fuse(loader.layer("e_gate", i, e),
+                                                          loader.layer("e_up", i, e)))),
+                                           step(q(loader.layer("e_down", i, e))))
+                             for e in range(cfg.num_experts)]
+            else:
+                L.w_gate_up = step(step(fuse(loader.layer("w_gate", i), loader.layer("w_up", i))))
+                L.w_down = step(q(loader.layer("w_down", i)))
+            layers.append(L)
+        final_norm = step(dev(loader.glob("final_norm")))
+    return Weights(cfg, embed, lm_head, final_norm, layers, xp)

@@ -1,0 +1,419 @@
+"""Stage 3's CUDA sources run on the CPU under the g++ emulator, each against its numpy twin.
+
+The emulator is tests/cuda_emulator.py (one OS thread per CUDA thread, blocks in a seeded
+shuffled order, poisoned shared memory, checked barriers and shuffle masks), used as it is.
+The tensor-core kernel, which it cannot run by itself, gets a fragment shim here: a copy
+of prefill_attention_tc.cu with the CPU versions of its five PTX wmma helpers in front
+(FRAGMENT_SHIM below). The kernels are launched through
+stage3_optimized/kernels.py itself, with the emulator's stand-in for CuPy plus a stand-in
+for cuBLAS's gemmEx that reads its arguments the way cuBLAS does (column-major, leading
+dimensions, op T / op N), so the wrappers' argument order, dtypes, launch grids and the
+GEMM's transposition are checked too; finally the whole stage-3 engine runs with
+device="cuda" on the emulated kernels.
+
+Tolerances. Kernel and twin compute in fp32 and round once to bf16, but not in the
+same order (a warp's shuffle tree vs numpy's pairwise sums, x * rsqrt vs x / sqrt), so
+an output may land on the neighbouring bf16 value: outputs must agree within 2 bf16
+steps (relative 2^-7, plus 1e-3 of the output's scale for values that cancel towards
+zero), and most of them (>= 90 %) must be bit-identical, which a kernel that merely
+computes something similar would not reach. Copies (embedding, the V rows, the fp32
+residual) must be exact.
+"""
+from __future__ import annotations
+
+import ctypes
+import re
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cuda_emulator as emu
+from stage3_optimized import kernels, ops
+from stage3_optimized.ops import bf16_bits, f32
+from test_stage2_kernels import paged
+
+CUDA_DIR = Path(kernels.__file__).parent / "cuda"
+
+# The tensor-core fragment shim: the CPU versions of the five functions that
+# prefill_attention_tc.cu defines with PTX wmma under __CUDA_ARCH__. A real fragment spreads
+# a 16x16 tile over the 32 lanes of a warp in an unspecified layout, and the calls are
+# warp-collective; here every lane keeps the whole tile and does the whole product (the same
+# result, 32 times the work), and only lane 0 stores, so the kernel must __syncwarp() before
+# it reads a stored tile, exactly as on a GPU. Products of bf16 values are exact in fp32 and
+# are summed in fp32, as the tensor cores do (in an unspecified order).
+FRAGMENT_SHIM = r"""
+#include <cstring>
+struct FragA { float v[16][16]; };
+struct FragB { float v[16][16]; };
+struct FragC { float v[16][16]; };
+inline float qs_bf16(unsigned short b) { unsigned u = (unsigned)b << 16; float f; std::memcpy(&f, &u, 4); return f; }
+inline void fill_zero(FragC& c) { for (int r = 0; r < 16; r++) for (int k = 0; k < 16; k++) c.v[r][k] = 0.0f; }
+inline void load_a_row(FragA& a, const unsigned short* p, unsigned ld)
+{
+    for (int r = 0; r < 16; r++) for (int k = 0; k < 16; k++) a.v[r][k] = qs_bf16(p[r * ld + k]);
+}
+template <bool COL>
+inline void load_b(FragB& b, const unsigned short* p, unsigned ld)
+{
+    for (int k = 0; k < 16; k++) for (int c = 0; c < 16; c++) b.v[k][c] = qs_bf16(COL ? p[c * ld + k] : p[k * ld + c]);
+}
+template <bool COL>
+inline void mma(FragC& c, const FragA& a, const FragB& b)
+{
+    for (int r = 0; r < 16; r++)
+        for (int j = 0; j < 16; j++) {
+            float sum = c.v[r][j];
+            for (int k = 0; k < 16; k++) sum += a.v[r][k] * b.v[k][j];
+            c.v[r][j] = sum;
+        }
+}
+inline void store_c_row(float* p, const FragC& c, unsigned ld)
+{
+    if (threadIdx.x % 32 != 0) return;                 // one lane writes the warp's tile
+    for (int r = 0; r < 16; r++) for (int j = 0; j < 16; j++) p[r * ld + j] = c.v[r][j];
+}
+"""
+
+
+def shimmed_copy(cu: Path, folder: Path) -> Path:
+    """A copy of a tensor-core .cu file with FRAGMENT_SHIM in front (g++ skips the PTX versions)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / cu.name
+    out.write_text(FRAGMENT_SHIM + cu.read_text())
+    return out
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    """kernel name -> EmulatedKernel: every stage-3 .cu compiled under the emulator (the
+    tensor-core one through its shimmed copy)."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is not installed")
+    build = tmp_path_factory.mktemp("cuda3-emulated")
+    sources = []
+    for cu in sorted({CUDA_DIR / f for f in kernels.KERNEL_FILES.values()}):
+        sources.append(cu if emu.unsupported(cu.read_text()) is None else shimmed_copy(cu, build / "shimmed"))
+    return emu.build(sources, build / "build")
+
+
+def _matrix(ptr: int, dtype: int, ld: int, rows: int, cols: int) -> np.ndarray:
+    """A column-major rows x cols matrix at ptr with leading dimension ld, as a writable numpy view."""
+    ctype, nptype = (ctypes.c_uint16, np.uint16) if dtype == kernels.CUDA_R_16BF else (ctypes.c_float, np.float32)
+    assert dtype in (kernels.CUDA_R_16BF, kernels.CUDA_R_32F)
+    buf = np.ctypeslib.as_array((ctype * (ld * cols)).from_address(ptr)).view(nptype)
+    return buf.reshape(cols, ld)[:, :rows].T
+
+
+def fake_gemm_ex(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc,
+                 compute, algo):
+    """cublasGemmEx as cuBLAS reads it: C [m, n] = alpha op(A) [m, k] op(B) [k, n] + beta C, column-major."""
+    assert compute == kernels.CUBLAS_COMPUTE_32F and Atype == Btype == kernels.CUDA_R_16BF
+    assert ctypes.c_float.from_address(alpha).value == 1.0 and ctypes.c_float.from_address(beta).value == 0.0
+    a = _matrix(A, Atype, lda, *((k, m) if transa == kernels.CUBLAS_OP_T else (m, k)))
+    b = _matrix(B, Btype, ldb, *((n, k) if transb == kernels.CUBLAS_OP_T else (k, n)))
+    a = a.T if transa == kernels.CUBLAS_OP_T else a
+    b = b.T if transb == kernels.CUBLAS_OP_T else b
+    y = f32(np.ascontiguousarray(a)) @ f32(np.ascontiguousarray(b))       # [m, n] fp32 sums
+    c = _matrix(C, Ctype, ldc, m, n)
+    c[...] = bf16_bits(y) if Ctype == kernels.CUDA_R_16BF else y
+
+
+@pytest.fixture
+def gpu(emulated, monkeypatch):
+    """kernels.py with the stand-in CuPy (and cuBLAS) and the emulated kernels."""
+    cp = emu.fake_cupy()
+    cp.uint16, cp.uint32 = np.uint16, np.uint32
+    cublas = types.ModuleType("cupy.cuda.cublas")
+    cublas.gemmEx = fake_gemm_ex
+    cublas.setStream = lambda handle, stream: None
+    cublas.setPointerMode = lambda handle, mode: None
+    cuda = types.ModuleType("cupy.cuda")
+    cuda.cublas = cublas
+    cuda.device = types.SimpleNamespace(get_cublas_handle=lambda: 0)
+    cuda.get_current_stream = lambda: types.SimpleNamespace(ptr=0)
+    cp.cuda = cuda
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
+    monkeypatch.setitem(emu.NP_POINTEES, "unsigned short", np.uint16)
+    monkeypatch.setattr(kernels, "_on_gpu", lambda x: isinstance(x, emu.Dev))
+    monkeypatch.setattr(kernels, "_kernel", lambda name: emulated[name])
+    monkeypatch.setattr(kernels, "_ptr", lambda x: x.ctypes.data)
+    return emu.dev
+
+
+def assert_bf16_close(got, expect, min_exact=0.9):
+    """Two bf16 bit arrays: within 2 bf16 steps (see the module docstring), mostly bit-identical."""
+    got, expect = np.asarray(got).view(np.ndarray), np.asarray(expect).view(np.ndarray)
+    assert got.dtype == expect.dtype == np.uint16 and got.shape == expect.shape
+    g, e = f32(got), f32(expect)
+    scale = float(np.abs(e).max())
+    assert scale > 0, "an all-zero reference proves nothing"
+    np.testing.assert_allclose(g, e, rtol=2 ** -7, atol=1e-3 * scale)
+    exact = float(np.mean(got == expect))
+    assert exact >= min_exact, f"only {exact:.1%} of the values are bit-identical"
+
+
+def bf16_random(rng, shape, scale=1.0):
+    return bf16_bits(rng.standard_normal(shape).astype(np.float32) * scale)
+
+
+def test_every_kernel_is_emulated(emulated):
+    assert set(emulated) == set(kernels.KERNEL_FILES)
+
+
+def test_embedding_copies_bf16_rows(gpu):
+    rng = np.random.default_rng(0)
+    for C in (96, 33):                                    # even: word copies; odd: one value per thread
+        table = bf16_random(rng, (50, C))
+        ids = rng.integers(0, 50, size=7).astype(np.int32)
+        np.testing.assert_array_equal(kernels.embedding(gpu(ids), gpu(table)).get(), ops.embedding(ids, table))
+
+
+@pytest.mark.parametrize("N,C", [(1, 96), (3, 300), (5, 1024)])
+def test_add_rmsnorm_equals_twin(gpu, N, C):
+    rng = np.random.default_rng(C)
+    x = bf16_random(rng, (N, C), 3.0)
+    residual = rng.standard_normal((N, C)).astype(np.float32) * 5
+    w = bf16_random(rng, (C,))
+    # the first block: no residual yet
+    h0, r0 = kernels.add_rmsnorm(gpu(x), None, gpu(w), 1e-6)
+    eh0, er0 = ops.add_rmsnorm(x, None, w, 1e-6)
+    np.testing.assert_array_equal(r0.get(), er0)
+    assert_bf16_close(h0.get(), eh0)
+    # a later block: residual + x, updated in place
+    dev_res = gpu(residual)
+    h1, r1 = kernels.add_rmsnorm(gpu(x), dev_res, gpu(w), 1e-6)
+    eh1, er1 = ops.add_rmsnorm(x, residual, w, 1e-6)
+    np.testing.assert_array_equal(r1.get(), er1)
+    np.testing.assert_array_equal(dev_res.get(), er1)          # in place
+    assert_bf16_close(h1.get(), eh1)
+
+
+@pytest.mark.parametrize("H,Hkv,D,norm", [(4, 2, 32, True), (2, 1, 48, True), (16, 8, 128, True),
+                                          (4, 4, 64, False), (3, 1, 256, True)])
+def test_qk_norm_rope_store_equals_twin(gpu, H, Hkv, D, norm):
+    rng = np.random.default_rng(H * D)
+    N, NB, P = 6, 5, 4
+    qkv = bf16_random(rng, (N, (H + 2 * Hkv) * D), 2.0)
+    qn, kn = (bf16_random(rng, (D,)), bf16_random(rng, (D,))) if norm else (None, None)
+    pos = rng.integers(0, 900, size=N)
+    cos, sin = ops.rope_tables(1000, D, 1e6)
+    slots = rng.permutation(NB * P)[:N].astype(np.int32)
+    slots[2] = -1                                              # a padding token: no store
+    pool = lambda: np.zeros((2, NB, P, Hkv, D), np.uint16)     # noqa: E731  [L, NB, P, Hkv, D]
+    dk, dv = gpu(pool()), gpu(pool())
+    ek, ev = pool(), pool()
+    q = kernels.qk_norm_rope_store(gpu(qkv), None if qn is None else gpu(qn), None if kn is None else gpu(kn),
+                                   gpu(cos[pos]), gpu(sin[pos]), dk[1], dv[1], gpu(slots), H, Hkv, 1e-6)
+    eq = ops.qk_norm_rope_store(qkv, qn, kn, cos[pos], sin[pos], ek[1], ev[1], slots, H, Hkv, 1e-6)
+    assert_bf16_close(q.get(), eq)
+    assert_bf16_close(dk.get()[1].reshape(-1), ek[1].reshape(-1), min_exact=0.5)   # most slots stay 0
+    np.testing.assert_array_equal(dv.get(), ev)                # V rows are copied bit for bit
+    assert not dk.get()[0].any() and ev[1].any()               # the other layer untouched; V was stored
+
+
+def test_swiglu_equals_twin(gpu):
+    rng = np.random.default_rng(1)
+    for N, F in [(1, 48), (7, 300)]:
+        gu = bf16_random(rng, (N, 2 * F), 2.0)
+        assert_bf16_close(kernels.swiglu(gpu(gu)).get(), ops.swiglu(gu))
+
+
+def test_linear_reads_the_weight_transposed_like_cublas(gpu):
+    rng = np.random.default_rng(2)
+    x, w = bf16_random(rng, (5, 96)), bf16_random(rng, (40, 96))
+    assert_bf16_close(kernels.linear(gpu(x), gpu(w)).get(), ops.linear(x, w), min_exact=1.0)
+    np.testing.assert_allclose(kernels.linear(gpu(x), gpu(w), out_f32=True).get(), ops.linear(x, w, True),
+                               rtol=1e-5)
+
+
+# decode attention at awkward shapes: one position, lengths off the page, one KV head,
+# Qwen3's GQA ratios (0.6B: 16/8, 8B: 32/8, 30B-A3B: 32/4); a split length below, between
+# and above the tile, so a split may hold several tiles, part of one, or nothing
+DECODE_CASES = [(H, Hkv, D, P, lens, split)
+                for H, Hkv, D in [(1, 1, 32), (4, 1, 64), (16, 8, 128), (32, 8, 128), (32, 4, 64), (2, 1, 48)]
+                for P, lens, split in [(16, [1], 512), (16, [1, 16, 17, 40], 8), (5, [3, 11, 70], 45),
+                                       (256, [7, 260], 100), (5, [3, 50], 45)]
+                # the emulator runs a thread per CUDA thread: the wide groups get the small cases
+                if not (H >= 16 and max(lens) > 100) and not (H >= 32 and split not in (512, 45))
+                and not (H >= 32 and max(lens) == 70) and not (H < 32 and lens == [3, 50])]
+
+
+@pytest.mark.parametrize("H,Hkv,D,P,lens,split", DECODE_CASES)
+def test_decode_attention_splits_and_merge_equal_twins(gpu, emulated, H, Hkv, D, P, lens, split):
+    rng = np.random.default_rng(H + P + split)
+    k32, v32, tables, *_ = paged(rng, lens, Hkv, D, P)
+    k_cache, v_cache = bf16_bits(k32), bf16_bits(v32)
+    q = bf16_random(rng, (len(lens), H, D))
+    ctx = np.array(lens, np.int32)
+    # the split kernel alone, against its twin (fp32 partials)
+    splits = (max(lens) + split - 1) // split
+    S = len(lens)
+    part_out, part_ml = gpu(np.zeros((S, H, splits, D), np.float32)), gpu(np.zeros((S, H, splits, 2), np.float32))
+    emulated["paged_decode_attention"](
+        (S * Hkv, splits), (32 * (H // Hkv),),
+        (gpu(q), gpu(k_cache), gpu(v_cache), gpu(tables), gpu(ctx), part_out, part_ml,
+         np.int32(H), np.int32(Hkv), np.int32(D), np.int32(P), np.int32(tables.shape[1]),
+         np.int32(split), np.int32(splits), np.float32(1 / np.sqrt(D))))
+    e_out, e_ml = ops.decode_attention_splits(q, k_cache, v_cache, tables, ctx, split, splits)
+    used = np.arange(splits)[None, :] < ((ctx + split - 1) // split)[:, None]   # [S, splits] pieces with positions
+    got_ml = part_ml.get()
+    got_ml_u = np.moveaxis(got_ml, 2, 1)[used]                 # [pieces, H, 2]
+    np.testing.assert_allclose(got_ml_u, np.moveaxis(e_ml, 2, 1)[used], rtol=2e-5, atol=1e-5)
+    np.testing.assert_allclose(np.moveaxis(part_out.get(), 2, 1)[used], np.moveaxis(e_out, 2, 1)[used],
+                               rtol=2e-5, atol=1e-4)
+    # the two kernels through kernels.py, against the one-softmax definition
+    out = kernels.paged_decode_attention(gpu(q), gpu(k_cache), gpu(v_cache), gpu(tables), gpu(ctx), split_len=split)
+    assert_bf16_close(out.get(), ops.paged_decode_attention(q, k_cache, v_cache, tables, ctx))
+    # and the merge twin over the split twin is the same definition
+    assert_bf16_close(ops.merge_attention(e_out, e_ml), ops.paged_decode_attention(q, k_cache, v_cache, tables, ctx))
+
+
+PREFILL_CASES = [(H, Hkv, D, P, chunks)
+                 for H, Hkv, D in [(1, 1, 32), (4, 2, 64), (16, 8, 128), (2, 1, 48)]
+                 for P, chunks in [(16, [(0, 1)]), (16, [(0, 17), (5, 3), (16, 6)]), (5, [(0, 7), (12, 1), (3, 9)])]
+                 if not (H >= 16 and P == 5)]
+
+
+@pytest.mark.parametrize("H,Hkv,D,P,chunks", PREFILL_CASES)
+def test_prefill_attention_equals_twin(gpu, H, Hkv, D, P, chunks):
+    rng = np.random.default_rng(H * 3 + P)
+    lens = [b + n for b, n in chunks]
+    k32, v32, tables, *_ = paged(rng, lens, Hkv, D, P)
+    k_cache, v_cache = bf16_bits(k32), bf16_bits(v32)
+    token_seq = np.concatenate([np.full(n, s) for s, (_, n) in enumerate(chunks)]).astype(np.int32)
+    positions = np.concatenate([np.arange(b, b + n) for b, n in chunks]).astype(np.int32)
+    q = bf16_random(rng, (len(positions), H, D))
+    out = kernels.prefill_attention(gpu(q), gpu(k_cache), gpu(v_cache), gpu(tables), gpu(token_seq), gpu(positions))
+    assert_bf16_close(out.get(), ops.prefill_attention(q, k_cache, v_cache, tables, token_seq, positions))
+
+
+# the tensor-core kernel at awkward shapes: one token, chunks that straddle the 16-token tile
+# and the page, a cached prefix before the chunk, one KV head, GQA groups of 2, 4 and 8
+# (8 takes two blocks of 4 heads), head dims 64 and 128
+TC_CASES = [(H, Hkv, D, P, chunks)
+            for H, Hkv, D in [(1, 1, 64), (4, 2, 64), (8, 2, 128), (8, 1, 64), (2, 1, 128)]
+            for P, chunks in [(16, [(0, 1)]), (16, [(0, 17), (5, 3), (16, 6)]), (5, [(0, 33), (12, 1), (40, 9)])]
+            if not (D == 128 and P == 5 and H >= 8)]
+
+
+@pytest.mark.parametrize("H,Hkv,D,P,chunks", TC_CASES)
+def test_prefill_attention_tensor_cores_equals_twin(gpu, H, Hkv, D, P, chunks):
+    """Tolerance: the kernel rounds the probabilities to bf16 before P V (the tensor cores take
+    bf16), a relative error of up to 2^-9 per probability that the fp32 twin does not make, on
+    top of the output's own bf16 rounding: outputs agree within 2^-6 relative, plus 1 % of the
+    scale for values that cancel, and at least a third bit for bit."""
+    from stage3_optimized.batch import PREFILL_TILE
+    rng = np.random.default_rng(H * 7 + P + D)
+    lens = [b + n for b, n in chunks]
+    k32, v32, tables, *_ = paged(rng, lens, Hkv, D, P)
+    k_cache, v_cache = bf16_bits(k32), bf16_bits(v32)
+    token_seq = np.concatenate([np.full(n, s) for s, (_, n) in enumerate(chunks)]).astype(np.int32)
+    positions = np.concatenate([np.arange(b, b + n) for b, n in chunks]).astype(np.int32)
+    starts = np.cumsum([0] + [n for _, n in chunks])
+    tiles = [(t, min(PREFILL_TILE, stop - t)) for a, stop in zip(starts[:-1], starts[1:])
+             for t in range(a, stop, PREFILL_TILE)]
+    tile_start = np.array([t for t, _ in tiles], np.int32)
+    tile_count = np.array([c for _, c in tiles], np.int32)
+    q = bf16_random(rng, (len(positions), H, D), 2.0)
+    args = [gpu(q), gpu(k_cache), gpu(v_cache), gpu(tables), gpu(token_seq), gpu(positions)]
+    out = kernels.prefill_attention(*args, gpu(tile_start), gpu(tile_count)).get()
+    expect = ops.prefill_attention(q, k_cache, v_cache, tables, token_seq, positions)
+    g, e = f32(out), f32(expect)
+    np.testing.assert_allclose(g, e, rtol=2 ** -6, atol=1e-2 * float(np.abs(e).max()))
+    assert float(np.mean(out == expect)) >= 0.33
+    # and the plain kernel it replaces agrees with the same twin more tightly
+    plain = kernels.prefill_attention(*args, gpu(tile_start), gpu(tile_count), tensor_cores=False).get()
+    assert_bf16_close(plain, expect)
+
+
+def test_engine_on_emulated_kernels_equals_engine_on_twins(gpu, monkeypatch):
+    """The whole stage-3 engine with device="cuda" (model.py's GPU branch, kernels.py's launches
+    and cuBLAS calls, the prefix cache) on the emulated kernels: the same tokens as device="cpu".
+    A Qwen3-MoE whose layer 1 is dense, small pages and budget (chunked prefill, page crossings),
+    and a shared prefix so the third request starts from cached pages."""
+    from common.engine import Request
+    from common.sampling import SamplingParams
+    from models import make_model
+    from stage3_optimized import engine as engine_module
+
+    folder = make_model("qwen3_moe", mlp_only_layers=[1])
+    prompts = [list(range(40, 53)), [5, 9, 3], list(range(40, 50)) + [7]]
+
+    def run(device):
+        eng = engine_module.LLMEngine(folder, max_ctx=64, slots=3, token_budget=8, page_size=4,
+                                      num_pages=32, device=device, progress=False)
+        out = {str(i): [] for i in range(len(prompts))}
+        for i, p in enumerate(prompts):
+            eng.add_request(Request(str(i), p, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)))
+            while eng.has_work() and i == 0 and not out["0"]:    # the first one computes its prompt first
+                for ev in eng.step():
+                    out[ev.request_id].append(ev.token_id)
+        while eng.has_work():
+            for ev in eng.step():
+                out[ev.request_id].append(ev.token_id)
+        assert eng.num_free_pages() == 32
+        return out, eng
+
+    expect, cpu_eng = run("cpu")
+    monkeypatch.setattr(engine_module, "array_module", lambda device: sys.modules["cupy"])
+    got, eng = run("cuda")
+    assert isinstance(eng.model.cache.k_pool, emu.Dev) and isinstance(eng.weights.embed.data, emu.Dev)
+    assert eng.num_cached_tokens("2") == 8 == cpu_eng.num_cached_tokens("2")
+    assert got == expect and all(len(t) == 3 for t in got.values())
+
+
+def _wide_step(points: np.ndarray, near: float, width: float = 2e-3) -> float:
+    """The middle of the step of points (cumulative shares in [0, 1], increasing) nearest to
+    `near` among those wider than width: a value whose side of every boundary no fp32
+    rounding can change."""
+    lo = np.concatenate([[0.0], points[:-1]])
+    wide = np.flatnonzero(points - lo > width)
+    assert len(wide), "no step is wide enough"
+    j = wide[np.argmin(np.abs((lo[wide] + points[wide]) / 2 - near))]
+    return float((lo[j] + points[j]) / 2)
+
+
+@pytest.mark.parametrize("V", [50, 1000, 4099])
+def test_sample_kernel_equals_twin_on_the_same_uniform_numbers(gpu, V):
+    """Greedy, temperature alone, top-k, top-p, both, top-k 1, a tiny top-p. u and top_p are
+    put in the middle of a step at least 2e-3 wide (a token's share of the mass), away from
+    the boundaries where fp32 sums in another order may round the other way: there,
+    kernel and twin must pick the very same token."""
+    rng = np.random.default_rng(V)
+    settings = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 20, 1.0), (1.3, 0, 0.9), (0.8, 40, 0.75),
+                (1.0, 1, 1.0), (1.0, 0, 0.01), (0.5, V - 1, 0.5)]
+    S = len(settings)
+    logits = (rng.standard_normal((S, V)) * 3).astype(np.float32)
+    logits[0, V // 3] = logits[0, V // 2] = logits[0].max() + 1      # a tie: greedy takes the first
+    temperature = np.array([t for t, _, _ in settings], np.float32)
+    top_k = np.array([k for _, k, _ in settings], np.int32)
+    top_p = np.array([p for _, _, p in settings], np.float32)
+    u = rng.random(S).astype(np.float32)
+    for s in range(S):
+        if temperature[s] <= 0:
+            continue
+        if top_p[s] < 1:                                  # top_p in the middle of a step of the mass
+            keep, w = ops.sampling_set(logits[s], temperature[s], top_k[s], 1.0)
+            mass = np.cumsum(np.sort(w[keep].astype(np.float64))[::-1])
+            top_p[s] = _wide_step(mass / mass[-1], float(top_p[s]))
+        keep, w = ops.sampling_set(logits[s], temperature[s], top_k[s], top_p[s])
+        run = np.cumsum(np.where(keep, w, 0).astype(np.float64))
+        u[s] = _wide_step(run[keep] / run[-1], float(u[s]))   # u in the middle of a kept token's step
+    expect = ops.sample(logits, temperature, top_k, top_p, u)
+    got = kernels.sample(gpu(logits), gpu(temperature), gpu(top_k), gpu(top_p), gpu(u)).get()
+    np.testing.assert_array_equal(got, expect)
+    assert expect[0] == V // 3                                        # greedy: the first of the tied maxima
+    assert expect[5] == int(np.argmax(logits[5]))                     # top-k 1 is greedy whatever u is
+    sizes = [int(ops.sampling_set(logits[s], temperature[s], top_k[s], top_p[s])[0].sum()) for s in range(1, S)]
+    assert sizes[0] == V and sizes[1] == min(20, V) and sizes[2] < V and sizes[3] <= min(40, V)
+    assert sizes[5] <= 3                                              # top-p 0.01 keeps the head only
+    # the twin's choices are real draws: over many u, a row's tokens follow its kept distribution
+    many = ops.sample(np.repeat(logits[1:2], 400, 0), np.full(400, 1.0, np.float32), np.zeros(400, np.int32),
+                      np.ones(400, np.float32), rng.random(400).astype(np.float32))
+    assert len(set(many.tolist())) > 5
