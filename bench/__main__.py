@@ -9,7 +9,8 @@ BENCHMARKS = {
     "ladder": "bench.ladder",    # the ablation ladder: naive matmul -> threads -> fused -> int4 -> int8 activations
     "kernels": "bench.kernels",  # the stage-1 matmul kernels on their own
     "profile": "bench.profile",  # one stage-1 forward pass, op by op
-    "gpu": "bench.gpu",          # stage 2 on a GPU: nano-vllm's workload, batch-1 decode (bench/gpu_check.sh)
+    "moe": "bench.moe",          # the MoE benchmark: stage 1 against llama.cpp (qwen3moe) and transformers
+    "gpu": "bench.gpu",          # stages 2 and 3 on a GPU: nano-vllm's workload, batch-1 decode (bench/gpu_check.sh)
     "first-answer": "bench.first_answer",   # how often the default model's first answer is right, per sampling setting
 }
 
