@@ -28,7 +28,8 @@ SDIST=${LLAMA_SDIST:-}
 if [ -z "$SDIST" ]; then
     spec="llama-cpp-python${VERSION:+==$VERSION}"
     echo "downloading the sdist of $spec ..."
-    $PY -m pip download --no-deps --no-binary :all: -d "$DEST/src" "$spec"
+    # --no-binary for this package only: ":all:" would also build its build tools (cmake) from source
+    $PY -m pip download --no-deps --no-build-isolation --no-binary llama-cpp-python -d "$DEST/src" "$spec"
     SDIST=$(ls -t "$DEST"/src/llama_cpp_python-*.tar.gz | head -1)
 fi
 echo "building $SDIST for AVX2 (no AVX-512) ..."

@@ -77,8 +77,8 @@ def main() -> None:
     model.forward(np.arange(128), 0)                     # a context to decode after
     if args.against_bandwidth:
         if T != 1 or model.decode_step is None:
-            raise SystemExit("--against-bandwidth needs a decode step in one region (a dense model, --tokens 1)")
-        against_bandwidth(model, engine.weights.nbytes, args)
+            raise SystemExit("--against-bandwidth needs the one-region decode step (--kernels fast, --tokens 1)")
+        against_bandwidth(model, engine.weights.decode_nbytes, args)
         return
     versus = None
     if T == 1 and model.decode_step is not None:
@@ -146,24 +146,25 @@ def _read_only_kernels():
     from numba import prange
 
     from stage1_cpu.fast import sync
-    from stage1_cpu.fast.decode_step import PHASES, _items
+    from stage1_cpu.fast.decode_step import ATTENTION, COUNTER, DST, EXPERTS, LAYER, MATMUL, OP, WEIGHT, _items
 
     @numba.njit(inline="always")
     def read_words(a, lo, hi):                        # sum of a[lo:hi], uint64 words: one add per 8 bytes
         return a[lo:hi].sum()                         # (an explicit loop here does not vectorise)
 
     @numba.njit(inline="always")
-    def read_phase(words, scale_words, mins_words, O, counts, phase, workers):
-        """A matmul phase: the same items as _matvec, each item's weights and scales
-        summed (one stream each), nothing multiplied."""
+    def read_phase(words, scale_words, mins_words, O, R, counts, phase, workers):
+        """A matmul (or experts) phase: the same items as _matvec over the first R of the
+        O rows (experts: k experts' worth, as many bytes as the routed ones), each item's
+        weights and scales summed (one stream each), nothing multiplied."""
         row = words.size // O
-        block, big, n_big, split, n = _items(O, row * 8, workers)
+        block, big, n_big, split, n = _items(R, row * 8, workers)
         srow, mrow = scale_words.size // O, mins_words.size // O
         s = np.uint64(0)
         i = sync.claim(counts, phase)
         while i < n:
             r0 = i * big if i < n_big else split + (i - n_big) * block
-            r1 = min(O, r0 + (big if i < n_big else block))
+            r1 = min(R, r0 + (big if i < n_big else block))
             s += read_words(words, r0 * row, r1 * row) + read_words(scale_words, r0 * srow, r1 * srow)
             s += read_words(mins_words, r0 * mrow, r1 * mrow)
             sync.finish(counts, phase)
@@ -185,20 +186,21 @@ def _read_only_kernels():
         return s
 
     @numba.njit(parallel=True)
-    def step(workers, words, scale_words, mins_words, rows, kv, pos, counts):
+    def step(workers, prog, meta, words, scale_words, mins_words, kv, pos, counts):
+        """The step's program (decode_step.py), its shared phases only, read instead of run."""
         total = np.zeros(workers, dtype=np.float64)
-        L = kv.shape[0]
         for w in prange(workers):
             s = 0.0
-            for layer in range(L):
-                p, m = PHASES * layer, 4 * layer
-                s += read_phase(words[m], scale_words[m], mins_words[m], rows[0], counts, p, workers)
-                s += read_kv(kv, layer, pos, counts, p + 1)
-                for k in range(1, 4):
-                    s += read_phase(words[m + k], scale_words[m + k], mins_words[m + k], rows[k], counts,
-                                    p + 1 + k, workers)
-            s += read_phase(words[4 * L], scale_words[4 * L], mins_words[4 * L], rows[4], counts, PHASES * L,
-                            workers)
+            for p in range(prog.shape[0]):
+                op = prog[p, OP]
+                if op == ATTENTION:
+                    s += read_kv(kv, prog[p, LAYER], pos, counts, prog[p, COUNTER])
+                elif op == MATMUL or op == EXPERTS:
+                    m = prog[p, WEIGHT]
+                    O = meta[m, 2]
+                    R = O if op == MATMUL else prog[p, DST + 2]   # experts: k x rows per expert
+                    s += read_phase(words[m], scale_words[m], mins_words[m], O, R, counts, prog[p, COUNTER],
+                                    workers)
             total[w] = s
         return total.sum()
 
@@ -219,7 +221,6 @@ def against_bandwidth(model, weight_bytes: int, args) -> None:
     words_of = lambda arrays: _typed([np.asarray(a).view(np.uint8)[: a.nbytes // 8 * 8].view(np.uint64)
                                       for a in arrays], List, types)
     words, scale_words, mins_words = words_of(ds.data), words_of(ds.scales), words_of(ds.mins)
-    rows = ds.meta[:, 2].copy()                     # O of qkv, wo, gate_up, down, lm_head
     read_step = _read_only_kernels()
     workers = numba.get_num_threads()
     probe = BandwidthProbe()
@@ -231,7 +232,7 @@ def against_bandwidth(model, weight_bytes: int, args) -> None:
         t0 = time.perf_counter()
         model.forward(np.array([5]), pos)
         t1 = time.perf_counter()
-        read_step(workers, words, scale_words, mins_words, rows, kv, pos, sync.counters(ds.n_phases))
+        read_step(workers, ds.prog, ds.meta, words, scale_words, mins_words, kv, pos, sync.counters(ds.n_counters))
         t2 = time.perf_counter()
         samples.append((bw, t1 - t0, t2 - t1))
         pos = pos + 1 if pos < 255 else 128          # positions 128..255, as in the benchmark's decode

@@ -505,6 +505,99 @@ def silu_mul(gate_up: np.ndarray) -> np.ndarray:
     return out
 
 
+# ---------------------------------------------------------------------------
+# MoE: the router's choice, and the weighted sum of the chosen experts' outputs.
+# Per token, serial: E and k are small (128 and 8 for Qwen3-30B-A3B).
+# ---------------------------------------------------------------------------
+
+
+@_inline
+def route_row(logits, t, k, norm, top, weight):
+    """ops.route for token t: logits [T, E] -> top [T, k] int64, weight [T, k] f32."""
+    E = logits.shape[1]
+    mx = logits[t, 0]
+    for e in range(1, E):
+        mx = max(mx, logits[t, e])
+    total = np.float32(0.0)                      # softmax denominator over all E experts
+    for e in range(E):
+        total += exp_f32(logits[t, e] - mx)
+    kept = np.float32(0.0)
+    for j in range(k):                           # the j-th largest: first best not taken yet
+        best = -1
+        for e in range(E):
+            taken = False
+            for i in range(j):
+                taken = taken or top[t, i] == e
+            if not taken and (best < 0 or logits[t, e] > logits[t, best]):
+                best = e
+        top[t, j] = best
+        weight[t, j] = exp_f32(logits[t, best] - mx) / total
+        kept += weight[t, j]
+    if norm:
+        for j in range(k):
+            weight[t, j] = weight[t, j] / kept
+
+
+@_serial
+def _route(logits, k, norm, top, weight):
+    for t in range(logits.shape[0]):
+        route_row(logits, t, k, norm, top, weight)
+
+
+def route(logits: np.ndarray, k: int, norm: bool) -> tuple[np.ndarray, np.ndarray]:
+    """logits [T, E] -> top [T, k], weight [T, k] (ops.route)."""
+    T = logits.shape[0]
+    top, weight = np.empty((T, k), dtype=np.int64), np.empty((T, k), dtype=np.float32)
+    _route(np.ascontiguousarray(logits, dtype=np.float32), k, norm, top, weight)
+    return top, weight
+
+
+@_inline
+def mix_row(y, weight, out, t):
+    """out[t] = sum_j weight[t, j] y[t*k + j], j in order: y [T*k, C], weight [T, k]."""
+    k, C = weight.shape[1], y.shape[1]
+    for c in range(C):
+        out[t, c] = np.float32(0.0)
+    for j in range(k):
+        w = weight[t, j]
+        for c in range(C):
+            out[t, c] += w * y[t * k + j, c]
+
+
+@_serial
+def _mix(y, weight, out):
+    for t in range(out.shape[0]):
+        mix_row(y, weight, out, t)
+
+
+def mix(y: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """y [T*k, C], weight [T, k] -> [T, C] (ops.mix)."""
+    out = np.empty((weight.shape[0], y.shape[1]), dtype=np.float32)
+    _mix(np.ascontiguousarray(y), np.ascontiguousarray(weight), out)
+    return out
+
+
+@_inline
+def gated_add_row(out, y, gate, t):
+    """out[t] += sigmoid(gate[t, 0]) * y[t]: out, y [T, C], gate [T, 1]."""
+    g = np.float32(1.0) / (np.float32(1.0) + exp_f32(-gate[t, 0]))
+    for c in range(y.shape[1]):
+        out[t, c] = out[t, c] + g * y[t, c]
+
+
+@_serial
+def _gated_add(out, y, gate):
+    for t in range(out.shape[0]):
+        gated_add_row(out, y, gate, t)
+
+
+def gated_add(out: np.ndarray, y: np.ndarray, gate: np.ndarray) -> np.ndarray:
+    """out + sigmoid(gate) * y, a new array: out, y [T, C], gate [T, 1] (ops.gated_add)."""
+    res = np.array(out, dtype=np.float32)                # [T, C] a copy, added to in place
+    _gated_add(res, np.ascontiguousarray(y), np.ascontiguousarray(gate))
+    return res
+
+
 @_inline
 def rope_head(x, cos, sin, out, t, h):
     """Head h of token t (out may be x: each pair is read before it is written)."""

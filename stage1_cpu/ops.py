@@ -88,3 +88,26 @@ def softmax(x: np.ndarray) -> np.ndarray:
     """Softmax over the last axis, in float32 (the MoE router)."""
     e = np.exp(x - x.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
+
+
+def route(logits: np.ndarray, k: int, norm: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The MoE router's choice. logits [T, E] -> top [T, k] the k experts each token goes
+    to, best first (ties: the lower id), and weight [T, k] their softmax probabilities
+    over all E experts, renormalised to sum to 1 over the k when norm (norm_topk_prob)."""
+    top = np.argsort(-logits, axis=-1, kind="stable")[:, :k]             # [T, k]
+    weight = np.take_along_axis(softmax(logits), top, axis=-1)           # [T, k]
+    if norm:
+        weight = weight / weight.sum(axis=-1, keepdims=True)
+    return top, weight.astype(np.float32)
+
+
+def mix(y: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """The routed experts' outputs, weighted: y [T*k, C] (token t's k outputs in rows
+    t*k .. t*k+k-1, in route()'s order), weight [T, k] -> sum_j weight[t, j] y[t*k+j] [T, C]."""
+    T, k = weight.shape
+    return np.einsum("tk,tkc->tc", weight, y.reshape(T, k, -1)).astype(np.float32)
+
+
+def gated_add(out: np.ndarray, y: np.ndarray, gate: np.ndarray) -> np.ndarray:
+    """out + sigmoid(gate) * y: out, y [T, C], gate [T, 1] (qwen2_moe's shared expert)."""
+    return (out + y / (np.float32(1) + np.exp(-gate))).astype(np.float32)

@@ -52,6 +52,7 @@ weights.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -158,6 +159,12 @@ class Weight:
         else:
             kernels.segments_int4(x.reshape(S, -1, 2, gs), self.data, self.scales, self.mins, starts, out)
         return out
+
+    def part(self, r0: int, r1: int) -> "Weight":
+        """Rows r0..r1-1 as a Weight of their own: views, no copy (one expert of a stack)."""
+        view = lambda a: None if a is None else a[r0:r1]  # noqa: E731
+        return dataclasses.replace(self, out_features=r1 - r0, data=view(self.data), scales=view(self.scales),
+                                   mins=view(self.mins))
 
     def _matmul_tiled(self, x: np.ndarray) -> np.ndarray:
         """Prefill: dequantize ROW_BLOCK rows at a time into one fp32 tile and

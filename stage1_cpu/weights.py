@@ -46,12 +46,12 @@ class LayerWeights:
     k_norm: np.ndarray | None = None        # [D]   qwen3 only
     w_gate_up: Weight | None = None         # [2F, C] dense MLP: gate_proj, up_proj stacked
     w_down: Weight | None = None            # [C, F]
-    router: np.ndarray | None = None        # [E, C] MoE router, kept in fp32 (it is tiny and decides everything)
+    router: Weight | None = None            # [E, C] MoE router, kept in fp32 (it is tiny and decides everything)
     experts: list[ExpertWeights] = field(default_factory=list)   # views into the two stacks below
     experts_gate_up: Weight | None = None   # [E * 2Fe, C] every routed expert's gate_up, stacked by rows
     experts_down: Weight | None = None      # [E * C, Fe] every routed expert's down, stacked by rows
     shared_expert: ExpertWeights | None = None  # qwen2_moe: [2Fs, C] and [C, Fs], every token goes through it
-    shared_gate: np.ndarray | None = None   # [1, C] its sigmoid gate, fp32 like the router
+    shared_gate: Weight | None = None       # [1, C] its sigmoid gate, fp32 like the router
 
 
 @dataclass
@@ -175,7 +175,7 @@ def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
             if cfg.qk_norm:
                 L.q_norm, L.k_norm = loader.layer("q_norm", i), loader.layer("k_norm", i)
             if cfg.is_moe_layer(i):
-                L.router = loader.layer("router", i)
+                L.router = quantize(loader.layer("router", i), "none")
                 experts = [ExpertWeights(step(q(loader.fused(["e_gate", "e_up"], i, e))),
                                          step(q(loader.layer("e_down", i, e))))
                            for e in range(cfg.num_experts)]
@@ -185,13 +185,13 @@ def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
                 L.experts_down = _stack([ex.e_down for ex in experts])
                 del experts
                 Fe2, C = L.experts_gate_up.out_features // cfg.num_experts, cfg.hidden_size
-                L.experts = [ExpertWeights(_rows(L.experts_gate_up, e * Fe2, (e + 1) * Fe2),
-                                           _rows(L.experts_down, e * C, (e + 1) * C))
+                L.experts = [ExpertWeights(L.experts_gate_up.part(e * Fe2, (e + 1) * Fe2),
+                                           L.experts_down.part(e * C, (e + 1) * C))
                              for e in range(cfg.num_experts)]
                 if cfg.shared_expert_intermediate_size:
                     L.shared_expert = ExpertWeights(step(q(loader.fused(["s_gate", "s_up"], i))),
                                                     step(q(loader.layer("s_down", i))))
-                    L.shared_gate = loader.layer("shared_gate", i)
+                    L.shared_gate = quantize(loader.layer("shared_gate", i), "none")
             else:
                 L.w_gate_up = step(q(loader.fused(["w_gate", "w_up"], i)))
                 L.w_down = step(q(loader.layer("w_down", i)))
@@ -219,9 +219,3 @@ def _stack(ws: list[Weight]) -> Weight:
     return dataclasses.replace(ws[0], out_features=sum(w.out_features for w in ws), data=cat("data"),
                                scales=cat("scales"), mins=cat("mins"))
 
-
-def _rows(w: Weight, r0: int, r1: int) -> Weight:
-    """Rows r0..r1-1 of w as a Weight of their own: views, no copy."""
-    view = lambda a: None if a is None else a[r0:r1]  # noqa: E731
-    return dataclasses.replace(w, out_features=r1 - r0, data=view(w.data), scales=view(w.scales),
-                               mins=view(w.mins))

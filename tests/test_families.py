@@ -58,7 +58,7 @@ def rel_err(a, b):
 def stage1_model(folder, fmt="none"):
     from stage1_cpu.model import Model
     from stage1_cpu.weights import load_weights
-    # one_region=False: the per-op path (decode_step.py does not run biases or MoE)
+    # one_region=False: the per-op path (test_stage1_decode_step.py holds the one-region step to it)
     return Model(load_weights(folder, fmt, progress=False), 256, one_region=False)
 
 
@@ -103,12 +103,11 @@ def test_stage1_fp32_greedy_32_tokens_equal_transformers(case):
 @pytest.mark.parametrize("case", ["qwen2", "qwen2_moe_top2_norm_dense_middle"])
 def test_stage1_engine_with_chunked_prefill_equals_transformers(case):
     """The engine as the chat and server use it: prompts prefilled 5 tokens at a time,
-    the default model options (q/k/v biases keep a dense qwen2 off decode_step.py,
-    which does not add them; MoE never goes there)."""
+    the default model options (decode in one parallel region: fast/decode_step.py)."""
     from stage1_cpu.engine import LLMEngine
     folder, _, _, ref = reference(case)
     eng = LLMEngine(folder, max_ctx=128, progress=False, prefill_chunk=5)
-    assert eng.model.decode_step is None
+    assert eng.model.decode_step is not None
     eng.add_request(Request("r", PROMPT, SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)))
     out = []
     while eng.has_work():

@@ -1,7 +1,7 @@
 """decode_step.py (a decode step in one parallel region) against model.forward's per-op
-path: the same inlined bodies on the same values, so the logits and the KV cache must
-be equal bit for bit, for every weight format and activation rounding, whatever the
-number of threads or worker iterations."""
+path: both run model.plan()'s phases, with the same inlined bodies on the same values, so
+the logits and the KV cache must be equal bit for bit, for every weight format and
+activation rounding, dense and MoE, whatever the number of threads or worker iterations."""
 import numba
 import numpy as np
 import pytest
@@ -17,6 +17,11 @@ CASES = {
     # llama: no q/k norm; 3 heads on 1 KV head, hidden 72 (int4 pads it to 2 groups of 64)
     "llama_odd": dict(family="llama", head_dim=64, num_attention_heads=3, num_key_value_heads=1,
                       hidden_size=72, intermediate_size=100),
+    "qwen2": dict(family="qwen2"),                            # q/k/v biases, added as rows are written
+    # MoE: top-2 of 8 renormalised, every other layer dense
+    "qwen3_moe": dict(family="qwen3_moe", decoder_sparse_step=2),
+    # top-4 of 8 not renormalised, a shared expert wider than the routed ones, with its gate
+    "qwen2_moe": dict(family="qwen2_moe"),
 }
 
 
@@ -77,12 +82,7 @@ def test_any_number_of_worker_iterations_gives_the_same_logits(workers):
     step = model.decode_step
     x = weights.embed.rows(np.array([7]))[0]
     pos = len(PROMPT)
-    logits = np.empty_like(ref)
-    decode_step._decode(workers, x, pos, step.meta, step.data, step.scales, step.mins, step.norms, step.qk_norms,
-                        step.final_norm, step.cache.data, step.cos[pos:pos + 1], step.sin[pos:pos + 1], step.eps,
-                        step.dims, step.qkv, step.att, step.o_out, step.gate_up, step.down_out, logits,
-                        sync.counters(step.n_phases))
-    assert np.array_equal(logits, ref)
+    assert np.array_equal(step.step(x, pos, workers=workers), ref)
 
 
 def test_threads_one_and_two_agree():
@@ -99,23 +99,26 @@ def test_threads_one_and_two_agree():
         numba.set_num_threads(saved)
 
 
-def test_a_layer_in_another_format_keeps_the_per_op_path():
-    """The kernel takes one format per kind of matrix: a model mixing them decodes per op."""
+def test_a_layer_in_another_format_runs_in_one_region_too():
+    """Each phase carries its own weight's format: a model that mixes them still decodes
+    in one region, bit for bit the per-op path."""
     from stage1_cpu.fast import fast_quantize
     weights = load_weights(make_model(**CASES["qwen3"]), "int8", 32, progress=False)
     lw = weights.layers[1]
     lw.wo = fast_quantize(lw.wo.dequantize(), "bf16")
-    assert not decode_step.DecodeStep.supported(weights)
+    pairs, one, per_op = decode_both(weights, steps=3)
+    for a, b in pairs:
+        assert np.abs(b).max() > 1.0 and np.array_equal(a, b)
+
+
+def test_the_program_is_the_plan():
+    """The one-region step runs model.plan()'s phases, in order, and nothing else (the
+    "last" phase has nothing to do for one token)."""
+    weights = load_weights(make_model(**CASES["qwen2_moe"]), "int8", 32, progress=False)
     model = Model(weights, 64)
-    assert model.decode_step is None
-    model.forward(np.array(PROMPT), 0)
-    assert np.abs(model.forward(np.array([3]), len(PROMPT))).max() > 1.0
-
-
-def test_moe_models_keep_the_per_op_path():
-    weights = load_weights(make_model(family="qwen3_moe"), "int8", 32, progress=False)
-    assert not decode_step.DecodeStep.supported(weights)
-    assert Model(weights, 64).decode_step is None
+    ops = [decode_step.OPS[ph.op] for ph in model.phases if ph.op != "last"]
+    assert model.decode_step.prog[:, decode_step.OP].tolist() == ops
+    assert {"route", "experts", "mix", "gated_add"} <= {ph.op for ph in model.phases}
 
 
 def test_counters_claim_each_item_once_and_wait_for_all():

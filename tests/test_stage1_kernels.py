@@ -96,6 +96,31 @@ def test_attention_matches_ops(rng, T, H, Hkv, D, start_pos):
             close(out, ref)
 
 
+@pytest.mark.parametrize("T,E,k,norm", [(1, 8, 2, True), (5, 8, 4, False), (3, 128, 8, True), (2, 6, 1, False)])
+def test_route_matches_ops(rng, T, E, k, norm):
+    """The router's choice: the same experts, best first, and weights to fp32 rounding
+    (ops.softmax uses np.exp, the kernel exp_f32, ~2 ulp)."""
+    logits = rng.standard_normal((T, E)).astype(np.float32) * 3
+    logits[0, 1] = logits[0, 0]                              # a tie: the lower id goes first
+    top, w = kernels.route(logits, k, norm)
+    top_ref, w_ref = ops.route(logits, k, norm)
+    assert np.array_equal(top, top_ref)
+    close(w, w_ref, 1e-6 * 4)
+    if norm:
+        assert np.allclose(w.sum(-1), 1, atol=1e-6)
+    assert (np.diff(w, axis=-1) <= 0).all()                 # best first
+
+
+@pytest.mark.parametrize("T,k,C", [(1, 2, 96), (4, 8, 130)])
+def test_mix_and_gated_add_match_ops(rng, T, k, C):
+    y = rng.standard_normal((T * k, C)).astype(np.float32)
+    w = rng.random((T, k)).astype(np.float32)
+    close(kernels.mix(y, w), ops.mix(y, w))
+    out, ys, gate = (rng.standard_normal((T, C)).astype(np.float32), rng.standard_normal((T, C)).astype(np.float32),
+                     rng.standard_normal((T, 1)).astype(np.float32) * 4)
+    close(kernels.gated_add(out, ys, gate), ops.gated_add(out, ys, gate))
+
+
 def test_attention_rejects_uneven_gqa(rng):
     with pytest.raises(ValueError, match="3 KV heads"):
         kernels.attention(randn(rng, 1, 4, 8), randn(rng, 3, 4, 8), randn(rng, 3, 4, 8), 0)

@@ -7,8 +7,8 @@ lesson (docs/stage1.md, "The fast path"):
     simd.py, kernels.py   int8 (or int16) activations at decode, multiplied by the
                           CPU's integer dot-product instructions; a bf16 GEMM at prefill
     weight.py             FastWeight: a quant.Weight that routes those cases to them
-    sync.py,              a dense model's whole decode step in one parallel region,
-    decode_step.py        on the core's own row bodies (the same bits)
+    sync.py,              a whole decode step (model.plan()'s phases, dense or MoE) in
+    decode_step.py        one parallel region, on the core's own row bodies (the same bits)
 
 cpu.py decides, in Python and before anything is compiled, which instructions
 exist on the target (cpu.INT8: "vnni" | "avx2" | None; cpu.BF16). A kernel that
@@ -55,11 +55,10 @@ def choose_act(fmt: str, activations: str, in_features: int, lm_head: bool = Fal
     return act
 
 
-def make_decode_step(weights, cache, cos, sin):
-    """The one-region decode step for these weights, or None where it does not apply
-    (MoE layers, layers in different formats): the model then runs its per-op path."""
+def make_decode_step(model, phases):
+    """The one-region decode step that runs these phases (model.plan()) of this model."""
     from stage1_cpu.fast.decode_step import DecodeStep
-    return DecodeStep(weights, cache, cos, sin) if DecodeStep.supported(weights) else None
+    return DecodeStep(model, phases)
 
 
 def describe(weights) -> str:

@@ -1,55 +1,51 @@
 """A whole decode step (one token, all layers, the logits) in one parallel region.
 
-Changed from the core (stage1_cpu/model.py): model.py's forward pass calls one
-numba kernel per op: for one token that is 4 matmuls per layer plus the lm_head,
-113 parallel regions for Qwen3-0.6B, each starting the threads anew (tens of
-microseconds each when idle threads sleep, OMP_WAIT_POLICY=PASSIVE; about a
-microsecond when they spin), with Python and small serial ops in between. Here
-the threads start once per token and stay for all of it:
+Changed from the core (stage1_cpu/model.py): Model.forward runs the phases of
+model.plan() one numba kernel at a time: for one token of Qwen3-0.6B that is 113
+parallel regions (4 matmuls per layer plus the lm_head), each starting the
+threads anew (tens of microseconds each when idle threads sleep,
+OMP_WAIT_POLICY=PASSIVE; about a microsecond when they spin), with Python and
+small serial ops in between. Here the threads start once per token and run the
+same list of phases, encoded as a table of integers (DecodeStep below):
 
     for worker in prange(threads):                 # the only parallel region
-        x = embedding row                          (every worker keeps its own copy)
-        for each layer:
-            h = rmsnorm(x)                         private: every worker computes it
-            qkv   = h @ wqkv.T                     phase: rows claimed in blocks   -> shared
-            att   = norm, rope, cache, attend      phase: one item per KV head     -> shared
-            x    += att @ wo.T                     phase: rows                      -> shared, then added privately
-            h = rmsnorm(x)
-            gu    = h @ w_gate_up.T                phase: rows                      -> shared
-            x    += silu(gate) * up @ w_down.T     phase: rows
-        logits = rmsnorm(x) @ lm_head.T            phase: rows
+        for phase in program:
+            private phases (norm, add, silu_mul, route, mix, gated_add):
+                every worker computes them on its own copy of the buffers
+            shared phases (matmul, experts, attention):
+                the work is cut into items (blocks of rows, KV heads), claimed
+                through atomic counters; the outputs go to a shared arena;
+                each worker waits until every item is done (sync.py)
 
-Between phases, each worker waits until every item of the previous one is done
-(sync.py: items are claimed through atomic counters, so a thread that wakes late
-just takes fewer). The small ops (norms, the residual, SiLU) are done by every
-worker on its own copy: recomputing 1024 floats is cheaper than a handoff.
+The small ops run privately because recomputing 1024 floats is cheaper than a
+handoff; a worker that wakes late just claims fewer items. MoE layers take the
+same route: every worker routes the token itself (E logits, a few hundred
+floats), then the k chosen experts' rows form one work list, so both threads
+stream expert weights the whole time.
 
 Nothing makes a worker wait for the others to *arrive*, so one can run several
 layers ahead of one that woke late (it does all the items itself). Hence every
-layer writes its phases' outputs to buffers of its own ([L, ...], ~1.5 MB for
-Qwen3-0.6B): the late worker still reads its layer's values, never a later
-layer's that overwrote them. (A first version reused one buffer for all layers:
-it passed a 6-token bit-for-bit check, then one engine test's 32-token greedy
-output parted from transformers' at its third token.)
+shared phase writes to a slot of the arena of its own: the late worker still
+reads its layer's values, never a later layer's that overwrote them. (A first
+version reused one buffer for all layers: it passed a 6-token bit-for-bit check,
+then one engine test's 32-token greedy output parted from transformers' at its
+third token.)
 
 Every op is the same inlined body the per-op kernels run, in the same order on
 the same values: the core's (stage1_cpu/kernels.py: row_f32, rows_bf16, row_int8,
-row_int4, rmsnorm_row, rope_head, attention_item, silu_mul_row) and, for rounded
-activations, the fast path's (stage1_cpu/fast/kernels.py: rows_int8_q8,
-rows_int8_q16, row_int4_q8, quantize_token). So the logits and the KV cache are
-bit for bit those of model.forward with the same weights: with fp32 activations
-those of the plain path, with rounded ones those of FastWeight.matmul
-(tests/test_stage1_decode_step.py checks both, for every weight format).
+row_int4, rmsnorm_row, rope_head, attention_item, silu_mul_row, route_row,
+mix_row, gated_add_row) and, for rounded activations, the fast path's
+(stage1_cpu/fast/kernels.py: rows_int8_q8, rows_int8_q16, row_int4_q8,
+quantize_token). So the logits and the KV cache are bit for bit those of
+Model.forward with the same weights: with fp32 activations those of the plain
+path, with rounded ones those of FastWeight.matmul (tests/test_stage1_decode_step.py
+checks both, for every weight format, dense and MoE).
 
 Which row bodies the step inlines is chosen in Python from cpu.INT8 (the `if`
 around _rows below): where the CPU has no integer dot product the fast
 kernels are never named, so numba never hands their instructions to LLVM. (A
 runtime branch would not do: both sides are compiled, and on an AVX2-only CPU
 LLVM aborted with "Cannot select ... VPDPWSSD".)
-
-Not covered, and run by model.py's per-op path instead (DecodeStep.supported):
-MoE layers (qwen3_moe, qwen2_moe), qwen2's q/k/v biases, and models whose
-layers differ in format or shape.
 """
 from __future__ import annotations
 
@@ -67,32 +63,38 @@ FMT = {"none": 0, "bf16": 1, "int8": 2, "int4": 3}
 ACT = {"fp32": 0, "int8": 1, "int16": 2}
 NONE, BF16, INT8, INT4 = range(4)
 A_FP32, A_INT8, A_INT16 = range(3)
-QKV, WO, GATE_UP, DOWN, HEAD = range(5)   # the matrices of a layer (and the lm_head): rows of meta
-PHASES = 5                                # per layer: qkv, attention, wo, gate_up, down
+# the phases of model.plan(), as opcodes ("last" has nothing to do for one token)
+OPS = {"norm": 0, "matmul": 1, "attention": 2, "add": 3, "silu_mul": 4, "route": 5, "experts": 6, "mix": 7,
+       "gated_add": 8}
+NORM, MATMUL, ATTENTION, ADD, SILU_MUL, ROUTE, EXPERTS, MIX, GATED_ADD = range(9)
+SHARED = {"matmul", "experts", "attention"}      # split into items across the workers; the rest is private
+# a row of the program: the op, three buffers as (arena, offset, length) with arena 0 the
+# worker's own and 1 the shared one, then weight, vector, second vector (-1: none),
+# layer, counter (shared phases), rows of the input (experts: 1, or k slots)
+OP, SRC, DST, AUX, WEIGHT, VEC, VEC2, LAYER, COUNTER, ROWS = 0, 1, 4, 7, 10, 11, 12, 13, 14, 15
+FIELDS = 16
 ITEMS_PER_WORKER = 16                     # small row blocks per matmul and worker, at least ...
 ITEM_BYTES = 1 << 18                      # ... and at most ~256 KB of weights per small block (~10 us)
 BIG = 8                                   # a phase's first items are 8 small blocks long ...
 TAIL_ITEMS = 2                            # ... its last 2 per worker are small ones (see _items)
 
 _njit = numba.njit(cache=True, fastmath=FAST, error_model="numpy")
-
-
 _inline = numba.njit(inline="always", fastmath=FAST, error_model="numpy")
 
 
 @_inline
-def _rows_float(fmt, r0, r1, out, wf, wb, q8, q4, s2, m2, x2, x3, x4, xsum4):
-    """out[r] = row r of W times x (fp32 activations), r0 <= r < r1: the core's row bodies."""
+def _rows_float(fmt, t, r0, r1, out, ooff, wf, wb, q8, q4, s2, m2, x2, x3, x4, xsum4):
+    """out[ooff + r] = row r of W times x[t] (fp32 activations), r0 <= r < r1: the core's row bodies."""
     if fmt == BF16:
-        kernels.rows_bf16(x2, 0, wb, r0, r1, out, 0)
+        kernels.rows_bf16(x2, t, wb, r0, r1, out, ooff)
         return
     for r in range(r0, r1):
         if fmt == NONE:
-            out[r] = kernels.row_f32(x2, 0, wf, r)
+            out[ooff + r] = kernels.row_f32(x2, t, wf, r)
         elif fmt == INT8:
-            out[r] = kernels.row_int8(x3, 0, q8, s2, r)
+            out[ooff + r] = kernels.row_int8(x3, t, q8, s2, r)
         else:
-            out[r] = kernels.row_int4(x4, xsum4, 0, q4, s2, m2, r)
+            out[ooff + r] = kernels.row_int4(x4, xsum4, t, q4, s2, m2, r)
 
 
 # Which rows kernel the step inlines is decided here, in Python, from cpu.py: where the CPU
@@ -100,24 +102,24 @@ def _rows_float(fmt, r0, r1, out, wf, wb, q8, q4, s2, m2, x2, x3, x4, xsum4):
 # hands them to LLVM (a runtime `if` would not do: the code is compiled either way).
 if cpu.INT8:
     @_inline
-    def _rows(fmt, act, r0, r1, out, wf, wb, q8, q4, s2, m2, qf, sf, x2, x3, x4, xsum4, xqf, xaf, x16f, xsf, xsum,
-              G, gs):
-        """out[r] = row r of W times x, r0 <= r < r1, by the kernel matmul() would use."""
+    def _rows(fmt, act, t, r0, r1, out, ooff, wf, wb, q8, q4, s2, m2, qf, sf, x2, x3, x4, xsum4, xqf, xaf, x16f,
+              xsf, xsum, G, gs):
+        """out[ooff + r] = row r of W times x[t], r0 <= r < r1, by the kernel matmul() would use."""
         if act == A_INT8 and fmt == INT8:
-            fk.rows_int8_q8(xqf, xaf, xsf, 0, qf, sf, r0, r1, G, gs, out, 0)
+            fk.rows_int8_q8(xqf, xaf, xsf, t, qf, sf, r0, r1, G, gs, out, ooff)
         elif act == A_INT16:
-            fk.rows_int8_q16(x16f, xsf, 0, qf, sf, r0, r1, G, gs, out, 0)
+            fk.rows_int8_q16(x16f, xsf, t, qf, sf, r0, r1, G, gs, out, ooff)
         elif act == A_INT8:
             for r in range(r0, r1):
-                out[r] = fk.row_int4_q8(xqf, xsf, xsum, 0, qf, sf, m2, r, G, gs)
+                out[ooff + r] = fk.row_int4_q8(xqf, xsf, xsum, t, qf, sf, m2, r, G, gs)
         else:
-            _rows_float(fmt, r0, r1, out, wf, wb, q8, q4, s2, m2, x2, x3, x4, xsum4)
+            _rows_float(fmt, t, r0, r1, out, ooff, wf, wb, q8, q4, s2, m2, x2, x3, x4, xsum4)
 else:
     @_inline
-    def _rows(fmt, act, r0, r1, out, wf, wb, q8, q4, s2, m2, qf, sf, x2, x3, x4, xsum4, xqf, xaf, x16f, xsf, xsum,
-              G, gs):
-        """out[r] = row r of W times x, r0 <= r < r1 (activations are fp32 on this CPU)."""
-        _rows_float(fmt, r0, r1, out, wf, wb, q8, q4, s2, m2, x2, x3, x4, xsum4)
+    def _rows(fmt, act, t, r0, r1, out, ooff, wf, wb, q8, q4, s2, m2, qf, sf, x2, x3, x4, xsum4, xqf, xaf, x16f,
+              xsf, xsum, G, gs):
+        """out[ooff + r] = row r of W times x[t], r0 <= r < r1 (activations are fp32 on this CPU)."""
+        _rows_float(fmt, t, r0, r1, out, ooff, wf, wb, q8, q4, s2, m2, x2, x3, x4, xsum4)
 
 
 @numba.njit(inline="always")
@@ -135,10 +137,9 @@ def _items(O, row_bytes, workers):
 
     Big items first, small ones last (the "guided" schedule of OpenMP): every item
     starts new memory streams, and the prefetcher needs a few misses on each before
-    it runs ahead, so long items read faster (one core: 30.0 -> 27.0 ms per int8
-    step with whole-matrix items instead of 256 KB ones); but the phase ends when its
-    last item does, so the last ones are short. Which rows an item holds changes no
-    result: every row's dot product is computed alone (kernels.py)."""
+    it runs ahead, so long items read faster; but the phase ends when its last item
+    does, so the last ones are short. Which rows an item holds changes no result:
+    every row's dot product is computed alone (kernels.py)."""
     block = _block_rows(O, row_bytes, workers)
     big = BIG * block
     n_big = max(0, O - TAIL_ITEMS * workers * block) // big
@@ -147,33 +148,38 @@ def _items(O, row_bytes, workers):
 
 
 @_njit
-def _matvec(m, data, scales, mins, x, out, counts, phase, workers):
-    """Phase `phase`: out [O] = W x for x [K] (this worker's copy), W given by its
-    format row m = (fmt, act, O, K, Kp, gs) and flat arrays. Rows in claimed blocks."""
+def _matvec(m, data, scales, mins, x, S, starts, n, bias, out, counts, phase, workers):
+    """Phase `phase`: out[s n + i] = x[s] . W[starts[s] + i] (+ bias[starts[s] + i]) for
+    segment s < len(starts) and i < n. x [S K] is this worker's input: S = 1 (every
+    segment reads it; a matmul is one segment of all O rows) or one row per segment
+    (the experts' down projection). W is given by its format row m = (fmt, act, O, K, Kp, gs)
+    and flat arrays. The segments' rows, end to end, are cut into claimed items."""
     fmt, act, O, K, Kp, gs = m[0], m[1], m[2], m[3], m[4], m[5]
-    block, big, n_big, split, n = _items(O, data.size // O, workers)
+    R = starts.size * n                                          # rows of all segments
+    block, big, n_big, split, n_items = _items(R, data.size // O, workers)
     i = sync.claim(counts, phase)
-    if i >= n:                                                   # the others took every item
-        sync.wait(counts, phase, n)
+    if i >= n_items:                                             # the others took every item
+        sync.wait(counts, phase, n_items)
         return
     G = Kp // gs if gs else 0
     # the input as matmul() sees it: padded to whole groups, rounded as the weight asks
-    x2 = np.zeros((1, Kp), dtype=np.float32)
-    x2[0, :K] = x
-    x3 = x2.reshape(1, G, gs) if gs else np.empty((1, 0, 0), dtype=np.float32)
-    x4 = x2.reshape(1, G // 2, 2, gs) if fmt == INT4 else np.empty((1, 0, 2, 0), dtype=np.float32)
-    xsum4 = np.empty((1, G // 2, 2), dtype=np.float32)
-    if fmt == INT4 and act == A_FP32:
-        kernels.group_sums(x4, 0, xsum4)
-    xq = np.empty((1, G, gs), dtype=np.int8)
-    xa = np.empty((1, G, gs), dtype=np.uint8)
-    x16 = np.empty((1, G, gs), dtype=np.int16)
-    xs = np.empty((1, G), dtype=np.float32)
-    xsum = np.empty((1, G), dtype=np.float32)
-    if act == A_INT8:
-        fk.quantize_token(x3, 0, xq, xa, xs, xsum)
-    elif act == A_INT16:
-        fk.quantize_token16(x3, 0, x16, xs)
+    x2 = np.zeros((S, Kp), dtype=np.float32)
+    x2[:, :K] = x.reshape(S, K)
+    x3 = x2.reshape(S, G, gs) if gs else np.empty((S, 0, 0), dtype=np.float32)
+    x4 = x2.reshape(S, G // 2, 2, gs) if fmt == INT4 else np.empty((S, 0, 2, 0), dtype=np.float32)
+    xsum4 = np.empty((S, G // 2, 2), dtype=np.float32)
+    xq = np.empty((S, G, gs), dtype=np.int8)
+    xa = np.empty((S, G, gs), dtype=np.uint8)
+    x16 = np.empty((S, G, gs), dtype=np.int16)
+    xs = np.empty((S, G), dtype=np.float32)
+    xsum = np.empty((S, G), dtype=np.float32)
+    for t in range(S):
+        if fmt == INT4 and act == A_FP32:
+            kernels.group_sums(x4, t, xsum4)
+        if act == A_INT8:
+            fk.quantize_token(x3, t, xq, xa, xs, xsum)
+        elif act == A_INT16:
+            fk.quantize_token16(x3, t, x16, xs)
     # the weight in the shape its kernel indexes (an empty stand-in for the other formats)
     wf = data.view(np.float32).reshape(O, Kp) if fmt == NONE else np.empty((0, 0), dtype=np.float32)
     wb = data.view(np.uint16).reshape(O, Kp) if fmt == BF16 else np.empty((0, 0), dtype=np.uint16)
@@ -183,14 +189,23 @@ def _matvec(m, data, scales, mins, x, out, counts, phase, workers):
     m2 = mins.reshape(O, G) if fmt == INT4 else np.empty((0, 0), dtype=np.uint16)
     xqf, xaf, x16f, xsf = xq.reshape(-1), xa.reshape(-1), x16.reshape(-1), xs.reshape(-1)
 
-    while i < n:
-        r0 = i * big if i < n_big else split + (i - n_big) * block
-        r1 = min(O, r0 + (big if i < n_big else block))
-        _rows(fmt, act, r0, r1, out, wf, wb, q8, q4, s2, m2, data, scales,
-              x2, x3, x4, xsum4, xqf, xaf, x16f, xsf, xsum, G, gs)
+    while i < n_items:
+        v0 = i * big if i < n_big else split + (i - n_big) * block     # rows v0..v1 of all segments
+        v1 = min(R, v0 + (big if i < n_big else block))
+        while v0 < v1:                                               # an item may span segments
+            s = v0 // n
+            e = min(v1, (s + 1) * n)
+            r0, ooff = starts[s] + v0 - s * n, s * n - starts[s]     # W's rows r0.. -> out[ooff + r]
+            r1 = r0 + e - v0
+            _rows(fmt, act, s if S > 1 else 0, r0, r1, out, ooff, wf, wb, q8, q4, s2, m2, data, scales,
+                  x2, x3, x4, xsum4, xqf, xaf, x16f, xsf, xsum, G, gs)
+            if bias.size:
+                for r in range(r0, r1):
+                    out[ooff + r] = out[ooff + r] + bias[r]
+            v0 = e
         sync.finish(counts, phase)
         i = sync.claim(counts, phase)
-    sync.wait(counts, phase, n)
+    sync.wait(counts, phase, n_items)
 
 
 @_njit
@@ -221,47 +236,73 @@ def _attention(qkv, kv, layer, pos, cos, sin, q_norm, k_norm, qk_norm, eps, H, H
     sync.wait(counts, phase, Hkv)
 
 
+@numba.njit(inline="always")
+def _buf(own, shared, ref):
+    """A buffer of the program, (arena, offset, length): a view of this worker's arena or the shared one."""
+    return own[ref[1]:ref[1] + ref[2]] if ref[0] == 0 else shared[ref[1]:ref[1] + ref[2]]
+
+
 @_njit
-def _worker(workers, x0, pos, meta, data, scales, mins, norms, qk_norms, final_norm, kv, cos, sin, eps, dims,
-            qkv, att, o_out, gate_up, down_out, logits, counts):
-    """Everything one worker does in a decode step (see the module docstring)."""
-    L, C, H, Hkv, D, F, qk_norm = dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6] != 0
-    x = x0.copy().reshape(1, C)                      # [1, C] this worker's residual stream
-    h = np.empty((1, C), dtype=np.float32)           # [1, C] its normed copy
-    act = np.empty((1, F), dtype=np.float32)         # [1, F] silu(gate) * up
-    for layer in range(L):
-        p, w = PHASES * layer, 4 * layer
-        kernels.rmsnorm_row(x, norms[layer, 0], eps, h, 0)
-        _matvec(meta[QKV], data[w + QKV], scales[w + QKV], mins[w + QKV], h[0], qkv[layer], counts, p, workers)
-        _attention(qkv[layer], kv, layer, pos, cos, sin, qk_norms[layer, 0], qk_norms[layer, 1], qk_norm, eps,
-                   H, Hkv, D, att[layer], counts, p + 1)
-        _matvec(meta[WO], data[w + WO], scales[w + WO], mins[w + WO], att[layer], o_out[layer], counts, p + 2,
-                workers)
-        for c in range(C):
-            x[0, c] = x[0, c] + o_out[layer, c]
-        kernels.rmsnorm_row(x, norms[layer, 1], eps, h, 0)
-        _matvec(meta[GATE_UP], data[w + GATE_UP], scales[w + GATE_UP], mins[w + GATE_UP], h[0], gate_up[layer],
-                counts, p + 3, workers)
-        kernels.silu_mul_row(gate_up[layer:layer + 1], act, 0)
-        _matvec(meta[DOWN], data[w + DOWN], scales[w + DOWN], mins[w + DOWN], act[0], down_out[layer],
-                counts, p + 4, workers)
-        for c in range(C):
-            x[0, c] = x[0, c] + down_out[layer, c]
-    kernels.rmsnorm_row(x, final_norm, eps, h, 0)
-    _matvec(meta[HEAD], data[4 * L], scales[4 * L], mins[4 * L], h[0], logits, counts, PHASES * L, workers)
+def _worker(workers, x0, pos, prog, meta, data, scales, mins, vecs, shared, own_size, kv, cos, sin, eps, dims,
+            counts):
+    """Everything one worker does in a decode step: the program, phase by phase."""
+    H, Hkv, D, k, norm_topk = dims[0], dims[1], dims[2], dims[3], dims[4] != 0
+    own = np.zeros(own_size, dtype=np.float32)       # this worker's private buffers; x first
+    own[:x0.size] = x0
+    top = np.zeros((1, max(k, 1)), dtype=np.int64)   # [1, k] the experts of the current MoE layer ...
+    weight = np.zeros((1, max(k, 1)), dtype=np.float32)   # ... and their weights
+    one = np.zeros(1, dtype=np.int64)                # a matmul: one segment, from row 0
+    none = np.empty(0, dtype=np.float32)
+    for p in range(prog.shape[0]):
+        row = prog[p]
+        op = row[OP]
+        src, dst = _buf(own, shared, row[SRC:SRC + 3]), _buf(own, shared, row[DST:DST + 3])
+        if op == NORM:
+            kernels.rmsnorm_row(src.reshape(1, -1), vecs[row[VEC]], eps, dst.reshape(1, -1), 0)
+        elif op == ADD:
+            for c in range(dst.size):
+                dst[c] = dst[c] + src[c]
+        elif op == SILU_MUL:
+            S = row[ROWS]
+            for t in range(S):
+                kernels.silu_mul_row(src.reshape(S, -1), dst.reshape(S, -1), t)
+        elif op == ROUTE:
+            kernels.route_row(src.reshape(1, -1), 0, k, norm_topk, top, weight)
+        elif op == MIX:
+            kernels.mix_row(src.reshape(k, -1), weight, dst.reshape(1, -1), 0)
+        elif op == GATED_ADD:
+            gate = _buf(own, shared, row[AUX:AUX + 3])
+            kernels.gated_add_row(dst.reshape(1, -1), src.reshape(1, -1), gate.reshape(1, 1), 0)
+        elif op == ATTENTION:
+            qk = row[VEC] >= 0
+            q_norm = vecs[row[VEC]] if qk else none
+            k_norm = vecs[row[VEC2]] if qk else none
+            _attention(src, kv, row[LAYER], pos, cos, sin, q_norm, k_norm, qk, eps, H, Hkv, D, dst, counts,
+                       row[COUNTER])
+        else:                                        # MATMUL, EXPERTS
+            w = row[WEIGHT]
+            bias = vecs[row[VEC]] if row[VEC] >= 0 else none
+            if op == MATMUL:
+                _matvec(meta[w], data[w], scales[w], mins[w], src, 1, one, dst.size, bias, dst, counts,
+                        row[COUNTER], workers)
+            else:
+                n = dst.size // k                    # each expert's rows in the stacked matrix
+                _matvec(meta[w], data[w], scales[w], mins[w], src, row[ROWS], top[0] * n, n, bias, dst,
+                        counts, row[COUNTER], workers)
 
 
 @numba.njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
-def _decode(workers, x0, pos, meta, data, scales, mins, norms, qk_norms, final_norm, kv, cos, sin, eps, dims,
-            qkv, att, o_out, gate_up, down_out, logits, counts):
+def _decode(workers, x0, pos, prog, meta, data, scales, mins, vecs, shared, own_size, kv, cos, sin, eps, dims,
+            counts):
     # workers: numba.get_num_threads(), passed in (called in here, it would keep this from the disk cache)
     for _ in prange(workers):                        # one iteration per thread: the one parallel region
-        _worker(workers, x0, pos, meta, data, scales, mins, norms, qk_norms, final_norm, kv, cos, sin, eps,
-                dims, qkv, att, o_out, gate_up, down_out, logits, counts)
+        _worker(workers, x0, pos, prog, meta, data, scales, mins, vecs, shared, own_size, kv, cos, sin, eps,
+                dims, counts)
 
 
 _READONLY = types.Array(types.uint8, 1, "C", readonly=True)
 _READONLY16 = types.Array(types.uint16, 1, "C", readonly=True)
+_VEC = types.Array(types.float32, 1, "C")
 
 
 def _format_row(w) -> list[int]:
@@ -270,8 +311,8 @@ def _format_row(w) -> list[int]:
             w.group_size]
 
 
-def _flat_list(arrays, ty):
-    """A numba typed list of read-only flat views (no copies; the weights may be mapped read-only)."""
+def _typed_list(arrays, ty):
+    """A numba typed list of flat arrays (views: the weights may be mapped read-only)."""
     out = List.empty_list(ty)
     for a in arrays:
         out.append(a)
@@ -279,60 +320,87 @@ def _flat_list(arrays, ty):
 
 
 class DecodeStep:
-    """The model's arrays in the form _decode takes, built once (views, no weight copies).
-    step(x, pos) runs one token: x [C] its embedding, its K/V go to cache position pos."""
+    """model.plan()'s phases for one token, as the table _decode runs, built once (views,
+    no weight copies). step(x, pos): x [C] the token's embedding, its K/V go to cache
+    position pos -> logits [V]."""
 
-    @staticmethod
-    def supported(weights) -> bool:
-        """Dense models whose layers all have the same matrix formats and shapes (the
-        kernel takes one format row per kind of matrix). MoE layers route per token:
-        model.py runs them."""
-        if any(lw.experts for lw in weights.layers):
-            return False
-        if any(lw.bqkv is not None for lw in weights.layers):    # qwen2's q/k/v biases: not added here yet
-            return False
-        kinds = [[_format_row(w) for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)] for lw in weights.layers]
-        return all(k == kinds[0] for k in kinds)
+    def __init__(self, model, phases):
+        cfg = model.config
+        self.cache, self.cos, self.sin = model.cache, model.cos, model.sin
+        k = cfg.num_experts_per_tok if cfg.num_experts else 0
+        weights, vecs, rows = [], [], []
+        own = {"x": (0, cfg.hidden_size)}           # private buffers: name -> (offset, size)
+        where = {"x": (0, 0, cfg.hidden_size)}      # every buffer: name -> (arena, offset, length)
+        n_rows = {"x": 1}                           # rows of each buffer (experts' outputs: k)
+        self.shared_size, self.own_size = 0, cfg.hidden_size
+        n_counters = 0
 
-    def __init__(self, weights, cache, cos: np.ndarray, sin: np.ndarray):
-        cfg = weights.config
-        self.cache, self.cos, self.sin = cache, cos, sin
-        mats = [[lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down] for lw in weights.layers]
-        every = [w for four in mats for w in four] + [weights.lm_head]
+        def index(items, a):
+            for i, b in enumerate(items):
+                if b is a:
+                    return i
+            items.append(a)
+            return len(items) - 1
+
+        def vec(a):
+            return -1 if a is None else index(vecs, a)
+
+        for ph in phases:
+            if ph.op == "last":                      # one token: it is the last
+                continue
+            src = where[ph.src]
+            size = {"norm": src[2], "matmul": ph.weight.out_features if ph.weight else 0,
+                    "experts": k * (ph.weight.out_features // max(cfg.num_experts, 1)) if ph.weight else 0,
+                    "attention": cfg.num_heads * cfg.head_dim, "silu_mul": src[2] // 2,
+                    "mix": src[2] // max(k, 1)}.get(ph.op)
+            if ph.op == "route":                      # top and weight live in the worker itself
+                dst = where[ph.dst] = (0, 0, 0)
+            elif size is None:                        # add, gated_add: into an existing buffer
+                dst = where[ph.dst]
+            elif ph.op in SHARED:                     # a slot of the shared arena of its own
+                dst = where[ph.dst] = (1, self.shared_size, size)
+                self.shared_size += size
+            else:
+                if ph.dst not in own or own[ph.dst][1] < size:
+                    own[ph.dst] = (self.own_size, size)       # a new place at the end
+                    self.own_size += size
+                dst = where[ph.dst] = (0, own[ph.dst][0], size)
+            n_rows[ph.dst] = {"experts": k, "silu_mul": n_rows[ph.src]}.get(ph.op, 1)
+            r = [0] * FIELDS
+            r[OP], r[SRC:SRC + 3], r[DST:DST + 3] = OPS[ph.op], src, dst
+            r[AUX:AUX + 3] = where[ph.aux] if ph.aux else (0, 0, 0)
+            r[WEIGHT] = index(weights, ph.weight) if ph.weight is not None else -1
+            r[VEC], r[VEC2], r[LAYER], r[ROWS] = vec(ph.vec), -1, ph.layer, n_rows[ph.src]
+            if ph.op == "attention" and cfg.qk_norm:
+                lw = model.w.layers[ph.layer]
+                r[VEC], r[VEC2] = vec(lw.q_norm), vec(lw.k_norm)
+            if ph.op in SHARED:
+                r[COUNTER], n_counters = n_counters, n_counters + 1
+            rows.append(r)
+        self.logits = where["logits"]
+        self.prog = np.array(rows, dtype=np.int64)
+        self.n_counters = n_counters
+
         no16 = np.zeros(0, dtype=np.uint16)
-        self.data = _flat_list([np.ascontiguousarray(w.data).reshape(-1).view(np.uint8) for w in every], _READONLY)
-        self.scales = _flat_list([no16 if w.scales is None else w.scales.reshape(-1).view(np.uint16)
-                                  for w in every], _READONLY16)
-        self.mins = _flat_list([no16 if w.mins is None else w.mins.reshape(-1).view(np.uint16)
-                                for w in every], _READONLY16)
-
-        if not self.supported(weights):
-            raise ValueError("decode_step takes dense models with the same formats in every layer")
-        first = mats[0]
-        self.meta = np.array([_format_row(w) for w in first] + [_format_row(weights.lm_head)], dtype=np.int64)
-        L, C, H, Hkv, D = cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        F = first[GATE_UP].out_features // 2
-        self.norms = np.stack([np.stack([lw.attn_norm, lw.mlp_norm]) for lw in weights.layers]).astype(np.float32)
-        ones = np.ones(D, dtype=np.float32)
-        self.qk_norms = np.stack([np.stack([lw.q_norm if cfg.qk_norm else ones, lw.k_norm if cfg.qk_norm else ones])
-                                  for lw in weights.layers]).astype(np.float32)   # [L, 2, D]
-        self.final_norm = np.ascontiguousarray(weights.final_norm, dtype=np.float32)
+        self.meta = np.array([_format_row(w) for w in weights], dtype=np.int64)
+        self.data = _typed_list([np.ascontiguousarray(w.data).reshape(-1).view(np.uint8) for w in weights],
+                                _READONLY)
+        self.scales = _typed_list([no16 if w.scales is None else w.scales.reshape(-1).view(np.uint16)
+                                   for w in weights], _READONLY16)
+        self.mins = _typed_list([no16 if w.mins is None else w.mins.reshape(-1).view(np.uint16)
+                                 for w in weights], _READONLY16)
+        self.vecs = _typed_list([np.array(v, dtype=np.float32).reshape(-1) for v in vecs], _VEC)
+        self.shared = np.zeros(self.shared_size, dtype=np.float32)
         self.eps = np.float32(cfg.rms_norm_eps)
-        self.dims = np.array([L, C, H, Hkv, D, F, int(cfg.qk_norm)], dtype=np.int64)
-        # the phases' shared outputs, one buffer per layer (see the module docstring)
-        self.qkv = np.empty((L, (H + 2 * Hkv) * D), dtype=np.float32)
-        self.att = np.empty((L, H * D), dtype=np.float32)
-        self.o_out = np.empty((L, C), dtype=np.float32)
-        self.gate_up = np.empty((L, 2 * F), dtype=np.float32)
-        self.down_out = np.empty((L, C), dtype=np.float32)
-        self.V = weights.lm_head.out_features
-        self.n_phases = PHASES * L + 1
+        self.dims = np.array([cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, k, int(cfg.norm_topk_prob)],
+                             dtype=np.int64)
 
-    def step(self, x: np.ndarray, pos: int) -> np.ndarray:
-        """x [C] f32 -> logits [V] f32 (a new array)."""
-        logits = np.empty(self.V, dtype=np.float32)
-        _decode(numba.get_num_threads(), np.ascontiguousarray(x, dtype=np.float32), pos, self.meta, self.data, self.scales, self.mins,
-                self.norms, self.qk_norms, self.final_norm, self.cache.data, self.cos[pos:pos + 1],
-                self.sin[pos:pos + 1], self.eps, self.dims, self.qkv, self.att, self.o_out, self.gate_up,
-                self.down_out, logits, sync.counters(self.n_phases))
-        return logits
+    def step(self, x: np.ndarray, pos: int, workers: int | None = None) -> np.ndarray:
+        """x [C] f32 -> logits [V] f32 (a new array). workers: worker iterations of the
+        region (default: numba's threads; any number gives the same result)."""
+        _decode(workers or numba.get_num_threads(), np.ascontiguousarray(x, dtype=np.float32), pos, self.prog,
+                self.meta, self.data, self.scales, self.mins, self.vecs, self.shared, self.own_size,
+                self.cache.data, self.cos[pos:pos + 1], self.sin[pos:pos + 1], self.eps, self.dims,
+                sync.counters(self.n_counters))
+        _, off, n = self.logits
+        return self.shared[off:off + n].copy()
