@@ -17,7 +17,7 @@ at awkward shapes. What makes them fast:
 - Work is split over output rows with `prange` (one chunk per thread, so each
   thread streams one contiguous slice of the matrix).
 - A parallel region costs tens of microseconds to start when idle threads sleep
-  (OMP_WAIT_POLICY=PASSIVE; ~1.5 us when they spin): far more than a one-token
+  (OMP_WAIT_POLICY=PASSIVE; about a microsecond when they spin): far more than a one-token
   norm takes, so the small element-wise ops have serial variants that the
   wrappers pick for few tokens.
 - Prefill matmuls and attention hand the heavy lifting to BLAS (numpy's
@@ -151,9 +151,11 @@ def exp_f32(x):
 # x: [T, Kp] f32 (Kp = in_features padded to whole groups), out: [T, O] f32.
 # Used for T up to a few tokens (quant.PREFILL_MIN_T): each weight row is read
 # from memory once and reused from L1 for all T tokens.
-# Measured on one core, weights in L2 (1024 x 1024, group size 64): bf16 24,
-# int8 16, int4 13 G weights/s; DRAM gives ~25 GB/s, so on 2 cores bf16 and
-# int8 are memory-bound and int4 (0.56 byte/weight) is compute-bound.
+# Per core, converting the weights in registers costs bf16 least (a shift), int8
+# more (widen, convert) and int4 most (two nibbles, a floor): a core converts
+# 10-20 G weights/s of int8 / int4. With a few cores per memory channel, bf16 and
+# int8 are then memory-bound and int4 (0.56 byte/weight) compute-bound
+# (docs/benchmarks.md, log: Figures moved out of the stage-1 docstrings).
 # ---------------------------------------------------------------------------
 
 
@@ -171,7 +173,8 @@ def matmul_f32(x, w, out):
     """x: [T, K] f32, w: [O, K] f32 -> out: [T, O]. Decode only: BLAS would do the
     same, but OpenBLAS's worker threads keep spinning after each call and starve
     the numba threads of the kernels that follow (measured: fp32 decode of the
-    default model fell from ~34 to ~3 tok/s in the chat when the two alternated)."""
+    default model in the chat became about ten times slower when the two alternated;
+    docs/benchmarks.md, log: Figures moved out of the stage-1 docstrings)."""
     T, O = x.shape[0], w.shape[0]
     for r in prange(O):
         for t in range(T):
@@ -757,8 +760,10 @@ _START_COST: list[float] = []
 
 def parallel_start_cost() -> float:
     """Median seconds to start and join an empty parallel region, measured on first use
-    (~100 calls): ~1.5 us when idle threads spin (OpenMP's default), ~50 us on this VM
-    with OMP_WAIT_POLICY=PASSIVE, where the sleeping thread's vCPU must be woken."""
+    (~100 calls): about a microsecond when idle threads spin (OpenMP's default), tens of
+    microseconds with OMP_WAIT_POLICY=PASSIVE, where the sleeping thread must be woken
+    (on a VM, its vCPU too; docs/benchmarks.md, log: Figures moved out of the stage-1
+    docstrings)."""
     if not _START_COST:
         out = np.zeros(2)
         _empty_region(out)
@@ -782,11 +787,10 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, start_pos
         _attention_blas(q, k_cache, v_cache, start_pos, out)
         return out
     # work ~ H * T * context * D multiply-adds; two threads halve it, but only pay once the
-    # work outweighs starting them (measured, decode at 16/8 heads, D=128, 2 threads):
-    #   positions                    64     256     512    1024
-    #   serial                       18      69     135     269 us
-    #   parallel, PASSIVE            70     112     171     265 us   (start ~52 us: break-even ~2M)
-    #   parallel, default policy     12      39      76     147 us   (start ~1.5 us: always)
+    # work outweighs starting them. With threads that spin (a start of about a microsecond)
+    # that is almost always; with sleeping threads (tens of microseconds) only from about a
+    # thousand positions at 16/8 heads, D=128
+    # (docs/benchmarks.md, log: Figures moved out of the stage-1 docstrings),
     # so the threshold follows the start cost, measured once (parallel_start_cost).
     work = H * T * (start_pos + T) * D
     parallel = work >= ATT_WORK_PER_START_US * parallel_start_cost() * 1e6

@@ -66,10 +66,10 @@ GROUP_SIZES = (32, 64, 128)
 # of ROW_BLOCK rows into an fp32 tile and hands it to BLAS sgemm, which is far
 # faster than anything numba emits for a GEMM. From PREFILL_MIN_T tokens this
 # beats reading the rows T times in the decode kernel (bench/kernels.py).
-# Tile size, measured at T=512 on [6144, 1024] + [1024, 3072] matrices, 2 threads:
-# 256 rows 145-159 GFLOP/s, 512 rows 170-181, 1024 rows 184-187, 2048 rows 174-185.
-# OpenBLAS's threads split the tile's columns, and narrow tiles leave them too
-# little each; 1024 rows x 1024 fp32 is 4 MB, which L3 (32 MB) still holds.
+# Tile size: OpenBLAS's threads split the tile's columns, and narrow tiles leave
+# them too little each; 1024 rows x 1024 fp32 is 4 MB, which a current CPU's L3
+# still holds. 1024 rows was the fastest of 256-2048, by about a fifth over 256
+# (docs/benchmarks.md, log: Figures moved out of the stage-1 docstrings).
 PREFILL_MIN_T = 8
 ROW_BLOCK = 1024
 

@@ -7,8 +7,8 @@ memory stays near the size of the quantized model plus one fp32 tensor.
 q_proj, k_proj and v_proj become one matrix, as do gate_proj and up_proj: they
 multiply the same input, so one matmul reads that input once and starts the
 threads once instead of three (two) times. On the per-op path, where a parallel
-region costs ~50 us to start under OMP_WAIT_POLICY=PASSIVE, that is 3 of 7 starts
-per layer saved (docs/benchmarks.md has the measurement); fast/decode_step.py,
+region costs tens of microseconds to start under OMP_WAIT_POLICY=PASSIVE, that is 3
+of 7 starts per layer saved (docs/benchmarks.md, log: 21:28); fast/decode_step.py,
 which starts them once per token, still reads the input once instead of three.
 
 This is also the one place that chooses the kernels (--kernels): plain is the core

@@ -125,7 +125,7 @@ else:
 @numba.njit(inline="always")
 def _block_rows(O, row_bytes, workers):
     """Rows per item: small enough that the phase's last item is short (the other
-    workers wait for it), large enough that claims (~20 ns each) cost nothing."""
+    workers wait for it), large enough that claims (tens of nanoseconds each) cost nothing."""
     rows = min(-(-O // (ITEMS_PER_WORKER * workers)), max(1, ITEM_BYTES // max(row_bytes, 1)))
     return max(4, rows + (-rows) % 4)                # whole 4-row blocks, as the prange kernels take them
 

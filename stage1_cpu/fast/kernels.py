@@ -28,10 +28,10 @@ from stage1_cpu.kernels import FAST, _inline, decode_block, f16_to_f32, segment_
 # product: AVX-512 VNNI / AVX-VNNI, or AVX2's pair of multiply-adds; see
 # simd.py): the activations are rounded to int8 per group once per call, and
 # each row's dot product is integer multiply-adds, 32 per instruction (VNNI).
-# Measured on one core, weights in L2 (1024 x 1024, group size 32): int8 30,
-# int4 35 G weights/s (the core's float kernels: 16 and 13; measured
-# on an AVX-512 machine, docs/benchmarks.md). On 2 threads a
-# 150k-row matrix then reads at the memory's speed (int8 31, int4 28 GB/s).
+# Per core this made int8 about 2x and int4 about 2.7x faster than the core's
+# float kernels (weights in L2, measured on an AVX-512 machine), so that two
+# threads then read a large matrix at about the memory's speed
+# (docs/benchmarks.md, log: Figures moved out of the stage-1 docstrings).
 # ---------------------------------------------------------------------------
 
 
@@ -63,7 +63,7 @@ def quantize_activations(x3):
     group (round to nearest even); xsum = xs * sum(xq), the group's sum of the
     rounded x (the int4 minimum multiplies it). A NaN or inf in a group sets its
     xs and xsum to NaN, so it reaches the output as in the float kernels.
-    The numpy twin: quant.quantize_activations."""
+    The numpy twin: fast/weight.py's quantize_activations."""
     T, G, gs = x3.shape
     xq = np.empty((T, G, gs), dtype=np.int8)
     xa = np.empty((T, G, gs), dtype=np.uint8)
@@ -94,7 +94,7 @@ def quantize_token16(x3, t, x16, xs):
 def quantize_activations16(x3):
     """x3 [T, G, gs] f32 -> x16 [T, G, gs] int16, xs [T, G] f32: x ~ x16 * xs with
     xs = max |x| / 32767 per group (round to nearest even); NaN / inf as in
-    quantize_activations. The numpy twin: quant.quantize_activations(..., 32767)."""
+    quantize_activations. The numpy twin: fast/weight.py's quantize_activations(..., 32767)."""
     T, G, gs = x3.shape
     x16 = np.empty((T, G, gs), dtype=np.int16)
     xs = np.empty((T, G), dtype=np.float32)
@@ -211,7 +211,8 @@ def segments_int4_q8(xq, xs, xsum, q, s, m, starts, out):
 # bf16 prefill GEMM (where the CPU has AVX-512 BF16; see simd.py): x rounded to
 # bf16 pairs once, then each thread takes 16-row panels of W, packs a panel
 # (32 KB at K=1024, it stays in L1/L2) and runs simd.dot_bf16_panel over the
-# tokens, 8 at a time. Measured, T=512, 2 threads: ~350 GFLOP/s (sgemm: ~180).
+# tokens, 8 at a time. At T=512 it ran at about twice OpenBLAS sgemm's FLOP/s
+# (docs/benchmarks.md, log: Figures moved out of the stage-1 docstrings).
 # ---------------------------------------------------------------------------
 
 

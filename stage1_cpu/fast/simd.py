@@ -316,7 +316,7 @@ def dot_int8_row_i16(typingctx, q, qoff, x16, xoff, s, soff, xs, xsoff, n_groups
 # ---------------------------------------------------------------------------
 # Four rows at a time (decode matvecs). dot_int8_row spends ~15 instructions
 # on 32 weights, a third of them scalar (the group's fp16 scale: load, convert,
-# times xs, broadcast), and one core reads only ~33 G weights/s from L2. The
+# times xs, broadcast), which caps what one core reads from L2. The
 # rows kernels below take up to 4 rows per call and do less per chunk:
 # - the activations of a chunk are loaded once and serve the 4 rows;
 # - the scales s[i, g] * xs[g] of 8 groups are one vcvtph2ps and one vmulps per
@@ -334,17 +334,18 @@ def dot_int8_row_i16(typingctx, q, qoff, x16, xoff, s, soff, xs, xsoff, n_groups
 #   are added up once, at the end.
 # The group loop is emitted once per group size (32, 64, 128: 1, 2 or 4 chunks
 # unrolled) and once with a loop over the chunks, for any other multiple of 32.
-# One core, 1024 x 1024, gs 32, int8 activations: ~49 G weights/s (adjacent
-# rows) to ~54 (rows apart, below), dot_int8_row 33; int16: ~40 to ~43, 31.
+# One core, weights in L2: about 1.5x dot_int8_row's weights per second (int8
+# activations), about 1.3x with int16
+# (docs/benchmarks.md, log: Figures moved out of the stage-1 docstrings).
 #
 # Memory: the 4 rows are 4 streams. Adjacent rows, 4 streams one row apart,
-# defeat the hardware prefetcher (one core then reads DRAM at ~7 GB/s); the
-# kernels prefetch the next call's 4 rows in that case, and 2 threads reach
-# ~2/3 of the read bandwidth. Rows m > 1 rows apart (e.g. rows b, b + O/4,
+# defeat the hardware prefetcher (one core then reads DRAM at a fraction of its
+# speed); the kernels prefetch the next call's 4 rows in that case, and 2 threads
+# reach ~2/3 of the read bandwidth. Rows m > 1 rows apart (e.g. rows b, b + O/4,
 # b + O/2, b + 3 O/4 in call b) are 4 long sequential streams, which the
-# hardware prefetcher follows: 2 threads then read at the memory's speed
-# (150000 x 1024, gs 32: 86-113 %, mostly ~100 %, of the read bandwidth that
-# bench.common.measure_bandwidth measures next to it; the host's varies).
+# hardware prefetcher follows: 2 threads then read at about the memory's speed,
+# as bench.common.measure_bandwidth measures it next to them
+# (docs/benchmarks.md, log: Figures moved out of the stage-1 docstrings).
 # ---------------------------------------------------------------------------
 
 ROWS = 4                                     # rows per call of the rows kernels

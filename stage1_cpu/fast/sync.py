@@ -3,11 +3,13 @@
 Why: a decode step is ~110 matmuls in a row, each needing the previous one's
 output. Run as one numba prange kernel each, every matmul starts its threads
 anew, and under OMP_WAIT_POLICY=PASSIVE (sleeping idle threads, what the
-benchmark and a shared machine want) a start costs ~50 us on this VM: 5-6 ms per
-token, a quarter of an int8 decode step. decode_step.py instead starts the
-threads once per token and keeps them inside; what the threads then need is a
-way to split each matmul between them and to wait for each other. That is this
-module: a counter per phase of work, incremented atomically.
+benchmark and a shared machine want) a start costs tens of microseconds: milliseconds
+per token, a large part of an int8 decode step on a small machine
+(docs/benchmarks.md, log: Figures moved out of the stage-1 docstrings).
+decode_step.py instead starts the threads once per token and keeps them inside;
+what the threads then need is a way to split each matmul between them and to wait
+for each other. That is this module: a counter per phase of work, incremented
+atomically.
 
     i = claim(sync, p)                   # the next unclaimed item of phase p
     while i < n:
@@ -121,7 +123,8 @@ def finish(sync, phase):
     atomic_add(sync, 2 * SLOT * phase + SLOT, 1)
 
 
-SPINS = 1000                              # ~25 us of pause (25 ns each here) before a wait starts napping
+SPINS = 1000                              # pauses before a wait starts napping (a few to tens of us
+                                          # in all: pause's latency varies by CPU model)
 
 
 @_inline
