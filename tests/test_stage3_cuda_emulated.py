@@ -128,6 +128,7 @@ def gpu(emulated, monkeypatch):
     """kernels.py with the stand-in CuPy (and cuBLAS) and the emulated kernels."""
     cp = emu.fake_cupy()
     cp.uint16, cp.uint32 = np.uint16, np.uint32
+    cp.exp = np.exp                                   # the shared expert's sigmoid gate (keeps Dev)
     cublas = types.ModuleType("cupy.cuda.cublas")
     cublas.gemmEx = fake_gemm_ex
     cublas.setStream = lambda handle, stream: None
@@ -332,18 +333,22 @@ def test_prefill_attention_tensor_cores_equals_twin(gpu, H, Hkv, D, P, chunks):
     assert_bf16_close(plain, expect)
 
 
-def test_engine_on_emulated_kernels_equals_engine_on_twins(gpu, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_engine_on_emulated_kernels_equals_engine_on_twins(gpu, monkeypatch, family):
     """The whole stage-3 engine with device="cuda" (model.py's GPU branch, kernels.py's launches
     and cuBLAS calls, the prefix cache) on the emulated kernels: the same tokens as device="cpu".
-    A Qwen3-MoE whose layer 1 is dense, small pages and budget (chunked prefill, page crossings),
-    and a shared prefix so the third request starts from cached pages."""
+    A MoE model whose layer 1 is dense, small pages and budget (chunked prefill, page crossings),
+    and a shared prefix so the third request starts from cached pages. qwen2_moe adds the
+    q/k/v biases (fp32 add, then the device rounding) and the gated shared expert."""
     from common.engine import Request
     from common.sampling import SamplingParams
     from models import make_model
     from stage3_optimized import engine as engine_module
 
-    folder = make_model("qwen3_moe", mlp_only_layers=[1])
-    prompts = [list(range(40, 53)), [5, 9, 3], list(range(40, 50)) + [7]]
+    folder = make_model(family, mlp_only_layers=[1])
+    # the second prompt is one whose next tokens are clear of a near-tie in that tiny model
+    prompts = [list(range(40, 53)), [5, 9, 3] if family == "qwen3_moe" else [250, 12, 300],
+               list(range(40, 50)) + [7]]
 
     def run(device):
         eng = engine_module.LLMEngine(folder, max_ctx=64, slots=3, token_budget=8, page_size=4,
