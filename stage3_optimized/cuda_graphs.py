@@ -27,6 +27,9 @@ scalar arguments and every pointer. So:
     it reads the logits after the replay (kernels.sample, or the host Sampler for
     penalties), as in an eager step.
 
+If a capture fails (an error from CUDA or CuPy), the engine warns, keeps the message in
+`DecodeGraphs.error` (the benchmark reports it) and runs every later step eagerly.
+
 A bucket's graph is captured the first time a step needs it. That first step runs
 eagerly on the static buffers (the warm-up: every kernel is compiled and cuBLAS has
 its workspace before a capture, where neither may happen), then the capture records
@@ -185,6 +188,7 @@ class DecodeGraphs:
         self.capture = capture if capture is not None else CupyCapture()
         self.graphs: dict[int, tuple[object, object]] = {}   # bucket -> (graph, its logits [B, V])
         self.num_replays = self.num_eager = 0
+        self.error: str | None = None                # why capturing failed (then every step is eager)
 
     @staticmethod
     def capturable(model) -> bool:
@@ -193,7 +197,7 @@ class DecodeGraphs:
 
     def can_run(self, batch: BatchInfo) -> bool:
         S = batch.block_tables.shape[0]
-        return (batch.num_decode == S and S <= self.buckets[-1]
+        return (self.error is None and batch.num_decode == S and S <= self.buckets[-1]
                 and batch.max_context <= self.model.max_ctx)
 
     def run(self, tokens: np.ndarray, batch: BatchInfo):
@@ -208,8 +212,13 @@ class DecodeGraphs:
         if size not in self.graphs:
             # warm-up: this step eagerly on the static buffers, then record it for the next ones
             logits = self.model.forward(static_tokens, info)
-            self.graphs[size] = self.capture(lambda: self.model.forward(static_tokens, info))
             self.num_eager += 1
+            try:
+                self.graphs[size] = self.capture(lambda: self.model.forward(static_tokens, info))
+            except Exception as e:  # a CUDA or CuPy error: this engine goes on eagerly, and says why
+                import warnings
+                self.error = f"{type(e).__name__}: {str(e)[:300]}"
+                warnings.warn(f"capturing a CUDA graph failed ({self.error}); every step runs eagerly now")
         else:
             graph, logits = self.graphs[size]
             self.capture.replay(graph)

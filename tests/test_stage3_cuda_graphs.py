@@ -162,3 +162,22 @@ def test_moe_models_and_eager_flag_run_without_graphs():
     assert options.engine_kwargs(on)["enforce_eager"] is False
     assert options.engine_kwargs(off)["enforce_eager"] is True
     assert "cuda graphs" in options.describe(on) and "cuda graphs" not in options.describe(off)
+
+
+def test_a_failed_capture_leaves_the_engine_eager_with_the_reason():
+    """A capture that raises (as CUDA does on an illegal call inside a capture): the step still
+    answers (from its warm-up run), every later step runs eagerly, and the tokens are the
+    eager engine's."""
+    class FailingCapture(CallCapture):
+        def __call__(self, fn):
+            raise RuntimeError("cudaErrorStreamCaptureUnsupported (planted)")
+
+    folder = make_model("qwen3")
+    prompts = [list(range(40, 53)), [5, 9, 3]]
+    expect = run(engine(folder, False), prompts, 6)
+    eng = engine(folder, False)
+    eng.graphs = DecodeGraphs(eng.model, 6, capture=FailingCapture())
+    with pytest.warns(UserWarning, match="capturing a CUDA graph failed"):
+        got = run(eng, prompts, 6)
+    assert got == expect and all(len(t) == 6 for t in got.values())
+    assert "planted" in eng.graphs.error and eng.graphs.num_eager == 1 and not eng.graphs.graphs
