@@ -9,12 +9,12 @@
 #   kernel tests      40     tests/test_stage*_gpu.py -k "not engine": every CUDA kernel of
 #                            every GPU stage against its numpy twin (QS_REQUIRE_GPU=1: a skip
 #                            is a failure)
-#   engine tests      40     tests/test_stage*_gpu.py -k engine: the engines on the GPU
+#   engine tests      50     tests/test_stage*_gpu.py -k engine: the engines on the GPU
 #                            against transformers' greedy tokens
 #   benchmark        110     python -m bench.gpu: the newest stage on nano-vllm's full
 #                            workload first, then every stage and transformers on stated
 #                            subsets and at batch 1, the HBM roofline
-#   stage3 bench      60     python -m bench.gpu_stage3, the stage-3 rows bench.gpu lacks, in
+#   stage3 bench      50     python -m bench.gpu_stage3, the stage-3 rows bench.gpu lacks, in
 #                            this order until the time is up: batch 1 with CUDA graphs and
 #                            with --no-cuda-graphs, the 8B shape (4 layers) against the
 #                            roofline, prefill attention TFLOP/s, the prefix-cache hit rate,
@@ -63,9 +63,9 @@ done
 TOTAL=300
 CAP_PROBE=${QS_CAP_PROBE:-15}
 CAP_KERNELS=${QS_CAP_KERNELS:-40}
-CAP_ENGINE=${QS_CAP_ENGINE:-40}
+CAP_ENGINE=${QS_CAP_ENGINE:-50}
 CAP_BENCH=${QS_CAP_BENCH:-110}
-CAP_BENCH3=${QS_CAP_BENCH3:-60}
+CAP_BENCH3=${QS_CAP_BENCH3:-50}
 CAP_SANITIZE=${QS_CAP_SANITIZE:-25}
 CAP_PACK=${QS_CAP_PACK:-5}
 SUM=$((CAP_PROBE + CAP_KERNELS + CAP_ENGINE + CAP_BENCH + CAP_BENCH3 + CAP_SANITIZE + CAP_PACK))
