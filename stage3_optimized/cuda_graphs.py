@@ -27,7 +27,7 @@ scalar arguments and every pointer. So:
     it reads the logits after the replay (kernels.sample, or the host Sampler for
     penalties), as in an eager step.
 
-If a capture fails (an error from CUDA or CuPy), the engine warns, keeps the message in
+If a capture or a replay fails (an error from CUDA or CuPy), the engine warns, keeps the message in
 `DecodeGraphs.error` (the benchmark reports it) and runs every later step eagerly.
 
 A bucket's graph is captured the first time a step needs it. That first step runs
@@ -209,19 +209,29 @@ class DecodeGraphs:
         self.static.fill(ptokens, pbatch)
         info = self.static.view(size, self.model.max_ctx)
         static_tokens = self.static.tokens[:size]
-        if size not in self.graphs:
-            # warm-up: this step eagerly on the static buffers, then record it for the next ones
-            logits = self.model.forward(static_tokens, info)
-            self.num_eager += 1
+        rows = self.xp.asarray(batch.logits_rows)
+        if size in self.graphs:
+            graph, logits = self.graphs[size]
+            try:
+                self.capture.replay(graph)
+                self.num_replays += 1
+                # a copy of the rows asked for: the next replay overwrites the graph's logits
+                return logits[rows]
+            except Exception as e:  # (CuPy may instantiate a graph at its first launch)
+                self._give_up(e)
+        # warm-up (or eager from now on): this step on the static buffers; then record it
+        logits = self.model.forward(static_tokens, info)
+        self.num_eager += 1
+        if self.error is None:
             try:
                 self.graphs[size] = self.capture(lambda: self.model.forward(static_tokens, info))
             except Exception as e:  # a CUDA or CuPy error: this engine goes on eagerly, and says why
-                import warnings
-                self.error = f"{type(e).__name__}: {str(e)[:300]}"
-                warnings.warn(f"capturing a CUDA graph failed ({self.error}); every step runs eagerly now")
-        else:
-            graph, logits = self.graphs[size]
-            self.capture.replay(graph)
-            self.num_replays += 1
-        # a copy of the rows asked for: the next replay overwrites the graph's logits
-        return logits[self.xp.asarray(batch.logits_rows)]
+                self._give_up(e)
+        return logits[rows]
+
+    def _give_up(self, e: Exception) -> None:
+        """A capture or replay failed: keep the reason, drop the graphs, warn once."""
+        import warnings
+        self.error = f"{type(e).__name__}: {str(e)[:300]}"
+        self.graphs.clear()
+        warnings.warn(f"a CUDA graph capture or replay failed ({self.error}); every step runs eagerly now")

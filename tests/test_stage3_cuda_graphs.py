@@ -164,20 +164,28 @@ def test_moe_models_and_eager_flag_run_without_graphs():
     assert "cuda graphs" in options.describe(on) and "cuda graphs" not in options.describe(off)
 
 
-def test_a_failed_capture_leaves_the_engine_eager_with_the_reason():
-    """A capture that raises (as CUDA does on an illegal call inside a capture): the step still
-    answers (from its warm-up run), every later step runs eagerly, and the tokens are the
-    eager engine's."""
-    class FailingCapture(CallCapture):
-        def __call__(self, fn):
-            raise RuntimeError("cudaErrorStreamCaptureUnsupported (planted)")
+class FailingCapture(CallCapture):
+    def __call__(self, fn):
+        raise RuntimeError("cudaErrorStreamCaptureUnsupported (planted)")
 
+
+class FailingReplay(CallCapture):
+    def replay(self, graph):
+        raise RuntimeError("cudaErrorInvalidValue at the first launch (planted)")
+
+
+@pytest.mark.parametrize("capture,eager_steps", [(FailingCapture, 1), (FailingReplay, 2)])
+def test_a_failed_capture_or_replay_leaves_the_engine_eager_with_the_reason(capture, eager_steps):
+    """A capture (or a graph's first launch) that raises, as CUDA does on an illegal call:
+    that step still answers (eagerly, on the static buffers), every later step runs eagerly,
+    and the tokens are the eager engine's."""
     folder = make_model("qwen3")
     prompts = [list(range(40, 53)), [5, 9, 3]]
     expect = run(engine(folder, False), prompts, 6)
     eng = engine(folder, False)
-    eng.graphs = DecodeGraphs(eng.model, 6, capture=FailingCapture())
-    with pytest.warns(UserWarning, match="capturing a CUDA graph failed"):
+    eng.graphs = DecodeGraphs(eng.model, 6, capture=capture())
+    with pytest.warns(UserWarning, match="CUDA graph capture or replay failed"):
         got = run(eng, prompts, 6)
     assert got == expect and all(len(t) == 6 for t in got.values())
-    assert "planted" in eng.graphs.error and eng.graphs.num_eager == 1 and not eng.graphs.graphs
+    assert "planted" in eng.graphs.error and not eng.graphs.graphs
+    assert eng.graphs.num_eager == eager_steps and eng.graphs.num_replays == 0
