@@ -6,18 +6,26 @@
 #   step            cap (s)  what
 #   probe             15     the interpreter that has CuPy (no pip, no network), the GPU,
 #                            the packages the tests need; none found: stop here, in seconds
-#   kernel tests      50     tests/test_stage*_gpu.py -k "not engine": every CUDA kernel of
+#   kernel tests      40     tests/test_stage*_gpu.py -k "not engine": every CUDA kernel of
 #                            every GPU stage against its numpy twin (QS_REQUIRE_GPU=1: a skip
 #                            is a failure)
 #   engine tests      50     tests/test_stage*_gpu.py -k engine: the engines on the GPU
 #                            against transformers' greedy tokens
-#   benchmark        130     python -m bench.gpu: the newest stage on nano-vllm's full
+#   benchmark        110     python -m bench.gpu: the newest stage on nano-vllm's full
 #                            workload first, then every stage and transformers on stated
 #                            subsets and at batch 1, the HBM roofline
-#   sanitizer         40     compute-sanitizer, probed first (10 s; some runtimes refuse
+#   stage3 bench      50     python -m bench.gpu_stage3, the stage-3 rows bench.gpu lacks, in
+#                            this order until the time is up: batch 1 with CUDA graphs and
+#                            with --no-cuda-graphs, the 8B shape (4 layers) against the
+#                            roofline, prefill attention TFLOP/s, the prefix-cache hit rate,
+#                            stage 3 on nano-vllm's workload (the same number as bench.gpu's
+#                            full:stage3_optimized, so last). A step left without time says
+#                            "skipped: out of time" in its row (not a failure); its table is
+#                            appended to gpu_bench.md
+#   sanitizer         25     compute-sanitizer, probed first (10 s; some runtimes refuse
 #                            the device): memcheck on the two tests marked `sanitize` (every
 #                            kernel once, small shapes), racecheck on the attention one
-#   pack              10     one junit file, one log archive, the summary
+#   pack               5     one junit file, one log archive, the summary
 #   (total           295 of 300)
 #
 # $OUT receives at most 6 files, all small: summary.md, logs.tar.gz, gpu_bench.md,
@@ -30,7 +38,7 @@
 # usage: OUT=DIR bash bench/gpu_check.sh [--dry-run]
 #   PYTHON=...        try this interpreter first
 #   QS_WORK=DIR       the work folder (must not be inside OUT)
-#   QS_CAP_<STEP>=S   override a cap (PROBE, KERNELS, ENGINE, BENCH, SANITIZE, PACK); the
+#   QS_CAP_<STEP>=S   override a cap (PROBE, KERNELS, ENGINE, BENCH, BENCH3, SANITIZE, PACK); the
 #                     caps must still add up to at most 300 s
 #   --dry-run         on a CPU: the same steps and plumbing (caps, files, paths, junit,
 #                     failures to stdout, the benchmark driver on a tiny model) with stand-in
@@ -54,12 +62,13 @@ done
 # ---- caps, folders ------------------------------------------------------------------
 TOTAL=300
 CAP_PROBE=${QS_CAP_PROBE:-15}
-CAP_KERNELS=${QS_CAP_KERNELS:-50}
+CAP_KERNELS=${QS_CAP_KERNELS:-40}
 CAP_ENGINE=${QS_CAP_ENGINE:-50}
-CAP_BENCH=${QS_CAP_BENCH:-130}
-CAP_SANITIZE=${QS_CAP_SANITIZE:-40}
-CAP_PACK=${QS_CAP_PACK:-10}
-SUM=$((CAP_PROBE + CAP_KERNELS + CAP_ENGINE + CAP_BENCH + CAP_SANITIZE + CAP_PACK))
+CAP_BENCH=${QS_CAP_BENCH:-110}
+CAP_BENCH3=${QS_CAP_BENCH3:-50}
+CAP_SANITIZE=${QS_CAP_SANITIZE:-25}
+CAP_PACK=${QS_CAP_PACK:-5}
+SUM=$((CAP_PROBE + CAP_KERNELS + CAP_ENGINE + CAP_BENCH + CAP_BENCH3 + CAP_SANITIZE + CAP_PACK))
 if [ "$SUM" -gt "$TOTAL" ]; then
     echo "gpu_check.sh: the step caps add up to $SUM s, more than $TOTAL s" >&2
     exit 2
@@ -75,7 +84,7 @@ case "$WORK/" in
               exit 2 ;;
 esac
 mkdir -p "$OUT" "$WORK"
-rm -rf "$WORK/logs" "$WORK/bench"/*.log "$WORK/bench"/*.json "$WORK"/*.xml "$WORK/dry"
+rm -rf "$WORK/logs" "$WORK/bench"/*.log "$WORK/bench"/*.json "$WORK"/*.xml "$WORK/dry" "$WORK/bench3"
 mkdir -p "$WORK/logs" "$WORK/bench"
 OUT_FILES="summary.md logs.tar.gz gpu_bench.md gpu_bench.json gpu_tests.xml"
 for f in $OUT_FILES; do rm -f "$OUT/$f"; done
@@ -267,6 +276,37 @@ esac
 [ -f "$OUT/gpu_bench.md" ] || { result="$result; **no table**"; FAILED=1; }
 row "benchmark" "$CAP_BENCH" "$(elapsed)" "$result"
 say "benchmark: $result"
+pack
+
+# ---- 4b. the stage-3 rows (bench/gpu_stage3.py) ------------------------------------------
+T=$(cap "$CAP_BENCH3")
+S3_STEPS=bandwidth,s3_b1,s3_b1_eager,model_8b,s3_b1_8b,s3_attn,s3_prefix,s3_ours
+BENCH3=("$PY" -m bench.gpu_stage3 --out "$WORK/bench3" --workdir "$WORK/bench" --deadline-s "$((T - 8))")
+if [ "$DRY" = 1 ]; then
+    # tiny models of its own (the dry run's bench.gpu model has too small a vocabulary)
+    BENCH3+=(--dry-run --steps "model,$S3_STEPS")
+elif [ -f "$WORK/bench/qwen3-0.6b-random/config.json" ]; then
+    BENCH3+=(--model-folder "$WORK/bench/qwen3-0.6b-random" --steps "$S3_STEPS")   # bench.gpu's model
+else
+    BENCH3+=(--steps "model,$S3_STEPS")
+fi
+say "stage-3 benchmark (at most $T s) ..."
+timeout -k 3 "$((T - 3))" "${BENCH3[@]}" > "$LOGS/bench3.log" 2>&1
+RC=$?
+case "$RC" in
+    0) result="ok" ;;
+    3) result="ok, but steps ran out of time (see the table)" ;;
+    124|137) result="**timed out** after $T s"; FAILED=1 ;;
+    *) result="**a step failed** (exit $RC; see the table and bench3.log)"; FAILED=1 ;;
+esac
+if [ -f "$WORK/bench3/gpu_stage3.md" ]; then
+    { echo; cat "$WORK/bench3/gpu_stage3.md"; } >> "$OUT/gpu_bench.md"
+    cp "$WORK/bench3/gpu_stage3.json" "$WORK/bench/gpu_stage3.json" 2>/dev/null   # into logs.tar.gz
+else
+    result="$result; **no table**"; FAILED=1
+fi
+row "stage3_bench" "$CAP_BENCH3" "$(elapsed)" "$result"
+say "stage-3 benchmark: $result"
 pack
 
 # ---- 5. compute-sanitizer: probe, memcheck, racecheck on attention ----------------------

@@ -11,12 +11,21 @@ writes gpu_stage3.md / .json.
   s3_ours      stage 3 on nano-vllm's workload (256 sequences, lengths 100..1024, greedy,
                EOS ignored): output tok/s, the number to compare with stage 2's "ours"
   s3_b1        stage 3, one sequence, 0.6B shape: decode tok/s and % of the HBM roofline
+  s3_b1_eager  the same with --no-cuda-graphs (every kernel launched from Python): what
+               the decode graphs save (docs/stage3.md, section 7)
   model_8b     a Qwen3-8B-shaped model with 4 of its 36 layers (hidden 4096, 32/8 heads x 128,
                MLP 12288, vocab 151936), random bf16 weights
   s3_b1_8b     stage 3, one sequence, on it: % of the HBM roofline (the issue's >= 70 % target)
   s3_attn      prefill attention alone: TFLOP/s of the tensor-core kernel and the plain one
   s3_prefix    a shared-system-prompt workload (a 1,000-token system prompt, 100-token
                questions): prefix-cache hit rate, and tok/s with the cache on and off
+
+--deadline-s bounds the whole run (a step gets min(its cap, the time left) and is skipped
+when less than 15 s are left); --model-folder reuses bench/gpu.py's 0.6B model and a
+bench/gpu.py setup.json in --workdir gives the bandwidth without measuring it again
+(bench/gpu_check.sh does both). --dry-run: the steps on the numpy twins with tiny models
+(vocabulary 10240, so the workload's ids fit; the "8B" model is tiny too): checks the
+plumbing on a CPU.
 
 Napkin maths (docs/stage3.md has the derivations): the roofline of batch-1 decode is
 HBM bandwidth / bytes per token (bf16 weights + the KV cache read), and attention
@@ -40,21 +49,25 @@ from bench.gpu import QWEN3_06B, bandwidth, workload  # noqa: E402
 
 QWEN3_8B_4L = dict(QWEN3_06B, hidden_size=4096, intermediate_size=12288, num_hidden_layers=4,
                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
-STEPS = {"model": 150, "bandwidth": 40, "s3_b1": 60, "model_8b": 120, "s3_b1_8b": 60, "s3_attn": 60,
-         "s3_prefix": 90, "s3_ours": 240}
+STEPS = {"model": 150, "bandwidth": 40, "s3_b1": 60, "s3_b1_eager": 60, "model_8b": 120, "s3_b1_8b": 60,
+         "s3_attn": 60, "s3_prefix": 90, "s3_ours": 240}
 DEVICE = os.environ.get("BENCH_GPU_DEVICE", "cuda")     # cpu: a smoke test of this script on the twins
+# --dry-run's models: tiny, with a vocabulary that holds the workload's ids (0..10000)
+TINY_S3 = dict(QWEN3_06B, vocab_size=10240, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)
+TINY_S3_4L = dict(TINY_S3, num_hidden_layers=4, tie_word_embeddings=False)
 
 
 def step_model(args) -> dict:
     """The Qwen3-0.6B-shaped random model (bench/gpu.py's setup writes the same one)."""
     import torch
     import transformers as tf
-    folder = Path(args.workdir) / "qwen3-0.6b-random"
+    folder = Path(args.workdir) / ("tiny-random-s3" if args.dry_run else "qwen3-0.6b-random")
     if (folder / "config.json").is_file():
         return {"folder": str(folder), "reused": True}
     torch.manual_seed(0)
     with torch.device("cuda" if DEVICE == "cuda" else "cpu"):
-        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**QWEN3_06B)).to(torch.bfloat16)
+        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**(TINY_S3 if args.dry_run else QWEN3_06B))).to(torch.bfloat16)
     model.save_pretrained(folder)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
     return {"folder": str(folder)}
@@ -111,10 +124,11 @@ def step_s3_ours(args) -> dict:
     return r
 
 
-def _b1(folder) -> dict:
+def _b1(folder, enforce_eager: bool = False) -> dict:
     """One sequence, 128 prompt tokens, 256 new: decode tok/s (tokens after the first / their time)
-    and the bytes one step reads (weights + the mean KV context, bf16)."""
-    eng = _engine(folder, max_ctx=2048, slots=1, token_budget=2048, page_size=256, kv_memory=4 * 2**30)
+    and the bytes one step reads (weights + the mean KV context, bf16). enforce_eager: no CUDA graphs."""
+    eng = _engine(folder, max_ctx=2048, slots=1, token_budget=2048, page_size=256, kv_memory=4 * 2**30,
+                  enforce_eager=enforce_eager)
     prompt, _ = workload(1, seed=1)
     _warm(eng)
     from common.engine import Request
@@ -129,29 +143,40 @@ def _b1(folder) -> dict:
                 stamps.append(time.perf_counter())
         rates.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
     kv = eng.model.cache.nbytes_per_token * (128 + 128)          # the mean context of the decode steps
-    return {"decode_tok_s": sorted(rates)[1], "runs": rates, "bytes_per_token": eng.weights.nbytes + kv}
+    graphs = eng.graphs
+    return {"decode_tok_s": sorted(rates)[1], "runs": rates, "bytes_per_token": eng.weights.nbytes + kv,
+            "graph_replays": graphs.num_replays if graphs is not None else 0,
+            "graph_error": graphs.error if graphs is not None else None}
 
 
 def step_s3_b1(args) -> dict:
     return _b1(args.model_folder)
 
 
+def step_s3_b1_eager(args) -> dict:
+    return _b1(args.model_folder, enforce_eager=True)
+
+
 def step_model_8b(args) -> dict:
     import torch
     import transformers as tf
-    folder = Path(args.workdir) / "qwen3-8b-4layers-random"
+    folder = Path(args.workdir) / _8b_name(args)
     if (folder / "config.json").is_file():
         return {"folder": str(folder), "reused": True}
     torch.manual_seed(0)
     with torch.device("cuda" if DEVICE == "cuda" else "cpu"):
-        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**QWEN3_8B_4L)).to(torch.bfloat16)
+        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**(TINY_S3_4L if args.dry_run else QWEN3_8B_4L))).to(torch.bfloat16)
     model.save_pretrained(folder)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
     return {"folder": str(folder)}
 
 
+def _8b_name(args) -> str:
+    return "tiny-4layers-s3" if args.dry_run else "qwen3-8b-4layers-random"
+
+
 def step_s3_b1_8b(args) -> dict:
-    return _b1(str(Path(args.workdir) / "qwen3-8b-4layers-random"))
+    return _b1(str(Path(args.workdir) / _8b_name(args)))
 
 
 def step_s3_attn(args) -> dict:
@@ -222,7 +247,7 @@ def run_step(name: str, args, budget_s: float) -> dict:
         f.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "bench.gpu_stage3", "--run", name, "--workdir", args.workdir,
            "--model-folder", args.model_folder or "", "--num-seqs", str(args.num_seqs),
-           "--token-budget", str(args.token_budget)]
+           "--token-budget", str(args.token_budget)] + (["--dry-run"] if args.dry_run else [])
     t0 = time.perf_counter()
     print(f"[bench.gpu_stage3] {name} (at most {budget_s:.0f} s) ...", flush=True)
     try:
@@ -258,7 +283,12 @@ def table(res: dict, args) -> str:
         f"{f(g('s3_ours', 'output_tokens'), 'd')} tokens, {f(g('s3_ours', 'steps'), 'd')} steps, "
         f"{f(g('s3_ours', 'preemptions'), 'd')} preemptions; target >= 10,000 and >= 5x stage 2; {g('s3_ours', 'status')} |",
         f"| batch-1 decode, 0.6B shape (tok/s) | {f(g('s3_b1', 'decode_tok_s'))} | {f(pct('s3_b1'))} % of the HBM "
-        f"roofline ({f(bw)} GB/s measured); launch-bound, reported only; {g('s3_b1', 'status')} |",
+        f"roofline ({f(bw)} GB/s measured); {f(g('s3_b1', 'graph_replays'), 'd')} CUDA-graph replays"
+        f"{'; **capture failed: ' + g('s3_b1', 'graph_error') + '**' if g('s3_b1', 'graph_error') else ''}; "
+        f"reported only; {g('s3_b1', 'status')} |",
+        f"| the same, --no-cuda-graphs (tok/s) | {f(g('s3_b1_eager', 'decode_tok_s'))} | {f(pct('s3_b1_eager'))} % "
+        f"of the roofline; graphs / eager = {f(_ratio(g('s3_b1', 'decode_tok_s'), g('s3_b1_eager', 'decode_tok_s')), '.2f')} "
+        f"(predicted 1.5-2.5); {g('s3_b1_eager', 'status')} |",
         f"| batch-1 decode, 8B shape, 4 layers (tok/s) | {f(g('s3_b1_8b', 'decode_tok_s'))} | {f(pct('s3_b1_8b'))} % "
         f"of the HBM roofline; target >= 70 %; {g('s3_b1_8b', 'status')} |",
         f"| prefill attention (TFLOP/s) | {f(g('s3_attn', 'tensor_cores', 'tflops'), '.1f')} | plain kernel: "
@@ -266,6 +296,10 @@ def table(res: dict, args) -> str:
         f"| prefix cache, shared system prompt | {f(g('s3_prefix', 'on', 'hit_rate') and 100 * g('s3_prefix', 'on', 'hit_rate'))} % hit | "
         f"{f(g('s3_prefix', 'on', 'tok_s'))} tok/s on, {f(g('s3_prefix', 'off', 'tok_s'))} off; {g('s3_prefix', 'status')} |",
         ""])
+
+
+def _ratio(a, b):
+    return a / b if a and b else None
 
 
 def _dig(d, keys):
@@ -281,6 +315,9 @@ def run_steps(args, names, t_end: float) -> dict:
     res = {}
     for name in names:
         left = t_end - time.perf_counter()
+        if name == "bandwidth" and _setup_bandwidth(args):
+            res[name] = {**_setup_bandwidth(args), "status": "ok", "from": "bench/gpu.py's setup"}
+            continue
         if left < 15:
             res[name] = {"status": "skipped: out of time"}
             continue
@@ -288,6 +325,16 @@ def run_steps(args, names, t_end: float) -> dict:
         if name == "model" and res[name].get("folder"):
             args.model_folder = res[name]["folder"]
     return res
+
+
+def _setup_bandwidth(args) -> dict | None:
+    """The bandwidth bench/gpu.py's setup step measured in this workdir, if there is one."""
+    setup = Path(args.workdir) / "setup.json"
+    try:
+        r = json.loads(setup.read_text())
+    except (OSError, ValueError):
+        return None
+    return {k: r[k] for k in ("gbps", "gpu") if k in r} if r.get("gbps") else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -299,11 +346,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--token-budget", type=int, default=8192)
     ap.add_argument("--quick", action="store_true", help="32 sequences: a smoke run")
     ap.add_argument("--steps", default=",".join(STEPS), help="comma-separated subset of " + ",".join(STEPS))
+    ap.add_argument("--model-folder", default=None,
+                    help="an existing Qwen3-0.6B-shaped model folder (bench/gpu.py's): the model step is skipped")
+    ap.add_argument("--dry-run", action="store_true", help="tiny models on the numpy twins: checks the plumbing")
     ap.add_argument("--run", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--model-folder", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.quick:
         args.num_seqs = min(args.num_seqs, 32)
+    if args.dry_run:
+        args.num_seqs = min(args.num_seqs, 4)
+        os.environ["BENCH_GPU_DEVICE"] = "cpu"          # the workers (subprocesses) run on the twins
+        global DEVICE
+        DEVICE = "cpu"
     if args.run:                                       # a worker: one step, its JSON
         result = globals()[f"step_{args.run}"](args)
         (Path(args.workdir) / f"{args.run}.json").write_text(json.dumps(result))
@@ -318,12 +372,17 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     args.workdir = str(Path(args.workdir or out / "work").resolve())
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
+    if args.model_folder:
+        names = [s for s in names if s != "model"]
     res = run_steps(args, names, time.perf_counter() + args.deadline_s)
     (out / "gpu_stage3.json").write_text(json.dumps(res, indent=1))
     text = table(res, args)
     (out / "gpu_stage3.md").write_text(text)
     print(text)
-    return 0
+    statuses = [r.get("status", "") for r in res.values()]
+    if any(s.startswith("failed") for s in statuses):
+        return 1                                       # a step broke
+    return 3 if any(s.startswith(("timed out", "skipped")) for s in statuses) else 0   # 3: out of time
 
 
 if __name__ == "__main__":

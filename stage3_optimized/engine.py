@@ -7,11 +7,15 @@ the pages that became full (`block_manager.register`), so the next request with
 the same prefix finds them, and it remembers how many prompt tokens each request
 found cached (`num_cached_tokens(request_id)`, for the server's usage).
 `enable_prefix_caching=False` turns the cache off (every request computes its
-whole prompt, as in stage 2). One step, as in stage 2:
+whole prompt, as in stage 2). On the GPU, a step where every sequence decodes one
+token replays a CUDA graph of the forward pass (cuda_graphs.py) instead of launching
+its ~300 kernels one by one; `enforce_eager=True` turns that off, and prefill steps,
+MoE models and device="cpu" always run eagerly. One step, as in stage 2:
 
     scheduler.schedule()   which sequences, how many tokens each (budget, slots, pages, cache hits)
     build_batch()          their tokens packed into one array + a BatchInfo
     model.forward()        one pass for the whole batch -> logits of the sequences that sample
+                           (or the replay of a captured decode graph)
     register full pages    the prefix cache learns what this step computed
     sampler, per request   the next token, on the host (common/sampling.py)
     finish / free          stop, length or abort: the sequence's pages go back at once
@@ -34,6 +38,7 @@ from common.engine import Request, TokenEvent, check_prompt
 from stage3_optimized import kernels
 from stage3_optimized.batch import build_batch
 from stage3_optimized.block_manager import BlockManager
+from stage3_optimized.cuda_graphs import DecodeGraphs
 from stage3_optimized.kv_cache import KVCache
 from stage3_optimized.model import Model
 from stage3_optimized.scheduler import Scheduler
@@ -63,7 +68,7 @@ class LLMEngine:
     def __init__(self, folder: str | Path, max_ctx: int = 4096, slots: int = 256,
                  token_budget: int = 8192, page_size: int = 256, num_pages: int | None = None,
                  kv_memory: int | None = None, device: str = "cuda", progress: bool = True,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, enforce_eager: bool = False):
         self.folder = Path(folder)
         self.config: ModelConfig = ModelConfig.from_folder(folder)
         if max_ctx < 2:
@@ -88,6 +93,10 @@ class LLMEngine:
         self.forward_s = 0.0
         self.cached_tokens: OrderedDict[str, int] = OrderedDict()   # request id -> prompt tokens hit
         self.device_sampling = True                  # False: every row to the host Sampler (stage 2's way)
+        # decode steps as CUDA graphs, one per batch-size bucket up to `slots` sequences
+        self.graphs = None
+        if device == "cuda" and not enforce_eager and DecodeGraphs.capturable(self.model):
+            self.graphs = DecodeGraphs(self.model, slots)
 
     def _pool_pages(self, num_pages: int | None, kv_memory: int | None) -> int:
         """Pages in the pool: given, or what kv_memory bytes hold, or most of the free GPU memory
@@ -176,7 +185,10 @@ class LLMEngine:
         # one forward pass for everybody; logits come back only for the sequences that sample
         t0 = time.perf_counter()
         xp = self.xp
-        logits = self.model.forward(xp.asarray(tokens), batch.to(xp))      # [S', V] on the device
+        if self.graphs is not None and self.graphs.can_run(batch):
+            logits = self.graphs.run(tokens, batch)                         # a decode step: one replay
+        else:
+            logits = self.model.forward(xp.asarray(tokens), batch.to(xp))  # [S', V] on the device
         self.num_steps += 1
 
         sampling = []

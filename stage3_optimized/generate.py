@@ -1,7 +1,7 @@
 """One-shot generation: python -m stage3_optimized.generate --model DIR|NAME --prompt "..." [--n N]
 
 Changed from stage 1's generate.py (stage 2 has none): the stage-3 engine and its
-options (device, pages, --no-prefix-caching), and --n copies of the prompt sent at
+options (device, pages, --no-prefix-caching, --no-cuda-graphs), and --n copies of the prompt sent at
 once, which shows batching and the prefix cache from the command line: the copies
 after the first find the prompt's full pages cached. Prints the first copy's tokens
 as they arrive, then the step counts and output speed.

@@ -81,7 +81,7 @@ def _i32(x):
 
 
 def to_bf16(x):
-    """float32 -> bf16 bits, round to nearest even, on either device (the MoE sum)."""
+    """float32 -> bf16 bits, round to nearest even, on either device (the MoE sum, Qwen2's biased q/k/v)."""
     if not _on_gpu(x):
         return ops.bf16_bits(x)
     import cupy

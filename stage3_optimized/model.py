@@ -9,11 +9,12 @@ so a decode layer launches 10 kernels and GEMMs where stage 2 launched 18:
     residual = None
     for each layer:
         h, residual = add_rmsnorm(x, residual)          fused residual add + RMSNorm (fp32 residual)
-        qkv = h @ wqkv.T                                [N, (H + 2 Hkv) D], one GEMM
+        qkv = h @ wqkv.T (+ bqkv)                       [N, (H + 2 Hkv) D], one GEMM (qwen2: + biases)
         q = qk_norm_rope_store(qkv)                     q/k RMSNorm (qwen3), RoPE, k/v into their pages
         x = attention(q) @ wo.T                         each query over its pages (GQA)
         h, residual = add_rmsnorm(x, residual)          MLP block
-        x = down(swiglu(h @ w_gate_up.T))               (or the routed experts of a MoE layer)
+        x = down(swiglu(h @ w_gate_up.T))               (or the routed experts of a MoE layer,
+                                                         plus a gated shared expert: qwen2_moe)
     h = add_rmsnorm(x, residual) (final norm)
     logits = h @ lm_head.T                              [S', V] float32, last position of each sequence
 
@@ -62,7 +63,12 @@ class Model:
         for layer, lw in enumerate(w.layers):
             # ---- attention block ----
             h, residual = K.add_rmsnorm(x, residual, lw.attn_norm, eps)   # [N, C] bf16, [N, C] fp32
-            qkv = lw.wqkv.matmul(h)                            # [N, (H + 2 Hkv) * D] one GEMM for q, k, v
+            if lw.bqkv is None:
+                qkv = lw.wqkv.matmul(h)                        # [N, (H + 2 Hkv) * D] one GEMM for q, k, v
+            else:
+                # Qwen2: q, k and v have biases, added to the GEMM's fp32 output before its
+                # one bf16 rounding (a broadcast add, then the rounding kernel)
+                qkv = K.to_bf16(lw.wqkv.matmul(h, out_f32=True) + lw.bqkv)   # [N, (H + 2 Hkv) * D]
             # Qwen3's per-head q/k RMSNorm, RoPE at each token's own position, and the new
             # positions' k, v into their pages: one kernel, q comes back for attention
             q = K.qk_norm_rope_store(qkv, lw.q_norm, lw.k_norm, cos, sin,
@@ -106,6 +112,8 @@ class Model:
 
     def moe(self, h, lw: LayerWeights):
         """Qwen3-MoE: each token goes to its top-k experts, weighted by the router.
+        Qwen2-MoE adds a shared expert that every token goes through, scaled by a
+        sigmoid gate of its own (its width may differ from the routed experts').
         h [N, C] bf16 -> [N, C] bf16. The routing decision is made on the host (a small [N, E]
         copy); the experts' matmuls run on the device, one GEMM per chosen expert."""
         cfg, xp = self.config, self.xp
@@ -125,4 +133,10 @@ class Model:
             he = h[xp.asarray(rows)]                           # [Te, C] bf16
             y = ex.e_down.matmul(self.k.swiglu(ex.e_gate_up.matmul(he)), out_f32=True)   # [Te, C]
             out[xp.asarray(rows)] += xp.asarray(weight[rows, slot][:, None].astype(np.float32)) * y
+        if lw.shared_expert is not None:
+            # the shared expert: every token, weighted by sigmoid(h . shared_gate) in (0, 1)
+            ex = lw.shared_expert
+            y = ex.e_down.matmul(self.k.swiglu(ex.e_gate_up.matmul(h)), out_f32=True)   # [T, C] fp32
+            gate = lw.shared_gate.matmul(h, out_f32=True)      # [T, 1] fp32
+            out += y / (1 + xp.exp(-gate))
         return kernels.to_bf16(out)                            # [T, C] bf16, like a dense MLP's output

@@ -1,6 +1,7 @@
 """Stage 3's command-line options and engine builder, shared by chat, generate and serve.
 
-Changed from stage 2: --no-prefix-caching turns the prefix cache off; the rest
+Changed from stage 2: --no-prefix-caching turns the prefix cache off and
+--no-cuda-graphs the decode graphs (every step launched kernel by kernel); the rest
 are stage 2's flags (device, page size, KV memory; --slots and --token-budget from
 the server). Kept free of heavy imports so that `--help` answers at once.
 """
@@ -21,6 +22,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    help="GiB for the KV page pool (default: most of the free GPU memory; 1 GiB on cpu)")
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="compute every prompt in full instead of reusing the KV pages of a common prefix")
+    g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="launch every decode step kernel by kernel instead of replaying a captured CUDA graph")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -29,7 +32,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     kv = None if args.kv_memory is None else int(args.kv_memory * 2**30)
     return dict(max_ctx=args.max_ctx, slots=slots, token_budget=budget, page_size=args.page_size,
                 kv_memory=kv, device=args.device,
-                enable_prefix_caching=getattr(args, "prefix_caching", True))
+                enable_prefix_caching=getattr(args, "prefix_caching", True),
+                enforce_eager=not getattr(args, "cuda_graphs", True))
 
 
 def build_engine(folder: Path, args: argparse.Namespace, progress: bool = True):
@@ -39,4 +43,5 @@ def build_engine(folder: Path, args: argparse.Namespace, progress: bool = True):
 
 def describe(args: argparse.Namespace) -> str:
     cache = "prefix cache" if getattr(args, "prefix_caching", True) else "no prefix cache"
-    return f"stage 3 optimized · {args.device} · bf16 · {cache}"
+    graphs = " · cuda graphs" if args.device == "cuda" and getattr(args, "cuda_graphs", True) else ""
+    return f"stage 3 optimized · {args.device} · bf16 · {cache}{graphs}"

@@ -8,7 +8,10 @@ Changed from stage 2:
   * Fused projections: q, k and v are one [(H + 2 Hkv) * D, C] matrix (`wqkv`), gate
     and up one [2F, C] matrix (`w_gate_up`), concatenated along the output rows
     at load time. One GEMM reads h once and launches once instead of three times
-    (or twice); the model splits the output by columns.
+    (or twice); the model splits the output by columns. Qwen2's q/k/v biases are fused
+    the same way (`bqkv`, kept as fp32 values of the bf16-rounded biases: they are added
+    to the GEMM's fp32 output before its one rounding), and Qwen2-MoE's shared expert
+    gets a fused gate/up like every routed expert.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from rich.progress import Progress
 from common.config import ModelConfig
 from common.loader import WeightLoader
 from stage3_optimized import kernels
-from stage3_optimized.ops import bf16_bits
+from stage3_optimized.ops import bf16_bits, f32
 
 
 class Weight:
@@ -66,6 +69,9 @@ class LayerWeights:
     w_down: Weight | None = None    # [C, F]
     router: Weight | None = None    # [E, C] MoE router (its logits go to the host for top-k)
     experts: list[ExpertWeights] = field(default_factory=list)
+    bqkv: object | None = None      # [(H + 2*Hkv)*D] float32: q, k, v biases stacked (qwen2, qwen2_moe)
+    shared_expert: ExpertWeights | None = None  # qwen2_moe: [2Fs, C], [C, Fs]; every token goes through it
+    shared_gate: Weight | None = None           # [1, C] its sigmoid gate
 
 
 @dataclass
@@ -92,15 +98,15 @@ class Weights:
 def load_weights(folder: str | Path, xp=np, progress: bool = True) -> Weights:
     loader = WeightLoader(folder)
     cfg = loader.config
-    if cfg.qkv_bias or cfg.shared_expert_intermediate_size:
-        raise ValueError(f"stage 3 does not run {cfg.family} models yet (q/k/v biases or a shared "
-                         "expert): use stage 2 (python -m stage2_batched.serve) for this model")
     # round to bf16 on the host (round to nearest even), then one copy of the bits to the device
     dev = lambda a: xp.asarray(np.ascontiguousarray(bf16_bits(a)))          # noqa: E731  host -> device
     q = lambda a: Weight(dev(a))                                              # noqa: E731
     fuse = lambda *parts: Weight(dev(np.concatenate([np.asarray(p, np.float32) for p in parts])))  # noqa: E731
+    # the biases: bf16-rounded like every parameter, held as float32 for the add before rounding
+    bias = lambda *parts: xp.asarray(np.concatenate([f32(bf16_bits(p)) for p in parts]))   # noqa: E731
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
-    total = 2 + cfg.num_layers * 7 + n_moe * cfg.num_experts * 3
+    n_shared = n_moe if cfg.shared_expert_intermediate_size else 0
+    total = 2 + cfg.num_layers * 7 + n_moe * cfg.num_experts * 3 + n_shared * 3
     with Progress(transient=True, disable=not progress) as bar:
         task = bar.add_task("loading weights (bf16)", total=total)
 
@@ -119,6 +125,8 @@ def load_weights(folder: str | Path, xp=np, progress: bool = True) -> Weights:
                 wo=step(q(loader.layer("wo", i))),
                 mlp_norm=dev(loader.layer("mlp_norm", i)),
             )
+            if cfg.qkv_bias:
+                L.bqkv = bias(loader.layer("bq", i), loader.layer("bk", i), loader.layer("bv", i))
             if cfg.qk_norm:
                 L.q_norm, L.k_norm = dev(loader.layer("q_norm", i)), dev(loader.layer("k_norm", i))
             if cfg.is_moe_layer(i):
@@ -127,6 +135,11 @@ def load_weights(folder: str | Path, xp=np, progress: bool = True) -> Weights:
                                                           loader.layer("e_up", i, e)))),
                                            step(q(loader.layer("e_down", i, e))))
                              for e in range(cfg.num_experts)]
+                if cfg.shared_expert_intermediate_size:
+                    L.shared_expert = ExpertWeights(step(step(fuse(loader.layer("s_gate", i),
+                                                                   loader.layer("s_up", i)))),
+                                                    step(q(loader.layer("s_down", i))))
+                    L.shared_gate = q(loader.layer("shared_gate", i))
             else:
                 L.w_gate_up = step(step(fuse(loader.layer("w_gate", i), loader.layer("w_up", i))))
                 L.w_down = step(q(loader.layer("w_down", i)))

@@ -55,18 +55,27 @@ def test_dry_run_passes_and_brings_back_at_most_six_small_files(tmp_path, work):
     assert all(p.stat().st_size < 2**20 for p in out.iterdir())
     summary = (out / "summary.md").read_text()
     assert "Result: PASS" in summary and "Caps add up to 295 s of 300" in summary
-    for step in ("probe", "kernel_tests", "engine_tests", "benchmark", "sanitizer", "pack"):
+    for step in ("probe", "kernel_tests", "engine_tests", "benchmark", "stage3_bench", "sanitizer", "pack"):
         assert f"| {step} |" in summary
+    assert "| stage3_bench | 50 |" in summary
     assert "1 passed, 0 failed" in summary
     assert "memcheck: clean (1 tests); racecheck: clean (1 tests);" in summary
     # stdout: the summary and the benchmark table
     from bench.gpu import gpu_stages          # the newest GPU stage runs the full workload
     assert "Result: PASS" in r.stdout and f"| throughput, 4 seqs (output tok/s) | {gpu_stages()[0]} |" in r.stdout
+    # the stage-3 rows follow bench.gpu's table, every step of them run on the twins
+    bench = (out / "gpu_bench.md").read_text()
+    assert "# Stage 3 GPU benchmark" in bench and "# Stage 3 GPU benchmark" in r.stdout
+    for row in ("batch-1 decode, 0.6B shape", "--no-cuda-graphs", "8B shape, 4 layers", "prefill attention",
+                "prefix cache, shared system prompt", "throughput, 4 seqs"):
+        line = next(l for l in bench.split("# Stage 3 GPU benchmark")[1].splitlines() if row in l)
+        assert line.rstrip().endswith("ok |") and "| — |" not in line, line
     # the heavy things are in the work folder, the logs in the archive
     assert (work / "bench" / "tiny-random" / "config.json").is_file()
     with tarfile.open(out / "logs.tar.gz") as tar:
         names = set(tar.getnames())
-    assert {"logs/kernel_tests.log", "logs/engine_tests.log", "logs/bench.log", "logs/summary.md"} <= names
+    assert {"logs/kernel_tests.log", "logs/engine_tests.log", "logs/bench.log", "logs/bench3.log",
+            "logs/summary.md", "bench/gpu_stage3.json"} <= names
     assert not any("tiny-random" in n for n in names)
     junit = (out / "gpu_tests.xml").read_text()
     assert "test_kernel_stand_in_passes" in junit and "test_engine_stand_in_passes" in junit
@@ -75,7 +84,7 @@ def test_dry_run_passes_and_brings_back_at_most_six_small_files(tmp_path, work):
 def test_dry_run_reports_failures_gpu_skips_and_timeouts(tmp_path, work):
     out = tmp_path / "out"
     r = run(out, work, "--dry-run", QS_DRY_FAIL="1", QS_DRY_HANG="1", QS_CAP_ENGINE="5",
-            QS_CAP_BENCH="5", COMPUTE_SANITIZER=fake_sanitizer(tmp_path, refuses=True))
+            QS_CAP_BENCH="5", QS_CAP_BENCH3="5", COMPUTE_SANITIZER=fake_sanitizer(tmp_path, refuses=True))
     assert r.returncode == 1, r.stdout + r.stderr
     summary = (out / "summary.md").read_text()
     assert "Result: FAIL" in summary
@@ -90,7 +99,7 @@ def test_dry_run_reports_failures_gpu_skips_and_timeouts(tmp_path, work):
 
 def test_caps_that_do_not_add_up_are_refused(tmp_path, work):
     r = run(tmp_path / "out", work, "--dry-run", QS_CAP_BENCH="200", timeout=30)
-    assert r.returncode == 2 and "add up to 365 s, more than 300 s" in r.stderr
+    assert r.returncode == 2 and "add up to 385 s, more than 300 s" in r.stderr
 
 
 def test_a_work_folder_inside_out_is_refused(tmp_path):

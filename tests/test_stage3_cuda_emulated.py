@@ -128,6 +128,7 @@ def gpu(emulated, monkeypatch):
     """kernels.py with the stand-in CuPy (and cuBLAS) and the emulated kernels."""
     cp = emu.fake_cupy()
     cp.uint16, cp.uint32 = np.uint16, np.uint32
+    cp.exp = np.exp                                   # the shared expert's sigmoid gate (keeps Dev)
     cublas = types.ModuleType("cupy.cuda.cublas")
     cublas.gemmEx = fake_gemm_ex
     cublas.setStream = lambda handle, stream: None
@@ -332,18 +333,22 @@ def test_prefill_attention_tensor_cores_equals_twin(gpu, H, Hkv, D, P, chunks):
     assert_bf16_close(plain, expect)
 
 
-def test_engine_on_emulated_kernels_equals_engine_on_twins(gpu, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_engine_on_emulated_kernels_equals_engine_on_twins(gpu, monkeypatch, family):
     """The whole stage-3 engine with device="cuda" (model.py's GPU branch, kernels.py's launches
     and cuBLAS calls, the prefix cache) on the emulated kernels: the same tokens as device="cpu".
-    A Qwen3-MoE whose layer 1 is dense, small pages and budget (chunked prefill, page crossings),
-    and a shared prefix so the third request starts from cached pages."""
+    A MoE model whose layer 1 is dense, small pages and budget (chunked prefill, page crossings),
+    and a shared prefix so the third request starts from cached pages. qwen2_moe adds the
+    q/k/v biases (fp32 add, then the device rounding) and the gated shared expert."""
     from common.engine import Request
     from common.sampling import SamplingParams
     from models import make_model
     from stage3_optimized import engine as engine_module
 
-    folder = make_model("qwen3_moe", mlp_only_layers=[1])
-    prompts = [list(range(40, 53)), [5, 9, 3], list(range(40, 50)) + [7]]
+    folder = make_model(family, mlp_only_layers=[1])
+    # the second prompt is one whose next tokens are clear of a near-tie in that tiny model
+    prompts = [list(range(40, 53)), [5, 9, 3] if family == "qwen3_moe" else [250, 12, 300],
+               list(range(40, 50)) + [7]]
 
     def run(device):
         eng = engine_module.LLMEngine(folder, max_ctx=64, slots=3, token_budget=8, page_size=4,
@@ -366,6 +371,45 @@ def test_engine_on_emulated_kernels_equals_engine_on_twins(gpu, monkeypatch):
     assert isinstance(eng.model.cache.k_pool, emu.Dev) and isinstance(eng.weights.embed.data, emu.Dev)
     assert eng.num_cached_tokens("2") == 8 == cpu_eng.num_cached_tokens("2")
     assert got == expect and all(len(t) == 3 for t in got.values())
+
+
+def test_decode_graph_layout_on_emulated_kernels_gives_the_eager_twins_tokens(gpu, monkeypatch):
+    """The CUDA-graph path (cuda_graphs.py) through kernels.py's launches: padded buckets,
+    static block tables as wide as max_ctx, the decode grid sized for max_ctx (with splits of
+    8 positions, most of a short context's splits are empty), padding rows with slot -1 and
+    context 1. The capture is test_stage3_cuda_graphs.CallCapture (a replay reruns the
+    forward pass on the same static buffers); the tokens must be those of the eager twins."""
+    from common.engine import Request
+    from common.sampling import SamplingParams
+    from models import make_model
+    from stage3_optimized import engine as engine_module
+    from stage3_optimized.cuda_graphs import DecodeGraphs
+    from test_stage3_cuda_graphs import CallCapture
+
+    folder = make_model("qwen3")
+    prompts, lengths = [list(range(40, 50)), [5, 9, 3], [300, 301, 302, 303]], [5, 2, 4]
+
+    def run(device, graphs):
+        eng = engine_module.LLMEngine(folder, max_ctx=48, slots=5, token_budget=32, page_size=4,
+                                      num_pages=40, device=device, progress=False, enforce_eager=True)
+        if graphs:
+            eng.graphs = DecodeGraphs(eng.model, 5, capture=CallCapture())   # buckets 1, 2, 4, 5
+        for i, (p, n) in enumerate(zip(prompts, lengths)):
+            eng.add_request(Request(str(i), p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)))
+        out = {str(i): [] for i in range(len(prompts))}
+        while eng.has_work():
+            for ev in eng.step():
+                out[ev.request_id].append(ev.token_id)
+        return out, eng
+
+    expect, _ = run("cpu", False)
+    monkeypatch.setattr(engine_module, "array_module", lambda device: sys.modules["cupy"])
+    monkeypatch.setattr(kernels, "SPLIT_LEN", 8)
+    got, eng = run("cuda", True)
+    assert isinstance(eng.graphs.static.block_tables, emu.Dev) and eng.graphs.static.block_tables.shape == (5, 12)
+    # 3 sequences ride in the bucket of 4 (one padding row), then 2 and 1
+    assert eng.graphs.num_replays > 0 and sorted(eng.graphs.graphs) == [1, 2, 4]
+    assert got == expect and [len(got[str(i)]) for i in range(3)] == lengths
 
 
 def _wide_step(points: np.ndarray, near: float, width: float = 2e-3) -> float:

@@ -1,0 +1,237 @@
+"""Decode steps replayed as CUDA graphs, one graph per batch-size bucket.
+
+Changed from stage 2: a new file; stage 2 launches every kernel of every step from
+Python. A decode step of Qwen3-0.6B launches about 290 kernels and GEMMs
+(model.py's docstring); each costs the host a few microseconds to launch, and a small
+batch's kernels finish faster than the host can issue them, so the GPU waits on
+Python. A CUDA graph records the whole forward pass once and replays it with one
+launch. What a graph records is fixed: the kernels, their launch grids, their
+scalar arguments and every pointer. So:
+
+  * The inputs live in static buffers (`StaticInputs`), sized for the largest bucket;
+    a step copies its batch into them and the graph reads them where they are. The
+    output (logits [B, V]) is one array the graph writes on every replay.
+  * A graph is captured for a batch size B; a step with b sequences replays the graph of
+    the smallest bucket >= b (`pick_bucket`), its b rows first and B - b padding rows
+    after them (`pad_decode_batch`). A padding row has slot -1, which the KV store
+    (qk_norm_rope_store.cu and its twin) skips, so it writes no page; it reads one
+    position (context length 1) of page 0, a real page it only reads, so its numbers
+    stay finite; its logits are thrown away.
+  * Host numbers that size a launch are fixed at capture: the decode attention grid is
+    sized for the model's whole context (max_ctx) instead of this step's longest; the
+    splits past a sequence's context return at once.
+  * Anything that waits for the host cannot be captured, and those steps run eagerly
+    (model.forward as it is): prefill and mixed steps (their shapes change every step),
+    batches larger than the largest bucket, and MoE models, whose router copies its
+    scores to the host to choose the experts (model.moe). Sampling is not in the graph:
+    it reads the logits after the replay (kernels.sample, or the host Sampler for
+    penalties), as in an eager step.
+
+If a capture or a replay fails (an error from CUDA or CuPy), the engine warns, keeps the message in
+`DecodeGraphs.error` (the benchmark reports it) and runs every later step eagerly.
+
+A bucket's graph is captured the first time a step needs it. That first step runs
+eagerly on the static buffers (the warm-up: every kernel is compiled and cuBLAS has
+its workspace before a capture, where neither may happen), then the capture records
+the same forward pass without running it. Memory the forward pass allocates during a
+capture comes from a pool of this object's own (`cupy.cuda.MemoryPool`, via
+`using_allocator`), which nothing else allocates from: the addresses baked into a
+graph are never handed to another array. The graphs share that pool (only one
+replays at a time, on one stream), and each keeps its logits array referenced.
+
+device="cpu" has no graphs: the engine runs every step eagerly. The pure parts (the
+buckets, the padding) are tested on the CPU, and so is the replay logic, with a
+stand-in capture that records the forward pass as a Python call on the same static
+buffers and the same capture-time BatchInfo.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from stage3_optimized.batch import BatchInfo
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """The batch sizes that get a graph: 1, 2, 4, 8, then every multiple of 16 up to
+    max_batch, and max_batch itself. A batch is padded by at most 15 rows."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+    sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16))
+    return sizes + [max_batch]
+
+
+def pick_bucket(buckets: list[int], b: int) -> int | None:
+    """The smallest bucket that holds b sequences, or None when b is larger than all (eager)."""
+    return next((size for size in buckets if size >= b), None)
+
+
+def pad_decode_batch(tokens: np.ndarray, batch: BatchInfo, size: int,
+                     max_blocks: int, max_context: int) -> tuple[np.ndarray, BatchInfo]:
+    """A decode-only batch of b sequences (host arrays) -> the same batch padded to `size` rows,
+    with block tables `max_blocks` wide: the layout the captured graph reads.
+      rows b..size-1: token 0 at position 0, slot -1 (no KV write), context length 1,
+                      block table all page 0 (read, never written), token_seq = its own row;
+      logits_rows = 0..size-1 (every row gets logits; the caller keeps the first b);
+      max_context = max_context (the model's max_ctx: the decode grid of the graph).
+    tokens [b] int32 -> [size] int32."""
+    b = len(tokens)
+    assert batch.num_decode == b == batch.block_tables.shape[0], "only decode-only batches are captured"
+    assert b <= size and batch.block_tables.shape[1] <= max_blocks
+
+    def pad(a, fill):                                  # [b] -> [size]
+        out = np.full(size, fill, np.int32)
+        out[:b] = a
+        return out
+
+    tables = np.zeros((size, max_blocks), np.int32)    # [size, max_blocks]
+    tables[:b, :batch.block_tables.shape[1]] = batch.block_tables
+    padded = BatchInfo(
+        num_decode=size,
+        positions=pad(batch.positions, 0),
+        slot_mapping=pad(batch.slot_mapping, -1),
+        token_seq=np.arange(size, dtype=np.int32),
+        block_tables=tables,
+        context_lens=pad(batch.context_lens, 1),
+        query_start=np.arange(size + 1, dtype=np.int32),
+        logits_rows=np.arange(size, dtype=np.int32),
+        tile_start=np.zeros(0, np.int32),
+        tile_count=np.zeros(0, np.int32),
+        max_context=max_context,
+    )
+    return pad(tokens, 0), padded
+
+
+@dataclass
+class StaticInputs:
+    """The arrays a captured graph reads, on the model's device, sized for the largest bucket.
+    A bucket of B rows uses the first B rows of each (contiguous slices)."""
+    tokens: object            # [Bmax] int32
+    positions: object         # [Bmax] int32
+    slot_mapping: object      # [Bmax] int32
+    token_seq: object         # [Bmax] int32
+    block_tables: object      # [Bmax, max_blocks] int32
+    context_lens: object      # [Bmax] int32
+    query_start: object       # [Bmax + 1] int32
+    logits_rows: object       # [Bmax] int32
+    empty: object             # [0] int32 (a decode batch has no prefill tiles)
+
+    @classmethod
+    def allocate(cls, xp, max_batch: int, max_blocks: int) -> "StaticInputs":
+        z = lambda *shape: xp.zeros(shape, dtype=np.int32)   # noqa: E731
+        return cls(z(max_batch), z(max_batch), z(max_batch), z(max_batch), z(max_batch, max_blocks),
+                   z(max_batch), z(max_batch + 1), z(max_batch), z(0))
+
+    def view(self, size: int, max_context: int) -> BatchInfo:
+        """The BatchInfo of a bucket: views of the first `size` rows (what the graph reads)."""
+        return BatchInfo(num_decode=size, positions=self.positions[:size],
+                         slot_mapping=self.slot_mapping[:size], token_seq=self.token_seq[:size],
+                         block_tables=self.block_tables[:size], context_lens=self.context_lens[:size],
+                         query_start=self.query_start[:size + 1], logits_rows=self.logits_rows[:size],
+                         tile_start=self.empty, tile_count=self.empty, max_context=max_context)
+
+    def fill(self, tokens: np.ndarray, batch: BatchInfo) -> None:
+        """Copy a padded host batch (pad_decode_batch) into the first rows, in place."""
+        size = len(tokens)
+        for dst, src in [(self.tokens, tokens), (self.positions, batch.positions),
+                         (self.slot_mapping, batch.slot_mapping), (self.token_seq, batch.token_seq),
+                         (self.block_tables, batch.block_tables), (self.context_lens, batch.context_lens),
+                         (self.query_start, batch.query_start), (self.logits_rows, batch.logits_rows)]:
+            n = size + 1 if dst is self.query_start else size
+            _copy_into(dst[:n], src)
+
+
+def _copy_into(dst, src: np.ndarray) -> None:
+    """host src -> dst (a contiguous slice of a static buffer), without reallocating dst."""
+    if isinstance(dst, np.ndarray):
+        dst[...] = src
+    else:
+        dst.set(np.ascontiguousarray(src, dtype=dst.dtype))   # cupy: a host-to-device copy into place
+
+
+class CupyCapture:
+    """The real capture: record `fn()` on a non-blocking stream into a cupy.cuda.graph.Graph,
+    with allocations from a private pool. `replay(graph)` launches it on the current stream."""
+
+    def __init__(self):
+        import cupy
+        self.cupy = cupy
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.pool = cupy.cuda.MemoryPool()            # only captures allocate from it
+
+    def __call__(self, fn):
+        cp = self.cupy
+        cp.cuda.get_current_stream().synchronize()    # the warm-up step is done
+        with cp.cuda.using_allocator(self.pool.malloc), self.stream:
+            self.stream.begin_capture()               # relaxed mode (CuPy's default): the pool may cudaMalloc
+            try:
+                out = fn()
+            finally:
+                graph = self.stream.end_capture()
+        return graph, out
+
+    def replay(self, graph) -> None:
+        graph.launch(stream=self.cupy.cuda.get_current_stream())
+
+
+class DecodeGraphs:
+    """The captured decode steps of one model: `run(tokens, batch)` -> logits [b, V] float32,
+    or None when this step must run eagerly (the caller then calls model.forward)."""
+
+    def __init__(self, model, max_batch: int, capture=None):
+        self.model = model
+        self.xp = model.xp
+        self.buckets = batch_buckets(max_batch)
+        self.max_blocks = (model.max_ctx + model.cache.page_size - 1) // model.cache.page_size
+        self.static = StaticInputs.allocate(self.xp, self.buckets[-1], self.max_blocks)
+        self.capture = capture if capture is not None else CupyCapture()
+        self.graphs: dict[int, tuple[object, object]] = {}   # bucket -> (graph, its logits [B, V])
+        self.num_replays = self.num_eager = 0
+        self.error: str | None = None                # why capturing failed (then every step is eager)
+
+    @staticmethod
+    def capturable(model) -> bool:
+        """MoE routing syncs with the host (model.moe): such a model runs every step eagerly."""
+        return not any(lw.experts for lw in model.w.layers)
+
+    def can_run(self, batch: BatchInfo) -> bool:
+        S = batch.block_tables.shape[0]
+        return (self.error is None and batch.num_decode == S and S <= self.buckets[-1]
+                and batch.max_context <= self.model.max_ctx)
+
+    def run(self, tokens: np.ndarray, batch: BatchInfo):
+        """tokens [b] and batch on the host (decode-only, can_run) -> logits [b', V] of
+        batch.logits_rows, on the model's device."""
+        b = len(tokens)
+        size = pick_bucket(self.buckets, b)
+        ptokens, pbatch = pad_decode_batch(tokens, batch, size, self.max_blocks, self.model.max_ctx)
+        self.static.fill(ptokens, pbatch)
+        info = self.static.view(size, self.model.max_ctx)
+        static_tokens = self.static.tokens[:size]
+        rows = self.xp.asarray(batch.logits_rows)
+        if size in self.graphs:
+            graph, logits = self.graphs[size]
+            try:
+                self.capture.replay(graph)
+                self.num_replays += 1
+                # a copy of the rows asked for: the next replay overwrites the graph's logits
+                return logits[rows]
+            except Exception as e:  # (CuPy may instantiate a graph at its first launch)
+                self._give_up(e)
+        # warm-up (or eager from now on): this step on the static buffers; then record it
+        logits = self.model.forward(static_tokens, info)
+        self.num_eager += 1
+        if self.error is None:
+            try:
+                self.graphs[size] = self.capture(lambda: self.model.forward(static_tokens, info))
+            except Exception as e:  # a CUDA or CuPy error: this engine goes on eagerly, and says why
+                self._give_up(e)
+        return logits[rows]
+
+    def _give_up(self, e: Exception) -> None:
+        """A capture or replay failed: keep the reason, drop the graphs, warn once."""
+        import warnings
+        self.error = f"{type(e).__name__}: {str(e)[:300]}"
+        self.graphs.clear()
+        warnings.warn(f"a CUDA graph capture or replay failed ({self.error}); every step runs eagerly now")
