@@ -863,6 +863,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.cpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
                    help="a small model (4 layers, C=512, V=32000), one thread count, 2 runs: for CI")
+    p.add_argument("--moe", action="store_true",
+                   help="the MoE benchmark instead (the same as python -m bench moe; its options, "
+                        "see python -m bench moe --help)")
     p.add_argument("--threads", default=None, help="comma-separated thread counts (default 1,2; quick: 2)")
     p.add_argument("--formats", default="bf16,int8,int4", help="stage-1 formats: bf16,int8,int4")
     p.add_argument("--engines", default="stage1,llama.cpp,transformers", help="which engines to run")
@@ -915,6 +918,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if "--moe" in argv and "--worker" not in argv:            # python -m bench cpu --moe: bench/moe.py
+        from bench import moe
+        return moe.main([a for a in argv if a != "--moe"])
     args = parse_args(argv)
     if args.worker:
         worker(json.loads(args.worker))
