@@ -11,10 +11,15 @@ Order of operations (the same as vLLM / transformers' logits processors):
 from __future__ import annotations
 
 import json
+import math
+import numbers
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
+
+
+GREEDY_BELOW = 1e-5                   # a temperature below this is greedy (as vLLM's _SAMPLING_EPS)
 
 
 @dataclass
@@ -37,6 +42,13 @@ class SamplingParams:
             self.top_k = 0
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        names = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+        for name in names:                    # NaN and inf pass no comparison below, or turn logits into NaN
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if 0 < self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0            # logits / 1e-30 overflow float32: that close to 0 is greedy
         checks = [
             (self.temperature >= 0, "temperature must be >= 0"),
             (isinstance(self.top_k, int) and self.top_k >= 0, "top_k must be a non-negative integer (0 or -1 = off)"),

@@ -70,10 +70,23 @@ def test_penalties_change_logits_as_defined():
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-3),
                                  dict(min_p=2), dict(max_tokens=0), dict(presence_penalty=3),
-                                 dict(repetition_penalty=0), dict(stop=[""])])
+                                 dict(repetition_penalty=0), dict(stop=[""]),
+                                 dict(temperature=float("nan")), dict(temperature=float("inf")),
+                                 dict(top_p=float("nan")), dict(min_p=float("nan")),
+                                 dict(repetition_penalty=float("inf")), dict(presence_penalty=float("nan")),
+                                 dict(frequency_penalty=float("-inf")), dict(temperature="0.5")])
 def test_invalid_params_are_rejected(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+@pytest.mark.parametrize("t", [1e-30, 1e-8])
+def test_a_temperature_next_to_zero_is_greedy_not_nan(t):
+    """logits / 1e-30 overflow float32 to inf, and inf - inf is NaN: such a temperature is greedy."""
+    logits = np.array([1.0, 3.0, -2.0, 2.9], dtype=np.float32)
+    params = SamplingParams(temperature=t, seed=0)
+    assert params.temperature == 0.0
+    assert all(Sampler(params)(logits, [], []) == 1 for _ in range(5))
 
 
 def test_generation_config_gives_defaults_and_requests_override(tmp_path):
