@@ -22,9 +22,13 @@ def _numba_cache_dir() -> str:
     numba's own cache notices an edit to a kernel's file, but not to a function it
     inlines from another file (fast/decode_step.py inlines kernels.py's row bodies and
     simd.py's instructions): after such an edit it would run stale machine code. A new
-    hash after any edit means a fresh folder, so that cannot happen."""
+    hash after any edit means a fresh folder, so that cannot happen. The folder the
+    sources live in is part of the hash too: numba files its cache by source path, so a
+    second clone starts cold, and must not find the first one's "already warmed up" mark
+    (engine.warm_up) and then compile for minutes inside the first answer."""
     h = hashlib.sha256()
     here = Path(__file__).resolve().parent
+    h.update(str(here).encode() + b"\0")
     for f in sorted(here.rglob("*.py")):
         h.update(str(f.relative_to(here)).encode() + b"\0" + f.read_bytes())
     for var in ("QS_FAST_ISA", "NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES"):
