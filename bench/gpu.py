@@ -215,7 +215,7 @@ def _throughput(eng, prompts, outputs, dev: str, partial: Path | None) -> dict:
             "tok_s": produced / seconds, "steps": eng.num_steps - steps0,
             "prefill_tokens": eng.num_prefill_tokens - pre0, "decode_tokens": eng.num_decode_tokens - dec0,
             "preemptions": eng.num_preemptions, "pages": eng.num_total_pages(),
-            "first_token_s": first_token_at, "weight_bytes": eng.weights.nbytes}
+            "first_token_s": first_token_at, "weight_bytes": eng.weights.decode_nbytes}
 
 
 def _b1(eng, args) -> dict:
@@ -230,7 +230,7 @@ def _b1(eng, args) -> dict:
             if eng.step():
                 stamps.append(time.perf_counter())
         rates.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
-    return {"decode_tok_s": sorted(rates)[1], "runs": rates, "weight_bytes": eng.weights.nbytes}
+    return {"decode_tok_s": sorted(rates)[1], "runs": rates, "weight_bytes": eng.weights.decode_nbytes}
 
 
 def step_full(args, stage: str) -> dict:

@@ -120,7 +120,7 @@ def step_s3_ours(args) -> dict:
     _warm(eng)
     r = _drive(eng, [(str(i), p, n) for i, (p, n) in enumerate(zip(prompts, outputs))],
                Path(args.workdir) / "s3_ours.partial.json")
-    r.update(expected_tokens=sum(outputs), weight_bytes=eng.weights.nbytes, pages=eng.num_total_pages())
+    r.update(expected_tokens=sum(outputs), weight_bytes=eng.weights.decode_nbytes, pages=eng.num_total_pages())
     return r
 
 
@@ -144,7 +144,7 @@ def _b1(folder, enforce_eager: bool = False) -> dict:
         rates.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
     kv = eng.model.cache.nbytes_per_token * (128 + 128)          # the mean context of the decode steps
     graphs = eng.graphs
-    return {"decode_tok_s": sorted(rates)[1], "runs": rates, "bytes_per_token": eng.weights.nbytes + kv,
+    return {"decode_tok_s": sorted(rates)[1], "runs": rates, "bytes_per_token": eng.weights.decode_nbytes + kv,
             "graph_replays": graphs.num_replays if graphs is not None else 0,
             "graph_error": graphs.error if graphs is not None else None}
 

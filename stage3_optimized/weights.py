@@ -85,14 +85,33 @@ class Weights:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of weights one decode step reads (the roofline's numerator)."""
-        seen, total = set(), 0
+        """Bytes of every matrix a decode step may read: attention, dense MLPs, all the
+        experts of MoE layers (routed and shared), routers and shared-expert gates, and
+        the lm_head. Not counted: the embedding (one row per token; counted once as the
+        lm_head when tied), norms and biases. For a dense model this is what one decode
+        step reads; for MoE, decode_nbytes is."""
+        return self._matrix_bytes(routed_share=1.0)
+
+    @property
+    def decode_nbytes(self) -> int:
+        """Bytes of weights one token's decode reads (the roofline's numerator): nbytes with
+        each MoE layer's routed experts counted for only the k of E a token goes to."""
+        cfg = self.config
+        return self._matrix_bytes(routed_share=cfg.num_experts_per_tok / cfg.num_experts
+                                  if cfg.num_experts else 1.0)
+
+    def _matrix_bytes(self, routed_share: float) -> int:
+        seen, total, routed = set(), 0, 0
         for w in [self.lm_head] + [getattr(l, n) for l in self.layers
-                                   for n in ("wqkv", "wo", "w_gate_up", "w_down")]:
+                                   for n in ("wqkv", "wo", "w_gate_up", "w_down", "router", "shared_gate")]:
             if w is not None and id(w) not in seen:
                 seen.add(id(w))
                 total += w.nbytes
-        return total
+        for l in self.layers:
+            if l.shared_expert is not None:
+                total += sum(w.nbytes for w in vars(l.shared_expert).values())
+            routed += sum(w.nbytes for ex in l.experts for w in vars(ex).values())
+        return total + round(routed * routed_share)
 
 
 def load_weights(folder: str | Path, xp=np, progress: bool = True) -> Weights:

@@ -260,12 +260,15 @@ def _moe_bytes(c, bytes_per):
 def test_nbytes_counts_every_expert_and_decode_nbytes_only_the_routed_share(case):
     from stage1_cpu.weights import load_weights
     from stage2_batched.weights import load_weights as load_weights2
+    from stage3_optimized.weights import load_weights as load_weights3
     folder = make_model(**CASES[case])
     w1, w2 = load_weights(folder, "none", progress=False), load_weights2(folder, progress=False)
     every, read = _moe_bytes(w1.config, 4)
     assert read < every
     assert (w1.nbytes, w1.decode_nbytes) == (every, read)
     assert (w2.nbytes, w2.decode_nbytes) == (every, read)
+    w3 = load_weights3(folder, progress=False)                # bf16, q/k/v and gate/up fused: the same bytes
+    assert (w3.nbytes, w3.decode_nbytes) == _moe_bytes(w1.config, 2)
     # int8: the routed experts still count k of E, each at about a quarter of fp32 + scales
     q = load_weights(folder, "int8", progress=False)
     assert 0 < q.decode_nbytes < q.nbytes < every

@@ -1,5 +1,6 @@
-"""simd.dot_int8_rows / dot_int8_rows_i16 (up to 4 rows per call) against a float64
-definition and against the one-row kernels dot_int8_row / dot_int8_row_i16.
+"""simd.dot_int8_rows / dot_int8_rows_i16 / dot_int4_rows (up to 4 rows per call)
+against a float64 definition, and the int8 ones against the one-row kernels
+dot_int8_row / dot_int8_row_i16.
 
 - every row of a matrix, in calls of 4 adjacent rows plus a tail of 1-3, and in
   calls of 4 rows m = O // 4 rows apart (then their scales and outputs are m
@@ -75,6 +76,32 @@ def rows16(x16, xs, q, s, out, spread):
 
 
 @njit(cache=False)
+def rows4(xq, xs, xsum, q, s, m, out, spread):
+    """rows8 for dot_int4_rows (q [O, G/2, gs] bytes, m [O, G] minima)."""
+    T, G, gs = xq.shape
+    O = q.shape[0]
+    row = G * gs // 2
+    qf, sf, mf, xqf = q.reshape(-1), s.reshape(-1), m.reshape(-1), xq.reshape(-1)
+    xsf, xsumf, of = xs.reshape(-1), xsum.reshape(-1), out.reshape(-1)
+    for t in range(T):
+        k = O // 4 if spread else 1
+        blocks = O // 4
+        for b in range(blocks):
+            r = b if spread else 4 * b
+            simd.dot_int4_rows(qf, r * row, k * row, xqf, t * G * gs, sf, r * G, xsf, t * G, G, gs,
+                               of, t * O + r, 4, mf, xsumf)
+        r = 4 * blocks
+        if r < O:
+            simd.dot_int4_rows(qf, r * row, row, xqf, t * G * gs, sf, r * G, xsf, t * G, G, gs,
+                               of, t * O + r, O - r, mf, xsumf)
+
+
+@njit(cache=False)
+def one_call4(q, row_stride, xq, s, xs, m, xsum, G, gs, out, ooff, n_rows):
+    simd.dot_int4_rows(q, 0, row_stride, xq, 0, s, 0, xs, 0, G, gs, out, ooff, n_rows, m, xsum)
+
+
+@njit(cache=False)
 def one_call8(q, row_stride, xq, xa, s, xs, G, gs, out, ooff, n_rows):
     """One dot_int8_rows call on rows 0.. of flat arrays (token 0)."""
     simd.dot_int8_rows(q, 0, row_stride, xq, xa, 0, s, 0, xs, 0, G, gs, out, ooff, n_rows)
@@ -129,6 +156,24 @@ def problem(rng, T, O, G, gs, x_scale=1.0, s_range=(1e-3, 2e-2)):
     s = rng.uniform(*s_range, (O, G)).astype(np.float16).view(np.uint16)
     x = (rng.standard_normal((T, G, gs)) * x_scale).astype(np.float32)
     return q, s, x
+
+
+def problem4(rng, T, O, G, gs, x_scale=1.0):
+    """int4 weights: nibbles [O, G, gs] (0..15) packed as q [O, G/2, gs] bytes, s and
+    m [O, G] fp16 bits (m negative, as quantize makes it: the group's minimum), x."""
+    nib = rng.integers(0, 16, (O, G, gs)).astype(np.uint8)
+    pairs = nib.reshape(O, G // 2, 2, gs)
+    q = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).astype(np.uint8)
+    s = rng.uniform(1e-3, 2e-2, (O, G)).astype(np.float16).view(np.uint16)
+    m = (-8 * rng.uniform(1e-3, 2e-2, (O, G))).astype(np.float16).view(np.uint16)
+    x = (rng.standard_normal((T, G, gs)) * x_scale).astype(np.float32)
+    return nib, q, s, m, x
+
+
+def terms4(xq, xs, xsum, nib, s, m):
+    """[T, O, 2G] float64: the scaled group dots, then the minimum terms m[r, g] * xsum[t, g]."""
+    mins = m.view(np.float16).astype(np.float64)[None] * xsum.astype(np.float64)[:, None, :]
+    return np.concatenate([terms(xq, xs, nib, s), mins], axis=-1)
 
 
 def guarded(a: np.ndarray) -> np.ndarray:
@@ -188,6 +233,42 @@ def test_int16_rows(rng, gs, O, G, spread):
     assert float((np.abs(out - old) / np.abs(t).sum(-1)).max()) < RTOL
 
 
+SHAPES4 = [(1, 2), (2, 4), (3, 8), (5, 10), (7, 18), (13, 40), (22, 6)]   # G even (nibble pairs)
+
+
+@pytest.mark.parametrize("gs", [32, 64, 128, 96])
+@pytest.mark.parametrize("O,G", SHAPES4)
+@pytest.mark.parametrize("spread", [False, True])
+def test_int4_rows(rng, gs, O, G, spread):
+    nib, q, s, m, x = problem4(rng, 2, O, G, gs)
+    xq, xa, xs, xsum = kernels.quantize_activations(x)
+    out = np.full((2, O), -7.0, dtype=np.float32)
+    rows4(xq, xs, xsum, q, s, m, out, spread)
+    check(out, terms4(xq, xs, xsum, nib, s, m))
+
+
+@pytest.mark.parametrize("n_rows", [1, 2, 3, 4])
+def test_int4_rows_beyond_n_rows_untouched(rng, n_rows):
+    G, gs = 10, 32
+    nib, q, s, m, x = problem4(rng, 1, n_rows, G, gs)
+    xq, xa, xs, xsum = kernels.quantize_activations(x)
+    qg, sg, mg = guarded(q.reshape(-1)), guarded(s.reshape(-1)), guarded(m.reshape(-1))
+    out = np.full(n_rows + 6, 12345.0, dtype=np.float32)
+    one_call4(qg, G * gs // 2, xq.reshape(-1), sg, xs.reshape(-1), mg, xsum.reshape(-1), G, gs, out, 3, n_rows)
+    assert (out[:3] == 12345.0).all() and (out[3 + n_rows:] == 12345.0).all()
+    check(out[None, 3:3 + n_rows], terms4(xq, xs, xsum, nib, s, m))
+
+
+def test_int4_matmul_is_the_twin(rng):
+    # the whole matvec (threads, blocks of rows) against FastWeight's numpy twin, on a real quantized matrix
+    from stage1_cpu.fast.weight import fast_quantize
+    for gs in (32, 64, 128):
+        W = fast_quantize(rng.standard_normal((301, 4 * gs + 7)).astype(np.float32), "int4", gs, decode_act="int8")
+        x = rng.standard_normal((3, W.in_features)).astype(np.float32)
+        ref = W.matmul_ref(x)
+        np.testing.assert_allclose(W.matmul(x), ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
+
+
 @pytest.mark.parametrize("gs", [96, 256])
 def test_other_group_sizes(rng, gs):
     # not 32 / 64 / 128: the loop over a group's chunks (dot_int8_row itself needs a power of 2)
@@ -243,7 +324,7 @@ def test_nan_reaches_its_token(rng):
     q, s, x = problem(rng, 4, O, G, gs)
     x[1, 4, 7] = np.nan
     x[3, 9, 0] = np.nan
-    xq, xa, xs, _ = kernels.quantize_activations(x)
+    xq, xa, xs, xsum = kernels.quantize_activations(x)
     assert np.isnan(xs[1, 4]) and np.isnan(xs[3, 9])
     x16, xs16 = kernels.quantize_activations16(x)
     for spread in (False, True):
@@ -251,6 +332,11 @@ def test_nan_reaches_its_token(rng):
             out = np.zeros((4, O), dtype=np.float32)
             run(out)
             assert np.isnan(out[[1, 3]]).all() and np.isfinite(out[[0, 2]]).all()
+    _, q4, s4, m4, _ = problem4(rng, 4, O, G, gs)
+    for spread in (False, True):
+        out = np.zeros((4, O), dtype=np.float32)
+        rows4(xq, xs, xsum, q4, s4, m4, out, spread)
+        assert np.isnan(out[[1, 3]]).all() and np.isfinite(out[[0, 2]]).all()
 
 
 @pytest.mark.parametrize("x_scale,s_range", [(1e20, (1e3, 6e4)), (1e-20, (1e-4, 1e-3)), (1e-12, (2e-7, 1e-6))])

@@ -35,7 +35,7 @@ Every op is the same inlined body the per-op kernels run, in the same order on
 the same values: the core's (stage1_cpu/kernels.py: row_f32, rows_bf16, row_int8,
 row_int4, rmsnorm_row, rope_head, attention_item, silu_mul_row, route_row,
 mix_row, gated_add_row) and, for rounded activations, the fast path's
-(stage1_cpu/fast/kernels.py: rows_int8_q8, rows_int8_q16, row_int4_q8,
+(stage1_cpu/fast/kernels.py: rows_int8_q8, rows_int8_q16, rows_int4_q8,
 quantize_token). So the logits and the KV cache are bit for bit those of
 Model.forward with the same weights: with fp32 activations those of the plain
 path, with rounded ones those of FastWeight.matmul (tests/test_stage1_decode_step.py
@@ -110,8 +110,7 @@ if cpu.INT8:
         elif act == A_INT16:
             fk.rows_int8_q16(x16f, xsf, t, qf, sf, r0, r1, G, gs, out, ooff)
         elif act == A_INT8:
-            for r in range(r0, r1):
-                out[ooff + r] = fk.row_int4_q8(xqf, xsf, xsum, t, qf, sf, m2, r, G, gs)
+            fk.rows_int4_q8(xqf, xsf, xsum.reshape(-1), t, qf, sf, m2.reshape(-1), r0, r1, G, gs, out, ooff)
         else:
             _rows_float(fmt, t, r0, r1, out, ooff, wf, wb, q8, q4, s2, m2, x2, x3, x4, xsum4)
 else:

@@ -160,13 +160,18 @@ def matmul_int8_q8(xq, xa, xs, q, s, out):
 
 
 @_inline
-def row_int4_q8(xqf, xsf, xsum, t, qf, sf, m, r, G, gs):
-    """Row r of an int4 matrix times token t's int8 activations (flat arrays;
-    xsum [T, G], m [O, G])."""
-    mins = np.float32(0.0)                      # the minimum's term, G multiply-adds
-    for g in range(G):
-        mins += f16_to_f32(m[r, g]) * xsum[t, g]
-    return simd.dot_int4_row(qf, r * G * gs // 2, xqf, t * G * gs, sf, r * G, xsf, t * G, G, gs) + mins
+def rows_int4_q8(xqf, xsf, xsumf, t, qf, sf, mf, r0, r1, G, gs, outf, ooff):
+    """outf[ooff + r] = row r of an int4 matrix . token t's int8 activations, r0 <= r < r1
+    (flat arrays; xsumf [T G], mf [O G]): rows_int8_q8's order, with simd.dot_int4_rows,
+    whose rows take gs / 2 bytes a group."""
+    n4 = (r1 - r0) // 4
+    row = G * gs // 2
+    for b in range(r0, r0 + n4):
+        simd.dot_int4_rows(qf, b * row, n4 * row, xqf, t * G * gs, sf, b * G, xsf, t * G, G, gs,
+                           outf, ooff + b, 4, mf, xsumf)
+    for r in range(r0 + 4 * n4, r1):
+        simd.dot_int4_rows(qf, r * row, row, xqf, t * G * gs, sf, r * G, xsf, t * G, G, gs,
+                           outf, ooff + r, 1, mf, xsumf)
 
 
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
@@ -174,11 +179,15 @@ def matmul_int4_q8(xq, xs, xsum, q, s, m, out):
     """xq [T, G, gs], xs, xsum [T, G] from quantize_activations; q [O, G/2, gs]
     uint8 (matmul_int4's layout); s, m [O, G] fp16 bits -> out [T, O]:
         out[t, r] = sum_g s[r, g] xs[t, g] (nibbles[r, g] . xq[t, g]) + m[r, g] xsum[t, g]"""
-    T, O = xq.shape[0], q.shape[0]
-    qf, sf, xqf, xsf = q.reshape(-1), s.reshape(-1), xq.reshape(-1), xs.reshape(-1)
-    for r in prange(O):
+    T, G, gs = xq.shape
+    O = q.shape[0]
+    qf, sf, mf, xqf, xsf, xsumf = q.reshape(-1), s.reshape(-1), m.reshape(-1), xq.reshape(-1), xs.reshape(-1), \
+        xsum.reshape(-1)
+    outf = out.reshape(-1)
+    block = decode_block(O, G * gs // 2)
+    for c in prange(-(-O // block)):
         for t in range(T):
-            out[t, r] = row_int4_q8(xqf, xsf, xsum, t, qf, sf, m, r, xq.shape[1], xq.shape[2])
+            rows_int4_q8(xqf, xsf, xsumf, t, qf, sf, mf, c * block, min(O, (c + 1) * block), G, gs, outf, t * O)
 
 
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
@@ -201,10 +210,15 @@ def segments_int4_q8(xq, xs, xsum, q, s, m, starts, out):
     """kernels.segments_int4 with int8 activations (matmul_int4_q8's arguments) -> out [S, n]."""
     S, G, gs = xq.shape
     n = out.shape[1]
-    qf, sf, xqf, xsf = q.reshape(-1), s.reshape(-1), xq.reshape(-1), xs.reshape(-1)
-    for j in prange(S * n):
-        t, i = j // n, j % n
-        out[t, i] = row_int4_q8(xqf, xsf, xsum, t, qf, sf, m, starts[t] + i, G, gs)
+    qf, sf, mf, xqf, xsf, xsumf = q.reshape(-1), s.reshape(-1), m.reshape(-1), xq.reshape(-1), xs.reshape(-1), \
+        xsum.reshape(-1)
+    outf = out.reshape(-1)
+    block, per = segment_block(n, G * gs // 2)
+    for j in prange(S * per):
+        t, b = j // per, j % per
+        r0 = starts[t] + b * block
+        rows_int4_q8(xqf, xsf, xsumf, t, qf, sf, mf, r0, min(starts[t] + n, r0 + block), G, gs, outf,
+                     t * n - starts[t])
 
 
 # ---------------------------------------------------------------------------

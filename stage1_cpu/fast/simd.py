@@ -51,7 +51,8 @@ lm_head, where a close top-2 can tip, gets int16 activations instead
 (stage1_cpu/fast/weight.py: FastWeight.matmul_ref) rounds the same way, so the
 kernels are still checked exactly against a definition. dot_int8_rows /
 dot_int8_rows_i16 do the same for up to 4 rows per call, sharing the
-activations and vectorising the scales ("Four rows at a time" below).
+activations and vectorising the scales ("Four rows at a time" below), and
+dot_int4_rows is the only int4 kernel: 4 rows of nibbles per call.
 
 Vectors are 256 bits wide (32 bytes): the width of AVX2 and AVX-VNNI, and on
 AMD Zen 4 a 512-bit op costs two 256-bit ones anyway.
@@ -186,45 +187,15 @@ def _scale(builder, sp, xsp, g):
     return builder.fmul(_half(builder, sp, g), builder.load(builder.gep(xsp, [g])))
 
 
-@intrinsic
-def dot_int4_row(typingctx, q, qoff, xq, xoff, s, soff, xs, xsoff, n_groups, gs):
-    """Row r of an int4 matrix times one token's int8 activations, without the
-    minimum term:  sum_g s[g] * xs[g] * sum_j nibble[g, j] * xq[g, j].
+def _load8(builder, fp, g):
+    """fp[g : g + 8] as 8 float32 lanes."""
+    return builder.load(builder.bitcast(builder.gep(fp, [g]), FLOATS8.as_pointer()), align=4)
 
-    q: uint8 bytes of the matrix (kernels.matmul_int4's [O, G/2, gs] layout, flat),
-    the row starting at qoff; xq: int8 activations, the token's at xoff; s: fp16
-    scale bits, the row's at soff; xs: activation scales, the token's at xsoff.
-    Group 2p is the low nibbles of pair p's gs bytes, group 2p+1 the high ones."""
-    sig = types.float32(q, qoff, xq, xoff, s, soff, xs, xsoff, n_groups, gs)
 
-    def codegen(context, builder, signature, args):
-        q_, qoff_, xq_, xoff_, s_, soff_, xs_, xsoff_, n_groups_, gs_ = _as_int64(context, builder, signature, args)
-        ty = signature.args
-        qp = builder.gep(_base(context, builder, ty[0], q_, I8), [qoff_])
-        xp = builder.gep(_base(context, builder, ty[2], xq_, I8), [xoff_])
-        sp = builder.gep(_base(context, builder, ty[4], s_, I16), [soff_])
-        xsp = builder.gep(_base(context, builder, ty[6], xs_, F32), [xsoff_])
-        low4 = ir.Constant(BYTES32, [15] * 32)
-        shift4 = ir.Constant(BYTES32, [4] * 32)
-        shift = _log2_per_group(builder, gs_)                     # chunks per group = 1 << shift
-
-        def step(i):
-            # chunk c of pair p: 32 bytes, low nibbles in group 2p, high nibbles in group 2p+1
-            p = builder.lshr(i, shift)
-            c = builder.sub(i, builder.shl(p, shift))
-            byte = _load32(builder, qp, builder.mul(i, ir.Constant(I64, 32)))
-            chunks = []
-            for half, nibbles in ((0, builder.and_(byte, low4)), (1, builder.lshr(byte, shift4))):
-                g = builder.add(builder.mul(p, ir.Constant(I64, 2)), ir.Constant(I64, half))
-                x = _load32(builder, xp, builder.mul(builder.add(builder.shl(g, shift), c),
-                                                     ir.Constant(I64, 32)))
-                chunks.append((_vpdpbusd(builder, nibbles, x), _scale(builder, sp, xsp, g)))  # 0..15 . -127..127
-            return chunks
-
-        n_pairs = builder.udiv(n_groups_, ir.Constant(I64, 2))
-        return _emit_row(builder, builder.shl(n_pairs, shift), step)
-
-    return sig, codegen
+def _halves8(builder, hp, g):
+    """fp16 bits hp[g : g + 8] -> 8 float32 lanes (one vcvtph2ps)."""
+    h = builder.load(builder.bitcast(builder.gep(hp, [g]), ir.VectorType(I16, 8).as_pointer()), align=2)
+    return builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), 8)), FLOATS8)
 
 
 @intrinsic
@@ -419,21 +390,26 @@ def _prefetch_rows(builder, qps, at, n_bytes):
             builder.call(prefetch, [address, ir.Constant(I32, 0), ir.Constant(I32, 1), ir.Constant(I32, 1)])
 
 
-def _emit_rows(builder, qps, sps, xsp, n_groups, gs, ahead, group_dots):
+def _emit_rows(builder, qps, sps, xsp, n_groups, gs, ahead, group_dots, mins=None):
     """The ROWS rows' dot products (float32 values; see the section comment).
     qps, sps: each row's weights and fp16 scales; xsp: the activation scales;
-    ahead: how many elements further on each row to prefetch (0: no prefetch; gs
-    32, 64 and 128 only); group_dots(start, chunks): the ROWS rows' int32 lanes
-    (8 each) of the group at element offset start, of `chunks` chunks (see
-    _fold_chunks)."""
+    ahead: how many bytes further on each row to prefetch (0: no prefetch; gs
+    32, 64 and 128 only); group_dots(g, start, chunks): the ROWS rows' int32
+    lanes (8 each) of group g, at element offset start = g gs of the
+    activations, of `chunks` chunks (see _fold_chunks). mins: int4's minimum
+    term, (each row's fp16 minima, the activations' group sums): row i adds
+    sum_g m[i, g] xsum[g], and its weights are nibbles, gs / 2 bytes a group."""
     fma = _declare(builder, "llvm.fma.v8f32", FLOATS8, [FLOATS8] * 3)
     acc = [[cgutils.alloca_once_value(builder, ir.Constant(FLOATS8, None)) for _ in range(ROWS)]
            for _ in range(2)]
     buf = cgutils.alloca_once(builder, F32, size=ROWS * 8)        # a block's scales, [ROWS, 8]
     n_blocks = builder.lshr(n_groups, ir.Constant(I64, 3))
 
+    per_byte = 1 if mins is None else 2               # weights per byte
+    minimum = [] if mins is None else [acc[1][i] for i in range(ROWS)]   # where row i's minimum terms go
+
     def add_group(g, scales, slots, chunks):       # slots[i] += float(row i's int32 lanes of group g) * scales[i]
-        dots = group_dots(builder.mul(g, gs), chunks)
+        dots = group_dots(g, builder.mul(g, gs), chunks)
         for d, scale, slot in zip(dots, scales, slots):
             lanes = builder.sitofp(d, FLOATS8)
             builder.store(builder.call(fma, [lanes, _splat(builder, scale), builder.load(slot)]), slot)
@@ -443,13 +419,17 @@ def _emit_rows(builder, qps, sps, xsp, n_groups, gs, ahead, group_dots):
             g0 = builder.shl(block.index, ir.Constant(I64, 3))
             if isinstance(chunks, int):                                  # the block's bytes, `ahead` further on
                 with builder.if_then(builder.icmp_unsigned("!=", ahead, ir.Constant(I64, 0))):
-                    _prefetch_rows(builder, qps, builder.add(builder.mul(g0, gs), ahead), 8 * 32 * chunks)
-            xs8 = builder.load(builder.bitcast(builder.gep(xsp, [g0]), FLOATS8.as_pointer()), align=4)
+                    at = builder.udiv(builder.mul(g0, gs), ir.Constant(I64, per_byte))
+                    _prefetch_rows(builder, qps, builder.add(at, ahead), 8 * 32 * chunks // per_byte)
+            xs8 = _load8(builder, xsp, g0)
             for i, sp in enumerate(sps):
-                h = builder.load(builder.bitcast(builder.gep(sp, [g0]), ir.VectorType(I16, 8).as_pointer()), align=2)
-                s8 = builder.fmul(builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), 8)), FLOATS8), xs8)
+                s8 = builder.fmul(_halves8(builder, sp, g0), xs8)
                 builder.store(s8, builder.bitcast(builder.gep(buf, [ir.Constant(I64, 8 * i)]), FLOATS8.as_pointer()),
                               align=4)
+            if mins is not None:                                         # 8 groups' m xsum, added to the lanes
+                xsum8 = _load8(builder, mins[1], g0)
+                for mp, slot in zip(mins[0], minimum):
+                    builder.store(builder.call(fma, [_halves8(builder, mp, g0), xsum8, builder.load(slot)]), slot)
             with cgutils.for_range(builder, ir.Constant(I64, 4)) as pair:   # groups 2p, 2p + 1 of the block
                 for j in range(2):
                     k = builder.add(builder.shl(pair.index, ir.Constant(I64, 1)), ir.Constant(I64, j))
@@ -459,6 +439,12 @@ def _emit_rows(builder, qps, sps, xsp, n_groups, gs, ahead, group_dots):
         with cgutils.for_range_slice(builder, builder.shl(n_blocks, ir.Constant(I64, 3)), n_groups,
                                      ir.Constant(I64, 1)) as (g, _):    # the last n_groups % 8, one at a time
             add_group(g, [_scale(builder, sp, xsp, g) for sp in sps], acc[0], chunks)
+            if mins is not None:
+                xsum = builder.load(builder.gep(mins[1], [g]))
+                for mp, slot in zip(mins[0], minimum):               # in lane 0
+                    term = builder.insert_element(ir.Constant(FLOATS8, None),
+                                                  builder.fmul(_half(builder, mp, g), xsum), ir.Constant(I32, 0))
+                    builder.store(builder.fadd(builder.load(slot), term), slot)
 
     _by_group_size(builder, gs, emit)
     total = _declare(builder, "llvm.vector.reduce.fadd.v8f32", F32, [F32, FLOATS8])
@@ -466,18 +452,24 @@ def _emit_rows(builder, qps, sps, xsp, n_groups, gs, ahead, group_dots):
                          fastmath=("reassoc",)) for a, b in zip(*acc)]
 
 
-def _rows_setup(context, builder, signature, vals, qi, si):
-    """What both rows kernels need from their arguments (vals: widened by
+def _rows_setup(context, builder, signature, vals, qi, si, per_byte=1):
+    """What the rows kernels need from their arguments (vals: widened by
     _as_int64): q, qoff, row_stride at qi, qi + 1, qi + 2, and s, soff, xs, xsoff,
-    n_groups, gs, out, ooff, n_rows from si on. Returns the rows' weight and scale
-    pointers, the activation scales', the prefetch distance (0: none) and
-    store(sums), which writes the results."""
+    n_groups, gs, out, ooff, n_rows from si on (per_byte: weights per byte of q).
+    Returns the rows' weight and scale pointers, the activation scales', the
+    prefetch distance in bytes (0: none), store(sums), which writes the results,
+    and like(array index), the rows' pointers into an array laid out as s."""
     ty = signature.args
     q_, qoff_, stride_ = vals[qi:qi + 3]
     s_, soff_, xs_, xsoff_, n_groups_, gs_, out_, ooff_, n_rows_ = vals[si:si + 9]
-    m = _rows_apart(builder, stride_, n_groups_, gs_)
+    m = _rows_apart(builder, stride_, n_groups_, builder.udiv(gs_, ir.Constant(I64, per_byte)))
     qps = _rows_pointers(builder, _base(context, builder, ty[qi], q_, I8), qoff_, stride_, n_rows_)
-    sps = _rows_pointers(builder, _base(context, builder, ty[si], s_, I16), soff_, builder.mul(m, n_groups_), n_rows_)
+
+    def like(k):                                         # array k, laid out as s: [O, n_groups] fp16 bits
+        return _rows_pointers(builder, _base(context, builder, ty[k], vals[k], I16), soff_,
+                              builder.mul(m, n_groups_), n_rows_)
+
+    sps = like(si)
     xsp = builder.gep(_base(context, builder, ty[si + 2], xs_, F32), [xsoff_])
     outp = builder.gep(_base(context, builder, ty[si + 6], out_, F32), [ooff_])
     # adjacent rows: prefetch the next call's 4 rows (see the section comment)
@@ -489,7 +481,7 @@ def _rows_setup(context, builder, signature, vals, qi, si):
             with builder.if_then(builder.icmp_signed("<", ir.Constant(I64, i), n_rows_)):
                 builder.store(v, builder.gep(outp, [builder.mul(ir.Constant(I64, i), m)]))
 
-    return qps, sps, xsp, ahead, store
+    return qps, sps, xsp, ahead, store, like
 
 
 @intrinsic
@@ -510,7 +502,7 @@ def dot_int8_rows(typingctx, q, qoff, row_stride, xq, xa, xoff, s, soff, xs, xso
 
     def codegen(context, builder, signature, args):
         vals = _as_int64(context, builder, signature, args)
-        qps, sps, xsp, ahead, store = _rows_setup(context, builder, signature, vals, 0, 6)
+        qps, sps, xsp, ahead, store, _ = _rows_setup(context, builder, signature, vals, 0, 6)
         xq_, xoff_, n_groups_, gs_ = vals[3], vals[5], vals[10], vals[11]
         xp = builder.gep(_base(context, builder, signature.args[3], xq_, I8), [xoff_])
         bias = ir.Constant(BYTES32, [128] * 32)
@@ -521,7 +513,7 @@ def dot_int8_rows(typingctx, q, qoff, row_stride, xq, xa, xoff, s, soff, xs, xso
             ap = builder.gep(_base(context, builder, signature.args[4], vals[4], I8), [xoff_])
             psign = _declare(builder, "llvm.x86.avx2.psign.b", BYTES32, [BYTES32, BYTES32])
 
-            def group_dots(start, chunks):
+            def group_dots(g, start, chunks):
                 return _fold_chunks(builder, chunks, start, [zero] * ROWS, lambda at, dots: [
                     _vpdpbusd(builder, _load32(builder, ap, at),
                               builder.call(psign, [_load32(builder, qp, at), _load32(builder, xp, at)]), d)
@@ -530,7 +522,7 @@ def dot_int8_rows(typingctx, q, qoff, row_stride, xq, xa, xoff, s, soff, xs, xso
             store(_emit_rows(builder, qps, sps, xsp, n_groups_, gs_, ahead, group_dots))
             return context.get_dummy_value()
 
-        def group_dots(start, chunks):
+        def group_dots(g, start, chunks):
             # (q + 128) . xq - 128 sum(xq): the correction is the activations' alone, shared by the rows
             corr = _fold_chunks(builder, chunks, start, [zero],
                                 lambda at, v: [_vpdpbusd(builder, bias, _load32(builder, xp, at), v[0])])[0]
@@ -555,7 +547,7 @@ def dot_int8_rows_i16(typingctx, q, qoff, row_stride, x16, xoff, s, soff, xs, xs
 
     def codegen(context, builder, signature, args):
         vals = _as_int64(context, builder, signature, args)
-        qps, sps, xsp, ahead, store = _rows_setup(context, builder, signature, vals, 0, 5)
+        qps, sps, xsp, ahead, store, _ = _rows_setup(context, builder, signature, vals, 0, 5)
         x16_, xoff_, n_groups_, gs_ = vals[3], vals[4], vals[9], vals[10]
         xp = builder.gep(_base(context, builder, signature.args[3], x16_, I16), [xoff_])
         bytes16, shorts16 = ir.VectorType(I8, 16), ir.VectorType(I16, 16)
@@ -570,10 +562,58 @@ def dot_int8_rows_i16(typingctx, q, qoff, row_stride, x16, xoff, s, soff, xs, xs
                     dots[i] = _vpdpwssd(builder, dots[i], builder.sext(w, shorts16), x)
             return dots
 
-        def group_dots(start, chunks):
+        def group_dots(g, start, chunks):
             return _fold_chunks(builder, chunks, start, [ir.Constant(INTS8, None)] * ROWS, chunk)
 
         store(_emit_rows(builder, qps, sps, xsp, n_groups_, gs_, ahead, group_dots))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def dot_int4_rows(typingctx, q, qoff, row_stride, xq, xoff, s, soff, xs, xsoff, n_groups, gs, out, ooff, n_rows,
+                  m, xsum):
+    """The rows kernel of int4 weights and int8 activations: for i < n_rows,
+
+        out[ooff + i k] = sum_g s[soff + i k G + g] * xs[xsoff + g] * (nibbles[i, g] . xq[xoff + g gs ..])
+                                + m[soff + i k G + g] * xsum[xsoff + g]
+
+    (G = n_groups). q holds the bytes of kernels.matmul_int4's [O, G/2, gs] layout:
+    group 2p is the low nibbles of pair p's gs bytes, group 2p+1 the high ones.
+    row_stride: bytes of q between the call's rows, k = max(1, row_stride // (G gs / 2))
+    rows apart as in dot_int8_rows, whose other arguments these are; m: the fp16
+    minima, laid out as s; xsum: each group's sum of the rounded activations
+    (kernels.quantize_activations). A nibble (0..15) is unsigned, so vpdpbusd (or
+    vpmaddubsw, whose pair sums 2 * 15 * 127 stay far from saturation) takes it
+    against xq as it is: no sign trick, no correction."""
+    sig = types.void(q, qoff, row_stride, xq, xoff, s, soff, xs, xsoff, n_groups, gs, out, ooff, n_rows, m, xsum)
+
+    def codegen(context, builder, signature, args):
+        vals = _as_int64(context, builder, signature, args)
+        qps, sps, xsp, ahead, store, like = _rows_setup(context, builder, signature, vals, 0, 5, per_byte=2)
+        xq_, xoff_, xsoff_, gs_ = vals[3], vals[4], vals[8], vals[10]
+        xp = builder.gep(_base(context, builder, signature.args[3], xq_, I8), [xoff_])
+        xsump = builder.gep(_base(context, builder, signature.args[15], vals[15], F32), [xsoff_])
+        low4, four = ir.Constant(BYTES32, [15] * 32), ir.Constant(BYTES32, [4] * 32)
+        zero = ir.Constant(INTS8, None)
+
+        def group_dots(g, start, chunks):
+            odd = builder.trunc(g, ir.IntType(1))        # a constant in the unrolled blocks (LLVM sees g0 + 2p + j)
+            to_q = builder.sub(builder.mul(builder.lshr(g, ir.Constant(I64, 1)), gs_), start)   # pair's bytes - start
+
+            def chunk(at, dots):
+                x = _load32(builder, xp, at)                                     # shared by the rows
+                out = []
+                for qp, d in zip(qps, dots):
+                    b = _load32(builder, qp, builder.add(at, to_q))
+                    nibbles = builder.select(odd, builder.lshr(b, four), builder.and_(b, low4))
+                    out.append(_vpdpbusd(builder, nibbles, x, d))
+                return out
+
+            return _fold_chunks(builder, chunks, start, [zero] * ROWS, chunk)
+
+        store(_emit_rows(builder, qps, sps, xsp, vals[9], gs_, ahead, group_dots, mins=(like(14), xsump)))
         return context.get_dummy_value()
 
     return sig, codegen
