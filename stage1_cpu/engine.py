@@ -22,9 +22,9 @@ import numpy as np
 from common.config import ModelConfig
 from common.engine import Request, TokenEvent, check_prompt
 from common.sampling import Sampler
-from stage1_cpu import kernels as numba_kernels
-from stage1_cpu.model import Model
-from stage1_cpu.weights import load_weights
+from . import kernels as numba_kernels
+from .model import Model
+from .weights import load_weights
 
 
 @dataclass
@@ -112,10 +112,10 @@ class LLMEngine:
         return self.model.k is numba_kernels and not self._warm_mark().exists()
 
     def _warm_mark(self) -> Path:
-        import stage1_cpu
+        from . import CACHE_DIR
         w = self.weights
         act = "-".join(f"{k}={v}" for k, v in sorted(w.act.items()))
-        return Path(stage1_cpu.CACHE_DIR) / f"warm-{w.fmt}-{w.kernels}-{act}"
+        return Path(CACHE_DIR) / f"warm-{w.fmt}-{w.kernels}-{act}"
 
     def step(self) -> list[TokenEvent]:
         events = [TokenEvent(rid, -1, "abort") for rid in self.aborted]

@@ -14,7 +14,7 @@ from common.engine import Request
 from common.models import resolve_model
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
-from stage1_cpu.options import add_args, build_engine
+from .options import add_args, build_engine
 
 
 def main(argv=None) -> int:

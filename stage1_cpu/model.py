@@ -31,10 +31,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stage1_cpu import kernels, ops
-from stage1_cpu.kv_cache import KVCache
-from stage1_cpu.quant import Weight
-from stage1_cpu.weights import Weights
+from . import kernels, ops
+from .kv_cache import KVCache
+from .quant import Weight
+from .weights import Weights
 
 
 @dataclass(frozen=True, eq=False)

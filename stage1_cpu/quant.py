@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stage1_cpu import kernels
+from . import kernels
 
 FORMATS = ("none", "bf16", "int8", "int4")
 GROUP_SIZES = (32, 64, 128)

@@ -26,7 +26,7 @@ from rich.progress import Progress
 
 from common.config import ModelConfig
 from common.loader import WeightLoader
-from stage1_cpu.quant import FORMATS, Weight, quantize
+from .quant import FORMATS, Weight, quantize
 
 
 @dataclass
@@ -115,7 +115,7 @@ def choose_kernels(kernels: str, activations: str = "auto"):
         if activations not in ("auto", "fp32"):
             raise ValueError(f"--activations {activations} needs the fast kernels; use --kernels fast or auto")
         return None
-    from stage1_cpu import fast
+    from . import fast
     why_not = fast.available()
     if why_not and kernels == "fast":
         raise ValueError(f"--kernels fast is not available here: {why_not}; use --kernels plain")

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import os
 
-from stage1_cpu.fast import cpu
-from stage1_cpu.fast.weight import FastWeight, as_fast, check_act, fast_quantize  # noqa: F401
+from . import cpu
+from .weight import FastWeight, as_fast, check_act, fast_quantize  # noqa: F401
 
 ACTIVATIONS = ("auto", "int8", "fp32")
 
@@ -57,7 +57,7 @@ def choose_act(fmt: str, activations: str, in_features: int, lm_head: bool = Fal
 
 def make_decode_step(model, phases):
     """The one-region decode step that runs these phases (model.plan()) of this model."""
-    from stage1_cpu.fast.decode_step import DecodeStep
+    from .decode_step import DecodeStep
     return DecodeStep(model, phases)
 
 

@@ -54,10 +54,10 @@ import numpy as np
 from numba import prange, types
 from numba.typed import List
 
-from stage1_cpu import kernels
-from stage1_cpu.fast import cpu, sync
-from stage1_cpu.fast import kernels as fk
-from stage1_cpu.kernels import FAST
+from .. import kernels
+from . import cpu, sync
+from . import kernels as fk
+from ..kernels import FAST
 
 FMT = {"none": 0, "bf16": 1, "int8": 2, "int4": 3}
 ACT = {"fp32": 0, "int8": 1, "int16": 2}

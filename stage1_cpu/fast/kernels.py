@@ -19,8 +19,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from stage1_cpu.fast import simd
-from stage1_cpu.kernels import FAST, _inline, decode_block, f16_to_f32, segment_block
+from . import simd
+from ..kernels import FAST, _inline, decode_block, f16_to_f32, segment_block
 
 
 # ---------------------------------------------------------------------------

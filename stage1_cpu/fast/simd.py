@@ -70,7 +70,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from stage1_cpu.fast import cpu
+from . import cpu
 
 # Which instruction to emit is cpu.py's decision, made before anything here is compiled:
 # these intrinsics are only ever compiled where cpu.INT8 (or cpu.BF16) says they exist.

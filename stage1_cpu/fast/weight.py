@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stage1_cpu.fast import cpu
-from stage1_cpu.fast import kernels as fk
-from stage1_cpu.fast import simd
-from stage1_cpu.quant import PREFILL_MIN_T, Weight, bf16_bits_to_f32, f32_to_bf16_bits, quantize
+from . import cpu
+from . import kernels as fk
+from . import simd
+from ..quant import PREFILL_MIN_T, Weight, bf16_bits_to_f32, f32_to_bf16_bits, quantize
 
 BF16_ROWS = 8192    # rows of an int8 / int4 matrix turned into bf16 at a time (prefill_act="bf16")
 
