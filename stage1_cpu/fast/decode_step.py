@@ -1,12 +1,12 @@
 """A whole decode step (one token, all layers, the logits) in one parallel region.
 
-Changed from the core (stage1_cpu/model.py): Model.forward runs the phases of
-model.plan() one numba kernel at a time: for one token of Qwen3-0.6B that is 113
-parallel regions (4 matmuls per layer plus the lm_head), each starting the
-threads anew (tens of microseconds each when idle threads sleep,
-OMP_WAIT_POLICY=PASSIVE; about a microsecond when they spin), with Python and
-small serial ops in between. Here the threads start once per token and run the
-same list of phases, encoded as a table of integers (DecodeStep below):
+Changed from the core (stage1_cpu/model.py): Model.forward calls one numba kernel
+per op: for one token of Qwen3-0.6B that is 113 parallel regions (4 matmuls per
+layer plus the lm_head), each starting the threads anew (tens of microseconds each
+when idle threads sleep, OMP_WAIT_POLICY=PASSIVE; about a microsecond when they
+spin), with Python and small serial ops in between. Here the threads start once per
+token and run the step written down as data (plan.py), encoded as a table of
+integers (DecodeStep below):
 
     for worker in prange(threads):                 # the only parallel region
         for phase in program:
@@ -26,16 +26,14 @@ stream expert weights the whole time.
 Nothing makes a worker wait for the others to *arrive*, so one can run several
 layers ahead of one that woke late (it does all the items itself). Hence every
 shared phase writes to a slot of the arena of its own: the late worker still
-reads its layer's values, never a later layer's that overwrote them. (A first
-version reused one buffer for all layers: it passed a 6-token bit-for-bit check,
-then one engine test's 32-token greedy output parted from transformers' at its
-third token.)
+reads its layer's values, never a later layer's that overwrote them (one buffer
+reused by every layer passes a few steps and then parts from the core's tokens).
 
 Every op is the same inlined body the per-op kernels run, in the same order on
-the same values: the core's (stage1_cpu/kernels.py: row_f32, rows_bf16, row_int8,
-row_int4, rmsnorm_row, rope_head, attention_item, silu_mul_row, route_row,
-mix_row, gated_add_row) and, for rounded activations, the fast path's
-(stage1_cpu/fast/kernels.py: rows_int8_q8, rows_int8_q16, rows_int4_q8,
+the same values: the core's (stage1_cpu/kernels.py: rmsnorm_row, rope_head,
+attention_item, silu_mul_row, route_row, mix_row, gated_add_row; matmul.py:
+row_f32, rows_bf16, row_int8, row_int4) and, for rounded activations, the fast
+path's (stage1_cpu/fast/kernels.py: rows_int8_q8, rows_int8_q16, rows_int4_q8,
 quantize_token). So the logits and the KV cache are bit for bit those of
 Model.forward with the same weights: with fp32 activations those of the plain
 path, with rounded ones those of FastWeight.matmul (tests/test_stage1_decode_step.py
@@ -43,9 +41,9 @@ checks both, for every weight format, dense and MoE).
 
 Which row bodies the step inlines is chosen in Python from cpu.INT8 (the `if`
 around _rows below): where the CPU has no integer dot product the fast
-kernels are never named, so numba never hands their instructions to LLVM. (A
+kernels are never named, so numba never hands their instructions to LLVM (a
 runtime branch would not do: both sides are compiled, and on an AVX2-only CPU
-LLVM aborted with "Cannot select ... VPDPWSSD".)
+LLVM aborts with "Cannot select ... VPDPWSSD").
 """
 from __future__ import annotations
 
@@ -54,8 +52,9 @@ import numpy as np
 from numba import prange, types
 from numba.typed import List
 
-from .. import kernels
+from .. import kernels, matmul
 from . import cpu, sync
+from .plan import plan
 from . import kernels as fk
 from ..kernels import FAST
 
@@ -63,7 +62,7 @@ FMT = {"none": 0, "bf16": 1, "int8": 2, "int4": 3}
 ACT = {"fp32": 0, "int8": 1, "int16": 2}
 NONE, BF16, INT8, INT4 = range(4)
 A_FP32, A_INT8, A_INT16 = range(3)
-# the phases of model.plan(), as opcodes ("last" has nothing to do for one token)
+# the phases of plan.plan(), as opcodes
 OPS = {"norm": 0, "matmul": 1, "attention": 2, "add": 3, "silu_mul": 4, "route": 5, "experts": 6, "mix": 7,
        "gated_add": 8}
 NORM, MATMUL, ATTENTION, ADD, SILU_MUL, ROUTE, EXPERTS, MIX, GATED_ADD = range(9)
@@ -86,15 +85,15 @@ _inline = numba.njit(inline="always", fastmath=FAST, error_model="numpy")
 def _rows_float(fmt, t, r0, r1, out, ooff, wf, wb, q8, q4, s2, m2, x2, x3, x4, xsum4):
     """out[ooff + r] = row r of W times x[t] (fp32 activations), r0 <= r < r1: the core's row bodies."""
     if fmt == BF16:
-        kernels.rows_bf16(x2, t, wb, r0, r1, out, ooff)
+        matmul.rows_bf16(x2, t, wb, r0, r1, out, ooff)
         return
     for r in range(r0, r1):
         if fmt == NONE:
-            out[ooff + r] = kernels.row_f32(x2, t, wf, r)
+            out[ooff + r] = matmul.row_f32(x2, t, wf, r)
         elif fmt == INT8:
-            out[ooff + r] = kernels.row_int8(x3, t, q8, s2, r)
+            out[ooff + r] = matmul.row_int8(x3, t, q8, s2, r)
         else:
-            out[ooff + r] = kernels.row_int4(x4, xsum4, t, q4, s2, m2, r)
+            out[ooff + r] = matmul.row_int4(x4, xsum4, t, q4, s2, m2, r)
 
 
 # Which rows kernel the step inlines is decided here, in Python, from cpu.py: where the CPU
@@ -174,7 +173,7 @@ def _matvec(m, data, scales, mins, x, S, starts, n, bias, out, counts, phase, wo
     xsum = np.empty((S, G), dtype=np.float32)
     for t in range(S):
         if fmt == INT4 and act == A_FP32:
-            kernels.group_sums(x4, t, xsum4)
+            matmul.group_sums(x4, t, xsum4)
         if act == A_INT8:
             fk.quantize_token(x3, t, xq, xa, xs, xsum)
         elif act == A_INT16:
@@ -319,12 +318,13 @@ def _typed_list(arrays, ty):
 
 
 class DecodeStep:
-    """model.plan()'s phases for one token, as the table _decode runs, built once (views,
+    """plan.plan()'s phases for one token, as the table _decode runs, built once (views,
     no weight copies). step(x, pos): x [C] the token's embedding, its K/V go to cache
     position pos -> logits [V]."""
 
-    def __init__(self, model, phases):
+    def __init__(self, model):
         cfg = model.config
+        self.phases = phases = plan(model.w)
         self.cache, self.cos, self.sin = model.cache, model.cos, model.sin
         k = cfg.num_experts_per_tok if cfg.num_experts else 0
         weights, vecs, rows = [], [], []
@@ -345,8 +345,6 @@ class DecodeStep:
             return -1 if a is None else index(vecs, a)
 
         for ph in phases:
-            if ph.op == "last":                      # one token: it is the last
-                continue
             src = where[ph.src]
             size = {"norm": src[2], "matmul": ph.weight.out_features if ph.weight else 0,
                     "experts": k * (ph.weight.out_features // max(cfg.num_experts, 1)) if ph.weight else 0,

@@ -62,23 +62,6 @@ class FastWeight(Weight):
                 fk.matmul_int4_q8(xq, xs, xsum, self.data, self.scales, self.mins, out)
         return out
 
-    def matmul_segments(self, x: np.ndarray, starts: np.ndarray, n: int) -> np.ndarray:
-        """quant.Weight.matmul_segments (a MoE layer's chosen experts at decode), each row
-        of x rounded to int8 first where decode_act says so."""
-        if self.decode_act != "int8":
-            return super().matmul_segments(x, starts, n)
-        x = self._pad(self._check(x))                                    # [S, Kp]
-        starts = np.ascontiguousarray(starts, dtype=np.int64)
-        if starts.size and (starts.min() < 0 or starts.max() + n > self.out_features):
-            raise IndexError(f"segments of {n} rows at {starts.tolist()} leave [0, {self.out_features})")
-        out = np.empty((x.shape[0], n), dtype=np.float32)
-        xq, xa, xs, xsum = fk.quantize_activations(x.reshape(x.shape[0], -1, self.group_size))
-        if self.fmt == "int8":
-            fk.segments_int8_q8(xq, xa, xs, self.data, self.scales, starts, out)
-        else:
-            fk.segments_int4_q8(xq, xs, xsum, self.data, self.scales, self.mins, starts, out)
-        return out
-
     def _matmul_bf16(self, x: np.ndarray) -> np.ndarray:
         """Prefill on simd.py's bf16 GEMM: x [T, Kp] rounded to bf16 pairs once; int8 /
         int4 weights dequantized to bf16 BF16_ROWS rows at a time (8192 x 1024: 16 MB)."""
@@ -125,7 +108,7 @@ def quantize_activations(x: np.ndarray, gs: int, qmax: int = 127) -> np.ndarray:
 def fast_quantize(w: np.ndarray, fmt: str, group_size: int = 32,
                   decode_act: str = "fp32", prefill_act: str = "fp32") -> FastWeight:
     """quant.quantize, then the activation rounding asked for (checked against this CPU)."""
-    check_act(decode_act, prefill_act, fmt, np.shape(w)[-1])
+    check_act(decode_act, prefill_act, fmt, w.in_features if isinstance(w, Weight) else np.shape(w)[-1])
     return as_fast(quantize(w, fmt, group_size), decode_act, prefill_act)
 
 
