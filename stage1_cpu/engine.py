@@ -107,7 +107,8 @@ class LLMEngine:
     def _warm_mark(self) -> Path:
         w = self.weights
         files, kinds = (w.fast.files(), w.fast.kinds(w)) if w.fast else (KERNEL_FILES, "fp32")
-        return numba_cache.warm_mark(CACHE_DIR, files, w.fmt, w.kernels, kinds)
+        mlp = "moe" if self.config.num_experts else "dense"           # MoE layers run kernels of their own
+        return numba_cache.warm_mark(CACHE_DIR, files, w.fmt, w.kernels, mlp, kinds)
 
     def step(self) -> list[TokenEvent]:
         events = [TokenEvent(rid, -1, "abort") for rid in self.aborted]

@@ -26,21 +26,12 @@ to fp32 re-quantizes to the same grid (tests: test_int4_reproduces_a_4bit_grid_e
 fp16 holds scales down to 6e-5 at full precision (subnormal below, 0 below 6e-8):
 far below the scales of real weight groups.
 
-Symmetric or with a zero point? Measured relative Frobenius error
-||W - deq(W)|| / ||W|| at group size 64:
-                                      int8 sym  int8 asym  int4 sym(Q4_0)  int4 asym(Q4_1)
-  random normal 1024x1024              0.59 %    0.53 %       9.5 %           9.0 %
-  student-t (3 dof, heavy tails)       1.10 %    0.78 %      16.0 %          13.3 %
-  normal + 1 % outlier columns x20     1.61 %    0.92 %      20.6 %          15.8 %
-  SmolLM2-135M token_embd (real, Q8_0) 0.55 %    0.62 %      12.3 %          10.5 %
-  SmolLM2-135M blk.5.ffn_down (Q4_1)   0.61 %    0.47 %       9.6 %           7.9 %
-(the last two rows: weights of the demo model's GGUF, dequantized to fp32.)
-int8: both are well under 1 % on real weights, where the 8-bit grid is far finer
-than the weights' own noise; a zero point would cost 2 more bytes per group and
-one more term per group in the kernel, so int8 stays symmetric (like Q8_0).
-int4: the minimum cuts the error by 5-25 %, which matters at 4 bits, for 2 more
-bytes per group (0.531 -> 0.5625 bytes/weight at group size 64, 6 % more to
-read per token), so int4 stores a scale and a minimum.
+Symmetric or with a zero point? (The errors behind the choice: docs/stage1.md, section 6.)
+int8: the 8-bit grid is far finer than real weights' own noise, so a zero point
+would cost 2 more bytes per group and one more term per group in the kernel for no
+measurable gain: int8 stays symmetric (like Q8_0). int4: the minimum cuts the error
+by 5-25 %, which matters at 4 bits, for 2 more bytes per group (6 % more to read per
+token at group size 64): int4 stores a scale and a minimum.
 
 in_features that is not a multiple of group_size: the last group is padded with
 zero weights (and the activations with zeros at matmul time), so any size works.

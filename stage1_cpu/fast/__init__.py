@@ -71,8 +71,12 @@ class FastPath:
         return KERNEL_FILES + FILES
 
     def kinds(self, weights) -> str:
-        """The activation roundings the model's matrices use, for the warm-up mark."""
-        return "_".join(sorted({f"{w.decode_act}.{w.prefill_act}" for w in _matrices(weights)}))
+        """The row bodies the one-region step compiles for this model and the prefill
+        roundings, for the warm-up mark (a model with other kinds compiles other code)."""
+        from .decode_step import KINDS, kinds
+        mats = list(_matrices(weights)) + [w for lw in weights.layers for w in (lw.router, lw.shared_gate) if w]
+        body = [k for k, on in zip(KINDS, kinds(mats)) if on]
+        return "_".join(body + sorted({f"pre.{getattr(w, 'prefill_act', 'fp32')}" for w in mats}))
 
     def describe(self, weights) -> str:
         """For the banner: which kernels and instructions this model uses."""

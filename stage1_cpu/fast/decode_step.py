@@ -39,11 +39,13 @@ Model.forward with the same weights: with fp32 activations those of the plain
 path, with rounded ones those of FastWeight.matmul (tests/test_stage1_decode_step.py
 checks both, for every weight format, dense and MoE).
 
-Which row bodies the step inlines is chosen in Python from cpu.INT8 (the `if`
-around _rows below): where the CPU has no integer dot product the fast
+Which row bodies the step may inline is chosen in Python from cpu.INT8 (the `if`
+around _rows_q8 below): where the CPU has no integer dot product the fast
 kernels are never named, so numba never hands their instructions to LLVM (a
 runtime branch would not do: both sides are compiled, and on an AVX2-only CPU
-LLVM aborts with "Cannot select ... VPDPWSSD").
+LLVM aborts with "Cannot select ... VPDPWSSD"). Of those, the step compiles only
+the bodies its model's weights use (kinds(): a None argument drops its branch
+before numba compiles it), so a cold start compiles one or two formats, not all.
 """
 from __future__ import annotations
 
@@ -81,43 +83,28 @@ _njit = numba.njit(cache=True, fastmath=FAST, error_model="numpy")
 _inline = numba.njit(inline="always", fastmath=FAST, error_model="numpy")
 
 
-@_inline
-def _rows_float(fmt, t, r0, r1, out, ooff, wf, wb, q8, q4, s2, m2, x2, x3, x4, xsum4):
-    """out[ooff + r] = row r of W times x[t] (fp32 activations), r0 <= r < r1: the core's row bodies."""
-    if fmt == BF16:
-        matmul.rows_bf16(x2, t, wb, r0, r1, out, ooff)
-        return
-    for r in range(r0, r1):
-        if fmt == NONE:
-            out[ooff + r] = matmul.row_f32(x2, t, wf, r)
-        elif fmt == INT8:
-            out[ooff + r] = matmul.row_int8(x3, t, q8, s2, r)
-        else:
-            out[ooff + r] = matmul.row_int4(x4, xsum4, t, q4, s2, m2, r)
-
-
-# Which rows kernel the step inlines is decided here, in Python, from cpu.py: where the CPU
+# Which rows kernels the step may name is decided here, in Python, from cpu.py: where the CPU
 # has no integer dot product, the intrinsics (fast/kernels.py) are never named, so numba never
 # hands them to LLVM (a runtime `if` would not do: the code is compiled either way).
 if cpu.INT8:
-    @_inline
-    def _rows(fmt, act, t, r0, r1, out, ooff, wf, wb, q8, q4, s2, m2, qf, sf, x2, x3, x4, xsum4, xqf, xaf, x16f,
-              xsf, xsum, G, gs):
-        """out[ooff + r] = row r of W times x[t], r0 <= r < r1, by the kernel matmul() would use."""
-        if act == A_INT8 and fmt == INT8:
-            fk.rows_int8_q8(xqf, xaf, xsf, t, qf, sf, r0, r1, G, gs, out, ooff)
-        elif act == A_INT16:
-            fk.rows_int8_q16(x16f, xsf, t, qf, sf, r0, r1, G, gs, out, ooff)
-        elif act == A_INT8:
-            fk.rows_int4_q8(xqf, xsf, xsum.reshape(-1), t, qf, sf, m2.reshape(-1), r0, r1, G, gs, out, ooff)
-        else:
-            _rows_float(fmt, t, r0, r1, out, ooff, wf, wb, q8, q4, s2, m2, x2, x3, x4, xsum4)
-else:
-    @_inline
-    def _rows(fmt, act, t, r0, r1, out, ooff, wf, wb, q8, q4, s2, m2, qf, sf, x2, x3, x4, xsum4, xqf, xaf, x16f,
-              xsf, xsum, G, gs):
-        """out[ooff + r] = row r of W times x[t], r0 <= r < r1 (activations are fp32 on this CPU)."""
-        _rows_float(fmt, t, r0, r1, out, ooff, wf, wb, q8, q4, s2, m2, x2, x3, x4, xsum4)
+    _rows_q8, _rows_q16, _rows_q4 = fk.rows_int8_q8, fk.rows_int8_q16, fk.rows_int4_q8
+else:                   # never named: no weight has rounded activations on this CPU (weight.check_act)
+    _rows_q8 = _rows_q16 = _rows_q4 = None
+
+# The row bodies a model uses, out of the seven below (the other arguments of _matvec are
+# None): numba drops the branch of a None argument before it compiles anything, so a model
+# compiles only its own formats' bodies (each a few seconds of LLVM's time).
+KINDS = ("f32", "bf16", "int8", "int4", "int8.q8", "int8.q16", "int4.q8")
+
+
+def kinds(weights) -> tuple:
+    """The body each weight's matvec runs (FastWeight.matmul's choice) -> True / None per KINDS."""
+    used = set()
+    for w in weights:
+        act = getattr(w, "decode_act", "fp32")
+        used.add({"none": "f32"}.get(w.fmt, w.fmt) if act == "fp32" else
+                 f"{w.fmt}.q16" if act == "int16" else f"{w.fmt}.q8")
+    return tuple(True if k in used else None for k in KINDS)
 
 
 @numba.njit(inline="always")
@@ -146,12 +133,14 @@ def _items(O, row_bytes, workers):
 
 
 @_njit
-def _matvec(m, data, scales, mins, x, S, starts, n, bias, out, counts, phase, workers):
+def _matvec(m, data, scales, mins, x, S, starts, n, bias, out, counts, phase, workers,
+            k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4):
     """Phase `phase`: out[s n + i] = x[s] . W[starts[s] + i] (+ bias[starts[s] + i]) for
     segment s < len(starts) and i < n. x [S K] is this worker's input: S = 1 (every
     segment reads it; a matmul is one segment of all O rows) or one row per segment
     (the experts' down projection). W is given by its format row m = (fmt, act, O, K, Kp, gs)
-    and flat arrays. The segments' rows, end to end, are cut into claimed items."""
+    and flat arrays. The segments' rows, end to end, are cut into claimed items. k_*: the
+    row bodies this model uses (kinds()), None for the others."""
     fmt, act, O, K, Kp, gs = m[0], m[1], m[2], m[3], m[4], m[5]
     R = starts.size * n                                          # rows of all segments
     block, big, n_big, split, n_items = _items(R, data.size // O, workers)
@@ -173,7 +162,8 @@ def _matvec(m, data, scales, mins, x, S, starts, n, bias, out, counts, phase, wo
     xsum = np.empty((S, G), dtype=np.float32)
     for t in range(S):
         if fmt == INT4 and act == A_FP32:
-            matmul.group_sums(x4, t, xsum4)
+            if k_int4 is not None:
+                matmul.group_sums(x4, t, xsum4)
         if act == A_INT8:
             fk.quantize_token(x3, t, xq, xa, xs, xsum)
         elif act == A_INT16:
@@ -195,8 +185,29 @@ def _matvec(m, data, scales, mins, x, S, starts, n, bias, out, counts, phase, wo
             e = min(v1, (s + 1) * n)
             r0, ooff = starts[s] + v0 - s * n, s * n - starts[s]     # W's rows r0.. -> out[ooff + r]
             r1 = r0 + e - v0
-            _rows(fmt, act, s if S > 1 else 0, r0, r1, out, ooff, wf, wb, q8, q4, s2, m2, data, scales,
-                  x2, x3, x4, xsum4, xqf, xaf, x16f, xsf, xsum, G, gs)
+            t = s if S > 1 else 0                                    # the row of x: out[ooff + r] = W[r] . x[t]
+            if act == A_INT8 and fmt == INT8:                        # the kernel matmul() would use
+                if k_q8 is not None:
+                    _rows_q8(xqf, xaf, xsf, t, data, scales, r0, r1, G, gs, out, ooff)
+            elif act == A_INT16:
+                if k_q16 is not None:
+                    _rows_q16(x16f, xsf, t, data, scales, r0, r1, G, gs, out, ooff)
+            elif act == A_INT8:
+                if k_q4 is not None:
+                    _rows_q4(xqf, xsf, xsum.reshape(-1), t, data, scales, m2.reshape(-1), r0, r1, G, gs, out, ooff)
+            elif fmt == BF16:                                        # fp32 activations: the core's bodies
+                if k_bf16 is not None:
+                    matmul.rows_bf16(x2, t, wb, r0, r1, out, ooff)
+            else:
+                for r in range(r0, r1):
+                    if fmt == NONE:
+                        if k_f32 is not None:
+                            out[ooff + r] = matmul.row_f32(x2, t, wf, r)
+                    elif fmt == INT8:
+                        if k_int8 is not None:
+                            out[ooff + r] = matmul.row_int8(x3, t, q8, s2, r)
+                    elif k_int4 is not None:
+                        out[ooff + r] = matmul.row_int4(x4, xsum4, t, q4, s2, m2, r)
             if bias.size:
                 for r in range(r0, r1):
                     out[ooff + r] = out[ooff + r] + bias[r]
@@ -242,7 +253,7 @@ def _buf(own, shared, ref):
 
 @_njit
 def _worker(workers, x0, pos, prog, meta, data, scales, mins, vecs, shared, own_size, kv, cos, sin, eps, dims,
-            counts):
+            counts, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4):
     """Everything one worker does in a decode step: the program, phase by phase."""
     H, Hkv, D, k, norm_topk = dims[0], dims[1], dims[2], dims[3], dims[4] != 0
     own = np.zeros(own_size, dtype=np.float32)       # this worker's private buffers; x first
@@ -282,20 +293,20 @@ def _worker(workers, x0, pos, prog, meta, data, scales, mins, vecs, shared, own_
             bias = vecs[row[VEC]] if row[VEC] >= 0 else none
             if op == MATMUL:
                 _matvec(meta[w], data[w], scales[w], mins[w], src, 1, one, dst.size, bias, dst, counts,
-                        row[COUNTER], workers)
+                        row[COUNTER], workers, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4)
             else:
                 n = dst.size // k                    # each expert's rows in the stacked matrix
                 _matvec(meta[w], data[w], scales[w], mins[w], src, row[ROWS], top[0] * n, n, bias, dst,
-                        counts, row[COUNTER], workers)
+                        counts, row[COUNTER], workers, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4)
 
 
 @numba.njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
 def _decode(workers, x0, pos, prog, meta, data, scales, mins, vecs, shared, own_size, kv, cos, sin, eps, dims,
-            counts):
+            counts, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4):
     # workers: numba.get_num_threads(), passed in (called in here, it would keep this from the disk cache)
     for _ in prange(workers):                        # one iteration per thread: the one parallel region
         _worker(workers, x0, pos, prog, meta, data, scales, mins, vecs, shared, own_size, kv, cos, sin, eps,
-                dims, counts)
+                dims, counts, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4)
 
 
 _READONLY = types.Array(types.uint8, 1, "C", readonly=True)
@@ -380,6 +391,7 @@ class DecodeStep:
 
         no16 = np.zeros(0, dtype=np.uint16)
         self.meta = np.array([_format_row(w) for w in weights], dtype=np.int64)
+        self.kinds = kinds(weights)                  # the row bodies _matvec compiles for this model
         self.data = _typed_list([np.ascontiguousarray(w.data).reshape(-1).view(np.uint8) for w in weights],
                                 _READONLY)
         self.scales = _typed_list([no16 if w.scales is None else w.scales.reshape(-1).view(np.uint16)
@@ -398,6 +410,6 @@ class DecodeStep:
         _decode(workers or numba.get_num_threads(), np.ascontiguousarray(x, dtype=np.float32), pos, self.prog,
                 self.meta, self.data, self.scales, self.mins, self.vecs, self.shared, self.own_size,
                 self.cache.data, self.cos[pos:pos + 1], self.sin[pos:pos + 1], self.eps, self.dims,
-                sync.counters(self.n_counters))
+                sync.counters(self.n_counters), *self.kinds)
         _, off, n = self.logits
         return self.shared[off:off + n].copy()
