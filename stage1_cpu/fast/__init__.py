@@ -75,7 +75,7 @@ class FastPath:
         roundings, for the warm-up mark (a model with other kinds compiles other code)."""
         from .decode_step import KINDS, kinds
         mats = list(_matrices(weights)) + [w for lw in weights.layers for w in (lw.router, lw.shared_gate) if w]
-        body = [k for k, on in zip(KINDS, kinds(mats)) if on]
+        body = [k for k, on in zip(KINDS, kinds(mats)) if on]        # all of them under QS_FAST_ALL_KINDS=1
         return "_".join(body + sorted({f"pre.{getattr(w, 'prefill_act', 'fp32')}" for w in mats}))
 
     def describe(self, weights) -> str:

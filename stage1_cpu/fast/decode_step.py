@@ -49,6 +49,8 @@ before numba compiles it), so a cold start compiles one or two formats, not all.
 """
 from __future__ import annotations
 
+import os
+
 import numba
 import numpy as np
 from numba import prange, types
@@ -98,7 +100,10 @@ KINDS = ("f32", "bf16", "int8", "int4", "int8.q8", "int8.q16", "int4.q8")
 
 
 def kinds(weights) -> tuple:
-    """The body each weight's matvec runs (FastWeight.matmul's choice) -> True / None per KINDS."""
+    """The body each weight's matvec runs (FastWeight.matmul's choice) -> True / None per KINDS.
+    QS_FAST_ALL_KINDS=1: all of them (one compile serves every model: the tests set it)."""
+    if os.environ.get("QS_FAST_ALL_KINDS") == "1":
+        return (True,) * len(KINDS)
     used = set()
     for w in weights:
         act = getattr(w, "decode_act", "fp32")
