@@ -17,4 +17,4 @@ os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 CACHE_DIR = numba_cache.use_folder("stage1", Path(__file__).parent,
                                    env=("QS_FAST_ISA", "NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES"))
 # the files whose numba code the plain path compiles (the warm-up mark follows them)
-KERNEL_FILES = [Path(__file__).parent / "kernels.py", Path(__file__).parent / "matmul.py"]
+KERNEL_FILES = [Path(__file__).parent / f for f in ("norms.py", "kernels.py", "matmul.py")]

@@ -1,5 +1,6 @@
-"""Numba kernels for stage 1: the twins of stage1_cpu/ops.py (norms, RoPE, attention,
-SwiGLU's gate, the MoE router's choice and mix). The matmuls are in matmul.py.
+"""Numba kernels for stage 1: the twins of stage1_cpu/ops.py (RoPE, attention, SwiGLU's
+gate, the MoE router's choice and mix; RMSNorm, with the conventions every kernel file
+follows, is in norms.py). The matmuls are in matmul.py.
 
 Every function here computes exactly what its numpy twin in ops.py computes;
 tests/test_stage1_kernels.py checks each one at awkward shapes. What makes them fast:
@@ -36,20 +37,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-# reassoc: let LLVM split reductions over vector lanes; contract: allow FMA.
-# Every kernel also sets error_model="numpy": x / 0 gives inf instead of raising,
-# which removes a branch per division (with it, silu_mul did not vectorise: 6x).
-FAST = {"reassoc", "contract"}
-
-# Each kernel's body for one row (one output row of a matmul, one token of a norm)
-# is an _inline helper: the prange kernels below loop over it, and so does
-# fast/decode_step.py, which runs a whole decode step in one parallel region. One
-# body, two callers: both compute bit for bit the same. Serial and parallel loops must be
-# separate Python functions: numba's on-disk cache tells functions apart by their
-# code, not by parallel=True.
-_inline = njit(inline="always", fastmath=FAST, error_model="numpy")
-_serial = njit(cache=True, fastmath=FAST, error_model="numpy")
-_parallel = njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
+from .norms import FAST, _inline, _parallel, _serial, rmsnorm, rmsnorm_row  # noqa: F401 (K.rmsnorm)
 
 
 def set_threads(n: int | None) -> int:
@@ -116,45 +104,13 @@ def exp_f32(x):
 # ---------------------------------------------------------------------------
 
 
-# Each op is written once, for one row, as an inlined helper (_inline, top of
-# the file); a serial and a parallel (prange) loop call it.
+# Each op is written once, for one row, as an inlined helper (_inline, norms.py);
+# a serial and a parallel (prange) loop call it.
 
 
-@_inline
-def rmsnorm_row(x2, w, eps, out2, t):
-    C = x2.shape[1]
-    ss = np.float32(0.0)
-    for c in range(C):
-        ss += x2[t, c] * x2[t, c]
-    rms = np.sqrt(ss / np.float32(C) + np.float32(eps))
-    for c in range(C):
-        out2[t, c] = x2[t, c] / rms * w[c]
-
-
-@_serial
-def _rmsnorm_serial(x2, w, eps, out2):
-    for t in range(x2.shape[0]):
-        rmsnorm_row(x2, w, eps, out2, t)
-
-
-@_parallel
-def _rmsnorm_parallel(x2, w, eps, out2):
-    for t in prange(x2.shape[0]):
-        rmsnorm_row(x2, w, eps, out2, t)
-
-
-# From how many rows (tokens, or token-heads) an element-wise op runs in parallel: below,
-# starting the threads (tens of microseconds when they sleep) costs more than the op.
-PARALLEL_MIN_ROWS = 64      # rmsnorm: a row is C (or D) values, a few hundred ns each
+# From how many tokens an element-wise op runs in parallel: below, starting the threads
+# (tens of microseconds when they sleep) costs more than the op (norms.py: the same for rmsnorm).
 PARALLEL_MIN_T = 16         # silu_mul, rope: a token's row is F (or H*D) values, several us each
-
-
-def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """x: [T, C] with w [C], or [T, H, D] with w [D]: normalise the last axis."""
-    x2 = np.ascontiguousarray(x).reshape(-1, x.shape[-1])  # [rows, last]
-    out = np.empty_like(x2)
-    (_rmsnorm_parallel if x2.shape[0] >= PARALLEL_MIN_ROWS else _rmsnorm_serial)(x2, w, eps, out)
-    return out.reshape(x.shape)
 
 
 @_inline

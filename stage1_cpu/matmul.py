@@ -24,7 +24,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from .kernels import FAST
+from .norms import FAST
 
 _inline = njit(inline="always", fastmath=FAST, error_model="numpy")
 

@@ -60,7 +60,7 @@ def test_stage1_keys_each_path_on_the_files_it_compiles():
     from stage1_cpu import fast
     from stage1_cpu.fast import decode_step  # noqa: F401  (its kernels are defined, so stamped)
     names = {p.name for p in stage1_cpu.KERNEL_FILES}
-    assert names == {"kernels.py", "matmul.py"}                     # ops.py, chat.py hold no numba code
+    assert names == {"norms.py", "kernels.py", "matmul.py"}         # ops.py, chat.py hold no numba code
     fp = fast.FastPath("int8", "fp32")
     assert set(stage1_cpu.KERNEL_FILES) <= set(fp.files())
     assert {"decode_step.py", "simd.py", "kernels.py", "plan.py"} <= {p.name for p in fast.FILES}

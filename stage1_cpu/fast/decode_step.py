@@ -30,7 +30,7 @@ reads its layer's values, never a later layer's that overwrote them (one buffer
 reused by every layer passes a few steps and then parts from the core's tokens).
 
 Every op is the same inlined body the per-op kernels run, in the same order on
-the same values: the core's (stage1_cpu/kernels.py: rmsnorm_row, rope_head,
+the same values: the core's (stage1_cpu/norms.py: rmsnorm_row; kernels.py: rope_head,
 attention_item, silu_mul_row, route_row, mix_row, gated_add_row; matmul.py:
 row_f32, rows_bf16, row_int8, row_int4) and, for rounded activations, the fast
 path's (stage1_cpu/fast/kernels.py: rows_int8_q8, rows_int8_q16, rows_int4_q8,
