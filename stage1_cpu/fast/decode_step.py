@@ -101,9 +101,9 @@ KINDS = ("f32", "bf16", "int8", "int4", "int8.q8", "int8.q16", "int4.q8")
 
 def kinds(weights) -> tuple:
     """The body each weight's matvec runs (FastWeight.matmul's choice) -> True / None per KINDS.
-    QS_FAST_ALL_KINDS=1: all of them (one compile serves every model: the tests set it)."""
+    QS_FAST_ALL_KINDS=1: all this CPU can run (one compile serves every model: the tests set it)."""
     if os.environ.get("QS_FAST_ALL_KINDS") == "1":
-        return (True,) * len(KINDS)
+        return tuple(True if cpu.INT8 or "." not in k else None for k in KINDS)
     used = set()
     for w in weights:
         act = getattr(w, "decode_act", "fp32")
