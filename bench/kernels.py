@@ -43,6 +43,27 @@ LM_HEAD = (151936, 1024)
 N_LAYERS = 28
 
 
+@njit(parallel=True, cache=True)
+def _empty_region(out):
+    for i in prange(out.shape[0]):
+        out[i] = i
+
+
+def parallel_start_cost() -> float:
+    """Median seconds to start and join an empty parallel region (100 calls): about a
+    microsecond when idle threads spin (OpenMP's default), tens of microseconds with
+    OMP_WAIT_POLICY=PASSIVE, where the sleeping thread must be woken (on a VM, its vCPU
+    too). stage1_cpu/kernels.py's parallel thresholds are set against it."""
+    out = np.zeros(2)
+    _empty_region(out)
+    ts = []
+    for _ in range(100):
+        t0 = time.perf_counter()
+        _empty_region(out)
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
 @njit(parallel=True, cache=True, fastmath={"reassoc"})
 def _parallel_sum(a2):
     # a2 [chunks, n] f32 read once, one chunk per prange step: the read bandwidth
@@ -117,7 +138,7 @@ def main() -> None:
         print(f"threads={nt}: read bandwidth {bw[nt][0]:.1f} GB/s (numba sum), copy {bw[nt][1]:.1f} GB/s "
               f"(numpy, read+write); fastest of {args.runs} runs")
         if nt > 1:
-            print(f"threads={nt}: an empty parallel region costs {kernels.parallel_start_cost() * 1e6:.1f} us (median; "
+            print(f"threads={nt}: an empty parallel region costs {parallel_start_cost() * 1e6:.1f} us (median; "
                   f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
                   f"numba threading layer {numba.threading_layer()})")
 

@@ -13,8 +13,8 @@ almost the engine's decode step (attention, norms and sampling are left out).
 
     rung 1  one thread; each matrix dequantized to fp32, then multiplied (int8 weights)
     rung 2  the same, with prange threads
-    rung 3  fused: int8 weights converted in registers (kernels.matmul_int8), no fp32 copy
-    rung 4  int4 weights (kernels.matmul_int4); the lm_head stays int8, as the engine keeps it
+    rung 3  fused: int8 weights converted in registers (matmul.matmul_int8), no fp32 copy
+    rung 4  int4 weights (matmul.matmul_int4); the lm_head stays int8, as the engine keeps it
     rung 5  the fast path: int4 weights, activations rounded to int8 and multiplied by the
             CPU's integer dot product (stage1_cpu/fast; only where cpu.INT8 is not None)
 
@@ -41,7 +41,7 @@ import numpy as np
 from numba import njit, prange
 
 from bench.common import NeighbourMeter, check_load, machine_description, markdown_table
-from stage1_cpu import kernels
+from stage1_cpu import kernels, matmul
 from stage1_cpu.quant import Weight, _padded
 
 GROUP = 32      # stage 1's default group size (options.py)
@@ -56,18 +56,18 @@ def dequant_int8(q, s, out):
     and the matvec that follows reads it back: 9 bytes of traffic per weight instead of ~1."""
     for r in prange(q.shape[0]):
         for g in range(q.shape[1]):
-            sc = kernels.f16_to_f32(s[r, g])
+            sc = matmul.f16_to_f32(s[r, g])
             for j in range(q.shape[2]):
                 out[r, g, j] = np.float32(q[r, g, j]) * sc
 
 
 def dequant_then_matmul(w: Weight, x: np.ndarray, buf: np.ndarray) -> np.ndarray:
-    """Rungs 1-2: the whole matrix to fp32 (into buf), then the fp32 matvec (kernels.matmul_f32)."""
+    """Rungs 1-2: the whole matrix to fp32 (into buf), then the fp32 matvec (matmul.matmul_f32)."""
     O, Kp = w.out_features, w.padded_in
     wf = buf[: O * Kp].reshape(O, Kp)                     # [O, Kp] f32
     dequant_int8(w.data, w.scales, wf.reshape(O, -1, w.group_size))
     out = np.empty((1, O), dtype=np.float32)
-    kernels.matmul_f32(w._pad(x), wf, out)
+    matmul.matmul_f32(w._pad(x), wf, out)
     return out
 
 
@@ -129,8 +129,8 @@ def run_ladder(shape, threads: int, tokens: int, log=print) -> list[dict]:
         ("1 thread, dequantize to fp32 then multiply", "int8", 1, int8,
          lambda w, x: dequant_then_matmul(w, x, buf)),
         (f"+ prange threads ({threads})", "int8", threads, int8, lambda w, x: dequant_then_matmul(w, x, buf)),
-        ("+ fused dequantization (kernels.matmul_int8)", "int8", threads, int8, lambda w, x: w.matmul(x)),
-        ("+ int4 weights (kernels.matmul_int4)", "int4", threads, int4, lambda w, x: w.matmul(x)),
+        ("+ fused dequantization (matmul.matmul_int8)", "int8", threads, int8, lambda w, x: w.matmul(x)),
+        ("+ int4 weights (matmul.matmul_int4)", "int4", threads, int4, lambda w, x: w.matmul(x)),
     ]
     if cpu.INT8:
         from stage1_cpu import fast

@@ -19,12 +19,15 @@ from pathlib import Path
 
 import numpy as np
 
+from common import numba_cache
 from common.config import ModelConfig
 from common.engine import Request, TokenEvent, check_prompt
 from common.sampling import Sampler
-from stage1_cpu import kernels as numba_kernels
-from stage1_cpu.model import Model
-from stage1_cpu.weights import load_weights
+
+from . import CACHE_DIR, KERNEL_FILES
+from . import kernels as numba_kernels
+from .model import Model
+from .weights import load_weights
 
 
 @dataclass
@@ -88,34 +91,24 @@ class LLMEngine:
         return w.fast.describe(w) if w.fast else "plain kernels"
 
     def warm_up(self) -> float | None:
-        """On the first run of this version of stage 1 with these weights' format and
-        kernels, compile every kernel a conversation needs, before the first prompt:
-        1 token (decode), 2 (few tokens), 8 and 64 (prefill, serial and parallel variants).
-        -> seconds it took, or None when a previous run already did it (numba's disk
-        cache then holds the machine code, loaded in milliseconds on first use)."""
+        """Compile every kernel a conversation needs before the first prompt, unless a previous
+        run did (numba_cache.warm_up). -> seconds it took, or None."""
         if not self.kernels_cold():
             return None
-        t0 = time.perf_counter()
-        pos = 0
-        for T in (1, 2, 8, 64):
-            if pos + T > self.max_ctx:
-                break
-            self.model.forward(np.zeros(T, dtype=np.int64), pos)
-            pos += T
+        took = numba_cache.warm_up(self.model.forward, self.max_ctx, self._warm_mark())
         self.cached_ids = []                      # the cache holds nothing a prompt can reuse
-        self._warm_mark().parent.mkdir(parents=True, exist_ok=True)
-        self._warm_mark().touch()
-        return time.perf_counter() - t0
+        return took
 
     def kernels_cold(self) -> bool:
-        """True until warm_up() has run once for this stage-1 version, format and kernels."""
+        """True until warm_up() has run for the kernels' sources as they are now, this format
+        and these kernels (an edit to a kernel file makes them cold again)."""
         return self.model.k is numba_kernels and not self._warm_mark().exists()
 
     def _warm_mark(self) -> Path:
-        import stage1_cpu
         w = self.weights
-        act = "-".join(f"{k}={v}" for k, v in sorted(w.act.items()))
-        return Path(stage1_cpu.CACHE_DIR) / f"warm-{w.fmt}-{w.kernels}-{act}"
+        files, kinds = (w.fast.files(), w.fast.kinds(w)) if w.fast else (KERNEL_FILES, "fp32")
+        mlp = "moe" if self.config.num_experts else "dense"           # MoE layers run kernels of their own
+        return numba_cache.warm_mark(CACHE_DIR, files, w.fmt, w.kernels, mlp, kinds)
 
     def step(self) -> list[TokenEvent]:
         events = [TokenEvent(rid, -1, "abort") for rid in self.aborted]

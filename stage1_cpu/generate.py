@@ -1,83 +1,20 @@
 """One-shot generation: python -m stage1_cpu.generate --model DIR|NAME --prompt "..."
 
 Prints tokens as they arrive, then prefill and decode speed. The prompt goes
-through the model's chat template unless --raw is given.
+through the model's chat template unless --raw is given. The generation itself is
+common/generate.py; this file only hands it stage 1's options and engine.
 """
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 
-from common.chat_template import ChatTemplate
-from common.engine import Request
-from common.models import resolve_model
-from common.sampling import SamplingParams
-from common.tokenizer import Tokenizer
-from stage1_cpu.options import add_args, build_engine
+from common.generate import main as generate_main
+
+from .options import add_args, build_engine
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m stage1_cpu.generate", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="HF model folder or known name (default: smollm2-135m)")
-    ap.add_argument("--prompt", required=True, help="the text to continue / the user message")
-    ap.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
-    ap.add_argument("--no-think", action="store_true", help="Qwen3: render the template with enable_thinking=False")
-    add_args(ap)
-    ap.add_argument("--max-ctx", type=int, default=4096)
-    ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--temperature", type=float, default=None)
-    ap.add_argument("--top-p", type=float, default=None)
-    ap.add_argument("--top-k", type=int, default=None)
-    ap.add_argument("--min-p", type=float, default=None)
-    ap.add_argument("--repetition-penalty", type=float, default=None)
-    ap.add_argument("--presence-penalty", type=float, default=None, help="0 turns the default model's off")
-    ap.add_argument("--frequency-penalty", type=float, default=None)
-    ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--ignore-eos", action="store_true")
-    args = ap.parse_args(argv)
-
-    try:
-        folder = resolve_model(args.model)
-        tok = Tokenizer(folder)
-        if args.raw:
-            text = args.prompt
-        else:
-            text = ChatTemplate.from_folder(folder).render(
-                [{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-                enable_thinking=not args.no_think)
-        params = SamplingParams.from_generation_config(
-            folder, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-            frequency_penalty=args.frequency_penalty, seed=args.seed, max_tokens=args.max_tokens,
-            ignore_eos=args.ignore_eos)
-        engine = build_engine(folder, args, progress=sys.stdout.isatty())   # piped: stdout is the text alone
-        print(f"[{engine.describe_kernels()}]", file=sys.stderr)
-        if engine.kernels_cold():
-            print("compiling kernels, first run only ...", file=sys.stderr, flush=True)
-            print(f"compiled kernels in {engine.warm_up():.1f} s", file=sys.stderr)
-        ids = tok.encode(text)
-        engine.add_request(Request("generate", ids, params))
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-    detok = tok.detokenizer()
-    n_out = 0
-    t0 = time.perf_counter()
-    while engine.has_work():
-        for ev in engine.step():
-            if ev.finish_reason != "stop":       # a stop token is not answer text
-                sys.stdout.write(detok.add(ev.token_id))
-                sys.stdout.flush()
-                n_out += 1
-    sys.stdout.write(detok.flush() + "\n")
-    wall = time.perf_counter() - t0
-    pf = engine.last_prefill_tokens / max(engine.last_prefill_s, 1e-9)
-    dc = engine.last_decode_tokens / max(engine.last_decode_s, 1e-9)
-    print(f"[{len(ids)} prompt tokens, {n_out} generated | prefill {pf:.1f} tok/s, "
-          f"decode {dc:.1f} tok/s, {wall:.2f} s]", file=sys.stderr)
-    return 0
+    return generate_main(build_engine, argv, prog="python -m stage1_cpu.generate", add_args=add_args)
 
 
 if __name__ == "__main__":

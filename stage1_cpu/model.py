@@ -13,13 +13,9 @@
                                                          plus a gated shared expert: qwen2_moe)
     logits = rmsnorm(x) @ lm_head.T                     [V] for the last position
 
-The pass is written down once, as data: plan() turns the weights into a list of
-phases (norm, matmul, attention, add, ...), each reading and writing buffers by
-name. Model.forward() runs that list op by op, one numba kernel per phase (each
-matmul is a parallel region of its own); the fast path's decode step
-(stage1_cpu/fast/decode_step.py) runs the same list for one token inside a
-single parallel region. Two drivers, one description: what the model computes
-can only change here, for both.
+Each step is one call of a numba kernel (kernels.py), and each matmul one parallel
+region of its own. With --kernels fast, a one-token step runs instead in a single
+parallel region (fast/decode_step.py), bit for bit the result of this code.
 
 Weight names follow Hugging Face's (wq is q_proj, ...); the rename table is in
 common/loader.py. Each matmul is a quant.Weight, so the same code runs fp32,
@@ -27,63 +23,12 @@ bf16, int8 and int4 weights.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-from stage1_cpu import kernels, ops
-from stage1_cpu.kv_cache import KVCache
-from stage1_cpu.quant import Weight
-from stage1_cpu.weights import Weights
-
-
-@dataclass(frozen=True, eq=False)
-class Phase:
-    """One step of the forward pass: dst = op(src, ...), buffers by name ([T, ...] each)."""
-    op: str                         # see Model.run() for what each op does
-    src: str                        # the buffer it reads
-    dst: str                        # the buffer it writes (add / gated_add: adds to)
-    weight: Weight | None = None    # matmul, experts: the matrix
-    vec: np.ndarray | None = None   # norm: its weight [C]; matmul: a bias [O] or None
-    aux: str | None = None          # a second input: route (experts, mix), the gate (gated_add)
-    layer: int = -1                 # attention: whose cache and q/k norms
-
-
-def plan(w: Weights) -> list[Phase]:
-    """The forward pass as the list of phases both drivers run, in order."""
-    P = []
-    for i, lw in enumerate(w.layers):
-        # ---- attention block ----
-        P += [Phase("norm", "x", "h", vec=lw.attn_norm),
-              Phase("matmul", "h", "qkv", lw.wqkv, vec=lw.bqkv),    # q, k, v in one matmul (+ qwen2's biases)
-              Phase("attention", "qkv", "att", layer=i),            # q/k norm (qwen3), RoPE, cache, attend
-              Phase("matmul", "att", "o", lw.wo),
-              Phase("add", "o", "x"),                                # the residual
-              # ---- MLP block ----
-              Phase("norm", "x", "h", vec=lw.mlp_norm)]
-        if not lw.experts:                                           # SwiGLU: down(silu(gate(h)) * up(h))
-            P += [Phase("matmul", "h", "gu", lw.w_gate_up),          # [gate | up] in one matmul
-                  Phase("silu_mul", "gu", "act"),
-                  Phase("matmul", "act", "down", lw.w_down),
-                  Phase("add", "down", "x")]
-            continue
-        # MoE: the router picks k experts per token; each is a SwiGLU MLP of its own
-        P += [Phase("matmul", "h", "router", lw.router),             # [E] logits, fp32
-              Phase("route", "router", "route"),                     # the k experts and their weights
-              Phase("experts", "h", "egu", lw.experts_gate_up, aux="route"),   # [k, 2Fe] each its own rows
-              Phase("silu_mul", "egu", "eact"),
-              Phase("experts", "eact", "ey", lw.experts_down, aux="route"),    # [k, C]
-              Phase("mix", "ey", "moe", aux="route")]                # moe = sum_j weight_j ey_j
-        if lw.shared_expert is not None:                             # qwen2_moe: every token, gated
-            P += [Phase("matmul", "h", "sgu", lw.shared_expert.e_gate_up),
-                  Phase("silu_mul", "sgu", "sact"),
-                  Phase("matmul", "sact", "sy", lw.shared_expert.e_down),
-                  Phase("matmul", "h", "sgate", lw.shared_gate),     # [1], fp32 like the router
-                  Phase("gated_add", "sy", "moe", aux="sgate")]      # moe += sigmoid(sgate) * sy
-        P += [Phase("add", "moe", "x")]
-    return P + [Phase("last", "x", "x"),                             # only the last position's logits
-                Phase("norm", "x", "h", vec=w.final_norm),
-                Phase("matmul", "h", "logits", w.lm_head)]
+from . import kernels, ops
+from .kv_cache import KVCache
+from .quant import Weight
+from .weights import LayerWeights, Weights
 
 
 class Model:
@@ -96,89 +41,85 @@ class Model:
         self.k = kernels if use_numba else ops
         self.cos, self.sin = ops.rope_tables(max_ctx, cfg.head_dim, cfg.rope_theta,   # [T_max, D/2]
                                              cfg.rope_scaling)
-        self.phases = plan(weights)
-        # the fast path (weights.fast, stage1_cpu/fast/) runs one token's phases in one parallel
-        # region instead of one per matmul; one_region=False keeps them here (the tests compare)
+        # the fast path's one-region decode step; one_region=False keeps decode here (the tests compare)
         fast = weights.fast if use_numba and one_region else None
-        self.decode_step = fast.make_decode_step(self, self.phases) if fast else None
+        self.decode_step = fast.decode_step(self) if fast else None
 
     def forward(self, tokens: np.ndarray, start_pos: int, all_logits: bool = False) -> np.ndarray:
         """tokens [T] at positions start_pos..start_pos+T-1 (the cache already holds
         0..start_pos-1) -> logits [V] of the last position, or [T, V] with all_logits."""
+        cfg, w, K = self.config, self.w, self.k
         T = len(tokens)
+        H, Hkv, D, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
         if start_pos + T > self.max_ctx:
             raise ValueError(f"positions up to {start_pos + T} exceed the cache ({self.max_ctx}); "
                              "raise --max-ctx")
         # token embedding: dequantize only the T rows we need
-        x = self.w.embed.rows(np.asarray(tokens, dtype=np.int64))   # [T, C]
+        x = w.embed.rows(np.asarray(tokens, dtype=np.int64))   # [T, C]
         if T == 1 and self.decode_step and not all_logits:
-            return self.decode_step.step(x[0], start_pos)           # [V]
-        buf = {"x": x}                                              # the buffers, by name
-        for ph in self.phases:
-            if ph.op != "last" or not all_logits:
-                self.run(ph, buf, start_pos)
-        logits = buf["logits"]                                      # [T or 1, V]
+            return self.decode_step.step(x[0], start_pos)      # [V]: all of the below, in one region
+        cos = self.cos[start_pos:start_pos + T]                # [T, D/2] the new positions' angles
+        sin = self.sin[start_pos:start_pos + T]
+
+        for layer, lw in enumerate(w.layers):
+            # ---- attention block ----
+            h = K.rmsnorm(x, lw.attn_norm, eps)                # [T, C]
+            qkv = lw.wqkv.matmul(h)                            # [T, (H + 2 Hkv) D]: q, k, v in one matmul
+            if lw.bqkv is not None:
+                qkv = qkv + lw.bqkv                            # Qwen2: q, k and v have biases
+            q = qkv[:, :H * D].reshape(T, H, D)                # [T, H, D]
+            k = qkv[:, H * D:(H + Hkv) * D].reshape(T, Hkv, D)   # [T, Hkv, D]
+            v = qkv[:, (H + Hkv) * D:].reshape(T, Hkv, D)      # [T, Hkv, D]
+            if cfg.qk_norm:
+                # Qwen3: RMSNorm over each head's D values, before RoPE, keeps q.k well scaled
+                q = K.rmsnorm(q, lw.q_norm, eps)
+                k = K.rmsnorm(k, lw.k_norm, eps)
+            q = K.rope(q, cos, sin)                            # rotate each pair by its position's angle
+            k = K.rope(k, cos, sin)
+            self.cache.store(layer, start_pos, k, v)           # the new positions join the cache ...
+            att = K.attention(q, self.cache.keys(layer), self.cache.values(layer), start_pos)  # ... [T, H, D]
+            x = x + lw.wo.matmul(att.reshape(T, H * D))        # [T, C] residual
+
+            # ---- MLP block ----
+            h = K.rmsnorm(x, lw.mlp_norm, eps)                 # [T, C]
+            if lw.experts:
+                x = x + self.moe(h, lw)
+            else:
+                # SwiGLU: down(silu(gate(h)) * up(h)), gate and up in one matmul [T, 2F]
+                x = x + lw.w_down.matmul(K.silu_mul(lw.w_gate_up.matmul(h)))
+
+        # only the last position's logits are needed to pick the next token
+        if not all_logits:
+            x = x[-1:]                                         # [1, C]
+        x = K.rmsnorm(x, w.final_norm, eps)
+        logits = w.lm_head.matmul(x)                           # [T or 1, V]
         return logits if all_logits else logits[0]
 
-    def run(self, ph: Phase, buf: dict, start_pos: int) -> None:
-        """One phase for all T tokens, by the per-op kernels (self.k)."""
-        K, eps, src = self.k, self.config.rms_norm_eps, buf[ph.src]
-        if ph.op == "norm":                         # [T, C] -> [T, C]
-            buf[ph.dst] = K.rmsnorm(src, ph.vec, eps)
-        elif ph.op == "matmul":                     # [T, in] -> [T, out]
-            y = ph.weight.matmul(src)
-            buf[ph.dst] = y if ph.vec is None else y + ph.vec
-        elif ph.op == "attention":                  # [T, (H + 2 Hkv) D] -> [T, H D]
-            buf[ph.dst] = self.attention(src, ph.layer, start_pos)
-        elif ph.op == "add":                        # dst += src, [T, C]
-            buf[ph.dst] = buf[ph.dst] + src
-        elif ph.op == "silu_mul":                   # [T, 2F] -> [T, F]
-            buf[ph.dst] = K.silu_mul(src)
-        elif ph.op == "route":                      # [T, E] -> top [T, k], weight [T, k]
-            buf[ph.dst] = K.route(src, self.config.num_experts_per_tok, self.config.norm_topk_prob)
-        elif ph.op == "experts":                    # [T, in] or [T k, in] -> [T k, out]
-            buf[ph.dst] = self.experts(ph.weight, src, buf[ph.aux][0])
-        elif ph.op == "mix":                        # [T k, C] -> [T, C]
-            buf[ph.dst] = K.mix(src, buf[ph.aux][1])
-        elif ph.op == "gated_add":                  # dst += sigmoid(gate) src, [T, C]
-            buf[ph.dst] = K.gated_add(buf[ph.dst], src, buf[ph.aux])
-        elif ph.op == "last":                       # [T, C] -> [1, C]
-            buf[ph.dst] = src[-1:]
-        else:
-            raise ValueError(f"unknown phase {ph.op!r}")
-
-    def attention(self, qkv: np.ndarray, layer: int, start_pos: int) -> np.ndarray:
-        """qkv [T, (H + 2 Hkv) D] -> [T, H D]: the new positions' k, v join the cache,
-        and every query attends over it."""
-        cfg, K, lw = self.config, self.k, self.w.layers[layer]
-        T = qkv.shape[0]
-        H, Hkv, D, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
-        q = qkv[:, :H * D].reshape(T, H, D)                    # [T, H, D]
-        k = qkv[:, H * D:(H + Hkv) * D].reshape(T, Hkv, D)     # [T, Hkv, D]
-        v = qkv[:, (H + Hkv) * D:].reshape(T, Hkv, D)          # [T, Hkv, D]
-        if cfg.qk_norm:
-            # Qwen3: RMSNorm over each head's D values, before RoPE, keeps q.k well scaled
-            q = K.rmsnorm(q, lw.q_norm, eps)
-            k = K.rmsnorm(k, lw.k_norm, eps)
-        cos = self.cos[start_pos:start_pos + T]                # [T, D/2]
-        sin = self.sin[start_pos:start_pos + T]
-        q = K.rope(q, cos, sin)                                # rotate each pair by its position's angle
-        k = K.rope(k, cos, sin)
-        self.cache.store(layer, start_pos, k, v)
-        att = K.attention(q, self.cache.keys(layer), self.cache.values(layer), start_pos)   # [T, H, D]
-        return att.reshape(T, H * D)
+    def moe(self, h: np.ndarray, lw: LayerWeights) -> np.ndarray:
+        """Qwen3-MoE: each token goes to its top-k experts, weighted by the router.
+        Qwen2-MoE adds a shared expert that every token goes through, scaled by a
+        sigmoid gate of its own. h [T, C] -> [T, C]."""
+        cfg, K = self.config, self.k
+        # router in fp32: softmax over all E experts, keep the top k (renormalised: norm_topk_prob)
+        top, weight = K.route(lw.router.matmul(h), cfg.num_experts_per_tok, cfg.norm_topk_prob)  # [T, k] each
+        gu = self.experts(lw.experts_gate_up, h, top)          # [T k, 2Fe]: slot j of token t in row t k + j
+        y = self.experts(lw.experts_down, K.silu_mul(gu), top)  # [T k, C]
+        out = K.mix(y, weight)                                 # [T, C] = sum_j weight_j y_j
+        if lw.shared_expert is not None:
+            # the shared expert: every token, weighted by sigmoid(h . shared_gate) in (0, 1)
+            ex = lw.shared_expert
+            y = ex.e_down.matmul(K.silu_mul(ex.e_gate_up.matmul(h)))   # [T, C]
+            out = K.gated_add(out, y, lw.shared_gate.matmul(h))        # gate [T, 1], fp32 like the router
+        return out
 
     def experts(self, w: Weight, x: np.ndarray, top: np.ndarray) -> np.ndarray:
         """Each token's k chosen experts, one projection: w stacks all E experts' matrices
         by rows (n = out / E each); x [T, in] (every slot of a token reads its row) or
-        [T k, in] (slot j of token t reads row t k + j); top [T, k] -> [T k, n]."""
+        [T k, in] (slot j of token t reads row t k + j); top [T, k] -> [T k, n].
+        Tokens are grouped by expert, so each chosen expert's rows are read once per step."""
         T, k = top.shape
         n = w.out_features // self.config.num_experts
         per_slot = x.shape[0] == T * k
-        if T == 1:
-            # decode: the k chosen experts' rows, all in one parallel region (Weight.matmul_segments)
-            return w.matmul_segments(x if per_slot else np.repeat(x, k, axis=0), top[0] * n, n)
-        # prefill: group the tokens by expert, so each chosen expert's rows are read once per step
         out = np.empty((T * k, n), dtype=np.float32)
         flat = top.reshape(-1)                                 # [T k] slot -> expert
         for e in np.unique(flat):

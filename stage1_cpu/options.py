@@ -31,7 +31,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_engine(folder: Path, args: argparse.Namespace, progress: bool = True):
-    from stage1_cpu.engine import LLMEngine   # here, so --help does not wait for numba
+    from .engine import LLMEngine   # here, so --help does not wait for numba
     return LLMEngine(folder, quant=args.quant, group_size=args.group_size, max_ctx=args.max_ctx,
                      threads=args.threads, progress=progress, kernels=args.kernels,
                      activations=args.activations)

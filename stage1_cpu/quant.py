@@ -2,7 +2,7 @@
 
 `quantize(w, fmt, group_size)` turns one fp32 matrix [out, in] into a `Weight`
 once, at load time. A Weight multiplies activations without ever rebuilding the
-fp32 matrix: the numba kernels (kernels.py) read the stored bytes and convert
+fp32 matrix: the numba kernels (matmul.py) read the stored bytes and convert
 them in registers. `matmul_ref` is the numpy twin that defines the result
 (dequantize, then matmul): slow, and used only by the tests.
 
@@ -17,7 +17,7 @@ Layouts (G groups of gs weights per row; Kp = G * gs, in_features padded):
   int4  data [O, G/2, gs] uint8: byte j of pair p holds weight j of group 2p
         in its low nibble and weight j of group 2p+1 in its high nibble, so the
         kernel unpacks contiguous bytes against two contiguous runs of x (see
-        kernels.matmul_int4); scales and mins [O, G]. G is padded to even.
+        matmul.matmul_int4); scales and mins [O, G]. G is padded to even.
 
 Scales (and int4 minimums) are stored as fp16 (uint16 bits): half the bytes of
 fp32. At group size 32, int4 is exactly llama.cpp's Q4_1 block (a 4-bit grid
@@ -26,21 +26,12 @@ to fp32 re-quantizes to the same grid (tests: test_int4_reproduces_a_4bit_grid_e
 fp16 holds scales down to 6e-5 at full precision (subnormal below, 0 below 6e-8):
 far below the scales of real weight groups.
 
-Symmetric or with a zero point? Measured relative Frobenius error
-||W - deq(W)|| / ||W|| at group size 64:
-                                      int8 sym  int8 asym  int4 sym(Q4_0)  int4 asym(Q4_1)
-  random normal 1024x1024              0.59 %    0.53 %       9.5 %           9.0 %
-  student-t (3 dof, heavy tails)       1.10 %    0.78 %      16.0 %          13.3 %
-  normal + 1 % outlier columns x20     1.61 %    0.92 %      20.6 %          15.8 %
-  SmolLM2-135M token_embd (real, Q8_0) 0.55 %    0.62 %      12.3 %          10.5 %
-  SmolLM2-135M blk.5.ffn_down (Q4_1)   0.61 %    0.47 %       9.6 %           7.9 %
-(the last two rows: weights of the demo model's GGUF, dequantized to fp32.)
-int8: both are well under 1 % on real weights, where the 8-bit grid is far finer
-than the weights' own noise; a zero point would cost 2 more bytes per group and
-one more term per group in the kernel, so int8 stays symmetric (like Q8_0).
-int4: the minimum cuts the error by 5-25 %, which matters at 4 bits, for 2 more
-bytes per group (0.531 -> 0.5625 bytes/weight at group size 64, 6 % more to
-read per token), so int4 stores a scale and a minimum.
+Symmetric or with a zero point? (The errors behind the choice: docs/stage1.md, section 6.)
+int8: the 8-bit grid is far finer than real weights' own noise, so a zero point
+would cost 2 more bytes per group and one more term per group in the kernel for no
+measurable gain: int8 stays symmetric (like Q8_0). int4: the minimum cuts the error
+by 5-25 %, which matters at 4 bits, for 2 more bytes per group (6 % more to read per
+token at group size 64): int4 stores a scale and a minimum.
 
 in_features that is not a multiple of group_size: the last group is padded with
 zero weights (and the activations with zeros at matmul time), so any size works.
@@ -57,7 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stage1_cpu import kernels
+from . import matmul
 
 FORMATS = ("none", "bf16", "int8", "int4")
 GROUP_SIZES = (32, 64, 128)
@@ -68,8 +59,7 @@ GROUP_SIZES = (32, 64, 128)
 # beats reading the rows T times in the decode kernel (bench/kernels.py).
 # Tile size: OpenBLAS's threads split the tile's columns, and narrow tiles leave
 # them too little each; 1024 rows x 1024 fp32 is 4 MB, which a current CPU's L3
-# still holds. 1024 rows was the fastest of 256-2048, by about a fifth over 256
-# (docs/benchmarks.md, log: Figures moved out of the stage-1 docstrings).
+# still holds. 1024 rows was the fastest of 256-2048 (docs/benchmarks.md).
 PREFILL_MIN_T = 8
 ROW_BLOCK = 1024
 
@@ -131,33 +121,13 @@ class Weight:
         out = np.empty((T, self.out_features), dtype=np.float32)
         gs = self.group_size
         if self.fmt == "none":
-            kernels.matmul_f32(x, self.data, out)
+            matmul.matmul_f32(x, self.data, out)
         elif self.fmt == "bf16":
-            kernels.matmul_bf16(x, self.data, out)
+            matmul.matmul_bf16(x, self.data, out)
         elif self.fmt == "int8":
-            kernels.matmul_int8(x.reshape(T, -1, gs), self.data, self.scales, out)        # x as [T, G, gs]
+            matmul.matmul_int8(x.reshape(T, -1, gs), self.data, self.scales, out)        # x as [T, G, gs]
         else:
-            kernels.matmul_int4(x.reshape(T, -1, 2, gs), self.data, self.scales, self.mins, out)  # [T, G/2, 2, gs]
-        return out
-
-    def matmul_segments(self, x: np.ndarray, starts: np.ndarray, n: int) -> np.ndarray:
-        """out[s] = x[s] @ W[starts[s]:starts[s] + n].T: each row of x [S, in] times its own
-        segment of n rows -> [S, n]. One parallel region for all segments (kernels.py):
-        a MoE layer's chosen experts, stacked into one matrix, at decode."""
-        x = self._pad(self._check(x))                             # [S, Kp]
-        starts = np.ascontiguousarray(starts, dtype=np.int64)
-        if starts.size and (starts.min() < 0 or starts.max() + n > self.out_features):
-            raise IndexError(f"segments of {n} rows at {starts.tolist()} leave [0, {self.out_features})")
-        S, gs = x.shape[0], self.group_size
-        out = np.empty((S, n), dtype=np.float32)
-        if self.fmt == "none":
-            kernels.segments_f32(x, self.data, starts, out)
-        elif self.fmt == "bf16":
-            kernels.segments_bf16(x, self.data, starts, out)
-        elif self.fmt == "int8":
-            kernels.segments_int8(x.reshape(S, -1, gs), self.data, self.scales, starts, out)
-        else:
-            kernels.segments_int4(x.reshape(S, -1, 2, gs), self.data, self.scales, self.mins, starts, out)
+            matmul.matmul_int4(x.reshape(T, -1, 2, gs), self.data, self.scales, self.mins, out)  # [T, G/2, 2, gs]
         return out
 
     def part(self, r0: int, r1: int) -> "Weight":
@@ -196,11 +166,11 @@ class Weight:
         """Rows ids of W into out [len(ids), Kp] f32."""
         R, gs = len(ids), self.group_size
         if self.fmt == "bf16":
-            kernels.dequant_rows_bf16(ids, self.data, out)
+            matmul.dequant_rows_bf16(ids, self.data, out)
         elif self.fmt == "int8":
-            kernels.dequant_rows_int8(ids, self.data, self.scales, out.reshape(R, -1, gs))
+            matmul.dequant_rows_int8(ids, self.data, self.scales, out.reshape(R, -1, gs))
         else:
-            kernels.dequant_rows_int4(ids, self.data, self.scales, self.mins, out.reshape(R, -1, 2, gs))
+            matmul.dequant_rows_int4(ids, self.data, self.scales, self.mins, out.reshape(R, -1, 2, gs))
 
     # -- the numpy twin that defines it ---------------------------------------
 
@@ -249,6 +219,8 @@ def quantize(w: np.ndarray, fmt: str, group_size: int = 32) -> Weight:
     """fp32 [out, in] -> Weight in format fmt (none | bf16 | int8 | int4)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown quantization {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if isinstance(w, Weight):      # stored already (a file's own int8 / int4 blocks): kept as it is
+        return w if w.fmt == fmt else quantize(w.dequantize(), fmt, group_size)
     w = np.asarray(w)
     if w.ndim != 2:
         raise ValueError(f"quantize expects a 2-D weight [out, in], got shape {list(w.shape)}")

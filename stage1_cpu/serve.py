@@ -12,8 +12,8 @@ import argparse
 from pathlib import Path
 
 from common.server import main as serve_main
-from stage1_cpu.options import add_args
-from stage1_cpu.options import build_engine as _build
+from .options import add_args
+from .options import build_engine as _build
 
 
 def build_engine(folder: Path, args: argparse.Namespace):

@@ -8,12 +8,13 @@ q_proj, k_proj and v_proj become one matrix, as do gate_proj and up_proj: they
 multiply the same input, so one matmul reads that input once and starts the
 threads once instead of three (two) times. On the per-op path, where a parallel
 region costs tens of microseconds to start under OMP_WAIT_POLICY=PASSIVE, that is 3
-of 7 starts per layer saved (docs/benchmarks.md, log: 21:28); fast/decode_step.py,
-which starts them once per token, still reads the input once instead of three.
+of 7 starts per layer saved; fast/decode_step.py, which starts them once per token,
+still reads the input once instead of three times.
 
-This is also the one place that chooses the kernels (--kernels): plain is the core
-alone; fast imports stage1_cpu.fast (here, and only here) and stores FastWeights,
-whose activations are rounded where the CPU has an instruction for it.
+This is also the one place that chooses the kernels (--kernels, choose_kernels):
+plain is the core alone; fast imports stage1_cpu.fast (here, and only here), whose
+FastPath stores each matrix as a FastWeight (its activations rounded where the CPU
+has an instruction for it) and gives the model its one-region decode step.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from rich.progress import Progress
 
 from common.config import ModelConfig
 from common.loader import WeightLoader
-from stage1_cpu.quant import FORMATS, Weight, quantize
+from .quant import FORMATS, Weight, quantize
 
 
 @dataclass
@@ -62,80 +63,65 @@ class Weights:
     final_norm: np.ndarray          # [C]
     layers: list[LayerWeights]
     fmt: str                        # none | bf16 | int8 | int4
-    kernels: str = "plain"          # plain | fast: which kernels multiply them (--kernels)
-    fast: object = None             # the stage1_cpu.fast module when kernels == "fast", else None
-    act: dict = field(default_factory=dict)   # fast: the layers' {"decode_act": ..., "prefill_act": ...}
+    fast: object = None             # the fast path (stage1_cpu.fast.FastPath) with --kernels fast, else None
+
+    @property
+    def kernels(self) -> str:
+        return "fast" if self.fast else "plain"
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every matrix a decode step may read: attention, dense MLPs, all the
-        experts of MoE layers (routed and shared), routers and shared-expert gates, and
-        the lm_head. Not counted: the embedding (a step reads one row of it; counted
-        once as the lm_head when tied), norms and biases (vectors, KBs). For a dense
-        model this is what one decode step reads; for MoE it is the weights' size,
-        and decode_nbytes is what one step reads."""
+        """Bytes of every matrix: attention, MLPs, all experts, routers, shared-expert gates and
+        the lm_head (the embedding counted once, as the lm_head when tied; norms and biases left out)."""
         return self._matrix_bytes(routed_share=1.0)
 
     @property
     def decode_nbytes(self) -> int:
-        """Bytes of weights one decode token reads (the roofline's numerator): nbytes with
-        each MoE layer's routed experts counted for only the k of E a token goes to
-        (every expert of a layer has the same size); attention, the shared expert, the
-        router and the lm_head are read whole. Equal to nbytes for a dense model."""
+        """Bytes of weights one decode token reads (the roofline's numerator): nbytes with each
+        MoE layer's routed experts counted for the k of E a token goes to."""
         cfg = self.config
-        return self._matrix_bytes(routed_share=cfg.num_experts_per_tok / cfg.num_experts
-                                  if cfg.num_experts else 1.0)
+        return self._matrix_bytes(cfg.num_experts_per_tok / cfg.num_experts if cfg.num_experts else 1.0)
 
     def _matrix_bytes(self, routed_share: float) -> int:
-        seen, total, routed = set(), 0, 0
-        for w in [self.lm_head] + [getattr(l, n) for l in self.layers
-                                   for n in ("wqkv", "wo", "w_gate_up", "w_down")]:
-            if w is not None and id(w) not in seen:
-                seen.add(id(w))
-                total += w.nbytes
-        for l in self.layers:
-            for a in (l.router, l.shared_gate):
-                total += a.nbytes if a is not None else 0
-            if l.shared_expert is not None:
-                total += l.shared_expert.e_gate_up.nbytes + l.shared_expert.e_down.nbytes
-            routed += sum(ex.e_gate_up.nbytes + ex.e_down.nbytes for ex in l.experts)
-        return total + round(routed * routed_share)
+        names = ("wqkv", "wo", "w_gate_up", "w_down", "router", "shared_gate")
+        mats = [self.lm_head] + [getattr(l, n) for l in self.layers for n in names]
+        mats += [m for l in self.layers if l.shared_expert for m in (l.shared_expert.e_gate_up, l.shared_expert.e_down)]
+        routed = sum(l.experts_gate_up.nbytes + l.experts_down.nbytes for l in self.layers if l.experts)
+        return sum(w.nbytes for w in mats if w is not None) + round(routed * routed_share)
 
 
 KERNELS = ("auto", "plain", "fast")
 
 
-def choose_kernels(kernels: str, activations: str = "auto"):
-    """--kernels auto | plain | fast -> the stage1_cpu.fast module, or None for the core
-    alone. auto is fast wherever it runs (fast.available()). The import is here, lazy:
-    nothing of the fast path is loaded, let alone compiled, with plain."""
+def choose_kernels(kernels: str, activations: str, fmt: str):
+    """--kernels auto | plain | fast -> stage1_cpu.fast.FastPath, or None for the core alone.
+    auto is fast wherever it runs (fast.available()). The import is here, lazy: nothing of
+    the fast path is loaded, let alone compiled, with plain."""
     if kernels not in KERNELS:
         raise ValueError(f"unknown --kernels {kernels!r}; choose one of {', '.join(KERNELS)}")
     if kernels == "plain":
         if activations not in ("auto", "fp32"):
             raise ValueError(f"--activations {activations} needs the fast kernels; use --kernels fast or auto")
         return None
-    from stage1_cpu import fast
+    from . import fast
     why_not = fast.available()
     if why_not and kernels == "fast":
         raise ValueError(f"--kernels fast is not available here: {why_not}; use --kernels plain")
-    return None if why_not else fast
+    return None if why_not else fast.FastPath(fmt, activations)
 
 
 def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
                  progress: bool = True, kernels: str = "auto", activations: str = "auto") -> Weights:
     if fmt not in FORMATS:
         raise ValueError(f"unknown --quant {fmt!r}; choose one of {', '.join(FORMATS)}")
-    fast = choose_kernels(kernels, activations)      # a wrong --kernels / --activations fails before any reading
-    if fast:
-        fast.choose_act(fmt, activations, 0)
+    fast = choose_kernels(kernels, activations, fmt)  # a wrong --kernels / --activations fails before any reading
 
-    def quantizer(fmt: str, head: bool = False):
-        """fp32 [O, K] -> Weight (the core) or FastWeight (its activations chosen for this CPU)."""
-        if not fast:
-            return lambda a: quantize(a, fmt, group_size)
-        return lambda a: fast.fast_quantize(a, fmt, group_size,
-                                            **fast.choose_act(fmt, activations, a.shape[1], lm_head=head))
+    def quantizer(fmt: str, lm_head: bool = False):
+        """A tensor from the loader -> Weight (the core) or FastWeight (the fast path). The loader
+        hands over fp32 arrays [O, K], or a quant.Weight it read already quantized (quantize())."""
+        if fast:
+            return lambda a: fast.quantize(a, fmt, group_size, lm_head)
+        return lambda a: quantize(a, fmt, group_size)
 
     loader = WeightLoader(folder)
     cfg = loader.config
@@ -148,7 +134,7 @@ def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
     # For the same reason its decode activations are rounded to int16, not int8, unless int8 is
     # asked for by name: on the default model, int4 weights with int8 activations everywhere flip
     # that same first token (margin 0.08 logits); with the lm_head's at int16 (or fp32) they do not.
-    head_q = quantizer(embed_fmt, head=True)
+    head_q = quantizer(embed_fmt, lm_head=True)
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
     n_shared = n_moe if cfg.shared_expert_intermediate_size else 0
     total = 2 + cfg.num_layers * 4 + n_moe * (cfg.num_experts - 1) * 2 + n_shared * 2  # one step per Weight
@@ -179,8 +165,8 @@ def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
                 experts = [ExpertWeights(step(q(loader.fused(["e_gate", "e_up"], i, e))),
                                          step(q(loader.layer("e_down", i, e))))
                            for e in range(cfg.num_experts)]
-                # one matrix per projection for all E experts, each expert a view of its rows: decode
-                # multiplies the k chosen experts' rows in one parallel region (Weight.matmul_segments)
+                # one matrix per projection for all E experts, each expert a view of its rows: the
+                # one-region decode step reads the k chosen experts' rows as one work list
                 L.experts_gate_up = _stack([ex.e_gate_up for ex in experts])
                 L.experts_down = _stack([ex.e_down for ex in experts])
                 del experts
@@ -197,8 +183,7 @@ def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
                 L.w_down = step(q(loader.layer("w_down", i)))
             layers.append(L)
         final_norm = step(loader.glob("final_norm"))
-    return Weights(cfg, embed, lm_head, final_norm, layers, fmt, "fast" if fast else "plain", fast,
-                   fast.choose_act(fmt, activations, cfg.hidden_size) if fast else {})
+    return Weights(cfg, embed, lm_head, final_norm, layers, fmt, fast)
 
 
 def _quantize_by_rows(loader: WeightLoader, key: str, q, fmt: str, block: int = 16384) -> Weight:

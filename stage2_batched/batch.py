@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from stage2_batched.sequence import Sequence
+from .sequence import Sequence
 
 
 @dataclass

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from stage2_batched.sequence import Sequence
+from .sequence import Sequence
 
 
 class BlockManager:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 
 from common.chat import main as chat_main
-from stage2_batched import options
+from . import options
 
 
 def build_engine(folder, args):

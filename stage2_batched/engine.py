@@ -23,14 +23,14 @@ import numpy as np
 
 from common.config import ModelConfig
 from common.engine import Request, TokenEvent, check_prompt
-from stage2_batched import kernels
-from stage2_batched.batch import build_batch
-from stage2_batched.block_manager import BlockManager
-from stage2_batched.kv_cache import KVCache
-from stage2_batched.model import Model
-from stage2_batched.scheduler import Scheduler
-from stage2_batched.sequence import Sequence
-from stage2_batched.weights import load_weights
+from . import kernels
+from .batch import build_batch
+from .block_manager import BlockManager
+from .kv_cache import KVCache
+from .model import Model
+from .scheduler import Scheduler
+from .sequence import Sequence
+from .weights import load_weights
 
 DEVICES = ("cuda", "cpu")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from stage2_batched import ops
+from . import ops
 
 CUDA_DIR = Path(__file__).resolve().parent / "cuda"
 KERNEL_FILES = {                      # kernel name -> its .cu file under cuda/

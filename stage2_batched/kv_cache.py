@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from common.config import ModelConfig
-from stage2_batched import kernels
+from . import kernels
 
 
 class KVCache:

@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from stage2_batched import kernels, ops
-from stage2_batched.batch import BatchInfo
-from stage2_batched.kv_cache import KVCache
-from stage2_batched.weights import LayerWeights, Weights
+from . import kernels, ops
+from .batch import BatchInfo
+from .kv_cache import KVCache
+from .weights import LayerWeights, Weights
 
 
 class Model:

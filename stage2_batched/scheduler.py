@@ -24,8 +24,8 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
-from stage2_batched.block_manager import BlockManager
-from stage2_batched.sequence import Sequence, Status
+from .block_manager import BlockManager
+from .sequence import Sequence, Status
 
 
 @dataclass

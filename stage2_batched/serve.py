@@ -9,7 +9,7 @@ the same for every stage.
 from __future__ import annotations
 
 from common.server import main as serve_main
-from stage2_batched.options import add_args, build_engine
+from .options import add_args, build_engine
 
 
 def main(argv: list[str] | None = None) -> None:

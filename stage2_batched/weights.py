@@ -16,7 +16,7 @@ from rich.progress import Progress
 
 from common.config import ModelConfig
 from common.loader import WeightLoader
-from stage2_batched import kernels
+from . import kernels
 
 
 class Weight:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from stage3_optimized.sequence import Sequence
+from .sequence import Sequence
 
 PREFILL_TILE = 16                 # query tokens per tile of the tensor-core prefill kernel
 

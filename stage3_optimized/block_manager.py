@@ -37,7 +37,7 @@ from typing import Callable
 
 import numpy as np
 
-from stage3_optimized.sequence import Sequence
+from .sequence import Sequence
 
 
 def sha256_key(parent: bytes, ids: tuple[int, ...]) -> bytes:

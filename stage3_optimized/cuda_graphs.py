@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stage3_optimized.batch import BatchInfo
+from .batch import BatchInfo
 
 
 def batch_buckets(max_batch: int) -> list[int]:

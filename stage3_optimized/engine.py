@@ -35,15 +35,15 @@ import numpy as np
 
 from common.config import ModelConfig
 from common.engine import Request, TokenEvent, check_prompt
-from stage3_optimized import kernels
-from stage3_optimized.batch import build_batch
-from stage3_optimized.block_manager import BlockManager
-from stage3_optimized.cuda_graphs import DecodeGraphs
-from stage3_optimized.kv_cache import KVCache
-from stage3_optimized.model import Model
-from stage3_optimized.scheduler import Scheduler
-from stage3_optimized.sequence import Sequence
-from stage3_optimized.weights import load_weights
+from . import kernels
+from .batch import build_batch
+from .block_manager import BlockManager
+from .cuda_graphs import DecodeGraphs
+from .kv_cache import KVCache
+from .model import Model
+from .scheduler import Scheduler
+from .sequence import Sequence
+from .weights import load_weights
 
 DEVICES = ("cuda", "cpu")
 

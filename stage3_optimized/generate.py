@@ -17,7 +17,7 @@ from common.engine import Request
 from common.models import resolve_model
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
-from stage3_optimized.options import add_args, build_engine
+from .options import add_args, build_engine
 
 
 def main(argv=None) -> int:

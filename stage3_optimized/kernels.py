@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from stage3_optimized import ops
+from . import ops
 
 CUDA_DIR = Path(__file__).resolve().parent / "cuda"
 KERNEL_FILES = {                      # kernel name -> its .cu file under cuda/

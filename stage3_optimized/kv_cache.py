@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from common.config import ModelConfig
-from stage3_optimized.ops import BF16
+from .ops import BF16
 
 
 class KVCache:

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from stage3_optimized import kernels, ops
-from stage3_optimized.batch import BatchInfo
-from stage3_optimized.kv_cache import KVCache
-from stage3_optimized.weights import LayerWeights, Weights
+from . import kernels, ops
+from .batch import BatchInfo
+from .kv_cache import KVCache
+from .weights import LayerWeights, Weights
 
 
 class Model:

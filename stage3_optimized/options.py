@@ -37,7 +37,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def build_engine(folder: Path, args: argparse.Namespace, progress: bool = True):
-    from stage3_optimized.engine import LLMEngine   # here, so --help does not wait for CuPy
+    from .engine import LLMEngine   # here, so --help does not wait for CuPy
     return LLMEngine(folder, progress=progress, **engine_kwargs(args))
 
 

@@ -31,8 +31,8 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
-from stage3_optimized.block_manager import BlockManager
-from stage3_optimized.sequence import Sequence, Status
+from .block_manager import BlockManager
+from .sequence import Sequence, Status
 
 
 @dataclass

@@ -23,8 +23,8 @@ from rich.progress import Progress
 
 from common.config import ModelConfig
 from common.loader import WeightLoader
-from stage3_optimized import kernels
-from stage3_optimized.ops import bf16_bits, f32
+from . import kernels
+from .ops import bf16_bits, f32
 
 
 class Weight:

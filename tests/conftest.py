@@ -6,6 +6,9 @@ import pytest
 
 # OpenMP threads that busy-wait collapse numba/torch speed when the other core is busy
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Stage 1's one-region step compiles every row body at once, not only the model's own (one
+# compile for the many formats the tests run; test_stage1_decode_step.py checks the other way too)
+os.environ.setdefault("QS_FAST_ALL_KINDS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

@@ -7,8 +7,8 @@ lesson (docs/stage1.md, "The fast path"):
     simd.py, kernels.py   int8 (or int16) activations at decode, multiplied by the
                           CPU's integer dot-product instructions; a bf16 GEMM at prefill
     weight.py             FastWeight: a quant.Weight that routes those cases to them
-    sync.py,              a whole decode step (model.plan()'s phases, dense or MoE) in
-    decode_step.py        one parallel region, on the core's own row bodies (the same bits)
+    plan.py, sync.py,     a whole decode step (plan.py writes it down as data, dense or
+    decode_step.py        MoE) in one parallel region, on the core's own row bodies (the same bits)
 
 cpu.py decides, in Python and before anything is compiled, which instructions
 exist on the target (cpu.INT8: "vnni" | "avx2" | None; cpu.BF16). A kernel that
@@ -16,15 +16,27 @@ names an instruction is compiled only where it exists; where none does (an
 ARM64 laptop, NUMBA_CPU_NAME=generic), the fast path is the one-region step on
 fp32 activations, bit for bit the core's result.
 
-The core never imports this package: stage1_cpu/weights.py does, lazily, when
---kernels is fast (or auto), and hands the model what it needs.
+The core never imports this package: stage1_cpu/weights.py (choose_kernels) does,
+lazily, when --kernels is fast (or auto), and keeps a FastPath in Weights.fast.
 """
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
-from stage1_cpu.fast import cpu
-from stage1_cpu.fast.weight import FastWeight, as_fast, check_act, fast_quantize  # noqa: F401
+from common import numba_cache
+
+from .. import KERNEL_FILES
+from ..quant import Weight
+
+# The one-region step inlines the core's row bodies and this package's kernels: every
+# function cached from here is stamped with all of those files (common/numba_cache.py).
+HERE = Path(__file__).parent
+FILES = sorted(HERE.glob("*.py"))
+numba_cache.depend(FILES, on=KERNEL_FILES)
+
+from . import cpu  # noqa: E402  (after depend: numba stamps each kernel when it is defined)
+from .weight import FastWeight, as_fast, check_act, fast_quantize  # noqa: E402, F401
 
 ACTIVATIONS = ("auto", "int8", "fp32")
 
@@ -33,6 +45,42 @@ def available() -> str | None:
     """None if the fast path runs here, else why not. The one-region step naps with the
     C library's usleep (sync.py): POSIX systems only."""
     return None if os.name == "posix" else "the one-region decode step needs a POSIX C library (usleep)"
+
+
+class FastPath:
+    """What --kernels fast changes in the core, in the one object the core holds
+    (Weights.fast): how each matrix is stored (quantize), the model's one-region decode
+    step (decode_step), and the banner's words (describe)."""
+
+    def __init__(self, fmt: str, activations: str):
+        choose_act(fmt, activations, 0)              # a wrong --activations fails before any reading
+        self.activations = activations
+
+    def quantize(self, w, fmt: str, group_size: int, lm_head: bool = False) -> FastWeight:
+        """fp32 [O, K] (or a quant.Weight) -> FastWeight, its activations chosen for this CPU."""
+        K = w.in_features if isinstance(w, Weight) else w.shape[1]
+        return fast_quantize(w, fmt, group_size, **choose_act(fmt, self.activations, K, lm_head=lm_head))
+
+    def decode_step(self, model):
+        """The one-region decode step of this model (decode_step.py)."""
+        from .decode_step import DecodeStep
+        return DecodeStep(model)
+
+    def files(self) -> list[Path]:
+        """Every file whose numba code this path compiles (the warm-up mark follows them)."""
+        return KERNEL_FILES + FILES
+
+    def kinds(self, weights) -> str:
+        """The row bodies the one-region step compiles for this model and the prefill
+        roundings, for the warm-up mark (a model with other kinds compiles other code)."""
+        from .decode_step import KINDS, kinds
+        mats = list(_matrices(weights)) + [w for lw in weights.layers for w in (lw.router, lw.shared_gate) if w]
+        body = [k for k, on in zip(KINDS, kinds(mats)) if on]        # all of them under QS_FAST_ALL_KINDS=1
+        return "_".join(body + sorted({f"pre.{getattr(w, 'prefill_act', 'fp32')}" for w in mats}))
+
+    def describe(self, weights) -> str:
+        """For the banner: which kernels and instructions this model uses."""
+        return describe(weights)
 
 
 def choose_act(fmt: str, activations: str, in_features: int, lm_head: bool = False) -> dict:
@@ -53,12 +101,6 @@ def choose_act(fmt: str, activations: str, in_features: int, lm_head: bool = Fal
     if cpu.BF16 and (fmt != "bf16" or in_features % 2 == 0):
         act["prefill_act"] = "bf16"
     return act
-
-
-def make_decode_step(model, phases):
-    """The one-region decode step that runs these phases (model.plan()) of this model."""
-    from stage1_cpu.fast.decode_step import DecodeStep
-    return DecodeStep(model, phases)
 
 
 def describe(weights) -> str:

@@ -1,12 +1,12 @@
 """A whole decode step (one token, all layers, the logits) in one parallel region.
 
-Changed from the core (stage1_cpu/model.py): Model.forward runs the phases of
-model.plan() one numba kernel at a time: for one token of Qwen3-0.6B that is 113
-parallel regions (4 matmuls per layer plus the lm_head), each starting the
-threads anew (tens of microseconds each when idle threads sleep,
-OMP_WAIT_POLICY=PASSIVE; about a microsecond when they spin), with Python and
-small serial ops in between. Here the threads start once per token and run the
-same list of phases, encoded as a table of integers (DecodeStep below):
+Changed from the core (stage1_cpu/model.py): Model.forward calls one numba kernel
+per op: for one token of Qwen3-0.6B that is 113 parallel regions (4 matmuls per
+layer plus the lm_head), each starting the threads anew (tens of microseconds each
+when idle threads sleep, OMP_WAIT_POLICY=PASSIVE; about a microsecond when they
+spin), with Python and small serial ops in between. Here the threads start once per
+token and run the step written down as data (plan.py), encoded as a table of
+integers (DecodeStep below):
 
     for worker in prange(threads):                 # the only parallel region
         for phase in program:
@@ -26,44 +26,47 @@ stream expert weights the whole time.
 Nothing makes a worker wait for the others to *arrive*, so one can run several
 layers ahead of one that woke late (it does all the items itself). Hence every
 shared phase writes to a slot of the arena of its own: the late worker still
-reads its layer's values, never a later layer's that overwrote them. (A first
-version reused one buffer for all layers: it passed a 6-token bit-for-bit check,
-then one engine test's 32-token greedy output parted from transformers' at its
-third token.)
+reads its layer's values, never a later layer's that overwrote them (one buffer
+reused by every layer passes a few steps and then parts from the core's tokens).
 
 Every op is the same inlined body the per-op kernels run, in the same order on
-the same values: the core's (stage1_cpu/kernels.py: row_f32, rows_bf16, row_int8,
-row_int4, rmsnorm_row, rope_head, attention_item, silu_mul_row, route_row,
-mix_row, gated_add_row) and, for rounded activations, the fast path's
-(stage1_cpu/fast/kernels.py: rows_int8_q8, rows_int8_q16, rows_int4_q8,
+the same values: the core's (stage1_cpu/norms.py: rmsnorm_row; kernels.py: rope_head,
+attention_item, silu_mul_row, route_row, mix_row, gated_add_row; matmul.py:
+row_f32, rows_bf16, row_int8, row_int4) and, for rounded activations, the fast
+path's (stage1_cpu/fast/kernels.py: rows_int8_q8, rows_int8_q16, rows_int4_q8,
 quantize_token). So the logits and the KV cache are bit for bit those of
 Model.forward with the same weights: with fp32 activations those of the plain
 path, with rounded ones those of FastWeight.matmul (tests/test_stage1_decode_step.py
 checks both, for every weight format, dense and MoE).
 
-Which row bodies the step inlines is chosen in Python from cpu.INT8 (the `if`
-around _rows below): where the CPU has no integer dot product the fast
-kernels are never named, so numba never hands their instructions to LLVM. (A
+Which row bodies the step may inline is chosen in Python from cpu.INT8 (the `if`
+around _rows_q8 below): where the CPU has no integer dot product the fast
+kernels are never named, so numba never hands their instructions to LLVM (a
 runtime branch would not do: both sides are compiled, and on an AVX2-only CPU
-LLVM aborted with "Cannot select ... VPDPWSSD".)
+LLVM aborts with "Cannot select ... VPDPWSSD"). Of those, the step compiles only
+the bodies its model's weights use (kinds(): a None argument drops its branch
+before numba compiles it), so a cold start compiles one or two formats, not all.
 """
 from __future__ import annotations
+
+import os
 
 import numba
 import numpy as np
 from numba import prange, types
 from numba.typed import List
 
-from stage1_cpu import kernels
-from stage1_cpu.fast import cpu, sync
-from stage1_cpu.fast import kernels as fk
-from stage1_cpu.kernels import FAST
+from .. import kernels, matmul
+from . import cpu, sync
+from .plan import plan
+from . import kernels as fk
+from ..kernels import FAST
 
 FMT = {"none": 0, "bf16": 1, "int8": 2, "int4": 3}
 ACT = {"fp32": 0, "int8": 1, "int16": 2}
 NONE, BF16, INT8, INT4 = range(4)
 A_FP32, A_INT8, A_INT16 = range(3)
-# the phases of model.plan(), as opcodes ("last" has nothing to do for one token)
+# the phases of plan.plan(), as opcodes
 OPS = {"norm": 0, "matmul": 1, "attention": 2, "add": 3, "silu_mul": 4, "route": 5, "experts": 6, "mix": 7,
        "gated_add": 8}
 NORM, MATMUL, ATTENTION, ADD, SILU_MUL, ROUTE, EXPERTS, MIX, GATED_ADD = range(9)
@@ -82,43 +85,31 @@ _njit = numba.njit(cache=True, fastmath=FAST, error_model="numpy")
 _inline = numba.njit(inline="always", fastmath=FAST, error_model="numpy")
 
 
-@_inline
-def _rows_float(fmt, t, r0, r1, out, ooff, wf, wb, q8, q4, s2, m2, x2, x3, x4, xsum4):
-    """out[ooff + r] = row r of W times x[t] (fp32 activations), r0 <= r < r1: the core's row bodies."""
-    if fmt == BF16:
-        kernels.rows_bf16(x2, t, wb, r0, r1, out, ooff)
-        return
-    for r in range(r0, r1):
-        if fmt == NONE:
-            out[ooff + r] = kernels.row_f32(x2, t, wf, r)
-        elif fmt == INT8:
-            out[ooff + r] = kernels.row_int8(x3, t, q8, s2, r)
-        else:
-            out[ooff + r] = kernels.row_int4(x4, xsum4, t, q4, s2, m2, r)
-
-
-# Which rows kernel the step inlines is decided here, in Python, from cpu.py: where the CPU
+# Which rows kernels the step may name is decided here, in Python, from cpu.py: where the CPU
 # has no integer dot product, the intrinsics (fast/kernels.py) are never named, so numba never
 # hands them to LLVM (a runtime `if` would not do: the code is compiled either way).
 if cpu.INT8:
-    @_inline
-    def _rows(fmt, act, t, r0, r1, out, ooff, wf, wb, q8, q4, s2, m2, qf, sf, x2, x3, x4, xsum4, xqf, xaf, x16f,
-              xsf, xsum, G, gs):
-        """out[ooff + r] = row r of W times x[t], r0 <= r < r1, by the kernel matmul() would use."""
-        if act == A_INT8 and fmt == INT8:
-            fk.rows_int8_q8(xqf, xaf, xsf, t, qf, sf, r0, r1, G, gs, out, ooff)
-        elif act == A_INT16:
-            fk.rows_int8_q16(x16f, xsf, t, qf, sf, r0, r1, G, gs, out, ooff)
-        elif act == A_INT8:
-            fk.rows_int4_q8(xqf, xsf, xsum.reshape(-1), t, qf, sf, m2.reshape(-1), r0, r1, G, gs, out, ooff)
-        else:
-            _rows_float(fmt, t, r0, r1, out, ooff, wf, wb, q8, q4, s2, m2, x2, x3, x4, xsum4)
-else:
-    @_inline
-    def _rows(fmt, act, t, r0, r1, out, ooff, wf, wb, q8, q4, s2, m2, qf, sf, x2, x3, x4, xsum4, xqf, xaf, x16f,
-              xsf, xsum, G, gs):
-        """out[ooff + r] = row r of W times x[t], r0 <= r < r1 (activations are fp32 on this CPU)."""
-        _rows_float(fmt, t, r0, r1, out, ooff, wf, wb, q8, q4, s2, m2, x2, x3, x4, xsum4)
+    _rows_q8, _rows_q16, _rows_q4 = fk.rows_int8_q8, fk.rows_int8_q16, fk.rows_int4_q8
+else:                   # never named: no weight has rounded activations on this CPU (weight.check_act)
+    _rows_q8 = _rows_q16 = _rows_q4 = None
+
+# The row bodies a model uses, out of the seven below (the other arguments of _matvec are
+# None): numba drops the branch of a None argument before it compiles anything, so a model
+# compiles only its own formats' bodies (each a few seconds of LLVM's time).
+KINDS = ("f32", "bf16", "int8", "int4", "int8.q8", "int8.q16", "int4.q8")
+
+
+def kinds(weights) -> tuple:
+    """The body each weight's matvec runs (FastWeight.matmul's choice) -> True / None per KINDS.
+    QS_FAST_ALL_KINDS=1: all this CPU can run (one compile serves every model: the tests set it)."""
+    if os.environ.get("QS_FAST_ALL_KINDS") == "1":
+        return tuple(True if cpu.INT8 or "." not in k else None for k in KINDS)
+    used = set()
+    for w in weights:
+        act = getattr(w, "decode_act", "fp32")
+        used.add({"none": "f32"}.get(w.fmt, w.fmt) if act == "fp32" else
+                 f"{w.fmt}.q16" if act == "int16" else f"{w.fmt}.q8")
+    return tuple(True if k in used else None for k in KINDS)
 
 
 @numba.njit(inline="always")
@@ -147,12 +138,14 @@ def _items(O, row_bytes, workers):
 
 
 @_njit
-def _matvec(m, data, scales, mins, x, S, starts, n, bias, out, counts, phase, workers):
+def _matvec(m, data, scales, mins, x, S, starts, n, bias, out, counts, phase, workers,
+            k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4):
     """Phase `phase`: out[s n + i] = x[s] . W[starts[s] + i] (+ bias[starts[s] + i]) for
     segment s < len(starts) and i < n. x [S K] is this worker's input: S = 1 (every
     segment reads it; a matmul is one segment of all O rows) or one row per segment
     (the experts' down projection). W is given by its format row m = (fmt, act, O, K, Kp, gs)
-    and flat arrays. The segments' rows, end to end, are cut into claimed items."""
+    and flat arrays. The segments' rows, end to end, are cut into claimed items. k_*: the
+    row bodies this model uses (kinds()), None for the others."""
     fmt, act, O, K, Kp, gs = m[0], m[1], m[2], m[3], m[4], m[5]
     R = starts.size * n                                          # rows of all segments
     block, big, n_big, split, n_items = _items(R, data.size // O, workers)
@@ -174,7 +167,8 @@ def _matvec(m, data, scales, mins, x, S, starts, n, bias, out, counts, phase, wo
     xsum = np.empty((S, G), dtype=np.float32)
     for t in range(S):
         if fmt == INT4 and act == A_FP32:
-            kernels.group_sums(x4, t, xsum4)
+            if k_int4 is not None:
+                matmul.group_sums(x4, t, xsum4)
         if act == A_INT8:
             fk.quantize_token(x3, t, xq, xa, xs, xsum)
         elif act == A_INT16:
@@ -196,8 +190,29 @@ def _matvec(m, data, scales, mins, x, S, starts, n, bias, out, counts, phase, wo
             e = min(v1, (s + 1) * n)
             r0, ooff = starts[s] + v0 - s * n, s * n - starts[s]     # W's rows r0.. -> out[ooff + r]
             r1 = r0 + e - v0
-            _rows(fmt, act, s if S > 1 else 0, r0, r1, out, ooff, wf, wb, q8, q4, s2, m2, data, scales,
-                  x2, x3, x4, xsum4, xqf, xaf, x16f, xsf, xsum, G, gs)
+            t = s if S > 1 else 0                                    # the row of x: out[ooff + r] = W[r] . x[t]
+            if act == A_INT8 and fmt == INT8:                        # the kernel matmul() would use
+                if k_q8 is not None:
+                    _rows_q8(xqf, xaf, xsf, t, data, scales, r0, r1, G, gs, out, ooff)
+            elif act == A_INT16:
+                if k_q16 is not None:
+                    _rows_q16(x16f, xsf, t, data, scales, r0, r1, G, gs, out, ooff)
+            elif act == A_INT8:
+                if k_q4 is not None:
+                    _rows_q4(xqf, xsf, xsum.reshape(-1), t, data, scales, m2.reshape(-1), r0, r1, G, gs, out, ooff)
+            elif fmt == BF16:                                        # fp32 activations: the core's bodies
+                if k_bf16 is not None:
+                    matmul.rows_bf16(x2, t, wb, r0, r1, out, ooff)
+            else:
+                for r in range(r0, r1):
+                    if fmt == NONE:
+                        if k_f32 is not None:
+                            out[ooff + r] = matmul.row_f32(x2, t, wf, r)
+                    elif fmt == INT8:
+                        if k_int8 is not None:
+                            out[ooff + r] = matmul.row_int8(x3, t, q8, s2, r)
+                    elif k_int4 is not None:
+                        out[ooff + r] = matmul.row_int4(x4, xsum4, t, q4, s2, m2, r)
             if bias.size:
                 for r in range(r0, r1):
                     out[ooff + r] = out[ooff + r] + bias[r]
@@ -243,7 +258,7 @@ def _buf(own, shared, ref):
 
 @_njit
 def _worker(workers, x0, pos, prog, meta, data, scales, mins, vecs, shared, own_size, kv, cos, sin, eps, dims,
-            counts):
+            counts, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4):
     """Everything one worker does in a decode step: the program, phase by phase."""
     H, Hkv, D, k, norm_topk = dims[0], dims[1], dims[2], dims[3], dims[4] != 0
     own = np.zeros(own_size, dtype=np.float32)       # this worker's private buffers; x first
@@ -283,20 +298,20 @@ def _worker(workers, x0, pos, prog, meta, data, scales, mins, vecs, shared, own_
             bias = vecs[row[VEC]] if row[VEC] >= 0 else none
             if op == MATMUL:
                 _matvec(meta[w], data[w], scales[w], mins[w], src, 1, one, dst.size, bias, dst, counts,
-                        row[COUNTER], workers)
+                        row[COUNTER], workers, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4)
             else:
                 n = dst.size // k                    # each expert's rows in the stacked matrix
                 _matvec(meta[w], data[w], scales[w], mins[w], src, row[ROWS], top[0] * n, n, bias, dst,
-                        counts, row[COUNTER], workers)
+                        counts, row[COUNTER], workers, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4)
 
 
 @numba.njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
 def _decode(workers, x0, pos, prog, meta, data, scales, mins, vecs, shared, own_size, kv, cos, sin, eps, dims,
-            counts):
+            counts, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4):
     # workers: numba.get_num_threads(), passed in (called in here, it would keep this from the disk cache)
     for _ in prange(workers):                        # one iteration per thread: the one parallel region
         _worker(workers, x0, pos, prog, meta, data, scales, mins, vecs, shared, own_size, kv, cos, sin, eps,
-                dims, counts)
+                dims, counts, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4)
 
 
 _READONLY = types.Array(types.uint8, 1, "C", readonly=True)
@@ -319,12 +334,13 @@ def _typed_list(arrays, ty):
 
 
 class DecodeStep:
-    """model.plan()'s phases for one token, as the table _decode runs, built once (views,
+    """plan.plan()'s phases for one token, as the table _decode runs, built once (views,
     no weight copies). step(x, pos): x [C] the token's embedding, its K/V go to cache
     position pos -> logits [V]."""
 
-    def __init__(self, model, phases):
+    def __init__(self, model):
         cfg = model.config
+        self.phases = phases = plan(model.w)
         self.cache, self.cos, self.sin = model.cache, model.cos, model.sin
         k = cfg.num_experts_per_tok if cfg.num_experts else 0
         weights, vecs, rows = [], [], []
@@ -345,8 +361,6 @@ class DecodeStep:
             return -1 if a is None else index(vecs, a)
 
         for ph in phases:
-            if ph.op == "last":                      # one token: it is the last
-                continue
             src = where[ph.src]
             size = {"norm": src[2], "matmul": ph.weight.out_features if ph.weight else 0,
                     "experts": k * (ph.weight.out_features // max(cfg.num_experts, 1)) if ph.weight else 0,
@@ -382,6 +396,7 @@ class DecodeStep:
 
         no16 = np.zeros(0, dtype=np.uint16)
         self.meta = np.array([_format_row(w) for w in weights], dtype=np.int64)
+        self.kinds = kinds(weights)                  # the row bodies _matvec compiles for this model
         self.data = _typed_list([np.ascontiguousarray(w.data).reshape(-1).view(np.uint8) for w in weights],
                                 _READONLY)
         self.scales = _typed_list([no16 if w.scales is None else w.scales.reshape(-1).view(np.uint16)
@@ -400,6 +415,6 @@ class DecodeStep:
         _decode(workers or numba.get_num_threads(), np.ascontiguousarray(x, dtype=np.float32), pos, self.prog,
                 self.meta, self.data, self.scales, self.mins, self.vecs, self.shared, self.own_size,
                 self.cache.data, self.cos[pos:pos + 1], self.sin[pos:pos + 1], self.eps, self.dims,
-                sync.counters(self.n_counters))
+                sync.counters(self.n_counters), *self.kinds)
         _, off, n = self.logits
         return self.shared[off:off + n].copy()

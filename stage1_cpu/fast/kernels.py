@@ -1,6 +1,6 @@
 """The fast path's kernels: int8 / int16 activations at decode, the bf16 GEMM at prefill.
 
-Changed from the core (stage1_cpu/kernels.py): the core's matvecs turn every
+Changed from the core (stage1_cpu/matmul.py): the core's matvecs turn every
 weight into a float32 and multiply it by a float32 activation. Here the
 activations are rounded once per matvec (to int8, or int16 for the lm_head),
 and each group's dot product is integer multiply-adds done by the CPU's own
@@ -19,8 +19,9 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from stage1_cpu.fast import simd
-from stage1_cpu.kernels import FAST, _inline, decode_block, f16_to_f32, segment_block
+from . import simd
+from ..kernels import FAST
+from ..matmul import _inline, decode_block, f16_to_f32
 
 
 # ---------------------------------------------------------------------------
@@ -30,8 +31,7 @@ from stage1_cpu.kernels import FAST, _inline, decode_block, f16_to_f32, segment_
 # each row's dot product is integer multiply-adds, 32 per instruction (VNNI).
 # Per core this made int8 about 2x and int4 about 2.7x faster than the core's
 # float kernels (weights in L2, measured on an AVX-512 machine), so that two
-# threads then read a large matrix at about the memory's speed
-# (docs/benchmarks.md, log: Figures moved out of the stage-1 docstrings).
+# threads then read a large matrix at about the memory's speed (docs/benchmarks.md).
 # ---------------------------------------------------------------------------
 
 
@@ -190,43 +190,11 @@ def matmul_int4_q8(xq, xs, xsum, q, s, m, out):
             rows_int4_q8(xqf, xsf, xsumf, t, qf, sf, mf, c * block, min(O, (c + 1) * block), G, gs, outf, t * O)
 
 
-@njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
-def segments_int8_q8(xq, xa, xs, q, s, starts, out):
-    """kernels.segments_int8 with int8 activations: xq, xa [S, G, gs], xs [S, G] from
-    quantize_activations; q [O, G, gs] int8; s [O, G] fp16 bits -> out [S, n]."""
-    S, G, gs = xq.shape
-    n = out.shape[1]
-    qf, sf, xqf, xaf, xsf, outf = q.reshape(-1), s.reshape(-1), xq.reshape(-1), xa.reshape(-1), xs.reshape(-1), \
-        out.reshape(-1)
-    block, per = segment_block(n, G * gs)
-    for j in prange(S * per):
-        t, b = j // per, j % per
-        r0 = starts[t] + b * block
-        rows_int8_q8(xqf, xaf, xsf, t, qf, sf, r0, min(starts[t] + n, r0 + block), G, gs, outf, t * n - starts[t])
-
-
-@njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
-def segments_int4_q8(xq, xs, xsum, q, s, m, starts, out):
-    """kernels.segments_int4 with int8 activations (matmul_int4_q8's arguments) -> out [S, n]."""
-    S, G, gs = xq.shape
-    n = out.shape[1]
-    qf, sf, mf, xqf, xsf, xsumf = q.reshape(-1), s.reshape(-1), m.reshape(-1), xq.reshape(-1), xs.reshape(-1), \
-        xsum.reshape(-1)
-    outf = out.reshape(-1)
-    block, per = segment_block(n, G * gs // 2)
-    for j in prange(S * per):
-        t, b = j // per, j % per
-        r0 = starts[t] + b * block
-        rows_int4_q8(xqf, xsf, xsumf, t, qf, sf, mf, r0, min(starts[t] + n, r0 + block), G, gs, outf,
-                     t * n - starts[t])
-
-
 # ---------------------------------------------------------------------------
 # bf16 prefill GEMM (where the CPU has AVX-512 BF16; see simd.py): x rounded to
 # bf16 pairs once, then each thread takes 16-row panels of W, packs a panel
 # (32 KB at K=1024, it stays in L1/L2) and runs simd.dot_bf16_panel over the
-# tokens, 8 at a time. At T=512 it ran at about twice OpenBLAS sgemm's FLOP/s
-# (docs/benchmarks.md, log: Figures moved out of the stage-1 docstrings).
+# tokens, 8 at a time: at T=512 about twice OpenBLAS sgemm's FLOP/s (docs/benchmarks.md).
 # ---------------------------------------------------------------------------
 
 

@@ -70,7 +70,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from stage1_cpu.fast import cpu
+from . import cpu
 
 # Which instruction to emit is cpu.py's decision, made before anything here is compiled:
 # these intrinsics are only ever compiled where cpu.INT8 (or cpu.BF16) says they exist.
@@ -311,8 +311,7 @@ def dot_int8_row_i16(typingctx, q, qoff, x16, xoff, s, soff, xs, xsoff, n_groups
 # The group loop is emitted once per group size (32, 64, 128: 1, 2 or 4 chunks
 # unrolled) and once with a loop over the chunks, for any other multiple of 32.
 # One core, weights in L2: about 1.5x dot_int8_row's weights per second (int8
-# activations), about 1.3x with int16
-# (docs/benchmarks.md, log: Figures moved out of the stage-1 docstrings).
+# activations), about 1.3x with int16 (docs/benchmarks.md).
 #
 # Memory: the 4 rows are 4 streams. Adjacent rows, 4 streams one row apart,
 # defeat the hardware prefetcher (one core then reads DRAM at a fraction of its
@@ -320,8 +319,7 @@ def dot_int8_row_i16(typingctx, q, qoff, x16, xoff, s, soff, xs, xsoff, n_groups
 # reach ~2/3 of the read bandwidth. Rows m > 1 rows apart (e.g. rows b, b + O/4,
 # b + O/2, b + 3 O/4 in call b) are 4 long sequential streams, which the
 # hardware prefetcher follows: 2 threads then read at about the memory's speed,
-# as bench.common.measure_bandwidth measures it next to them
-# (docs/benchmarks.md, log: Figures moved out of the stage-1 docstrings).
+# as bench.common.measure_bandwidth measures it next to them (docs/benchmarks.md).
 # ---------------------------------------------------------------------------
 
 ROWS = 4                                     # rows per call of the rows kernels

@@ -4,8 +4,7 @@ Why: a decode step is ~110 matmuls in a row, each needing the previous one's
 output. Run as one numba prange kernel each, every matmul starts its threads
 anew, and under OMP_WAIT_POLICY=PASSIVE (sleeping idle threads, what the
 benchmark and a shared machine want) a start costs tens of microseconds: milliseconds
-per token, a large part of an int8 decode step on a small machine
-(docs/benchmarks.md, log: Figures moved out of the stage-1 docstrings).
+per token, a large part of an int8 decode step on a small machine (docs/benchmarks.md).
 decode_step.py instead starts the threads once per token and keeps them inside;
 what the threads then need is a way to split each matmul between them and to wait
 for each other. That is this module: a counter per phase of work, incremented

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stage1_cpu.fast import cpu
-from stage1_cpu.fast import kernels as fk
-from stage1_cpu.fast import simd
-from stage1_cpu.quant import PREFILL_MIN_T, Weight, bf16_bits_to_f32, f32_to_bf16_bits, quantize
+from . import cpu
+from . import kernels as fk
+from . import simd
+from ..quant import PREFILL_MIN_T, Weight, bf16_bits_to_f32, f32_to_bf16_bits, quantize
 
 BF16_ROWS = 8192    # rows of an int8 / int4 matrix turned into bf16 at a time (prefill_act="bf16")
 
@@ -60,23 +60,6 @@ class FastWeight(Weight):
                 fk.matmul_int8_q8(xq, xa, xs, self.data, self.scales, out)
             else:
                 fk.matmul_int4_q8(xq, xs, xsum, self.data, self.scales, self.mins, out)
-        return out
-
-    def matmul_segments(self, x: np.ndarray, starts: np.ndarray, n: int) -> np.ndarray:
-        """quant.Weight.matmul_segments (a MoE layer's chosen experts at decode), each row
-        of x rounded to int8 first where decode_act says so."""
-        if self.decode_act != "int8":
-            return super().matmul_segments(x, starts, n)
-        x = self._pad(self._check(x))                                    # [S, Kp]
-        starts = np.ascontiguousarray(starts, dtype=np.int64)
-        if starts.size and (starts.min() < 0 or starts.max() + n > self.out_features):
-            raise IndexError(f"segments of {n} rows at {starts.tolist()} leave [0, {self.out_features})")
-        out = np.empty((x.shape[0], n), dtype=np.float32)
-        xq, xa, xs, xsum = fk.quantize_activations(x.reshape(x.shape[0], -1, self.group_size))
-        if self.fmt == "int8":
-            fk.segments_int8_q8(xq, xa, xs, self.data, self.scales, starts, out)
-        else:
-            fk.segments_int4_q8(xq, xs, xsum, self.data, self.scales, self.mins, starts, out)
         return out
 
     def _matmul_bf16(self, x: np.ndarray) -> np.ndarray:
@@ -125,7 +108,7 @@ def quantize_activations(x: np.ndarray, gs: int, qmax: int = 127) -> np.ndarray:
 def fast_quantize(w: np.ndarray, fmt: str, group_size: int = 32,
                   decode_act: str = "fp32", prefill_act: str = "fp32") -> FastWeight:
     """quant.quantize, then the activation rounding asked for (checked against this CPU)."""
-    check_act(decode_act, prefill_act, fmt, np.shape(w)[-1])
+    check_act(decode_act, prefill_act, fmt, w.in_features if isinstance(w, Weight) else np.shape(w)[-1])
     return as_fast(quantize(w, fmt, group_size), decode_act, prefill_act)
 
 

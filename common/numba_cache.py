@@ -1,0 +1,113 @@
+"""Where numba keeps a stage's compiled kernels, when a kernel's cache entry is stale,
+and when a warm-up is due.
+
+numba's own cache (`cache=True`) files each function's machine code under the
+source file that defines it, stamped with a hash of that file: an edit to the file
+recompiles its functions, and only those. It misses an edit to a function that a
+kernel calls or inlines from *another* file. Stage 1's core avoids that by keeping
+each kernel and the numba helpers it calls in one file; stage1_cpu/fast/ cannot (its
+one-region step inlines the core's row bodies), so depend() stamps each of its files
+with a hash of its own sources and of the core files it inlines.
+
+The warm-up mark (warm_mark) follows the same stamps: after an edit to any file that
+holds kernels, the next start warms up again (compiling, before the first prompt,
+only what the edit made stale); after an edit to a file without kernels (the chat,
+ops.py) nothing compiles and no warm-up runs.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import sys
+import time
+from pathlib import Path
+
+_GROUPS: dict[str, list[Path]] = {}     # a source file -> the files its stamp covers
+
+
+def use_folder(name: str, here: Path, env: tuple[str, ...]) -> str:
+    """Point numba's cache at ~/.cache/qwen3-stages/numba/<name>-<key> (or under
+    $NUMBA_CACHE_DIR), the key a hash of where the sources live and of the variables
+    that decide which instructions and functions are compiled. -> the folder."""
+    h = hashlib.sha256(str(here.resolve()).encode() + b"\0")
+    for var in env:
+        h.update(f"{var}={os.environ.get(var, '')}\0".encode())
+    base = os.environ.get("NUMBA_CACHE_DIR") or \
+        os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "qwen3-stages", "numba")
+    if os.path.basename(base.rstrip("/")).startswith(name + "-"):   # set by a parent process (below)
+        base = os.path.dirname(base.rstrip("/"))
+    folder = os.path.join(base, f"{name}-{h.hexdigest()[:16]}")
+    # numba reads this when it is first imported; if it already was, set its config directly
+    os.environ["NUMBA_CACHE_DIR"] = folder
+    if "numba" in sys.modules:
+        sys.modules["numba"].config.CACHE_DIR = folder
+    return folder
+
+
+def stamp(files) -> str:
+    """A hash of the files' contents, in the order given."""
+    h = hashlib.sha256()
+    for f in files:
+        h.update(Path(f).read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def depend(files: list[Path], on: list[Path]) -> None:
+    """Stamp every function cached from `files` with the contents of files + on, so that
+    an edit to any of them recompiles it. Call before those files' kernels are defined."""
+    from numba.core import caching
+    group = sorted({Path(f).resolve() for f in list(files) + list(on)})
+    for f in files:
+        _GROUPS[str(Path(f).resolve())] = group
+    if _group_locator() not in caching.CacheImpl._locator_classes:
+        caching.CacheImpl._locator_classes.insert(0, _group_locator())
+
+
+def warm_mark(folder: str, files, *key: str) -> Path:
+    """The file whose existence says: the kernels compiled from `files`, for `key`
+    (format, kernels, activations), are in the cache as these sources are now."""
+    return Path(folder) / ("warm-" + "-".join(key) + "-" + stamp(files)[:16])
+
+
+def warm_up(forward, max_ctx: int, mark: Path) -> float:
+    """Run forward(tokens, start_pos) on 1 token (decode), 2 (few tokens), 8 and 64 (prefill,
+    serial and parallel variants), so that numba compiles (or loads) every kernel a
+    conversation needs; then leave the mark. -> seconds it took."""
+    import numpy as np
+    t0 = time.perf_counter()
+    pos = 0
+    for T in (1, 2, 8, 64):
+        if pos + T > max_ctx:
+            break
+        forward(np.zeros(T, dtype=np.int64), pos)
+        pos += T
+    mark.parent.mkdir(parents=True, exist_ok=True)
+    mark.touch()
+    return time.perf_counter() - t0
+
+
+@functools.lru_cache(maxsize=None)
+def _group_locator():
+    from numba.core.caching import UserProvidedCacheLocator
+
+    class GroupLocator(UserProvidedCacheLocator):
+        """numba's locator for $NUMBA_CACHE_DIR, with the stamp of a whole group of files."""
+
+        @classmethod
+        def from_function(cls, py_func, py_file):
+            if str(Path(py_file).resolve()) not in _GROUPS:
+                return None                                  # numba's own locators take it
+            return super().from_function(py_func, py_file)
+
+        def get_source_stamp(self):
+            files = _GROUPS[str(Path(self._py_file).resolve())]
+            return _stamp_of(tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files))
+
+    return GroupLocator
+
+
+@functools.lru_cache(maxsize=None)
+def _stamp_of(files: tuple) -> str:
+    """stamp(), once per version of the files (their paths, times and sizes say which)."""
+    return stamp(f for f, _, _ in files)

@@ -1,0 +1,70 @@
+"""numba's disk cache after an edit (common/numba_cache.py): a kernel that inlines a
+function from another file is recompiled when that file changes (numba alone runs
+stale machine code then), and the warm-up mark follows the kernel files' contents,
+not those of files without kernels."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+HELPER = "from numba import njit\n\n@njit(inline='always')\ndef value():\n    return {}\n"
+KERNEL = ("{setup}from numba import njit\nfrom helper import value\n\n"
+          "@njit(cache=True)\ndef kernel():\n    return value() * 10\n\nprint(kernel())\n")
+DEPEND = ("import sys\nsys.path.insert(0, {root!r})\nfrom pathlib import Path\nfrom common import numba_cache\n"
+          "here = Path(__file__).parent\nnumba_cache.depend([here / 'kernel.py'], on=[here / 'helper.py'])\n")
+
+
+def run_kernel(folder: Path, cache: Path) -> str:
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(cache), PYTHONPATH=str(folder))
+    out = subprocess.run([sys.executable, str(folder / "kernel.py")], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip()
+
+
+@pytest.mark.parametrize("with_depend", [True, False])
+def test_an_edit_to_an_inlined_helper_recompiles_the_kernel_that_depends_on_it(tmp_path, with_depend):
+    (tmp_path / "helper.py").write_text(HELPER.format(1))
+    setup = DEPEND.format(root=str(ROOT)) if with_depend else ""
+    (tmp_path / "kernel.py").write_text(KERNEL.format(setup=setup))
+    cache = tmp_path / "cache"
+    assert run_kernel(tmp_path, cache) == "10"
+    (tmp_path / "helper.py").write_text(HELPER.format(2))          # kernel.py itself is unchanged
+    # numba alone finds kernel.py unchanged and loads the machine code that inlined value() == 1
+    assert run_kernel(tmp_path, cache) == ("20" if with_depend else "10")
+
+
+def test_warm_mark_follows_the_kernel_files_only(tmp_path):
+    from common import numba_cache
+    a, b = tmp_path / "kernels.py", tmp_path / "ops.py"
+    a.write_text("x = 1\n")
+    b.write_text("y = 1\n")
+    mark = numba_cache.warm_mark(str(tmp_path), [a], "int8", "plain")
+    b.write_text("y = 2\n")                                         # a file without kernels
+    assert numba_cache.warm_mark(str(tmp_path), [a], "int8", "plain") == mark
+    a.write_text("x = 2\n")                                         # a kernel file: warm up again
+    assert numba_cache.warm_mark(str(tmp_path), [a], "int8", "plain") != mark
+    assert numba_cache.warm_mark(str(tmp_path), [a], "int4", "plain") != numba_cache.warm_mark(
+        str(tmp_path), [a], "int8", "plain")
+
+
+def test_stage1_keys_each_path_on_the_files_it_compiles():
+    import stage1_cpu
+    from common import numba_cache
+    from stage1_cpu import fast
+    from stage1_cpu.fast import decode_step  # noqa: F401  (its kernels are defined, so stamped)
+    names = {p.name for p in stage1_cpu.KERNEL_FILES}
+    assert names == {"norms.py", "kernels.py", "matmul.py"}         # ops.py, chat.py hold no numba code
+    fp = fast.FastPath("int8", "fp32")
+    assert set(stage1_cpu.KERNEL_FILES) <= set(fp.files())
+    assert {"decode_step.py", "simd.py", "kernels.py", "plan.py"} <= {p.name for p in fast.FILES}
+    group = numba_cache._GROUPS[str((ROOT / "stage1_cpu/fast/decode_step.py").resolve())]
+    assert {str(p.resolve()) for p in stage1_cpu.KERNEL_FILES} <= {str(p) for p in group}
+    # the core's own files keep numba's per-file stamp
+    assert str((ROOT / "stage1_cpu/kernels.py").resolve()) not in numba_cache._GROUPS
