@@ -401,6 +401,15 @@ inline void qs_syncwarp(int line, unsigned m = 0xffffffffu) { qs::shfl(line, "__
 #define __shfl_sync(...) qs_idx(__LINE__, __VA_ARGS__)
 #define __syncwarp(...) qs_syncwarp(__LINE__ __VA_OPT__(,) __VA_ARGS__)
 
+// CUDA's vector types, with their alignment (a 16-byte load of a misaligned address is an error on
+// the GPU; here the alignment at least keeps the layout of shared memory the same)
+struct alignas(8) uint2 { unsigned x, y; };
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+struct alignas(16) float4 { float x, y, z, w; };
+inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+
 inline float __int_as_float(int bits) { float f; std::memcpy(&f, &bits, 4); return f; }
 inline float __int_as_float(unsigned bits) { float f; std::memcpy(&f, &bits, 4); return f; }
 inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }

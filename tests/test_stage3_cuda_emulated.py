@@ -260,7 +260,7 @@ def test_decode_attention_splits_and_merge_equal_twins(gpu, emulated, H, Hkv, D,
         (S * Hkv, splits), (32 * (H // Hkv),),
         (gpu(q), gpu(k_cache), gpu(v_cache), gpu(tables), gpu(ctx), part_out, part_ml,
          np.int32(H), np.int32(Hkv), np.int32(D), np.int32(P), np.int32(tables.shape[1]),
-         np.int32(split), np.int32(splits), np.float32(1 / np.sqrt(D))))
+         np.int32(split), np.int32(splits), np.float32(1 / np.sqrt(D))), shared_mem=kernels.decode_shared_bytes(D))
     e_out, e_ml = ops.decode_attention_splits(q, k_cache, v_cache, tables, ctx, split, splits)
     used = np.arange(splits)[None, :] < ((ctx + split - 1) // split)[:, None]   # [S, splits] pieces with positions
     got_ml = part_ml.get()
