@@ -260,11 +260,17 @@ def prefill_attention(q, k_cache, v_cache, block_tables, token_seq, positions,
 @functools.cache
 def _tc_available() -> bool:
     """Whether the tensor-core kernel compiles here (it needs sm_80 or newer for bf16 wmma);
-    if not, the plain kernel runs (said once), so an old GPU costs speed, not the engine."""
+    if not, the plain kernel runs (said once), so an old GPU costs speed, not the engine.
+    With QS_REQUIRE_GPU=1 (bench/gpu_check.sh) the fallback is an error instead: there the
+    check must prove the tensor-core kernel, not pass on the plain one."""
+    import os
     try:
         _kernel("prefill_attention_tc")
         return True
     except Exception as e:  # cupy's CompileException, or a missing toolkit
+        if os.environ.get("QS_REQUIRE_GPU") == "1":
+            raise RuntimeError(f"QS_REQUIRE_GPU=1 and the tensor-core prefill kernel does not compile here "
+                               f"({type(e).__name__}: {str(e)[:300]})") from e
         import warnings
         warnings.warn(f"the tensor-core prefill kernel does not compile here ({type(e).__name__}: "
                       f"{str(e)[:200]}); using the plain prefill kernel")

@@ -39,6 +39,7 @@ import itertools
 import os
 import random
 import re
+import shlex
 import shutil
 import subprocess
 import types
@@ -50,6 +51,8 @@ from cuda_sources import OPTIN_SMEM_LIMIT, STATIC_SMEM_LIMIT
 
 SEED = int(os.environ.get("QS_EMU_SEED") or random.SystemRandom().randrange(2**31))
 WATCHDOG_S = float(os.environ.get("QS_EMU_WATCHDOG_S", "20"))
+# the race detector between blocks (on unless QS_EMU_RACE=0): see the module docstring
+RACE = os.environ.get("QS_EMU_RACE", "1") != "0"
 TARGET = os.environ.get("QS_EMU_TARGET", "sm_90")
 DEFAULT_DYNAMIC_SMEM = 48 * 1024          # what a kernel may use before it raises its attribute
 MAX_THREADS, MAX_BLOCK = 1024, (1024, 1024, 64)
@@ -72,6 +75,7 @@ EMULATOR_H = r"""
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -105,13 +109,28 @@ struct LaunchArgs {                                // mirrored by LaunchArgs in 
     int live;
     double watchdog_s;
     unsigned long long optin_smem, static_smem_limit;
+    int race;                                      // 1: the race detector watches this launch
+    int nranges;
+    const unsigned long long* ranges;              // [nranges, 2]: each pointer argument's [lo, hi)
 };
+
+// the race detector's shadow of one pointer argument: per byte, the block (number + 1) that
+// wrote it, and the block that read it (MANY once two blocks have)
+struct Shadow {
+    unsigned long long lo = 0, hi = 0;
+    unsigned* writer = nullptr;
+    unsigned* reader = nullptr;
+};
+constexpr unsigned MANY = 0xffffffffu;
 
 struct Launch {
     LaunchArgs a;
     std::mutex mu;
     std::atomic<bool> aborted{false};
     std::string error;
+    std::vector<Shadow> shadows;
+    Shadow* shadow = nullptr;                      // shadows.data(), for the hooks (plain pointers only)
+    int nshadow = 0;
 };
 static Launch* launch_state = nullptr;
 
@@ -361,6 +380,19 @@ template <class Body>
 int launch(const LaunchArgs* args, char* err, int errlen, Body body) {
     Launch L;
     L.a = *args;
+    if (L.a.race) {
+        for (int r = 0; r < L.a.nranges; r++) {
+            Shadow sh;
+            sh.lo = L.a.ranges[2 * r];
+            sh.hi = L.a.ranges[2 * r + 1];
+            const size_t n = sh.hi > sh.lo ? sh.hi - sh.lo : 0;
+            sh.writer = static_cast<unsigned*>(std::calloc(n + 1, sizeof(unsigned)));   // zero pages: lazy
+            sh.reader = static_cast<unsigned*>(std::calloc(n + 1, sizeof(unsigned)));
+            L.shadows.push_back(sh);
+        }
+        L.shadow = L.shadows.data();
+        L.nshadow = int(L.shadows.size());
+    }
     launch_state = &L;
     gridDim = {L.a.gx, L.a.gy, L.a.gz};
     blockDim = {L.a.bx, L.a.by, L.a.bz};
@@ -381,13 +413,105 @@ int launch(const LaunchArgs* args, char* err, int errlen, Body body) {
     for (int s = 0; s < L.a.live && (unsigned long long)s < n; s++) slots.emplace_back(slot);
     for (auto& th : slots) th.join();
     launch_state = nullptr;
+    for (auto& sh : L.shadows) {
+        std::free(sh.writer);
+        std::free(sh.reader);
+    }
     if (L.aborted) {
         std::snprintf(err, errlen, "%s", L.error.c_str());
         return 1;
     }
     return 0;
 }
+// --- the race detector: GCC's ThreadSanitizer instrumentation (-fsanitize=thread) with this
+// runtime instead of libtsan's. Every load and store the compiler emits in this file calls
+// __tsan_readN / __tsan_writeN with its address; an address inside a pointer argument of the
+// launch is checked against the shadow: a byte written by one block and written or read by
+// another is a race (blocks of one launch run in no fixed order, and nothing orders them).
+// The answer does not depend on which blocks happened to run at the same time. Atomics
+// (__tsan_atomic*) are performed and not recorded. These functions are not instrumented
+// themselves, and use only __atomic builtins.
+#define QS_HOOK extern "C" __attribute__((no_sanitize_thread, visibility("hidden")))
+
+__attribute__((no_sanitize_thread)) inline void race_report(const char* mine, const char* theirs, unsigned other,
+                                                            int arg, unsigned long long byte)
+{
+    const Launch* L = launch_state;
+    const unsigned o = other - 1, gx = L->a.gx, gy = L->a.gy;
+    if (L->aborted) return;
+    const std::string who = other == MANY ? std::string("other blocks") :
+        fmt("block (%u,%u,%u)", o % gx, (o / gx) % gy, o / (gx * gy));
+    record(fmt("race: %s %s {arg %d byte %llu}, which %s %s, and nothing orders two blocks of one launch "
+               "(on the GPU: a result that depends on the schedule)", where().c_str(), mine, arg, byte,
+               who.c_str(), theirs));
+}
+
+__attribute__((no_sanitize_thread)) inline void race_access(const void* p, unsigned long long n, bool write)
+{
+    Launch* L = launch_state;
+    if (L == nullptr || !L->a.race || cur == nullptr) return;
+    const unsigned long long a = reinterpret_cast<unsigned long long>(p);
+    for (int r = 0; r < L->nshadow; r++) {          // (nothing here may call an instrumented function)
+        Shadow& sh = L->shadow[r];
+        if (a < sh.lo || a >= sh.hi) continue;
+        const unsigned me = 1 + blockIdx.x + L->a.gx * (blockIdx.y + L->a.gy * blockIdx.z);
+        const unsigned long long end = a + n < sh.hi ? a + n : sh.hi;
+        for (unsigned long long b = a - sh.lo; b < end - sh.lo; b++) {
+            if (write) {
+                const unsigned w = __atomic_exchange_n(&sh.writer[b], me, __ATOMIC_SEQ_CST);
+                const unsigned rd = __atomic_load_n(&sh.reader[b], __ATOMIC_SEQ_CST);
+                if (w && w != me) { race_report("writes", "wrote", w, int(r), b); return; }
+                if (rd && rd != me) { race_report("writes", "read", rd, int(r), b); return; }
+            } else {
+                unsigned rd = __atomic_load_n(&sh.reader[b], __ATOMIC_SEQ_CST);
+                if (rd == 0 && __atomic_compare_exchange_n(&sh.reader[b], &rd, me, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+                } else if (rd != me && rd != MANY) {
+                    __atomic_store_n(&sh.reader[b], MANY, __ATOMIC_SEQ_CST);
+                }
+                const unsigned w = __atomic_load_n(&sh.writer[b], __ATOMIC_SEQ_CST);
+                if (w && w != me) { race_report("reads", "wrote", w, int(r), b); return; }
+            }
+        }
+        return;                                     // the first argument that holds the address
+    }
+}
 }  // namespace qs
+
+QS_HOOK void __tsan_init() {}
+QS_HOOK void __tsan_func_entry(void*) {}
+QS_HOOK void __tsan_func_exit() {}
+QS_HOOK void __tsan_vptr_update(void**, void*) {}
+QS_HOOK void __tsan_vptr_read(void**) {}
+QS_HOOK void __tsan_read_range(void* p, unsigned long n) { qs::race_access(p, n, false); }
+QS_HOOK void __tsan_write_range(void* p, unsigned long n) { qs::race_access(p, n, true); }
+#define QS_RW(N) \
+    QS_HOOK void __tsan_read##N(void* p) { qs::race_access(p, N, false); } \
+    QS_HOOK void __tsan_write##N(void* p) { qs::race_access(p, N, true); } \
+    QS_HOOK void __tsan_unaligned_read##N(void* p) { qs::race_access(p, N, false); } \
+    QS_HOOK void __tsan_unaligned_write##N(void* p) { qs::race_access(p, N, true); } \
+    QS_HOOK void __tsan_volatile_read##N(void* p) { qs::race_access(p, N, false); } \
+    QS_HOOK void __tsan_volatile_write##N(void* p) { qs::race_access(p, N, true); }
+QS_RW(1) QS_RW(2) QS_RW(4) QS_RW(8) QS_RW(16)
+// atomics: done, not recorded (the memory order argument is GCC's, the same numbering)
+#define QS_ATOMIC(N, T) \
+    QS_HOOK T __tsan_atomic##N##_load(const volatile T* a, int) { return __atomic_load_n(a, __ATOMIC_SEQ_CST); } \
+    QS_HOOK void __tsan_atomic##N##_store(volatile T* a, T v, int) { __atomic_store_n(a, v, __ATOMIC_SEQ_CST); } \
+    QS_HOOK T __tsan_atomic##N##_exchange(volatile T* a, T v, int) { return __atomic_exchange_n(a, v, __ATOMIC_SEQ_CST); } \
+    QS_HOOK T __tsan_atomic##N##_fetch_add(volatile T* a, T v, int) { return __atomic_fetch_add(a, v, __ATOMIC_SEQ_CST); } \
+    QS_HOOK T __tsan_atomic##N##_fetch_sub(volatile T* a, T v, int) { return __atomic_fetch_sub(a, v, __ATOMIC_SEQ_CST); } \
+    QS_HOOK T __tsan_atomic##N##_fetch_and(volatile T* a, T v, int) { return __atomic_fetch_and(a, v, __ATOMIC_SEQ_CST); } \
+    QS_HOOK T __tsan_atomic##N##_fetch_or(volatile T* a, T v, int) { return __atomic_fetch_or(a, v, __ATOMIC_SEQ_CST); } \
+    QS_HOOK T __tsan_atomic##N##_fetch_xor(volatile T* a, T v, int) { return __atomic_fetch_xor(a, v, __ATOMIC_SEQ_CST); } \
+    QS_HOOK T __tsan_atomic##N##_fetch_nand(volatile T* a, T v, int) { return __atomic_fetch_nand(a, v, __ATOMIC_SEQ_CST); } \
+    QS_HOOK int __tsan_atomic##N##_compare_exchange_strong(volatile T* a, T* e, T v, int, int) \
+        { return __atomic_compare_exchange_n(a, e, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST); } \
+    QS_HOOK int __tsan_atomic##N##_compare_exchange_weak(volatile T* a, T* e, T v, int, int) \
+        { return __atomic_compare_exchange_n(a, e, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST); } \
+    QS_HOOK T __tsan_atomic##N##_compare_exchange_val(volatile T* a, T e, T v, int, int) \
+        { __atomic_compare_exchange_n(a, &e, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST); return e; }
+QS_ATOMIC(8, unsigned char) QS_ATOMIC(16, unsigned short) QS_ATOMIC(32, unsigned) QS_ATOMIC(64, unsigned long long)
+QS_HOOK void __tsan_atomic_thread_fence(int) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+QS_HOOK void __tsan_atomic_signal_fence(int) { __atomic_signal_fence(__ATOMIC_SEQ_CST); }
 
 #define __syncthreads() qs::syncthreads(__LINE__)
 template <class T> T qs_xor(int line, unsigned m, T v, int x, int w = 32) { return qs::shfl(line, "__shfl_xor_sync", qs::XOR, m, v, x, w); }
@@ -427,7 +551,8 @@ class LaunchArgs(ctypes.Structure):
     _fields_ = [(k, ctypes.c_uint) for k in ("gx", "gy", "gz", "bx", "by", "bz")] + [
         ("dynamic_smem", ctypes.c_ulonglong), ("seed", ctypes.c_ulonglong), ("live", ctypes.c_int),
         ("watchdog_s", ctypes.c_double), ("optin_smem", ctypes.c_ulonglong),
-        ("static_smem_limit", ctypes.c_ulonglong)]
+        ("static_smem_limit", ctypes.c_ulonglong), ("race", ctypes.c_int), ("nranges", ctypes.c_int),
+        ("ranges", ctypes.POINTER(ctypes.c_ulonglong))]
 
 
 # ---------------------------------------------------------------------------
@@ -568,7 +693,7 @@ class EmulatedKernel:
         if len(args) != len(self.params):
             raise EmulatorError(f"{name}: {len(args)} arguments for {len(self.params)} parameters")
         g, b = self._check_launch(grid, block, int(shared_mem))
-        values = []
+        values, ranges, names = [], [], []
         for arg, param in zip(args, self.params):
             base, pointer = _base_type(param)
             if pointer:
@@ -579,6 +704,8 @@ class EmulatedKernel:
                 if arg.dtype != NP_POINTEES[base]:
                     raise EmulatorError(f"{name}: {param} got {arg.dtype}")
                 values.append(arg.ctypes.data)
+                ranges += [arg.ctypes.data, arg.ctypes.data + arg.nbytes]
+                names.append((param.split()[-1].lstrip("*"), arg.itemsize))
             else:
                 if type(arg) is not NP_SCALARS[base]:
                     raise EmulatorError(f"{name}: {param} got {type(arg).__name__}, not {NP_SCALARS[base].__name__}")
@@ -586,16 +713,24 @@ class EmulatedKernel:
         number = next(_launch_number)
         seed = (SEED * 1_000_003 + number) % 2**63
         live = 2 + seed % 3
+        bounds = (ctypes.c_ulonglong * max(1, len(ranges)))(*ranges)
         la = LaunchArgs(*g, *b, dynamic_smem=int(shared_mem), seed=seed, live=live, watchdog_s=WATCHDOG_S,
-                        optin_smem=OPTIN_SMEM_LIMIT[self.target], static_smem_limit=STATIC_SMEM_LIMIT)
+                        optin_smem=OPTIN_SMEM_LIMIT[self.target], static_smem_limit=STATIC_SMEM_LIMIT,
+                        race=int(RACE), nranges=len(ranges) // 2, ranges=bounds)
         err = ctypes.create_string_buffer(2048)
         if self.fn(ctypes.byref(la), err, len(err), *values) != 0:
-            raise EmulatorError(f"{name} ({self.source.name}): {err.value.decode(errors='replace')}\n"
+            def element(m):                          # {arg 2 byte 10} -> out[5] (the parameter's name)
+                pname, size = names[int(m.group(1))]
+                return f"{pname}[{int(m.group(2)) // size}]"
+            message = re.sub(r"\{arg (\d+) byte (\d+)\}", element, err.value.decode(errors="replace"))
+            raise EmulatorError(f"{name} ({self.source.name}): {message}\n"
                                 f"[emulator: launch #{number}, seed {seed}, {live} blocks live; replay with "
                                 f"QS_EMU_SEED={SEED}]")
 
 
-CXXFLAGS = ("-std=c++20", "-O1", "-fPIC", "-pthread", "-w")
+# compiled with -fsanitize=thread (while RACE is on) and linked without it: the hooks in
+# EMULATOR_H are the runtime that the instrumentation calls
+CXXFLAGS = ("-std=c++20", "-O1", "-fPIC", "-pthread", "-w") + (("-fsanitize=thread",) if RACE else ())
 _header: Path | None = None
 
 
@@ -637,8 +772,11 @@ def build(sources: list[Path], build_dir: Path, timeout: int = 600) -> dict[str,
         body.write_text(f'#line 1 "{cu}"\n' + rewrite_shared(src))
         cpp = build_dir / f"{stem}.cpp"
         cpp.write_text(f'#include "{header}"\n#include "{body.name}"\n' + "\n".join(launchers) + "\n")
-        procs[cu] = (subprocess.Popen([gxx, *CXXFLAGS, "-shared", str(cpp), "-o", str(build_dir / f"{stem}.so")],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), stem)
+        obj, so = build_dir / f"{stem}.o", build_dir / f"{stem}.so"
+        cmd = (f"{shlex.quote(gxx)} {' '.join(CXXFLAGS)} -c {shlex.quote(str(cpp))} -o {shlex.quote(str(obj))} && "
+               f"{shlex.quote(gxx)} -shared -pthread {shlex.quote(str(obj))} -o {shlex.quote(str(so))}")
+        procs[cu] = (subprocess.Popen(["sh", "-c", cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+                     stem)
     out = {}
     for cu, (proc, stem) in procs.items():
         _, err = proc.communicate(timeout=timeout)
