@@ -288,7 +288,8 @@ def sample(logits: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p
     for s in range(S):
         if bad[s]:
             out[s] = -1
-        elif temperature[s] <= 0:
+            continue
+        if temperature[s] <= 0:
             out[s] = int(np.argmax(logits[s]))
             continue
         keep, w = sampling_set(logits[s], temperature[s], top_k[s], top_p[s])

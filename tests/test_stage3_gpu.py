@@ -131,7 +131,8 @@ def check_prefill(dev, monkeypatch, H, Hkv, D, chunks, P=16):
     args = [dev(a) for a in (q, k_cache, v_cache, tables, token_seq, positions)]
     names = launched(monkeypatch)
     tc = kernels.prefill_attention(*args, dev(tile_start), dev(tile_count)).get()
-    assert names == ["prefill_attention_tc"], f"the tensor-core kernel did not run: {names}"
+    # (_tc_available's first call compiles it too: the name may come twice)
+    assert set(names) == {"prefill_attention_tc"}, f"the tensor-core kernel did not run: {names}"
     plain = kernels.prefill_attention(*args, dev(tile_start), dev(tile_count), tensor_cores=False).get()
     assert names[-1] == "prefill_attention"
     expect = ops.prefill_attention(q, k_cache, v_cache, tables, token_seq, positions)
@@ -209,14 +210,17 @@ def test_swiglu_and_embedding_equal_twins(dev):
     check_embedding(dev)
 
 
-@kernel_test
+@needs_gpu
 def test_swiglu_with_more_rows_than_grid_y_equals_twin(dev):
-    """70,000 tokens: more than grid.y's 65,535 (the rows stride over it). On a GPU only: the
-    emulator checks the grid (test_stage3_cuda_emulated.py) without running 70,000 blocks."""
-    if not ON_GPU:
-        pytest.skip("70,000 blocks of OS threads: the grid itself is checked in test_stage3_cuda_emulated.py")
+    """70,000 tokens: more than grid.y's 65,535 (the rows stride over it). On a GPU only (a dry
+    run does not collect it): the emulator checks the grid (test_stage3_cuda_emulated.py)
+    without running 70,000 blocks of OS threads."""
     gu = bf16_random(np.random.default_rng(8), (70_000, 2 * 24), 2.0)
     assert_bf16_close(kernels.swiglu(dev(gu)).get(), ops.swiglu(gu))
+
+
+if EMULATED:
+    del test_swiglu_with_more_rows_than_grid_y_equals_twin
 
 
 @kernel_test
