@@ -23,12 +23,24 @@ thread of a block is an OS thread. What it models, and the bugs each part catche
   that leaves itself out, reads a lane outside the mask, or names lanes that do not
   exist or have exited, is an error;
 - a watchdog turns a deadlock (threads that wait for one another, no progress for
-  QS_EMU_WATCHDOG_S seconds, default 20) into an error that says who waits where.
+  QS_EMU_WATCHDOG_S seconds, default 20) into an error that says who waits where;
+- a race detector between the blocks of a launch: a byte of a pointer argument that one
+  block writes and another block writes or reads (outside atomics) fails the launch with
+  both blocks and the element. The sources are compiled with GCC's ThreadSanitizer
+  instrumentation (-fsanitize=thread) and linked without libtsan: EMULATOR_H defines the
+  __tsan_* entry points, so every load and store of kernel code, whatever pointer arithmetic
+  or cast made its address, reaches a shadow of the launch's arguments (per byte: the block
+  that wrote it, the block(s) that read it). It sees every such conflict of the launch, not
+  only between blocks that happened to run at the same time. It cannot see races between
+  threads of one block (the barrier and shuffle checks are for those), addresses outside
+  the pointer arguments (out of bounds is memcheck's), atomic and plain accesses mixed on one
+  address (atomics are not recorded), or conflicts between launches (a stream orders them).
+  On by default; QS_EMU_RACE=0 builds and runs without it.
 
 Every error fails the launch with a message that carries the seed: QS_EMU_SEED=S replays
 the same block orders (the seed of each launch is derived from S and the launch's number
-in the process). What it cannot catch: races between threads that happen to run in a
-benign order on the CPU, the GPU's memory model, warp-synchronous code without *_sync,
+in the process). What it cannot catch: races between threads of one block that happen to
+run in a benign order on the CPU, the GPU's memory model, warp-synchronous code without *_sync,
 performance. Busy-waiting kernel code (a spin on global memory) is not interrupted by
 the watchdog; pytest-timeout's thread method is the backstop there.
 """
