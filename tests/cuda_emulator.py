@@ -47,6 +47,7 @@ the watchdog; pytest-timeout's thread method is the backstop there.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import itertools
 import os
 import random
@@ -54,6 +55,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import tempfile
 import types
 from pathlib import Path
 
@@ -761,6 +763,22 @@ def _precompiled_header(gxx: str, build_dir: Path) -> Path:
     return _header
 
 
+# built libraries, by the hash of what went into them (compiler, flags, header, the rewritten
+# source, its launchers): the emulated test files, the dry run of gpu_check.sh and the planted
+# copies of one CI run compile each .cu once. QS_EMU_CACHE=DIR puts it elsewhere, =off disables it.
+CACHE = os.environ.get("QS_EMU_CACHE") or str(Path(tempfile.gettempdir()) / f"qs-emu-cache-{os.getuid()}")
+
+
+def _cached(gxx: str, code: str, launchers: list[str]) -> Path | None:
+    if CACHE == "off":
+        return None
+    key = hashlib.sha256("\0".join([os.path.realpath(gxx), " ".join(CXXFLAGS), EMULATOR_H, code,
+                                    *launchers]).encode()).hexdigest()[:32]
+    folder = Path(CACHE)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / f"{key}.so"
+
+
 def build(sources: list[Path], build_dir: Path, timeout: int = 600) -> dict[str, EmulatedKernel]:
     """Compile each .cu file under the emulator (one g++ per file, all at once):
     kernel name -> EmulatedKernel. Raises EmulatorError with g++'s message."""
@@ -768,8 +786,8 @@ def build(sources: list[Path], build_dir: Path, timeout: int = 600) -> dict[str,
     if gxx is None:
         raise FileNotFoundError("g++ is not installed")
     build_dir.mkdir(parents=True, exist_ok=True)
-    header = _precompiled_header(gxx, build_dir)
-    procs, sigs = {}, {}
+    header = None
+    procs, sigs, libs = {}, {}, {}
     for i, cu in enumerate(sources):
         src = cu.read_text()
         sigs[cu] = kernel_signatures(src)
@@ -779,22 +797,34 @@ def build(sources: list[Path], build_dir: Path, timeout: int = 600) -> dict[str,
             launchers.append(
                 f'extern "C" int launch_{name}(const qs::LaunchArgs* a, char* err, int errlen, '
                 f'{", ".join(params)}) {{ return qs::launch(a, err, errlen, [=] {{ {name}({names}); }}); }}')
+        code = rewrite_shared(src)
+        cached = _cached(gxx, code, launchers)
+        if cached is not None and cached.is_file():     # built before, by this or another process
+            libs[cu] = cached
+            continue
+        header = header or _precompiled_header(gxx, build_dir)
         stem = f"{i:02d}_{cu.parent.parent.name}_{cu.stem}"
         body = build_dir / f"{stem}.body.cu"
-        body.write_text(f'#line 1 "{cu}"\n' + rewrite_shared(src))
+        body.write_text(f'#line 1 "{cu}"\n' + code)
         cpp = build_dir / f"{stem}.cpp"
         cpp.write_text(f'#include "{header}"\n#include "{body.name}"\n' + "\n".join(launchers) + "\n")
         obj, so = build_dir / f"{stem}.o", build_dir / f"{stem}.so"
         cmd = (f"{shlex.quote(gxx)} {' '.join(CXXFLAGS)} -c {shlex.quote(str(cpp))} -o {shlex.quote(str(obj))} && "
                f"{shlex.quote(gxx)} -shared -pthread {shlex.quote(str(obj))} -o {shlex.quote(str(so))}")
         procs[cu] = (subprocess.Popen(["sh", "-c", cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
-                     stem)
-    out = {}
-    for cu, (proc, stem) in procs.items():
+                     so, cached)
+    for cu, (proc, so, cached) in procs.items():
         _, err = proc.communicate(timeout=timeout)
         if proc.returncode != 0:
             raise EmulatorError(f"{cu} does not compile as C++ under the emulator:\n{err[-4000:]}")
-        lib = ctypes.CDLL(str(build_dir / f"{stem}.so"))
+        libs[cu] = so
+        if cached is not None:                          # into the cache, atomically (other processes read it)
+            tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+            shutil.copyfile(so, tmp)
+            os.replace(tmp, cached)
+    out = {}
+    for cu in sources:
+        lib = ctypes.CDLL(str(libs[cu]))
         for name, params in sigs[cu]:
             out[name] = EmulatedKernel(getattr(lib, f"launch_{name}"), name, params, cu)
     return out

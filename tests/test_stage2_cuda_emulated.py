@@ -291,6 +291,7 @@ def test_planted_dependency_between_blocks_is_revealed_by_the_shuffled_order(pla
     assert set(np.unique(firsts).tolist()) <= {1.0, 3.0}
 
 
+@pytest.mark.skipif(not emu.RACE, reason="QS_EMU_RACE=0: built without the race detector")
 def test_planted_read_of_another_blocks_output_is_a_race(planted):
     """The same kernel under the race detector: block b reads out[b * 32 - 1], which block
     b - 1 writes; the launch fails whatever order the blocks ran in, and names the element."""
@@ -301,6 +302,7 @@ def test_planted_read_of_another_blocks_output_is_a_race(planted):
         planted["residual_add_chain"]((n // threads,), (threads,), (x, y, dev(np.zeros(n, np.float32)), np.int64(n)))
 
 
+@pytest.mark.skipif(not emu.RACE, reason="QS_EMU_RACE=0: built without the race detector")
 def test_planted_write_write_race_between_blocks_is_reported(planted, emulated):
     """Every block writes out[0..31] (the index lost blockIdx): a write/write race on out[...];
     the real kernel, each block on its own slice, passes the same detector."""
@@ -313,6 +315,7 @@ def test_planted_write_write_race_between_blocks_is_reported(planted, emulated):
     np.testing.assert_allclose(out.get(), ops.silu_mul(np.ones(n, np.float32), np.ones(n, np.float32)), **TOL)
 
 
+@pytest.mark.skipif(not emu.RACE, reason="QS_EMU_RACE=0: built without the race detector")
 def test_atomics_of_many_blocks_on_one_address_are_not_a_race(tmp_path):
     """atomicAdd from every block into one counter is ordered by the hardware: no race; the same
     sum with a plain += is one."""

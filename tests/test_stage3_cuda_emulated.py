@@ -555,6 +555,7 @@ def test_decode_shared_memory_is_sized_by_the_head_dim():
     assert "__shared__ unsigned short k_tile[TILE][MAX_D]" not in src and "extern __shared__" in src
 
 
+@pytest.mark.skipif(not emu.RACE, reason="QS_EMU_RACE=0: built without the race detector")
 def test_planted_swiglu_grid_stride_from_zero_is_a_race(gpu, emulated, tmp_path, monkeypatch):
     """The grid-stride loop written from row 0 in every block (a classic slip): blocks with
     different blockIdx.y write the same rows, which the race detector reports; the real
