@@ -62,7 +62,7 @@ from test_stage3_cuda_emulated import (                    # noqa: E402, F401  (
     test_sample_kernel_equals_twin_on_the_same_uniform_numbers as check_sample,
     test_sample_owner_finds_its_token_where_chunk_start_plus_each_weight_rounds_away as check_sample_owner,
     test_swiglu_equals_twin as check_swiglu)
-from test_stage3_engine import GREEDY_PROMPTS, MARGIN, PROMPT, engine, hf_on_bf16_weights, run   # noqa: E402
+from test_stage3_engine import GREEDY_PROMPTS, MARGIN, engine, hf_on_bf16_weights, run   # noqa: E402
 
 
 @pytest.fixture
