@@ -6,15 +6,16 @@
 #   step            cap (s)  what
 #   probe             15     the interpreter that has CuPy (no pip, no network), the GPU,
 #                            the packages the tests need; none found: stop here, in seconds
-#   kernel tests      40     tests/test_stage*_gpu.py -k "not engine": every CUDA kernel of
-#                            every GPU stage against its numpy twin (QS_REQUIRE_GPU=1: a skip
-#                            is a failure)
+#   kernel tests      55     tests/test_stage*_gpu.py -k "not engine": every CUDA kernel of
+#                            every GPU stage (2 and 3) against its numpy twin (QS_REQUIRE_GPU=1:
+#                            a skip is a failure, and so is a stage none of whose tests passed,
+#                            and a tensor-core prefill that falls back to the plain kernel)
 #   engine tests      50     tests/test_stage*_gpu.py -k engine: the engines on the GPU
 #                            against transformers' greedy tokens
-#   benchmark        110     python -m bench.gpu: the newest stage on nano-vllm's full
+#   benchmark        100     python -m bench.gpu: the newest stage on nano-vllm's full
 #                            workload first, then every stage and transformers on stated
 #                            subsets and at batch 1, the HBM roofline
-#   stage3 bench      50     python -m bench.gpu_stage3, the stage-3 rows bench.gpu lacks, in
+#   stage3 bench      45     python -m bench.gpu_stage3, the stage-3 rows bench.gpu lacks, in
 #                            this order until the time is up: batch 1 with CUDA graphs and
 #                            with --no-cuda-graphs, the 8B shape (4 layers) against the
 #                            roofline, prefill attention TFLOP/s, the prefix-cache hit rate,
@@ -23,8 +24,9 @@
 #                            "skipped: out of time" in its row (not a failure); its table is
 #                            appended to gpu_bench.md
 #   sanitizer         25     compute-sanitizer, probed first (10 s; some runtimes refuse
-#                            the device): memcheck on the two tests marked `sanitize` (every
-#                            kernel once, small shapes), racecheck on the attention one
+#                            the device): memcheck on the tests marked `sanitize` (every
+#                            kernel of each stage once, small shapes, CuPy's memory pool off),
+#                            racecheck on the attention ones
 #   pack               5     one junit file, one log archive, the summary
 #   (total           295 of 300)
 #
@@ -42,7 +44,9 @@
 #                     caps must still add up to at most 300 s
 #   --dry-run         on a CPU: the same steps and plumbing (caps, files, paths, junit,
 #                     failures to stdout, the benchmark driver on a tiny model) with stand-in
-#                     tests; caps are stretched by QS_DRY_SCALE (default 4). QS_DRY_FAIL=1
+#                     tests, and the kernel step runs stage 3's GPU kernel tests on the emulated
+#                     kernels (QS_GPU_DRY_RUN=1, tests/test_stage3_gpu.py; QS_DRY_STANDINS=1
+#                     leaves them out); caps are stretched by QS_DRY_SCALE (default 4). QS_DRY_FAIL=1
 #                     plants a failing test and a skipped GPU test; QS_DRY_HANG=1 a test
 #                     that outlives its cap (tests/test_gpu_check.py uses both)
 # exit: 0 all passed; 1 a test failed, a step broke or $OUT would not come back whole;
@@ -54,7 +58,7 @@ DRY=0
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY=1 ;;
-        -h|--help) sed -n '2,45p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,53p' "$0"; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument $arg (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -62,10 +66,10 @@ done
 # ---- caps, folders ------------------------------------------------------------------
 TOTAL=300
 CAP_PROBE=${QS_CAP_PROBE:-15}
-CAP_KERNELS=${QS_CAP_KERNELS:-40}
+CAP_KERNELS=${QS_CAP_KERNELS:-55}
 CAP_ENGINE=${QS_CAP_ENGINE:-50}
-CAP_BENCH=${QS_CAP_BENCH:-110}
-CAP_BENCH3=${QS_CAP_BENCH3:-50}
+CAP_BENCH=${QS_CAP_BENCH:-100}
+CAP_BENCH3=${QS_CAP_BENCH3:-45}
 CAP_SANITIZE=${QS_CAP_SANITIZE:-25}
 CAP_PACK=${QS_CAP_PACK:-5}
 SUM=$((CAP_PROBE + CAP_KERNELS + CAP_ENGINE + CAP_BENCH + CAP_BENCH3 + CAP_SANITIZE + CAP_PACK))
@@ -200,6 +204,9 @@ say "probe ok: $PY"
 
 # ---- the tests: per stage, found by name ----------------------------------------------
 GPU_TESTS=$(ls tests/test_stage*_gpu.py 2>/dev/null | tr '\n' ' ')
+KERNEL_TESTS=$GPU_TESTS
+# the stages whose kernel tests must pass (stage2 stage3): from the GPU stages' folders
+STAGES=$(for d in stage*/cuda; do [ -d "$d" ] && basename "$(dirname "$d")" | cut -d_ -f1; done | tr '\n' ' ')
 PYTEST=("$PY" -m pytest -q -rfE --no-header -p no:cacheprovider -o console_output_style=classic)
 if [ "$DRY" = 1 ]; then
     # stand-ins: the real conftest (QS_REQUIRE_GPU, time limits) on tests written here
@@ -226,6 +233,14 @@ if os.environ.get("QS_DRY_HANG") == "1":
         time.sleep(600)
 PYEOF
     GPU_TESTS="$WORK/dry/test_dry_kernels.py $WORK/dry/test_dry_engine.py"
+    KERNEL_TESTS=$GPU_TESTS
+    STAGES=""
+    if [ "${QS_DRY_STANDINS:-0}" != 1 ]; then
+        # stage 3's kernel tests for real, on the emulated kernels (the twins' CPU stand-in)
+        KERNEL_TESTS="$KERNEL_TESTS tests/test_stage3_gpu.py"
+        STAGES="stage3"
+        export QS_GPU_DRY_RUN=1
+    fi
     PYTEST+=(-p conftest --rootdir "$ROOT" -c "$ROOT/pyproject.toml")
     export PYTHONPATH="$ROOT/tests${PYTHONPATH:+:$PYTHONPATH}"
 fi
@@ -244,9 +259,12 @@ run_tests() {
     else
         read -r np nf ne ns < <("$PY" bench/gpu_check_report.py counts "$xml")
         result="$np passed, $nf failed, $ne errors, $ns skipped (pytest exit $rc)"
-        if [ "$rc" != 0 ] || [ "${np:-0}" = 0 ]; then
+        missing=""
+        [ -n "${REQUIRE_STAGES:-}" ] && missing=$("$PY" bench/gpu_check_report.py stages "$xml" $REQUIRE_STAGES)
+        if [ "$rc" != 0 ] || [ "${np:-0}" = 0 ] || [ -n "$missing" ]; then
             result="**${result}**"
             [ "${np:-0}" = 0 ] && result="$result — nothing ran"
+            [ -n "$missing" ] && result="$result — no test of $missing passed"
             FAILED=1
         fi
     fi
@@ -257,7 +275,7 @@ run_tests() {
 }
 
 # ---- 2. kernel tests, 3. engine tests -------------------------------------------------
-run_tests kernel_tests "$CAP_KERNELS" $GPU_TESTS -k "not engine"
+REQUIRE_STAGES=$STAGES run_tests kernel_tests "$CAP_KERNELS" $KERNEL_TESTS -k "not engine"
 run_tests engine_tests "$CAP_ENGINE" $GPU_TESTS -k "engine"
 
 # ---- 4. the benchmark -----------------------------------------------------------------

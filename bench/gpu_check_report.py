@@ -6,6 +6,9 @@ interpreter the script found, or under python3 when none has CuPy).
   python bench/gpu_check_report.py failures IN.xml [LINES]     the failing tests, each with
                                                                the last LINES lines of its traceback
   python bench/gpu_check_report.py counts IN.xml               "passed failed errors skipped"
+  python bench/gpu_check_report.py stages IN.xml STAGE...      the stages (test_STAGE_gpu.py, e.g.
+                                                               stage2, stage3) none of whose tests
+                                                               passed; empty when each had one
   python bench/gpu_check_report.py check-out DIR MAX           DIR holds at most MAX plain files,
                                                                no folders, names the device tool
                                                                brings back; exit 1 otherwise
@@ -42,6 +45,24 @@ def counts(paths: list[str]) -> dict[str, int]:
                 else:
                     c["passed"] += 1
     return c
+
+
+def passed_per_file(path: str) -> dict[str, int]:
+    """test file stem (pytest's classname starts with it, e.g. tests.test_stage3_gpu) -> tests passed."""
+    out: dict[str, int] = {}
+    for suite in suites(path):
+        for case in suite.iter("testcase"):
+            parts = case.get("classname", "").split(".")
+            stem = next((x for x in parts if x.startswith("test_")), parts[-1])
+            ok = not {child.tag for child in case} & {"failure", "error", "skipped"}
+            out[stem] = out.get(stem, 0) + int(ok)
+    return out
+
+
+def stages_without_a_pass(path: str, stages: list[str]) -> list[str]:
+    """The stages of `stages` (stage2, stage3, ...) whose GPU test file passed no test."""
+    passed = passed_per_file(path)
+    return [st for st in stages if passed.get(f"test_{st}_gpu", 0) == 0]
 
 
 def merge(out: str, paths: list[str]) -> None:
@@ -98,6 +119,8 @@ def main(argv: list[str]) -> int:
     elif cmd == "counts":
         c = counts(rest)
         print(c["passed"], c["failed"], c["errors"], c["skipped"])
+    elif cmd == "stages":
+        print(" ".join(stages_without_a_pass(rest[0], rest[1:])))
     elif cmd == "failures":
         text = failures(rest[0], int(rest[1]) if len(rest) > 1 else 25)
         if text:

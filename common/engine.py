@@ -22,10 +22,11 @@ class Request:
 class TokenEvent:
     request_id: str
     token_id: int                # the token produced this step (-1 when none: abort, or an error before any token)
-    finish_reason: str | None    # None while running, then "stop" | "length" | "abort"
+    finish_reason: str | None    # None while running, then "stop" | "length" | "abort" | "error"
     # With "stop" the event carries the token that stopped the sequence (an eos id or
     # one of stop_token_ids): it is not part of the answer text. With "length" the
-    # token is an ordinary output token. With "abort" token_id is -1.
+    # token is an ordinary output token. With "abort" token_id is -1, and with "error" too
+    # (the engine could not produce a token for this request, e.g. its logits were NaN).
 
 
 class Engine(Protocol):

@@ -103,10 +103,20 @@ def pad_decode_batch(tokens: np.ndarray, batch: BatchInfo, size: int,
     return pad(tokens, 0), padded
 
 
+# the static inputs, in the order they sit in StaticInputs' one buffer: name -> ints per row
+# (query_start has one more entry; block_tables, last, is max_blocks per row)
+LAYOUT = ("tokens", "positions", "slot_mapping", "token_seq", "context_lens", "logits_rows", "rows",
+          "query_start", "block_tables")
+
+
 @dataclass
 class StaticInputs:
     """The arrays a captured graph reads, on the model's device, sized for the largest bucket.
-    A bucket of B rows uses the first B rows of each (contiguous slices)."""
+    A bucket of B rows uses the first B rows of each (contiguous slices).
+    They are views of one int32 buffer on the device (`device`), and fill() writes a step's
+    numbers into its host twin (`host`, page-locked on a GPU) and then copies the used part
+    over in one transfer: one DMA per replay instead of one pageable copy per array (each of
+    those stages through a driver buffer and waits for the host). On the CPU, host is device."""
     tokens: object            # [Bmax] int32
     positions: object         # [Bmax] int32
     slot_mapping: object      # [Bmax] int32
@@ -116,12 +126,35 @@ class StaticInputs:
     query_start: object       # [Bmax + 1] int32
     logits_rows: object       # [Bmax] int32
     empty: object             # [0] int32 (a decode batch has no prefill tiles)
+    rows: object = None       # [Bmax] int32: the real batch's logits_rows (the rows the caller keeps)
+    device: object = None     # [n] int32: the one buffer the arrays above are views of
+    host: object = None       # [n] int32 numpy: its host twin (page-locked memory on a GPU)
+    host_views: dict = None   # name -> the host twin's view of that array
+    pinned: object = None     # the page-locked allocation behind host (kept alive)
+    copied: object = None     # a CUDA event after the last copy: host may be rewritten once it is done
 
     @classmethod
     def allocate(cls, xp, max_batch: int, max_blocks: int) -> "StaticInputs":
-        z = lambda *shape: xp.zeros(shape, dtype=np.int32)   # noqa: E731
-        return cls(z(max_batch), z(max_batch), z(max_batch), z(max_batch), z(max_batch, max_blocks),
-                   z(max_batch), z(max_batch + 1), z(max_batch), z(0))
+        B = max_batch
+        sizes = {name: B for name in LAYOUT}
+        sizes["query_start"], sizes["block_tables"] = B + 1, B * max_blocks
+        n = sum(sizes.values())
+        device = xp.zeros(n, dtype=np.int32)
+        pinned = None
+        if isinstance(device, np.ndarray):                 # numpy (or a stand-in of a device array)
+            host = device.view(np.ndarray)
+        else:
+            pinned = xp.cuda.alloc_pinned_memory(n * 4)
+            host = np.ndarray(n, np.int32, buffer=pinned)   # (what cupyx.empty_pinned does)
+            host[...] = 0
+        views, host_views, at = {}, {}, 0
+        for name in LAYOUT:
+            views[name], host_views[name] = device[at:at + sizes[name]], host[at:at + sizes[name]]
+            at += sizes[name]
+        views["block_tables"] = views["block_tables"].reshape(B, max_blocks)
+        host_views["block_tables"] = host_views["block_tables"].reshape(B, max_blocks)
+        return cls(**views, empty=xp.zeros(0, dtype=np.int32), device=device, host=host,
+                   host_views=host_views, pinned=pinned)
 
     def view(self, size: int, max_context: int) -> BatchInfo:
         """The BatchInfo of a bucket: views of the first `size` rows (what the graph reads)."""
@@ -131,23 +164,36 @@ class StaticInputs:
                          query_start=self.query_start[:size + 1], logits_rows=self.logits_rows[:size],
                          tile_start=self.empty, tile_count=self.empty, max_context=max_context)
 
-    def fill(self, tokens: np.ndarray, batch: BatchInfo) -> None:
-        """Copy a padded host batch (pad_decode_batch) into the first rows, in place."""
+    def fill(self, tokens: np.ndarray, batch: BatchInfo, rows: np.ndarray | None = None) -> None:
+        """Copy a padded host batch (pad_decode_batch) into the first rows, and the rows of the
+        logits to keep into `rows`: writes into the host twin, then one copy to the device."""
         size = len(tokens)
-        for dst, src in [(self.tokens, tokens), (self.positions, batch.positions),
-                         (self.slot_mapping, batch.slot_mapping), (self.token_seq, batch.token_seq),
-                         (self.block_tables, batch.block_tables), (self.context_lens, batch.context_lens),
-                         (self.query_start, batch.query_start), (self.logits_rows, batch.logits_rows)]:
-            n = size + 1 if dst is self.query_start else size
-            _copy_into(dst[:n], src)
+        if self.copied is not None:
+            self.copied.synchronize()                      # the previous copy has read the host twin
+        h = self.host_views
+        for name, src in [("tokens", tokens), ("positions", batch.positions), ("slot_mapping", batch.slot_mapping),
+                          ("token_seq", batch.token_seq), ("context_lens", batch.context_lens),
+                          ("logits_rows", batch.logits_rows), ("query_start", batch.query_start)]:
+            h[name][:len(src)] = src
+        if rows is not None:
+            h["rows"][:len(rows)] = rows
+        bt = batch.block_tables
+        h["block_tables"][:size, :bt.shape[1]] = bt
+        # the used part: everything before the block tables, and the bucket's rows of them
+        used = int(h["block_tables"].ctypes.data - self.host.ctypes.data) // 4 + size * bt.shape[1]
+        assert bt.shape[1] == h["block_tables"].shape[1], "pad_decode_batch makes the tables max_blocks wide"
+        self._upload(used)
 
-
-def _copy_into(dst, src: np.ndarray) -> None:
-    """host src -> dst (a contiguous slice of a static buffer), without reallocating dst."""
-    if isinstance(dst, np.ndarray):
-        dst[...] = src
-    else:
-        dst.set(np.ascontiguousarray(src, dtype=dst.dtype))   # cupy: a host-to-device copy into place
+    def _upload(self, n: int) -> None:
+        """host[:n] -> device[:n]: one asynchronous copy from page-locked memory (none on the CPU)."""
+        if self.pinned is None:
+            return
+        import cupy
+        stream = cupy.cuda.get_current_stream()
+        self.device[:n].set(self.host[:n], stream=stream)
+        if self.copied is None:
+            self.copied = cupy.cuda.Event(disable_timing=True)
+        self.copied.record(stream)
 
 
 class CupyCapture:
@@ -167,8 +213,15 @@ class CupyCapture:
             self.stream.begin_capture()               # relaxed mode (CuPy's default): the pool may cudaMalloc
             try:
                 out = fn()
-            finally:
-                graph = self.stream.end_capture()
+            except BaseException:
+                # end the capture, but raise fn's error: the "capture invalidated" error that
+                # end_capture() gives after a failed launch only hides the cause
+                try:
+                    self.stream.end_capture()
+                except Exception:
+                    pass
+                raise
+            graph = self.stream.end_capture()
         return graph, out
 
     def replay(self, graph) -> None:
@@ -206,10 +259,10 @@ class DecodeGraphs:
         b = len(tokens)
         size = pick_bucket(self.buckets, b)
         ptokens, pbatch = pad_decode_batch(tokens, batch, size, self.max_blocks, self.model.max_ctx)
-        self.static.fill(ptokens, pbatch)
+        self.static.fill(ptokens, pbatch, batch.logits_rows)       # one host-to-device copy
         info = self.static.view(size, self.model.max_ctx)
         static_tokens = self.static.tokens[:size]
-        rows = self.xp.asarray(batch.logits_rows)
+        rows = self.static.rows[:len(batch.logits_rows)]
         if size in self.graphs:
             graph, logits = self.graphs[size]
             try:

@@ -206,6 +206,12 @@ class LLMEngine:
         self.forward_s += time.perf_counter() - t0
 
         for seq, token in zip(sampling, chosen):
+            if token < 0:
+                # a degenerate logits row (a NaN or +inf, or all -inf: kernels.sample gives -1):
+                # no token to append or embed; the request ends with an error, the others go on
+                self.scheduler.finish(seq)
+                events.append(TokenEvent(seq.id, -1, "error"))
+                continue
             seq.token_ids.append(token)
             p = seq.req.params
             finish = None
@@ -227,7 +233,8 @@ class LLMEngine:
         uniform and takes the first token whose running sum passes it, which is what the
         kernel does, so a seed picks the same tokens on both paths (up to fp32 rounding at a
         boundary). Requests with penalties or min_p copy their row to the host and run
-        their own Sampler (common/sampling.py), as in stage 2."""
+        their own Sampler (common/sampling.py), as in stage 2. A degenerate row (NaN, +inf,
+        or every logit -inf) gives -1 on either path: step() turns it into an error."""
         xp = self.xp
         plain = [s.req.params.repetition_penalty == 1.0 and not s.req.params.presence_penalty
                  and not s.req.params.frequency_penalty and not s.req.params.min_p for s in seqs]
@@ -246,7 +253,8 @@ class LLMEngine:
         rest = [i for i, p in enumerate(plain) if not (p and self.device_sampling)]
         if rest:
             host = kernels.to_host(logits[xp.asarray(rest)])             # [S'', V]
-            for row, i in zip(host, rest):
+            bad = kernels.ops.degenerate_rows(host)                     # as the device path answers them
+            for row, i, degenerate in zip(host, rest, bad.tolist()):
                 s = seqs[i]
-                tokens[i] = s.sampler(row, s.prompt_ids, s.output_ids)
+                tokens[i] = -1 if degenerate else s.sampler(row, s.prompt_ids, s.output_ids)
         return tokens

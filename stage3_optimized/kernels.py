@@ -36,6 +36,7 @@ KERNEL_FILES = {                      # kernel name -> its .cu file under cuda/
     "prefill_attention_tc": "prefill_attention_tc.cu",
     "sample": "sample.cu",
 }
+MAX_GRID_Y = 65535                    # a launch's grid.y limit (grid.x goes to 2^31 - 1)
 MAX_HEAD_DIM = 256                    # the attention kernels keep D/32 values per lane in registers
 TC_MAX_HEAD_DIM, TC_WARPS = 128, 4     # the tensor-core prefill: O in registers, 4 heads per block
 
@@ -172,6 +173,13 @@ def qk_norm_rope_store(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_map
 
 # decode attention splits each context into pieces of SPLIT_LEN positions (flash-decoding)
 SPLIT_LEN = 512
+DECODE_TILE = 32                      # positions per shared-memory tile (TILE in decode_attention.cu)
+
+
+def decode_shared_bytes(D: int) -> int:
+    """The split kernel's dynamic shared memory: K and V tiles [2, TILE, D] bf16 (32 KB at
+    D = 256, within the 48 KB a kernel gets without raising its attribute)."""
+    return 2 * DECODE_TILE * D * 2
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, split_len: int = 0,
@@ -205,7 +213,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, spli
         (S * Hkv, splits), (32 * group,),
         (q, k_cache, v_cache, block_tables, context_lens, part_out, part_ml,
          np.int32(H), np.int32(Hkv), np.int32(D), np.int32(P), np.int32(block_tables.shape[1]),
-         np.int32(split_len), np.int32(splits), np.float32(1.0 / np.sqrt(D))))
+         np.int32(split_len), np.int32(splits), np.float32(1.0 / np.sqrt(D))),
+        shared_mem=decode_shared_bytes(D))
     _kernel("merge_attention")((S * H,), (32,), (part_out, part_ml, context_lens, out, np.int32(H),
                                                  np.int32(D), np.int32(split_len), np.int32(splits)))
     return out
@@ -251,11 +260,17 @@ def prefill_attention(q, k_cache, v_cache, block_tables, token_seq, positions,
 @functools.cache
 def _tc_available() -> bool:
     """Whether the tensor-core kernel compiles here (it needs sm_80 or newer for bf16 wmma);
-    if not, the plain kernel runs (said once), so an old GPU costs speed, not the engine."""
+    if not, the plain kernel runs (said once), so an old GPU costs speed, not the engine.
+    With QS_REQUIRE_GPU=1 (bench/gpu_check.sh) the fallback is an error instead: there the
+    check must prove the tensor-core kernel, not pass on the plain one."""
+    import os
     try:
         _kernel("prefill_attention_tc")
         return True
     except Exception as e:  # cupy's CompileException, or a missing toolkit
+        if os.environ.get("QS_REQUIRE_GPU") == "1":
+            raise RuntimeError(f"QS_REQUIRE_GPU=1 and the tensor-core prefill kernel does not compile here "
+                               f"({type(e).__name__}: {str(e)[:300]})") from e
         import warnings
         warnings.warn(f"the tensor-core prefill kernel does not compile here ({type(e).__name__}: "
                       f"{str(e)[:200]}); using the plain prefill kernel")
@@ -271,7 +286,8 @@ def swiglu(gate_up):
     N, F2 = gate_up.shape
     out = cupy.empty((N, F2 // 2), dtype=cupy.uint16)
     if N:
-        _kernel("swiglu")(((F2 // 2 + 255) // 256, N), (256,), (gate_up, out, np.int32(F2 // 2)))
+        _kernel("swiglu")(((F2 // 2 + 255) // 256, min(N, MAX_GRID_Y)), (256,),
+                          (gate_up, out, np.int32(N), np.int32(F2 // 2)))
     return out
 
 

@@ -278,12 +278,17 @@ def sample(logits: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p
         top-p (top_p[s] < 1): of those, the largest logits whose w sum to >= top_p of the
                               kept mass (the threshold's ties too);
       the token is the first kept index whose running sum of kept w passes u[s] * (kept mass).
+    A degenerate row (degenerate_rows) gets -1: no token, an error for its request.
     -> tokens [S] int32. The kernel finds the same thresholds by a search on the logits'
     bits instead of a sort; sums differ in order, so the two agree whenever u is not within
     rounding of a boundary between two tokens (the test draws u away from them)."""
     S, V = logits.shape
     out = np.empty(S, np.int32)
+    bad = degenerate_rows(logits)
     for s in range(S):
+        if bad[s]:
+            out[s] = -1
+            continue
         if temperature[s] <= 0:
             out[s] = int(np.argmax(logits[s]))
             continue
@@ -292,6 +297,13 @@ def sample(logits: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p
         hit = np.flatnonzero(keep & (run > u[s] * run[-1]))
         out[s] = hit[0] if len(hit) else np.flatnonzero(keep)[-1]
     return out
+
+
+def degenerate_rows(logits: np.ndarray) -> np.ndarray:
+    """logits [S, V] -> [S] bool: the rows with no distribution to sample (a NaN or +inf
+    logit, or every logit -inf), which sample() and sample.cu answer with -1."""
+    logits = np.asarray(logits)
+    return (np.isnan(logits) | np.isposinf(logits)).any(axis=-1) | np.isneginf(logits).all(axis=-1)
 
 
 def sampling_set(l: np.ndarray, temperature: float, top_k: int, top_p: float) -> tuple[np.ndarray, np.ndarray]:

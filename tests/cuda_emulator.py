@@ -23,24 +23,39 @@ thread of a block is an OS thread. What it models, and the bugs each part catche
   that leaves itself out, reads a lane outside the mask, or names lanes that do not
   exist or have exited, is an error;
 - a watchdog turns a deadlock (threads that wait for one another, no progress for
-  QS_EMU_WATCHDOG_S seconds, default 20) into an error that says who waits where.
+  QS_EMU_WATCHDOG_S seconds, default 20) into an error that says who waits where;
+- a race detector between the blocks of a launch: a byte of a pointer argument that one
+  block writes and another block writes or reads (outside atomics) fails the launch with
+  both blocks and the element. The sources are compiled with GCC's ThreadSanitizer
+  instrumentation (-fsanitize=thread) and linked without libtsan: EMULATOR_H defines the
+  __tsan_* entry points, so every load and store of kernel code, whatever pointer arithmetic
+  or cast made its address, reaches a shadow of the launch's arguments (per byte: the block
+  that wrote it, the block(s) that read it). It sees every such conflict of the launch, not
+  only between blocks that happened to run at the same time. It cannot see races between
+  threads of one block (the barrier and shuffle checks are for those), addresses outside
+  the pointer arguments (out of bounds is memcheck's), atomic and plain accesses mixed on one
+  address (atomics are not recorded), or conflicts between launches (a stream orders them).
+  On by default; QS_EMU_RACE=0 builds and runs without it.
 
 Every error fails the launch with a message that carries the seed: QS_EMU_SEED=S replays
 the same block orders (the seed of each launch is derived from S and the launch's number
-in the process). What it cannot catch: races between threads that happen to run in a
-benign order on the CPU, the GPU's memory model, warp-synchronous code without *_sync,
+in the process). What it cannot catch: races between threads of one block that happen to
+run in a benign order on the CPU, the GPU's memory model, warp-synchronous code without *_sync,
 performance. Busy-waiting kernel code (a spin on global memory) is not interrupted by
 the watchdog; pytest-timeout's thread method is the backstop there.
 """
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import itertools
 import os
 import random
 import re
+import shlex
 import shutil
 import subprocess
+import tempfile
 import types
 from pathlib import Path
 
@@ -50,6 +65,8 @@ from cuda_sources import OPTIN_SMEM_LIMIT, STATIC_SMEM_LIMIT
 
 SEED = int(os.environ.get("QS_EMU_SEED") or random.SystemRandom().randrange(2**31))
 WATCHDOG_S = float(os.environ.get("QS_EMU_WATCHDOG_S", "20"))
+# the race detector between blocks (on unless QS_EMU_RACE=0): see the module docstring
+RACE = os.environ.get("QS_EMU_RACE", "1") != "0"
 TARGET = os.environ.get("QS_EMU_TARGET", "sm_90")
 DEFAULT_DYNAMIC_SMEM = 48 * 1024          # what a kernel may use before it raises its attribute
 MAX_THREADS, MAX_BLOCK = 1024, (1024, 1024, 64)
@@ -72,6 +89,7 @@ EMULATOR_H = r"""
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -105,13 +123,28 @@ struct LaunchArgs {                                // mirrored by LaunchArgs in 
     int live;
     double watchdog_s;
     unsigned long long optin_smem, static_smem_limit;
+    int race;                                      // 1: the race detector watches this launch
+    int nranges;
+    const unsigned long long* ranges;              // [nranges, 2]: each pointer argument's [lo, hi)
 };
+
+// the race detector's shadow of one pointer argument: per byte, the block (number + 1) that
+// wrote it, and the block that read it (MANY once two blocks have)
+struct Shadow {
+    unsigned long long lo = 0, hi = 0;
+    unsigned* writer = nullptr;
+    unsigned* reader = nullptr;
+};
+constexpr unsigned MANY = 0xffffffffu;
 
 struct Launch {
     LaunchArgs a;
     std::mutex mu;
     std::atomic<bool> aborted{false};
     std::string error;
+    std::vector<Shadow> shadows;
+    Shadow* shadow = nullptr;                      // shadows.data(), for the hooks (plain pointers only)
+    int nshadow = 0;
 };
 static Launch* launch_state = nullptr;
 
@@ -361,6 +394,19 @@ template <class Body>
 int launch(const LaunchArgs* args, char* err, int errlen, Body body) {
     Launch L;
     L.a = *args;
+    if (L.a.race) {
+        for (int r = 0; r < L.a.nranges; r++) {
+            Shadow sh;
+            sh.lo = L.a.ranges[2 * r];
+            sh.hi = L.a.ranges[2 * r + 1];
+            const size_t n = sh.hi > sh.lo ? sh.hi - sh.lo : 0;
+            sh.writer = static_cast<unsigned*>(std::calloc(n + 1, sizeof(unsigned)));   // zero pages: lazy
+            sh.reader = static_cast<unsigned*>(std::calloc(n + 1, sizeof(unsigned)));
+            L.shadows.push_back(sh);
+        }
+        L.shadow = L.shadows.data();
+        L.nshadow = int(L.shadows.size());
+    }
     launch_state = &L;
     gridDim = {L.a.gx, L.a.gy, L.a.gz};
     blockDim = {L.a.bx, L.a.by, L.a.bz};
@@ -381,13 +427,105 @@ int launch(const LaunchArgs* args, char* err, int errlen, Body body) {
     for (int s = 0; s < L.a.live && (unsigned long long)s < n; s++) slots.emplace_back(slot);
     for (auto& th : slots) th.join();
     launch_state = nullptr;
+    for (auto& sh : L.shadows) {
+        std::free(sh.writer);
+        std::free(sh.reader);
+    }
     if (L.aborted) {
         std::snprintf(err, errlen, "%s", L.error.c_str());
         return 1;
     }
     return 0;
 }
+// --- the race detector: GCC's ThreadSanitizer instrumentation (-fsanitize=thread) with this
+// runtime instead of libtsan's. Every load and store the compiler emits in this file calls
+// __tsan_readN / __tsan_writeN with its address; an address inside a pointer argument of the
+// launch is checked against the shadow: a byte written by one block and written or read by
+// another is a race (blocks of one launch run in no fixed order, and nothing orders them).
+// The answer does not depend on which blocks happened to run at the same time. Atomics
+// (__tsan_atomic*) are performed and not recorded. These functions are not instrumented
+// themselves, and use only __atomic builtins.
+#define QS_HOOK extern "C" __attribute__((no_sanitize_thread, visibility("hidden")))
+
+__attribute__((no_sanitize_thread)) inline void race_report(const char* mine, const char* theirs, unsigned other,
+                                                            int arg, unsigned long long byte)
+{
+    const Launch* L = launch_state;
+    const unsigned o = other - 1, gx = L->a.gx, gy = L->a.gy;
+    if (L->aborted) return;
+    const std::string who = other == MANY ? std::string("other blocks") :
+        fmt("block (%u,%u,%u)", o % gx, (o / gx) % gy, o / (gx * gy));
+    record(fmt("race: %s %s {arg %d byte %llu}, which %s %s, and nothing orders two blocks of one launch "
+               "(on the GPU: a result that depends on the schedule)", where().c_str(), mine, arg, byte,
+               who.c_str(), theirs));
+}
+
+__attribute__((no_sanitize_thread)) inline void race_access(const void* p, unsigned long long n, bool write)
+{
+    Launch* L = launch_state;
+    if (L == nullptr || !L->a.race || cur == nullptr) return;
+    const unsigned long long a = reinterpret_cast<unsigned long long>(p);
+    for (int r = 0; r < L->nshadow; r++) {          // (nothing here may call an instrumented function)
+        Shadow& sh = L->shadow[r];
+        if (a < sh.lo || a >= sh.hi) continue;
+        const unsigned me = 1 + blockIdx.x + L->a.gx * (blockIdx.y + L->a.gy * blockIdx.z);
+        const unsigned long long end = a + n < sh.hi ? a + n : sh.hi;
+        for (unsigned long long b = a - sh.lo; b < end - sh.lo; b++) {
+            if (write) {
+                const unsigned w = __atomic_exchange_n(&sh.writer[b], me, __ATOMIC_SEQ_CST);
+                const unsigned rd = __atomic_load_n(&sh.reader[b], __ATOMIC_SEQ_CST);
+                if (w && w != me) { race_report("writes", "wrote", w, int(r), b); return; }
+                if (rd && rd != me) { race_report("writes", "read", rd, int(r), b); return; }
+            } else {
+                unsigned rd = __atomic_load_n(&sh.reader[b], __ATOMIC_SEQ_CST);
+                if (rd == 0 && __atomic_compare_exchange_n(&sh.reader[b], &rd, me, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+                } else if (rd != me && rd != MANY) {
+                    __atomic_store_n(&sh.reader[b], MANY, __ATOMIC_SEQ_CST);
+                }
+                const unsigned w = __atomic_load_n(&sh.writer[b], __ATOMIC_SEQ_CST);
+                if (w && w != me) { race_report("reads", "wrote", w, int(r), b); return; }
+            }
+        }
+        return;                                     // the first argument that holds the address
+    }
+}
 }  // namespace qs
+
+QS_HOOK void __tsan_init() {}
+QS_HOOK void __tsan_func_entry(void*) {}
+QS_HOOK void __tsan_func_exit() {}
+QS_HOOK void __tsan_vptr_update(void**, void*) {}
+QS_HOOK void __tsan_vptr_read(void**) {}
+QS_HOOK void __tsan_read_range(void* p, unsigned long n) { qs::race_access(p, n, false); }
+QS_HOOK void __tsan_write_range(void* p, unsigned long n) { qs::race_access(p, n, true); }
+#define QS_RW(N) \
+    QS_HOOK void __tsan_read##N(void* p) { qs::race_access(p, N, false); } \
+    QS_HOOK void __tsan_write##N(void* p) { qs::race_access(p, N, true); } \
+    QS_HOOK void __tsan_unaligned_read##N(void* p) { qs::race_access(p, N, false); } \
+    QS_HOOK void __tsan_unaligned_write##N(void* p) { qs::race_access(p, N, true); } \
+    QS_HOOK void __tsan_volatile_read##N(void* p) { qs::race_access(p, N, false); } \
+    QS_HOOK void __tsan_volatile_write##N(void* p) { qs::race_access(p, N, true); }
+QS_RW(1) QS_RW(2) QS_RW(4) QS_RW(8) QS_RW(16)
+// atomics: done, not recorded (the memory order argument is GCC's, the same numbering)
+#define QS_ATOMIC(N, T) \
+    QS_HOOK T __tsan_atomic##N##_load(const volatile T* a, int) { return __atomic_load_n(a, __ATOMIC_SEQ_CST); } \
+    QS_HOOK void __tsan_atomic##N##_store(volatile T* a, T v, int) { __atomic_store_n(a, v, __ATOMIC_SEQ_CST); } \
+    QS_HOOK T __tsan_atomic##N##_exchange(volatile T* a, T v, int) { return __atomic_exchange_n(a, v, __ATOMIC_SEQ_CST); } \
+    QS_HOOK T __tsan_atomic##N##_fetch_add(volatile T* a, T v, int) { return __atomic_fetch_add(a, v, __ATOMIC_SEQ_CST); } \
+    QS_HOOK T __tsan_atomic##N##_fetch_sub(volatile T* a, T v, int) { return __atomic_fetch_sub(a, v, __ATOMIC_SEQ_CST); } \
+    QS_HOOK T __tsan_atomic##N##_fetch_and(volatile T* a, T v, int) { return __atomic_fetch_and(a, v, __ATOMIC_SEQ_CST); } \
+    QS_HOOK T __tsan_atomic##N##_fetch_or(volatile T* a, T v, int) { return __atomic_fetch_or(a, v, __ATOMIC_SEQ_CST); } \
+    QS_HOOK T __tsan_atomic##N##_fetch_xor(volatile T* a, T v, int) { return __atomic_fetch_xor(a, v, __ATOMIC_SEQ_CST); } \
+    QS_HOOK T __tsan_atomic##N##_fetch_nand(volatile T* a, T v, int) { return __atomic_fetch_nand(a, v, __ATOMIC_SEQ_CST); } \
+    QS_HOOK int __tsan_atomic##N##_compare_exchange_strong(volatile T* a, T* e, T v, int, int) \
+        { return __atomic_compare_exchange_n(a, e, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST); } \
+    QS_HOOK int __tsan_atomic##N##_compare_exchange_weak(volatile T* a, T* e, T v, int, int) \
+        { return __atomic_compare_exchange_n(a, e, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST); } \
+    QS_HOOK T __tsan_atomic##N##_compare_exchange_val(volatile T* a, T e, T v, int, int) \
+        { __atomic_compare_exchange_n(a, &e, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST); return e; }
+QS_ATOMIC(8, unsigned char) QS_ATOMIC(16, unsigned short) QS_ATOMIC(32, unsigned) QS_ATOMIC(64, unsigned long long)
+QS_HOOK void __tsan_atomic_thread_fence(int) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+QS_HOOK void __tsan_atomic_signal_fence(int) { __atomic_signal_fence(__ATOMIC_SEQ_CST); }
 
 #define __syncthreads() qs::syncthreads(__LINE__)
 template <class T> T qs_xor(int line, unsigned m, T v, int x, int w = 32) { return qs::shfl(line, "__shfl_xor_sync", qs::XOR, m, v, x, w); }
@@ -400,6 +538,15 @@ inline void qs_syncwarp(int line, unsigned m = 0xffffffffu) { qs::shfl(line, "__
 #define __shfl_up_sync(...) qs_up(__LINE__, __VA_ARGS__)
 #define __shfl_sync(...) qs_idx(__LINE__, __VA_ARGS__)
 #define __syncwarp(...) qs_syncwarp(__LINE__ __VA_OPT__(,) __VA_ARGS__)
+
+// CUDA's vector types, with their alignment (a 16-byte load of a misaligned address is an error on
+// the GPU; here the alignment at least keeps the layout of shared memory the same)
+struct alignas(8) uint2 { unsigned x, y; };
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+struct alignas(16) float4 { float x, y, z, w; };
+inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 
 inline float __int_as_float(int bits) { float f; std::memcpy(&f, &bits, 4); return f; }
 inline float __int_as_float(unsigned bits) { float f; std::memcpy(&f, &bits, 4); return f; }
@@ -418,7 +565,8 @@ class LaunchArgs(ctypes.Structure):
     _fields_ = [(k, ctypes.c_uint) for k in ("gx", "gy", "gz", "bx", "by", "bz")] + [
         ("dynamic_smem", ctypes.c_ulonglong), ("seed", ctypes.c_ulonglong), ("live", ctypes.c_int),
         ("watchdog_s", ctypes.c_double), ("optin_smem", ctypes.c_ulonglong),
-        ("static_smem_limit", ctypes.c_ulonglong)]
+        ("static_smem_limit", ctypes.c_ulonglong), ("race", ctypes.c_int), ("nranges", ctypes.c_int),
+        ("ranges", ctypes.POINTER(ctypes.c_ulonglong))]
 
 
 # ---------------------------------------------------------------------------
@@ -559,7 +707,7 @@ class EmulatedKernel:
         if len(args) != len(self.params):
             raise EmulatorError(f"{name}: {len(args)} arguments for {len(self.params)} parameters")
         g, b = self._check_launch(grid, block, int(shared_mem))
-        values = []
+        values, ranges, names = [], [], []
         for arg, param in zip(args, self.params):
             base, pointer = _base_type(param)
             if pointer:
@@ -570,6 +718,8 @@ class EmulatedKernel:
                 if arg.dtype != NP_POINTEES[base]:
                     raise EmulatorError(f"{name}: {param} got {arg.dtype}")
                 values.append(arg.ctypes.data)
+                ranges += [arg.ctypes.data, arg.ctypes.data + arg.nbytes]
+                names.append((param.split()[-1].lstrip("*"), arg.itemsize))
             else:
                 if type(arg) is not NP_SCALARS[base]:
                     raise EmulatorError(f"{name}: {param} got {type(arg).__name__}, not {NP_SCALARS[base].__name__}")
@@ -577,16 +727,24 @@ class EmulatedKernel:
         number = next(_launch_number)
         seed = (SEED * 1_000_003 + number) % 2**63
         live = 2 + seed % 3
+        bounds = (ctypes.c_ulonglong * max(1, len(ranges)))(*ranges)
         la = LaunchArgs(*g, *b, dynamic_smem=int(shared_mem), seed=seed, live=live, watchdog_s=WATCHDOG_S,
-                        optin_smem=OPTIN_SMEM_LIMIT[self.target], static_smem_limit=STATIC_SMEM_LIMIT)
+                        optin_smem=OPTIN_SMEM_LIMIT[self.target], static_smem_limit=STATIC_SMEM_LIMIT,
+                        race=int(RACE), nranges=len(ranges) // 2, ranges=bounds)
         err = ctypes.create_string_buffer(2048)
         if self.fn(ctypes.byref(la), err, len(err), *values) != 0:
-            raise EmulatorError(f"{name} ({self.source.name}): {err.value.decode(errors='replace')}\n"
+            def element(m):                          # {arg 2 byte 10} -> out[5] (the parameter's name)
+                pname, size = names[int(m.group(1))]
+                return f"{pname}[{int(m.group(2)) // size}]"
+            message = re.sub(r"\{arg (\d+) byte (\d+)\}", element, err.value.decode(errors="replace"))
+            raise EmulatorError(f"{name} ({self.source.name}): {message}\n"
                                 f"[emulator: launch #{number}, seed {seed}, {live} blocks live; replay with "
                                 f"QS_EMU_SEED={SEED}]")
 
 
-CXXFLAGS = ("-std=c++20", "-O1", "-fPIC", "-pthread", "-w")
+# compiled with -fsanitize=thread (while RACE is on) and linked without it: the hooks in
+# EMULATOR_H are the runtime that the instrumentation calls
+CXXFLAGS = ("-std=c++20", "-O1", "-fPIC", "-pthread", "-w") + (("-fsanitize=thread",) if RACE else ())
 _header: Path | None = None
 
 
@@ -605,6 +763,22 @@ def _precompiled_header(gxx: str, build_dir: Path) -> Path:
     return _header
 
 
+# built libraries, by the hash of what went into them (compiler, flags, header, the rewritten
+# source, its launchers): the emulated test files, the dry run of gpu_check.sh and the planted
+# copies of one CI run compile each .cu once. QS_EMU_CACHE=DIR puts it elsewhere, =off disables it.
+CACHE = os.environ.get("QS_EMU_CACHE") or str(Path(tempfile.gettempdir()) / f"qs-emu-cache-{os.getuid()}")
+
+
+def _cached(gxx: str, code: str, launchers: list[str]) -> Path | None:
+    if CACHE == "off":
+        return None
+    key = hashlib.sha256("\0".join([os.path.realpath(gxx), " ".join(CXXFLAGS), EMULATOR_H, code,
+                                    *launchers]).encode()).hexdigest()[:32]
+    folder = Path(CACHE)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / f"{key}.so"
+
+
 def build(sources: list[Path], build_dir: Path, timeout: int = 600) -> dict[str, EmulatedKernel]:
     """Compile each .cu file under the emulator (one g++ per file, all at once):
     kernel name -> EmulatedKernel. Raises EmulatorError with g++'s message."""
@@ -612,8 +786,8 @@ def build(sources: list[Path], build_dir: Path, timeout: int = 600) -> dict[str,
     if gxx is None:
         raise FileNotFoundError("g++ is not installed")
     build_dir.mkdir(parents=True, exist_ok=True)
-    header = _precompiled_header(gxx, build_dir)
-    procs, sigs = {}, {}
+    header = None
+    procs, sigs, libs = {}, {}, {}
     for i, cu in enumerate(sources):
         src = cu.read_text()
         sigs[cu] = kernel_signatures(src)
@@ -623,19 +797,34 @@ def build(sources: list[Path], build_dir: Path, timeout: int = 600) -> dict[str,
             launchers.append(
                 f'extern "C" int launch_{name}(const qs::LaunchArgs* a, char* err, int errlen, '
                 f'{", ".join(params)}) {{ return qs::launch(a, err, errlen, [=] {{ {name}({names}); }}); }}')
+        code = rewrite_shared(src)
+        cached = _cached(gxx, code, launchers)
+        if cached is not None and cached.is_file():     # built before, by this or another process
+            libs[cu] = cached
+            continue
+        header = header or _precompiled_header(gxx, build_dir)
         stem = f"{i:02d}_{cu.parent.parent.name}_{cu.stem}"
         body = build_dir / f"{stem}.body.cu"
-        body.write_text(f'#line 1 "{cu}"\n' + rewrite_shared(src))
+        body.write_text(f'#line 1 "{cu}"\n' + code)
         cpp = build_dir / f"{stem}.cpp"
         cpp.write_text(f'#include "{header}"\n#include "{body.name}"\n' + "\n".join(launchers) + "\n")
-        procs[cu] = (subprocess.Popen([gxx, *CXXFLAGS, "-shared", str(cpp), "-o", str(build_dir / f"{stem}.so")],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), stem)
-    out = {}
-    for cu, (proc, stem) in procs.items():
+        obj, so = build_dir / f"{stem}.o", build_dir / f"{stem}.so"
+        cmd = (f"{shlex.quote(gxx)} {' '.join(CXXFLAGS)} -c {shlex.quote(str(cpp))} -o {shlex.quote(str(obj))} && "
+               f"{shlex.quote(gxx)} -shared -pthread {shlex.quote(str(obj))} -o {shlex.quote(str(so))}")
+        procs[cu] = (subprocess.Popen(["sh", "-c", cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+                     so, cached)
+    for cu, (proc, so, cached) in procs.items():
         _, err = proc.communicate(timeout=timeout)
         if proc.returncode != 0:
             raise EmulatorError(f"{cu} does not compile as C++ under the emulator:\n{err[-4000:]}")
-        lib = ctypes.CDLL(str(build_dir / f"{stem}.so"))
+        libs[cu] = so
+        if cached is not None:                          # into the cache, atomically (other processes read it)
+            tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+            shutil.copyfile(so, tmp)
+            os.replace(tmp, cached)
+    out = {}
+    for cu in sources:
+        lib = ctypes.CDLL(str(libs[cu]))
         for name, params in sigs[cu]:
             out[name] = EmulatedKernel(getattr(lib, f"launch_{name}"), name, params, cu)
     return out

@@ -151,3 +151,16 @@ def test_nvrtc_rejects_what_only_nvcc_accepts():
     src = b'extern "C" __global__ void k(float* x) { x[0] = -INFINITY; }\n'
     rc, log, _ = nvrtc_compile(lib, src, "k.cu", RAWMODULE_OPTIONS + CUPY_ADDS + ("-arch=sm_90",))
     assert rc != 0 and "INFINITY" in log
+
+
+def test_ci_script_sets_ci_and_runs_the_readme_test_command():
+    """.ci/run exports CI=1 (a missing compiler fails the tests above instead of skipping them)
+    and ends with exactly the README's test command; the slowest tests are printed by
+    pyproject's addopts (--durations=25), so both print them."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    ci = (root / ".ci" / "run").read_text()
+    assert re.search(r"^export CI=1$", ci, re.M)
+    readme_cmd = "pip install -e '.[test]' && python -m pytest -q"
+    assert readme_cmd in (root / "README.md").read_text() and readme_cmd in ci
+    assert "--durations=25" in (root / "pyproject.toml").read_text()

@@ -128,7 +128,8 @@ def test_quantized_engine_computes_exactly_its_numpy_twin(fmt, activations, act,
     twin of every matmul: MoE experts see 1-3 tokens, so both paths run."""
     if "int8" in act and not cpu.INT8:
         pytest.skip("no int8 dot product here (AVX-512 VNNI / AVX-VNNI vpdpbusd, or AVX2 vpmaddubsw)")
-    if "bf16" in act and not cpu.BF16:
+    fell_back = "bf16" in act and not cpu.BF16
+    if fell_back:
         act = act.replace("bf16", "fp32")              # no AVX-512 BF16 (vdpbf16ps): prefill stays fp32
     folder = make_model("qwen3_moe", hidden_size=128, intermediate_size=256, initializer_range=0.05)
     w = load_weights(folder, fmt, 32, progress=False, activations=activations)
@@ -150,6 +151,8 @@ def test_quantized_engine_computes_exactly_its_numpy_twin(fmt, activations, act,
     if T < len(PROMPT):
         twin.forward(prompt[:-T], 0)
     assert rel_err(fused, twin.forward(prompt[-T:], len(PROMPT) - T, all_logits=True)) < 1e-4
+    if fell_back:                                      # the fallback is checked; the bf16 kernel is not
+        pytest.skip("the bf16 prefill kernel needs AVX-512 BF16 (vdpbf16ps), absent here: its fp32 fallback passed")
 
 
 def test_multi_turn_cache_reuse_equals_prefill_from_scratch():

@@ -253,6 +253,9 @@ PLANTED = {
     # threads that have no element return before the block's barrier
     "rmsnorm_early_exit": ("rmsnorm.cu", "rmsnorm", [
         ("    partial[threadIdx.x] = ss;", "    if (threadIdx.x >= C) return;\n    partial[threadIdx.x] = ss;")]),
+    # every block writes the first blockDim outputs (an index without blockIdx): a write/write race
+    "silu_mul_overlap": ("silu_mul.cu", "silu_mul", [
+        ("out[i] = g / (1.0f + expf(-g)) * up[i];", "out[threadIdx.x] = g / (1.0f + expf(-g)) * up[i];")]),
     # lane 0 waits in a shuffle for lanes that wait at the barrier for lane 0
     "rmsnorm_deadlock": ("rmsnorm.cu", "rmsnorm", [
         ("    partial[threadIdx.x] = ss;",
@@ -274,9 +277,11 @@ def planted(tmp_path_factory):
     return emu.build(sources, folder / "build")
 
 
-def test_planted_dependency_between_blocks_is_revealed_by_the_shuffled_order(planted):
+def test_planted_dependency_between_blocks_is_revealed_by_the_shuffled_order(planted, monkeypatch):
     """In order, each block's first element adds its predecessor's last output (1 + 2 = 3);
-    blocks in a shuffled order, several at once, read it before it is written (1 + 0)."""
+    blocks in a shuffled order, several at once, read it before it is written (1 + 0).
+    (The race detector, off here, reports the launch itself: the next test.)"""
+    monkeypatch.setattr(emu, "RACE", False)
     n, threads = 32 * 24, 32
     x, y = dev(np.ones(n, np.float32)), dev(np.ones(n, np.float32))
     out = dev(np.zeros(n, np.float32))
@@ -284,6 +289,46 @@ def test_planted_dependency_between_blocks_is_revealed_by_the_shuffled_order(pla
     firsts = out.get()[threads::threads]                  # the first element of blocks 1..23
     assert not np.array_equal(firsts, np.full_like(firsts, 3.0)), "every block ran after its predecessor"
     assert set(np.unique(firsts).tolist()) <= {1.0, 3.0}
+
+
+@pytest.mark.skipif(not emu.RACE, reason="QS_EMU_RACE=0: built without the race detector")
+def test_planted_read_of_another_blocks_output_is_a_race(planted):
+    """The same kernel under the race detector: block b reads out[b * 32 - 1], which block
+    b - 1 writes; the launch fails whatever order the blocks ran in, and names the element."""
+    n, threads = 32 * 24, 32
+    x, y = dev(np.ones(n, np.float32)), dev(np.ones(n, np.float32))
+    with pytest.raises(EmulatorError, match=r"race: block \(\d+,0,0\) thread \(\d+,0,0\) (reads|writes) "
+                                            r"out\[(\d+)\], which block \(\d+,0,0\) (wrote|read)"):
+        planted["residual_add_chain"]((n // threads,), (threads,), (x, y, dev(np.zeros(n, np.float32)), np.int64(n)))
+
+
+@pytest.mark.skipif(not emu.RACE, reason="QS_EMU_RACE=0: built without the race detector")
+def test_planted_write_write_race_between_blocks_is_reported(planted, emulated):
+    """Every block writes out[0..31] (the index lost blockIdx): a write/write race on out[...];
+    the real kernel, each block on its own slice, passes the same detector."""
+    n = 32 * 5
+    g, u = dev(np.ones(n, np.float32)), dev(np.ones(n, np.float32))
+    with pytest.raises(EmulatorError, match=r"race: .* writes out\[\d+\], which block \(\d,0,0\) (wrote|read)"):
+        planted["silu_mul_overlap"]((5,), (32,), (g, u, dev(np.zeros(n, np.float32)), np.int64(n)))
+    out = dev(np.zeros(n, np.float32))
+    emulated["silu_mul"]((5,), (32,), (g, u, out, np.int64(n)))
+    np.testing.assert_allclose(out.get(), ops.silu_mul(np.ones(n, np.float32), np.ones(n, np.float32)), **TOL)
+
+
+@pytest.mark.skipif(not emu.RACE, reason="QS_EMU_RACE=0: built without the race detector")
+def test_atomics_of_many_blocks_on_one_address_are_not_a_race(tmp_path):
+    """atomicAdd from every block into one counter is ordered by the hardware: no race; the same
+    sum with a plain += is one."""
+    _need_gxx()
+    src = tmp_path / "count.cu"
+    src.write_text('extern "C" __global__ void count_atomic(float* total) { atomicAdd(total, 1.0f); }\n'
+                   'extern "C" __global__ void count_plain(float* total) { if (threadIdx.x == 0) *total += 1.0f; }\n')
+    k = emu.build([src], tmp_path / "build")
+    total = dev(np.zeros(1, np.float32))
+    k["count_atomic"]((6,), (32,), (total,))
+    assert total.get()[0] == 6 * 32
+    with pytest.raises(EmulatorError, match=r"race: .*total\[0\]"):
+        k["count_plain"]((6,), (32,), (total,))
 
 
 def test_planted_read_of_unwritten_shared_memory_is_poisoned(planted, emulated):

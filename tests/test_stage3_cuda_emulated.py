@@ -260,7 +260,7 @@ def test_decode_attention_splits_and_merge_equal_twins(gpu, emulated, H, Hkv, D,
         (S * Hkv, splits), (32 * (H // Hkv),),
         (gpu(q), gpu(k_cache), gpu(v_cache), gpu(tables), gpu(ctx), part_out, part_ml,
          np.int32(H), np.int32(Hkv), np.int32(D), np.int32(P), np.int32(tables.shape[1]),
-         np.int32(split), np.int32(splits), np.float32(1 / np.sqrt(D))))
+         np.int32(split), np.int32(splits), np.float32(1 / np.sqrt(D))), shared_mem=kernels.decode_shared_bytes(D))
     e_out, e_ml = ops.decode_attention_splits(q, k_cache, v_cache, tables, ctx, split, splits)
     used = np.arange(splits)[None, :] < ((ctx + split - 1) // split)[:, None]   # [S, splits] pieces with positions
     got_ml = part_ml.get()
@@ -461,3 +461,216 @@ def test_sample_kernel_equals_twin_on_the_same_uniform_numbers(gpu, V):
     many = ops.sample(np.repeat(logits[1:2], 400, 0), np.full(400, 1.0, np.float32), np.zeros(400, np.int32),
                       np.ones(400, np.float32), rng.random(400).astype(np.float32))
     assert len(set(many.tolist())) > 5
+
+
+# ---------------------------------------------------------------------------
+# the bugs a review found, each with the case that showed it
+# ---------------------------------------------------------------------------
+
+def test_sample_owner_finds_its_token_where_chunk_start_plus_each_weight_rounds_away(gpu):
+    """Thread 0's chunk holds the weight 1 (logit 0), thread 1's chunk [16, 32) sixteen weights
+    e^-17 = 4.1e-8, each under half an ulp of 1 (2^-24): 1 + w rounds back to 1 in fp32, their
+    sum from 0 does not. u = 1 - 2^-23 puts the target inside thread 1's chunk. A walk that
+    starts from chunk_start (v1) never passes the target and falls back to the row's last
+    kept index (V - 1); the walk over local's own sums stops inside the chunk, as the twin does."""
+    V = 256 * 16                                           # BLOCK 256: chunks of 16
+    logits = np.full((1, V), -np.inf, np.float32)
+    logits[0, 0] = 0.0
+    logits[0, 16:32] = -17.0
+    args = (np.ones(1, np.float32), np.zeros(1, np.int32), np.ones(1, np.float32),
+            np.array([1 - 2 ** -23], np.float32))
+    expect = ops.sample(logits, *args)
+    got = kernels.sample(gpu(logits), *map(gpu, args)).get()
+    assert 16 <= expect[0] < 32, expect
+    assert 16 <= got[0] < 32 and abs(int(got[0]) - int(expect[0])) <= 2, (got, expect)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.8, 5, 0.9), (1.0, 0, 0.5)])
+def test_sample_degenerate_rows_give_minus_one_not_a_token(gpu, temperature, top_k, top_p):
+    """All NaN (v1, greedy: id V, out of range), all -inf (v1, top-p: -1 or V - 1), one NaN or
+    one +inf among finite logits: -1 from kernel and twin alike; a finite row beside them
+    still gets its token."""
+    V = 300
+    rng = np.random.default_rng(4)
+    logits = rng.standard_normal((5, V)).astype(np.float32)
+    logits[0] = np.nan
+    logits[1] = -np.inf
+    logits[2, 17] = np.nan
+    logits[3, 200] = np.inf
+    S = len(logits)
+    args = (np.full(S, temperature, np.float32), np.full(S, top_k, np.int32), np.full(S, top_p, np.float32),
+            np.full(S, 0.37, np.float32))
+    expect = ops.sample(logits, *args)
+    got = kernels.sample(gpu(logits), *map(gpu, args)).get()
+    assert expect[:4].tolist() == [-1, -1, -1, -1] and 0 <= expect[4] < V
+    np.testing.assert_array_equal(got, expect)
+
+
+def test_swiglu_grid_stays_within_the_limits_for_more_than_65535_rows(gpu, emulated, monkeypatch):
+    """v1 put the N rows in grid.y: 70,000 tokens were an invalid launch. The grid is checked
+    by the emulator's launch limits (the run itself, 70,000 blocks of OS threads, would be slow)."""
+    grids = []
+
+    def check(grid, block, args, **kw):
+        emulated["swiglu"]._check_launch(grid, block, 0)
+        grids.append(grid)
+
+    monkeypatch.setattr(kernels, "_kernel", lambda name: check)
+    kernels.swiglu(gpu(np.zeros((70_000, 2 * 8), np.uint16)))
+    assert grids and grids[0][1] <= 65535
+
+
+def test_swiglu_strides_its_rows_over_grid_y(gpu, monkeypatch):
+    """With grid.y cut to 3, every one of 11 rows is still computed (rows 3, 6, 9 by block y 0...)."""
+    monkeypatch.setattr(kernels, "MAX_GRID_Y", 3)
+    gu = bf16_random(np.random.default_rng(5), (11, 2 * 40), 2.0)
+    assert_bf16_close(kernels.swiglu(gpu(gu)).get(), ops.swiglu(gu))
+
+
+def test_decode_split_past_the_context_returns_without_writing(gpu, emulated):
+    """A split that starts past its sequence's context leaves its partials as they were (the
+    early return; the merge reads only the used splits): a context of 3 in splits of 8 of a
+    grid sized for 40 positions uses split 0 only, the second sequence (context 17) splits 0..2."""
+    rng = np.random.default_rng(6)
+    H, Hkv, D, P, split, lens = 4, 2, 32, 4, 8, [3, 17]
+    k32, v32, tables, *_ = paged(rng, lens, Hkv, D, P)
+    q = bf16_random(rng, (2, H, D))
+    splits = 5
+    part_out = gpu(np.full((2, H, splits, D), 7.0, np.float32))
+    part_ml = gpu(np.full((2, H, splits, 2), 7.0, np.float32))
+    emulated["paged_decode_attention"](
+        (2 * Hkv, splits), (32 * (H // Hkv),),
+        (gpu(q), gpu(bf16_bits(k32)), gpu(bf16_bits(v32)), gpu(tables), gpu(np.array(lens, np.int32)), part_out,
+         part_ml, np.int32(H), np.int32(Hkv), np.int32(D), np.int32(P), np.int32(tables.shape[1]), np.int32(split),
+         np.int32(splits), np.float32(1 / np.sqrt(D))), shared_mem=kernels.decode_shared_bytes(D))
+    ml = part_ml.get()
+    assert (ml[0, :, 1:] == 7.0).all() and (ml[1, :, 3:] == 7.0).all()        # untouched
+    assert (ml[0, :, 0] != 7.0).all() and (ml[1, :, :3] != 7.0).all()         # written
+
+
+def test_decode_shared_memory_is_sized_by_the_head_dim():
+    assert kernels.decode_shared_bytes(64) == 8 * 1024 and kernels.decode_shared_bytes(128) == 16 * 1024
+    assert kernels.decode_shared_bytes(256) == 32 * 1024 <= emu.DEFAULT_DYNAMIC_SMEM
+    src = (CUDA_DIR / "decode_attention.cu").read_text()
+    assert "__shared__ unsigned short k_tile[TILE][MAX_D]" not in src and "extern __shared__" in src
+
+
+@pytest.mark.skipif(not emu.RACE, reason="QS_EMU_RACE=0: built without the race detector")
+def test_planted_swiglu_grid_stride_from_zero_is_a_race(gpu, emulated, tmp_path, monkeypatch):
+    """The grid-stride loop written from row 0 in every block (a classic slip): blocks with
+    different blockIdx.y write the same rows, which the race detector reports; the real
+    kernel passes it at the same launch."""
+    src = (CUDA_DIR / "swiglu.cu").read_text()
+    old = "for (size_t n = blockIdx.y; n < (size_t)N; n += gridDim.y)"
+    assert src.count(old) == 1
+    bad = tmp_path / "swiglu.cu"
+    bad.write_text(src.replace(old, "for (size_t n = 0; n < (size_t)N; n++)"))
+    planted = emu.build([bad], tmp_path / "build")
+    monkeypatch.setattr(kernels, "MAX_GRID_Y", 3)
+    gu = bf16_random(np.random.default_rng(7), (5, 2 * 16))
+    assert_bf16_close(kernels.swiglu(gpu(gu)).get(), ops.swiglu(gu))     # the real kernel: no race
+    monkeypatch.setattr(kernels, "_kernel", lambda name: planted[name])
+    with pytest.raises(emu.EmulatorError, match=r"race: block \(0,\d,0\) .* writes out\[\d+\], which block \(0,\d,0\) wrote"):
+        kernels.swiglu(gpu(gu))
+
+
+def test_engine_reports_a_degenerate_logits_row_as_an_error_for_that_request_only(monkeypatch):
+    """device="cpu" (the twins): the logits of request "bad" (greedy: the device sampler) and
+    "bad_host" (a repetition penalty: the host Sampler) are NaN; each gets one event, token -1
+    and finish_reason "error", and no token; "ok" gets its tokens as if alone; every page is freed."""
+    from common.engine import Request
+    from common.sampling import SamplingParams
+    from models import make_model
+    from stage3_optimized.engine import LLMEngine
+
+    folder = make_model("qwen3")
+
+    def run(poison, names):
+        eng = LLMEngine(folder, max_ctx=48, slots=4, token_budget=32, page_size=4, num_pages=40, device="cpu",
+                        progress=False, enforce_eager=True)
+        if poison:
+            real = eng._sample
+
+            def poisoned(seqs, logits):
+                logits = np.array(logits, copy=True)
+                for i, s in enumerate(seqs):
+                    if s.id.startswith("bad"):
+                        logits[i] = np.nan
+                return real(seqs, logits)
+            monkeypatch.setattr(eng, "_sample", poisoned)
+        params = {"ok": SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                  "bad": SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                  "bad_host": SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, repetition_penalty=1.1)}
+        for name in names:
+            eng.add_request(Request(name, [5, 9, 3, 17, 40], params[name]))
+        events = {name: [] for name in names}
+        while eng.has_work():
+            for ev in eng.step():
+                events[ev.request_id].append((ev.token_id, ev.finish_reason))
+        assert eng.num_free_pages() == 40
+        return events
+
+    alone = run(False, ["ok"])
+    got = run(True, ["ok", "bad", "bad_host"])
+    assert got["bad"] == [(-1, "error")] and got["bad_host"] == [(-1, "error")]
+    assert got["ok"] == alone["ok"] and len(got["ok"]) == 4 and got["ok"][-1][1] == "length"
+
+
+def test_failed_capture_keeps_the_first_error_not_end_captures():
+    """A launch fails inside the capture; end_capture() then raises "capture invalidated".
+    DecodeGraphs.error must name the launch's error (v1 kept end_capture's)."""
+    import contextlib
+    import types
+    from stage3_optimized.cuda_graphs import CupyCapture
+
+    class Stream:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+        def begin_capture(self):
+            pass
+
+        def end_capture(self):
+            raise RuntimeError("cudaErrorStreamCaptureInvalidated: operation failed due to a previous error")
+
+    cap = CupyCapture.__new__(CupyCapture)
+    cap.cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        get_current_stream=lambda: types.SimpleNamespace(synchronize=lambda: None),
+        using_allocator=lambda malloc: contextlib.nullcontext()))
+    cap.stream, cap.pool = Stream(), types.SimpleNamespace(malloc=None)
+
+    def forward():
+        raise ValueError("cuLaunchKernel: too many resources requested for launch (the cause)")
+
+    with pytest.raises(ValueError, match="the cause"):
+        cap(forward)
+
+
+def test_graph_replay_stages_its_inputs_in_one_buffer_and_one_copy(monkeypatch):
+    """The static inputs are views of one buffer, and a replay's fill makes one upload of it
+    (the copy from page-locked memory on a GPU; nothing to copy on the CPU)."""
+    from common.engine import Request
+    from common.sampling import SamplingParams
+    from models import make_model
+    from stage3_optimized.cuda_graphs import LAYOUT, DecodeGraphs, StaticInputs
+    from stage3_optimized.engine import LLMEngine
+    from test_stage3_cuda_graphs import CallCapture
+
+    uploads = []
+    monkeypatch.setattr(StaticInputs, "_upload", lambda self, n: uploads.append(n))
+    eng = LLMEngine(make_model("qwen3"), max_ctx=32, slots=3, token_budget=32, page_size=4, num_pages=30,
+                    device="cpu", progress=False, enforce_eager=True)
+    eng.graphs = DecodeGraphs(eng.model, 3, capture=CallCapture())
+    st = eng.graphs.static
+    for name in LAYOUT:
+        assert np.shares_memory(getattr(st, name), st.device), name
+    for i in range(3):
+        eng.add_request(Request(str(i), [5 + i, 9, 3], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)))
+    while eng.has_work():
+        eng.step()
+    runs = eng.graphs.num_replays + eng.graphs.num_eager
+    assert eng.graphs.num_replays > 0 and len(uploads) == runs
+    assert all(0 < n <= st.device.size for n in uploads)

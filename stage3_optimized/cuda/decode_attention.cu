@@ -19,6 +19,12 @@
 //              memory once, then each warp scores them against its own query (lane j owns
 //              dims j, j + 32, ...) with an online softmax. Each K/V row leaves HBM once per
 //              group instead of once per query head (stage 2): G = 2 for Qwen3-0.6B, 4 for 8B.
+//              Shared memory: 2 * TILE * D bf16, dynamic (kernels.py passes 4 * TILE * D bytes):
+//              8 KB at D = 64, 16 KB at D = 128, 32 KB only for D = 256, so a small head
+//              dim keeps more blocks per SM than one static size for D = 256 would.
+//              A split that starts past its sequence's context returns at once (the graphs'
+//              grid is sized for max_ctx: most of a short context's splits are empty); the
+//              merge reads only the splits that saw positions, never the empty ones' partials.
 //              kernel 2: grid (S * H), block 32.
 //              splits = ceil(max ctx / SPLIT): a long context fills the GPU with S * Hkv * splits
 //              blocks even when S is 1.
@@ -31,6 +37,8 @@
 //   stage 2 v1: one block per (sequence, query head), fp32, the group's heads re-read K/V.
 //   v2 (stage 3): bf16, one block per (sequence, kv head, split), K/V tiles shared by the
 //       group through shared memory, partial softmaxes merged by a second kernel.
+//   v3: empty splits return before loading q; shared memory sized by D (dynamic); K/V rows
+//       staged with 16-byte loads (8 bf16 at a time) when D is a multiple of 8.
 
 #define TILE 32
 #define MAX_D 256
@@ -61,14 +69,17 @@ extern "C" __global__ void paged_decode_attention(const unsigned short* __restri
                                                   int H, int Hkv, int D, int P, int max_blocks,
                                                   int split_len, int splits, float scale)
 {
-    __shared__ unsigned short k_tile[TILE][MAX_D];
-    __shared__ unsigned short v_tile[TILE][MAX_D];
+    extern __shared__ __align__(16) unsigned short kv_tiles[];   // [2, TILE, D]: K rows, then V rows
+    unsigned short* k_tile = kv_tiles;                   // k_tile[i * D + d]: position t0 + i, dim d
+    unsigned short* v_tile = kv_tiles + TILE * D;
     const int s = blockIdx.x / Hkv, g = blockIdx.x % Hkv, split = blockIdx.y;
     const int G = H / Hkv;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int h = g * G + warp;                          // this warp's query head
     const int ctx = context_lens[s];
     const int start = split * split_len;
+    if (start >= ctx) return;                            // an empty split: the merge never reads it
+                                                         // (the whole block leaves: no barrier waits)
     const int stop = min(ctx, start + split_len);
     const int* table = block_tables + (size_t)s * max_blocks;
 
@@ -87,11 +98,25 @@ extern "C" __global__ void paged_decode_attention(const unsigned short* __restri
         const int rows = min(TILE, stop - t0);
         // all G warps copy the tile's K and V rows from their pages, once for the group
         __syncthreads();                                 // the previous tile is consumed
-        for (int e = threadIdx.x; e < rows * D; e += blockDim.x) {
-            const int i = e / D, d = e % D, t = t0 + i;
-            const size_t row = (((size_t)table[t / P] * P + t % P) * Hkv + g) * D;
-            k_tile[i][d] = k_cache[row + d];
-            v_tile[i][d] = v_cache[row + d];
+        if (D % 8 == 0) {
+            // 16-byte loads, 8 bf16 each. Aligned: a pool row starts at element
+            // ((page * P + t % P) * Hkv + g) * D, a multiple of D and so of 8 elements (16 bytes);
+            // the pool itself is a CuPy allocation (256-byte aligned); a tile row is i * D
+            // elements into the 16-byte aligned kv_tiles
+            const int vecs = D / 8;
+            for (int e = threadIdx.x; e < rows * vecs; e += blockDim.x) {
+                const int i = e / vecs, c = e - i * vecs, t = t0 + i;
+                const size_t row = (((size_t)table[t / P] * P + t % P) * Hkv + g) * D;
+                reinterpret_cast<uint4*>(k_tile + i * D)[c] = reinterpret_cast<const uint4*>(k_cache + row)[c];
+                reinterpret_cast<uint4*>(v_tile + i * D)[c] = reinterpret_cast<const uint4*>(v_cache + row)[c];
+            }
+        } else {
+            for (int e = threadIdx.x; e < rows * D; e += blockDim.x) {
+                const int i = e / D, d = e - i * D, t = t0 + i;
+                const size_t row = (((size_t)table[t / P] * P + t % P) * Hkv + g) * D;
+                k_tile[i * D + d] = k_cache[row + d];
+                v_tile[i * D + d] = v_cache[row + d];
+            }
         }
         __syncthreads();
         for (int i = 0; i < rows; i++) {
@@ -99,7 +124,7 @@ extern "C" __global__ void paged_decode_attention(const unsigned short* __restri
 #pragma unroll
             for (int r = 0; r < PER_LANE; r++) {
                 const int d = lane + 32 * r;
-                if (d < D) dot += qr[r] * bf16_to_f32(k_tile[i][d]);
+                if (d < D) dot += qr[r] * bf16_to_f32(k_tile[i * D + d]);
             }
             const float score = warp_sum(dot);
             // online softmax: rescale what we have by exp(m_old - m_new), add the new term
@@ -110,13 +135,13 @@ extern "C" __global__ void paged_decode_attention(const unsigned short* __restri
 #pragma unroll
             for (int r = 0; r < PER_LANE; r++) {
                 const int d = lane + 32 * r;
-                if (d < D) acc[r] = acc[r] * correction + p * bf16_to_f32(v_tile[i][d]);
+                if (d < D) acc[r] = acc[r] * correction + p * bf16_to_f32(v_tile[i * D + d]);
             }
             m = m_new;
         }
     }
 
-    // this split's partial result; an empty split (start >= ctx) leaves m = -inf, l = 0
+    // this split's partial result (m, l and the unnormalised acc)
     const size_t part = ((size_t)s * H + h) * splits + split;
 #pragma unroll
     for (int r = 0; r < PER_LANE; r++) {

@@ -17,7 +17,7 @@
 //                S = Q K^T            (D/16 mma steps; Q's fragments stay in registers)
 //                online softmax on S's rows in fp32 (two lanes per row), causal mask,
 //                O = O * correction + P V   (P rounded to bf16; O in registers, lane l owns
-//                                            row l / 2 and 8 columns of every 16-column slice)
+//                                            row l / 2 and 8 columns of every 16-column slice, col())
 //              and finally writes O / l.
 // Shapes:      q, out: [N, H, D] bf16 (uint16 bits); k_cache, v_cache: [NB, P, Hkv, D] bf16;
 //              block_tables: [S, max_blocks] int32; token_seq, positions: [N] int32;
@@ -30,6 +30,8 @@
 // Version history
 //   v1: wmma 16x16x16 tiles (PTX, no header), one warp per query head, K/V tiles shared by up to 4 heads of a
 //       GQA group, online softmax between shared-memory score tiles, O in registers.
+//   v2: K/V staged with 16-byte loads; `scores` and `probs` rows 24 apart and each lane's columns
+//       in two runs of four, so the softmax's reads and P's writes are free of bank conflicts.
 
 // The tensor-core instructions, as PTX `wmma` (what <mma.h>'s nvcuda::wmma compiles to), so
 // this file needs no header: NVRTC, which cupy.RawModule uses, has none of its own. A fragment is a
@@ -98,7 +100,24 @@ __device__ __forceinline__ unsigned short f32_to_bf16(float f)
 #define T16 16                      // the WMMA tile: 16 queries x 16 keys x 16 dims
 #define WARPS 4                     // query heads per block (a larger GQA group takes several blocks)
 #define MAX_D 128
+#define SLD 24                      // row stride of `scores` (floats) and `probs` (bf16), see below
 #define NEG_INF __int_as_float(0xff800000)
+
+// Lane l of a warp owns row l / 2 of the 16x16 score tile and, of its 16 columns, the two runs
+// of four col(j), j = 0..7: half = l % 2 takes columns 4 half .. 4 half + 3 and 8 + 4 half ..
+// 8 + 4 half + 3. With rows SLD = 24 apart, the lanes' 16-byte reads of `scores` fall in 8
+// different bank groups per quarter warp (row * 6 + half + 2 r, mod 8: all distinct for rows
+// 4a .. 4a + 3), and their 8-byte writes of `probs` in 16 different bank pairs per half warp
+// (row * 6 + half + 2 r, mod 16, rows 8a .. 8a + 7): no bank conflict (a stride of 16 with
+// eight contiguous columns per lane was 8-way on the reads and 4-way on the writes).
+// wmma takes a stride that is a multiple of 16 bytes and a 32-byte aligned tile: 24 floats
+// (96 bytes) and 24 bf16 (48 bytes) rows, tiles of 1,536 and 768 bytes, satisfy both.
+__device__ __forceinline__ int col(int j, int half) { return (j / 4) * 8 + half * 4 + (j % 4); }
+
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi)
+{
+    return (unsigned)f32_to_bf16(lo) | ((unsigned)f32_to_bf16(hi) << 16);   // lo at the lower address
+}
 
 extern "C" __global__ void prefill_attention_tc(const unsigned short* __restrict__ q,       // [N, H, D]
                                                 const unsigned short* __restrict__ k_cache, // [NB, P, Hkv, D]
@@ -113,8 +132,8 @@ extern "C" __global__ void prefill_attention_tc(const unsigned short* __restrict
 {
     __shared__ __align__(32) unsigned short k_tile[T16][MAX_D];       // 16 keys of kv head g (bf16)
     __shared__ __align__(32) unsigned short v_tile[T16][MAX_D];
-    __shared__ __align__(32) float scores[WARPS][T16][T16];           // S, then P V slices
-    __shared__ __align__(32) unsigned short probs[WARPS][T16][T16];   // P (and Q slices on the way in)
+    __shared__ __align__(32) float scores[WARPS][T16][SLD];           // S, then P V slices
+    __shared__ __align__(32) unsigned short probs[WARPS][T16][SLD];   // P (and Q slices on the way in)
 
     const int G = H / Hkv;
     const int blocks_per_group = (G + WARPS - 1) / WARPS;
@@ -128,43 +147,50 @@ extern "C" __global__ void prefill_attention_tc(const unsigned short* __restrict
     const int first_pos = positions[n0];
     const int kd = D / T16;
 
-    // Q's D/16 fragments, loaded once through the warp's 16x16 staging tile (rows past count are 0)
+    // Q's D/16 fragments, loaded once through the warp's 16x16 staging tile (rows past count are 0);
+    // each lane copies its two runs of 4 bf16 with 8-byte loads (D is a multiple of 16: aligned)
     const int row = lane / 2, half = lane % 2;        // the softmax and O layout: two lanes per row
     FragA q_frag[MAX_D / T16];
 #pragma unroll
     for (int kk = 0; kk < MAX_D / T16; kk++) {
         if (kk >= kd) break;
-        for (int c = half * 8; c < half * 8 + 8; c++) {
-            const unsigned short bits = (active && row < count) ? q[((size_t)(n0 + row) * H + h) * D + kk * T16 + c] : 0;
-            probs[warp][row][c] = bits;
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            uint2 bits = make_uint2(0u, 0u);
+            if (active && row < count)
+                bits = *reinterpret_cast<const uint2*>(q + ((size_t)(n0 + row) * H + h) * D + kk * T16 + col(4 * r, half));
+            *reinterpret_cast<uint2*>(&probs[warp][row][col(4 * r, half)]) = bits;
         }
         __syncwarp();
-        load_a_row(q_frag[kk], &probs[warp][0][0], T16);
+        load_a_row(q_frag[kk], &probs[warp][0][0], SLD);
         __syncwarp();
     }
 
-    float o[MAX_D / T16][8];                           // O: row `row`, columns kk*16 + half*8 + j
+    float o[MAX_D / T16][8];                           // O: row `row`, columns kk*16 + col(j)
 #pragma unroll
     for (int kk = 0; kk < MAX_D / T16; kk++)
 #pragma unroll
         for (int j = 0; j < 8; j++) o[kk][j] = 0.0f;
     float m = NEG_INF, l = 0.0f;
     const int my_pos = first_pos + row;                // causal: this row sees keys 0..my_pos
+    const int vecs = D / 8;                            // 16-byte pieces of a K or V row
 
     for (int t0 = 0; t0 <= last_pos; t0 += T16) {
-        // the block copies 16 K and V rows from their pages (zeros past the tile's last position:
-        // a masked key must still be a number, 0 * NaN would poison the product)
+        // the block copies 16 K and V rows from their pages with 16-byte loads (a pool row starts
+        // at a multiple of D elements, D a multiple of 16, in a 256-byte aligned CuPy allocation),
+        // zeros past the tile's last position: a masked key must still be a number, 0 * NaN
+        // would poison the product
         __syncthreads();
-        for (int e = threadIdx.x; e < T16 * D; e += blockDim.x) {
-            const int i = e / D, d = e % D, t = t0 + i;
-            unsigned short kb = 0, vb = 0;
+        for (int e = threadIdx.x; e < T16 * vecs; e += blockDim.x) {
+            const int i = e / vecs, c = e - i * vecs, t = t0 + i;
+            uint4 kb = make_uint4(0u, 0u, 0u, 0u), vb = kb;
             if (t <= last_pos) {
-                const size_t at = (((size_t)table[t / P] * P + t % P) * Hkv + g) * D + d;
-                kb = k_cache[at];
-                vb = v_cache[at];
+                const size_t at = (((size_t)table[t / P] * P + t % P) * Hkv + g) * D;
+                kb = reinterpret_cast<const uint4*>(k_cache + at)[c];
+                vb = reinterpret_cast<const uint4*>(v_cache + at)[c];
             }
-            k_tile[i][d] = kb;
-            v_tile[i][d] = vb;
+            reinterpret_cast<uint4*>(&k_tile[i][0])[c] = kb;
+            reinterpret_cast<uint4*>(&v_tile[i][0])[c] = vb;
         }
         __syncthreads();
         if (!active) continue;
@@ -179,15 +205,19 @@ extern "C" __global__ void prefill_attention_tc(const unsigned short* __restrict
             load_b<true>(k_frag, &k_tile[0][kk * T16], MAX_D);
             mma<true>(s_frag, q_frag[kk], k_frag);
         }
-        store_c_row(&scores[warp][0][0], s_frag, T16);
+        store_c_row(&scores[warp][0][0], s_frag, SLD);
         __syncwarp();
 
-        // online softmax on this lane's 8 scores of its row (the partner lane has the other 8)
+        // online softmax on this lane's 8 scores of its row (the partner lane has the other 8),
+        // read as two 16-byte float4 loads
+        const float4 s_lo = *reinterpret_cast<const float4*>(&scores[warp][row][col(0, half)]);
+        const float4 s_hi = *reinterpret_cast<const float4*>(&scores[warp][row][col(4, half)]);
+        const float raw[8] = {s_lo.x, s_lo.y, s_lo.z, s_lo.w, s_hi.x, s_hi.y, s_hi.z, s_hi.w};
         float sc[8], tile_max = NEG_INF;
 #pragma unroll
         for (int j = 0; j < 8; j++) {
-            const int t = t0 + half * 8 + j;
-            sc[j] = (row < count && t <= my_pos) ? scores[warp][row][half * 8 + j] * scale : NEG_INF;
+            const int t = t0 + col(j, half);
+            sc[j] = (row < count && t <= my_pos) ? raw[j] * scale : NEG_INF;
             tile_max = fmaxf(tile_max, sc[j]);
         }
         tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
@@ -195,13 +225,17 @@ extern "C" __global__ void prefill_attention_tc(const unsigned short* __restrict
         // a row with nothing visible yet (or past count) keeps m = -inf: use 0 as its base
         const float base = m_new == NEG_INF ? 0.0f : m_new;
         const float correction = expf(m - base);
-        float sum = 0.0f;
+        float pr[8], sum = 0.0f;
 #pragma unroll
         for (int j = 0; j < 8; j++) {
-            const float p = expf(sc[j] - base);       // 0 for a masked key
-            sum += p;
-            probs[warp][row][half * 8 + j] = f32_to_bf16(p);
+            pr[j] = expf(sc[j] - base);                // 0 for a masked key
+            sum += pr[j];
         }
+        // P as bf16, four columns per 8-byte store
+        *reinterpret_cast<uint2*>(&probs[warp][row][col(0, half)]) =
+            make_uint2(pack_bf16(pr[0], pr[1]), pack_bf16(pr[2], pr[3]));
+        *reinterpret_cast<uint2*>(&probs[warp][row][col(4, half)]) =
+            make_uint2(pack_bf16(pr[4], pr[5]), pack_bf16(pr[6], pr[7]));
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         l = l * correction + sum;
         m = m_new;
@@ -209,7 +243,7 @@ extern "C" __global__ void prefill_attention_tc(const unsigned short* __restrict
 
         // O = O * correction + P V, one 16-column slice of V at a time
         FragA p_frag;
-        load_a_row(p_frag, &probs[warp][0][0], T16);
+        load_a_row(p_frag, &probs[warp][0][0], SLD);
 #pragma unroll
         for (int kk = 0; kk < MAX_D / T16; kk++) {
             if (kk >= kd) break;
@@ -218,10 +252,13 @@ extern "C" __global__ void prefill_attention_tc(const unsigned short* __restrict
             fill_zero(pv);
             load_b<false>(v_frag, &v_tile[0][kk * T16], MAX_D);
             mma<false>(pv, p_frag, v_frag);
-            store_c_row(&scores[warp][0][0], pv, T16);
+            store_c_row(&scores[warp][0][0], pv, SLD);
             __syncwarp();
+            const float4 lo = *reinterpret_cast<const float4*>(&scores[warp][row][col(0, half)]);
+            const float4 hi = *reinterpret_cast<const float4*>(&scores[warp][row][col(4, half)]);
+            const float slice[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
-            for (int j = 0; j < 8; j++) o[kk][j] = o[kk][j] * correction + scores[warp][row][half * 8 + j];
+            for (int j = 0; j < 8; j++) o[kk][j] = o[kk][j] * correction + slice[j];
             __syncwarp();
         }
     }
@@ -232,6 +269,10 @@ extern "C" __global__ void prefill_attention_tc(const unsigned short* __restrict
     for (int kk = 0; kk < MAX_D / T16; kk++) {
         if (kk >= kd) break;
 #pragma unroll
-        for (int j = 0; j < 8; j++) dst[kk * T16 + half * 8 + j] = f32_to_bf16(o[kk][j] / l);
+        for (int r = 0; r < 2; r++) {
+            const float* v = &o[kk][4 * r];
+            *reinterpret_cast<uint2*>(dst + kk * T16 + col(4 * r, half)) =
+                make_uint2(pack_bf16(v[0] / l, v[1] / l), pack_bf16(v[2] / l, v[3] / l));
+        }
     }
 }

@@ -10,6 +10,9 @@
 //                          exceeds u[s] * (sum of kept w)   (inverse CDF)
 //              u [S] are uniform numbers in [0, 1) drawn on the host, so the kernel and its
 //              twin see the same randomness and must choose the same token.
+//              A degenerate row (a NaN or +inf logit, or every logit -inf: a broken model or
+//              an overflow) has no distribution to draw from: its token is -1, which the
+//              engine reports as an error on that request (never a token id to embed).
 // Numpy twin:  stage3_optimized/ops.py sample()
 // Launch:      grid (S), block 256: one block per row. The top-k and top-p thresholds are
 //              found without sorting the vocabulary: a logit's float bits map to an unsigned
@@ -25,8 +28,14 @@
 //
 // Version history
 //   v1: threshold search on the keys, one block per row.
+//   v2: degenerate rows give -1 (v1 gave V, out of range, for an all-NaN row); the owning
+//       thread walks its chunk with the very sums that made `local`, so it always finds its
+//       token (v1 restarted from chunk_start and could miss it by a few ulps, then fell back
+//       to the last kept token of the whole row).
 
 #define BLOCK 256
+#define NEG_INF __int_as_float(0xff800000)
+#define POS_INF __int_as_float(0x7f800000)
 
 __device__ __forceinline__ unsigned order_key(float f)
 {
@@ -77,17 +86,27 @@ extern "C" __global__ void sample(const float* __restrict__ logits,       // [S,
     const int s = blockIdx.x, t = threadIdx.x;
     const float* row = logits + (size_t)s * V;
 
-    float m = -3.402823466e38f;
-    for (int i = t; i < V; i += BLOCK) m = fmaxf(m, row[i]);
+    // the max, and whether the row is degenerate (a NaN or +inf anywhere: fmaxf skips NaN)
+    float m = NEG_INF, bad = 0.0f;
+    for (int i = t; i < V; i += BLOCK) {
+        const float x = row[i];
+        m = fmaxf(m, x);
+        if (x != x || x == POS_INF) bad = 1.0f;
+    }
     m = block_max(m, sh);
+    bad = block_max(bad, sh);
+    if (bad > 0.0f || m == NEG_INF) {                     // the same for every thread: uniform exit
+        if (t == 0) tokens[s] = -1;
+        return;
+    }
 
     if (temperature[s] <= 0.0f) {
         // greedy: the first index holding the max (a min-reduction over indices, as floats:
-        // exact for V < 2^24)
+        // exact for V < 2^24); m is one of the row's values, so some index holds it
         float first = (float)V;
         for (int i = t; i < V; i += BLOCK) if (row[i] == m) { first = (float)i; break; }
         first = -block_max(-first, sh);
-        if (t == 0) tokens[s] = (int)first;
+        if (t == 0) tokens[s] = min((int)first, V - 1);
         return;
     }
     const float inv_t = 1.0f / temperature[s];
@@ -140,16 +159,20 @@ extern "C" __global__ void sample(const float* __restrict__ logits,       // [S,
     }
     __syncthreads();
     const float target = u[s] * kept_mass;
+    // the scan made chunk_start[t + 1] = chunk_start[t] + local, so the chunks tile
+    // [0, kept_mass) exactly and one thread owns any target below kept_mass
     if (chunk_start[t] <= target && target < chunk_start[t] + local) {
-        float run = chunk_start[t];
+        // the walk repeats local's sums in local's order: at the chunk's last kept token,
+        // chunk_start[t] + run is chunk_start[t] + local > target, so the walk stops in the chunk
+        float run = 0.0f;
         for (int i = lo; i < hi; i++) {
             if (order_key(row[i]) < threshold) continue;
             run += expf((row[i] - m) * inv_t);
-            if (run > target) { chosen = i; break; }
+            if (chunk_start[t] + run > target) { chosen = i; break; }
         }
     }
-    // the last kept token, for a target that rounding put past the end
+    // the last kept token, for a target that rounding put at or past kept_mass (u close to 1)
     const float last = block_max((float)last_kept, sh);
     __syncthreads();
-    if (t == 0) tokens[s] = chosen >= 0 ? chosen : (int)last;
+    if (t == 0) tokens[s] = chosen >= 0 ? chosen : max((int)last, 0);
 }
