@@ -85,7 +85,8 @@ class LLMEngine:
     def describe_kernels(self) -> str:
         """Which kernels multiply the weights, for the banner."""
         w = self.weights
-        return w.fast.describe(w) if w.fast else "plain kernels"
+        kernels = w.fast.describe(w) if w.fast else "plain kernels"
+        return f"{w.source} · {kernels}" if w.source else kernels
 
     def warm_up(self) -> float | None:
         """On the first run of this version of stage 1 with these weights' format and

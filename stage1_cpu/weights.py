@@ -25,7 +25,7 @@ import numpy as np
 from rich.progress import Progress
 
 from common.config import ModelConfig
-from common.loader import WeightLoader
+from common.loader import WeightLoader, open_weights
 from stage1_cpu.quant import FORMATS, Weight, quantize
 
 
@@ -65,6 +65,7 @@ class Weights:
     kernels: str = "plain"          # plain | fast: which kernels multiply them (--kernels)
     fast: object = None             # the stage1_cpu.fast module when kernels == "fast", else None
     act: dict = field(default_factory=dict)   # fast: the layers' {"decode_act": ..., "prefill_act": ...}
+    source: str = ""                # a GGUF's types and what each became, for the banner
 
     @property
     def nbytes(self) -> int:
@@ -124,7 +125,7 @@ def choose_kernels(kernels: str, activations: str = "auto"):
 
 def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
                  progress: bool = True, kernels: str = "auto", activations: str = "auto") -> Weights:
-    if fmt not in FORMATS:
+    if fmt not in FORMATS + ("stored",):   # stored: a GGUF's blocks as they are (common/gguf_quant.py)
         raise ValueError(f"unknown --quant {fmt!r}; choose one of {', '.join(FORMATS)}")
     fast = choose_kernels(kernels, activations)      # a wrong --kernels / --activations fails before any reading
     if fast:
@@ -132,12 +133,14 @@ def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
 
     def quantizer(fmt: str, head: bool = False):
         """fp32 [O, K] -> Weight (the core) or FastWeight (its activations chosen for this CPU)."""
+        def kept(a):   # --quant stored: each tensor in the format the loader kept it in
+            return getattr(a, "fmt", "none") if fmt == "stored" else fmt
         if not fast:
-            return lambda a: quantize(a, fmt, group_size)
-        return lambda a: fast.fast_quantize(a, fmt, group_size,
-                                            **fast.choose_act(fmt, activations, a.shape[1], lm_head=head))
+            return lambda a: quantize(a, kept(a), group_size)
+        return lambda a: fast.fast_quantize(a, kept(a), group_size,
+                                            **fast.choose_act(kept(a), activations, a.shape[1], lm_head=head))
 
-    loader = WeightLoader(folder)
+    loader = open_weights(folder, keep_quantized=fmt == "stored")
     cfg = loader.config
     q = quantizer(fmt)
     # The embedding / lm_head stays at int8 when the rest is int4, as llama.cpp's Q4 files keep
@@ -197,8 +200,12 @@ def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
                 L.w_down = step(q(loader.layer("w_down", i)))
             layers.append(L)
         final_norm = step(loader.glob("final_norm"))
+    if fmt == "stored":     # e.g. int4+int8: what the warm-up mark and the banner name
+        fmt = "+".join(sorted({w.fmt for l in layers for w in (l.wqkv, l.wo, l.w_gate_up, l.w_down,
+                                                                 l.experts_gate_up, l.experts_down) if w}))
     return Weights(cfg, embed, lm_head, final_norm, layers, fmt, "fast" if fast else "plain", fast,
-                   fast.choose_act(fmt, activations, cfg.hidden_size) if fast else {})
+                   fast.choose_act(fmt, activations, cfg.hidden_size) if fast else {},
+                   getattr(loader, "describe", lambda: "")())
 
 
 def _quantize_by_rows(loader: WeightLoader, key: str, q, fmt: str, block: int = 16384) -> Weight:
