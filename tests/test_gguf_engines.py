@@ -1,0 +1,113 @@
+"""Every stage runs a GGUF file: stage 1 with the blocks kept as its own int8 / int4
+(--quant stored, the default on a GGUF), stages 2 and 3 dequantized to their dtype.
+
+The oracle is transformers loading the same file (`from_pretrained(dir, gguf_file=...)`,
+which dequantizes); its config comes from the source folder, since transformers reads
+neither head_dim nor the expert widths from every architecture's metadata. Stage 1
+multiplies with fp32 activations here (--activations fp32): the exact mappings then
+compute the function transformers computes, so greedy tokens agree step for step.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from common.engine import Request
+from common.sampling import SamplingParams
+from test_gguf import gguf_file
+
+PROMPT = [5, 17, 300, 42, 7, 99, 256, 3, 128, 64, 11, 480, 200, 13]
+STEPS = 16
+# one file type per family, so every exact mapping runs end to end once
+CASES = [("qwen3", "Q8_0"), ("llama", "Q4_1"), ("qwen2", "Q5_0"), ("qwen3_moe", "Q4_0"), ("qwen2_moe", "Q4_1")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    import torch
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("gguf-engines")
+
+
+_refs: dict = {}
+
+
+def reference(family, qtype, root):
+    """(file, transformers' last-position logits of PROMPT, its greedy continuation)."""
+    import torch
+    import transformers as tf
+    if (family, qtype) not in _refs:
+        folder, path = gguf_file(family, qtype, root)
+        model = tf.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                        config=tf.AutoConfig.from_pretrained(folder)).eval()
+        with torch.no_grad():
+            logits = model(torch.tensor([PROMPT])).logits[0, -1].numpy()
+            out = model.generate(torch.tensor([PROMPT]), max_new_tokens=STEPS, min_new_tokens=STEPS,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+        _refs[family, qtype] = (path, logits, out[0, len(PROMPT):].tolist())
+    return _refs[family, qtype]
+
+
+def run(engine) -> list[int]:
+    engine.add_request(Request("r", PROMPT, SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)))
+    out = []
+    while engine.has_work():
+        out += [e.token_id for e in engine.step()]
+    return out
+
+
+@pytest.mark.parametrize("family,qtype", CASES)
+def test_stage1_keeps_the_blocks_and_greedy_tokens_equal_transformers(family, qtype, root):
+    from stage1_cpu.engine import LLMEngine
+    path, _, ref = reference(family, qtype, root)
+    assert len(set(ref)) > 3
+    eng = LLMEngine(path, quant="stored", max_ctx=128, progress=False, activations="fp32")
+    w = eng.weights
+    expect = {"Q8_0": "int8", "Q5_0": "int8", "Q4_0": "int4", "Q4_1": "int4"}[qtype]
+    assert w.layers[0].wqkv.fmt == expect and w.lm_head.fmt == expect
+    assert f"{qtype} -> " in eng.describe_kernels()
+    assert run(eng) == ref
+
+
+def test_stage1_f32_file_logits_match_transformers(root):
+    from stage1_cpu.model import Model
+    from stage1_cpu.weights import load_weights
+    path, ref, _ = reference("qwen3", "F32", root)
+    w = load_weights(path, "stored", progress=False, kernels="plain")
+    assert w.layers[0].wqkv.fmt == "none"
+    ours = Model(w, 128, one_region=False).forward(np.array(PROMPT), 0)
+    assert np.abs(ours - ref).max() / np.abs(ref).max() < 1e-4
+
+
+def test_stage1_quant_flag_requantizes_a_gguf(root):
+    """--quant int4 on a Q8_0 file: dequantized, then stage 1's own int4 (the embedding int8)."""
+    from stage1_cpu.weights import load_weights
+    path, _, _ = reference("qwen3", "Q8_0", root)
+    w = load_weights(path, "int4", progress=False, kernels="plain")
+    assert w.layers[0].wqkv.fmt == "int4" and w.lm_head.fmt == "int8" and w.source
+
+
+def test_stage2_cpu_greedy_tokens_equal_transformers_on_a_llama_file(root):
+    """Dequantized to fp32, llama's Q/K rows un-permuted."""
+    from stage2_batched.engine import LLMEngine
+    path, _, ref = reference("llama", "Q8_0", root)
+    eng = LLMEngine(path, max_ctx=256, slots=4, token_budget=16, page_size=16, num_pages=64, device="cpu",
+                    progress=False)
+    assert run(eng) == ref
+
+
+def test_stage3_cpu_runs_a_gguf_as_it_runs_the_same_weights_from_a_folder(root):
+    """bf16: an F32 file and the folder it was written from round to the very same bf16
+    weights, so stage 3 gives the same tokens from both (a file of another type is checked
+    by stage 2 against transformers; stage 3's loader reads it through the same interface)."""
+    from stage3_optimized.engine import LLMEngine
+    folder, path = gguf_file("qwen2_moe", "F32", root)
+    kw = dict(max_ctx=256, slots=4, token_budget=16, page_size=16, num_pages=64, device="cpu", progress=False)
+    assert run(LLMEngine(path, **kw)) == run(LLMEngine(folder, **kw))
