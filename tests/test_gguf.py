@@ -85,13 +85,13 @@ def test_repacked_arrays_are_stage1s_own_layout(qtype):
         np.testing.assert_array_equal(again.scales, p.scales)
 
 
-def _kquant_blocks(qtype: str, rows: int, n_blocks: int, seed: int = 0) -> np.ndarray:
+def _kquant_blocks(qtype: str, rows: int, n_blocks: int, seed: int = 0, scale: float = 1.0) -> np.ndarray:
     """Valid K-quant bytes: random everywhere, the fp16 super-block scales set to small
     finite values (random bits could be inf / NaN)."""
     size = gguf.GGML_QUANT_SIZES[T[qtype]][1]
     rng = np.random.default_rng(seed)
     b = rng.integers(0, 256, (rows, n_blocks, size), dtype=np.uint8)
-    scales = (rng.random((rows, n_blocks, 2)) * 0.01 + 1e-3).astype(np.float16).view(np.uint8)
+    scales = ((rng.random((rows, n_blocks, 2)) * 0.01 + 1e-3) * scale).astype(np.float16).view(np.uint8)
     if qtype == "Q6_K":
         b[..., -2:] = scales[..., :2]                    # d is the last field
     else:

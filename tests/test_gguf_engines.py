@@ -14,6 +14,7 @@ import pytest
 
 from common.engine import Request
 from common.sampling import SamplingParams
+from models import make_model
 from test_gguf import gguf_file
 
 PROMPT = [5, 17, 300, 42, 7, 99, 256, 3, 128, 64, 11, 480, 200, 13]
@@ -111,3 +112,75 @@ def test_stage3_cpu_runs_a_gguf_as_it_runs_the_same_weights_from_a_folder(root):
     folder, path = gguf_file("qwen2_moe", "F32", root)
     kw = dict(max_ctx=256, slots=4, token_budget=16, page_size=16, num_pages=64, device="cpu", progress=False)
     assert run(LLMEngine(path, **kw)) == run(LLMEngine(folder, **kw))
+
+
+SCALE = 0.02   # fp16 super-block scales of 2e-5..2e-4: weights ~0.01-0.1, logits ~10
+
+
+def _kquant_file(root, kinds: dict) -> "Path":
+    """A qwen3 file whose matrices are crafted K-quant blocks (random bytes, small fp16 scales):
+    `kinds` maps a GGUF tensor-name suffix to its type, like llama-quantize's Q4_K_M mix
+    (attn_v and ffn_down in Q6_K, the rest Q4_K). Norms come from a random model."""
+    import gguf
+    from test_gguf import _kquant_blocks
+    from common.gguf_write import write_gguf
+    folder = make_model("qwen3", hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                        num_key_value_heads=2, head_dim=32)
+    f32 = write_gguf(folder, root / "kq-f32.gguf", "F32")
+    src = gguf.GGUFReader(f32)
+    out = root / "kq.gguf"
+    w = gguf.GGUFWriter(str(out), "qwen3")
+    for key, field in src.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            sub = field.types[-1]
+            vals = [bytes(field.parts[i]).decode() if sub == gguf.GGUFValueType.STRING else field.parts[i][0].item()
+                    for i in field.data]
+            w.add_array(key, vals)
+        elif kind == gguf.GGUFValueType.STRING:
+            w.add_string(key, bytes(field.parts[field.data[0]]).decode())
+        else:
+            w.add_key_value(key, field.parts[field.data[0]][0].item(), kind)
+    for n, t in enumerate(src.tensors):
+        data = np.asarray(t.data)
+        kind = next((k for s, k in kinds.items() if t.name.endswith(s)), None) if data.ndim == 2 else None
+        if kind is None:
+            w.add_tensor(t.name, np.array(data))
+            continue
+        rows, cols = data.shape
+        raw = _kquant_blocks(kind, rows, cols // 256, seed=n, scale=SCALE)
+        w.add_tensor(t.name, raw, raw_dtype=gguf.GGMLQuantizationType[kind])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+# the largest logit difference each mapping makes, relative to the largest |logit| (stage 1 on
+# the blocks as mapped against stage 1 on the file's exactly dequantized fp32 weights), with
+# what was measured on these crafted files: Q4_K 2.3e-4 (fp16-rounded scales only), Q5_K 7.7e-4,
+# Q6_K 2.4e-2 (int8 g32 spans two Q6_K sub-blocks of 16 whose random scales differ up to 128x:
+# a worst case), the Q4_K_M mix 5.5e-3 (docs/gguf.md)
+KQ_LOGIT_BOUNDS = {"Q4_K_M": ({"attn_v.weight": "Q6_K", "ffn_down.weight": "Q6_K", ".weight": "Q4_K"}, 1.5e-2),
+                   "Q4_K": ({".weight": "Q4_K"}, 1e-3), "Q5_K": ({".weight": "Q5_K"}, 3e-3),
+                   "Q6_K": ({".weight": "Q6_K"}, 5e-2)}
+
+
+@pytest.mark.parametrize("mix", list(KQ_LOGIT_BOUNDS))
+def test_kquant_mappings_move_the_logits_by_their_stated_bound(mix, root):
+    from stage1_cpu.model import Model
+    from stage1_cpu.weights import load_weights
+    kinds, bound = KQ_LOGIT_BOUNDS[mix]
+    path = _kquant_file(root, kinds)
+    exact = Model(load_weights(path, "none", progress=False, kernels="plain"), 128, one_region=False)
+    w = load_weights(path, "stored", progress=False, kernels="plain")
+    mapped = Model(w, 128, one_region=False)
+    ref = exact.forward(np.array(PROMPT), 0, all_logits=True)
+    ours = mapped.forward(np.array(PROMPT), 0, all_logits=True)
+    err = np.abs(ours - ref).max() / np.abs(ref).max()
+    print(f"{mix}: largest logit difference {err:.2e} of max |logit| {np.abs(ref).max():.1f}; {w.source}")
+    assert np.abs(ref).max() > 0.5 and np.std(ref) > 0
+    assert 0 < err < bound

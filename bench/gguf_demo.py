@@ -1,0 +1,92 @@
+"""The default demo before and after it ran its GGUF file directly (docs/benchmarks.md).
+
+  old  the Q4_1 file converted to a float32 Hugging Face folder (common/gguf_convert.py),
+       stage 1 at --quant none (the old default)
+  new  the Q4_1 file itself, stage 1 at --quant stored (Q4_1 -> int4, Q8_0 embedding -> int8)
+
+Each runs in a fresh process (its peak resident memory is its own): load, warm up, then
+the chat's first question answered greedily for --tokens tokens (EOS ignored), three times;
+the median decode tok/s is reported, with the disk each needs.
+
+    python -m bench gguf-demo [--tokens 64] [--threads N]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def _one(model: str, quant: str, tokens: int, threads: int | None) -> dict:
+    from common.chat_template import ChatTemplate
+    from common.engine import Request
+    from common.sampling import SamplingParams
+    from common.tokenizer import Tokenizer
+    from stage1_cpu.engine import LLMEngine
+
+    t0 = time.perf_counter()
+    eng = LLMEngine(model, quant=quant, max_ctx=512, progress=False, threads=threads)
+    load_s = time.perf_counter() - t0
+    eng.warm_up()
+    tok = Tokenizer(model)
+    ids = tok.encode(ChatTemplate.from_folder(model).render(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True))
+    rates, text = [], ""
+    for _ in range(3):
+        eng.add_request(Request("r", ids, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)))
+        out = []
+        while eng.has_work():
+            out += [e.token_id for e in eng.step()]
+        rates.append(eng.last_decode_tokens / eng.last_decode_s)
+        text = tok.decode(out)
+    return {"decode_tok_s": statistics.median(rates), "load_s": load_s, "first_words": text[:40],
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "formats": eng.describe_kernels()}
+
+
+def _du(path: Path) -> float:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file()) / 1e6
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench gguf-demo", description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--child", nargs=2, metavar=("MODEL", "QUANT"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(_one(args.child[0], args.child[1], args.tokens, args.threads)))
+        return 0
+
+    from common.gguf_convert import convert_gguf
+    from common.models import cache_root, resolve_model
+
+    new = Path(resolve_model(None, progress=False))
+    old = cache_root() / "bench" / "smollm2-135m-fp32"
+    if not (old / "model.safetensors").is_file():
+        convert_gguf(next(new.glob("*.gguf")), old)
+    rows = []
+    for label, model, quant in (("old: fp32 folder, --quant none", old, "none"),
+                                ("new: the GGUF, --quant stored", new, "stored")):
+        cmd = [sys.executable, "-m", "bench.gguf_demo", "--child", str(model), quant, "--tokens", str(args.tokens)]
+        if args.threads:
+            cmd += ["--threads", str(args.threads)]
+        res = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+        rows.append((label, res, _du(model)))
+    print(f"load average {os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs); {args.tokens} decode tokens, median of 3")
+    print(f"{'':34} {'decode tok/s':>12} {'peak RSS MB':>12} {'disk MB':>8} {'load s':>7}  first words")
+    for label, r, disk in rows:
+        print(f"{label:34} {r['decode_tok_s']:12.1f} {r['peak_rss_mb']:12.0f} {disk:8.0f} {r['load_s']:7.1f}  "
+              f"{r['first_words']!r}")
+    print("new formats:", rows[1][1]["formats"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
