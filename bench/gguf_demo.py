@@ -8,7 +8,15 @@ Each runs in a fresh process (its peak resident memory is its own): load, warm u
 the chat's first question answered greedily for --tokens tokens (EOS ignored), three times;
 the median decode tok/s is reported, with the disk each needs.
 
-    python -m bench gguf-demo [--tokens 64] [--threads N]
+    python -m bench.gguf_demo [--tokens 64] [--threads N]
+
+--vs-llama: stage 1 (--quant stored) against llama.cpp (llama-cpp-python, the `bench` extra)
+on the very same files: the demo's Q4_1 file and a Q8_0 file of the Qwen3-0.6B shape
+(bench/cpu.py writes it from random weights). Prefill of 128 tokens and decode of --tokens,
+each engine under OMP_WAIT_POLICY=PASSIVE and ACTIVE in a fresh process, each at its best
+policy in the ratio; every run starts from an empty KV cache (a new prompt each time).
+
+    python -m bench.gguf_demo --vs-llama [--tokens 32] [--runs 2]
 """
 from __future__ import annotations
 
@@ -60,6 +68,74 @@ def _one(model: str, quant: str, tokens: int, threads: int | None) -> dict:
             "formats": eng.describe_kernels()}
 
 
+def _vs_child(engine: str, path: str, tokens: int, runs: int, threads: int) -> dict:
+    prompts = [[(7 + 31 * i + 1009 * r) % 30000 + 100 for i in range(128)] for r in range(runs)]
+    pre, dec, what = [], [], ""
+    if engine == "stage1":
+        from common.engine import Request
+        from common.sampling import SamplingParams
+        from stage1_cpu.engine import LLMEngine
+        eng = LLMEngine(path, quant="stored", max_ctx=512, progress=False, threads=threads)
+        eng.warm_up()
+        what = eng.describe_kernels()
+        for p in prompts:
+            eng.add_request(Request("r", p, SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True)))
+            while eng.has_work():
+                eng.step()
+            pre.append(eng.last_prefill_tokens / eng.last_prefill_s)
+            dec.append(eng.last_decode_tokens / eng.last_decode_s)
+    else:
+        from bench.cpu import LlamaCppRunner
+        r = LlamaCppRunner(path, threads, 512)
+        what = r.isa()
+        r.generate(prompts[0][:8], 4)                          # warm
+        for p in prompts:
+            _, prefill_s, decode_s = r.generate(p, tokens)
+            pre.append(len(p) / prefill_s)
+            dec.append(tokens / decode_s)
+    return {"prefill": statistics.median(pre), "decode": statistics.median(dec), "what": what}
+
+
+def vs_llama(args) -> int:
+    from bench.cpu import CACHE, QWEN3_0_6B, prepare_models
+    from common.models import resolve_model
+    demo = next(Path(resolve_model(None, progress=False)).glob("*.gguf"))
+    q8 = prepare_models(QWEN3_0_6B, CACHE, quants=("Q8_0",))["Q8_0"]
+    threads = args.threads or os.cpu_count()
+    loads = [os.getloadavg()[0]]
+    res = {}
+    for path in (demo, q8):
+        for engine in ("stage1", "llama.cpp"):
+            for policy in ("PASSIVE", "ACTIVE"):
+                env = dict(os.environ, OMP_WAIT_POLICY=policy)
+                cmd = [sys.executable, "-m", "bench.gguf_demo", "--vs-child", engine, str(path),
+                       "--tokens", str(args.tokens), "--runs", str(args.runs), "--threads", str(threads)]
+                out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                if out.returncode:
+                    print(out.stderr[-2000:], file=sys.stderr)
+                    return 1
+                res[path.name, engine, policy] = json.loads(out.stdout.strip().splitlines()[-1])
+                loads.append(os.getloadavg()[0])
+                r = res[path.name, engine, policy]
+                print(f"  {path.name:40} {engine:9} {policy:7} prefill {r['prefill']:8.1f}  decode {r['decode']:7.1f}",
+                      flush=True)
+    print(f"\n{threads} threads; load average during the run {min(loads):.1f}-{max(loads):.1f} "
+          f"({os.cpu_count()} CPUs); prefill 128 tokens, decode {args.tokens}, median of {args.runs}")
+    print(f"{'file':42} {'engine':10} {'prefill tok/s':>14} {'decode tok/s':>13}  (best policy)")
+    for path in (demo, q8):
+        best = {}
+        for engine in ("stage1", "llama.cpp"):
+            b = {k: max((res[path.name, engine, p][k], p) for p in ("PASSIVE", "ACTIVE")) for k in ("prefill", "decode")}
+            best[engine] = b
+            print(f"{path.name:42} {engine:10} {b['prefill'][0]:9.1f} {b['prefill'][1]:>4} "
+                  f"{b['decode'][0]:8.1f} {b['decode'][1]:>4}")
+        print(f"{'':42} {'ratio':10} {best['stage1']['prefill'][0] / best['llama.cpp']['prefill'][0]:13.2f}x "
+              f"{best['stage1']['decode'][0] / best['llama.cpp']['decode'][0]:12.2f}x")
+    print("stage 1:", res[demo.name, "stage1", "PASSIVE"]["what"], "|", res[q8.name, "stage1", "PASSIVE"]["what"])
+    print("llama.cpp:", res[demo.name, "llama.cpp", "PASSIVE"]["what"][:300])
+    return 0
+
+
 def _du(path: Path) -> float:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file()) / 1e6
 
@@ -68,8 +144,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench gguf-demo", description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--vs-llama", action="store_true", help="stage 1 against llama.cpp on the same GGUF files")
     ap.add_argument("--child", nargs=2, metavar=("MODEL", "QUANT"), help=argparse.SUPPRESS)
+    ap.add_argument("--vs-child", nargs=2, metavar=("ENGINE", "FILE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.vs_child:
+        print(json.dumps(_vs_child(args.vs_child[0], args.vs_child[1], args.tokens, args.runs,
+                                   args.threads or os.cpu_count())))
+        return 0
+    if args.vs_llama:
+        return vs_llama(args)
     if args.child:
         print(json.dumps(_one(args.child[0], args.child[1], args.tokens, args.threads)))
         return 0

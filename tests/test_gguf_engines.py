@@ -184,3 +184,32 @@ def test_kquant_mappings_move_the_logits_by_their_stated_bound(mix, root):
     print(f"{mix}: largest logit difference {err:.2e} of max |logit| {np.abs(ref).max():.1f}; {w.source}")
     assert np.abs(ref).max() > 0.5 and np.std(ref) > 0
     assert 0 < err < bound
+
+
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q4_0", "Q8_0"])
+def test_files_from_llama_cpps_own_quantizer_run_close_to_llama_cpp(ftype, root):
+    """Where the `bench` extra's llama.cpp is installed: its quantizer (llama_model_quantize)
+    turns an F32 file into Q4_K_M / Q4_0 / Q8_0 (types and mixes of its own choosing), and
+    stage 1's last-position logits on that file stay close to llama.cpp's own (which rounds
+    its activations to 8 bits: bound 5 % of max |logit|, the same top token)."""
+    import ctypes
+
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from stage1_cpu.model import Model
+    from stage1_cpu.weights import load_weights
+    from common.gguf_write import write_gguf
+    folder = make_model("qwen3", hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                        num_key_value_heads=2, head_dim=32)
+    f32 = write_gguf(folder, root / "lq-f32.gguf", "F32")
+    out = root / f"lq-{ftype}.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}"), 2
+    assert llama_cpp.llama_model_quantize(str(f32).encode(), str(out).encode(), ctypes.byref(params)) == 0
+    llm = llama_cpp.Llama(str(out), n_ctx=64, logits_all=True, verbose=False, n_threads=2)
+    llm.eval(PROMPT)
+    ref = np.array(llm.scores[len(PROMPT) - 1], dtype=np.float32)
+    w = load_weights(out, "stored", progress=False, kernels="plain")
+    ours = Model(w, 128, one_region=False).forward(np.array(PROMPT), 0)
+    assert np.abs(ref).max() > 1.0
+    assert np.abs(ours - ref).max() < 0.05 * np.abs(ref).max(), w.source
+    assert int(np.argmax(ours)) == int(np.argmax(ref))
