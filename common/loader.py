@@ -1,5 +1,8 @@
 """Read a Hugging Face model folder directly: safetensors, memory-mapped, one tensor at a time.
 
+open_weights() is the one entry point for the stages: a folder gives the WeightLoader
+below, a GGUF file common/gguf.py's GGUFWeightLoader, with the same methods.
+
 A safetensors file is an 8-byte little-endian header length, a JSON header
 {name: {dtype, shape, data_offsets: [begin, end]}}, then the raw bytes. We parse
 the header ourselves and map each tensor's bytes with np.memmap when it is read,
