@@ -117,7 +117,7 @@ def test_stage3_cpu_runs_a_gguf_as_it_runs_the_same_weights_from_a_folder(root):
 SCALE = 0.02   # fp16 super-block scales of 2e-5..2e-4: weights ~0.01-0.1, logits ~10
 
 
-def _kquant_file(root, kinds: dict) -> "Path":
+def _kquant_file(root, kinds: dict):
     """A qwen3 file whose matrices are crafted K-quant blocks (random bytes, small fp16 scales):
     `kinds` maps a GGUF tensor-name suffix to its type, like llama-quantize's Q4_K_M mix
     (attn_v and ffn_down in Q6_K, the rest Q4_K). Norms come from a random model."""
