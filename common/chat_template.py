@@ -186,8 +186,17 @@ class ChatTemplate:
     def from_folder(cls, folder: str | Path) -> "ChatTemplate":
         """The model's template: chat_template.jinja, else tokenizer_config.json's
         chat_template (a string, or a list of {name, template}: "default" is used),
-        else BUILTIN_CHATML."""
+        else BUILTIN_CHATML. A GGUF file (or a folder holding one): its tokenizer.chat_template."""
+        from common.gguf import gguf_path, open_gguf
+
         folder = Path(folder)
+        g = gguf_path(folder)
+        if g is not None:
+            cfg = open_gguf(g).tokenizer_config()
+            text = cfg.get("chat_template")
+            if isinstance(text, str) and text.strip():
+                return cls(text, cfg["bos_token"], cfg["eos_token"], name=f"{g.name} tokenizer.chat_template")
+            return cls(BUILTIN_CHATML, cfg["bos_token"], cfg["eos_token"], name="built-in ChatML template")
         cfg_path = folder / "tokenizer_config.json"
         cfg = {}
         if cfg_path.is_file():

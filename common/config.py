@@ -19,6 +19,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -211,7 +213,76 @@ class ModelConfig:
         )
 
     @classmethod
+    def from_gguf(cls, meta: dict, shapes: dict[str, tuple[int, ...]], eos_ids: list[int]) -> "ModelConfig":
+        """The config of a GGUF file from its `{arch}.*` metadata keys and its tensor table
+        (shapes in GGUF order, fastest dimension first). What the metadata does not say,
+        the tensors do: the vocabulary (token_embd's rows), tied embeddings (no output.weight),
+        q/k/v biases, and which layers are MoE (those with ffn_gate_exps)."""
+        from common.gguf import ARCHITECTURES
+
+        arch = meta.get("general.architecture")
+        family = ARCHITECTURES[arch]
+
+        def need(key: str):
+            if f"{arch}.{key}" not in meta:
+                raise ConfigError(f"the GGUF file has no '{arch}.{key}' key; it is incomplete or not a "
+                                  f"{arch} model")
+            return meta[f"{arch}.{key}"]
+
+        def get(key: str, default=None):
+            return meta.get(f"{arch}.{key}", default)
+
+        if "rope_freqs.weight" in shapes or get("rope.scaling.type", "none") not in ("none", None):
+            raise ConfigError("the GGUF file uses RoPE scaling (rope_freqs / rope.scaling.type), which is not "
+                              "read from GGUF files; use the model's Hugging Face folder")
+        if "token_embd.weight" not in shapes:
+            raise ConfigError("the GGUF file has no token_embd.weight tensor")
+        hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+        head_dim = int(get("attention.key_length", hidden // heads))
+        if int(get("rope.dimension_count", head_dim)) != head_dim:
+            raise ConfigError(f"partial rotary embedding (rope dimension {get('rope.dimension_count')} < "
+                              f"head dim {head_dim}) is not supported")
+        layers = int(need("block_count"))
+        moe = family in MOE_FAMILIES
+        dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in shapes] if moe else []
+        eps = float(str(np.float32(need("attention.layer_norm_rms_epsilon"))))   # float32 1e-6 -> 1e-06
+        return cls(
+            family=family,
+            vocab_size=int(shapes["token_embd.weight"][-1]),
+            hidden_size=hidden,
+            intermediate_size=int(get("feed_forward_length", 0) or 0),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(get("attention.head_count_kv", heads)),
+            head_dim=head_dim,
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            qkv_bias="blk.0.attn_q.bias" in shapes,
+            rms_norm_eps=eps,
+            tie_word_embeddings="output.weight" not in shapes,
+            max_position_embeddings=int(get("context_length", 32768)),
+            num_experts=int(need("expert_count")) if moe else 0,
+            num_experts_per_tok=int(need("expert_used_count")) if moe else 0,
+            moe_intermediate_size=int(need("expert_feed_forward_length")) if moe else 0,
+            # llama.cpp renormalises the chosen experts' weights for qwen3moe, never for qwen2moe
+            norm_topk_prob=bool(get("expert_weights_norm", family == "qwen3_moe")),
+            mlp_only_layers=dense,
+            shared_expert_intermediate_size=(int(need("expert_shared_feed_forward_length"))
+                                             if family == "qwen2_moe" else 0),
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=list(eos_ids),
+        )
+
+    @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelConfig":
+        """The config of a model: a Hugging Face folder's config.json (and generation_config.json),
+        or a GGUF file's metadata (a .gguf file, or a folder holding one)."""
+        from common.gguf import gguf_path, open_gguf
+
+        g = gguf_path(folder)
+        if g is not None:
+            cfg = open_gguf(g).model_config()
+            cls._add_generation_eos(cfg, Path(folder))
+            return cfg
         path = Path(folder) / "config.json"
         if not path.is_file():
             raise ConfigError(f"{path} not found: --model must be a Hugging Face model folder "
@@ -221,9 +292,14 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON: {e}") from None
         cfg = cls.from_dict(d)
-        # generation_config.json may list more end-of-turn ids (Qwen3: <|im_end|> and <|endoftext|>)
-        gen = Path(folder) / "generation_config.json"
-        if gen.is_file():
+        cls._add_generation_eos(cfg, Path(folder))
+        return cfg
+
+    @staticmethod
+    def _add_generation_eos(cfg: "ModelConfig", folder: Path) -> None:
+        """generation_config.json may list more end-of-turn ids (Qwen3: <|im_end|> and <|endoftext|>)."""
+        gen = folder / "generation_config.json"
+        if folder.is_dir() and gen.is_file():
             try:
                 g = json.loads(gen.read_text()).get("eos_token_id")
             except json.JSONDecodeError:
@@ -231,4 +307,3 @@ class ModelConfig:
             for t in ([g] if isinstance(g, int) else (g or [])):
                 if t not in cfg.eos_token_ids:
                     cfg.eos_token_ids.append(t)
-        return cfg

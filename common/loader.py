@@ -1,5 +1,8 @@
 """Read a Hugging Face model folder directly: safetensors, memory-mapped, one tensor at a time.
 
+open_weights() is the one entry point for the stages: a folder gives the WeightLoader
+below, a GGUF file common/gguf.py's GGUFWeightLoader, with the same methods.
+
 A safetensors file is an 8-byte little-endian header length, a JSON header
 {name: {dtype, shape, data_offsets: [begin, end]}}, then the raw bytes. We parse
 the header ourselves and map each tensor's bytes with np.memmap when it is read,
@@ -56,6 +59,36 @@ GLOBAL_NAMES = {
     "final_norm": "model.norm.weight",      # [C]
     "lm_head": "lm_head.weight",            # [V, C] (absent when tied)
 }
+
+
+def expected_shape(c: ModelConfig, key: str) -> tuple[int, ...] | None:
+    """The shape of tensor `key` (one expert's for e_*) that the config implies."""
+    C, D, V = c.hidden_size, c.head_dim, c.vocab_size
+    F, Fe, E = c.intermediate_size, c.moe_intermediate_size, c.num_experts
+    Fs = c.shared_expert_intermediate_size
+    return {
+        "attn_norm": (C,), "mlp_norm": (C,), "final_norm": (C,), "q_norm": (D,), "k_norm": (D,),
+        "wq": (c.num_heads * D, C), "wk": (c.num_kv_heads * D, C), "wv": (c.num_kv_heads * D, C),
+        "wo": (C, c.num_heads * D),
+        "bq": (c.num_heads * D,), "bk": (c.num_kv_heads * D,), "bv": (c.num_kv_heads * D,),
+        "w_gate": (F, C), "w_up": (F, C), "w_down": (C, F),
+        "router": (E, C), "e_gate": (Fe, C), "e_up": (Fe, C), "e_down": (C, Fe),
+        "s_gate": (Fs, C), "s_up": (Fs, C), "s_down": (C, Fs), "shared_gate": (1, C),
+        "embed": (V, C), "lm_head": (V, C),
+    }.get(key)
+
+
+def open_weights(path: str | Path, keep_quantized: bool = False):
+    """The one way a stage reads a model's weights, whatever the model is:
+    a Hugging Face folder -> WeightLoader; a .gguf file (or a folder holding one and no
+    config.json) -> common.gguf.GGUFWeightLoader. Both answer layer / glob / fused under
+    the engine's short names with float32 arrays; keep_quantized (stage 1, GGUF only)
+    hands quantized matrices over in stage 1's int8 / int4 layout instead."""
+    from common.gguf import GGUFWeightLoader, gguf_path
+
+    if gguf_path(path) is not None:
+        return GGUFWeightLoader(path, keep_quantized=keep_quantized)
+    return WeightLoader(path)
 
 
 class LoaderError(ValueError):
@@ -189,20 +222,7 @@ class WeightLoader:
 
     # --- the rename table, with the shapes config.json implies ---
     def expected_shape(self, key: str) -> tuple[int, ...] | None:
-        c = self.config
-        C, D, V = c.hidden_size, c.head_dim, c.vocab_size
-        F, Fe, E = c.intermediate_size, c.moe_intermediate_size, c.num_experts
-        Fs = c.shared_expert_intermediate_size
-        return {
-            "attn_norm": (C,), "mlp_norm": (C,), "final_norm": (C,), "q_norm": (D,), "k_norm": (D,),
-            "wq": (c.num_heads * D, C), "wk": (c.num_kv_heads * D, C), "wv": (c.num_kv_heads * D, C),
-            "wo": (C, c.num_heads * D),
-            "bq": (c.num_heads * D,), "bk": (c.num_kv_heads * D,), "bv": (c.num_kv_heads * D,),
-            "w_gate": (F, C), "w_up": (F, C), "w_down": (C, F),
-            "router": (E, C), "e_gate": (Fe, C), "e_up": (Fe, C), "e_down": (C, Fe),
-            "s_gate": (Fs, C), "s_up": (Fs, C), "s_down": (C, Fs), "shared_gate": (1, C),
-            "embed": (V, C), "lm_head": (V, C),
-        }.get(key)
+        return expected_shape(self.config, key)
 
     def layer(self, key: str, layer: int, expert: int | None = None, dtype=np.float32) -> np.ndarray:
         name = LAYER_NAMES[key].format(i=layer, e=expert)

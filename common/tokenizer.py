@@ -1,8 +1,10 @@
-"""Tokenizer: text <-> token ids, read from a Hugging Face model folder.
+"""Tokenizer: text <-> token ids, read from a Hugging Face model folder or a GGUF file.
 
 The folder's `tokenizer.json` holds the whole pipeline (normalizer, pre-tokenizer
 regex, BPE vocab and merges, added tokens, decoder); the `tokenizers` library runs
-it, so ids are identical to transformers'. Around it this file adds what the chat
+it, so ids are identical to transformers'. A GGUF file keeps the vocabulary, merges
+and special tokens in its metadata and names the pre-tokenizer; common/gguf.py
+builds the same pipeline from them. Around it this file adds what the chat
 and the server need:
 
   * the end-of-turn ids a model may stop on (generation_config.json, config.json
@@ -49,21 +51,22 @@ def _as_id_list(value) -> list[int]:
 
 class Tokenizer:
     def __init__(self, folder: str | Path):
-        self.folder = Path(folder)
-        path = self.folder / "tokenizer.json"
-        if not path.is_file():
-            raise TokenizerError(
-                f"{path} not found: the model folder needs the tokenizer.json that comes with the model "
-                "(download the whole Hugging Face repository, e.g. `huggingface-cli download Qwen/Qwen3-0.6B "
-                "--local-dir DIR`, or pass a folder that has one)")
-        try:
-            self._tok = HFTokenizer.from_file(str(path))
-        except Exception as e:  # the Rust side raises a plain Exception with its parse error
-            raise TokenizerError(f"{path} could not be loaded by the `tokenizers` library: {e}") from None
+        from common.gguf import gguf_path, open_gguf
 
-        tok_cfg = _read_json(self.folder / "tokenizer_config.json")
-        model_cfg = _read_json(self.folder / "config.json")
-        gen_cfg = _read_json(self.folder / "generation_config.json")
+        self.folder = Path(folder)
+        g = gguf_path(folder)
+        if g is not None:
+            # a GGUF file: vocabulary, merges, pre-tokenizer and special tokens from its metadata
+            f = open_gguf(g)
+            self._tok = f.tokenizer()
+            tok_cfg = f.tokenizer_config()
+            model_cfg = {"eos_token_id": f.eos_ids(), "bos_token_id": f.meta.get("tokenizer.ggml.bos_token_id")}
+            gen_cfg = _read_json(self.folder / "generation_config.json") if self.folder.is_dir() else {}
+        else:
+            self._tok = self._load_json(self.folder / "tokenizer.json")
+            tok_cfg = _read_json(self.folder / "tokenizer_config.json")
+            model_cfg = _read_json(self.folder / "config.json")
+            gen_cfg = _read_json(self.folder / "generation_config.json")
 
         # --- token strings, for chat templates ({{ bos_token }}, {{ eos_token }}) ---
         self.bos_token: str | None = _token_text(tok_cfg.get("bos_token"))
@@ -84,6 +87,18 @@ class Tokenizer:
         if self.eos_token and self.token_to_id(self.eos_token) is not None:
             eos.append(self.token_to_id(self.eos_token))
         self.eos_token_ids: list[int] = list(dict.fromkeys(eos))
+
+    @staticmethod
+    def _load_json(path: Path) -> HFTokenizer:
+        if not path.is_file():
+            raise TokenizerError(
+                f"{path} not found: the model folder needs the tokenizer.json that comes with the model "
+                "(download the whole Hugging Face repository, e.g. `huggingface-cli download Qwen/Qwen3-0.6B "
+                "--local-dir DIR`, or pass a folder that has one)")
+        try:
+            return HFTokenizer.from_file(str(path))
+        except Exception as e:  # the Rust side raises a plain Exception with its parse error
+            raise TokenizerError(f"{path} could not be loaded by the `tokenizers` library: {e}") from None
 
     # --- text <-> ids ---
     def encode(self, text: str) -> list[int]:

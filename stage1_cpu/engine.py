@@ -88,7 +88,8 @@ class LLMEngine:
     def describe_kernels(self) -> str:
         """Which kernels multiply the weights, for the banner."""
         w = self.weights
-        return w.fast.describe(w) if w.fast else "plain kernels"
+        kernels = w.fast.describe(w) if w.fast else "plain kernels"
+        return f"{w.source} · {kernels}" if w.source else kernels
 
     def warm_up(self) -> float | None:
         """Compile every kernel a conversation needs before the first prompt, unless a previous

@@ -13,9 +13,10 @@ FORMATS = ("none", "bf16", "int8", "int4")
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("stage 1 (CPU)")
-    g.add_argument("--quant", choices=FORMATS, default="none",
-                   help="weight format: none = float32 as loaded, bf16, or group-quantized int8 / int4 "
-                        "(smaller and faster to read; default none)")
+    g.add_argument("--quant", choices=FORMATS + ("stored",), default=None,
+                   help="weight format: none = float32, bf16, or group-quantized int8 / int4 (smaller and "
+                        "faster to read); stored = a GGUF file's blocks as they are (docs/gguf.md). "
+                        "Default: stored for a GGUF file, none for a folder")
     g.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128), metavar="G",
                    help="weights sharing one scale in int8 / int4 (default 32, like llama.cpp's Q8_0 / Q4_1)")
     g.add_argument("--kernels", choices=("auto", "plain", "fast"), default="auto",
@@ -32,15 +33,23 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def build_engine(folder: Path, args: argparse.Namespace, progress: bool = True):
     from .engine import LLMEngine   # here, so --help does not wait for numba
-    return LLMEngine(folder, quant=args.quant, group_size=args.group_size, max_ctx=args.max_ctx,
+    return LLMEngine(folder, quant=quant_for(folder, args), group_size=args.group_size, max_ctx=args.max_ctx,
                      threads=args.threads, progress=progress, kernels=args.kernels,
                      activations=args.activations)
 
 
+def quant_for(folder: Path, args: argparse.Namespace) -> str:
+    """--quant, or its default: a GGUF file's blocks as stored, a folder's float32."""
+    from common.gguf import gguf_path
+    return args.quant or ("stored" if gguf_path(folder) else "none")
+
+
 def describe(args: argparse.Namespace) -> str:
     """A few words for the banner (the engine's describe_kernels() adds which kernels and
-    instructions it chose)."""
-    quant = "float32" if args.quant == "none" else args.quant
+    instructions it chose, and for a GGUF what each tensor type became)."""
+    from common.models import resolve_model
+    q = args.quant or quant_for(resolve_model(getattr(args, "model", None), progress=False), args)
+    quant = {"none": "float32", "stored": "GGUF as stored"}.get(q, q)
     if args.quant in ("int8", "int4") and getattr(args, "activations", "auto") != "auto":
         quant += f" · {args.activations} activations"
     return f"stage 1 CPU · {quant}" + (f" · {args.threads} threads" if args.threads else "")

@@ -219,8 +219,10 @@ def quantize(w: np.ndarray, fmt: str, group_size: int = 32) -> Weight:
     """fp32 [out, in] -> Weight in format fmt (none | bf16 | int8 | int4)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown quantization {fmt!r}; choose one of {', '.join(FORMATS)}")
-    if isinstance(w, Weight):      # stored already (a file's own int8 / int4 blocks): kept as it is
-        return w if w.fmt == fmt else quantize(w.dequantize(), fmt, group_size)
+    if hasattr(w, "dequantize"):    # already group-quantized in this layout (a GGUF block, common/gguf_quant.py)
+        if w.fmt == fmt:
+            return Weight(fmt, w.out_features, w.in_features, w.group_size, w.data, w.scales, w.mins)
+        w = w.dequantize()
     w = np.asarray(w)
     if w.ndim != 2:
         raise ValueError(f"quantize expects a 2-D weight [out, in], got shape {list(w.shape)}")

@@ -26,7 +26,7 @@ import numpy as np
 from rich.progress import Progress
 
 from common.config import ModelConfig
-from common.loader import WeightLoader
+from common.loader import WeightLoader, open_weights
 from .quant import FORMATS, Weight, quantize
 
 
@@ -64,6 +64,7 @@ class Weights:
     layers: list[LayerWeights]
     fmt: str                        # none | bf16 | int8 | int4
     fast: object = None             # the fast path (stage1_cpu.fast.FastPath) with --kernels fast, else None
+    source: str = ""                # a GGUF's types and what each became, for the banner
 
     @property
     def kernels(self) -> str:
@@ -112,18 +113,21 @@ def choose_kernels(kernels: str, activations: str, fmt: str):
 
 def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
                  progress: bool = True, kernels: str = "auto", activations: str = "auto") -> Weights:
-    if fmt not in FORMATS:
+    if fmt not in FORMATS + ("stored",):   # stored: a GGUF's blocks as they are (common/gguf_quant.py)
         raise ValueError(f"unknown --quant {fmt!r}; choose one of {', '.join(FORMATS)}")
     fast = choose_kernels(kernels, activations, fmt)  # a wrong --kernels / --activations fails before any reading
 
     def quantizer(fmt: str, lm_head: bool = False):
         """A tensor from the loader -> Weight (the core) or FastWeight (the fast path). The loader
-        hands over fp32 arrays [O, K], or a quant.Weight it read already quantized (quantize())."""
+        hands over fp32 arrays [O, K], or blocks it kept quantized (--quant stored: a GGUF's
+        int8 / int4 groups, common/gguf_quant.py), which stay in the format they came in."""
+        def kept(a):
+            return getattr(a, "fmt", "none") if fmt == "stored" else fmt
         if fast:
-            return lambda a: fast.quantize(a, fmt, group_size, lm_head)
-        return lambda a: quantize(a, fmt, group_size)
+            return lambda a: fast.quantize(a, kept(a), group_size, lm_head)
+        return lambda a: quantize(a, kept(a), group_size)
 
-    loader = WeightLoader(folder)
+    loader = open_weights(folder, keep_quantized=fmt == "stored")
     cfg = loader.config
     q = quantizer(fmt)
     # The embedding / lm_head stays at int8 when the rest is int4, as llama.cpp's Q4 files keep
@@ -183,7 +187,10 @@ def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
                 L.w_down = step(q(loader.layer("w_down", i)))
             layers.append(L)
         final_norm = step(loader.glob("final_norm"))
-    return Weights(cfg, embed, lm_head, final_norm, layers, fmt, fast)
+    if fmt == "stored":     # e.g. int4+int8: what the warm-up mark and the banner name
+        fmt = "+".join(sorted({w.fmt for l in layers for w in (l.wqkv, l.wo, l.w_gate_up, l.w_down,
+                                                                 l.experts_gate_up, l.experts_down) if w}))
+    return Weights(cfg, embed, lm_head, final_norm, layers, fmt, fast, getattr(loader, "describe", lambda: "")())
 
 
 def _quantize_by_rows(loader: WeightLoader, key: str, q, fmt: str, block: int = 16384) -> Weight:

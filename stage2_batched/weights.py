@@ -15,7 +15,7 @@ import numpy as np
 from rich.progress import Progress
 
 from common.config import ModelConfig
-from common.loader import WeightLoader
+from common.loader import open_weights
 from . import kernels
 
 
@@ -113,7 +113,7 @@ class Weights:
 
 
 def load_weights(folder: str | Path, xp=np, progress: bool = True) -> Weights:
-    loader = WeightLoader(folder)
+    loader = open_weights(folder)   # a Hugging Face folder or a GGUF file (dequantized)
     cfg = loader.config
     dev = lambda a: xp.asarray(np.ascontiguousarray(a, dtype=np.float32))   # noqa: E731  host -> device
     q = lambda a: Weight(dev(a))                                              # noqa: E731

@@ -22,7 +22,7 @@ import numpy as np
 from rich.progress import Progress
 
 from common.config import ModelConfig
-from common.loader import WeightLoader
+from common.loader import open_weights
 from . import kernels
 from .ops import bf16_bits, f32
 
@@ -115,7 +115,7 @@ class Weights:
 
 
 def load_weights(folder: str | Path, xp=np, progress: bool = True) -> Weights:
-    loader = WeightLoader(folder)
+    loader = open_weights(folder)   # a Hugging Face folder or a GGUF file (dequantized)
     cfg = loader.config
     # round to bf16 on the host (round to nearest even), then one copy of the bits to the device
     dev = lambda a: xp.asarray(np.ascontiguousarray(bf16_bits(a)))          # noqa: E731  host -> device

