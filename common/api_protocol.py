@@ -127,7 +127,6 @@ class SamplingRequest(Strict):
     user: str | None = None
     logprobs: Annotated[bool | int | None, unsupported("logprobs are not supported by this server; leave "
                                                        "'logprobs' unset")] = None
-    top_logprobs: Annotated[int | None, unsupported("top_logprobs are not supported by this server")] = None
     logit_bias: Annotated[dict[str, float] | None, unsupported(
         "logit_bias is not supported by this server; leave it unset (or {})")] = None
 
@@ -223,6 +222,7 @@ class ChatTemplateKwargs(Strict):
 class ChatCompletionRequest(SamplingRequest):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    top_logprobs: Annotated[int | None, unsupported("top_logprobs are not supported by this server")] = None
     tools: list[Annotated[Tool, explained(
         "a tool must be {'type': 'function', 'function': {'name': ...}}")]] | None = None
     tool_choice: Annotated[Literal["none", "auto"] | None, explained(
