@@ -6,10 +6,11 @@ import time
 
 from fastapi import APIRouter, Depends, Request
 
+from common.api_json import parse_request
 from common.api_generation import Choice, Generation, Job, check_ids, check_length, choice_params, \
     sampling_params, stream
 from common.api_protocol import ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, \
-    ChatMessage, ChatTemplateKwargs, ChunkChoice, Delta, bad_request, parse_request
+    ChatMessage, ChatTemplateKwargs, ChunkChoice, Delta, bad_request
 from common.api_state import ServerState, admitted_body, body_schema, prepare, server_state
 from common.parsing import StreamParser, prompt_opens_think
 

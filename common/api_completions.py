@@ -7,7 +7,8 @@ from fastapi import APIRouter, Depends, Request
 
 from common.api_generation import Choice, Generation, Job, check_ids, check_length, choice_params, \
     sampling_params, stream
-from common.api_protocol import CompletionChoice, CompletionRequest, CompletionResponse, parse_request
+from common.api_json import parse_request
+from common.api_protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from common.api_state import ServerState, admitted_body, body_schema, prepare, server_state
 
 router = APIRouter()

@@ -5,6 +5,9 @@ This file only builds the engine: HTTP, templates, tokenization, parsing and
 streaming are the same for every stage. Stage 1 runs one sequence at a time, so
 --slots and --token-budget have no effect here; concurrent requests wait in its
 FIFO queue.
+
+With --engine-process the engine runs in a child process, which imports
+build_engine by its module and name: it stays a module-level function.
 """
 from __future__ import annotations
 

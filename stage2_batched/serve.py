@@ -5,6 +5,9 @@ Changed from stage 1: --slots and --token-budget now matter (every concurrent
 request joins the running batch), plus the paged KV cache's options. This file
 only builds the engine: HTTP, templates, tokenization, parsing and streaming are
 the same for every stage.
+
+With --engine-process the engine runs in a child process, which imports
+build_engine by its module and name: it stays a module-level function.
 """
 from __future__ import annotations
 

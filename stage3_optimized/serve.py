@@ -5,6 +5,9 @@ Changed from stage 2: only the engine, and its --no-prefix-caching option; the
 usage of each answer reports prompt_tokens_details.cached_tokens (the engine's
 num_cached_tokens). HTTP, templates, tokenization, parsing and streaming are
 the same for every stage.
+
+With --engine-process the engine runs in a child process, which imports
+build_engine by its module and name: it stays a module-level function.
 """
 from __future__ import annotations
 

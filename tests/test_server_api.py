@@ -26,7 +26,7 @@ from common.engine_process import EngineProcess
 from common.server import create_app
 from common.tokenizer import Tokenizer
 from qwen_tokenizer import qwen3_tokenizer_dir  # noqa: F401  (session fixture)
-from test_server import CHAT_OK, TOOLS, LiveServer, ScriptedEngine, assert_error, model_dir, post_raw, script_for, \
+from test_server import CHAT_OK, LiveServer, ScriptedEngine, assert_error, model_dir, post_raw, script_for, \
     scripted, tok, user  # noqa: F401  (fixtures)
 
 # the fields of our request models that are not OpenAI's: vLLM's extensions, with vLLM's names
