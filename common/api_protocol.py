@@ -59,9 +59,14 @@ def param_of(loc) -> str | None:
 
 def from_validation_error(e: ValidationError) -> APIError:
     """The first error pydantic found, as a 400 naming its field."""
-    err = e.errors(include_url=False)[0]
+    return invalid_field(e.errors(include_url=False)[0])
+
+
+def invalid_field(err: dict) -> APIError:
+    """One pydantic error (an item of ValidationError.errors()) as OpenAI's 400: the one
+    place where a `loc` becomes a `param`."""
     param = param_of(err["loc"])
-    got = json.dumps(err["input"], default=str)[:50] if err["type"] not in ("missing", "model_type") else ""
+    got = json.dumps(err.get("input"), default=str)[:50] if err["type"] not in ("missing", "model_type") else ""
     return bad_request(f"{param or 'the request body'}: {err['msg']}{', got ' + got if got else ''}", param)
 
 

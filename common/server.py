@@ -1,30 +1,18 @@
-"""An OpenAI-compatible HTTP server over any engine.
+"""An OpenAI-compatible HTTP server over any engine: this file builds the app and runs it.
 
-The outer layer of the design: HTTP and JSON in, token ids to the engine, token ids
-back, text and JSON out. The engine never sees text and never sees a thread other
-than its own:
+HTTP and JSON in, token ids to the engine, token ids back, text and JSON out:
 
-    HTTP (asyncio event loop)      prepare threads             engine thread
-    -------------------------      ---------------             -------------
-    read the body (413, 429)
-    await prepare(body) ---------> parse and check it (pydantic),
-                                   render the template, tokenize
-    submit(Request) ------------------------------------------> engine_loop.py: add_request,
-    per-request asyncio.Queue <-------------------------------- step(), abort (the only thread
-    detokenize, stop strings,                                   that touches the engine; with
-    <think>/<tool_call> parsing, SSE                            --engine-process, a proxy for it)
-
-The files: api_protocol.py (the request and response models, errors), api_state.py
-(limits, state, the /v1 dependencies), api_generation.py (what both generation
-endpoints share, streaming), api_chat.py, api_completions.py and api_models.py (one
-router each), engine_loop.py (the thread that drives the engine), engine_process.py
-(the engine in a child process). This file builds the app and runs it.
+    event loop: read the body (413, 429)      api_state.py
+    prepare thread: parse and check it,       api_json.py, api_protocol.py (pydantic models),
+        render the template, tokenize         api_chat.py, api_completions.py (one router each)
+    engine thread: add_request, step, abort   engine_loop.py (engine_process.py: in a child)
+    event loop: detokenize, stop strings,     api_generation.py
+        <think>/<tool_call> parsing, SSE
 
 Input a client controls never gets a 5xx: every limit (docs/server.md lists them)
-answers with a 4xx that names the field and says what to change. /docs and
-/openapi.json are open even with --api-key (a browser cannot send a bearer token, and
-the schema holds no data); only /v1 is behind the key. Each stage's serve.py only
-builds its engine and calls main().
+answers with a 4xx that names the field. /docs and /openapi.json stay open with
+--api-key (a browser cannot send a bearer token, and the schema holds no data); only
+/v1 is behind the key. Each stage's serve.py only builds its engine and calls main().
 """
 from __future__ import annotations
 
@@ -45,7 +33,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common import api_chat, api_completions, api_models
-from common.api_protocol import APIError, ChatCompletionRequest, CompletionRequest, param_of
+from common.api_protocol import APIError, ChatCompletionRequest, CompletionRequest, invalid_field
 from common.api_state import Limits, ServerState, require_api_key
 
 log = logging.getLogger("qwen3-stages.server")
@@ -86,8 +74,8 @@ def build_app(state: ServerState) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request, exc: RequestValidationError):
         err = exc.errors()[0]
-        param = param_of(err["loc"][1:])           # loc starts with "query", "header", ...
-        return JSONResponse(APIError(400, f"{param}: {err['msg']}", param=param).body(), status_code=400)
+        exc = invalid_field({**err, "loc": err["loc"][1:]})     # FastAPI's loc starts with "query", "header"...
+        return JSONResponse(exc.body(), status_code=exc.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc):
