@@ -126,13 +126,14 @@ class EngineLoop:
                 self.busy = self.engine.has_work()
 
     def _fail_all(self, e: Exception) -> None:
-        """A bug, an out-of-memory or a dead engine process: the requests in flight get a
-        server error, they are dropped from the engine, and the loop keeps serving."""
+        """A bug, an out-of-memory or a dead engine process: the requests in flight (or
+        those the error names, e.request_ids) get a server error, they are dropped from
+        the engine, and the loop keeps serving."""
         log.error("engine step failed: %s: %s", type(e).__name__, e, exc_info=e)
-        for rid, sink in self.sinks.items():
-            sink.put(RuntimeError(f"the engine failed: {type(e).__name__}: {e}"))
+        touched = getattr(e, "request_ids", None)
+        for rid in [r for r in self.sinks if touched is None or r in touched]:
+            self.sinks.pop(rid).put(RuntimeError(f"the engine failed: {type(e).__name__}: {e}"))
             try:
                 self.engine.abort(rid)
             except Exception:
                 pass
-        self.sinks.clear()

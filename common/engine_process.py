@@ -64,7 +64,11 @@ def _child(conn, builder: str, folder, args) -> None:
 
 
 class EngineDied(RuntimeError):
-    pass
+    """The child died; request_ids are the requests it held (they are lost)."""
+
+    def __init__(self, message: str, request_ids: set[str]):
+        super().__init__(message)
+        self.request_ids = request_ids
 
 
 class EngineProcess:
@@ -74,6 +78,7 @@ class EngineProcess:
         self.builder = build_engine if isinstance(build_engine, str) else builder_name(build_engine)
         self.folder, self.args = folder, args
         self.restarts = 0
+        self.lost: EngineDied | None = None   # the child died outside step(): the next step() says so
         self.ready = threading.Event()
         self._start()
 
@@ -101,16 +106,21 @@ class EngineProcess:
             self.restarts += 1
             log.warning("the engine process was restarted (%d restarts)", self.restarts)
         except Exception:
-            log.exception("restarting the engine process failed")
+            log.exception("restarting the engine process failed; the next call tries again")
+            self.ready.set()                  # calls fail on the dead pipe and start another restart
 
     def _died(self) -> EngineDied:
+        """The pipe broke: the child is gone. Start a new one; what it held is lost."""
         self.proc.join(5)
         code = self.proc.exitcode
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
         self.ready.clear()
-        self.running, self.work = set(), False
+        died = EngineDied(f"the engine process died ({how}); it is being restarted", self.running)
+        if self.running:                              # the next step() reports the loss
+            self.lost, self.work = died, True
+        self.running = set()
         threading.Thread(target=self._restart, name="engine-restart", daemon=True).start()
-        return EngineDied(f"the engine process died ({how}); it is being restarted")
+        return died
 
     def _call(self, call: str, arg=None):
         self.ready.wait()                     # a restart in progress: wait for the new child
@@ -122,7 +132,10 @@ class EngineProcess:
 
     # ---- the Engine protocol ----
     def add_request(self, req: Request) -> None:
-        error = self._call("add", req)          # the child's engine checks the prompt
+        try:
+            error = self._call("add", req)   # the child's engine checks the prompt
+        except EngineDied:                   # found dead: the new child takes it (the requests
+            error = self._call("add", req)   # the old one held fail at the next step, alone)
         if error is not None:
             raise ValueError(error)
         self.running.add(req.id)
@@ -130,11 +143,22 @@ class EngineProcess:
 
     def abort(self, request_id: str) -> None:
         if request_id in self.running and self.ready.is_set():
-            self._call("abort", request_id)
-            self.work = True                  # the child reports the abort at its next step
+            try:
+                self._call("abort", request_id)
+                self.work = True              # the child reports the abort at its next step
+            except EngineDied:
+                pass                          # the next step() reports the loss
 
     def step(self) -> list[TokenEvent]:
-        events, self.work = self._call("step")
+        lost, self.lost = self.lost, None
+        if lost is not None:                  # the child died outside a step: fail what it held
+            self.work = bool(self.running)    # (what the new child holds goes on)
+            raise lost
+        try:
+            events, self.work = self._call("step")
+        except EngineDied:
+            self.lost, self.work = None, False
+            raise
         out = [TokenEvent(*e) for e in events]
         self.running -= {e.request_id for e in out if e.finish_reason is not None}
         return out

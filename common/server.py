@@ -133,7 +133,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         help="generation requests served at once; one more gets 429 (default %(default)d)")
     parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
                         help="run the engine in a child process that is restarted if it dies (a crash in "
-                        "compiled code then fails only the requests in flight; docs/server.md measures its cost)")
+                        "compiled code then fails only the requests in flight; docs/server.md measures its "
+                        "cost; default: on for stage 1, off for stages 2 and 3)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -145,13 +146,14 @@ def parse_addr(addr: str) -> tuple[str, int]:
 
 
 def main(build_engine: Callable[[Path, argparse.Namespace], Any], argv: list[str] | None = None,
-         prog: str | None = None, add_args: Callable[[argparse.ArgumentParser], None] | None = None) -> None:
+         prog: str | None = None, add_args: Callable[[argparse.ArgumentParser], None] | None = None,
+         engine_process: bool = False) -> None:
     """Parse the command line, bind the socket, load the engine in the background
     (/healthz answers 503 meanwhile), then serve until Ctrl-C.
 
     build_engine(folder, args) -> Engine is the only stage-specific part (a module-level
     function, so that --engine-process can import it in the child); add_args(parser)
-    adds the stage's own options."""
+    adds the stage's own options; engine_process is the stage's default for --engine-process."""
     import uvicorn
 
     from common.chat_template import ChatTemplate
@@ -162,6 +164,7 @@ def main(build_engine: Callable[[Path, argparse.Namespace], Any], argv: list[str
     add_server_args(parser)
     if add_args:
         add_args(parser)
+    parser.set_defaults(engine_process=engine_process)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     if args.max_ctx < 2:

@@ -212,6 +212,13 @@ def test_killing_the_engine_process_during_a_stream_fails_it_and_the_restarted_c
                                       stream=True)
         assert "".join(ch.choices[0].delta.content or "" for ch in r if ch.choices) == \
             script_for("<|im_start|>user\nhello", 5)
+        # a child that dies while idle: the next request finds it dead, and the new child serves it
+        second = engine.proc.pid
+        os.kill(second, signal.SIGKILL)
+        engine.proc.join(10)
+        r = c.chat.completions.create(model="scripted", messages=user("hello"), seed=6, max_tokens=200)
+        assert r.choices[0].message.content == script_for("<|im_start|>user\nhello", 6)
+        assert engine.restarts == 2 and engine.proc.pid not in (first, second)
         server.wait_idle()
     finally:
         server.close()
