@@ -45,7 +45,7 @@ class Job:
 def sampling_params(state, req: SamplingRequest, max_tokens: int | None) -> SamplingParams:
     """The request's sampling fields over the model's generation_config.json defaults (read
     once, at start-up). Without max_tokens a request may use the rest of the context (as
-    vLLM does); fit_to_context() cuts it to the room the prompt leaves once it is tokenized."""
+    vLLM does); choice_params() cuts it to the room the prompt leaves once it is tokenized."""
     max_tokens = state.max_ctx if max_tokens is None else min(max_tokens, state.max_ctx)
     return SamplingParams.from_defaults(state.sampling_defaults, max_tokens=max_tokens, **req.sampling())
 
