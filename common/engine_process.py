@@ -79,6 +79,8 @@ class EngineProcess:
         self.folder, self.args = folder, args
         self.restarts = 0
         self.lost: EngineDied | None = None   # the child died outside step(): the next step() says so
+        self.running: set[str] = set()        # request ids the child holds
+        self.work = False                     # the child had work after the last call
         self.ready = threading.Event()
         self._start()
 
@@ -96,8 +98,6 @@ class EngineProcess:
             self.proc.join(5)
             raise RuntimeError(f"the engine process exited while loading (exit code {self.proc.exitcode})") from None
         self.config = SimpleNamespace(vocab_size=vocab, eos_token_ids=eos)
-        self.running: set[str] = set()       # request ids the child holds
-        self.work = False                     # the child had work after the last call
         self.ready.set()
 
     def _restart(self) -> None:
