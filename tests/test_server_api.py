@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import threading
@@ -82,6 +83,8 @@ def test_openapi_schema_is_open_with_an_api_key_and_matches_the_openai_clients_p
         assert "200" in op["responses"]
     assert components["ChatCompletionRequest"]["properties"]["n"]["maximum"] == 64
     assert "security" not in schema["paths"]["/healthz"]["get"]
+    refs = set(re.findall(r'"#/components/schemas/([^"]+)"', json.dumps(schema)))
+    assert {"Message", "Tool", "TextPart"} <= refs and refs <= set(components)    # every $ref resolves
     assert "/v1/models" in schema["paths"]
 
 
