@@ -71,7 +71,7 @@ def main() -> None:
         build, folder, args = build_null, None, None
     else:
         from common.models import resolve_model
-        from common.server import add_server_args
+        from common.serve_cli import add_server_args
         build = importlib.import_module(module).build_engine
         parser = argparse.ArgumentParser()
         add_server_args(parser)

@@ -7,11 +7,10 @@ import time
 from fastapi import APIRouter, Depends, Request
 
 from common.api_json import parse_request
-from common.api_generation import Choice, Generation, Job, check_ids, check_length, choice_params, \
-    sampling_params, stream
+from common.api_generation import Choice, Generation, Job, choice_params, prompt_ids, stream
 from common.api_protocol import ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, \
     ChatMessage, ChatTemplateKwargs, ChunkChoice, Delta, bad_request
-from common.api_state import ServerState, admitted_body, body_schema, prepare, server_state
+from common.api_state import ServerState, admitted_body, body_schema, server_state
 from common.parsing import StreamParser, prompt_opens_think
 
 router = APIRouter()
@@ -23,7 +22,6 @@ def prepare_chat(state: ServerState, raw: bytes) -> Job:
     state.check_model(req.model)
     kwargs = req.chat_template_kwargs or ChatTemplateKwargs()
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
-    params = sampling_params(state, req, req.max_completion_tokens or req.max_tokens)
     try:
         prompt = state.template.render([m.for_template() for m in req.messages], add_generation_prompt=True,
                                        enable_thinking=kwargs.enable_thinking, tools=tools, **kwargs.model_extra)
@@ -33,12 +31,11 @@ def prepare_chat(state: ServerState, raw: bytes) -> Job:
         raise bad_request(f"the chat template cannot render these messages: {e}", "messages") from None
     if not isinstance(prompt, str):
         raise bad_request("the chat template did not render text for these messages", "messages")
-    check_length(state, len(prompt), "messages")
-    ids = state.tokenizer.encode(prompt)
-    check_ids(state, ids, "messages")
-    return Job([ids] * req.n, choice_params(params, req.n, len(ids), state.max_ctx), req.stream,
-               bool(req.stream_options and req.stream_options.include_usage), thinking=kwargs.enable_thinking,
-               tools=tools, opens_think=kwargs.enable_thinking and prompt_opens_think(prompt))
+    ids = prompt_ids(state, prompt, "messages")
+    params = choice_params(state, req, req.max_completion_tokens or req.max_tokens, len(ids))
+    return Job([ids] * req.n, params, req.stream, bool(req.stream_options and req.stream_options.include_usage),
+               thinking=kwargs.enable_thinking, tools=tools,
+               opens_think=kwargs.enable_thinking and prompt_opens_think(prompt))
 
 
 def finish_reason(c: Choice) -> str:
@@ -49,7 +46,7 @@ def finish_reason(c: Choice) -> str:
     ChatCompletionRequest), summary="A chat answer; with stream: true, chat.completion.chunk events (SSE)")
 async def chat_completions(request: Request, raw: bytes = Depends(admitted_body)):
     state = server_state(request)
-    job = await prepare(state, prepare_chat, raw)
+    job = await state.prepare(prepare_chat, raw)
     gen, created = Generation(state, job, "chatcmpl"), int(time.time())
     for c in gen.choices:
         c.parser = StreamParser(thinking=job.thinking, tools=job.tools is not None, start_in_reasoning=job.opens_think)

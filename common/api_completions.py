@@ -5,11 +5,10 @@ import time
 
 from fastapi import APIRouter, Depends, Request
 
-from common.api_generation import Choice, Generation, Job, check_ids, check_length, choice_params, \
-    sampling_params, stream
+from common.api_generation import Choice, Generation, Job, choice_params, prompt_ids, stream
 from common.api_json import parse_request
 from common.api_protocol import CompletionChoice, CompletionRequest, CompletionResponse
-from common.api_state import ServerState, admitted_body, body_schema, prepare, server_state
+from common.api_state import ServerState, admitted_body, body_schema, server_state
 
 router = APIRouter()
 
@@ -18,19 +17,12 @@ def prepare_completion(state: ServerState, raw: bytes) -> Job:
     """Body bytes -> a Job: checked, each prompt tokenized once (a prepare thread)."""
     req = parse_request(CompletionRequest, raw, state.limits.max_depth)
     state.check_model(req.model)
-    params = sampling_params(state, req, req.max_tokens)
     prompts = req.prompts()
     job = Job([], [], req.stream, bool(req.stream_options and req.stream_options.include_usage))
     for k, p in enumerate(prompts):
-        param = "prompt" if len(prompts) == 1 else f"prompt[{k}]"
-        if isinstance(p, str):
-            check_length(state, len(p), param)
-            ids = state.tokenizer.encode(p)
-        else:
-            ids = p
-        check_ids(state, ids, param)
+        ids = prompt_ids(state, p, "prompt" if len(prompts) == 1 else f"prompt[{k}]")
         job.prompts += [ids] * req.n
-        job.params += choice_params(params, req.n, len(ids), state.max_ctx)
+        job.params += choice_params(state, req, req.max_tokens, len(ids))
         job.echoes += [(p if isinstance(p, str) else state.tokenizer.decode(ids)) if req.echo else ""] * req.n
     return job
 
@@ -39,7 +31,7 @@ def prepare_completion(state: ServerState, raw: bytes) -> Job:
              summary="A completion; with stream: true, text_completion events (SSE)")
 async def completions(request: Request, raw: bytes = Depends(admitted_body)):
     state = server_state(request)
-    job = await prepare(state, prepare_completion, raw)
+    job = await state.prepare(prepare_completion, raw)
     gen, created = Generation(state, job, "cmpl"), int(time.time())
 
     def answer(choices: list[CompletionChoice], usage=None) -> CompletionResponse:

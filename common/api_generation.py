@@ -1,14 +1,11 @@
-"""What both generation endpoints share: from a checked request to engine requests,
-from engine events to text, and the one streaming helper.
-
-    Job          token ids + SamplingParams per choice (made on a prepare thread)
-    Generation   submits the choices to the engine loop; yields (choice, new text)
-    stream()     SSE for /v1/chat/completions and /v1/completions alike: the
-                 endpoint passes what it sends first, per piece of text, and at the end
+"""What both generation endpoints share: a Job (token ids + SamplingParams per choice, made
+on a prepare thread); a Generation, which submits them to the engine loop and yields
+(choice, new text); and stream(), the SSE answer of both endpoints.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -17,11 +14,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from pydantic import BaseModel
+from starlette.background import BackgroundTask
 from starlette.responses import StreamingResponse
 
 from common.api_protocol import APIError, SamplingRequest, Usage, bad_request
 from common.engine import Request, TokenEvent, check_prompt
-from common.engine_loop import Sink
 from common.parsing import StreamParser
 from common.sampling import SamplingParams
 from common.stopping import StopChecker
@@ -42,40 +39,32 @@ class Job:
     echoes: list[str] = field(default_factory=list)   # completions: text to put before each choice
 
 
-def sampling_params(state, req: SamplingRequest, max_tokens: int | None) -> SamplingParams:
-    """The request's sampling fields over the model's generation_config.json defaults (read
-    once, at start-up). Without max_tokens a request may use the rest of the context (as
-    vLLM does); choice_params() cuts it to the room the prompt leaves once it is tokenized."""
-    max_tokens = state.max_ctx if max_tokens is None else min(max_tokens, state.max_ctx)
-    return SamplingParams.from_defaults(state.sampling_defaults, max_tokens=max_tokens, **req.sampling())
-
-
-def check_length(state, chars: int, param: str) -> None:
-    """Refuse a prompt that cannot fit from its length alone, before tokenizing it."""
+def prompt_ids(state, prompt: str | list[int], param: str) -> list[int]:
+    """A prompt's token ids, refused (400 at `param`) if it cannot fit the context: a text
+    from its length alone before it is tokenized, then its ids."""
     bound = state.max_prompt_chars
-    if bound is not None and chars > bound:
-        raise bad_request(f"the prompt has {chars} characters; a context of {state.max_ctx} tokens holds at most "
-                          f"{bound} (a token covers at most {state.longest_token} characters); shorten the "
+    if isinstance(prompt, str) and bound is not None and len(prompt) > bound:
+        raise bad_request(f"the prompt has {len(prompt)} characters; a context of {state.max_ctx} tokens holds at "
+                          f"most {bound} (a token covers at most {state.longest_token} characters); shorten the "
                           "prompt or start the server with a larger --max-ctx", param)
-
-
-def check_ids(state, ids: list[int], param: str) -> None:
+    ids = state.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
     try:
         check_prompt(ids, state.max_ctx, state.vocab_size)
     except ValueError as e:
         raise bad_request(str(e), param) from None
+    return ids
 
 
-def choice_params(params: SamplingParams, n: int, prompt_len: int, max_ctx: int) -> list[SamplingParams]:
-    """n choices of one prompt: max_tokens cut to the room it leaves; seeds seed+i, so each
-    choice differs yet all are reproducible."""
-    params = dataclasses.replace(params, max_tokens=min(params.max_tokens, max_ctx - prompt_len))
-    return [dataclasses.replace(params, seed=None if params.seed is None else params.seed + i) for i in range(n)]
+def choice_params(state, req: SamplingRequest, max_tokens: int | None, prompt_len: int) -> list[SamplingParams]:
+    """req.n choices of one prompt: the request's sampling fields over generation_config.json's
+    defaults (read once, at start-up); max_tokens at most the room the prompt leaves (all of it
+    when unset, as in vLLM); seeds seed+i, so each choice differs yet all are reproducible."""
+    room = state.max_ctx - prompt_len
+    p = SamplingParams.from_defaults(state.sampling_defaults, max_tokens=min(max_tokens or room, room),
+                                     **req.sampling())
+    return [dataclasses.replace(p, seed=None if p.seed is None else p.seed + i) for i in range(req.n)]
 
 
-# ============================================================================
-# One generation: n engine requests, their text pipelines, one queue
-# ============================================================================
 class Choice:
     """One engine request: ids -> text (detokenizer) -> text before any stop string."""
 
@@ -120,7 +109,12 @@ class Generation:
         self.state, self.job = state, job
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.queue: asyncio.Queue = asyncio.Queue()
-        sink = Sink(asyncio.get_running_loop(), self.queue)
+        loop = asyncio.get_running_loop()
+
+        def sink(item):      # called on the engine thread: call_soon_threadsafe is the safe way in
+            with contextlib.suppress(RuntimeError):       # the event loop is closed: shutting down
+                loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
         base = uuid.uuid4().hex[:16]
         self.choices = [Choice(i, f"{base}-{i}", ids, p, state) for i, (ids, p) in enumerate(zip(job.prompts, job.params))]
         self.by_id = {c.id: c for c in self.choices}
@@ -165,27 +159,32 @@ class Generation:
             async for c, text in self.events():
                 if on_text:
                     on_text(c, text)
-
-        async def until_disconnect():    # the body was read, so the next message is the disconnect
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
-        work, watch = asyncio.ensure_future(drive()), asyncio.ensure_future(until_disconnect())
         try:
-            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            work = await until_disconnect(drive(), request.receive)
         finally:
-            watch.cancel()
-            finished = work.done()
-            work.cancel()
             self.close()     # aborts whatever has not finished (client gone, or an error in one choice)
-        if not finished:     # nobody reads this reply; it only ends the handler
+        if work.cancelled():     # nobody reads this reply; it only ends the handler
             raise APIError(400, "the client closed the connection before the answer was ready")
         work.result()        # re-raise an engine error as the reply
 
 
-# ============================================================================
-# Streaming: one helper for both endpoints
-# ============================================================================
+async def until_disconnect(work, receive) -> asyncio.Task:
+    """Runs `work` until it ends or the client disconnects (then it is cancelled); its task."""
+    async def disconnected():    # the body was read, so the next message is the disconnect
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    tasks = task, _ = [asyncio.ensure_future(work), asyncio.ensure_future(disconnected())]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return task
+
+
+# ---- streaming: one helper for both endpoints ----
 def _sse(obj: BaseModel | dict) -> str:
     text = obj.model_dump_json() if isinstance(obj, BaseModel) else json.dumps(obj, ensure_ascii=False)
     return f"data: {text}\n\n"
@@ -208,38 +207,24 @@ def stream(gen: Generation, first: Iterable[BaseModel], pieces: Callable[[Choice
             yield _sse(usage_chunk(gen.usage()))
         yield "data: [DONE]\n\n"
 
-    return EventStream(events(), on_close=gen.close)
+    return EventStream(events(), background=BackgroundTask(gen.close))
 
 
 class EventStream(StreamingResponse):
-    """SSE that notices a client leaving even while no token is ready (a queued request
-    in a FIFO engine can wait a long time), and always runs on_close so the engine
-    aborts what the client no longer wants."""
+    """SSE that notices a client leaving even while no token is ready (a queued request in a
+    FIFO engine can wait a long time), and always runs its background task (gen.close: the
+    engine aborts what the client no longer wants)."""
 
-    def __init__(self, content, on_close: Callable[[], None]):
-        super().__init__(content, media_type="text/event-stream",
+    def __init__(self, content, background: BackgroundTask):
+        super().__init__(content, media_type="text/event-stream", background=background,
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.on_close = on_close
 
     async def __call__(self, scope, receive, send):
-        async def send_all():
-            try:
-                await self.stream_response(send)
-            except OSError:
-                pass          # the client closed the socket under a send
-
-        async def listen():
-            while (await receive())["type"] != "http.disconnect":
-                pass
-
-        tasks = [asyncio.ensure_future(send_all()), asyncio.ensure_future(listen())]
         try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            sent = await until_disconnect(self.stream_response(send), receive)
+            error = None if sent.cancelled() else sent.exception()
+            if error is not None and not isinstance(error, OSError):   # OSError: the client closed the socket
+                log.error("streaming a response failed: %r", error)
         finally:
-            for t in tasks:
-                t.cancel()
-            for result in await asyncio.gather(*tasks, return_exceptions=True):
-                if isinstance(result, Exception):
-                    log.error("streaming a response failed: %r", result)
             await self.body_iterator.aclose()    # a generator cut short runs its cleanup now
-            self.on_close()
+            await self.background()

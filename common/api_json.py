@@ -1,14 +1,13 @@
-"""A request body's bytes -> a protocol model (on a prepare thread), and the checks
-that pydantic's JSON parser leaves to us: nesting depth, lone surrogates, NaN."""
+"""A request body's bytes -> a protocol model (on a prepare thread), with the checks
+pydantic's JSON parser leaves to us: nesting depth, lone surrogates, NaN."""
 from __future__ import annotations
 
 import json
-import math
 import re
 
 from pydantic import ValidationError
 
-from common.api_protocol import APIError, Strict, bad_request, from_validation_error, param_of
+from common.api_protocol import APIError, Strict, bad_request, invalid_field, param_of
 
 # A lone UTF-16 surrogate ("\ud800" written as an escape, or its bytes) is not Unicode:
 # we answer 400 naming the field rather than replace it with U+FFFD (docs/server.md).
@@ -18,21 +17,16 @@ _JSON_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{},:]', re.DOTALL)
 
 
 def parse_request(model: type[Strict], raw: bytes, max_depth: int) -> Strict:
-    """The body as `model`, or a 400 (404 for an unknown model is the caller's) that names the field.
+    """The body as `model`, or a 400 that names the field (404 for an unknown model is the caller's).
 
-    pydantic's JSON parser refuses a lone surrogate, a body nested past its own limit and
-    an integer of more than 4300 digits, but with no field to name; it reads NaN. So when
-    it refuses a body, or reads a value no JSON number gives (a NaN), the body is read
-    again with the strict reference parser, whose answer names the field; and a body it
-    took is walked for nesting deeper than max_depth (the template and json.dumps recurse)."""
+    pydantic's JSON parser refuses a lone surrogate, nesting past its own limit and an
+    integer of more than 4300 digits with no field to name, and it reads NaN; so the
+    reference parser reads the body first, and its answer is walked for what we refuse."""
+    check_json(strict_json(raw, max_depth), max_depth)
     try:
-        req = model.model_validate_json(raw)
+        return model.model_validate_json(raw)
     except ValidationError as e:
-        check_json(strict_json(raw, max_depth), max_depth)
-        raise from_validation_error(e) from None
-    if not check_json(req.model_dump(), max_depth):
-        check_json(strict_json(raw, max_depth), max_depth)
-    return req
+        raise invalid_field(e.errors(include_url=False)[0]) from None
 
 
 def strict_json(raw: bytes, max_depth: int):
@@ -89,11 +83,10 @@ def _deep_where(raw: bytes, max_depth: int) -> list:
     return ["?" if key is None else key for _obj, key, _last in frames]
 
 
-def check_json(body: dict, max_depth: int) -> bool:
+def check_json(body: dict, max_depth: int) -> None:
     """One walk over a parsed body: a 400 naming the field for nesting deeper than max_depth
-    or a lone surrogate in a string or key. False if it holds a NaN or an infinity (which a
-    NaN or Infinity in the text can give, and 1e999 too: only the text can tell)."""
-    stack, finite = [(body, 1, [])], True       # (container, its depth, its keys from the body)
+    or a lone surrogate in a string or key."""
+    stack = [(body, 1, [])]       # (container, its depth, its keys from the body)
     while stack:
         value, depth, keys = stack.pop()
         if depth > max_depth:
@@ -107,8 +100,5 @@ def check_json(body: dict, max_depth: int) -> bool:
                 raise bad_request(f"{path} contains a lone UTF-16 surrogate (\\u{ord(m.group()):04x} at character "
                                   f"{m.start()}), which is not valid Unicode; send the character as a surrogate "
                                   "pair, or leave it out", path)
-            if isinstance(item, float) and not math.isfinite(item):
-                finite = False
-            elif isinstance(item, (dict, list)):
+            if isinstance(item, (dict, list)):
                 stack.append((item, depth + 1, keys + [key]))
-    return finite

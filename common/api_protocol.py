@@ -1,13 +1,9 @@
-"""The OpenAI API as pydantic models: request and response bodies, their bounds, errors.
+"""The OpenAI API as pydantic models (as vLLM's protocol.py): request and response bodies, errors.
 
-In the manner of vLLM's protocol.py: every field the server supports is typed with
-its bounds; unknown fields are accepted and ignored, as OpenAI does; what the server
-does not support (image parts, logprobs, forcing a tool) is refused with a message.
-The models are strict: JSON types as written ("2" is not an integer, true is not 1).
-
-An error becomes OpenAI's error body, whose `param` is pydantic's `loc` written as
-OpenAI writes a field (messages[0].content): no error text is read for a field name.
-common/api_json.py turns a body's bytes into these models.
+Every supported field is typed with its bounds, strictly ("2" is not an integer, true is
+not 1); unknown fields are accepted and ignored, as OpenAI does; what the server does not
+support (image parts, logprobs, forcing a tool) is refused with a message. An error's
+`param` is pydantic's `loc` as OpenAI writes a field (messages[0].content).
 """
 from __future__ import annotations
 
@@ -25,11 +21,11 @@ MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 256, 256
 # every request in the batch. So: OpenAI's temperature range (below 1e-5 is greedy, as
 # in vLLM), and a repetition penalty within [1/100, 100].
 MAX_TEMPERATURE, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 2.0, 1e-2, 100.0
+SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "seed", "ignore_eos"}
 
 
-# ============================================================================
-# Errors in OpenAI's shape
-# ============================================================================
+# ---- errors in OpenAI's shape ----
 class APIError(Exception):
     """An error the client caused (or a state it must wait out); becomes an HTTP reply."""
 
@@ -55,11 +51,6 @@ def param_of(loc) -> str | None:
             continue
         out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else str(key))
     return out or None
-
-
-def from_validation_error(e: ValidationError) -> APIError:
-    """The first error pydantic found, as a 400 naming its field."""
-    return invalid_field(e.errors(include_url=False)[0])
 
 
 def invalid_field(err: dict) -> APIError:
@@ -95,9 +86,7 @@ class Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
 
-# ============================================================================
-# Requests
-# ============================================================================
+# ---- requests ----
 class StreamOptions(Strict):
     include_usage: bool = False
 
@@ -136,10 +125,7 @@ class SamplingRequest(Strict):
     def sampling(self) -> dict:
         """The sampling fields this request sets (SamplingParams' names; None = the model's default)."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
-        return dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                    presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                    repetition_penalty=self.repetition_penalty, seed=self.seed, ignore_eos=self.ignore_eos,
-                    stop=stop or [], stop_token_ids=self.stop_token_ids or [])
+        return self.model_dump(include=SAMPLING_FIELDS) | dict(stop=stop or [], stop_token_ids=self.stop_token_ids or [])
 
 
 class TextPart(Strict):
@@ -257,9 +243,7 @@ class CompletionRequest(SamplingRequest):
         return [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
 
 
-# ============================================================================
-# Responses
-# ============================================================================
+# ---- responses ----
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -282,11 +266,16 @@ class ChatChoice(BaseModel):
     finish_reason: str | None
 
 
-class ChatCompletionResponse(BaseModel):
+class Reply(BaseModel):
+    """What every generation reply and streamed chunk carries."""
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
+    usage: Usage | None = None
+
+
+class ChatCompletionResponse(Reply):
+    object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: Usage
 
@@ -311,13 +300,9 @@ class ChunkChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(Reply):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChunkChoice]
-    usage: Usage | None = None
 
 
 class CompletionChoice(BaseModel):
@@ -327,14 +312,10 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None
 
 
-class CompletionResponse(BaseModel):
+class CompletionResponse(Reply):
     """A whole answer, and also each streamed chunk (OpenAI uses one shape for both)."""
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = None
 
 
 class ModelCard(BaseModel):

@@ -1,54 +1,37 @@
 """The engine-facing half of the server: one thread that drives engine.step().
 
-Everything the server does with an engine happens here, on one thread, through
-the four calls of common/engine.py (add_request, abort, step, has_work) with token
-ids only. The HTTP side (common/server.py and the api_*.py routers) never calls
-the engine: it hands requests in with submit() and abort(), and gets each
-request's TokenEvents back on an asyncio queue of its own:
+Everything the server does with an engine happens here, on one thread, through the
+four calls of common/engine.py (add_request, abort, step, has_work), token ids only.
+The HTTP side never calls the engine: it hands requests in with submit() and abort(),
+and each request's TokenEvents come back through the sink it gave (a function that
+puts them on that request's asyncio queue):
 
     HTTP side (event loop)              this thread
-    ----------------------              -----------
     submit(Request, sink) ---+
     abort(request_id) -------+--> lock --> engine.add_request() / engine.abort()
                                            while engine.has_work():
                                                events = engine.step()
-    sink.queue  <----- call_soon_threadsafe -- for ev in events: sinks[ev.request_id].put(ev)
+    request's queue <---------- sink(ev) -- for ev in events: sinks[ev.request_id](ev)
 
-A stage-2 reader can read this as the outer loop of its own LLMEngine: the
-scheduler runs inside step(); this loop only feeds it and delivers what it made.
+A stage-2 reader can read this as the outer loop of its own LLMEngine: the scheduler
+runs inside step(); this loop only feeds it and delivers what it made.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
+from typing import Callable
 
 from common.engine import Request, TokenEvent
 
 log = logging.getLogger("qwen3-stages.server")
-
-
-class Sink:
-    """Where one HTTP request's events go: an asyncio.Queue on the server's event loop,
-    filled from the engine thread (call_soon_threadsafe is the only safe way to touch
-    an asyncio object from another thread)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
-        self.loop, self.queue = loop, queue
-
-    def put(self, item: TokenEvent | Exception) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:
-            pass      # the event loop is closed: the server is shutting down
+Sink = Callable[[TokenEvent | Exception], None]
 
 
 class EngineLoop:
-    """Owns the engine: every engine call happens on this one thread.
-
-    submit() and abort() only append to a list under a lock and wake the thread; the
-    thread adds and aborts requests between steps, runs step() while the engine has
-    work, and sleeps on the condition when it has none."""
+    """Owns the engine. submit() and abort() only append to a list under a lock and wake
+    the thread; the thread adds and aborts requests between steps, runs step() while the
+    engine has work, and sleeps on the condition when it has none."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -58,7 +41,6 @@ class EngineLoop:
         self._stop = False
         self.sinks: dict[str, Sink] = {}   # requests in the engine (engine thread only)
         self.busy = False                   # the engine had work after the last step
-        self.aborts_sent = 0                # engine.abort() calls, for tests and logs
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.thread.start()
 
@@ -74,7 +56,7 @@ class EngineLoop:
             self.cond.notify()
 
     def idle(self) -> bool:
-        """No request queued here or in the engine (for tests and /healthz)."""
+        """No request queued here or in the engine (for tests)."""
         with self.cond:
             return not (self._adds or self._aborts or self.sinks or self.busy)
 
@@ -102,37 +84,32 @@ class EngineLoop:
                     self.engine.add_request(req)
                     self.sinks[req.id] = sink
                 except Exception as e:       # ValueError: a prompt the engine cannot take
-                    sink.put(e)
+                    sink(e)
             # 3. clients that left: free their sequences (only those still in the engine)
             for rid in aborts:
                 if self.sinks.pop(rid, None) is not None:
                     self.engine.abort(rid)
-                    self.aborts_sent += 1
             # 4. one step of the engine: every running sequence advances by a token
             try:
                 events = self.engine.step() if self.engine.has_work() else []
             except Exception as e:
-                self._fail_all(e)
+                self._fail(e)
                 events = []
-            # 5. each token goes to the request that asked for it
+            # 5. each token goes to the request that asked for it (none listens to one aborted here)
             for ev in events:
-                sink = self.sinks.get(ev.request_id)
-                if sink is None:
-                    continue          # aborted by us already: nobody listens
-                if ev.finish_reason is not None:
-                    del self.sinks[ev.request_id]
-                sink.put(ev)
+                sink = self.sinks.pop(ev.request_id, None) if ev.finish_reason else self.sinks.get(ev.request_id)
+                if sink is not None:
+                    sink(ev)
             with self.cond:
                 self.busy = self.engine.has_work()
 
-    def _fail_all(self, e: Exception) -> None:
-        """A bug, an out-of-memory or a dead engine process: the requests in flight (or
-        those the error names, e.request_ids) get a server error, they are dropped from
-        the engine, and the loop keeps serving."""
+    def _fail(self, e: Exception) -> None:
+        """A bug, an out-of-memory or a dead engine process: the requests in flight (or those
+        the error names, e.request_ids) get a server error and leave the engine; the loop goes on."""
         log.error("engine step failed: %s: %s", type(e).__name__, e, exc_info=e)
         touched = getattr(e, "request_ids", None)
         for rid in [r for r in self.sinks if touched is None or r in touched]:
-            self.sinks.pop(rid).put(RuntimeError(f"the engine failed: {type(e).__name__}: {e}"))
+            self.sinks.pop(rid)(RuntimeError(f"the engine failed: {type(e).__name__}: {e}"))
             try:
                 self.engine.abort(rid)
             except Exception:

@@ -1,19 +1,19 @@
 """An engine in a child process, behind the same Engine protocol (--engine-process).
 
-The server's engine thread (common/engine_loop.py) calls this proxy as it would call
-the engine; the proxy forwards each call over a pipe to a child process that owns the
-real engine. What crosses is the contract of common/engine.py and nothing more:
-Request (ids + SamplingParams) one way, TokenEvent fields (ids) the other.
+The engine thread (common/engine_loop.py) calls this proxy as it would call the engine;
+the proxy forwards each call over a pipe to a child process that owns the real engine.
+What crosses is the contract of common/engine.py and nothing more: Request (ids +
+SamplingParams) one way, TokenEvent fields (ids) the other.
 
     server process                            child process
     engine thread: proxy.step() --- pipe ---> engine.step() -> [(request_id, token_id, finish_reason)]
 
-If the engine dies (a segfault or an LLVM abort in compiled code, an out-of-memory
-kill, SIGKILL), the pipe closes: step() raises, the engine loop fails the requests in
-flight with a server error, and the proxy starts a new child at once. /healthz says
-"restarting" meanwhile and counts the restarts; the next request is served by the
-new child. The child is started with "spawn" (a fork of a threaded server is not
-safe), so the engine builder must be importable: the stage's serve.py build_engine.
+If the child dies (a segfault or an LLVM abort in compiled code, an out-of-memory kill,
+SIGKILL), the pipe closes: the next step() raises EngineDied, the engine loop fails the
+requests the child held, and the step after it starts a new child (/healthz says
+"restarting" until it is up, and counts the restarts). The child is started with "spawn"
+(a fork of a threaded server is not safe), so the engine builder must be importable:
+the stage's serve.py build_engine.
 """
 from __future__ import annotations
 
@@ -22,20 +22,12 @@ import logging
 import multiprocessing
 import signal
 import sys
-import threading
+from contextlib import suppress
 from types import SimpleNamespace
 
 from common.engine import Request, TokenEvent
 
 log = logging.getLogger("qwen3-stages.server")
-
-
-def builder_name(fn) -> str:
-    """'package.module:function' for an engine builder, also when its module runs as __main__."""
-    module = fn.__module__
-    if module == "__main__":
-        module = getattr(sys.modules["__main__"].__spec__, "name", None) or module
-    return f"{module}:{fn.__qualname__}"
 
 
 def _child(conn, builder: str, folder, args) -> None:
@@ -72,19 +64,21 @@ class EngineDied(RuntimeError):
 
 
 class EngineProcess:
-    """The Engine protocol, run by a child process; restarts the child when it dies."""
+    """The Engine protocol, run by a child process; a new child replaces one that died."""
 
     def __init__(self, build_engine, folder, args):
-        self.builder = build_engine if isinstance(build_engine, str) else builder_name(build_engine)
-        self.folder, self.args = folder, args
+        if not isinstance(build_engine, str):     # 'package.module:function', also when run as __main__
+            module = build_engine.__module__
+            if module == "__main__":
+                module = getattr(sys.modules["__main__"].__spec__, "name", None) or module
+            build_engine = f"{module}:{build_engine.__qualname__}"
+        self.builder, self.folder, self.args = build_engine, folder, args
         self.restarts = 0
-        self.lost: EngineDied | None = None   # the child died outside step(): the next step() says so
+        self.lost: EngineDied | None = None   # the child died: the next step() raises this
         self.running: set[str] = set()        # request ids the child holds
         self.work = False                     # the child had work after the last call
-        self.ready = threading.Event()
         self._start()
 
-    # ---- the child's life ----
     def _start(self) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child_end = ctx.Pipe()
@@ -98,70 +92,52 @@ class EngineProcess:
             self.proc.join(5)
             raise RuntimeError(f"the engine process exited while loading (exit code {self.proc.exitcode})") from None
         self.config = SimpleNamespace(vocab_size=vocab, eos_token_ids=eos)
-        self.ready.set()
+        self.up = True                        # False from a death until the new child answers (/healthz)
 
-    def _restart(self) -> None:
-        try:
+    def _call(self, call: str, arg=None):
+        if not self.up:                       # the child died: start a new one (a failure: the next call retries)
+            self.work = False
             self._start()
             self.restarts += 1
             log.warning("the engine process was restarted (%d restarts)", self.restarts)
-        except Exception:
-            log.exception("restarting the engine process failed; the next call tries again")
-            self.ready.set()                  # calls fail on the dead pipe and start another restart
-
-    def _died(self) -> EngineDied:
-        """The pipe broke: the child is gone. Start a new one; what it held is lost."""
-        self.proc.join(5)
-        code = self.proc.exitcode
-        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        self.ready.clear()
-        died = EngineDied(f"the engine process died ({how}); it is being restarted", self.running)
-        if self.running:                              # the next step() reports the loss
-            self.lost, self.work = died, True
-        self.running = set()
-        threading.Thread(target=self._restart, name="engine-restart", daemon=True).start()
-        return died
-
-    def _call(self, call: str, arg=None):
-        self.ready.wait()                     # a restart in progress: wait for the new child
         try:
             self.conn.send((call, arg))
             return self.conn.recv() if call != "abort" else None
         except (EOFError, OSError):
-            raise self._died() from None
+            self.proc.join(5)
+            code = self.proc.exitcode
+            how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            self.up, self.work = False, True  # the engine loop steps again, which starts the new child
+            self.lost = EngineDied(f"the engine process died ({how}); it is being restarted", self.running)
+            self.running = set()
+            raise self.lost from None
 
     # ---- the Engine protocol ----
     def add_request(self, req: Request) -> None:
         try:
             error = self._call("add", req)   # the child's engine checks the prompt
-        except EngineDied:                   # found dead: the new child takes it (the requests
-            error = self._call("add", req)   # the old one held fail at the next step, alone)
+        except EngineDied:                   # found dead: the new child takes it (what the old one
+            error = self._call("add", req)   # held fails at the next step, alone)
         if error is not None:
             raise ValueError(error)
         self.running.add(req.id)
         self.work = True
 
     def abort(self, request_id: str) -> None:
-        if request_id in self.running and self.ready.is_set():
-            try:
+        if request_id in self.running and self.up:
+            with suppress(EngineDied):        # the next step() reports the loss
                 self._call("abort", request_id)
                 self.work = True              # the child reports the abort at its next step
-            except EngineDied:
-                pass                          # the next step() reports the loss
 
     def step(self) -> list[TokenEvent]:
+        if self.lost is None:
+            with suppress(EngineDied):
+                events, self.work = self._call("step")
+                out = [TokenEvent(*e) for e in events]
+                self.running -= {e.request_id for e in out if e.finish_reason is not None}
+                return out
         lost, self.lost = self.lost, None
-        if lost is not None:                  # the child died outside a step: fail what it held
-            self.work = bool(self.running)    # (what the new child holds goes on)
-            raise lost
-        try:
-            events, self.work = self._call("step")
-        except EngineDied:
-            self.lost, self.work = None, False
-            raise
-        out = [TokenEvent(*e) for e in events]
-        self.running -= {e.request_id for e in out if e.finish_reason is not None}
-        return out
+        raise lost
 
     def has_work(self) -> bool:
         return self.work

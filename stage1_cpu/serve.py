@@ -1,6 +1,6 @@
 """python -m stage1_cpu.serve --model DIR [--quant int8|int4|none] [--addr 127.0.0.1:8000]
 
-The OpenAI-compatible server (common/server.py) over the stage-1 CPU engine.
+The OpenAI-compatible server (common/server.py, command line: common/serve_cli.py) over the stage-1 CPU engine.
 This file only builds the engine: HTTP, templates, tokenization, parsing and
 streaming are the same for every stage. Stage 1 runs one sequence at a time, so
 --slots and --token-budget have no effect here; concurrent requests wait in its
@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from common.server import main as serve_main
+from common.serve_cli import main as serve_main
 from stage1_cpu.options import add_args
 from stage1_cpu.options import build_engine as _build
 
