@@ -259,11 +259,14 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict] | None = None
 
 
-class ChatChoice(BaseModel):
+class ReplyChoice(BaseModel):
     index: int
-    message: ChatMessage
     logprobs: None = None
-    finish_reason: str | None
+    finish_reason: str | None = None
+
+
+class ChatChoice(ReplyChoice):
+    message: ChatMessage
 
 
 class Reply(BaseModel):
@@ -293,11 +296,8 @@ class Delta(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChunkChoice(BaseModel):
-    index: int
+class ChunkChoice(ReplyChoice):
     delta: Delta
-    logprobs: None = None
-    finish_reason: str | None = None
 
 
 class ChatCompletionChunk(Reply):
@@ -305,11 +305,8 @@ class ChatCompletionChunk(Reply):
     choices: list[ChunkChoice]
 
 
-class CompletionChoice(BaseModel):
-    index: int
+class CompletionChoice(ReplyChoice):
     text: str
-    logprobs: None = None
-    finish_reason: str | None
 
 
 class CompletionResponse(Reply):
