@@ -116,7 +116,8 @@ class Generation:
                 loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
         base = uuid.uuid4().hex[:16]
-        self.choices = [Choice(i, f"{base}-{i}", ids, p, state) for i, (ids, p) in enumerate(zip(job.prompts, job.params))]
+        self.choices = [Choice(i, f"{base}-{i}", ids, p, state)
+                        for i, (ids, p) in enumerate(zip(job.prompts, job.params))]
         self.by_id = {c.id: c for c in self.choices}
         for c in self.choices:
             state.loop.submit(Request(c.id, c.prompt_ids, c.params), sink)

@@ -125,7 +125,8 @@ class SamplingRequest(Strict):
     def sampling(self) -> dict:
         """The sampling fields this request sets (SamplingParams' names; None = the model's default)."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
-        return self.model_dump(include=SAMPLING_FIELDS) | dict(stop=stop or [], stop_token_ids=self.stop_token_ids or [])
+        return self.model_dump(include=SAMPLING_FIELDS) | dict(stop=stop or [],
+                                                               stop_token_ids=self.stop_token_ids or [])
 
 
 class TextPart(Strict):
