@@ -69,17 +69,12 @@ class SamplingParams:
     def from_generation_config(cls, folder: str | Path | None, **overrides) -> "SamplingParams":
         """Defaults from the model's generation_config.json, then the caller's overrides
         (None values in overrides are ignored, so a request's missing fields keep the defaults)."""
-        values: dict = {}
-        path = Path(folder) / "generation_config.json" if folder else None
-        if path is not None and path.is_file():
-            g = json.loads(path.read_text())
-            # presence / frequency: not Hugging Face keys, but a file may name them (ours does)
-            for key in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                        "presence_penalty", "frequency_penalty"):
-                if g.get(key) is not None:
-                    values[key] = g[key]
-            if g.get("do_sample") is False:
-                values["temperature"] = 0.0
+        return cls.from_defaults(generation_defaults(folder), **overrides)
+
+    @classmethod
+    def from_defaults(cls, defaults: dict, **overrides) -> "SamplingParams":
+        """`defaults` (from generation_defaults(), read once), then the non-None overrides."""
+        values = dict(defaults)
         names = {f.name for f in fields(cls)}
         for key, value in overrides.items():
             if key not in names:
@@ -87,6 +82,23 @@ class SamplingParams:
             if value is not None:
                 values[key] = value
         return cls(**values)
+
+
+def generation_defaults(folder: str | Path | None) -> dict:
+    """The sampling defaults in a model folder's generation_config.json ({} without one).
+    A server reads them once, at start-up, not per request."""
+    values: dict = {}
+    path = Path(folder) / "generation_config.json" if folder else None
+    if path is not None and path.is_file():
+        g = json.loads(path.read_text())
+        # presence / frequency: not Hugging Face keys, but a file may name them (ours does)
+        for key in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                    "presence_penalty", "frequency_penalty"):
+            if g.get(key) is not None:
+                values[key] = g[key]
+        if g.get("do_sample") is False:
+            values["temperature"] = 0.0
+    return values
 
 
 def apply_penalties(logits: np.ndarray, params: SamplingParams,

@@ -1,17 +1,22 @@
 """python -m stage1_cpu.serve --model DIR [--quant int8|int4|none] [--addr 127.0.0.1:8000]
 
-The OpenAI-compatible server (common/server.py) over the stage-1 CPU engine.
+The OpenAI-compatible server (common/server.py, command line: common/serve_cli.py) over the stage-1 CPU engine.
 This file only builds the engine: HTTP, templates, tokenization, parsing and
 streaming are the same for every stage. Stage 1 runs one sequence at a time, so
 --slots and --token-budget have no effect here; concurrent requests wait in its
 FIFO queue.
+
+The engine runs in a child process (--engine-process, on by default here: a crash
+in compiled code then fails only the requests in flight, and its cost does not
+show against a stage-1 step, docs/server.md); the child imports build_engine by
+its module and name, so it stays a module-level function.
 """
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from common.server import main as serve_main
+from common.serve_cli import main as serve_main
 from .options import add_args
 from .options import build_engine as _build
 
@@ -23,7 +28,7 @@ def build_engine(folder: Path, args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> None:
-    serve_main(build_engine, argv, prog="python -m stage1_cpu.serve", add_args=add_args)
+    serve_main(build_engine, argv, prog="python -m stage1_cpu.serve", add_args=add_args, engine_process=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,101 @@
+"""What --engine-process costs per decode step: the engine in the server's process
+against the same engine behind common/engine_process.py, interleaved A/B rounds.
+
+    python -m bench.engine_process_cost stage1_cpu.serve 9                  # the default demo model
+    python -m bench.engine_process_cost stage2_batched.serve 9 --model DIR --device cpu
+    python -m bench.engine_process_cost null 9                              # no compute: the pipe alone
+
+Each round times every decode step of one 64-token answer (its median) on each engine,
+alternating which goes first; it prints the medians over the rounds and the load.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from common.engine import Request, TokenEvent
+from common.engine_process import EngineProcess
+from common.sampling import SamplingParams
+
+
+class NullEngine:
+    """One token per step, no compute: what is left is the boundary."""
+    max_ctx = 1 << 20
+
+    def __init__(self):
+        self.running: dict[str, list[int]] = {}
+
+    def add_request(self, req):
+        self.running[req.id] = [req.params.max_tokens, 0]
+
+    def abort(self, rid):
+        self.running.pop(rid, None)
+
+    def has_work(self):
+        return bool(self.running)
+
+    def step(self):
+        out = []
+        for rid, e in list(self.running.items()):
+            e[1] += 1
+            out.append(TokenEvent(rid, 100 + e[1], "length" if e[1] >= e[0] else None))
+            if e[1] >= e[0]:
+                del self.running[rid]
+        return out
+
+
+def build_null(folder, args):
+    return NullEngine()
+
+
+def decode_step_ms(engine, rid: str, steps: int) -> float:
+    engine.add_request(Request(rid, [1, 450, 4996, 8253, 5389],
+                               SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)))
+    engine.step()                                  # the prefill
+    times = []
+    while engine.has_work():
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1000
+
+
+def main() -> None:
+    module, rounds, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    if module == "null":
+        build, folder, args = build_null, None, None
+    else:
+        from common.models import resolve_model
+        from common.serve_cli import add_server_args
+        build = importlib.import_module(module).build_engine
+        parser = argparse.ArgumentParser()
+        add_server_args(parser)
+        importlib.import_module(module.rsplit(".", 1)[0] + ".options").add_args(parser)
+        args = parser.parse_args(argv)
+        folder = Path(resolve_model(args.model))
+    engines = {"in-process": build(folder, args), "engine-process": EngineProcess(build, folder, args)}
+    steps = int(os.environ.get("STEPS", "64"))
+    for name, engine in engines.items():
+        decode_step_ms(engine, f"warm-{name}", steps)          # compiles and caches before timing
+    got: dict[str, list[float]] = {name: [] for name in engines}
+    loads = []
+    for r in range(rounds):
+        for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+            got[name].append(decode_step_ms(engines[name], f"r{r}", steps))
+        loads.append(os.getloadavg()[0])
+    med = {name: statistics.median(v) for name, v in got.items()}
+    for name, v in got.items():
+        print(f"{name:15s} decode step median {med[name]:.3f} ms; rounds {[round(x, 3) for x in v]}")
+    print(f"the boundary: {(med['engine-process'] - med['in-process']) * 1000:+.0f} us per step = "
+          f"{(med['engine-process'] / med['in-process'] - 1) * 100:+.2f} %; load average "
+          f"{min(loads):.1f}-{max(loads):.1f} (median {statistics.median(loads):.1f}) on {os.cpu_count()} cores")
+    engines["engine-process"].close()
+
+
+if __name__ == "__main__":
+    main()
