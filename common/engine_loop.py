@@ -96,10 +96,13 @@ class EngineLoop:
                 self._fail(e)
                 events = []
             # 5. each token goes to the request that asked for it (none listens to one aborted here)
+            #    An "error" event is no token: the engine could not make one for that request
+            #    (stage 3's sampler on a row of non-finite logits); the client gets a server error.
             for ev in events:
                 sink = self.sinks.pop(ev.request_id, None) if ev.finish_reason else self.sinks.get(ev.request_id)
                 if sink is not None:
-                    sink(ev)
+                    sink(RuntimeError("the engine could not produce a token for this request (its logits "
+                                      "were not finite)") if ev.finish_reason == "error" else ev)
             with self.cond:
                 self.busy = self.engine.has_work()
 

@@ -23,6 +23,7 @@ from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
 from common.chat_template import ChatTemplate
+from common.engine import TokenEvent
 from common.engine_process import EngineProcess
 from common.server import create_app
 from common.tokenizer import Tokenizer
@@ -176,6 +177,49 @@ def test_an_exception_in_engine_step_fails_the_requests_in_flight_and_new_ones_a
         assert not engine.running
         r = c.chat.completions.create(model="scripted", messages=user("hello"), seed=3, max_tokens=200)
         assert r.choices[0].message.content == script_for("<|im_start|>user\nhello", 3)
+    finally:
+        server.close()
+
+
+class DegenerateEngine(ScriptedEngine):
+    """The scripted engine whose next step ends one request with an "error" event, as stage 3's
+    sampler does for a row of non-finite logits (token id -1: no token)."""
+    spoil: str | None = None
+
+    def step(self):
+        events = super().step()
+        rid, self.spoil = self.spoil, None
+        if rid in self.running:
+            del self.running[rid]
+            events = [e for e in events if e.request_id != rid] + [TokenEvent(rid, -1, "error")]
+        return events
+
+
+def test_an_error_event_from_the_engine_fails_that_request_only_with_a_server_error(model_dir, tok):
+    engine = DegenerateEngine(tok, step_delay=0.005)
+    server = LiveServer(create_app(engine, tok, ChatTemplate.from_folder(model_dir), "scripted", folder=model_dir,
+                                   max_ctx=512))
+    try:
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        other = iter(c.chat.completions.create(model="scripted", messages=user("endless"), max_tokens=2000,
+                                               stream=True))
+        assert next(other)
+        waiting: dict = {}
+        thread = threading.Thread(target=lambda: waiting.update(r=httpx.post(
+            server.url + "/v1/chat/completions", timeout=30,
+            json={"model": "scripted", "messages": user("endless wait"), "max_tokens": 2000})))
+        thread.start()
+        deadline = time.time() + 10
+        while len(engine.running) < 2:
+            assert time.time() < deadline
+            time.sleep(0.01)
+        engine.spoil = engine.requests[-1].id         # the second request, the one waiting whole
+        thread.join(timeout=30)
+        err = assert_error(waiting["r"], 500, says="not finite")
+        assert err["type"] == "server_error"
+        # the stream goes on: more tokens after the error, and it stays in the engine
+        assert [next(other) for _ in range(5)]
+        assert engine.requests[0].id in engine.running
     finally:
         server.close()
 
