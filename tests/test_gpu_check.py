@@ -155,9 +155,7 @@ def test_bench_gpu_step_skipped_for_lack_of_time_is_not_a_failure():
 
 def test_report_names_a_stage_none_of_whose_gpu_tests_passed(tmp_path):
     """The kernel step fails when a stage's GPU test file passed nothing (all skipped, or absent)."""
-    import sys
-    sys.path.insert(0, str(ROOT / "bench"))
-    import gpu_check_report as report
+    from bench import gpu_check_report as report   # a package import: bench/ on sys.path would shadow common/
     xml = tmp_path / "k.xml"
     xml.write_text('<testsuites><testsuite>'
                    '<testcase classname="tests.test_stage2_gpu" name="a"/>'
