@@ -313,3 +313,48 @@ def test_each_rungs_new_kernels_equal_its_twins_in_the_emulator(rungs, packages,
     # the series adds every stage-3 kernel somewhere before its end
     stage3 = importlib.import_module("stage3_optimized.kernels")
     assert covered | set(_new_kernels(rungs, len(rungs) - 1)) >= set(stage3.KERNEL_FILES)
+
+
+# ---- the counted ladder and the figures ----
+
+def test_bench_lessons_counts_18_launches_per_stage2_layer_and_10_per_stage3_layer(tmp_path, monkeypatch):
+    """The counts docs/stage3.md quotes: per dense decode layer 7 GEMMs + 11 kernels in stage 2,
+    4 GEMMs + 6 kernels once the fused kernels are in; the KV bytes drop 4x (bf16, read once per
+    GQA group of 2), the weight bytes 2x; the prefix cache computes fewer prefill tokens."""
+    import json
+    from bench import lessons
+    monkeypatch.setattr(sys, "argv", ["lessons", "--layers", "2", "--save", str(tmp_path / "l.json")])
+    assert lessons.main() == 0
+    rows = json.loads((tmp_path / "l.json").read_text())["rows"]
+    assert len(rows) == len(series.patches()) + 1
+    r0, r1, r2 = rows[0], rows[1], rows[2]
+    assert (r0["gemms_per_decode_step"], r0["kernels_per_decode_step"]) == (2 * 7 + 1, 2 * 11 + 2)
+    assert (r2["gemms_per_decode_step"], r2["kernels_per_decode_step"]) == (2 * 4 + 1, 2 * 6 + 2)
+    assert r0["kv_bytes_per_token"] == 4 * r2["kv_bytes_per_token"] > 0
+    assert r0["weight_bytes_per_token"] == 2 * r2["weight_bytes_per_token"]
+    assert r1["prefill_tokens_computed"] < r0["prefill_tokens_computed"]
+    assert rows[-1]["host_launches_per_decode_step"] < r2["host_launches_per_decode_step"]   # CUDA graphs
+    assert rows[-1]["predicted_decode_step_us"] < r0["predicted_decode_step_us"]
+
+
+def test_figures_draw_from_small_saved_results(tmp_path):
+    """Every figure from saved JSON (the committed docs/figures/*.json, and a two-row ladder),
+    without comparing pixels: the files exist, are SVG and carry their command as caption."""
+    import json
+    pytest.importorskip("matplotlib")
+    from bench import figures
+    res = tmp_path / "results"
+    shutil.copytree(figures.FIGURES, res, ignore=shutil.ignore_patterns("*.svg", "*.png"))
+    small = json.loads((res / "stage1_ladder.json").read_text())
+    small["rows"] = small["rows"][:2]
+    small["command"] = "python -m bench ladder --quick"
+    (res / "stage1_ladder.json").write_text(json.dumps(small))
+    out = figures.draw_all(res, tmp_path / "out")
+    assert [p.name for p in out] == ["stage3_lessons.svg", "stage1_ladder.svg", "stage1_roofline.svg"]
+    for p in out:
+        text = p.read_text()
+        assert text.lstrip().startswith("<?xml") and "<svg" in text and len(text) > 3000, p.name
+    assert "bench ladder --quick" in (tmp_path / "out" / "stage1_ladder.svg").read_text()
+    (res / "lessons.json").unlink()
+    with pytest.raises(FileNotFoundError, match="lessons.json"):
+        figures.draw_all(res, tmp_path / "out")
