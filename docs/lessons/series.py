@@ -8,6 +8,8 @@ starts with a header (what it changes, what it saves, its docs/stage3.md section
 
     python docs/lessons/series.py check            # do the patches still give stage3_optimized/?
     python docs/lessons/series.py unpack DIR       # DIR/00-stage2, DIR/01-prefix-cache, ... (the rungs)
+    python docs/lessons/series.py packages DIR     # the same as packages DIR/rung00 ... DIR/rung06, so
+                                                   # PYTHONPATH=$PWD:DIR python -m rung02.chat --device cpu
     python docs/lessons/series.py pack DIR         # rewrite the patches from edited rung trees
     python docs/lessons/series.py rebase           # after an edit to stage 3: the last patch absorbs it
 
@@ -180,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("dir", type=Path)
     p = sub.add_parser("pack", help="rewrite the patches from the rung trees in DIR")
     p.add_argument("dir", type=Path)
+    g = sub.add_parser("packages", help="write the rungs as importable packages DIR/rungNN")
+    g.add_argument("dir", type=Path)
     sub.add_parser("rebase", help="regenerate the last patch against the current stage3_optimized/")
     args = ap.parse_args(argv)
     try:
@@ -189,6 +193,14 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "unpack":
             for r in unpack(args.dir):
                 print(r)
+        elif args.cmd == "packages":
+            with tempfile.TemporaryDirectory() as tmp:
+                for k, r in enumerate(unpack(Path(tmp))):
+                    dst = args.dir / f"rung{k:02d}"
+                    if dst.exists():
+                        shutil.rmtree(dst)
+                    copy_tree(r, dst)
+                    print(f"{dst}  ({r.name})")
         elif args.cmd == "pack":
             for w in pack(args.dir):
                 print(w)
