@@ -23,7 +23,7 @@
 #                            full:stage3_optimized, so last). A step left without time says
 #                            "skipped: out of time" in its row (not a failure); its table is
 #                            appended to gpu_bench.md
-#   lessons           10     python -m bench lessons --layers 2: the stage 2 -> 3 lesson ladder
+#   lessons           10     python -m bench lessons --layers 1: the stage 2 -> 3 lesson ladder
 #                            (docs/lessons/stage3), launches / bytes / FLOPs counted per rung on
 #                            the twins, appended to gpu_bench.md (its 10 s came from the stage3
 #                            bench's 45; informational: a timeout is reported, not a failure)
@@ -335,12 +335,12 @@ pack
 # ---- 4c. the lesson ladder, counted on the twins (bench/lessons.py) ----------------------
 T=$(cap "$CAP_LESSONS")
 say "lesson ladder (at most $T s) ..."
-timeout -k 2 "$((T - 1))" "$PY" -m bench lessons --layers 2 --save "$WORK/bench/lessons.json" \
+timeout -k 2 "$((T - 1))" "$PY" -m bench lessons --layers 1 --save "$WORK/bench/lessons.json" \
     > "$LOGS/lessons.log" 2>&1
 RC=$?
 case "$RC" in
     0) result="ok"
-       { echo; echo "### Lesson ladder (python -m bench lessons --layers 2, counted on the twins)"; echo
+       { echo; echo "### Lesson ladder (python -m bench lessons --layers 1, counted on the twins)"; echo
          grep '^|' "$LOGS/lessons.log"; } >> "$OUT/gpu_bench.md" ;;
     124|137) result="timed out after $T s (informational, not a failure)" ;;
     *) result="**failed** (exit $RC; see lessons.log)"; FAILED=1 ;;
