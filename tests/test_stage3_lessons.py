@@ -330,14 +330,14 @@ def test_bench_lessons_counts_18_launches_per_stage2_layer_then_9_then_10(tmp_pa
     the weight bytes halve; the prefix cache computes fewer prefill tokens."""
     import json
     from bench import lessons
-    monkeypatch.setattr(sys, "argv", ["lessons", "--layers", "2", "--save", str(tmp_path / "l.json")])
+    monkeypatch.setattr(sys, "argv", ["lessons", "--layers", "1", "--save", str(tmp_path / "l.json")])
     assert lessons.main() == 0
     rows = json.loads((tmp_path / "l.json").read_text())["rows"]
     assert len(rows) == len(series.patches()) + 1
     r0, r1, r2, r3 = rows[0], rows[1], rows[2], rows[3]          # stage 2, prefix cache, bf16 + fused, GQA split
-    assert (r0["gemms_per_decode_step"], r0["kernels_per_decode_step"]) == (2 * 7 + 1, 2 * 11 + 2)
-    assert (r2["gemms_per_decode_step"], r2["kernels_per_decode_step"]) == (2 * 4 + 1, 2 * 5 + 2)
-    assert (r3["gemms_per_decode_step"], r3["kernels_per_decode_step"]) == (2 * 4 + 1, 2 * 6 + 2)
+    assert (r0["gemms_per_decode_step"], r0["kernels_per_decode_step"]) == (7 + 1, 11 + 2)
+    assert (r2["gemms_per_decode_step"], r2["kernels_per_decode_step"]) == (4 + 1, 5 + 2)
+    assert (r3["gemms_per_decode_step"], r3["kernels_per_decode_step"]) == (4 + 1, 6 + 2)
     assert r0["kv_bytes_per_token"] == 2 * r2["kv_bytes_per_token"] == 4 * r3["kv_bytes_per_token"] > 0
     assert r0["weight_bytes_per_token"] == 2 * r2["weight_bytes_per_token"]
     assert r1["prefill_tokens_computed"] < r0["prefill_tokens_computed"]
