@@ -63,7 +63,7 @@ def stage3_lessons(data: dict, out: Path) -> Path:
                  fontsize=10)
     _caption(fig, data)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
-    fig.savefig(out)
+    fig.savefig(out, metadata={"Date": None})
     plt.close(fig)
     return out
 
@@ -84,7 +84,7 @@ def stage1_ladder(data: dict, out: Path) -> Path:
     ax.set_title("Stage 1 ablation ladder", fontsize=10)
     _caption(fig, data)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
-    fig.savefig(out)
+    fig.savefig(out, metadata={"Date": None})
     plt.close(fig)
     return out
 
@@ -112,7 +112,7 @@ def stage1_roofline(data: dict, out: Path) -> Path:
     ax.legend(fontsize=8)
     _caption(fig, data)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
-    fig.savefig(out)
+    fig.savefig(out, metadata={"Date": None})
     plt.close(fig)
     return out
 
