@@ -104,8 +104,14 @@ def stage1_roofline(data: dict, out: Path) -> Path:
         for r in pts:
             ax.annotate(r["format"], (r["mb_per_token"], r["decode_tok_s"]), textcoords="offset points",
                         xytext=(5, 4), fontsize=8)
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
     ax.set_xscale("log")
     ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):                      # plain numbers on the log axes
+        axis.set_major_formatter(ScalarFormatter())
+        axis.set_minor_formatter(NullFormatter())
+    ax.set_xticks(_nice_ticks(*ax.get_xlim()))
+    ax.set_yticks(_nice_ticks(*ax.get_ylim()))
     ax.set_xlabel("MB of weights read per decode token")
     ax.set_ylabel("decode tok/s")
     ax.set_title("Stage 1 decode against the memory roofline", fontsize=10)
@@ -114,6 +120,15 @@ def stage1_roofline(data: dict, out: Path) -> Path:
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(out, metadata={"Date": None})
     plt.close(fig)
+    return out
+
+
+def _nice_ticks(lo: float, hi: float) -> list[float]:
+    """1, 1.5, 2, 3, 4, 6, 8 times the powers of ten between lo and hi (a log axis's labels)."""
+    import math
+    out = []
+    for e in range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1):
+        out += [m * 10.0 ** e for m in (1, 1.5, 2, 3, 4, 6, 8) if lo <= m * 10.0 ** e <= hi]
     return out
 
 
