@@ -11,6 +11,8 @@ BENCHMARKS = {
     "profile": "bench.profile",  # one stage-1 forward pass, op by op
     "moe": "bench.moe",          # the MoE benchmark: stage 1 against llama.cpp (qwen3moe) and transformers
     "gpu": "bench.gpu",          # stages 2 and 3 on a GPU: nano-vllm's workload, batch-1 decode (bench/gpu_check.sh)
+    "lessons": "bench.lessons",  # the stage 2 -> 3 lesson ladder, counted on CPU per rung (docs/lessons/stage3)
+    "figures": "bench.figures",  # the figures of docs/ (docs/figures/*.svg), drawn from saved JSON results
     "first-answer": "bench.first_answer",   # how often the default model's first answer is right, per sampling setting
 }
 

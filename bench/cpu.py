@@ -876,6 +876,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prompt-lens", default="128,512",
                    help="prompt lengths for prefill (decode follows a prompt of the first length)")
     p.add_argument("--out", type=Path, default=None, help="also write the markdown report to this file")
+    p.add_argument("--save", type=Path, default=None,
+                   help="also write the decode results as JSON (docs/figures/stage1_roofline.json: "
+                        "python -m bench figures draws the roofline from it)")
     p.add_argument("--cache-dir", type=Path, default=CACHE, help="where the models are built and kept")
     p.add_argument("--worker-timeout", type=float, default=1800, help="seconds one engine may take in all")
     p.add_argument("--omp-wait-policy", default=None, choices=list(POLICIES),
@@ -965,7 +968,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.write_text(text)
         log(f"report written to {args.out}")
+    if args.save:
+        save_roofline(args, tables, bw)
+        log(f"results written to {args.save}")
     return 0
+
+
+def save_roofline(args, tables, bw) -> None:
+    """--save: per table, every engine's decode tok/s and MB/token, and the read bandwidth
+    (the schema bench/figures.py reads)."""
+    out = []
+    for tab in tables:
+        for n in tab["plan"]["threads"]:
+            for row in tab["rows"]:
+                cell = row.result.get("cells", {}).get(str(n))
+                if cell is None or not row.weight_bytes:
+                    continue
+                out.append(dict(policy=tab["plan"]["policy"], threads=n, engine=row.engine, format=row.fmt,
+                                mb_per_token=row.weight_bytes / 1e6, decode_tok_s=float(median(cell["decode"]))))
+    args.save.parent.mkdir(parents=True, exist_ok=True)
+    args.save.write_text(json.dumps(dict(
+        command="python -m bench cpu " + " ".join(sys.argv[1:]), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        machine=machine_description(), bandwidth_gb_s=max(bw["read"].values()),
+        rows=out), indent=1) + "\n")
 
 
 if __name__ == "__main__":

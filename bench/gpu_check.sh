@@ -15,7 +15,7 @@
 #   benchmark        100     python -m bench.gpu: the newest stage on nano-vllm's full
 #                            workload first, then every stage and transformers on stated
 #                            subsets and at batch 1, the HBM roofline
-#   stage3 bench      45     python -m bench.gpu_stage3, the stage-3 rows bench.gpu lacks, in
+#   stage3 bench      35     python -m bench.gpu_stage3, the stage-3 rows bench.gpu lacks, in
 #                            this order until the time is up: batch 1 with CUDA graphs and
 #                            with --no-cuda-graphs, the 8B shape (4 layers) against the
 #                            roofline, prefill attention TFLOP/s, the prefix-cache hit rate,
@@ -23,6 +23,10 @@
 #                            full:stage3_optimized, so last). A step left without time says
 #                            "skipped: out of time" in its row (not a failure); its table is
 #                            appended to gpu_bench.md
+#   lessons           10     python -m bench lessons --layers 1: the stage 2 -> 3 lesson ladder
+#                            (docs/lessons/stage3), launches / bytes / FLOPs counted per rung on
+#                            the twins, appended to gpu_bench.md (its 10 s came from the stage3
+#                            bench's 45; informational: a timeout is reported, not a failure)
 #   sanitizer         25     compute-sanitizer, probed first (10 s; some runtimes refuse
 #                            the device): memcheck on the tests marked `sanitize` (every
 #                            kernel of each stage once, small shapes, CuPy's memory pool off),
@@ -40,7 +44,7 @@
 # usage: OUT=DIR bash bench/gpu_check.sh [--dry-run]
 #   PYTHON=...        try this interpreter first
 #   QS_WORK=DIR       the work folder (must not be inside OUT)
-#   QS_CAP_<STEP>=S   override a cap (PROBE, KERNELS, ENGINE, BENCH, BENCH3, SANITIZE, PACK); the
+#   QS_CAP_<STEP>=S   override a cap (PROBE, KERNELS, ENGINE, BENCH, BENCH3, LESSONS, SANITIZE, PACK); the
 #                     caps must still add up to at most 300 s
 #   --dry-run         on a CPU: the same steps and plumbing (caps, files, paths, junit,
 #                     failures to stdout, the benchmark driver on a tiny model) with stand-in
@@ -69,10 +73,11 @@ CAP_PROBE=${QS_CAP_PROBE:-15}
 CAP_KERNELS=${QS_CAP_KERNELS:-55}
 CAP_ENGINE=${QS_CAP_ENGINE:-50}
 CAP_BENCH=${QS_CAP_BENCH:-100}
-CAP_BENCH3=${QS_CAP_BENCH3:-45}
+CAP_BENCH3=${QS_CAP_BENCH3:-35}
+CAP_LESSONS=${QS_CAP_LESSONS:-10}
 CAP_SANITIZE=${QS_CAP_SANITIZE:-25}
 CAP_PACK=${QS_CAP_PACK:-5}
-SUM=$((CAP_PROBE + CAP_KERNELS + CAP_ENGINE + CAP_BENCH + CAP_BENCH3 + CAP_SANITIZE + CAP_PACK))
+SUM=$((CAP_PROBE + CAP_KERNELS + CAP_ENGINE + CAP_BENCH + CAP_BENCH3 + CAP_LESSONS + CAP_SANITIZE + CAP_PACK))
 if [ "$SUM" -gt "$TOTAL" ]; then
     echo "gpu_check.sh: the step caps add up to $SUM s, more than $TOTAL s" >&2
     exit 2
@@ -325,6 +330,23 @@ else
 fi
 row "stage3_bench" "$CAP_BENCH3" "$(elapsed)" "$result"
 say "stage-3 benchmark: $result"
+pack
+
+# ---- 4c. the lesson ladder, counted on the twins (bench/lessons.py) ----------------------
+T=$(cap "$CAP_LESSONS")
+say "lesson ladder (at most $T s) ..."
+timeout -k 2 "$((T - 1))" "$PY" -m bench lessons --layers 1 --save "$WORK/bench/lessons.json" \
+    > "$LOGS/lessons.log" 2>&1
+RC=$?
+case "$RC" in
+    0) result="ok"
+       { echo; echo "### Lesson ladder (python -m bench lessons --layers 1, counted on the twins)"; echo
+         grep '^|' "$LOGS/lessons.log"; } >> "$OUT/gpu_bench.md" ;;
+    124|137) result="timed out after $T s (informational, not a failure)" ;;
+    *) result="**failed** (exit $RC; see lessons.log)"; FAILED=1 ;;
+esac
+row "lessons" "$CAP_LESSONS" "$(elapsed)" "$result"
+say "lesson ladder: $result"
 pack
 
 # ---- 5. compute-sanitizer: probe, memcheck, racecheck on attention ----------------------

@@ -185,6 +185,8 @@ def parse_args(argv):
     p.add_argument("--threads", type=int, default=None, help="threads of rungs 2+ (default: all, at most 2)")
     p.add_argument("--tokens", type=int, default=5, help="timed tokens per rung (the median is reported)")
     p.add_argument("--out", type=Path, default=None, help="also write the markdown table to this file")
+    p.add_argument("--save", type=Path, default=None,
+                   help="also write the rows as JSON (docs/figures/stage1_ladder.json: python -m bench figures)")
     args = p.parse_args(argv)
     args.argv = argv
     args.threads = args.threads or min(2, numba.config.NUMBA_NUM_THREADS)
@@ -210,6 +212,14 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + text)
     if args.out:
         args.out.write_text(text)
+    if args.save:
+        import json
+        args.save.parent.mkdir(parents=True, exist_ok=True)
+        args.save.write_text(json.dumps(dict(
+            command="python -m bench ladder " + " ".join(args.argv), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            machine=machine_description(),
+            rows=[dict(rung=i + 1, what=r["rung"], weights=r["fmt"], threads=r["threads"], mb_per_token=r["MB"],
+                       ms_per_token=r["ms"]) for i, r in enumerate(rows)]), indent=1) + "\n")
     return 0
 
 

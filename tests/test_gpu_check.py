@@ -55,9 +55,14 @@ def test_dry_run_passes_and_brings_back_at_most_six_small_files(tmp_path, work):
     assert all(p.stat().st_size < 2**20 for p in out.iterdir())
     summary = (out / "summary.md").read_text()
     assert "Result: PASS" in summary and "Caps add up to 295 s of 300" in summary
-    for step in ("probe", "kernel_tests", "engine_tests", "benchmark", "stage3_bench", "sanitizer", "pack"):
+    for step in ("probe", "kernel_tests", "engine_tests", "benchmark", "stage3_bench", "lessons", "sanitizer", "pack"):
         assert f"| {step} |" in summary
-    assert "| stage3_bench | 45 |" in summary
+    assert "| stage3_bench | 35 |" in summary
+    # the lesson ladder is informational: on a loaded machine it may run out of its time
+    lessons_row = next(l for l in summary.splitlines() if l.startswith("| lessons | 10 |"))
+    assert lessons_row.endswith("| ok |") or "timed out" in lessons_row, lessons_row
+    if lessons_row.endswith("| ok |"):
+        assert "Lesson ladder" in (out / "gpu_bench.md").read_text()
     # the kernel step ran stage 3's GPU kernel tests on the emulated kernels, besides the stand-in
     kernel_row = next(l for l in summary.splitlines() if l.startswith("| kernel_tests |"))
     passed = int(kernel_row.split("|")[4].split()[0])

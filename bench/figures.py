@@ -1,0 +1,166 @@
+"""python -m bench figures [--results DIR] [--out DIR]: the figures of docs/, drawn from saved results.
+
+Each figure is drawn from the JSON a benchmark command writes (no benchmark runs here), so a
+figure is redrawn in seconds after the benchmark that feeds it:
+
+  stage3_lessons.svg   docs/figures/lessons.json         python -m bench lessons --save ...
+  stage1_ladder.svg    docs/figures/stage1_ladder.json   python -m bench ladder --save ...
+  stage1_roofline.svg  docs/figures/stage1_roofline.json python -m bench cpu --save ...
+
+Every figure's caption (its last line of text) names the command that wrote its data.
+Needs matplotlib (the `test` extra).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FIGURES = ROOT / "docs" / "figures"
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    plt.rcParams["svg.hashsalt"] = "qwen3-stages"          # the same data gives the same file
+    plt.rcParams["svg.fonttype"] = "none"                   # text stays text (searchable, small)
+    return plt
+
+
+def _caption(fig, data: dict) -> None:
+    fig.text(0.01, 0.01, f"data: {data.get('command', '?')} ({data.get('date', '?')})", fontsize=7, color="0.35")
+
+
+def stage3_lessons(data: dict, out: Path) -> Path:
+    plt = _plt()
+    rows = data["rows"]
+    names = [f"{r['rung']}: {r['name'].split('-', 1)[1]}" for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    y = range(len(rows))
+    a.barh(y, [r["kernels_per_decode_step"] for r in rows], label="kernels", color="#4c72b0")
+    a.barh(y, [r["gemms_per_decode_step"] for r in rows], left=[r["kernels_per_decode_step"] for r in rows],
+           label="GEMMs", color="#dd8452")
+    a.plot([r["host_launches_per_decode_step"] for r in rows], list(y), "k|", markersize=14, label="host launches")
+    a.set_yticks(list(y), names)
+    a.invert_yaxis()
+    a.set_xlabel("per decode step")
+    a.set_title("launches per decode step")
+    a.legend(fontsize=8)
+    b.barh(y, [r["weight_bytes_per_token"] / 1e6 for r in rows], label="weights", color="#55a868")
+    b.barh(y, [r["kv_bytes_per_token"] / 1e6 for r in rows], left=[r["weight_bytes_per_token"] / 1e6 for r in rows],
+           label="KV", color="#c44e52")
+    b.set_yticks(list(y), [""] * len(rows))
+    b.invert_yaxis()
+    b.set_xlabel("MB read per decode token")
+    b.set_title("bytes per decode token")
+    b.legend(fontsize=8)
+    w = data.get("workload", {})
+    fig.suptitle(f"Stage 2 → 3, one lesson per rung (counted on the twins; {w.get('num_hidden_layers', '?')} layers, "
+                 f"{w.get('num_attention_heads', '?')}/{w.get('num_key_value_heads', '?')} heads × {w.get('head_dim', '?')})",
+                 fontsize=10)
+    _caption(fig, data)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(out, metadata={"Date": None})
+    plt.close(fig)
+    return out
+
+
+def stage1_ladder(data: dict, out: Path) -> Path:
+    plt = _plt()
+    rows = data["rows"]
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    y = range(len(rows))
+    ms = [r["ms_per_token"] for r in rows]
+    ax.barh(y, ms, color="#4c72b0")
+    for i, r in enumerate(rows):
+        ax.text(ms[i], i, f" {ms[i]:.1f} ms ({r['weights']}, {r['threads']} thr)", va="center", fontsize=8)
+    ax.set_yticks(list(y), [f"{r['rung']}: {r['what']}" for r in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per token (decode matmuls of one token)")
+    ax.set_xlim(0, max(ms) * 1.45)
+    ax.set_title("Stage 1 ablation ladder", fontsize=10)
+    _caption(fig, data)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.savefig(out, metadata={"Date": None})
+    plt.close(fig)
+    return out
+
+
+def stage1_roofline(data: dict, out: Path) -> Path:
+    plt = _plt()
+    rows = data["rows"]
+    bw = data["bandwidth_gb_s"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    mbs = [r["mb_per_token"] for r in rows]
+    xs = [min(mbs) * 0.8, max(mbs) * 1.2]
+    ax.plot(xs, [bw * 1e3 / x for x in xs], "k--", lw=1, label=f"roofline: {bw:.1f} GB/s ÷ bytes per token")
+    for engine, marker, color in [("stage1", "o", "#4c72b0"), ("llama.cpp", "s", "#dd8452")]:
+        pts = [r for r in rows if r["engine"] == engine]
+        ax.scatter([r["mb_per_token"] for r in pts], [r["decode_tok_s"] for r in pts], marker=marker, color=color,
+                   label=engine, zorder=3)
+        for r in pts:
+            ax.annotate(r["format"], (r["mb_per_token"], r["decode_tok_s"]), textcoords="offset points",
+                        xytext=(5, 4), fontsize=8)
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):                      # plain numbers on the log axes
+        axis.set_major_formatter(ScalarFormatter())
+        axis.set_minor_formatter(NullFormatter())
+    ax.set_xticks(_nice_ticks(*ax.get_xlim()))
+    ax.set_yticks(_nice_ticks(*ax.get_ylim()))
+    ax.set_xlabel("MB of weights read per decode token")
+    ax.set_ylabel("decode tok/s")
+    ax.set_title("Stage 1 decode against the memory roofline", fontsize=10)
+    ax.legend(fontsize=8)
+    _caption(fig, data)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(out, metadata={"Date": None})
+    plt.close(fig)
+    return out
+
+
+def _nice_ticks(lo: float, hi: float) -> list[float]:
+    """1, 1.5, 2, 3, 4, 6, 8 times the powers of ten between lo and hi (a log axis's labels)."""
+    import math
+    out = []
+    for e in range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1):
+        out += [m * 10.0 ** e for m in (1, 1.5, 2, 3, 4, 6, 8) if lo <= m * 10.0 ** e <= hi]
+    return out
+
+
+DRAW = {"stage3_lessons": ("lessons.json", stage3_lessons), "stage1_ladder": ("stage1_ladder.json", stage1_ladder),
+        "stage1_roofline": ("stage1_roofline.json", stage1_roofline)}
+
+
+def draw_all(results: Path = FIGURES, out: Path = FIGURES, fmt: str = "svg") -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    done = []
+    for name, (src, fn) in DRAW.items():
+        path = results / src
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing: run the command in bench/figures.py's docstring")
+        done.append(fn(json.loads(path.read_text()), out / f"{name}.{fmt}"))
+    return done
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench figures", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--results", type=Path, default=FIGURES, help="where the JSON results are (default docs/figures)")
+    ap.add_argument("--out", type=Path, default=FIGURES, help="where the figures go (default docs/figures)")
+    ap.add_argument("--format", choices=["svg", "png"], default="svg")
+    args = ap.parse_args()
+    try:
+        for p in draw_all(args.results, args.out, args.format):
+            print(p)
+    except (FileNotFoundError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,368 @@
+"""The stage 2 -> stage 3 lesson series (docs/lessons/stage3/*.patch, docs/lessons/series.py).
+
+1. stage2_batched/ plus every patch, in order, equals stage3_optimized/ byte for byte; a
+   patch that no longer applies, or a stage 3 that no longer matches, is reported by name.
+2. Every intermediate rung (stage 2 plus the first k patches) is a working engine: built
+   as a package of its own (the stages import each other's modules relatively, so a copy
+   under another name imports), it runs with device="cpu" on its numpy twins and its
+   greedy tokens equal transformers' on a tiny qwen3 and a tiny qwen3_moe up to the first
+   near-tie, as in tests/test_stage3_engine.py (an fp32 rung against transformers on the
+   model's own weights, a bf16 rung against transformers on the bf16-rounded weights).
+3. The kernels a rung adds or changes run in the g++ emulator through the rung's own
+   kernels.py and equal the rung's twins (one small case per kernel; the wide cases are in
+   tests/test_stage3_cuda_emulated.py, on stage 3's copies of the same .cu files).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import shutil
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from common.engine import Request
+from common.sampling import SamplingParams
+from models import load_hf, make_model
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("qs_lesson_series", ROOT / "docs" / "lessons" / "series.py")
+series = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(series)
+
+FAMILIES = ["qwen3", "qwen3_moe"]
+PROMPTS = {"qwen3": [5, 9, 3, 17, 22, 100, 7, 8, 40, 41, 300, 12, 250], "qwen3_moe": [1, 2, 3]}
+STEPS = 6
+MARGIN = 0.2          # as in tests/test_stage3_engine.py: twice the largest bf16 logit error seen
+
+
+@pytest.fixture(scope="module")
+def rungs(tmp_path_factory) -> list[Path]:
+    return series.unpack(tmp_path_factory.mktemp("lesson-rungs"))
+
+
+@pytest.fixture(scope="module")
+def packages(rungs, tmp_path_factory) -> dict[int, types.ModuleType]:
+    """rung k (1 .. n-1, the intermediate ones) -> its package, imported under its own name."""
+    root = tmp_path_factory.mktemp("lesson-packages")
+    sys.path.insert(0, str(root))
+    out = {}
+    for k, rung in enumerate(rungs[1:-1], start=1):
+        name = f"qs_lesson_rung{k:02d}"
+        shutil.copytree(rung, root / name)
+        out[k] = importlib.import_module(name)
+    yield out
+    sys.path.remove(str(root))
+
+
+# ---- 1. the series gives stage 3 ----
+
+def test_stage2_plus_every_patch_is_stage3_byte_for_byte():
+    series.check()
+
+
+def test_series_has_six_to_nine_patches_each_with_a_header_naming_its_section():
+    ps = series.patches()
+    assert 6 <= len(ps) <= 9
+    for p in ps:
+        head = series.header(p)
+        assert "docs/stage3.md" in head and "Saves" in head, p.name
+
+
+def test_a_changed_stage3_is_reported_with_the_last_patch(tmp_path):
+    stage3 = tmp_path / "stage3_optimized"
+    series.copy_tree(series.STAGE3, stage3)
+    (stage3 / "ops.py").write_text((stage3 / "ops.py").read_text() + "# an edit\n")
+    last = series.patches()[-1].name
+    with pytest.raises(RuntimeError, match=f"ops.py.*{last}"):
+        series.check(stage3=stage3)
+
+
+def test_a_patch_that_no_longer_applies_is_named(tmp_path):
+    copy = tmp_path / "stage3"
+    shutil.copytree(series.SERIES, copy)
+    second = sorted(copy.glob("*.patch"))[1]
+    # a context line of its first hunk no longer matches the tree it is applied to
+    text = second.read_text()
+    i = text.index("\n@@ ")
+    j = text.index("\n ", i + 1)                 # the first context line of that hunk
+    second.write_text(text[:j + 2] + "X" + text[j + 2:])
+    with pytest.raises(RuntimeError, match=second.name):
+        series.check(series=copy)
+
+
+def test_rebase_regenerates_the_last_patch_for_an_edited_stage3(tmp_path):
+    copy, stage3 = tmp_path / "series", tmp_path / "stage3_optimized"
+    shutil.copytree(series.SERIES, copy)
+    series.copy_tree(series.STAGE3, stage3)
+    (stage3 / "options.py").write_text((stage3 / "options.py").read_text() + "# an edit\n")
+    with pytest.raises(RuntimeError):
+        series.check(series=copy, stage3=stage3)
+    series.rebase(series=copy, stage3=stage3)
+    series.check(series=copy, stage3=stage3)
+    assert series.header(sorted(copy.glob("*.patch"))[-1]) == series.header(series.patches()[-1])
+
+
+def test_every_changed_cuda_file_is_one_a_rung_adds(rungs):
+    """A .cu file that is neither stage 2's nor stage 3's exists only in intermediate rungs, and
+    the rung that writes it lists it among its new kernels (so the emulated test below runs it)."""
+    for k, rung in enumerate(rungs[1:], start=1):
+        new_files = set(_new_kernels(rungs, k).values())
+        for cu in (rung / "cuda").glob("*.cu"):
+            before = rungs[k - 1] / "cuda" / cu.name
+            if not before.is_file() or before.read_bytes() != cu.read_bytes():
+                assert cu.name in new_files, f"{rung.name}/{cu.name} changed but no kernel of it is new"
+    for cu in (rungs[-1] / "cuda").glob("*.cu"):
+        assert cu.read_bytes() == (series.STAGE3 / "cuda" / cu.name).read_bytes()
+
+
+# ---- 2. every rung runs, equal to transformers ----
+
+_oracles: dict = {}
+
+
+def oracle(family: str, bf16: bool) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens and top-two margins (fp32, on the bf16-rounded weights if bf16)."""
+    key = (family, bf16)
+    if key not in _oracles:
+        import torch
+        from stage3_optimized.ops import round_bf16
+        hf = load_hf(make_model(family))
+        if bf16:
+            with torch.no_grad():
+                for p in hf.parameters():
+                    p.copy_(torch.from_numpy(round_bf16(p.numpy())))
+        ids, expect, margins = list(PROMPTS[family]), [], []
+        with torch.no_grad():
+            for _ in range(STEPS):
+                logits = hf(torch.tensor([ids])).logits[0, -1].float().numpy()
+                top2 = np.sort(logits)[-2:]
+                margins.append(float(top2[1] - top2[0]))
+                expect.append(int(logits.argmax()))
+                ids.append(expect[-1])
+        _oracles[key] = expect, margins
+    return _oracles[key]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_rung_gives_transformers_greedy_tokens_until_a_near_tie(packages, family):
+    folder = make_model(family)
+    for k, pkg in packages.items():
+        engine_mod = importlib.import_module(f"{pkg.__name__}.engine")
+        ops = importlib.import_module(f"{pkg.__name__}.ops")
+        bf16 = hasattr(ops, "BF16")
+        expect, margins = oracle(family, bf16)
+        clear = next((i for i, m in enumerate(margins) if m < MARGIN), STEPS)
+        assert clear >= 4, f"{family}: a near-tie at step {clear}; choose another prompt"
+        eng = engine_mod.LLMEngine(folder, max_ctx=64, slots=2, token_budget=32, page_size=4, num_pages=40,
+                                   device="cpu", progress=False)
+        eng.add_request(Request("r", list(PROMPTS[family]),
+                                SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)))
+        got = []
+        while eng.has_work():
+            got += [ev.token_id for ev in eng.step()]
+        assert eng.num_free_pages() == eng.num_total_pages(), f"rung {k}: a KV page leaked"
+        assert got[:clear] == expect[:clear], f"rung {k} ({pkg.__name__}), margins {np.round(margins, 3).tolist()}"
+
+
+def test_rung_prefix_cache_from_the_first_lesson_on(packages):
+    """Lesson 1's effect is visible in every later rung: a shared prefix is found in the cache."""
+    folder = make_model("qwen3")
+    system = list(range(30, 43))                               # 13 tokens: 3 full pages of 4
+    for k, pkg in packages.items():
+        eng = importlib.import_module(f"{pkg.__name__}.engine").LLMEngine(
+            folder, max_ctx=64, slots=2, token_budget=32, page_size=4, num_pages=40, device="cpu", progress=False)
+        for i, tail in enumerate([[7, 8], [9]]):
+            eng.add_request(Request(f"r{i}", system + tail, SamplingParams(temperature=0, max_tokens=2)))
+            while eng.has_work():
+                eng.step()
+        assert eng.num_cached_tokens("r1") == 12, f"rung {k}"
+
+
+# ---- 3. the kernels each rung adds equal its twins in the emulator ----
+
+def _new_kernels(rungs: list[Path], k: int) -> dict[str, str]:
+    """Kernel name -> .cu file, for the kernels of rung k whose source is new or changed."""
+    def files(rung):
+        src = (rung / "kernels.py").read_text()
+        ns: dict = {}
+        start = src.index("KERNEL_FILES = {")
+        exec(src[start:src.index("}", start) + 1], ns)
+        return ns["KERNEL_FILES"]
+    before, now = files(rungs[k - 1]), files(rungs[k])
+    return {n: f for n, f in now.items()
+            if n not in before or (rungs[k - 1] / "cuda" / before[n]).read_bytes()
+            != (rungs[k] / "cuda" / f).read_bytes()}
+
+
+def _gpu(kernels, emulated, monkeypatch):
+    """The rung's kernels.py on the stand-in CuPy, cuBLAS and the emulated kernels (as in
+    tests/test_stage3_cuda_emulated.py's `gpu` fixture)."""
+    import cuda_emulator as emu
+    from test_stage3_cuda_emulated import fake_gemm_ex
+    cp = emu.fake_cupy()
+    cp.uint16, cp.uint32 = np.uint16, np.uint32
+    cublas = types.ModuleType("cupy.cuda.cublas")
+    cublas.gemmEx = fake_gemm_ex
+    cublas.setStream = lambda handle, stream: None
+    cublas.setPointerMode = lambda handle, mode: None
+    cuda = types.ModuleType("cupy.cuda")
+    cuda.cublas = cublas
+    cuda.device = types.SimpleNamespace(get_cublas_handle=lambda: 0)
+    cuda.get_current_stream = lambda: types.SimpleNamespace(ptr=0)
+    cp.cuda = cuda
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
+    monkeypatch.setitem(emu.NP_POINTEES, "unsigned short", np.uint16)
+    monkeypatch.setattr(kernels, "_on_gpu", lambda x: isinstance(x, emu.Dev))
+    monkeypatch.setattr(kernels, "_kernel", lambda name: emulated[name])
+    monkeypatch.setattr(kernels, "_ptr", lambda x: x.ctypes.data)
+    return emu.dev
+
+
+def _case(name, K, ops, dev, emulated):
+    """One small case of kernel `name` against its twin, launched through the rung's kernels.py."""
+    from test_stage2_kernels import paged
+    from test_stage3_cuda_emulated import assert_bf16_close
+    rng = np.random.default_rng(len(name))
+    bits = ops.bf16_bits
+    rnd = lambda *shape, s=1.0: bits(rng.standard_normal(shape).astype(np.float32) * s)   # noqa: E731
+    if name == "embedding":
+        table, ids = rnd(20, 33), rng.integers(0, 20, 5).astype(np.int32)
+        np.testing.assert_array_equal(K.embedding(dev(ids), dev(table)).get(), ops.embedding(ids, table))
+    elif name == "add_rmsnorm":
+        x, res, w = rnd(3, 96, s=3.0), rng.standard_normal((3, 96)).astype(np.float32), rnd(96)
+        h, r = K.add_rmsnorm(dev(x), dev(res.copy()), dev(w), 1e-6)
+        eh, er = ops.add_rmsnorm(x, res.copy(), w, 1e-6)
+        np.testing.assert_array_equal(r.get(), er)
+        assert_bf16_close(h.get(), eh)
+    elif name == "qk_norm_rope_store":
+        H, Hkv, D, N, NB, P = 4, 2, 32, 5, 4, 4
+        qkv, qn, kn = rnd(N, (H + 2 * Hkv) * D, s=2.0), rnd(D), rnd(D)
+        pos = rng.integers(0, 100, N)
+        cos, sin = ops.rope_tables(128, D, 1e6)
+        slots = rng.permutation(NB * P)[:N].astype(np.int32)
+        dk, dv = dev(np.zeros((NB, P, Hkv, D), np.uint16)), dev(np.zeros((NB, P, Hkv, D), np.uint16))
+        ek, ev = np.zeros((NB, P, Hkv, D), np.uint16), np.zeros((NB, P, Hkv, D), np.uint16)
+        q = K.qk_norm_rope_store(dev(qkv), dev(qn), dev(kn), dev(cos[pos]), dev(sin[pos]), dk, dv, dev(slots),
+                                 H, Hkv, 1e-6)
+        eq = ops.qk_norm_rope_store(qkv, qn, kn, cos[pos], sin[pos], ek, ev, slots, H, Hkv, 1e-6)
+        assert_bf16_close(q.get(), eq)
+        assert_bf16_close(dk.get().reshape(-1), ek.reshape(-1), min_exact=0.5)
+        np.testing.assert_array_equal(dv.get(), ev)
+    elif name == "swiglu":
+        gu = rnd(3, 96, s=2.0)
+        assert_bf16_close(K.swiglu(dev(gu)).get(), ops.swiglu(gu))
+    elif name in ("paged_decode_attention", "merge_attention"):
+        lens = [1, 17, 40]
+        k32, v32, tables, *_ = paged(rng, lens, 2, 32, 16)
+        kc, vc, q, ctx = bits(k32), bits(v32), rnd(3, 4, 32), np.array(lens, np.int32)
+        kw = {"split_len": 16} if "split_len" in K.paged_decode_attention.__code__.co_varnames else {}
+        out = K.paged_decode_attention(dev(q), dev(kc), dev(vc), dev(tables), dev(ctx), **kw)
+        assert_bf16_close(out.get(), ops.paged_decode_attention(q, kc, vc, tables, ctx))
+    elif name in ("prefill_attention", "prefill_attention_tc"):
+        chunks = [(0, 17), (5, 3)]
+        k32, v32, tables, *_ = paged(rng, [b + n for b, n in chunks], 2, 64, 16)
+        kc, vc = bits(k32), bits(v32)
+        token_seq = np.concatenate([np.full(n, s) for s, (_, n) in enumerate(chunks)]).astype(np.int32)
+        positions = np.concatenate([np.arange(b, b + n) for b, n in chunks]).astype(np.int32)
+        q = rnd(len(positions), 4, 64)
+        args = [dev(q), dev(kc), dev(vc), dev(tables), dev(token_seq), dev(positions)]
+        expect = ops.prefill_attention(q, kc, vc, tables, token_seq, positions)
+        if name == "prefill_attention":
+            kw = {"tensor_cores": False} if "tensor_cores" in K.prefill_attention.__code__.co_varnames else {}
+            assert_bf16_close(K.prefill_attention(*args, **kw).get(), expect)
+        else:
+            tiles = np.array([0, 16, 17], np.int32), np.array([16, 1, 3], np.int32)   # <= 16 tokens of one sequence
+            got = K.prefill_attention(*args, dev(tiles[0]), dev(tiles[1])).get()
+            np.testing.assert_allclose(ops.f32(got), ops.f32(expect), rtol=2 ** -6,
+                                       atol=1e-2 * float(np.abs(ops.f32(expect)).max()))
+            assert float(np.mean(got == expect)) >= 0.33
+    elif name == "sample":
+        V = 300
+        logits = (rng.standard_normal((3, V)) * 3).astype(np.float32)
+        temperature, top_k = np.array([0, 1, 0.8], np.float32), np.array([0, 1, 0], np.int32)
+        top_p, u = np.ones(3, np.float32), np.array([0.3, 0.7, 0.0], np.float32)
+        got = K.sample(dev(logits), dev(temperature), dev(top_k), dev(top_p), dev(u)).get()
+        np.testing.assert_array_equal(got, ops.sample(logits, temperature, top_k, top_p, u))
+        assert got[0] == int(np.argmax(logits[0])) and got[1] == int(np.argmax(logits[1]))   # greedy, top-k 1
+    else:
+        raise AssertionError(f"no emulated case for the new kernel {name}: add one to tests/test_stage3_lessons.py")
+
+
+def test_each_rungs_new_kernels_equal_its_twins_in_the_emulator(rungs, packages, monkeypatch, tmp_path):
+    import cuda_emulator as emu
+    from test_stage3_cuda_emulated import shimmed_copy
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is not installed")
+    covered = set()
+    for k, pkg in packages.items():
+        new = _new_kernels(rungs, k)
+        if not new:
+            continue
+        K = importlib.import_module(f"{pkg.__name__}.kernels")
+        ops = importlib.import_module(f"{pkg.__name__}.ops")
+        cuda = Path(K.__file__).parent / "cuda"
+        sources = []
+        for f in sorted(set(K.KERNEL_FILES.values())):
+            cu = cuda / f
+            sources.append(cu if emu.unsupported(cu.read_text()) is None else shimmed_copy(cu, tmp_path / f"r{k}"))
+        emulated = emu.build(sources, tmp_path / f"build{k}")
+        with monkeypatch.context() as m:
+            dev = _gpu(K, emulated, m)
+            for name in sorted(new):
+                _case(name, K, ops, dev, emulated)
+                covered.add(name)
+    # the series adds every stage-3 kernel somewhere before its end
+    stage3 = importlib.import_module("stage3_optimized.kernels")
+    assert covered | set(_new_kernels(rungs, len(rungs) - 1)) >= set(stage3.KERNEL_FILES)
+
+
+# ---- the counted ladder and the figures ----
+
+def test_bench_lessons_counts_18_launches_per_stage2_layer_then_9_then_10(tmp_path, monkeypatch):
+    """The counts docs/stage3.md quotes: per dense decode layer 7 GEMMs + 11 kernels in stage 2,
+    4 GEMMs + 5 kernels with bf16 and the fused kernels, 4 + 6 with the split decode attention and
+    its merge; the KV bytes halve with bf16 and halve again when read once per GQA group of 2;
+    the weight bytes halve; the prefix cache computes fewer prefill tokens."""
+    import json
+    from bench import lessons
+    monkeypatch.setattr(sys, "argv", ["lessons", "--layers", "1", "--save", str(tmp_path / "l.json")])
+    assert lessons.main() == 0
+    rows = json.loads((tmp_path / "l.json").read_text())["rows"]
+    assert len(rows) == len(series.patches()) + 1
+    r0, r1, r2, r3 = rows[0], rows[1], rows[2], rows[3]          # stage 2, prefix cache, bf16 + fused, GQA split
+    assert (r0["gemms_per_decode_step"], r0["kernels_per_decode_step"]) == (7 + 1, 11 + 2)
+    assert (r2["gemms_per_decode_step"], r2["kernels_per_decode_step"]) == (4 + 1, 5 + 2)
+    assert (r3["gemms_per_decode_step"], r3["kernels_per_decode_step"]) == (4 + 1, 6 + 2)
+    assert r0["kv_bytes_per_token"] == 2 * r2["kv_bytes_per_token"] == 4 * r3["kv_bytes_per_token"] > 0
+    assert r0["weight_bytes_per_token"] == 2 * r2["weight_bytes_per_token"]
+    assert r1["prefill_tokens_computed"] < r0["prefill_tokens_computed"]
+    assert rows[-1]["host_launches_per_decode_step"] < r2["host_launches_per_decode_step"]   # CUDA graphs
+    assert rows[-1]["predicted_decode_step_us"] < r0["predicted_decode_step_us"]
+
+
+def test_figures_draw_from_small_saved_results(tmp_path):
+    """Every figure from saved JSON (the committed docs/figures/*.json, and a two-row ladder),
+    without comparing pixels: the files exist, are SVG and carry their command as caption."""
+    import json
+    pytest.importorskip("matplotlib")
+    from bench import figures
+    res = tmp_path / "results"
+    shutil.copytree(figures.FIGURES, res, ignore=shutil.ignore_patterns("*.svg", "*.png"))
+    small = json.loads((res / "stage1_ladder.json").read_text())
+    small["rows"] = small["rows"][:2]
+    small["command"] = "python -m bench ladder --quick"
+    (res / "stage1_ladder.json").write_text(json.dumps(small))
+    out = figures.draw_all(res, tmp_path / "out")
+    assert [p.name for p in out] == ["stage3_lessons.svg", "stage1_ladder.svg", "stage1_roofline.svg"]
+    for p in out:
+        text = p.read_text()
+        assert text.lstrip().startswith("<?xml") and "<svg" in text and len(text) > 3000, p.name
+    assert "bench ladder --quick" in (tmp_path / "out" / "stage1_ladder.svg").read_text()
+    (res / "lessons.json").unlink()
+    with pytest.raises(FileNotFoundError, match="lessons.json"):
+        figures.draw_all(res, tmp_path / "out")
