@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from stage1_cpu import quant
-from stage1_cpu.fast import choose_act, cpu
+from stage1_cpu.fast import AUTO_INT8_PREFILL, choose_act, cpu
 from stage1_cpu.fast import kernels as fk
 from stage1_cpu.fast.weight import as_fast, fast_quantize
 
@@ -107,7 +107,9 @@ def test_only_prefill_int8_takes_the_gemm(rng):
     assert choose_act("int4", "fp32", K)["prefill_act"] == "fp32"
     if not cpu.BF16:                                           # where bf16 prefill exists it ranks first
         assert choose_act("int8", "int8", K)["prefill_act"] == "int8"
-        assert choose_act("int4", "auto", K)["prefill_act"] == "int8"
+        assert choose_act("int4", "int8", K)["prefill_act"] == "int8"
+        for fmt in ("int8", "int4"):                           # auto: only where it was measured to win
+            assert (choose_act(fmt, "auto", K)["prefill_act"] == "int8") == (fmt in AUTO_INT8_PREFILL)
 
 
 def test_int8_prefill_refused_without_an_int8_dot(rng):
@@ -119,3 +121,19 @@ def test_int8_prefill_refused_without_an_int8_dot(rng):
     with pytest.raises(ValueError, match="int8 prefill activations are not available"):
         fast_quantize(np.ones((4, 64), np.float32), "int8", prefill_act="int8")
     assert choose_act("int8", "auto", 64)["prefill_act"] == "fp32"
+
+
+@NEEDS_INT8
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_int8_prefill_logits_close_to_transformers(family):
+    """A whole prompt (14 tokens: the prefill path) through the int8 GEMM, against
+    transformers' fp32 logits: within the int8 / int4 bounds test_stage1_model.py uses."""
+    from models import hf_logits, make_model
+    from test_stage1_model import PROMPT, QUANT_TOL, logits_all, rel_err
+    folder = make_model(family, hidden_size=128, intermediate_size=256, initializer_range=0.05)
+    from stage1_cpu.weights import load_weights
+    assert load_weights(folder, "int4", 32, progress=False, activations="int8").layers[0].wqkv.prefill_act == "int8"
+    ref = hf_logits(folder, PROMPT)
+    for fmt in ("int8", "int4"):
+        gemm_err = rel_err(logits_all(folder, PROMPT, fmt=fmt, group_size=32, activations="int8"), ref)
+        assert 0 < gemm_err < QUANT_TOL[fmt], (fmt, gemm_err)

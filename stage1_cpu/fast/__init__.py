@@ -39,8 +39,10 @@ from . import cpu  # noqa: E402  (after depend: numba stamps each kernel when it
 from .weight import FastWeight, as_fast, check_act, fast_quantize  # noqa: E402, F401
 
 ACTIVATIONS = ("auto", "int8", "fp32")
-# weights whose prefill --activations auto runs on gemm.py's int8 GEMM where there is no AVX-512 BF16
-AUTO_INT8_PREFILL = ("int8", "int4")
+# weights whose prefill --activations auto runs on gemm.py's int8 GEMM where there is no AVX-512 BF16:
+# none yet, as it runs below the core's tile + sgemm on the AVX2 machine measured (docs/benchmarks.md,
+# "Prefill on integers"); --activations int8 turns it on
+AUTO_INT8_PREFILL: tuple[str, ...] = ()
 
 
 def available() -> str | None:
