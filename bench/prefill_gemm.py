@@ -8,7 +8,7 @@ Prints, per format and prompt length, the best of --reps of one layer's four
 matmuls (wqkv, wo, gate_up, down; lm_head left out: it runs on the last token only)
 as layer-matmul tokens per second and GMAC/s, then the peak micro-benchmarks:
 vpmaddwd (int16 pairs, what the AVX2 int8 tile issues), vpmaddubsw (the int4 tile)
-and vfmadd231ps (what sgemm issues), CHAINS independent chains on each thread.
+and vfmadd231ps (what sgemm issues), 12 independent chains on each thread.
 """
 from __future__ import annotations
 
