@@ -23,16 +23,20 @@ at the end of the row. ROWS x TOKENS float accumulators live in registers
 The int4 minimum term is a [T, G] x [G, O] product (1/gs of the work), added
 in plain numba after the tile. No weight repacking: the tile reads the stored
 layouts ([O, G, gs] int8; [O, G/2, gs] nibble pairs) in place, so prefill
-costs no memory beyond the quantized activations (T x Kp bytes, twice on AVX2
-for |xq|) and fp32 copies of the scales (O x G x 4 bytes per call).
+costs no memory beyond the rounded activations (xq and |xq|, and on AVX2 an
+int16 copy: 4 bytes per activation) and fp32 copies of the scales and minima
+(O x G x 4 bytes each per call).
 
 Instructions (cpu.INT8, decided in Python before anything here compiles):
+  "avx2"  int8 weights widened to int16 once per row and chunk (vpmovsxbw), against
+          int16 activations (activations_for) in vpmaddwd: 16 products a step, exact,
+          no saturation and no sign trick;
   "vnni"  vpdpbusd on (q + 128) unsigned x xq signed, minus 128 sum(xq), the
-          correction one vpdpbusd per token and chunk, shared by the rows;
-  "avx2"  vpsignb (q * sign(xq)) per pair, then vpmaddubsw with |xq| and
-          vpmaddwd by ones (no saturation: |pair sum| <= 2 * 127 * 127);
-  int4    nibbles (0..15) are unsigned already: vpmaddubsw / vpdpbusd on them
-          and xq as they are.
+          correction one vpdpbusd per token and chunk, shared by the rows (not
+          measured: no VNNI machine was at hand);
+  int4    nibbles (0..15) are unsigned already: vpmaddubsw on them and xq as they
+          are, the pair sums (<= 2 * 15 * 127) added in int16 for a whole group
+          (up to 8 chunks, gs <= 256), then one vpmaddwd by ones per group.
 None of it is compiled where cpu.INT8 is None: weight.py never calls it there.
 The numpy twin: gemm_ref below.
 """
@@ -113,7 +117,6 @@ def _tile(context, builder, sig, args, int4):
     xps = [builder.gep(xbase, [builder.mul(t, xstride)]) for t in toks]
     xsps = [builder.gep(xsbase, [builder.mul(t, G)]) for t in toks]
     fma = _fn(builder, "llvm.fma.v8f32", FLOATS8, [FLOATS8] * 3)
-    psign = _fn(builder, "llvm.x86.avx2.psign.b", BYTES32, [BYTES32, BYTES32])
     zero = ir.Constant(INTS8, None)
     bias = ir.Constant(BYTES32, [128] * 32)
     low4 = ir.Constant(BYTES32, [15] * 32)

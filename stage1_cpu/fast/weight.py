@@ -17,6 +17,10 @@ fast kernels (fast/kernels.py); every other case is the core's code, unchanged.
   are dequantized to bf16 for it (one more rounding, 8 significant bits: small
   next to the quantization's own error); bf16 weights are used as they are.
 
+- prefill_act="int8" (int8 / int4 weights, cpu.INT8; --activations int8): prefill
+  rounds the activations as decode does and runs gemm.py's integer GEMM with
+  register tiles instead of fp32 tiles through sgemm.
+
 The numpy twin (matmul_ref) rounds the same things the same way, so the kernels
 are still checked exactly against a definition; tests/test_quant_quality.py
 states what the rounding costs in perplexity.
@@ -86,8 +90,9 @@ class FastWeight(Weight):
     def _matmul_int8_prefill(self, x: np.ndarray) -> np.ndarray:
         """Prefill on gemm.py's int8-activation GEMM: x [T, Kp] rounded to int8 per token and
         group as at decode, integer dot products in register tiles, fp32 scales. Costs per
-        call: the rounded activations (T x Kp bytes, 3x that on AVX2) and fp32 copies of the
-        scales (and minima), O x G x 4 bytes each; the weights are read as stored."""
+        call: the rounded activations (xq, |xq| and on AVX2 an int16 copy: 4 bytes per
+        activation) and fp32 copies of the scales (and minima), O x G x 4 bytes each;
+        the weights are read as stored."""
         from . import gemm                                               # compiled on first prefill
         T, gs = x.shape[0], self.group_size
         xq, xa, xs, xsum = fk.quantize_activations(x.reshape(T, -1, gs))  # [T, G, gs], [T, G]
