@@ -5,7 +5,7 @@ import pytest
 from common.engine import Request
 from common.sampling import SamplingParams
 from models import hf_greedy, hf_logits, make_model
-from stage1_cpu.fast import cpu
+from stage1_cpu.fast import AUTO_INT8_PREFILL, cpu
 from stage1_cpu.engine import LLMEngine
 from stage1_cpu.model import Model
 from stage1_cpu.weights import load_weights
@@ -130,7 +130,9 @@ def test_quantized_engine_computes_exactly_its_numpy_twin(fmt, activations, act,
         pytest.skip("no int8 dot product here (AVX-512 VNNI / AVX-VNNI vpdpbusd, or AVX2 vpmaddubsw)")
     fell_back = "bf16" in act and not cpu.BF16
     if fell_back:
-        act = act.replace("bf16", "fp32")              # no AVX-512 BF16 (vdpbf16ps): prefill stays fp32
+        # no AVX-512 BF16 (vdpbf16ps): int8 / int4 prefill takes the int8 GEMM (fast/gemm.py), bf16 stays fp32
+        gemm = fmt in ("int8", "int4") and cpu.INT8 and (activations == "int8" or fmt in AUTO_INT8_PREFILL)
+        act = act.replace("bf16", "int8" if gemm else "fp32")
     folder = make_model("qwen3_moe", hidden_size=128, intermediate_size=256, initializer_range=0.05)
     w = load_weights(folder, fmt, 32, progress=False, activations=activations)
     layer = w.layers[0].wqkv                               # the layers' rounding (the lm_head has its own)
@@ -151,7 +153,7 @@ def test_quantized_engine_computes_exactly_its_numpy_twin(fmt, activations, act,
     if T < len(PROMPT):
         twin.forward(prompt[:-T], 0)
     assert rel_err(fused, twin.forward(prompt[-T:], len(PROMPT) - T, all_logits=True)) < 1e-4
-    if fell_back:                                      # the fallback is checked; the bf16 kernel is not
+    if fell_back and "int8" not in act.split()[1]:  # the fallback is checked; the bf16 kernel is not
         pytest.skip("the bf16 prefill kernel needs AVX-512 BF16 (vdpbf16ps), absent here: its fp32 fallback passed")
 
 

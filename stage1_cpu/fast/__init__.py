@@ -6,6 +6,7 @@ lesson (docs/stage1.md, "The fast path"):
 
     simd.py, kernels.py   int8 (or int16) activations at decode, multiplied by the
                           CPU's integer dot-product instructions; a bf16 GEMM at prefill
+    gemm.py               an int8-activation GEMM with register tiles at prefill (--activations int8)
     weight.py             FastWeight: a quant.Weight that routes those cases to them
     plan.py, sync.py,     a whole decode step (plan.py writes it down as data, dense or
     decode_step.py        MoE) in one parallel region, on the core's own row bodies (the same bits)
@@ -39,6 +40,10 @@ from . import cpu  # noqa: E402  (after depend: numba stamps each kernel when it
 from .weight import FastWeight, as_fast, check_act, fast_quantize  # noqa: E402, F401
 
 ACTIVATIONS = ("auto", "int8", "fp32")
+# weights whose prefill --activations auto runs on gemm.py's int8 GEMM where there is no AVX-512 BF16:
+# none yet, as it runs below the core's tile + sgemm on the AVX2 machine measured (docs/benchmarks.md,
+# "Prefill on integers"); --activations int8 turns it on
+AUTO_INT8_PREFILL: tuple[str, ...] = ()
 
 
 def available() -> str | None:
@@ -100,6 +105,8 @@ def choose_act(fmt: str, activations: str, in_features: int, lm_head: bool = Fal
             act["decode_act"] = "int16"
     if cpu.BF16 and (fmt != "bf16" or in_features % 2 == 0):
         act["prefill_act"] = "bf16"
+    elif fmt in ("int8", "int4") and (activations == "int8" or (cpu.INT8 and fmt in AUTO_INT8_PREFILL)):
+        act["prefill_act"] = "int8"                 # gemm.py's integer GEMM (check_act refuses it without cpu.INT8)
     return act
 
 
@@ -109,7 +116,7 @@ def describe(weights) -> str:
     pre = sorted({w.prefill_act for w in _matrices(weights)} - {"fp32"})
     what = [f"{'/'.join(acts)} decode activations" if acts else "fp32 activations"]
     if pre:
-        what.append("bf16 prefill")
+        what.append(f"{'/'.join(pre)} prefill")
     isa = {"vnni": "VNNI", "avx2": "AVX2", None: "no int8 dot instruction"}[cpu.INT8]
     return f"fast kernels ({', '.join(what)}; {isa}{', AVX-512 BF16' if cpu.BF16 else ''})"
 

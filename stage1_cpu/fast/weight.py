@@ -17,6 +17,10 @@ fast kernels (fast/kernels.py); every other case is the core's code, unchanged.
   are dequantized to bf16 for it (one more rounding, 8 significant bits: small
   next to the quantization's own error); bf16 weights are used as they are.
 
+- prefill_act="int8" (int8 / int4 weights, cpu.INT8; --activations int8): prefill
+  rounds the activations as decode does and runs gemm.py's integer GEMM with
+  register tiles instead of fp32 tiles through sgemm.
+
 The numpy twin (matmul_ref) rounds the same things the same way, so the kernels
 are still checked exactly against a definition; tests/test_quant_quality.py
 states what the rounding costs in perplexity.
@@ -39,13 +43,15 @@ BF16_ROWS = 8192    # rows of an int8 / int4 matrix turned into bf16 at a time (
 @dataclass(eq=False)
 class FastWeight(Weight):
     decode_act: str = "fp32"            # T < PREFILL_MIN_T: fp32 | int8 (int8 / int4 weights) | int16 (int8)
-    prefill_act: str = "fp32"           # T >= PREFILL_MIN_T: fp32 | bf16 (bf16 / int8 / int4 weights)
+    prefill_act: str = "fp32"           # T >= PREFILL_MIN_T: fp32 | bf16 (bf16 / int8 / int4) | int8 (int8 / int4)
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
         """x [T, in] f32 -> x @ W.T [T, out] f32, the activations rounded as the fields say."""
         T = x.shape[0]
         if T >= PREFILL_MIN_T and self.prefill_act == "bf16":
             return self._matmul_bf16(self._pad(self._check(x)))
+        if T >= PREFILL_MIN_T and self.prefill_act == "int8":
+            return self._matmul_int8_prefill(self._pad(self._check(x)))
         if T >= PREFILL_MIN_T or self.decode_act == "fp32":
             return super().matmul(x)                                     # the core's kernels
         x = self._pad(self._check(x))                                    # [T, Kp]
@@ -81,6 +87,24 @@ class FastWeight(Weight):
             fk.matmul_bf16_prefill(xb, w2, out[:, r0:r1])
         return out
 
+    def _matmul_int8_prefill(self, x: np.ndarray) -> np.ndarray:
+        """Prefill on gemm.py's int8-activation GEMM: x [T, Kp] rounded to int8 per token and
+        group as at decode, integer dot products in register tiles, fp32 scales. Costs per
+        call: the rounded activations (xq, |xq| and on AVX2 an int16 copy: 4 bytes per
+        activation) and fp32 copies of the scales (and minima), O x G x 4 bytes each;
+        the weights are read as stored."""
+        from . import gemm                                               # compiled on first prefill
+        T, gs = x.shape[0], self.group_size
+        xq, xa, xs, xsum = fk.quantize_activations(x.reshape(T, -1, gs))  # [T, G, gs], [T, G]
+        out = np.empty((T, self.out_features), dtype=np.float32)
+        s32 = self.scales.view(np.float16).astype(np.float32)
+        if self.fmt == "int8":
+            gemm.matmul_int8_prefill(gemm.activations_for(xq), xs, self.data, s32, out)
+        else:
+            gemm.matmul_int4_prefill(xq, xs, xsum, self.data, s32, self.mins.view(np.float16).astype(np.float32),
+                                     out)
+        return out
+
     def matmul_ref(self, x: np.ndarray) -> np.ndarray:
         """The numpy twin: round x (and W, for bf16 prefill) as matmul does, then multiply."""
         x = self._check(x)
@@ -88,6 +112,8 @@ class FastWeight(Weight):
         if self.decode_act != "fp32" and x.shape[0] < PREFILL_MIN_T:    # decode rounds x to int8 / int16
             qmax = 127 if self.decode_act == "int8" else 32767
             x = quantize_activations(self._pad(x), self.group_size, qmax)[:, : self.in_features]
+        if self.prefill_act == "int8" and x.shape[0] >= PREFILL_MIN_T:  # int8 prefill rounds x as decode does
+            x = quantize_activations(self._pad(x), self.group_size)[:, : self.in_features]
         if self.prefill_act == "bf16" and x.shape[0] >= PREFILL_MIN_T:  # prefill rounds x and W to bf16
             x, w = bf16_bits_to_f32(f32_to_bf16_bits(x)), bf16_bits_to_f32(f32_to_bf16_bits(w))
         return (x @ w.T).astype(np.float32)
@@ -119,8 +145,8 @@ def as_fast(w: Weight, decode_act: str = "fp32", prefill_act: str = "fp32") -> F
 
 
 def check_act(decode_act: str, prefill_act: str, fmt: str, K: int) -> None:
-    if decode_act not in ("fp32", "int8", "int16") or prefill_act not in ("fp32", "bf16"):
-        raise ValueError(f"decode activations are fp32, int8 or int16, prefill ones fp32 or bf16; "
+    if decode_act not in ("fp32", "int8", "int16") or prefill_act not in ("fp32", "bf16", "int8"):
+        raise ValueError(f"decode activations are fp32, int8 or int16, prefill ones fp32, bf16 or int8; "
                          f"got {decode_act!r}, {prefill_act!r}")
     here = f"here: {cpu.INT8 or 'none'}"
     if decode_act == "int8" and not (fmt in ("int8", "int4") and cpu.INT8):
@@ -129,6 +155,9 @@ def check_act(decode_act: str, prefill_act: str, fmt: str, K: int) -> None:
     if decode_act == "int16" and not (fmt == "int8" and cpu.INT8):
         raise ValueError(f"int16 activations are not available for {fmt} weights on this CPU: they need "
                          f"int8 weights and an int8 dot product (VNNI or AVX2; {here}); use fp32")
+    if prefill_act == "int8" and not (fmt in ("int8", "int4") and cpu.INT8):
+        raise ValueError(f"int8 prefill activations are not available for {fmt} weights on this CPU: they need "
+                         f"int8 / int4 weights and an int8 dot product (VNNI or AVX2; {here}); use fp32")
     if prefill_act == "bf16" and not (cpu.BF16 and (fmt in ("int8", "int4") or (fmt == "bf16" and K % 2 == 0))):
         raise ValueError(f"bf16 activations are not available for {fmt} weights [*, {K}] on this CPU: "
                          f"they need bf16 / int8 / int4 weights, an even in_features (bf16) and "

@@ -1,0 +1,136 @@
+"""Prefill GEMM: the int8-activation GEMM (stage1_cpu/fast/gemm.py) against today's
+prefill (dequantize ROW_BLOCK rows to fp32, BLAS sgemm), on the Qwen3-0.6B matrices,
+interleaved in one run, and the integer / fp32 peak of the instructions they use.
+
+    OMP_WAIT_POLICY=PASSIVE python -m bench.prefill_gemm [--reps 5] [--tokens 32 128 512]
+
+Prints, per format and prompt length, the best of --reps of one layer's four
+matmuls (wqkv, wo, gate_up, down; lm_head left out: it runs on the last token only)
+as layer-matmul tokens per second and GMAC/s, then the peak micro-benchmarks:
+vpmaddwd (int16 pairs, what the AVX2 int8 tile issues), vpmaddubsw (the int4 tile)
+and vfmadd231ps (what sgemm issues), 12 independent chains on each thread.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+# Qwen3-0.6B: hidden 1024, 16 q heads + 2 x 8 kv heads of 128, MLP 3072
+CHAINS = 12                   # more than latency x throughput of each instruction (Zen 3: 3 x 2, 4 x 2)
+SHAPES = {"wqkv": (4096, 1024), "wo": (1024, 2048), "w_gate_up": (6144, 1024), "w_down": (1024, 3072)}
+
+
+def _peak_kernel(kind):
+    V8I, V16S, V32B, V8F = (ir.VectorType(ir.IntType(32), 8), ir.VectorType(ir.IntType(16), 16),
+                            ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.FloatType(), 8))
+
+    @intrinsic
+    def chains(typingctx, n, seed):
+        """CHAINS independent chains of n steps of one instruction; returns a lane so nothing folds."""
+        sig = types.float32(types.int64, types.float32)
+
+        def codegen(context, builder, signature, args):
+            n_, seed_ = args
+            fn = cgutils.get_or_insert_function
+            if kind == "fma":
+                f = fn(builder.module, ir.FunctionType(V8F, [V8F] * 3), "llvm.fma.v8f32")
+                a = builder.insert_element(ir.Constant(V8F, None), seed_, ir.Constant(ir.IntType(32), 0))
+                accs = [cgutils.alloca_once_value(builder, a) for _ in range(CHAINS)]
+                with cgutils.for_range(builder, n_):
+                    for acc in accs:
+                        builder.store(builder.call(f, [a, a, builder.load(acc)]), acc)
+                tot = builder.load(accs[0])
+                for acc in accs[1:]:
+                    tot = builder.fadd(tot, builder.load(acc))
+                return builder.extract_element(tot, ir.Constant(ir.IntType(32), 0))
+            s = builder.fptosi(seed_, ir.IntType(16))
+            a16 = builder.insert_element(ir.Constant(V16S, [1] * 16), s, ir.Constant(ir.IntType(32), 0))
+            accs = [cgutils.alloca_once_value(builder, builder.bitcast(a16, V8I)) for _ in range(CHAINS)]
+            if kind == "maddwd":
+                f = fn(builder.module, ir.FunctionType(V8I, [V16S, V16S]), "llvm.x86.avx2.pmadd.wd")
+                with cgutils.for_range(builder, n_):
+                    for acc in accs:          # a dependent chain each: nothing to hoist or fold
+                        builder.store(builder.call(f, [builder.bitcast(builder.load(acc), V16S), a16]), acc)
+            else:            # maddubs into int16, as the int4 tile does
+                f = fn(builder.module, ir.FunctionType(V16S, [V32B, V32B]), "llvm.x86.avx2.pmadd.ub.sw")
+                b = builder.bitcast(a16, V32B)
+                with cgutils.for_range(builder, n_):
+                    for acc in accs:
+                        v = builder.bitcast(builder.load(acc), V32B)
+                        builder.store(builder.bitcast(builder.call(f, [v, b]), V8I), acc)
+            tot = builder.load(accs[0])
+            for acc in accs[1:]:
+                tot = builder.add(tot, builder.load(acc))
+            return builder.sitofp(builder.extract_element(tot, ir.Constant(ir.IntType(32), 0)), ir.FloatType())
+
+        return sig, codegen
+
+    @njit(parallel=True)
+    def run(n, threads):
+        out = np.zeros(threads, dtype=np.float32)
+        for i in prange(threads):
+            out[i] = chains(n, np.float32(i + 1))
+        return out
+
+    return run
+
+
+def peak(kind: str, threads: int, n: int = 20_000_000) -> float:
+    """Multiply-adds per second of `kind` (8 chains of n instructions per thread)."""
+    run = _peak_kernel(kind)
+    run(1000, threads)
+    best = 1e9
+    for _ in range(3):
+        t0 = time.perf_counter()
+        run(n, threads)
+        best = min(best, time.perf_counter() - t0)
+    per_instr = {"fma": 8, "maddwd": 16, "maddubs": 32}[kind]
+    return CHAINS * n * threads * per_instr / best
+
+
+def main(argv=None) -> None:
+    import numba
+    from stage1_cpu.fast import cpu
+    from stage1_cpu.fast.weight import fast_quantize
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[32, 128, 512])
+    ap.add_argument("--group-size", type=int, default=32)
+    ap.add_argument("--formats", nargs="+", default=["int8", "int4"])
+    args = ap.parse_args(argv)
+    if not cpu.INT8:
+        raise SystemExit(f"no int8 dot product on this target ({cpu.instructions()}): nothing to compare")
+    rng = np.random.default_rng(0)
+    print(f"threads {numba.get_num_threads()}, {cpu.instructions()}, group size {args.group_size}")
+    for fmt in args.formats:
+        mats = {k: rng.standard_normal(s, dtype=np.float32) * 0.02 for k, s in SHAPES.items()}
+        old = {k: fast_quantize(w, fmt, args.group_size) for k, w in mats.items()}
+        new = {k: fast_quantize(w, fmt, args.group_size, prefill_act="int8") for k, w in mats.items()}
+        for T in args.tokens:
+            xs = {k: rng.standard_normal((T, s[1]), dtype=np.float32) for k, s in SHAPES.items()}
+            macs = T * sum(o * k for o, k in SHAPES.values())
+            best = {"sgemm": 1e9, "int8 gemm": 1e9}
+            for rep in range(args.reps + 1):                     # the first round warms up, uncounted
+                for name, ws in (("sgemm", old), ("int8 gemm", new)):
+                    t0 = time.perf_counter()
+                    for k, w in ws.items():
+                        w.matmul(xs[k])
+                    dt = time.perf_counter() - t0
+                    if rep:
+                        best[name] = min(best[name], dt)
+            row = ", ".join(f"{n} {T / t:7.1f} tok/s {macs / t / 1e9:5.1f} GMAC/s" for n, t in best.items())
+            print(f"{fmt} T={T:4d}: {row}  ({best['sgemm'] / best['int8 gemm']:.2f}x)", flush=True)
+    th = numba.get_num_threads()
+    for kind in ("maddwd", "maddubs", "fma"):
+        print(f"peak {kind:8s} {peak(kind, th) / 1e9:6.1f} GMAC/s on {th} threads")
+
+
+if __name__ == "__main__":
+    main()

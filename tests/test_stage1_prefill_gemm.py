@@ -1,0 +1,139 @@
+"""The int8-activation prefill GEMM (stage1_cpu/fast/gemm.py) against its definitions.
+
+- gemm_ref: the same arithmetic in numpy (activations rounded per token and group,
+  exact integer dot products, the scales in float64). The kernel sums the groups'
+  fp32 terms in its own order (8 lanes per (row, token), then a reduction), so the
+  bound is stated: |kernel - ref| <= (G + 8) * 2^-23 * sum_g |term_g|.
+- fp32 activations: rounding x to xq * xs moves each activation by at most xs / 2,
+  so |kernel - x @ W.T| <= sum_k |W[r, k]| xs[t, g(k)] / 2 (+ the same fp32 slack).
+- FastWeight routes prefill (T >= PREFILL_MIN_T) there only with prefill_act="int8";
+  --activations fp32 never does.
+The logits of whole models on this path against transformers and against the numpy
+twin are test_stage1_model.py's (the int8 / int4 bounds there).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from stage1_cpu import quant
+from stage1_cpu.fast import AUTO_INT8_PREFILL, choose_act, cpu
+from stage1_cpu.fast import kernels as fk
+from stage1_cpu.fast.weight import as_fast, fast_quantize
+
+NEEDS_INT8 = pytest.mark.skipif(not cpu.INT8, reason="no int8 dot product on this target (VNNI or AVX2)")
+EPS = 2.0 ** -23
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(28)
+
+
+def _weight(rng, fmt, gs, O, K, **act):
+    return fast_quantize((rng.standard_normal((O, K)) * 0.5).astype(np.float32), fmt, gs, **act)
+
+
+def _rounded(w, x):
+    """x [T, K] -> xq, xs, xsum as the kernel sees them (padded to whole groups)."""
+    xp = np.zeros((x.shape[0], w.padded_in), dtype=np.float32)
+    xp[:, : x.shape[1]] = x
+    xq, _, xs, xsum = fk.quantize_activations(xp.reshape(x.shape[0], -1, w.group_size))
+    return xq, xs, xsum
+
+
+def _abs_terms(w, xq, xs, xsum):
+    """sum_g |s xs (q . xq)| (+ |m xsum|): the scale of the fp32 rounding bound."""
+    from stage1_cpu.fast import gemm
+
+    class Abs:                                             # |W| and |xq| through the same twin
+        fmt, out_features = w.fmt, w.out_features
+        scales = np.abs(w.scales.view(np.float16)).view(np.uint16)
+        data = np.abs(w.data.astype(np.int16)).astype(np.int8) if w.fmt == "int8" else w.data
+        mins = None if w.mins is None else np.abs(w.mins.view(np.float16)).view(np.uint16)
+    return gemm.gemm_ref(np.abs(xq.astype(np.int16)), xs, np.abs(xsum), Abs)
+
+
+@NEEDS_INT8
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("gs", [32, 64, 128])
+@pytest.mark.parametrize("O,K,T", [(37, 200, 11), (64, 256, 8), (70, 384, 67)])  # row / token / group tails
+def test_prefill_gemm_equals_its_integer_definition(rng, fmt, gs, O, K, T):
+    from stage1_cpu.fast import gemm
+    w = _weight(rng, fmt, gs, O, K, decode_act="int8", prefill_act="int8")
+    x = (rng.standard_normal((T, K)) * 2.0).astype(np.float32)
+    got = w.matmul(x)
+    xq, xs, xsum = _rounded(w, x)
+    ref = gemm.gemm_ref(xq, xs, xsum, w)
+    G = xq.shape[1]
+    bound = (G + 8) * EPS * _abs_terms(w, xq, xs, xsum) + 1e-30
+    err = np.abs(got - ref)
+    assert (err <= bound).all(), float((err / bound).max())
+    assert np.abs(ref).max() > 1.0                           # not a test of zeros
+    # the twin FastWeight.matmul_ref rounds x the same way (fp32 BLAS after it)
+    ref32 = w.matmul_ref(x)
+    assert np.abs(got - ref32).max() <= 1e-5 * np.abs(ref32).max()
+
+
+@NEEDS_INT8
+@pytest.mark.parametrize("fmt,gs", [("int8", 32), ("int4", 64), ("int8", 128)])
+def test_prefill_gemm_within_the_activation_rounding_of_fp32(rng, fmt, gs):
+    """Against fp32 activations: no more than the rounding of each x to its group's grid allows."""
+    O, K, T = 48, 320, 19
+    w = _weight(rng, fmt, gs, O, K, decode_act="int8", prefill_act="int8")
+    x = (rng.standard_normal((T, K)) * 3.0).astype(np.float32)
+    got = w.matmul(x)
+    exact = x.astype(np.float64) @ w.dequantize().astype(np.float64).T
+    _, xs, _ = _rounded(w, x)
+    step = np.repeat(xs, gs, axis=1)[:, :K] / 2                # |x - xq xs| <= xs / 2
+    bound = step @ np.abs(w.dequantize()).T.astype(np.float64)
+    err = np.abs(got - exact)
+    assert (err <= bound * (1 + 1e-3) + 1e-4 * np.abs(exact).max()).all()
+    # and the rounding does show (the path taken is the int8 one, not fp32)
+    assert err.max() > 1e-4 * np.abs(exact).max()
+
+
+@NEEDS_INT8
+def test_only_prefill_int8_takes_the_gemm(rng):
+    """prefill_act fp32 keeps the core's tile + sgemm bit for bit; int8 changes only T >= PREFILL_MIN_T."""
+    K = 96
+    x = (rng.standard_normal((quant.PREFILL_MIN_T + 3, K))).astype(np.float32)
+    plain = quant.quantize((rng.standard_normal((40, K))).astype(np.float32), "int8", 32)
+    np.testing.assert_array_equal(as_fast(plain, "int8", "fp32").matmul(x), plain.matmul(x))
+    gem = as_fast(plain, "fp32", "int8")
+    assert not np.array_equal(gem.matmul(x), plain.matmul(x))
+    np.testing.assert_array_equal(gem.matmul(x[:3]), plain.matmul(x[:3]))   # decode: untouched
+    assert choose_act("int8", "fp32", K)["prefill_act"] == "fp32"
+    assert choose_act("int4", "fp32", K)["prefill_act"] == "fp32"
+    if not cpu.BF16:                                           # where bf16 prefill exists it ranks first
+        assert choose_act("int8", "int8", K)["prefill_act"] == "int8"
+        assert choose_act("int4", "int8", K)["prefill_act"] == "int8"
+        for fmt in ("int8", "int4"):                           # auto: only where it was measured to win
+            assert (choose_act(fmt, "auto", K)["prefill_act"] == "int8") == (fmt in AUTO_INT8_PREFILL)
+
+
+def test_int8_prefill_refused_without_an_int8_dot(rng):
+    if cpu.INT8:
+        with pytest.raises(ValueError, match="not available"):
+            fast_quantize(np.ones((4, 64), np.float32), "bf16", prefill_act="int8")
+        return
+    # NUMBA_CPU_NAME=generic (no AVX2): refused, and auto never asks for it, so nothing compiles it
+    with pytest.raises(ValueError, match="int8 prefill activations are not available"):
+        fast_quantize(np.ones((4, 64), np.float32), "int8", prefill_act="int8")
+    assert choose_act("int8", "auto", 64)["prefill_act"] == "fp32"
+
+
+@NEEDS_INT8
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_int8_prefill_logits_close_to_transformers(family):
+    """A whole prompt (14 tokens: the prefill path) through the int8 GEMM, against
+    transformers' fp32 logits: within the int8 / int4 bounds test_stage1_model.py uses."""
+    from models import hf_logits, make_model
+    from test_stage1_model import PROMPT, QUANT_TOL, logits_all, rel_err
+    folder = make_model(family, hidden_size=128, intermediate_size=256, initializer_range=0.05)
+    from stage1_cpu.weights import load_weights
+    assert load_weights(folder, "int4", 32, progress=False, activations="int8").layers[0].wqkv.prefill_act == "int8"
+    ref = hf_logits(folder, PROMPT)
+    for fmt in ("int8", "int4"):
+        gemm_err = rel_err(logits_all(folder, PROMPT, fmt=fmt, group_size=32, activations="int8"), ref)
+        assert 0 < gemm_err < QUANT_TOL[fmt], (fmt, gemm_err)
