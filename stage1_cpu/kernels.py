@@ -50,7 +50,6 @@ def set_threads(n: int | None) -> int:
     return n
 
 
-
 # ---------------------------------------------------------------------------
 # exp in float32, with the bit cast it needs (numba has no float reinterpret of its own)
 # ---------------------------------------------------------------------------
@@ -66,7 +65,6 @@ def _u32_as_f32(typingctx, bits):
                                else args[0], ir.FloatType())
 
     return sig, codegen
-
 
 
 @njit(inline="always", fastmath=FAST, error_model="numpy")
@@ -92,7 +90,6 @@ def exp_f32(x):
     p = p * r + np.float32(1.0)
     # 2^n: n + 127 written into float32's exponent bits
     return p * _u32_as_f32((np.int64(n) + 127) << 23)
-
 
 
 # ---------------------------------------------------------------------------
@@ -309,7 +306,7 @@ def _attention(q, k_cache, v_cache, start_pos, out):
 def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, start_pos: int) -> np.ndarray:
     """q: [T, H, D]; k_cache, v_cache: [Hkv, Tmax, D]; query t sits at position
     start_pos + t and attends to cache positions 0 .. start_pos + t."""
-    T, H, D = q.shape
+    H = q.shape[1]
     if H % k_cache.shape[0]:
         raise ValueError(f"{H} query heads cannot share {k_cache.shape[0]} KV heads evenly")
     out = np.empty_like(q)
