@@ -26,6 +26,7 @@ from common.sampling import Sampler
 
 from . import CACHE_DIR, KERNEL_FILES
 from . import kernels as numba_kernels
+from . import ops
 from .model import Model
 from .weights import load_weights
 
@@ -103,7 +104,7 @@ class LLMEngine:
     def kernels_cold(self) -> bool:
         """True until warm_up() has run for the kernels' sources as they are now, this format
         and these kernels (an edit to a kernel file makes them cold again)."""
-        return self.model.k is numba_kernels and not self._warm_mark().exists()
+        return self.model.k is not ops and not self._warm_mark().exists()
 
     def _warm_mark(self) -> Path:
         w = self.weights

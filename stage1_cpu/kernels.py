@@ -11,12 +11,9 @@ tests/test_stage1_kernels.py checks each one at awkward shapes. What makes them 
   lanes, contraction gives fused multiply-adds. We never assume "no NaN / no
   inf", so a NaN or inf in the activations propagates as it does in numpy.
 - A parallel region costs tens of microseconds to start when idle threads sleep
-  (OMP_WAIT_POLICY=PASSIVE; about a microsecond when they spin): far more than a one-token
-  norm takes, so the small element-wise ops have serial variants that the
-  wrappers pick for few tokens.
-- Prefill attention hands the heavy lifting to BLAS (numpy's OpenBLAS): for T
-  tokens at once that is compute-bound work, and BLAS's GEMM is 3x faster than
-  anything these loops turn into.
+  (OMP_WAIT_POLICY=PASSIVE; about a microsecond when they spin): more than a
+  token's element-wise op takes, so those run serially; attention, which reads
+  the whole KV cache, runs in parallel (prange), as the matmuls do.
 - numba's np.exp is a scalar libm call; softmax and SiLU use exp_f32, a
   polynomial that vectorises (7x faster).
 - `cache=True` stores the machine code on disk, so only the first run compiles.
@@ -53,7 +50,6 @@ def set_threads(n: int | None) -> int:
     return n
 
 
-
 # ---------------------------------------------------------------------------
 # exp in float32, with the bit cast it needs (numba has no float reinterpret of its own)
 # ---------------------------------------------------------------------------
@@ -69,7 +65,6 @@ def _u32_as_f32(typingctx, bits):
                                else args[0], ir.FloatType())
 
     return sig, codegen
-
 
 
 @njit(inline="always", fastmath=FAST, error_model="numpy")
@@ -97,20 +92,10 @@ def exp_f32(x):
     return p * _u32_as_f32((np.int64(n) + 127) << 23)
 
 
-
 # ---------------------------------------------------------------------------
-# Element-wise and normalisation ops: numba twins of ops.py. Serial bodies,
-# with a parallel variant used when there are many tokens (prefill).
+# Element-wise ops: numba twins of ops.py, each written once for one row, as an
+# inlined helper (_inline, norms.py), and a serial loop over the rows.
 # ---------------------------------------------------------------------------
-
-
-# Each op is written once, for one row, as an inlined helper (_inline, norms.py);
-# a serial and a parallel (prange) loop call it.
-
-
-# From how many tokens an element-wise op runs in parallel: below, starting the threads
-# (tens of microseconds when they sleep) costs more than the op (norms.py: the same for rmsnorm).
-PARALLEL_MIN_T = 16         # silu_mul, rope: a token's row is F (or H*D) values, several us each
 
 
 @_inline
@@ -122,14 +107,8 @@ def silu_mul_row(gate_up, out, t):
 
 
 @_serial
-def _silu_mul_serial(gate_up, out):
+def _silu_mul(gate_up, out):
     for t in range(out.shape[0]):
-        silu_mul_row(gate_up, out, t)
-
-
-@_parallel
-def _silu_mul_parallel(gate_up, out):
-    for t in prange(out.shape[0]):
         silu_mul_row(gate_up, out, t)
 
 
@@ -140,7 +119,7 @@ def silu_mul(gate_up: np.ndarray) -> np.ndarray:
     gate_up = np.ascontiguousarray(gate_up)
     T, F = gate_up.shape[0], gate_up.shape[1] // 2
     out = np.empty((T, F), dtype=np.float32)
-    (_silu_mul_parallel if T >= PARALLEL_MIN_T else _silu_mul_serial)(gate_up, out)
+    _silu_mul(gate_up, out)
     return out
 
 
@@ -255,21 +234,15 @@ def _rope_row(x, cos, sin, out, t):
 
 
 @_serial
-def _rope_serial(x, cos, sin, out):
+def _rope(x, cos, sin, out):
     for t in range(x.shape[0]):
-        _rope_row(x, cos, sin, out, t)
-
-
-@_parallel
-def _rope_parallel(x, cos, sin, out):
-    for t in prange(x.shape[0]):
         _rope_row(x, cos, sin, out, t)
 
 
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """Rotate-half RoPE. x: [T, H, D], cos/sin: [T, D/2]."""
     out = np.empty_like(x)
-    (_rope_parallel if x.shape[0] >= PARALLEL_MIN_T else _rope_serial)(x, cos, sin, out)
+    _rope(x, cos, sin, out)
     return out
 
 
@@ -324,80 +297,18 @@ def attention_item(q, k_cache, v_cache, start_pos, out, item):
 # one work item per (KV head, query): the item serves all `group` query heads
 # of its KV head, so each key and value row is read once for the group (at
 # decode the cache reads are the cost: this halves them for Qwen3's 16/8)
-@_serial
-def _attention_serial(q, k_cache, v_cache, start_pos, out):
-    for item in range(k_cache.shape[0] * q.shape[0]):
-        attention_item(q, k_cache, v_cache, start_pos, out, item)
-
-
 @_parallel
-def _attention_parallel(q, k_cache, v_cache, start_pos, out):
+def _attention(q, k_cache, v_cache, start_pos, out):
     for item in prange(k_cache.shape[0] * q.shape[0]):
         attention_item(q, k_cache, v_cache, start_pos, out, item)
-
-
-@_serial
-def _causal_softmax(scores, scale, first_pos, group):
-    """In place: scores [rows, n] with rows = (query, head in group) pairs ->
-    softmax(scale * scores) over the positions row r may see, zeros after them.
-    Row r is query first_pos + r // group, which sees positions 0 .. that."""
-    rows, n = scores.shape
-    for r in range(rows):
-        last = min(n, first_pos + r // group + 1)  # visible positions: 0 .. last-1
-        mx = scores[r, 0]
-        for j in range(1, last):
-            mx = max(mx, scores[r, j])
-        a = np.float32(0.0)
-        for j in range(last):
-            e = exp_f32((scores[r, j] - mx) * scale)
-            scores[r, j] = e
-            a += e
-        inv = np.float32(1.0) / a
-        for j in range(last):
-            scores[r, j] *= inv
-        for j in range(last, n):
-            scores[r, j] = 0.0
-
-
-# Prefill attention is two matrix products per KV head, (queries x keys) then
-# (probabilities x values): BLAS does those 3x faster than the numba loops.
-# Query blocks of ATT_BLOCK skip most of the causally masked upper triangle.
-ATT_BLOCK = 128
-ATT_BLAS_MIN_T = 16         # from 16 queries the two GEMMs beat the per-item loops
-
-
-def _attention_blas(q, k_cache, v_cache, start_pos, out):
-    T, H, D = q.shape
-    Hkv = k_cache.shape[0]
-    group = H // Hkv
-    scale = np.float32(1.0 / math.sqrt(D))
-    for kvh in range(Hkv):
-        heads = slice(kvh * group, (kvh + 1) * group)
-        for t0 in range(0, T, ATT_BLOCK):
-            t1 = min(T, t0 + ATT_BLOCK)
-            n = start_pos + t1                                   # keys this block can see
-            qb = q[t0:t1, heads].reshape(-1, D)                  # [(t, head), D]
-            scores = qb @ k_cache[kvh, :n].T                     # [(t, head), n]
-            _causal_softmax(scores, scale, start_pos + t0, group)
-            out[t0:t1, heads] = (scores @ v_cache[kvh, :n]).reshape(t1 - t0, group, D)
-
-
-# Decode attention goes parallel from this many multiply-adds (H * T * context * D): two
-# threads halve the work, which pays for waking a sleeping thread (tens of microseconds)
-# from about a thousand positions at Qwen3-0.6B's 16/8 heads of 128.
-ATT_PARALLEL_MIN_WORK = 1 << 21
 
 
 def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, start_pos: int) -> np.ndarray:
     """q: [T, H, D]; k_cache, v_cache: [Hkv, Tmax, D]; query t sits at position
     start_pos + t and attends to cache positions 0 .. start_pos + t."""
-    T, H, D = q.shape
+    H = q.shape[1]
     if H % k_cache.shape[0]:
         raise ValueError(f"{H} query heads cannot share {k_cache.shape[0]} KV heads evenly")
     out = np.empty_like(q)
-    if T >= ATT_BLAS_MIN_T:
-        _attention_blas(q, k_cache, v_cache, start_pos, out)
-        return out
-    parallel = H * T * (start_pos + T) * D >= ATT_PARALLEL_MIN_WORK
-    (_attention_parallel if parallel else _attention_serial)(q, k_cache, v_cache, start_pos, out)
+    _attention(q, k_cache, v_cache, start_pos, out)
     return out

@@ -37,13 +37,13 @@ class Model:
         self.config = cfg = weights.config
         self.max_ctx = max_ctx
         self.cache = KVCache(cfg, max_ctx)
-        # the numba kernels by default; ops (the numpy definitions) for checking them
-        self.k = kernels if use_numba else ops
+        # the numba kernels by default (the fast path's, if chosen); ops (the numpy definitions) for checking them
+        fast = weights.fast if use_numba else None
+        self.k = (fast.kernels() if fast else kernels) if use_numba else ops
         self.cos, self.sin = ops.rope_tables(max_ctx, cfg.head_dim, cfg.rope_theta,   # [T_max, D/2]
                                              cfg.rope_scaling)
         # the fast path's one-region decode step; one_region=False keeps decode here (the tests compare)
-        fast = weights.fast if use_numba and one_region else None
-        self.decode_step = fast.decode_step(self) if fast else None
+        self.decode_step = fast.decode_step(self) if fast and one_region else None
 
     def forward(self, tokens: np.ndarray, start_pos: int, all_logits: bool = False) -> np.ndarray:
         """tokens [T] at positions start_pos..start_pos+T-1 (the cache already holds

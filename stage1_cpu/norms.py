@@ -6,7 +6,7 @@ edit here recompiles these few functions, not every op (docs/stage1.md, section 
 """
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 # reassoc: let LLVM split reductions over vector lanes; contract: allow FMA.
 # Every kernel also sets error_model="numpy": x / 0 gives inf instead of raising,
@@ -16,9 +16,8 @@ FAST = {"reassoc", "contract"}
 # Each kernel's body for one row (one output row of a matmul, one token of a norm)
 # is an _inline helper: the prange kernels below loop over it, and so does
 # fast/decode_step.py, which runs a whole decode step in one parallel region. One
-# body, two callers: both compute bit for bit the same. Serial and parallel loops must be
-# separate Python functions: numba's on-disk cache tells functions apart by their
-# code, not by parallel=True.
+# body, two callers: both compute bit for bit the same. _serial kernels loop over the rows
+# on one thread, _parallel ones with prange (kernels.py, matmul.py).
 _inline = njit(inline="always", fastmath=FAST, error_model="numpy")
 _serial = njit(cache=True, fastmath=FAST, error_model="numpy")
 _parallel = njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
@@ -36,25 +35,15 @@ def rmsnorm_row(x2, w, eps, out2, t):
 
 
 @_serial
-def _rmsnorm_serial(x2, w, eps, out2):
+def _rmsnorm(x2, w, eps, out2):
     for t in range(x2.shape[0]):
         rmsnorm_row(x2, w, eps, out2, t)
 
 
-@_parallel
-def _rmsnorm_parallel(x2, w, eps, out2):
-    for t in prange(x2.shape[0]):
-        rmsnorm_row(x2, w, eps, out2, t)
-
-
-# From how many rows (tokens, or token-heads) rmsnorm runs in parallel: below, starting the
-# threads (tens of microseconds when they sleep) costs more than the op.
-PARALLEL_MIN_ROWS = 64      # a row is C (or D) values, a few hundred ns each
-
-
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """x: [T, C] with w [C], or [T, H, D] with w [D]: normalise the last axis."""
+    """x: [T, C] with w [C], or [T, H, D] with w [D]: normalise the last axis. Serial: a
+    row is a few hundred ns, less than starting the threads (tens of us when they sleep)."""
     x2 = np.ascontiguousarray(x).reshape(-1, x.shape[-1])  # [rows, last]
     out = np.empty_like(x2)
-    (_rmsnorm_parallel if x2.shape[0] >= PARALLEL_MIN_ROWS else _rmsnorm_serial)(x2, w, eps, out)
+    _rmsnorm(x2, w, eps, out)
     return out.reshape(x.shape)

@@ -79,8 +79,8 @@ def test_rope_matches_ops(rng, T, H, D):
     (7, 3, 1, 64, 0),        # prefill, odd head count, one KV head
     (5, 6, 2, 32, 11),       # prefill that continues a cached prefix
     (8, 16, 8, 128, 600),    # few queries over a long cache
-    (64, 4, 4, 64, 3),       # no GQA; prefill through BLAS (T >= ATT_BLAS_MIN_T)
-    (130, 3, 1, 32, 9),      # two query blocks of ATT_BLOCK, the second one partial
+    (64, 4, 4, 64, 3),       # no GQA; the fast path's prefill through BLAS (T >= ATT_BLAS_MIN_T)
+    (130, 3, 1, 32, 9),      # two of its query blocks of ATT_BLOCK, the second one partial
 ])
 def test_attention_matches_ops(rng, T, H, Hkv, D, start_pos):
     Tmax = start_pos + T + 9  # cache longer than used: stale rows beyond must be ignored
@@ -89,11 +89,8 @@ def test_attention_matches_ops(rng, T, H, Hkv, D, start_pos):
     v_cache = randn(rng, Hkv, Tmax, D)
     ref = ops.attention(q, k_cache, v_cache, start_pos)
     close(kernels.attention(q, k_cache, v_cache, start_pos), ref)
-    if T < kernels.ATT_BLAS_MIN_T:     # which numba loop runs depends on the work: test both
-        for loop in (kernels._attention_serial, kernels._attention_parallel):
-            out = np.empty_like(q)
-            loop(q, k_cache, v_cache, start_pos, out)
-            close(out, ref)
+    from stage1_cpu.fast import attention       # the fast path's: BLAS from ATT_BLAS_MIN_T queries
+    close(attention.attention(q, k_cache, v_cache, start_pos), ref)
 
 
 @pytest.mark.parametrize("T,E,k,norm", [(1, 8, 2, True), (5, 8, 4, False), (3, 128, 8, True), (2, 6, 1, False)])

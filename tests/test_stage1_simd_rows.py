@@ -33,10 +33,11 @@ RTOL = 1e-5
 
 
 # ---------------------------------------------------------------- numba callers
+# (each compiled for one group size: the Python wrappers below pass simd.chunks(gs))
 
 
 @njit(cache=False)
-def rows8(xq, xa, xs, q, s, out, spread):
+def _rows8(xq, xa, xs, q, s, out, spread, gsk):
     """out [T, O] by dot_int8_rows: calls of 4 rows (adjacent, or O // 4 rows apart
     when spread), then the last O % 4 rows in one call."""
     T, G, gs = xq.shape
@@ -49,15 +50,15 @@ def rows8(xq, xa, xs, q, s, out, spread):
         for b in range(blocks):
             r = b if spread else 4 * b
             simd.dot_int8_rows(qf, r * G * gs, m * G * gs, xqf, xaf, t * G * gs, sf, r * G, xsf, t * G, G, gs,
-                               of, t * O + r, 4)
+                               of, t * O + r, 4, gsk)
         r = 4 * blocks
         if r < O:
             simd.dot_int8_rows(qf, r * G * gs, G * gs, xqf, xaf, t * G * gs, sf, r * G, xsf, t * G, G, gs,
-                               of, t * O + r, O - r)
+                               of, t * O + r, O - r, gsk)
 
 
 @njit(cache=False)
-def rows16(x16, xs, q, s, out, spread):
+def _rows16(x16, xs, q, s, out, spread, gsk):
     """rows8 for dot_int8_rows_i16."""
     T, G, gs = x16.shape
     O = q.shape[0]
@@ -68,15 +69,15 @@ def rows16(x16, xs, q, s, out, spread):
         for b in range(blocks):
             r = b if spread else 4 * b
             simd.dot_int8_rows_i16(qf, r * G * gs, m * G * gs, xf, t * G * gs, sf, r * G, xsf, t * G, G, gs,
-                                   of, t * O + r, 4)
+                                   of, t * O + r, 4, gsk)
         r = 4 * blocks
         if r < O:
             simd.dot_int8_rows_i16(qf, r * G * gs, G * gs, xf, t * G * gs, sf, r * G, xsf, t * G, G, gs,
-                                   of, t * O + r, O - r)
+                                   of, t * O + r, O - r, gsk)
 
 
 @njit(cache=False)
-def rows4(xq, xs, xsum, q, s, m, out, spread):
+def _rows4(xq, xs, xsum, q, s, m, out, spread, gsk):
     """rows8 for dot_int4_rows (q [O, G/2, gs] bytes, m [O, G] minima)."""
     T, G, gs = xq.shape
     O = q.shape[0]
@@ -89,27 +90,27 @@ def rows4(xq, xs, xsum, q, s, m, out, spread):
         for b in range(blocks):
             r = b if spread else 4 * b
             simd.dot_int4_rows(qf, r * row, k * row, xqf, t * G * gs, sf, r * G, xsf, t * G, G, gs,
-                               of, t * O + r, 4, mf, xsumf)
+                               of, t * O + r, 4, mf, xsumf, gsk)
         r = 4 * blocks
         if r < O:
             simd.dot_int4_rows(qf, r * row, row, xqf, t * G * gs, sf, r * G, xsf, t * G, G, gs,
-                               of, t * O + r, O - r, mf, xsumf)
+                               of, t * O + r, O - r, mf, xsumf, gsk)
 
 
 @njit(cache=False)
-def one_call4(q, row_stride, xq, s, xs, m, xsum, G, gs, out, ooff, n_rows):
-    simd.dot_int4_rows(q, 0, row_stride, xq, 0, s, 0, xs, 0, G, gs, out, ooff, n_rows, m, xsum)
+def _one_call4(q, row_stride, xq, s, xs, m, xsum, G, gs, out, ooff, n_rows, gsk):
+    simd.dot_int4_rows(q, 0, row_stride, xq, 0, s, 0, xs, 0, G, gs, out, ooff, n_rows, m, xsum, gsk)
 
 
 @njit(cache=False)
-def one_call8(q, row_stride, xq, xa, s, xs, G, gs, out, ooff, n_rows):
+def _one_call8(q, row_stride, xq, xa, s, xs, G, gs, out, ooff, n_rows, gsk):
     """One dot_int8_rows call on rows 0.. of flat arrays (token 0)."""
-    simd.dot_int8_rows(q, 0, row_stride, xq, xa, 0, s, 0, xs, 0, G, gs, out, ooff, n_rows)
+    simd.dot_int8_rows(q, 0, row_stride, xq, xa, 0, s, 0, xs, 0, G, gs, out, ooff, n_rows, gsk)
 
 
 @njit(cache=False)
-def one_call16(q, row_stride, x16, s, xs, G, gs, out, ooff, n_rows):
-    simd.dot_int8_rows_i16(q, 0, row_stride, x16, 0, s, 0, xs, 0, G, gs, out, ooff, n_rows)
+def _one_call16(q, row_stride, x16, s, xs, G, gs, out, ooff, n_rows, gsk):
+    simd.dot_int8_rows_i16(q, 0, row_stride, x16, 0, s, 0, xs, 0, G, gs, out, ooff, n_rows, gsk)
 
 
 @njit(cache=False)
@@ -128,6 +129,30 @@ def old16(x16, xs, q, s, out):
     for t in range(T):
         for r in range(q.shape[0]):
             out[t, r] = simd.dot_int8_row_i16(qf, r * G * gs, xf, t * G * gs, sf, r * G, xsf, t * G, G, gs)
+
+
+def rows8(xq, xa, xs, q, s, out, spread):
+    _rows8(xq, xa, xs, q, s, out, spread, simd.chunks(xq.shape[2]))
+
+
+def rows16(x16, xs, q, s, out, spread):
+    _rows16(x16, xs, q, s, out, spread, simd.chunks(x16.shape[2]))
+
+
+def rows4(xq, xs, xsum, q, s, m, out, spread):
+    _rows4(xq, xs, xsum, q, s, m, out, spread, simd.chunks(xq.shape[2]))
+
+
+def one_call4(q, row_stride, xq, s, xs, m, xsum, G, gs, out, ooff, n_rows):
+    _one_call4(q, row_stride, xq, s, xs, m, xsum, G, gs, out, ooff, n_rows, simd.chunks(gs))
+
+
+def one_call8(q, row_stride, xq, xa, s, xs, G, gs, out, ooff, n_rows):
+    _one_call8(q, row_stride, xq, xa, s, xs, G, gs, out, ooff, n_rows, simd.chunks(gs))
+
+
+def one_call16(q, row_stride, x16, s, xs, G, gs, out, ooff, n_rows):
+    _one_call16(q, row_stride, x16, s, xs, G, gs, out, ooff, n_rows, simd.chunks(gs))
 
 
 # ---------------------------------------------------------------- definition and inputs

@@ -7,6 +7,7 @@ lesson (docs/stage1.md, "The fast path"):
     simd.py, kernels.py   int8 (or int16) activations at decode, multiplied by the
                           CPU's integer dot-product instructions; a bf16 GEMM at prefill
     gemm.py               an int8-activation GEMM with register tiles at prefill (--activations int8)
+    attention.py          prefill attention as two GEMMs per KV head, through BLAS
     weight.py             FastWeight: a quant.Weight that routes those cases to them
     plan.py, sync.py,     a whole decode step (plan.py writes it down as data, dense or
     decode_step.py        MoE) in one parallel region, on the core's own row bodies (the same bits)
@@ -65,6 +66,12 @@ class FastPath:
         """fp32 [O, K] (or a quant.Weight) -> FastWeight, its activations chosen for this CPU."""
         K = w.in_features if isinstance(w, Weight) else w.shape[1]
         return fast_quantize(w, fmt, group_size, **choose_act(fmt, self.activations, K, lm_head=lm_head))
+
+    def kernels(self):
+        """The per-op kernels Model.forward calls: the core's, with prefill attention
+        through BLAS (attention.py)."""
+        from .attention import KERNELS
+        return KERNELS
 
     def decode_step(self, model):
         """The one-region decode step of this model (decode_step.py)."""

@@ -57,7 +57,7 @@ from numba import prange, types
 from numba.typed import List
 
 from .. import kernels, matmul
-from . import cpu, sync
+from . import cpu, simd, sync
 from .plan import plan
 from . import kernels as fk
 from ..kernels import FAST
@@ -139,13 +139,14 @@ def _items(O, row_bytes, workers):
 
 @_njit
 def _matvec(m, data, scales, mins, x, S, starts, n, bias, out, counts, phase, workers,
-            k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4):
+            k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4, gsk):
     """Phase `phase`: out[s n + i] = x[s] . W[starts[s] + i] (+ bias[starts[s] + i]) for
     segment s < len(starts) and i < n. x [S K] is this worker's input: S = 1 (every
     segment reads it; a matmul is one segment of all O rows) or one row per segment
     (the experts' down projection). W is given by its format row m = (fmt, act, O, K, Kp, gs)
     and flat arrays. The segments' rows, end to end, are cut into claimed items. k_*: the
-    row bodies this model uses (kinds()), None for the others."""
+    row bodies this model uses (kinds()), None for the others; gsk: simd.chunks() of the
+    group size every weight with rounded activations has (their row bodies are compiled for it)."""
     fmt, act, O, K, Kp, gs = m[0], m[1], m[2], m[3], m[4], m[5]
     R = starts.size * n                                          # rows of all segments
     block, big, n_big, split, n_items = _items(R, data.size // O, workers)
@@ -193,13 +194,14 @@ def _matvec(m, data, scales, mins, x, S, starts, n, bias, out, counts, phase, wo
             t = s if S > 1 else 0                                    # the row of x: out[ooff + r] = W[r] . x[t]
             if act == A_INT8 and fmt == INT8:                        # the kernel matmul() would use
                 if k_q8 is not None:
-                    _rows_q8(xqf, xaf, xsf, t, data, scales, r0, r1, G, gs, out, ooff)
+                    _rows_q8(xqf, xaf, xsf, t, data, scales, r0, r1, G, gs, out, ooff, gsk)
             elif act == A_INT16:
                 if k_q16 is not None:
-                    _rows_q16(x16f, xsf, t, data, scales, r0, r1, G, gs, out, ooff)
+                    _rows_q16(x16f, xsf, t, data, scales, r0, r1, G, gs, out, ooff, gsk)
             elif act == A_INT8:
                 if k_q4 is not None:
-                    _rows_q4(xqf, xsf, xsum.reshape(-1), t, data, scales, m2.reshape(-1), r0, r1, G, gs, out, ooff)
+                    _rows_q4(xqf, xsf, xsum.reshape(-1), t, data, scales, m2.reshape(-1), r0, r1, G, gs, out,
+                             ooff, gsk)
             elif fmt == BF16:                                        # fp32 activations: the core's bodies
                 if k_bf16 is not None:
                     matmul.rows_bf16(x2, t, wb, r0, r1, out, ooff)
@@ -258,7 +260,7 @@ def _buf(own, shared, ref):
 
 @_njit
 def _worker(workers, x0, pos, prog, meta, data, scales, mins, vecs, shared, own_size, kv, cos, sin, eps, dims,
-            counts, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4):
+            counts, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4, gsk):
     """Everything one worker does in a decode step: the program, phase by phase."""
     H, Hkv, D, k, norm_topk = dims[0], dims[1], dims[2], dims[3], dims[4] != 0
     own = np.zeros(own_size, dtype=np.float32)       # this worker's private buffers; x first
@@ -298,20 +300,20 @@ def _worker(workers, x0, pos, prog, meta, data, scales, mins, vecs, shared, own_
             bias = vecs[row[VEC]] if row[VEC] >= 0 else none
             if op == MATMUL:
                 _matvec(meta[w], data[w], scales[w], mins[w], src, 1, one, dst.size, bias, dst, counts,
-                        row[COUNTER], workers, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4)
+                        row[COUNTER], workers, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4, gsk)
             else:
                 n = dst.size // k                    # each expert's rows in the stacked matrix
                 _matvec(meta[w], data[w], scales[w], mins[w], src, row[ROWS], top[0] * n, n, bias, dst,
-                        counts, row[COUNTER], workers, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4)
+                        counts, row[COUNTER], workers, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4, gsk)
 
 
 @numba.njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
 def _decode(workers, x0, pos, prog, meta, data, scales, mins, vecs, shared, own_size, kv, cos, sin, eps, dims,
-            counts, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4):
+            counts, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4, gsk):
     # workers: numba.get_num_threads(), passed in (called in here, it would keep this from the disk cache)
     for _ in prange(workers):                        # one iteration per thread: the one parallel region
         _worker(workers, x0, pos, prog, meta, data, scales, mins, vecs, shared, own_size, kv, cos, sin, eps,
-                dims, counts, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4)
+                dims, counts, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4, gsk)
 
 
 _READONLY = types.Array(types.uint8, 1, "C", readonly=True)
@@ -397,6 +399,8 @@ class DecodeStep:
         no16 = np.zeros(0, dtype=np.uint16)
         self.meta = np.array([_format_row(w) for w in weights], dtype=np.int64)
         self.kinds = kinds(weights)                  # the row bodies _matvec compiles for this model
+        rounded = {w.group_size for w in weights if getattr(w, "decode_act", "fp32") != "fp32"}
+        self.gsk = simd.chunks(rounded.pop()) if len(rounded) == 1 else ()   # (): a loop for any size
         self.data = _typed_list([np.ascontiguousarray(w.data).reshape(-1).view(np.uint8) for w in weights],
                                 _READONLY)
         self.scales = _typed_list([no16 if w.scales is None else w.scales.reshape(-1).view(np.uint16)
@@ -415,6 +419,6 @@ class DecodeStep:
         _decode(workers or numba.get_num_threads(), np.ascontiguousarray(x, dtype=np.float32), pos, self.prog,
                 self.meta, self.data, self.scales, self.mins, self.vecs, self.shared, self.own_size,
                 self.cache.data, self.cos[pos:pos + 1], self.sin[pos:pos + 1], self.eps, self.dims,
-                sync.counters(self.n_counters), *self.kinds)
+                sync.counters(self.n_counters), *self.kinds, self.gsk)
         _, off, n = self.logits
         return self.shared[off:off + n].copy()

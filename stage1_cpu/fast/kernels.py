@@ -104,20 +104,20 @@ def quantize_activations16(x3):
 
 
 @_inline
-def rows_int8_q16(xf, xsf, t, qf, sf, r0, r1, G, gs, outf, ooff):
+def rows_int8_q16(xf, xsf, t, qf, sf, r0, r1, G, gs, outf, ooff, gsk):
     """outf[ooff + r] = row r of an int8 matrix . token t's int16 activations, r0 <= r < r1
     (flat arrays): rows_int8_q8's order, with simd.dot_int8_rows_i16."""
     n4 = (r1 - r0) // 4
     for b in range(r0, r0 + n4):
         simd.dot_int8_rows_i16(qf, b * G * gs, n4 * G * gs, xf, t * G * gs, sf, b * G, xsf, t * G, G, gs,
-                               outf, ooff + b, 4)
+                               outf, ooff + b, 4, gsk)
     for r in range(r0 + 4 * n4, r1):
         simd.dot_int8_rows_i16(qf, r * G * gs, G * gs, xf, t * G * gs, sf, r * G, xsf, t * G, G, gs,
-                               outf, ooff + r, 1)
+                               outf, ooff + r, 1, gsk)
 
 
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
-def matmul_int8_q16(x16, xs, q, s, out):
+def matmul_int8_q16(x16, xs, q, s, out, gsk):
     """x16 [T, G, gs], xs [T, G] from quantize_activations16; q [O, G, gs] int8;
     s [O, G] fp16 bits -> out [T, O] (simd.dot_int8_row_i16)."""
     T, G, gs = x16.shape
@@ -126,11 +126,11 @@ def matmul_int8_q16(x16, xs, q, s, out):
     block = decode_block(O, G * gs)
     for c in prange(-(-O // block)):
         for t in range(T):
-            rows_int8_q16(xf, xsf, t, qf, sf, c * block, min(O, (c + 1) * block), G, gs, outf, t * O)
+            rows_int8_q16(xf, xsf, t, qf, sf, c * block, min(O, (c + 1) * block), G, gs, outf, t * O, gsk)
 
 
 @_inline
-def rows_int8_q8(xqf, xaf, xsf, t, qf, sf, r0, r1, G, gs, outf, ooff):
+def rows_int8_q8(xqf, xaf, xsf, t, qf, sf, r0, r1, G, gs, outf, ooff, gsk):
     """outf[ooff + r] = row r of an int8 matrix . token t's int8 activations, r0 <= r < r1
     (flat arrays). Four rows per simd.dot_int8_rows call, a quarter of the range apart:
     four sequential streams, which the hardware prefetcher follows (four adjacent
@@ -138,16 +138,17 @@ def rows_int8_q8(xqf, xaf, xsf, t, qf, sf, r0, r1, G, gs, outf, ooff):
     n4 = (r1 - r0) // 4
     for b in range(r0, r0 + n4):
         simd.dot_int8_rows(qf, b * G * gs, n4 * G * gs, xqf, xaf, t * G * gs, sf, b * G, xsf, t * G, G, gs,
-                           outf, ooff + b, 4)
+                           outf, ooff + b, 4, gsk)
     for r in range(r0 + 4 * n4, r1):
         simd.dot_int8_rows(qf, r * G * gs, G * gs, xqf, xaf, t * G * gs, sf, r * G, xsf, t * G, G, gs,
-                           outf, ooff + r, 1)
+                           outf, ooff + r, 1, gsk)
 
 
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
-def matmul_int8_q8(xq, xa, xs, q, s, out):
+def matmul_int8_q8(xq, xa, xs, q, s, out, gsk):
     """xq, xa [T, G, gs], xs [T, G] from quantize_activations; q [O, G, gs] int8;
-    s [O, G] fp16 bits -> out [T, O]:  out[t, r] = sum_g s[r, g] xs[t, g] (q[r, g] . xq[t, g])."""
+    s [O, G] fp16 bits -> out [T, O]:  out[t, r] = sum_g s[r, g] xs[t, g] (q[r, g] . xq[t, g]).
+    gsk = simd.chunks(gs): the group size as a type (this kernel is compiled for it alone)."""
     T, G, gs = xq.shape
     O = q.shape[0]
     # flat views: simd.dot_int8_rows walks raw offsets (rows are contiguous)
@@ -156,11 +157,11 @@ def matmul_int8_q8(xq, xa, xs, q, s, out):
     block = decode_block(O, G * gs)                 # each thread takes whole blocks, in order
     for c in prange(-(-O // block)):
         for t in range(T):
-            rows_int8_q8(xqf, xaf, xsf, t, qf, sf, c * block, min(O, (c + 1) * block), G, gs, outf, t * O)
+            rows_int8_q8(xqf, xaf, xsf, t, qf, sf, c * block, min(O, (c + 1) * block), G, gs, outf, t * O, gsk)
 
 
 @_inline
-def rows_int4_q8(xqf, xsf, xsumf, t, qf, sf, mf, r0, r1, G, gs, outf, ooff):
+def rows_int4_q8(xqf, xsf, xsumf, t, qf, sf, mf, r0, r1, G, gs, outf, ooff, gsk):
     """outf[ooff + r] = row r of an int4 matrix . token t's int8 activations, r0 <= r < r1
     (flat arrays; xsumf [T G], mf [O G]): rows_int8_q8's order, with simd.dot_int4_rows,
     whose rows take gs / 2 bytes a group."""
@@ -168,14 +169,14 @@ def rows_int4_q8(xqf, xsf, xsumf, t, qf, sf, mf, r0, r1, G, gs, outf, ooff):
     row = G * gs // 2
     for b in range(r0, r0 + n4):
         simd.dot_int4_rows(qf, b * row, n4 * row, xqf, t * G * gs, sf, b * G, xsf, t * G, G, gs,
-                           outf, ooff + b, 4, mf, xsumf)
+                           outf, ooff + b, 4, mf, xsumf, gsk)
     for r in range(r0 + 4 * n4, r1):
         simd.dot_int4_rows(qf, r * row, row, xqf, t * G * gs, sf, r * G, xsf, t * G, G, gs,
-                           outf, ooff + r, 1, mf, xsumf)
+                           outf, ooff + r, 1, mf, xsumf, gsk)
 
 
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
-def matmul_int4_q8(xq, xs, xsum, q, s, m, out):
+def matmul_int4_q8(xq, xs, xsum, q, s, m, out, gsk):
     """xq [T, G, gs], xs, xsum [T, G] from quantize_activations; q [O, G/2, gs]
     uint8 (matmul_int4's layout); s, m [O, G] fp16 bits -> out [T, O]:
         out[t, r] = sum_g s[r, g] xs[t, g] (nibbles[r, g] . xq[t, g]) + m[r, g] xsum[t, g]"""
@@ -187,7 +188,8 @@ def matmul_int4_q8(xq, xs, xsum, q, s, m, out):
     block = decode_block(O, G * gs // 2)
     for c in prange(-(-O // block)):
         for t in range(T):
-            rows_int4_q8(xqf, xsf, xsumf, t, qf, sf, mf, c * block, min(O, (c + 1) * block), G, gs, outf, t * O)
+            rows_int4_q8(xqf, xsf, xsumf, t, qf, sf, mf, c * block, min(O, (c + 1) * block), G, gs, outf, t * O,
+                         gsk)
 
 
 # ---------------------------------------------------------------------------

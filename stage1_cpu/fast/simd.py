@@ -308,8 +308,8 @@ def dot_int8_row_i16(typingctx, q, qoff, x16, xoff, s, soff, xs, xsoff, n_groups
 #   converted to float once per group;
 # - each row has two float accumulators (even and odd groups), whose 8 lanes
 #   are added up once, at the end.
-# The group loop is emitted once per group size (32, 64, 128: 1, 2 or 4 chunks
-# unrolled) and once with a loop over the chunks, for any other multiple of 32.
+# The group loop is emitted for one group size, the last argument's (chunks(gs): for
+# 32, 64, 128, 1, 2 or 4 chunks unrolled; for any other multiple of 32, a loop over the chunks).
 # One core, weights in L2: about 1.5x dot_int8_row's weights per second (int8
 # activations), about 1.3x with int16 (docs/benchmarks.md).
 #
@@ -345,23 +345,19 @@ def _rows_apart(builder, row_stride, n_groups, gs):
     return builder.select(builder.icmp_unsigned("<", m, one), one, m)
 
 
-def _by_group_size(builder, gs, emit):
-    """emit(chunks per group) for gs = 32, 64, 128 (a Python int: unrolled), and
-    emit(an i64 value) for any other multiple of 32."""
-    cases = [(32, 1), (64, 2), (128, 4)]
+def chunks(gs: int) -> tuple:
+    """The rows kernels' last argument: the group size as a type, so that each compiles
+    the group loop of the model's group size only. gs = 32, 64, 128: a tuple of 1, 2 or
+    4 zeros, the chunks of a group, unrolled; any other multiple of 32: (), a loop over
+    the chunks. numba compiles one body per tuple length (the length is part of the
+    type): emitting every size at every call site made a cold start four times longer."""
+    return (0,) * (gs // 32) if gs in (32, 64, 128) else ()
 
-    def nest(k):
-        if k == len(cases):
-            emit(builder.lshr(gs, ir.Constant(I64, 5)))
-            return
-        size, chunks = cases[k]
-        with builder.if_else(builder.icmp_signed("==", gs, ir.Constant(I64, size))) as (then, otherwise):
-            with then:
-                emit(chunks)
-            with otherwise:
-                nest(k + 1)
 
-    nest(0)
+def _by_group_size(builder, gs, emit, unrolled):
+    """emit(chunks per group): a Python int when the kernel is compiled for one group
+    size (unrolled: chunks()'s tuple length), else an i64 value (any multiple of 32)."""
+    emit(unrolled if unrolled else builder.lshr(gs, ir.Constant(I64, 5)))
 
 
 def _fold_chunks(builder, chunks, start, init, step):
@@ -393,7 +389,7 @@ def _prefetch_rows(builder, qps, at, n_bytes):
             builder.call(prefetch, [address, ir.Constant(I32, 0), ir.Constant(I32, 1), ir.Constant(I32, 1)])
 
 
-def _emit_rows(builder, qps, sps, xsp, n_groups, gs, ahead, group_dots, mins=None):
+def _emit_rows(builder, qps, sps, xsp, n_groups, gs, ahead, group_dots, unrolled, mins=None):
     """The ROWS rows' dot products (float32 values; see the section comment).
     qps, sps: each row's weights and fp16 scales; xsp: the activation scales;
     ahead: how many bytes further on each row to prefetch (0: no prefetch; gs
@@ -449,7 +445,7 @@ def _emit_rows(builder, qps, sps, xsp, n_groups, gs, ahead, group_dots, mins=Non
                                                   builder.fmul(_half(builder, mp, g), xsum), ir.Constant(I32, 0))
                     builder.store(builder.fadd(builder.load(slot), term), slot)
 
-    _by_group_size(builder, gs, emit)
+    _by_group_size(builder, gs, emit, unrolled)
     total = _declare(builder, "llvm.vector.reduce.fadd.v8f32", F32, [F32, FLOATS8])
     return [builder.call(total, [ir.Constant(F32, 0.0), builder.fadd(builder.load(a), builder.load(b))],
                          fastmath=("reassoc",)) for a, b in zip(*acc)]
@@ -489,7 +485,7 @@ def _rows_setup(context, builder, signature, vals, qi, si, per_byte=1):
 
 @intrinsic
 def dot_int8_rows(typingctx, q, qoff, row_stride, xq, xa, xoff, s, soff, xs, xsoff, n_groups, gs, out, ooff,
-                  n_rows):
+                  n_rows, gs_chunks):
     """dot_int8_row for n_rows <= 4 rows at once (see the section comment): for i < n_rows,
 
         out[ooff + i m] = sum_g s[soff + i m n_groups + g] * xs[xsoff + g]
@@ -501,7 +497,7 @@ def dot_int8_rows(typingctx, q, qoff, row_stride, xq, xa, xoff, s, soff, xs, xso
     dot_int8_row, plus row_stride (elements of q between the call's rows), out
     (float32) and n_rows; rows i >= n_rows are neither read nor written. xa (|xq|)
     is read on AVX2 only (no q + 128 trick there: vpmaddubsw would saturate)."""
-    sig = types.void(q, qoff, row_stride, xq, xa, xoff, s, soff, xs, xsoff, n_groups, gs, out, ooff, n_rows)
+    sig = types.void(q, qoff, row_stride, xq, xa, xoff, s, soff, xs, xsoff, n_groups, gs, out, ooff, n_rows, gs_chunks)
 
     def codegen(context, builder, signature, args):
         vals = _as_int64(context, builder, signature, args)
@@ -522,7 +518,7 @@ def dot_int8_rows(typingctx, q, qoff, row_stride, xq, xa, xoff, s, soff, xs, xso
                               builder.call(psign, [_load32(builder, qp, at), _load32(builder, xp, at)]), d)
                     for qp, d in zip(qps, dots)])
 
-            store(_emit_rows(builder, qps, sps, xsp, n_groups_, gs_, ahead, group_dots))
+            store(_emit_rows(builder, qps, sps, xsp, n_groups_, gs_, ahead, group_dots, len(signature.args[-1])))
             return context.get_dummy_value()
 
         def group_dots(g, start, chunks):
@@ -533,7 +529,7 @@ def dot_int8_rows(typingctx, q, qoff, row_stride, xq, xa, xoff, s, soff, xs, xso
                 _vpdpbusd(builder, builder.xor(_load32(builder, qp, at), bias), _load32(builder, xp, at), d)
                 for qp, d in zip(qps, dots)])
 
-        store(_emit_rows(builder, qps, sps, xsp, n_groups_, gs_, ahead, group_dots))
+        store(_emit_rows(builder, qps, sps, xsp, n_groups_, gs_, ahead, group_dots, len(signature.args[-1])))
         return context.get_dummy_value()
 
     return sig, codegen
@@ -541,12 +537,12 @@ def dot_int8_rows(typingctx, q, qoff, row_stride, xq, xa, xoff, s, soff, xs, xso
 
 @intrinsic
 def dot_int8_rows_i16(typingctx, q, qoff, row_stride, x16, xoff, s, soff, xs, xsoff, n_groups, gs, out, ooff,
-                      n_rows):
+                      n_rows, gs_chunks):
     """dot_int8_row_i16 for n_rows <= 4 rows at once: dot_int8_rows (same rows,
     strides and outputs) with int16 activations x16, two vpdpwssd per row and
     chunk, the weights widened by vpmovsxbw. No overflow: a lane adds 4 products
     |q x16| <= 127 * 32767 per chunk, so gs up to 4096."""
-    sig = types.void(q, qoff, row_stride, x16, xoff, s, soff, xs, xsoff, n_groups, gs, out, ooff, n_rows)
+    sig = types.void(q, qoff, row_stride, x16, xoff, s, soff, xs, xsoff, n_groups, gs, out, ooff, n_rows, gs_chunks)
 
     def codegen(context, builder, signature, args):
         vals = _as_int64(context, builder, signature, args)
@@ -568,7 +564,7 @@ def dot_int8_rows_i16(typingctx, q, qoff, row_stride, x16, xoff, s, soff, xs, xs
         def group_dots(g, start, chunks):
             return _fold_chunks(builder, chunks, start, [ir.Constant(INTS8, None)] * ROWS, chunk)
 
-        store(_emit_rows(builder, qps, sps, xsp, n_groups_, gs_, ahead, group_dots))
+        store(_emit_rows(builder, qps, sps, xsp, n_groups_, gs_, ahead, group_dots, len(signature.args[-1])))
         return context.get_dummy_value()
 
     return sig, codegen
@@ -576,7 +572,7 @@ def dot_int8_rows_i16(typingctx, q, qoff, row_stride, x16, xoff, s, soff, xs, xs
 
 @intrinsic
 def dot_int4_rows(typingctx, q, qoff, row_stride, xq, xoff, s, soff, xs, xsoff, n_groups, gs, out, ooff, n_rows,
-                  m, xsum):
+                  m, xsum, gs_chunks):
     """The rows kernel of int4 weights and int8 activations: for i < n_rows,
 
         out[ooff + i k] = sum_g s[soff + i k G + g] * xs[xsoff + g] * (nibbles[i, g] . xq[xoff + g gs ..])
@@ -590,7 +586,8 @@ def dot_int4_rows(typingctx, q, qoff, row_stride, xq, xoff, s, soff, xs, xsoff, 
     (kernels.quantize_activations). A nibble (0..15) is unsigned, so vpdpbusd (or
     vpmaddubsw, whose pair sums 2 * 15 * 127 stay far from saturation) takes it
     against xq as it is: no sign trick, no correction."""
-    sig = types.void(q, qoff, row_stride, xq, xoff, s, soff, xs, xsoff, n_groups, gs, out, ooff, n_rows, m, xsum)
+    sig = types.void(q, qoff, row_stride, xq, xoff, s, soff, xs, xsoff, n_groups, gs, out, ooff, n_rows, m, xsum,
+                     gs_chunks)
 
     def codegen(context, builder, signature, args):
         vals = _as_int64(context, builder, signature, args)
@@ -616,7 +613,8 @@ def dot_int4_rows(typingctx, q, qoff, row_stride, xq, xoff, s, soff, xs, xsoff, 
 
             return _fold_chunks(builder, chunks, start, [zero] * ROWS, chunk)
 
-        store(_emit_rows(builder, qps, sps, xsp, vals[9], gs_, ahead, group_dots, mins=(like(14), xsump)))
+        store(_emit_rows(builder, qps, sps, xsp, vals[9], gs_, ahead, group_dots, len(signature.args[-1]),
+                             mins=(like(14), xsump)))
         return context.get_dummy_value()
 
     return sig, codegen

@@ -57,15 +57,16 @@ class FastWeight(Weight):
         x = self._pad(self._check(x))                                    # [T, Kp]
         out = np.empty((T, self.out_features), dtype=np.float32)
         x3 = x.reshape(T, -1, self.group_size)                           # [T, G, gs]
+        gsk = simd.chunks(self.group_size)                               # compiled for this group size
         if self.decode_act == "int16":
             x16, xs = fk.quantize_activations16(x3)                      # [T, G, gs], [T, G]
-            fk.matmul_int8_q16(x16, xs, self.data, self.scales, out)
+            fk.matmul_int8_q16(x16, xs, self.data, self.scales, out, gsk)
         else:
             xq, xa, xs, xsum = fk.quantize_activations(x3)               # [T, G, gs], [T, G]
             if self.fmt == "int8":
-                fk.matmul_int8_q8(xq, xa, xs, self.data, self.scales, out)
+                fk.matmul_int8_q8(xq, xa, xs, self.data, self.scales, out, gsk)
             else:
-                fk.matmul_int4_q8(xq, xs, xsum, self.data, self.scales, self.mins, out)
+                fk.matmul_int4_q8(xq, xs, xsum, self.data, self.scales, self.mins, out, gsk)
         return out
 
     def _matmul_bf16(self, x: np.ndarray) -> np.ndarray:
