@@ -1,4 +1,4 @@
-"""python -m bench lessons [--save FILE] [--layers N] [--throughput --workdir DIR]: the stage 2 -> 3 ladder, one row per rung.
+"""python -m bench lessons [--save FILE] [--layers N] [--throughput --workdir DIR]: the stage 2 -> 3 ladder.
 
 Each rung of docs/lessons/stage3/ (stage 2 plus the first k patches, built by
 docs/lessons/series.py as a package of its own) runs with device="cpu" on its numpy twins,
