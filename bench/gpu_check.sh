@@ -10,8 +10,8 @@
 #                            every GPU stage (2 and 3) against its numpy twin (QS_REQUIRE_GPU=1:
 #                            a skip is a failure, and so is a stage none of whose tests passed,
 #                            and a tensor-core prefill that falls back to the plain kernel)
-#   engine tests      50     tests/test_stage*_gpu.py -k engine: the engines on the GPU
-#                            against transformers' greedy tokens
+#   engine tests      30     tests/test_stage*_gpu.py -k engine: the engines on the GPU
+#                            against transformers' greedy tokens (20 s of its 50 went to lessons)
 #   benchmark        100     python -m bench.gpu: the newest stage on nano-vllm's full
 #                            workload first, then every stage and transformers on stated
 #                            subsets and at batch 1, the HBM roofline
@@ -23,10 +23,14 @@
 #                            full:stage3_optimized, so last). A step left without time says
 #                            "skipped: out of time" in its row (not a failure); its table is
 #                            appended to gpu_bench.md
-#   lessons           10     python -m bench lessons --layers 1: the stage 2 -> 3 lesson ladder
-#                            (docs/lessons/stage3), launches / bytes / FLOPs counted per rung on
-#                            the twins, appended to gpu_bench.md (its 10 s came from the stage3
-#                            bench's 45; informational: a timeout is reported, not a failure)
+#   lessons           30     python -m bench lessons --layers 1 --throughput: the stage 2 -> 3
+#                            lesson ladder (docs/lessons/stage3), launches / bytes / FLOPs counted
+#                            per rung on the twins, then output tok/s per rung on the GPU on a
+#                            reduced nano-vllm workload (32 sequences, lengths 32..128, EOS
+#                            ignored; 4 s per rung, a rung left without time "skipped: out of
+#                            time"), appended to gpu_bench.md (10 s came from the stage3 bench's
+#                            45, 20 s from the engine tests' 50; informational: a timeout is
+#                            reported, not a failure)
 #   sanitizer         25     compute-sanitizer, probed first (10 s; some runtimes refuse
 #                            the device): memcheck on the tests marked `sanitize` (every
 #                            kernel of each stage once, small shapes, CuPy's memory pool off),
@@ -71,10 +75,10 @@ done
 TOTAL=300
 CAP_PROBE=${QS_CAP_PROBE:-15}
 CAP_KERNELS=${QS_CAP_KERNELS:-55}
-CAP_ENGINE=${QS_CAP_ENGINE:-50}
+CAP_ENGINE=${QS_CAP_ENGINE:-30}
 CAP_BENCH=${QS_CAP_BENCH:-100}
 CAP_BENCH3=${QS_CAP_BENCH3:-35}
-CAP_LESSONS=${QS_CAP_LESSONS:-10}
+CAP_LESSONS=${QS_CAP_LESSONS:-30}
 CAP_SANITIZE=${QS_CAP_SANITIZE:-25}
 CAP_PACK=${QS_CAP_PACK:-5}
 SUM=$((CAP_PROBE + CAP_KERNELS + CAP_ENGINE + CAP_BENCH + CAP_BENCH3 + CAP_LESSONS + CAP_SANITIZE + CAP_PACK))
@@ -332,15 +336,18 @@ row "stage3_bench" "$CAP_BENCH3" "$(elapsed)" "$result"
 say "stage-3 benchmark: $result"
 pack
 
-# ---- 4c. the lesson ladder, counted on the twins (bench/lessons.py) ----------------------
+# ---- 4c. the lesson ladder: counted on the twins, then tok/s per rung (bench/lessons.py) ----
+# (--throughput uses the GPU when CuPy sees one, bench.gpu's model in $WORK/bench; the dry run:
+# the numpy twins, bench.gpu's tiny model, 3 sequences)
 T=$(cap "$CAP_LESSONS")
 say "lesson ladder (at most $T s) ..."
 timeout -k 2 "$((T - 1))" "$PY" -m bench lessons --layers 1 --save "$WORK/bench/lessons.json" \
+    --throughput --workdir "$WORK/bench" --rung-cap-s "$(cap 4)" --deadline-s "$((T - 3))" \
     > "$LOGS/lessons.log" 2>&1
 RC=$?
 case "$RC" in
     0) result="ok"
-       { echo; echo "### Lesson ladder (python -m bench lessons --layers 1, counted on the twins)"; echo
+       { echo; echo "### Lesson ladder (python -m bench lessons --layers 1 --throughput: counted on the twins, tok/s measured)"; echo
          grep '^|' "$LOGS/lessons.log"; } >> "$OUT/gpu_bench.md" ;;
     124|137) result="timed out after $T s (informational, not a failure)" ;;
     *) result="**failed** (exit $RC; see lessons.log)"; FAILED=1 ;;

@@ -345,6 +345,29 @@ def test_bench_lessons_counts_18_launches_per_stage2_layer_then_9_then_10(tmp_pa
     assert rows[-1]["predicted_decode_step_us"] < r0["predicted_decode_step_us"]
 
 
+def test_bench_lessons_throughput_runs_every_rung_to_the_requested_tokens_on_cpu(packages, tmp_path):
+    """--throughput without a GPU (bench/gpu_check.sh's dry run): bench.gpu's tiny model and
+    workload on each rung's numpy twins; every rung produces every requested token (EOS ignored)
+    at a positive rate, and a rung left without its cap is skipped, not run."""
+    import argparse
+    import time
+    from bench import gpu, lessons
+    pkgs = ["stage2_batched"] + [p.__name__ for p in packages.values()] + ["stage3_optimized"]
+    assert len(pkgs) == len(series.patches()) + 1
+    args = argparse.Namespace(workdir=str(tmp_path), model_folder=None, seqs=3, min_len=4, max_len=12,
+                              rung_cap_s=30.0, deadline_s=600.0)
+    requested = sum(gpu.workload(3, min_len=4, max_len=12)[1])
+    rows = lessons.throughput_all(pkgs, args, time.perf_counter())
+    assert (tmp_path / "tiny-random" / "config.json").is_file()      # bench.gpu's setup wrote the model
+    for pkg, r in zip(pkgs, rows):
+        assert r["status"] == "ok" and r["device"] == "cpu", (pkg, r)
+        assert r["output_tokens"] == r["expected_tokens"] == r["requested_tokens"] == requested > 0, (pkg, r)
+        assert r["tok_s"] > 0 and r["preemptions"] == 0, (pkg, r)
+    late = lessons.throughput_all(pkgs[:2], argparse.Namespace(**dict(vars(args), deadline_s=10.0)),
+                                  time.perf_counter() - 10)
+    assert [r["status"] for r in late] == ["skipped: out of time"] * 2
+
+
 def test_figures_draw_from_small_saved_results(tmp_path):
     """Every figure from saved JSON (the committed docs/figures/*.json, and a two-row ladder),
     without comparing pixels: the files exist, are SVG and carry their command as caption."""
