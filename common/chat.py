@@ -65,7 +65,7 @@ class TurnStats:
     generated_tokens: int        # tokens the engine produced (the end-of-turn token included)
     ttft: float                  # seconds from add_request to the first token: the prefill
     decode_time: float           # seconds from the first token to the last
-    finish_reason: str           # "stop" | "length" | "abort"
+    finish_reason: str           # "stop" | "length" | "abort" | "error"
 
     def line(self) -> str:
         """One line for after the answer: sizes, then prefill and decode speed."""
@@ -79,8 +79,9 @@ class TurnStats:
             # the first token came out of the prefill step; decode made the other n-1
             parts.append(f"decode {(self.generated_tokens - 1) / max(self.decode_time, 1e-9):.1f} tok/s")
         if self.finish_reason != "stop":
-            parts.append({"abort": "stopped", "length": "cut at the token limit"}.get(self.finish_reason,
-                                                                                      self.finish_reason))
+            reasons = {"abort": "stopped", "length": "cut at the token limit",
+                       "error": "ended by an engine error (its logits were not finite)"}
+            parts.append(reasons.get(self.finish_reason, self.finish_reason))
         return " · ".join(parts)
 
 
