@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common.gguf_write import _byte_level_alphabet  # noqa: F401  (bench/moe.py imports it from here)
 from bench.common import (BandwidthProbe, NeighbourMeter, check_load, cpu_flags, emit_result, fmt_num,
                           load_1min, machine_description, markdown_table, measure_bandwidth, median, run_worker)
 
@@ -139,19 +140,6 @@ def gguf_name(hf_name: str) -> str:
         _, layer, rest = rest.split(".", 2)
         return f"blk.{layer}.{GGUF_NAMES[rest]}"
     return GGUF_NAMES[rest]
-
-
-def _byte_level_alphabet() -> list[str]:
-    """GPT-2's 256 printable stand-ins for the bytes 0..255 (byte-level BPE)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]
 
 
 def write_gguf(hf_folder: Path, shape: Shape, qtype_name: str, path: Path) -> None:
