@@ -130,11 +130,13 @@ class LLMEngine:
         prompt = req.prompt_ids
         # reuse the longest common prefix of the cache; at least one token must be fed
         # to get logits, so a prompt entirely in the cache re-feeds its last token
+        # exercise 1.5 begin
         n = 0
         limit = min(len(self.cached_ids), len(prompt) - 1)
         while n < limit and self.cached_ids[n] == prompt[n]:
             n += 1
         self.cached_ids = self.cached_ids[:n]
+        # exercise 1.5 end
         self.running = _Running(req, Sampler(req.params), fed=n)
         self.last_prefill_tokens, self.last_prefill_s = len(prompt) - n, 0.0
         self.last_decode_tokens, self.last_decode_s = 0, 0.0

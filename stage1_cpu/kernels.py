@@ -132,6 +132,7 @@ def silu_mul(gate_up: np.ndarray) -> np.ndarray:
 @_inline
 def route_row(logits, t, k, norm, top, weight):
     """ops.route for token t: logits [T, E] -> top [T, k] int64, weight [T, k] f32."""
+    # exercise 1.6 begin
     E = logits.shape[1]
     mx = logits[t, 0]
     for e in range(1, E):
@@ -154,6 +155,7 @@ def route_row(logits, t, k, norm, top, weight):
     if norm:
         for j in range(k):
             weight[t, j] = weight[t, j] / kept
+    # exercise 1.6 end
 
 
 @_serial
@@ -219,12 +221,14 @@ def gated_add(out: np.ndarray, y: np.ndarray, gate: np.ndarray) -> np.ndarray:
 @_inline
 def rope_head(x, cos, sin, out, t, h):
     """Head h of token t (out may be x: each pair is read before it is written)."""
+    # exercise 1.2 begin
     half = x.shape[2] // 2
     for i in range(half):
         x1 = x[t, h, i]
         x2 = x[t, h, half + i]
         out[t, h, i] = x1 * cos[t, i] - x2 * sin[t, i]
         out[t, h, half + i] = x2 * cos[t, i] + x1 * sin[t, i]
+    # exercise 1.2 end
 
 
 @_inline
@@ -254,6 +258,7 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 @_inline
 def attention_item(q, k_cache, v_cache, start_pos, out, item):
     """One (KV head, query) pair: all `group` query heads of KV head kvh for query t."""
+    # exercise 1.4 begin
     T, H, D = q.shape
     Hkv = k_cache.shape[0]
     group = H // Hkv  # GQA: query heads kvh*group .. kvh*group+group-1 share KV head kvh
@@ -271,6 +276,7 @@ def attention_item(q, k_cache, v_cache, start_pos, out, item):
                 d += q[t, h0 + g, i] * k_cache[kvh, j, i]
             scores[g, j] = d * scale
     # softmax numerators exp(s - max), max subtracted for stability
+    # exercise 1.3 begin
     ssum = np.empty(group, dtype=np.float32)
     for g in range(group):
         mx = scores[g, 0]
@@ -282,6 +288,7 @@ def attention_item(q, k_cache, v_cache, start_pos, out, item):
             scores[g, j] = e
             a += e
         ssum[g] = a
+    # exercise 1.3 end
     # out = sum_j p_j * v_j / sum_j p_j, accumulated along D (vectorises over D)
     acc = np.zeros((group, D), dtype=np.float32)  # [group, D]
     for j in range(n):
@@ -292,6 +299,7 @@ def attention_item(q, k_cache, v_cache, start_pos, out, item):
     for g in range(group):
         for i in range(D):
             out[t, h0 + g, i] = acc[g, i] / ssum[g]
+    # exercise 1.4 end
 
 
 # one work item per (KV head, query): the item serves all `group` query heads

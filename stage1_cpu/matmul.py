@@ -177,12 +177,14 @@ def row_int8(x3, t, q, s, r):
     """x3[t] . row r of (q, s): x3 [T, G, gs] f32, q [O, G, gs] int8, s [O, G] fp16 bits."""
     G, gs = x3.shape[1], x3.shape[2]
     acc = np.float32(0.0)
+    # exercise 1.9 begin
     for g in range(G):
         # integer weights times fp32 activations, scaled once per group
         part = np.float32(0.0)
         for j in range(gs):
             part += np.float32(q[r, g, j]) * x3[t, g, j]
         acc += part * f16_to_f32(s[r, g])
+    # exercise 1.9 end
     return acc
 
 
@@ -214,6 +216,7 @@ def row_int4(x4, xsum, t, q, s, m, r):
     """x4[t] . row r of (q, s, m), matmul_int4's layout; xsum from group_sums."""
     P, gs = x4.shape[1], x4.shape[3]
     acc = np.float32(0.0)
+    # exercise 1.11 begin
     for p in range(P):
         lo_part = np.float32(0.0)
         hi_part = np.float32(0.0)
@@ -226,6 +229,7 @@ def row_int4(x4, xsum, t, q, s, m, r):
             hi_part += hi * x4[t, p, 1, j]
         acc += (lo_part * f16_to_f32(s[r, 2 * p]) + f16_to_f32(m[r, 2 * p]) * xsum[t, p, 0]
                 + hi_part * f16_to_f32(s[r, 2 * p + 1]) + f16_to_f32(m[r, 2 * p + 1]) * xsum[t, p, 1])
+    # exercise 1.11 end
     return acc
 
 

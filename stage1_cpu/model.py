@@ -117,6 +117,7 @@ class Model:
         by rows (n = out / E each); x [T, in] (every slot of a token reads its row) or
         [T k, in] (slot j of token t reads row t k + j); top [T, k] -> [T k, n].
         Tokens are grouped by expert, so each chosen expert's rows are read once per step."""
+        # exercise 1.7 begin
         T, k = top.shape
         n = w.out_features // self.config.num_experts
         per_slot = x.shape[0] == T * k
@@ -126,3 +127,4 @@ class Model:
             slots = np.nonzero(flat == e)[0]                   # the slots routed to e
             out[slots] = w.part(e * n, (e + 1) * n).matmul(x[slots if per_slot else slots // k])
         return out
+        # exercise 1.7 end

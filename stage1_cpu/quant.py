@@ -264,16 +264,19 @@ def quantize(w: np.ndarray, fmt: str, group_size: int = 32) -> Weight:
 def _quantize_int8(g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """g [R, G, gs] f32 -> q [R, G, gs] int8, scales [R, G] fp16. Symmetric:
     the largest |w| of a group maps to 127."""
+    # exercise 1.8 begin
     s = _to_f16(np.abs(g).max(axis=-1) / 127.0)                          # [R, G]
     sf = s.astype(np.float32)[:, :, None]                                # quantize with the stored (fp16) scale
     inv = np.divide(1.0, sf, out=np.zeros_like(sf), where=sf > 0)       # all-zero group: q = 0
     q = np.clip(np.rint(g * inv), -127, 127).astype(np.int8)
     return q, s
+    # exercise 1.8 end
 
 
 def _quantize_int4(g: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """g [R, G, gs] f32 (G even) -> packed [R, G/2, gs] uint8, scales and mins
     [R, G] fp16. [min, max] of each group maps onto the 16 levels 0..15."""
+    # exercise 1.10 begin
     lo = g.min(axis=-1)
     hi = g.max(axis=-1)
     s = _to_f16((hi - lo) / 15.0)                                       # [R, G]
@@ -285,6 +288,7 @@ def _quantize_int4(g: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     #                                        | weight j of group 2p+1 (high nibble)
     packed = q[:, 0::2] | (q[:, 1::2] << 4)                             # [R, G/2, gs]
     return packed, s, m
+    # exercise 1.10 end
 
 
 def _padded(K: int, fmt: str, gs: int) -> int:
