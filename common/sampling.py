@@ -105,6 +105,7 @@ def apply_penalties(logits: np.ndarray, params: SamplingParams,
                     prompt_ids: list[int], output_ids: list[int]) -> np.ndarray:
     """logits [V] -> a penalised copy [V] (float32)."""
     logits = np.array(logits, dtype=np.float32, copy=True)
+    # exercise 1.12 begin
     if params.repetition_penalty != 1.0:
         seen = np.unique(np.asarray(list(prompt_ids) + list(output_ids), dtype=np.int64))
         if seen.size:
@@ -113,12 +114,14 @@ def apply_penalties(logits: np.ndarray, params: SamplingParams,
     if output_ids and (params.presence_penalty or params.frequency_penalty):
         ids, counts = np.unique(np.asarray(output_ids, dtype=np.int64), return_counts=True)
         logits[ids] -= params.presence_penalty + params.frequency_penalty * counts.astype(np.float32)
+    # exercise 1.12 end
     return logits
 
 
 def filter_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """Temperature, then top-k / top-p / min-p: excluded tokens become -inf.  [V] -> [V]"""
     logits = logits.astype(np.float32) / np.float32(params.temperature)
+    # exercise 1.13 begin
     V = logits.shape[0]
     if 0 < params.top_k < V:
         kth = np.partition(logits, V - params.top_k)[V - params.top_k]   # k-th largest value
@@ -137,6 +140,7 @@ def filter_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
             probs[drop] = 0.0
         if params.min_p > 0.0:
             logits[probs < params.min_p * probs.max()] = -np.inf
+    # exercise 1.13 end
     return logits
 
 

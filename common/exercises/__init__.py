@@ -10,7 +10,7 @@ The framework (markers, workspaces, check helpers) is in base.py.
 """
 from __future__ import annotations
 
-from .base import CheckFailed, Exercise, Outcome, Workspace, run_check  # noqa: F401
+from .base import CheckFailed, Exercise, Outcome, Workspace, run_check  # noqa: F401 (the package's API)
 from .stage1 import EXERCISES as _STAGE1
 from .stage2 import EXERCISES as _STAGE2
 from .stage3 import EXERCISES as _STAGE3
