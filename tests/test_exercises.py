@@ -175,3 +175,13 @@ def test_a_workspace_module_shadows_only_its_own_files(tmp_path):
     a.close()
     b.close()
     assert not [n for n in sys.modules if n.startswith((a.prefix + ".", b.prefix + "."))]
+
+
+def test_docs_exercises_md_describes_every_exercise_in_course_order():
+    text = (ROOT / "docs/exercises.md").read_text()
+    headings = re.findall(r"^### (\d+\.\d+) ", text, flags=re.M)
+    assert headings == IDS, "docs/exercises.md needs one '### ID title' section per exercise, in course order"
+    for e in EXERCISES:
+        sec = text.split(f"### {e.id} ", 1)[1].split("\n### ", 1)[0]
+        for part in ("**Read first:**", "**Shapes:**", "**Hint:**", "**The check:**"):
+            assert part in sec, f"docs/exercises.md, {e.id}: no {part}"
