@@ -185,3 +185,22 @@ def test_docs_exercises_md_describes_every_exercise_in_course_order():
         sec = text.split(f"### {e.id} ", 1)[1].split("\n### ", 1)[0]
         for part in ("**Read first:**", "**Shapes:**", "**Hint:**", "**The check:**"):
             assert part in sec, f"docs/exercises.md, {e.id}: no {part}"
+
+
+@pytest.mark.parametrize("trouble", ["skip", "missing package", "missing file"])
+def test_a_check_that_skips_or_misses_something_is_a_failure_that_says_so(trouble, tmp_path):
+    def check(ws):
+        if trouble == "skip":
+            pytest.skip("no GPU")
+        if trouble == "missing package":
+            import qs_no_such_package  # noqa: F401
+        ws.module("stage1_cpu/not_there.py")
+    ex = base.Exercise("1.99", "a check in trouble", "docs/stage1.md#reading-order", "easy", "common/sampling.py",
+                       check=check)
+    ws = base.Workspace(tmp_path)
+    (tmp_path / "common").mkdir()
+    (tmp_path / "common/sampling.py").write_text((ROOT / "common/sampling.py").read_text())
+    out = base.run_check(ex, ws)
+    assert not out.passed
+    words = {"skip": "skipped", "missing package": "pip install", "missing file": "not_there.py is missing"}
+    assert words[trouble] in out.message, out.message
