@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from pathlib import Path
 
 from . import EXERCISES, get
@@ -63,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
               f"`python -m common.exercises start {ex.id} ...`?", file=sys.stderr)
         return 2
     print(f"checking exercise {ex.id} ({ex.title}) in {args.dir} ...", flush=True)
+    # numba's performance notes (a stub's prange loop that cannot run in parallel) are not
+    # about correctness, which is all a check decides
+    warnings.filterwarnings("ignore", module=r"numba\.")
     out = run_check(ex, Workspace(args.dir))
     if out.passed:
         print(f"pass ({out.seconds:.1f} s)")
