@@ -16,6 +16,8 @@ from common.exercises import EXERCISES, get
 from common.exercises import base
 
 ROOT = Path(__file__).resolve().parent.parent
+# a stub's prange loop cannot run in parallel, and numba says so: not what these tests are about
+pytestmark = pytest.mark.filterwarnings("ignore::numba.core.errors.NumbaPerformanceWarning")
 IDS = [e.id for e in EXERCISES]
 
 
