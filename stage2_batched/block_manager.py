@@ -41,6 +41,7 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Grow seq's block table to cover positions 0..num_tokens-1 (on demand: a decode
         step needs a new page only every P tokens)."""
+        # exercise 2.2 begin
         need = self.pages_for(num_tokens) - len(seq.block_table)
         if need > len(self.free):
             raise RuntimeError(f"out of KV pages: {seq.id} needs {need}, {len(self.free)} free "
@@ -50,10 +51,13 @@ class BlockManager:
             assert page not in self.owner, f"page {page} is already owned by {self.owner[page]}"
             self.owner[page] = seq.id
             seq.block_table.append(page)
+        # exercise 2.2 end
 
     def free_pages(self, seq: Sequence) -> None:
         """Return every page of seq to the free list (finish, abort, preempt)."""
+        # exercise 2.3 begin
         for page in seq.block_table:
             assert self.owner.pop(page) == seq.id, f"page {page} was not owned by {seq.id}"
             self.free.append(page)
         seq.block_table = []
+        # exercise 2.3 end

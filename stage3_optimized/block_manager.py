@@ -90,6 +90,7 @@ class BlockManager:
         and their keys. Leaves at least one token of seq to compute. Changes nothing."""
         if not self.enable_prefix_caching:
             return [], []
+        # exercise 3.1 begin
         P, ids = self.page_size, seq.token_ids
         pages, keys, parent = [], [], None
         for i in range((len(ids) - 1) // P):              # never the page of the last token
@@ -104,6 +105,7 @@ class BlockManager:
             pages.append(page)
             keys.append(key)
             parent = key
+        # exercise 3.1 end
         return pages, keys
 
     def can_admit(self, seq: Sequence, cached: list[int], num_tokens: int) -> bool:
@@ -172,6 +174,7 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Grow seq's block table to cover positions 0..num_tokens-1 (on demand: a decode
         step needs a new page only every P tokens)."""
+        # exercise 2.2 begin
         need = self.pages_for(num_tokens) - len(seq.block_table)
         if need > self.num_free_pages():
             raise RuntimeError(f"out of KV pages: {seq.id} needs {need}, {self.num_free_pages()} free "
@@ -181,11 +184,13 @@ class BlockManager:
             assert self.ref_count[page] == 0, f"page {page} is already held"
             self.ref_count[page] = 1
             seq.block_table.append(page)
+        # exercise 2.2 end
 
     def free_pages(self, seq: Sequence) -> None:
         """Drop seq's hold on its pages (finish, abort, preempt). A page nobody holds goes
         to the LRU if it is registered (its contents stay a hit), else to the free list.
         Deepest page first, so that eviction eats a prefix from its tail."""
+        # exercise 2.3 begin
         for page in reversed(seq.block_table):
             assert self.ref_count[page] > 0, f"page {page} was not held by {seq.id}"
             self.ref_count[page] -= 1
@@ -196,3 +201,4 @@ class BlockManager:
                     self.free.append(page)
         seq.block_table = []
         seq.page_keys = []
+        # exercise 2.3 end

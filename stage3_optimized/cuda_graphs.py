@@ -76,6 +76,7 @@ def pad_decode_batch(tokens: np.ndarray, batch: BatchInfo, size: int,
       logits_rows = 0..size-1 (every row gets logits; the caller keeps the first b);
       max_context = max_context (the model's max_ctx: the decode grid of the graph).
     tokens [b] int32 -> [size] int32."""
+    # exercise 3.5 begin
     b = len(tokens)
     assert batch.num_decode == b == batch.block_tables.shape[0], "only decode-only batches are captured"
     assert b <= size and batch.block_tables.shape[1] <= max_blocks
@@ -101,6 +102,7 @@ def pad_decode_batch(tokens: np.ndarray, batch: BatchInfo, size: int,
         max_context=max_context,
     )
     return pad(tokens, 0), padded
+    # exercise 3.5 end
 
 
 # the static inputs, in the order they sit in StaticInputs' one buffer: name -> ints per row

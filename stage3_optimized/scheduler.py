@@ -97,6 +97,7 @@ class Scheduler:
         budget = self.token_budget
 
         # 1. running sequences, oldest first: a decode token, or the next chunk of the prompt
+        # exercise 2.4 begin
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:   # preempted earlier in this loop
                 break                              # (only newer ones are preempted, so all after it are too)
@@ -116,6 +117,7 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_tokens.append(n)
             budget -= n
+        # exercise 2.4 end
 
         # 2. admit waiting sequences in arrival order while slots, budget and pages last.
         # Not in a step that had to preempt: pages are short, re-admitting would thrash.

@@ -52,6 +52,10 @@ def test_every_marker_in_the_code_belongs_to_a_listed_exercise():
                 for m in re.finditer(r"^\s*(#|//) exercise (\d+\.\d+) (begin|end)$", p.read_text(), flags=re.M):
                     found.add((m.group(2), str(p.relative_to(ROOT))))
     listed = {(e.id, e.file) for e in EXERCISES}
+    # a stage-2 region in code that stage 3 keeps has its markers in stage 3's file too, so that
+    # the lesson series (docs/lessons) carries them instead of showing them removed
+    found -= {(i, f.replace("stage2_batched/", "stage3_optimized/", 1)) for i, f in listed
+              if f.startswith("stage2_batched/")}
     assert found == listed, f"markers without an exercise: {found - listed}; exercises without markers: {listed - found}"
 
 
@@ -99,6 +103,22 @@ WRONG = [
     ("1.13", "keep_sorted = (cum - probs[order]) < params.top_p", "keep_sorted = cum < params.top_p", "top_p"),
     ("1.13", "logits[probs < params.min_p * probs.max()] = -np.inf", "logits[probs < params.min_p] = -np.inf",
      "min_p"),
+    # stages 2 and 3
+    ("2.1", "    if (slot < 0) return;                      // a padding token owns no slot\n", "", "slot -1"),
+    ("2.2", "seq.block_table.append(page)", "seq.block_table.insert(0, page)", "stay first"),
+    ("2.3", "        seq.block_table = []", "", "block table"),
+    ("2.4", "victim = self.running[-1]", "victim = self.running[0]", "preempted"),        # the oldest
+    ("2.4", "n = min(seq.num_uncomputed, budget)", "n = seq.num_uncomputed", "budget"),
+    ("2.5", "const int g = h / (H / Hkv);", "const int g = h % Hkv;", "head 1"),          # wrong GQA mapping
+    ("3.1", "self._key(parent, chunk)", "self._key(None, chunk)", "parent"),             # an unchained key
+    ("3.1", "key.ids != chunk or key.parent is not parent", "key.parent is not parent", "same P ids"),
+    ("3.1", "key.ids != chunk or key.parent is not parent", "key.ids != chunk", "parent"),
+    ("3.2", "l_all += ml[2 * j + 1] * expf(ml[2 * j] - m_all);", "l_all += ml[2 * j + 1];", "exp(m_j - M)"),
+    ("3.3", "(row < count && t <= my_pos)", "(row < count)", "mask"),                    # no causal mask
+    ("3.3", "o[kk][j] = o[kk][j] * correction + slice[j];", "o[kk][j] = o[kk][j] + slice[j];", "rescale"),
+    ("3.4", "(has_residual ? residual[base + c] : 0.0f)", "residual[base + c]", "has_residual"),
+    ("3.5", "slot_mapping=pad(batch.slot_mapping, -1)", "slot_mapping=pad(batch.slot_mapping, 0)", "slot -1"),
+    ("3.5", "return pad(tokens, 0), padded", "return tokens, padded", "tokens"),         # the unpadded size
 ]
 
 

@@ -39,6 +39,7 @@ extern "C" __global__ void paged_decode_attention(const float* __restrict__ q,  
                                                   float* __restrict__ out,              // [S, H, D]
                                                   int H, int Hkv, int D, int P, int max_blocks, float scale)
 {
+    // exercise 2.5 begin
     const int s = blockIdx.x, h = blockIdx.y;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = h / (H / Hkv);                         // the kv head this query head reads
@@ -104,4 +105,5 @@ extern "C" __global__ void paged_decode_attention(const float* __restrict__ q,  
         for (int w = 0; w < WARPS; w++) sum += sm_acc[w][d] * factor[w];
         o[d] = sum / l_all;
     }
+    // exercise 2.5 end
 }

@@ -160,6 +160,7 @@ extern "C" __global__ void merge_attention(const float* __restrict__ part_out,  
                                            unsigned short* __restrict__ out,     // [S, H, D] bf16
                                            int H, int D, int split_len, int splits)
 {
+    // exercise 3.2 begin
     const int sh = blockIdx.x, s = sh / H, lane = threadIdx.x;
     const int used = (context_lens[s] + split_len - 1) / split_len;   // splits that saw positions
     const float* ml = part_ml + (size_t)sh * splits * 2;
@@ -172,4 +173,5 @@ extern "C" __global__ void merge_attention(const float* __restrict__ part_out,  
         for (int j = 0; j < used; j++) sum += part_out[((size_t)sh * splits + j) * D + d] * expf(ml[2 * j] - m_all);
         out[(size_t)sh * D + d] = f32_to_bf16(sum / l_all);
     }
+    // exercise 3.2 end
 }

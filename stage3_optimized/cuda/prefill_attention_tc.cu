@@ -195,6 +195,7 @@ extern "C" __global__ void prefill_attention_tc(const unsigned short* __restrict
         __syncthreads();
         if (!active) continue;
 
+        // exercise 3.3 begin
         // S = Q K^T on tensor cores: K's row-major tile read as a col-major B is K^T
         FragC s_frag;
         fill_zero(s_frag);
@@ -261,6 +262,7 @@ extern "C" __global__ void prefill_attention_tc(const unsigned short* __restrict
             for (int j = 0; j < 8; j++) o[kk][j] = o[kk][j] * correction + slice[j];
             __syncwarp();
         }
+        // exercise 3.3 end
     }
 
     if (!active || row >= count) return;
