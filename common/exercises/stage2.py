@@ -67,8 +67,11 @@ def build(ws: Workspace, rel: str, prefix: str = "") -> dict:
         raise CheckFailed(f"{src} is missing: make the workspace with `python -m common.exercises start`")
     # a new folder per build: a library loaded once stays loaded under its path (dlopen), so a
     # second build of an edited file in one process must not reuse the first one's path
-    (ws.root / ".emulator-build").mkdir(exist_ok=True)
-    build_dir = Path(tempfile.mkdtemp(dir=ws.root / ".emulator-build"))
+    builds = ws.root / ".emulator-build"
+    builds.mkdir(exist_ok=True)
+    for old in builds.iterdir():                       # earlier checks' builds (loaded ones stay mapped)
+        shutil.rmtree(old, ignore_errors=True)
+    build_dir = Path(tempfile.mkdtemp(dir=builds))
     if prefix:
         shimmed = build_dir / "shimmed" / src.name
         shimmed.parent.mkdir(exist_ok=True)
