@@ -70,26 +70,6 @@ class Weights:
     def kernels(self) -> str:
         return "fast" if self.fast else "plain"
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of every matrix: attention, MLPs, all experts, routers, shared-expert gates and
-        the lm_head (the embedding counted once, as the lm_head when tied; norms and biases left out)."""
-        return self._matrix_bytes(routed_share=1.0)
-
-    @property
-    def decode_nbytes(self) -> int:
-        """Bytes of weights one decode token reads (the roofline's numerator): nbytes with each
-        MoE layer's routed experts counted for the k of E a token goes to."""
-        cfg = self.config
-        return self._matrix_bytes(cfg.num_experts_per_tok / cfg.num_experts if cfg.num_experts else 1.0)
-
-    def _matrix_bytes(self, routed_share: float) -> int:
-        names = ("wqkv", "wo", "w_gate_up", "w_down", "router", "shared_gate")
-        mats = [self.lm_head] + [getattr(l, n) for l in self.layers for n in names]
-        mats += [m for l in self.layers if l.shared_expert for m in (l.shared_expert.e_gate_up, l.shared_expert.e_down)]
-        routed = sum(l.experts_gate_up.nbytes + l.experts_down.nbytes for l in self.layers if l.experts)
-        return sum(w.nbytes for w in mats if w is not None) + round(routed * routed_share)
-
 
 KERNELS = ("auto", "plain", "fast")
 
