@@ -31,7 +31,6 @@ _inline = njit(inline="always", fastmath=FAST, error_model="numpy")
 # ---------------------------------------------------------------------------
 # Bit casts. numba has no float16 or bfloat16 type, so weights and scales are
 # stored as uint16 bit patterns and turned into float32 with one instruction.
-# ---------------------------------------------------------------------------
 
 
 @intrinsic
@@ -85,7 +84,6 @@ def f16_to_f32(h):
 # 10-20 G weights/s of int8 / int4. With a few cores per memory channel, bf16 and
 # int8 are then memory-bound and int4 (0.56 byte/weight) compute-bound
 # (docs/benchmarks.md has the figures).
-# ---------------------------------------------------------------------------
 
 
 @_inline
@@ -223,7 +221,6 @@ def matmul_int4(x4, q, s, m, out):
 # Serial on purpose: in prefill the BLAS call that follows uses both cores, and
 # OpenBLAS's worker keeps spinning between calls; numba threads started now
 # would fight it for the cores.
-# ---------------------------------------------------------------------------
 
 
 @njit(cache=True, fastmath=FAST, error_model="numpy")

@@ -11,10 +11,8 @@ region costs tens of microseconds to start under OMP_WAIT_POLICY=PASSIVE, that i
 of 7 starts per layer saved; fast/decode_step.py, which starts them once per token,
 still reads the input once instead of three times.
 
-This is also the one place that chooses the kernels (--kernels, choose_kernels):
-plain is the core alone; fast imports stage1_cpu.fast (here, and only here), whose
-FastPath stores each matrix as a FastWeight (its activations rounded where the CPU
-has an instruction for it) and gives the model its one-region decode step.
+This is also the one place that chooses the kernels (choose_kernels, --kernels): the
+core alone, or stage1_cpu.fast's FastPath, imported here and only here.
 """
 from __future__ import annotations
 
