@@ -261,10 +261,10 @@ class Stage1Runner:
         kernels.set_threads(n)                 # numba's thread count is process-wide
 
     def weight_bytes(self) -> int:
-        """What one decode token reads: decode_nbytes (for MoE only the routed experts' share;
-        nbytes, all of it, for a dense model)."""
-        w = self.engine.weights
-        return int(getattr(w, "decode_nbytes", w.nbytes))
+        """What one decode token reads (for MoE only the routed experts' share; all of it
+        for a dense model): bench/weight_bytes.py."""
+        from bench.weight_bytes import stage1_bytes
+        return stage1_bytes(self.engine.weights, decode=True)
 
     def isa(self) -> str:
         from stage1_cpu.fast import cpu
@@ -705,7 +705,7 @@ def report(args, shape: Shape, tables: list[dict], bw: dict, loads: tuple[float,
         out += ratio_table(args, t["rows"], plan["threads"])
         if plan["check"]:
             out += correctness(t["check"])
-    out += ["roofline = read bandwidth ÷ weight bytes one decode token reads (stage 1: `Weights.decode_nbytes`), "
+    out += ["roofline = read bandwidth ÷ weight bytes one decode token reads (stage 1: `bench/weight_bytes.py`), "
             "with the bandwidth *of that decode run*: the same read, 256 MiB, best of 3, from a process of its own, "
             "just before and just after each run (the better of the two); `GB/s` is their median and `% roofline` "
             "the median over the runs of decode ÷ the run's roofline (this VM's bandwidth moves within seconds: "

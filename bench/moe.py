@@ -11,7 +11,7 @@ experts (32, not 128) and layers (12, not 48) so that the bf16 file fits a 24 Gi
 2-core machine. A decode token reads the attention, the router, the 8 chosen
 experts of each layer and the lm_head; the 24 experts it skips per layer are
 on disk and in RAM but cost no bandwidth. So the roofline of MoE decode is
-bandwidth / (bytes actually read per token), Weights.decode_nbytes for stage 1.
+bandwidth / (bytes actually read per token), weight_bytes.stage1_bytes(decode=True) for stage 1.
 
 What one run does (the same steps as bench/cpu.py, whose engines and worker it
 reuses, so each engine runs in its own process exactly as in the dense benchmark):
@@ -233,7 +233,7 @@ def write_moe_gguf(hf_folder: Path, shape: MoeShape, qtype_name: str, path: Path
 
 def gguf_decode_bytes(path: Path, shape: MoeShape) -> int:
     """Bytes of weights one llama.cpp decode token reads from a GGUF file, counted as
-    stage 1's Weights.decode_nbytes counts its own: every matrix (the tied token_embd
+    stage 1's weight_bytes.stage1_bytes(decode=True) counts its own: every matrix (the tied token_embd
     once, as the lm_head), each stacked expert tensor for k of its E experts; the 1-D
     norms (KBs) left out."""
     import gguf
@@ -299,7 +299,7 @@ def prepare_models(shape: MoeShape, cache: Path, log=print) -> dict:
 # ------------------------------------------------------------------ bytes per token
 
 def stage1_decode_bytes(shape: MoeShape, fmt: str, group_size: int = 32) -> int:
-    """What Weights.decode_nbytes reports for stage 1's formats (stage1_cpu/quant.py), before
+    """What weight_bytes.stage1_bytes(decode=True) reports for stage 1's formats (stage1_cpu/quant.py), before
     any engine has run: matrices at the format's bytes per weight (int8: a byte and an fp16
     scale per group; int4: half a byte and an fp16 scale and minimum per group; the lm_head
     in int8 when the rest is int4), the routers in fp32, k of E experts per layer."""
@@ -355,7 +355,7 @@ class Job:
 
 def worker(spec: dict) -> None:
     """One engine in its own process: bench.cpu's worker, with two MoE additions:
-    - stage 1 reports Weights.decode_nbytes (the bytes a token reads), not nbytes (every
+    - stage 1 reports weight_bytes.stage1_bytes(decode=True) (the bytes a token reads), not all the bytes (every
       expert); bench/cpu.py's Stage1Runner does the same from the bench branch on;
     - check_only: only the logits of the check prompt (transformers fp32, the oracle: its
       timings would cost minutes at the full shape and no headline needs them)."""
@@ -368,7 +368,8 @@ def worker(spec: dict) -> None:
             emit_result({"error": f"{type(e).__name__}: {e}"})
         return
     if spec["engine"] == "stage1":
-        cpu.stage1_weight_bytes = lambda runner: int(runner.engine.weights.decode_nbytes)
+        from bench.weight_bytes import stage1_bytes
+        cpu.stage1_weight_bytes = lambda runner: stage1_bytes(runner.engine.weights, decode=True)
     cpu.worker(spec)
 
 
@@ -549,7 +550,7 @@ def report(args, shape: MoeShape, paths: dict, tables: list[dict], bw: dict, loa
            f"- medians of up to {args.runs} run{'s' * (args.runs > 1)}; prefill = prompt tokens ÷ time to the first "
            f"token; decode = {args.decode_tokens} greedy tokens (EOS ignored) ÷ their time; MB/token = weight "
            "bytes one decode token reads (attention, routers, the k chosen experts, lm_head: stage 1's "
-           "Weights.decode_nbytes, the GGUF tensors with the stacked experts counted for k of E); roofline = the "
+           "weight_bytes.stage1_bytes(decode=True), the GGUF tensors with the stacked experts counted for k of E); roofline = the "
            "read bandwidth measured just before and after each decode run ÷ MB/token"
            + ("; --quick: the model fits in the L3 cache, so % roofline can pass 100 %" if args.quick else ""),
            ""]

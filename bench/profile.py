@@ -78,7 +78,8 @@ def main() -> None:
     if args.against_bandwidth:
         if T != 1 or model.decode_step is None:
             raise SystemExit("--against-bandwidth needs the one-region decode step (--kernels fast, --tokens 1)")
-        against_bandwidth(model, engine.weights.decode_nbytes, args)
+        from bench.weight_bytes import stage1_bytes
+        against_bandwidth(model, stage1_bytes(engine.weights, decode=True), args)
         return
     versus = None
     if T == 1 and model.decode_step is not None:

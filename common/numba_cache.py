@@ -87,6 +87,20 @@ def warm_up(forward, max_ctx: int, mark: Path) -> float:
     return time.perf_counter() - t0
 
 
+def set_threads(n: int | None) -> int:
+    """Use n threads for numba's parallel kernels (None: all cores). Returns the count."""
+    import numba
+    if n is None:
+        n = numba.config.NUMBA_NUM_THREADS
+    if not 1 <= n <= numba.config.NUMBA_NUM_THREADS:
+        raise ValueError(
+            f"threads={n} is not possible: this machine allows 1..{numba.config.NUMBA_NUM_THREADS} "
+            f"(set NUMBA_NUM_THREADS before starting Python to allow more)"
+        )
+    numba.set_num_threads(n)
+    return n
+
+
 @functools.lru_cache(maxsize=None)
 def _group_locator():
     from numba.core.caching import UserProvidedCacheLocator

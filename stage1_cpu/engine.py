@@ -25,7 +25,6 @@ from common.engine import Request, TokenEvent, check_prompt
 from common.sampling import Sampler
 
 from . import CACHE_DIR, KERNEL_FILES
-from . import kernels as numba_kernels
 from . import ops
 from .model import Model
 from .weights import load_weights
@@ -46,7 +45,7 @@ class LLMEngine:
                  prefill_chunk: int = 512, use_numba: bool = True, kernels: str = "auto",
                  activations: str = "auto"):
         if threads:
-            numba_kernels.set_threads(threads)
+            numba_cache.set_threads(threads)
         self.folder = Path(folder)
         self.config: ModelConfig = ModelConfig.from_folder(folder)
         if max_ctx < 2:
@@ -94,7 +93,7 @@ class LLMEngine:
 
     def warm_up(self) -> float | None:
         """Compile every kernel a conversation needs before the first prompt, unless a previous
-        run did (numba_cache.warm_up). -> seconds it took, or None."""
+        run did (common/numba_cache.py). -> seconds it took, or None."""
         if not self.kernels_cold():
             return None
         took = numba_cache.warm_up(self.model.forward, self.max_ctx, self._warm_mark())
@@ -102,14 +101,13 @@ class LLMEngine:
         return took
 
     def kernels_cold(self) -> bool:
-        """True until warm_up() has run for the kernels' sources as they are now, this format
-        and these kernels (an edit to a kernel file makes them cold again)."""
+        """True until warm_up() has run for these kernels, format and model kind (MoE layers
+        run kernels of their own), with the kernel files as they are now."""
         return self.model.k is not ops and not self._warm_mark().exists()
 
     def _warm_mark(self) -> Path:
-        w = self.weights
+        w, mlp = self.weights, "moe" if self.config.num_experts else "dense"
         files, kinds = (w.fast.files(), w.fast.kinds(w)) if w.fast else (KERNEL_FILES, "fp32")
-        mlp = "moe" if self.config.num_experts else "dense"           # MoE layers run kernels of their own
         return numba_cache.warm_mark(CACHE_DIR, files, w.fmt, w.kernels, mlp, kinds)
 
     def step(self) -> list[TokenEvent]:

@@ -28,31 +28,18 @@ decode step (and get the same bits).
 
 import math
 
-import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from common.numba_cache import set_threads  # noqa: F401  (numba's thread count: --threads)
+
 from .norms import FAST, _inline, _parallel, _serial, rmsnorm, rmsnorm_row  # noqa: F401 (K.rmsnorm)
-
-
-def set_threads(n: int | None) -> int:
-    """Use n threads for the parallel kernels (None: all cores). Returns the count."""
-    if n is None:
-        n = numba.config.NUMBA_NUM_THREADS
-    if not 1 <= n <= numba.config.NUMBA_NUM_THREADS:
-        raise ValueError(
-            f"threads={n} is not possible: this machine allows 1..{numba.config.NUMBA_NUM_THREADS} "
-            f"(set NUMBA_NUM_THREADS before starting Python to allow more)"
-        )
-    numba.set_num_threads(n)
-    return n
 
 
 # ---------------------------------------------------------------------------
 # exp in float32, with the bit cast it needs (numba has no float reinterpret of its own)
-# ---------------------------------------------------------------------------
 
 
 @intrinsic
@@ -95,7 +82,6 @@ def exp_f32(x):
 # ---------------------------------------------------------------------------
 # Element-wise ops: numba twins of ops.py, each written once for one row, as an
 # inlined helper (_inline, norms.py), and a serial loop over the rows.
-# ---------------------------------------------------------------------------
 
 
 @_inline
@@ -126,7 +112,6 @@ def silu_mul(gate_up: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------
 # MoE: the router's choice, and the weighted sum of the chosen experts' outputs.
 # Per token, serial: E and k are small (128 and 8 for Qwen3-30B-A3B).
-# ---------------------------------------------------------------------------
 
 
 @_inline
@@ -252,7 +237,6 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 # ---------------------------------------------------------------------------
 # Attention over the KV cache.
-# ---------------------------------------------------------------------------
 
 
 @_inline

@@ -31,7 +31,6 @@ _inline = njit(inline="always", fastmath=FAST, error_model="numpy")
 # ---------------------------------------------------------------------------
 # Bit casts. numba has no float16 or bfloat16 type, so weights and scales are
 # stored as uint16 bit patterns and turned into float32 with one instruction.
-# ---------------------------------------------------------------------------
 
 
 @intrinsic
@@ -85,7 +84,6 @@ def f16_to_f32(h):
 # 10-20 G weights/s of int8 / int4. With a few cores per memory channel, bf16 and
 # int8 are then memory-bound and int4 (0.56 byte/weight) compute-bound
 # (docs/benchmarks.md has the figures).
-# ---------------------------------------------------------------------------
 
 
 @_inline
@@ -109,59 +107,23 @@ def matmul_f32(x, w, out):
             out[t, r] = row_f32(x, t, w, r)
 
 
-# Decode matvecs give each thread whole blocks of rows, in order: long sequential
-# streams for the hardware prefetcher, and few enough blocks that scheduling costs nothing.
-DECODE_BLOCK_BYTES = 1 << 18   # weights per block of rows of the decode matvecs (~10 us)
-
-
 @_inline
-def decode_block(O, row_bytes):
-    """Rows per block: ~DECODE_BLOCK_BYTES of weights, whole groups of 4 rows."""
-    rows = min(O, max(1, DECODE_BLOCK_BYTES // row_bytes))
-    return max(4, rows + (-rows) % 4)
-
-
-@_inline
-def rows4_bf16(x, t, w, r, m):
-    """x[t] . w[r + i m] for i = 0..3, in one pass over x[t]: four rows m apart are
-    four sequential streams (the prefetcher follows them, rows_int8_q8), and each
-    activation is loaded once for the four (the hot loop: 2 bytes per weight,
-    converted by a shift). Each row has its own sum, so a row's
-    result does not depend on its company (m = 0: four times row r)."""
-    a0, a1, a2, a3 = np.float32(0.0), np.float32(0.0), np.float32(0.0), np.float32(0.0)
+def row_bf16(x, t, w, r):
+    """x[t] . w[r]: w [O, K] uint16 bf16 bits, each converted by a shift (bf16_to_f32).
+    (stage1_cpu/fast/blocks.py reads four rows per pass, in whole blocks of rows.)"""
+    acc = np.float32(0.0)
     for k in range(x.shape[1]):
-        xk = x[t, k]
-        a0 += bf16_to_f32(w[r, k]) * xk
-        a1 += bf16_to_f32(w[r + m, k]) * xk
-        a2 += bf16_to_f32(w[r + 2 * m, k]) * xk
-        a3 += bf16_to_f32(w[r + 3 * m, k]) * xk
-    return a0, a1, a2, a3
-
-
-@_inline
-def rows_bf16(x, t, w, r0, r1, outf, ooff):
-    """outf[ooff + r] = x[t] . w[r] for r0 <= r < r1: four rows per pass, a quarter of
-    the range apart; the last (r1 - r0) % 4 rows one at a time, by the same body."""
-    n4 = (r1 - r0) // 4
-    for b in range(r0, r0 + n4):
-        a0, a1, a2, a3 = rows4_bf16(x, t, w, b, n4)
-        outf[ooff + b] = a0
-        outf[ooff + b + n4] = a1
-        outf[ooff + b + 2 * n4] = a2
-        outf[ooff + b + 3 * n4] = a3
-    for r in range(r0 + 4 * n4, r1):
-        outf[ooff + r] = rows4_bf16(x, t, w, r, 0)[0]
+        acc += bf16_to_f32(w[r, k]) * x[t, k]
+    return acc
 
 
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
 def matmul_bf16(x, w, out):
-    """x: [T, K] f32, w: [O, K] uint16 bf16 bits -> out: [T, O] (contiguous)."""
+    """x: [T, K] f32, w: [O, K] uint16 bf16 bits -> out: [T, O]."""
     T, O = x.shape[0], w.shape[0]
-    outf = out.reshape(-1)
-    block = decode_block(O, 2 * w.shape[1])         # each thread takes whole blocks, in order
-    for c in prange(-(-O // block)):
+    for r in prange(O):
         for t in range(T):
-            rows_bf16(x, t, w, c * block, min(O, (c + 1) * block), outf, t * O)
+            out[t, r] = row_bf16(x, t, w, r)
 
 
 # Indexing style, for all kernels below: plain a[r, g, j] with every index a
@@ -263,7 +225,6 @@ def matmul_int4(x4, q, s, m, out):
 # Serial on purpose: in prefill the BLAS call that follows uses both cores, and
 # OpenBLAS's worker keeps spinning between calls; numba threads started now
 # would fight it for the cores.
-# ---------------------------------------------------------------------------
 
 
 @njit(cache=True, fastmath=FAST, error_model="numpy")

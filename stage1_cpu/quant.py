@@ -36,10 +36,8 @@ token at group size 64): int4 stores a scale and a minimum.
 in_features that is not a multiple of group_size: the last group is padded with
 zero weights (and the activations with zeros at matmul time), so any size works.
 
-The fast path (stage1_cpu/fast/weight.py) subclasses Weight to round the
-activations too (int8 at decode, bf16 at prefill) where the CPU has an
-instruction that pays for it; everything here is fp32 arithmetic on the stored
-weights.
+Everything here is fp32 arithmetic on the stored weights; the fast path's FastWeight
+(stage1_cpu/fast/weight.py) rounds the activations too, where the CPU pays for it.
 """
 from __future__ import annotations
 

@@ -11,10 +11,8 @@ region costs tens of microseconds to start under OMP_WAIT_POLICY=PASSIVE, that i
 of 7 starts per layer saved; fast/decode_step.py, which starts them once per token,
 still reads the input once instead of three times.
 
-This is also the one place that chooses the kernels (--kernels, choose_kernels):
-plain is the core alone; fast imports stage1_cpu.fast (here, and only here), whose
-FastPath stores each matrix as a FastWeight (its activations rounded where the CPU
-has an instruction for it) and gives the model its one-region decode step.
+This is also the one place that chooses the kernels (choose_kernels, --kernels): the
+core alone, or stage1_cpu.fast's FastPath, imported here and only here.
 """
 from __future__ import annotations
 
@@ -69,26 +67,6 @@ class Weights:
     @property
     def kernels(self) -> str:
         return "fast" if self.fast else "plain"
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of every matrix: attention, MLPs, all experts, routers, shared-expert gates and
-        the lm_head (the embedding counted once, as the lm_head when tied; norms and biases left out)."""
-        return self._matrix_bytes(routed_share=1.0)
-
-    @property
-    def decode_nbytes(self) -> int:
-        """Bytes of weights one decode token reads (the roofline's numerator): nbytes with each
-        MoE layer's routed experts counted for the k of E a token goes to."""
-        cfg = self.config
-        return self._matrix_bytes(cfg.num_experts_per_tok / cfg.num_experts if cfg.num_experts else 1.0)
-
-    def _matrix_bytes(self, routed_share: float) -> int:
-        names = ("wqkv", "wo", "w_gate_up", "w_down", "router", "shared_gate")
-        mats = [self.lm_head] + [getattr(l, n) for l in self.layers for n in names]
-        mats += [m for l in self.layers if l.shared_expert for m in (l.shared_expert.e_gate_up, l.shared_expert.e_down)]
-        routed = sum(l.experts_gate_up.nbytes + l.experts_down.nbytes for l in self.layers if l.experts)
-        return sum(w.nbytes for w in mats if w is not None) + round(routed * routed_share)
 
 
 KERNELS = ("auto", "plain", "fast")

@@ -258,6 +258,7 @@ def _moe_bytes(c, bytes_per):
 
 @pytest.mark.parametrize("case", ["qwen2_moe_top4_nonorm", "qwen2_moe_top2_norm_dense_middle"])
 def test_nbytes_counts_every_expert_and_decode_nbytes_only_the_routed_share(case):
+    from bench.weight_bytes import stage1_bytes
     from stage1_cpu.weights import load_weights
     from stage2_batched.weights import load_weights as load_weights2
     from stage3_optimized.weights import load_weights as load_weights3
@@ -265,22 +266,23 @@ def test_nbytes_counts_every_expert_and_decode_nbytes_only_the_routed_share(case
     w1, w2 = load_weights(folder, "none", progress=False), load_weights2(folder, progress=False)
     every, read = _moe_bytes(w1.config, 4)
     assert read < every
-    assert (w1.nbytes, w1.decode_nbytes) == (every, read)
+    assert (stage1_bytes(w1), stage1_bytes(w1, decode=True)) == (every, read)
     assert (w2.nbytes, w2.decode_nbytes) == (every, read)
     w3 = load_weights3(folder, progress=False)                # bf16, q/k/v and gate/up fused: the same bytes
     assert (w3.nbytes, w3.decode_nbytes) == _moe_bytes(w1.config, 2)
     # int8: the routed experts still count k of E, each at about a quarter of fp32 + scales
     q = load_weights(folder, "int8", progress=False)
-    assert 0 < q.decode_nbytes < q.nbytes < every
+    assert 0 < stage1_bytes(q, decode=True) < stage1_bytes(q) < every
 
 
 def test_dense_decode_nbytes_equals_nbytes():
+    from bench.weight_bytes import stage1_bytes
     from stage1_cpu.weights import load_weights
     w = load_weights(make_model("qwen2"), "none", progress=False)
     c = w.config
     C, D = c.hidden_size, c.head_dim
     per_layer = (c.num_heads + 2 * c.num_kv_heads) * D * C + C * c.num_heads * D + 3 * c.intermediate_size * C
-    assert w.nbytes == w.decode_nbytes == 4 * (c.vocab_size * C + c.num_layers * per_layer)
+    assert stage1_bytes(w) == stage1_bytes(w, decode=True) == 4 * (c.vocab_size * C + c.num_layers * per_layer)
 
 
 def test_int8_qwen2_moe_logits_close_to_fp32():

@@ -63,7 +63,7 @@ def test_stage1_keys_each_path_on_the_files_it_compiles():
     assert names == {"norms.py", "kernels.py", "matmul.py"}         # ops.py, chat.py hold no numba code
     fp = fast.FastPath("int8", "fp32")
     assert set(stage1_cpu.KERNEL_FILES) <= set(fp.files())
-    assert {"decode_step.py", "simd.py", "kernels.py", "plan.py"} <= {p.name for p in fast.FILES}
+    assert {"decode_step.py", "simd.py", "kernels.py", "plan.py", "blocks.py"} <= {p.name for p in fast.FILES}
     group = numba_cache._GROUPS[str((ROOT / "stage1_cpu/fast/decode_step.py").resolve())]
     assert {str(p.resolve()) for p in stage1_cpu.KERNEL_FILES} <= {str(p) for p in group}
     # the core's own files keep numba's per-file stamp

@@ -160,7 +160,10 @@ def test_items_cover_every_row_once_big_first_small_last(workers):
 @pytest.mark.parametrize("fmt", ["none", "bf16", "int8", "int4"])
 def test_fast_path_with_fp32_activations_equals_plain_path_bit_for_bit(fmt, monkeypatch):
     """--kernels fast --activations fp32 runs the core's own row bodies (one region per
-    step instead of one per matmul): its logits are the plain path's, bit for bit. With
+    step instead of one per matmul): its logits are the plain path's, bit for bit. bf16
+    weights are the exception: the fast path reads them four rows per pass (fast/blocks.py),
+    whose sums round differently, so there its logits are the plain path's to fp32 rounding
+    (and bit for bit its own per-op path's: test_one_region_equals_per_op_bit_for_bit). With
     int4 (two formats: the lm_head is int8) the step compiles only this model's row
     bodies, as outside the tests (one such compile keeps CI short)."""
     if fmt == "int4":
@@ -172,12 +175,17 @@ def test_fast_path_with_fp32_activations_equals_plain_path_bit_for_bit(fmt, monk
     assert plain.w.kernels == "plain" and fast.w.kernels == "fast"
     if fmt == "int4":
         assert sum(k is not None for k in fast.decode_step.kinds) == 2     # int4 layers, the int8 lm_head
+    def same(a, b):
+        if fmt != "bf16":
+            return np.array_equal(a, b)
+        return np.abs(a - b).max() < 1e-5 * np.abs(b).max()
+
     a, b = fast.forward(np.array(PROMPT), 0), plain.forward(np.array(PROMPT), 0)
-    assert np.array_equal(a, b)
+    assert same(a, b)                                  # prefill (its lm_head reads one row of x: a matvec)
     for pos in range(len(PROMPT), len(PROMPT) + 4):
         tok = np.array([int(np.argmax(b))])
         a, b = fast.forward(tok, pos), plain.forward(tok, pos)
-        assert np.array_equal(a, b), pos
+        assert same(a, b), pos
     assert len(np.unique(np.round(b, 3))) > 10, "logits must vary for the comparison to mean anything"
 
 

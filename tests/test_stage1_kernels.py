@@ -139,6 +139,21 @@ def test_quantized_matmul_matches_dequantized_twin(rng, fmt, gs, O, K):
         close(W.matmul(x), W.matmul_ref(x))
 
 
+@pytest.mark.parametrize("O,K", [(96, 256), (37, 72)])   # 37 rows: blocks whose last group of four is part-filled
+def test_fast_bf16_four_rows_per_pass_match_the_twin_and_the_core(rng, O, K):
+    """fast/blocks.py's bf16 decode (four rows per pass, whole blocks of rows): each row
+    is the twin's and the core's one-row kernel's to fp32 rounding."""
+    from stage1_cpu.fast import blocks
+    W = fast_quantize(randn(rng, O, K), "bf16")
+    for T in (1, 3):
+        x = randn(rng, T, K)
+        out = np.empty((T, O), dtype=np.float32)
+        blocks.matmul_bf16(x, W.data, out)
+        assert np.array_equal(W.matmul(x), out)                       # FastWeight runs it at decode
+        close(out, W.matmul_ref(x))
+        close(out, Weight.matmul(W, x))                               # the core's one row at a time
+
+
 ACT_CASES = ([("bf16", 0, "fp32", "bf16")] + [(f, gs, "int8", "fp32") for f in ("int8", "int4") for gs in (32, 128)]
              + [(f, gs, "int8", "bf16") for f in ("int8", "int4") for gs in (32, 64)]
              + [("int8", gs, "int16", "fp32") for gs in (32, 128)])

@@ -32,11 +32,12 @@ reused by every layer passes a few steps and then parts from the core's tokens).
 Every op is the same inlined body the per-op kernels run, in the same order on
 the same values: the core's (stage1_cpu/norms.py: rmsnorm_row; kernels.py: rope_head,
 attention_item, silu_mul_row, route_row, mix_row, gated_add_row; matmul.py:
-row_f32, rows_bf16, row_int8, row_int4) and, for rounded activations, the fast
-path's (stage1_cpu/fast/kernels.py: rows_int8_q8, rows_int8_q16, rows_int4_q8,
+row_f32, row_int8, row_int4) and the fast path's (fast/blocks.py: rows_bf16; for
+rounded activations fast/kernels.py: rows_int8_q8, rows_int8_q16, rows_int4_q8,
 quantize_token). So the logits and the KV cache are bit for bit those of
 Model.forward with the same weights: with fp32 activations those of the plain
-path, with rounded ones those of FastWeight.matmul (tests/test_stage1_decode_step.py
+path (bf16 weights: of FastWeight.matmul, which runs blocks.py's rows too), with
+rounded ones those of FastWeight.matmul (tests/test_stage1_decode_step.py
 checks both, for every weight format, dense and MoE).
 
 Which row bodies the step may inline is chosen in Python from cpu.INT8 (the `if`
@@ -57,7 +58,7 @@ from numba import prange, types
 from numba.typed import List
 
 from .. import kernels, matmul
-from . import cpu, simd, sync
+from . import blocks, cpu, simd, sync
 from .plan import plan
 from . import kernels as fk
 from ..kernels import FAST
@@ -204,7 +205,7 @@ def _matvec(m, data, scales, mins, x, S, starts, n, bias, out, counts, phase, wo
                              ooff, gsk)
             elif fmt == BF16:                                        # fp32 activations: the core's bodies
                 if k_bf16 is not None:
-                    matmul.rows_bf16(x2, t, wb, r0, r1, out, ooff)
+                    blocks.rows_bf16(x2, t, wb, r0, r1, out, ooff)
             else:
                 for r in range(r0, r1):
                     if fmt == NONE:

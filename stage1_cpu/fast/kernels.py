@@ -21,7 +21,8 @@ from numba.extending import intrinsic
 
 from . import simd
 from ..kernels import FAST
-from ..matmul import _inline, decode_block, f16_to_f32
+from ..matmul import _inline, f16_to_f32
+from .blocks import decode_block
 
 
 # ---------------------------------------------------------------------------

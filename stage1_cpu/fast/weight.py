@@ -4,6 +4,8 @@ Changed from the core (quant.Weight): two fields say how the activations are
 rounded before they meet the weights, and matmul() routes those cases to the
 fast kernels (fast/kernels.py); every other case is the core's code, unchanged.
 
+- bf16 weights at decode: four rows per pass, in whole blocks of rows (blocks.py).
+
 - decode_act="int8" (int8 / int4 weights, cpu.INT8): decode rounds the
   activations to int8 per group of gs values (x ~ xq * xs, xs = max|x| / 127)
   and multiplies integers (kernels.matmul_int8_q8 / matmul_int4_q8). llama.cpp
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import cpu
+from . import blocks, cpu
 from . import kernels as fk
 from . import simd
 from ..quant import PREFILL_MIN_T, Weight, bf16_bits_to_f32, f32_to_bf16_bits, quantize
@@ -52,6 +54,11 @@ class FastWeight(Weight):
             return self._matmul_bf16(self._pad(self._check(x)))
         if T >= PREFILL_MIN_T and self.prefill_act == "int8":
             return self._matmul_int8_prefill(self._pad(self._check(x)))
+        if T < PREFILL_MIN_T and self.fmt == "bf16":                     # four rows per pass (blocks.py)
+            x = self._check(x)
+            out = np.empty((T, self.out_features), dtype=np.float32)
+            blocks.matmul_bf16(x, self.data, out)
+            return out
         if T >= PREFILL_MIN_T or self.decode_act == "fp32":
             return super().matmul(x)                                     # the core's kernels
         x = self._pad(self._check(x))                                    # [T, Kp]
