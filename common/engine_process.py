@@ -1,14 +1,11 @@
-"""An engine in a child process, behind the same Engine protocol (--engine-process).
+"""An engine in a child process behind the same Engine protocol (--engine-process): the contract
+of common/engine.py crosses a pipe, a Request one way, TokenEvent fields (ids) the other.
 
-The engine thread (engine_loop.py) calls this proxy as it would call the engine; the
-child owns the real engine. Only the contract of common/engine.py crosses the pipe:
-a Request one way, TokenEvent fields (ids) the other. The child does not wait to be
-asked for a step: while its engine has work it steps, sends the step's events in one
-message and takes the calls that came meanwhile, so the pipe stays off the critical path
-(docs/server.md measures what is left). If the child dies (a segfault, an abort in
-compiled code, SIGKILL), the pipe closes: the requests it held fail at the next step()
-and the step after starts a new child. It is started with "spawn" (a fork of a threaded
-server is not safe), so the engine builder must be importable (the stage's serve.py).
+The child does not wait to be asked for a step: while its engine has work it steps, sends
+the step's events in one message and takes the calls that came meanwhile, so the pipe is off
+the critical path. If it dies (a segfault, an abort in compiled code, SIGKILL), the pipe
+closes: the requests it held fail at the next step(), and the step after starts a new child.
+It is started with "spawn" (a fork of a threaded server is not safe): the builder must be importable.
 """
 from __future__ import annotations
 
@@ -129,10 +126,10 @@ class EngineProcess:
 
     # ---- the Engine protocol ----
     def add_request(self, req: Request) -> None:
-        try:
-            error = self._add(req)           # the child's engine checks the prompt
-        except EngineDied:                   # found dead: the new child takes it (what the
-            error = self._add(req)           # old one held fails at the next step, alone)
+        try:                                 # the child's engine checks the prompt; found dead, the new child
+            error = self._add(req)           # takes it (what the old one held fails at the next step, alone)
+        except EngineDied:
+            error = self._add(req)
         if error is not None:
             raise ValueError(error)
         self.running.add(req.id)
