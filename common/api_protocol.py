@@ -51,7 +51,7 @@ def invalid_field(err: dict) -> APIError:
 
 
 def explained(message: str) -> WrapValidator:
-    """An error anywhere inside this value becomes one error at the value, saying what it must be."""
+    """Any error inside this value becomes one error at the value (tools[0]), saying what it must be."""
     def check(value, handler):
         try:
             return handler(value)
@@ -70,16 +70,15 @@ def unsupported(what: str) -> AfterValidator:
     return AfterValidator(check)
 
 
-class Strict(BaseModel):
-    """A request part: JSON types as written; unknown fields kept aside (extra) and never read."""
+class Strict(BaseModel):                          # a request part: unknown fields kept aside, never read
     model_config = ConfigDict(strict=True, extra="allow")
 
 
-# ---- requests ----
 # The sampler divides float32 logits by the temperature and the repetition penalty: a value
 # that is 0 or inf in float32 would make them NaN and fail the engine step for the whole batch.
 Penalty = Annotated[float | None, Field(ge=-2, le=2)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+Ids = Annotated[list[int], Field(min_length=1)]
 
 
 class StreamOptions(Strict):
@@ -113,7 +112,8 @@ class SamplingRequest(Strict):
     def sampling(self) -> dict:
         """The sampling fields this request sets (SamplingParams' names; None = the model's default)."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
-        return self.model_dump(include=SAMPLING_FIELDS) | dict(stop=stop or [], stop_token_ids=self.stop_token_ids or [])
+        return self.model_dump(include=SAMPLING_FIELDS) | dict(stop=stop or [],
+                                                               stop_token_ids=self.stop_token_ids or [])
 
 
 class TextPart(Strict):
@@ -177,8 +177,7 @@ class Tool(Strict):
     function: FunctionDef
 
 
-class ChatTemplateKwargs(Strict):
-    """Variables for the chat template (vLLM extension); any other name is passed on."""
+class ChatTemplateKwargs(Strict):                 # the chat template's variables (vLLM); other names passed on
     enable_thinking: bool = True
 
     @model_validator(mode="after")
@@ -194,17 +193,15 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     top_logprobs: Annotated[int | None, unsupported("top_logprobs are")] = None
-    tools: list[Annotated[Tool, explained("a tool must be {'type': 'function', 'function': {'name': ...}}")]] | None = None
+    tools: list[Annotated[Tool, explained(
+        "a tool must be {'type': 'function', 'function': {'name': ...}}")]] | None = None
     tool_choice: Annotated[Literal["none", "auto"] | None, explained(
         "tool_choice must be 'none' or 'auto' (forcing a tool is not supported)")] = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
 
 
-TokenIds = Annotated[list[int], Field(min_length=1)]
-
-
 class CompletionRequest(SamplingRequest):
-    prompt: Annotated[Union[str, TokenIds, Annotated[list[Union[str, TokenIds]], Field(min_length=1)]],
+    prompt: Annotated[Union[str, Ids, Annotated[list[Union[str, Ids]], Field(min_length=1)]],
                       explained("'prompt' must be a string, a list of token ids, or a list of those")]
     echo: bool = False
     suffix: Annotated[str | None, unsupported("'suffix' is")] = None
@@ -224,7 +221,6 @@ class CompletionRequest(SamplingRequest):
         return [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
 
 
-# ---- responses ----
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -240,8 +236,7 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict] | None = None
 
 
-class Delta(ChatMessage):
-    """What one chunk adds to a streamed message; only the keys it sets are sent."""
+class Delta(ChatMessage):                         # what a chunk adds to a message: only the keys it sets
     role: Literal["assistant"] | None = None
 
     @model_serializer(mode="wrap")
@@ -255,8 +250,7 @@ class ReplyChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class Reply(BaseModel):
-    """Every generation reply and streamed chunk."""
+class Reply(BaseModel):                           # every generation reply and streamed chunk
     id: str
     created: int
     model: str
@@ -286,8 +280,7 @@ class CompletionChoice(ReplyChoice):
     text: str
 
 
-class CompletionResponse(Reply):
-    """A whole answer, and also each streamed chunk (OpenAI uses one shape for both)."""
+class CompletionResponse(Reply):                  # a whole answer, and each streamed chunk (as OpenAI)
     object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
 

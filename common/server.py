@@ -39,7 +39,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     @v1.get("/models", response_model=ModelList, summary="The model this server serves")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=state.model_name, created=state.created, max_model_len=state.max_ctx or None)])
+        return ModelList(data=[ModelCard(id=state.model_name, created=state.created,
+                                         max_model_len=state.max_ctx or None)])
 
     app.include_router(v1)
 
