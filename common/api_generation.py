@@ -44,9 +44,7 @@ class Choice:
         self.n_tokens, self.finish_reason, self.text = 0, None, ""   # text: all returned so far
         self.parser: StreamParser | None = parser() if parser else None
 
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
+    done = property(lambda self: self.finish_reason is not None)
 
     def on_event(self, ev: TokenEvent) -> str:
         """One engine event -> the new text that is safe to return."""
@@ -107,7 +105,7 @@ class Generation:
                 c.finish_reason = "abort"
                 self.state.loop.abort(c.id)
 
-    def usage(self) -> Usage:
+    def usage(self) -> Usage:      # a prompt shared by n choices counts once
         prompt = sum(len(ids) for ids in dict.fromkeys(tuple(c.prompt_ids) for c in self.choices))
         completion = sum(c.n_tokens for c in self.choices)
         usage = Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)

@@ -96,8 +96,7 @@ class EngineProcess:
             self.restarts += 1
             log.warning("the engine process was restarted (%d restarts)", self.restarts)
 
-    def _io(self, fn, *args):
-        """A pipe call; a closed pipe means the child is dead: what it held is lost."""
+    def _io(self, fn, *args):     # a pipe call; a closed pipe means the child is dead: what it held is lost
         try:
             return fn(*args)
         except (EOFError, OSError):
@@ -109,8 +108,7 @@ class EngineProcess:
             self.running = set()
             raise self.lost from None
 
-    def _read(self):
-        """One message from the child: a step's events are kept for step(); an add's answer is returned."""
+    def _read(self):     # one message: a step's events are kept for step(); an add's answer is returned
         kind, *body = self._io(self.conn.recv)
         if kind == "added":
             return body
