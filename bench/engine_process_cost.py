@@ -6,7 +6,8 @@ against the same engine behind common/engine_process.py, interleaved A/B rounds.
     python -m bench.engine_process_cost null 9                              # no compute: the pipe alone
 
 Each round times every decode step of one 64-token answer (its median) on each engine,
-alternating which goes first; it prints the medians over the rounds and the load.
+alternating which goes first; it prints the medians over the rounds, each round's difference (median, quartiles,
+range) and the load.
 """
 from __future__ import annotations
 
@@ -91,9 +92,14 @@ def main() -> None:
     med = {name: statistics.median(v) for name, v in got.items()}
     for name, v in got.items():
         print(f"{name:15s} decode step median {med[name]:.3f} ms; rounds {[round(x, 3) for x in v]}")
+    # each round's own difference: a load that changes between rounds moves both of its runs
+    pairs = sorted((b / a - 1) * 100 for a, b in zip(got["in-process"], got["engine-process"]))
     print(f"the boundary: {(med['engine-process'] - med['in-process']) * 1000:+.0f} us per step = "
-          f"{(med['engine-process'] / med['in-process'] - 1) * 100:+.2f} %; load average "
-          f"{min(loads):.1f}-{max(loads):.1f} (median {statistics.median(loads):.1f}) on {os.cpu_count()} cores")
+          f"{(med['engine-process'] / med['in-process'] - 1) * 100:+.2f} % (medians); per round: median "
+          f"{statistics.median(pairs):+.2f} %, quartiles {pairs[len(pairs) // 4]:+.2f} .. "
+          f"{pairs[(3 * len(pairs)) // 4]:+.2f} %, range {pairs[0]:+.2f} .. {pairs[-1]:+.2f} %")
+    print(f"load average {min(loads):.1f}-{max(loads):.1f} (median {statistics.median(loads):.1f}) "
+          f"on {os.cpu_count()} cores")
     engines["engine-process"].close()
 
 

@@ -1,15 +1,15 @@
-"""POST /v1/chat/completions: messages -> the chat template -> token ids -> an answer
-whose <think> part is reasoning_content and whose <tool_call> blocks are tool_calls."""
+"""POST /v1/chat/completions: messages -> the chat template -> token ids -> an answer whose
+<think> part is reasoning_content and whose <tool_call> blocks are tool_calls."""
 from __future__ import annotations
 
+import functools
 import time
 
 from fastapi import APIRouter, Depends, Request
 
-from common.api_json import parse_request
-from common.api_generation import Choice, Generation, Job, choice_params, prompt_ids, stream
+from common.api_generation import Choice, Generation, Job, stream
 from common.api_protocol import ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, \
-    ChatMessage, ChatTemplateKwargs, ChunkChoice, Delta, bad_request
+    ChatMessage, ChatTemplateKwargs, ChunkChoice, Delta, bad_request, parse_request
 from common.api_state import ServerState, admitted_body, body_schema, server_state
 from common.parsing import StreamParser, prompt_opens_think
 
@@ -26,20 +26,24 @@ def prepare_chat(state: ServerState, raw: bytes) -> Job:
         prompt = state.template.render([m.for_template() for m in req.messages], add_generation_prompt=True,
                                        enable_thinking=kwargs.enable_thinking, tools=tools, **kwargs.model_extra)
     except (ValueError, RecursionError, TypeError, AttributeError, LookupError) as e:
-        # ChatTemplateError (a ValueError): the template refused these messages;
-        # the others: a value of an unexpected type reached the template
+        # the template refused these messages (ChatTemplateError), or got a value of a type it does not expect
         raise bad_request(f"the chat template cannot render these messages: {e}", "messages") from None
     if not isinstance(prompt, str):
         raise bad_request("the chat template did not render text for these messages", "messages")
-    ids = prompt_ids(state, prompt, "messages")
-    params = choice_params(state, req, req.max_completion_tokens or req.max_tokens, len(ids))
-    return Job([ids] * req.n, params, req.stream, bool(req.stream_options and req.stream_options.include_usage),
-               thinking=kwargs.enable_thinking, tools=tools,
-               opens_think=kwargs.enable_thinking and prompt_opens_think(prompt))
+    ids = state.prompt_ids(prompt, "messages")
+    think = kwargs.enable_thinking
+    return Job([ids] * req.n, state.choice_params(req, req.max_completion_tokens or req.max_tokens, len(ids)),
+               req.stream, bool(req.stream_options and req.stream_options.include_usage),
+               functools.partial(StreamParser, thinking=think, tools=tools is not None,
+                                 start_in_reasoning=think and prompt_opens_think(prompt)))
 
 
 def finish_reason(c: Choice) -> str:
     return "tool_calls" if (c.parser.tool_calls and c.finish_reason == "stop") else c.finish_reason
+
+
+def deltas(c: Choice, text: str) -> list:
+    return c.parser.feed(text) + (c.parser.finish() if c.done else [])
 
 
 @router.post("/chat/completions", response_model=ChatCompletionResponse, openapi_extra=body_schema(
@@ -48,12 +52,6 @@ async def chat_completions(request: Request, raw: bytes = Depends(admitted_body)
     state = server_state(request)
     job = await state.prepare(prepare_chat, raw)
     gen, created = Generation(state, job, "chatcmpl"), int(time.time())
-    for c in gen.choices:
-        c.parser = StreamParser(thinking=job.thinking, tools=job.tools is not None, start_in_reasoning=job.opens_think)
-
-    def deltas(c: Choice, text: str) -> list:
-        return c.parser.feed(text) + (c.parser.finish() if c.done else [])
-
     if not job.stream:
         got = {c.index: [] for c in gen.choices}
         await gen.run_to_end(request, lambda c, text: got[c.index].extend(deltas(c, text)))
@@ -84,9 +82,7 @@ async def chat_completions(request: Request, raw: bytes = Depends(admitted_body)
             else:
                 out.append(chunk(c, Delta(tool_calls=[{"index": calls_sent[c.index], **d.tool_call}])))
                 calls_sent[c.index] += 1
-        if c.done:
-            out.append(chunk(c, Delta(), finish_reason(c)))
-        return out
+        return out + ([chunk(c, Delta(), finish_reason(c))] if c.done else [])
 
     first = [chunk(c, Delta(role="assistant", content="")) for c in gen.choices]
     return stream(gen, first, pieces, lambda usage: chunk(None, usage=usage))

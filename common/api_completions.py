@@ -5,9 +5,8 @@ import time
 
 from fastapi import APIRouter, Depends, Request
 
-from common.api_generation import Choice, Generation, Job, choice_params, prompt_ids, stream
-from common.api_json import parse_request
-from common.api_protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from common.api_generation import Generation, Job, stream
+from common.api_protocol import CompletionChoice, CompletionRequest, CompletionResponse, parse_request
 from common.api_state import ServerState, admitted_body, body_schema, server_state
 
 router = APIRouter()
@@ -20,9 +19,9 @@ def prepare_completion(state: ServerState, raw: bytes) -> Job:
     prompts = req.prompts()
     job = Job([], [], req.stream, bool(req.stream_options and req.stream_options.include_usage))
     for k, p in enumerate(prompts):
-        ids = prompt_ids(state, p, "prompt" if len(prompts) == 1 else f"prompt[{k}]")
+        ids = state.prompt_ids(p, "prompt" if len(prompts) == 1 else f"prompt[{k}]")
         job.prompts += [ids] * req.n
-        job.params += choice_params(state, req, req.max_tokens, len(ids))
+        job.params += state.choice_params(req, req.max_tokens, len(ids))
         job.echoes += [(p if isinstance(p, str) else state.tokenizer.decode(ids)) if req.echo else ""] * req.n
     return job
 
@@ -34,17 +33,13 @@ async def completions(request: Request, raw: bytes = Depends(admitted_body)):
     job = await state.prepare(prepare_completion, raw)
     gen, created = Generation(state, job, "cmpl"), int(time.time())
 
-    def answer(choices: list[CompletionChoice], usage=None) -> CompletionResponse:
-        return CompletionResponse(id=gen.id, created=created, model=state.model_name, choices=choices, usage=usage)
+    def answer(choices: list[tuple], usage=None) -> CompletionResponse:    # (index, text, finish_reason)
+        return CompletionResponse(id=gen.id, created=created, model=state.model_name, usage=usage, choices=[
+            CompletionChoice(index=i, text=text, finish_reason=finish) for i, text, finish in choices])
 
     if not job.stream:
         await gen.run_to_end(request)
-        return answer([CompletionChoice(index=c.index, text=job.echoes[c.index] + c.text,
-                                        finish_reason=c.finish_reason) for c in gen.choices], gen.usage())
-
-    def piece(c: Choice, text: str, finish: str | None = None) -> CompletionResponse:
-        return answer([CompletionChoice(index=c.index, text=text, finish_reason=finish)])
-
-    first = [piece(c, job.echoes[c.index]) for c in gen.choices if job.echoes[c.index]]
-    return stream(gen, first, lambda c, text: [piece(c, text, c.finish_reason)] if (text or c.done) else [],
+        return answer([(c.index, job.echoes[c.index] + c.text, c.finish_reason) for c in gen.choices], gen.usage())
+    first = [answer([(c.index, job.echoes[c.index], None)]) for c in gen.choices if job.echoes[c.index]]
+    return stream(gen, first, lambda c, text: [answer([(c.index, text, c.finish_reason)])] if (text or c.done) else [],
                   lambda usage: answer([], usage))

@@ -1,12 +1,9 @@
-"""What both generation endpoints share: a Job (token ids + SamplingParams per choice, made
-on a prepare thread); a Generation, which submits them to the engine loop and yields
-(choice, new text); and stream(), the SSE answer of both endpoints.
-"""
+"""What both generation endpoints share: a Job (made on a prepare thread), a Generation that
+submits it to the engine loop and yields (choice, new text), and stream(), their SSE answer."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import uuid
@@ -17,8 +14,8 @@ from pydantic import BaseModel
 from starlette.background import BackgroundTask
 from starlette.responses import StreamingResponse
 
-from common.api_protocol import APIError, SamplingRequest, Usage, bad_request
-from common.engine import Request, TokenEvent, check_prompt
+from common.api_protocol import APIError, Usage, bad_request
+from common.engine import Request, TokenEvent
 from common.parsing import StreamParser
 from common.sampling import SamplingParams
 from common.stopping import StopChecker
@@ -33,62 +30,28 @@ class Job:
     params: list[SamplingParams]             # one per choice
     stream: bool = False
     include_usage: bool = False
-    thinking: bool = True                    # chat: the <think> parser is on
-    tools: list[dict] | None = None          # chat: tools given, so <tool_call> is parsed
-    opens_think: bool = False                # chat: the prompt ends inside <think>
+    parser: Callable[[], StreamParser] | None = None   # chat: a <think>/<tool_call> parser per choice
     echoes: list[str] = field(default_factory=list)   # completions: text to put before each choice
-
-
-def prompt_ids(state, prompt: str | list[int], param: str) -> list[int]:
-    """A prompt's token ids, refused (400 at `param`) if it cannot fit the context: a text
-    from its length alone before it is tokenized, then its ids."""
-    bound = state.max_prompt_chars
-    if isinstance(prompt, str) and bound is not None and len(prompt) > bound:
-        raise bad_request(f"the prompt has {len(prompt)} characters; a context of {state.max_ctx} tokens holds at "
-                          f"most {bound} (a token covers at most {state.longest_token} characters); shorten the "
-                          "prompt or start the server with a larger --max-ctx", param)
-    ids = state.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-    try:
-        check_prompt(ids, state.max_ctx, state.vocab_size)
-    except ValueError as e:
-        raise bad_request(str(e), param) from None
-    return ids
-
-
-def choice_params(state, req: SamplingRequest, max_tokens: int | None, prompt_len: int) -> list[SamplingParams]:
-    """req.n choices of one prompt: the request's sampling fields over generation_config.json's
-    defaults (read once, at start-up); max_tokens at most the room the prompt leaves (all of it
-    when unset, as in vLLM); seeds seed+i, so each choice differs yet all are reproducible."""
-    room = state.max_ctx - prompt_len
-    p = SamplingParams.from_defaults(state.sampling_defaults, max_tokens=min(max_tokens or room, room),
-                                     **req.sampling())
-    return [dataclasses.replace(p, seed=None if p.seed is None else p.seed + i) for i in range(req.n)]
 
 
 class Choice:
     """One engine request: ids -> text (detokenizer) -> text before any stop string."""
 
-    def __init__(self, index: int, request_id: str, prompt_ids: list[int], params: SamplingParams, state):
+    def __init__(self, index: int, request_id: str, prompt_ids: list[int], params: SamplingParams, state, parser):
         self.index, self.id, self.prompt_ids, self.params = index, request_id, prompt_ids, params
-        self.detok = state.tokenizer.detokenizer()
-        self.stopper = StopChecker(params.stop)
+        self.detok, self.stopper = state.tokenizer.detokenizer(), StopChecker(params.stop)
         self.stop_ids = set(params.stop_token_ids) | state.stop_ids
-        self.n_tokens = 0
-        self.finish_reason: str | None = None
-        self.text = ""              # all text returned so far (for non-streaming replies)
-        self.parser: StreamParser | None = None   # chat only
+        self.n_tokens, self.finish_reason, self.text = 0, None, ""   # text: all returned so far
+        self.parser: StreamParser | None = parser() if parser else None
 
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
+    done = property(lambda self: self.finish_reason is not None)
 
     def on_event(self, ev: TokenEvent) -> str:
         """One engine event -> the new text that is safe to return."""
         text = ""
         if ev.token_id >= 0:
             self.n_tokens += 1
-            # the id that ended the turn (<|im_end|>) is not answer text
-            if not (ev.finish_reason == "stop" and ev.token_id in self.stop_ids):
+            if not (ev.finish_reason == "stop" and ev.token_id in self.stop_ids):   # <|im_end|> is no text
                 text = self.detok.add(ev.token_id)
         if ev.finish_reason is not None:
             text += self.detok.flush()
@@ -106,17 +69,15 @@ class Generation:
     """Submits a job's choices to the engine loop and yields (choice, new_text) as events arrive."""
 
     def __init__(self, state, job: Job, prefix: str):
-        self.state, self.job = state, job
-        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.state, self.job, self.id = state, job, f"{prefix}-{uuid.uuid4().hex}"
         self.queue: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
+        loop, base = asyncio.get_running_loop(), uuid.uuid4().hex[:16]
 
         def sink(item):      # called on the engine thread: call_soon_threadsafe is the safe way in
             with contextlib.suppress(RuntimeError):       # the event loop is closed: shutting down
                 loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
-        base = uuid.uuid4().hex[:16]
-        self.choices = [Choice(i, f"{base}-{i}", ids, p, state)
+        self.choices = [Choice(i, f"{base}-{i}", ids, p, state, job.parser)
                         for i, (ids, p) in enumerate(zip(job.prompts, job.params))]
         self.by_id = {c.id: c for c in self.choices}
         for c in self.choices:
@@ -144,7 +105,7 @@ class Generation:
                 c.finish_reason = "abort"
                 self.state.loop.abort(c.id)
 
-    def usage(self) -> Usage:
+    def usage(self) -> Usage:      # a prompt shared by n choices counts once
         prompt = sum(len(ids) for ids in dict.fromkeys(tuple(c.prompt_ids) for c in self.choices))
         completion = sum(c.n_tokens for c in self.choices)
         usage = Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
@@ -185,40 +146,30 @@ async def until_disconnect(work, receive) -> asyncio.Task:
     return task
 
 
-# ---- streaming: one helper for both endpoints ----
-def _sse(obj: BaseModel | dict) -> str:
-    text = obj.model_dump_json() if isinstance(obj, BaseModel) else json.dumps(obj, ensure_ascii=False)
-    return f"data: {text}\n\n"
-
-
 def stream(gen: Generation, first: Iterable[BaseModel], pieces: Callable[[Choice, str], Iterable[BaseModel]],
-           usage_chunk: Callable[[Usage], BaseModel]) -> "EventStream":
-    """An SSE answer: the `first` chunks, then pieces(choice, new_text) as text arrives,
-    the usage chunk when asked for, and [DONE]. An engine error ends it as an error event."""
+           usage_chunk: Callable[[Usage], BaseModel]) -> EventStream:
+    """An SSE answer: the `first` chunks, then pieces(choice, new_text) as text arrives, the usage
+    chunk when asked for, and [DONE]. An engine error ends it as an error event."""
     async def events():
         for chunk in first:
-            yield _sse(chunk)
+            yield f"data: {chunk.model_dump_json()}\n\n"
         try:
             async for c, text in gen.events():
                 for chunk in pieces(c, text):
-                    yield _sse(chunk)
+                    yield f"data: {chunk.model_dump_json()}\n\n"
         except APIError as e:
-            yield _sse(e.body())
+            yield f"data: {json.dumps(e.body, ensure_ascii=False)}\n\n"
         if gen.job.include_usage:
-            yield _sse(usage_chunk(gen.usage()))
+            yield f"data: {usage_chunk(gen.usage()).model_dump_json()}\n\n"
         yield "data: [DONE]\n\n"
 
-    return EventStream(events(), background=BackgroundTask(gen.close))
+    return EventStream(events(), media_type="text/event-stream", background=BackgroundTask(gen.close),
+                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 class EventStream(StreamingResponse):
-    """SSE that notices a client leaving even while no token is ready (a queued request in a
-    FIFO engine can wait a long time), and always runs its background task (gen.close: the
-    engine aborts what the client no longer wants)."""
-
-    def __init__(self, content, background: BackgroundTask):
-        super().__init__(content, media_type="text/event-stream", background=background,
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    """SSE that notices a client leaving even while no token is ready (a queued request can wait
+    long), and always runs its background task (gen.close: the engine aborts what nobody wants)."""
 
     async def __call__(self, scope, receive, send):
         try:

@@ -1,41 +1,32 @@
-"""The OpenAI API as pydantic models (as vLLM's protocol.py): request and response bodies, errors.
+"""The OpenAI API as pydantic models (as vLLM's protocol.py), errors, and a body's bytes -> a model.
 
-Every supported field is typed with its bounds, strictly ("2" is not an integer, true is
-not 1); unknown fields are accepted and ignored, as OpenAI does; what the server does not
-support (image parts, logprobs, forcing a tool) is refused with a message. An error's
-`param` is pydantic's `loc` as OpenAI writes a field (messages[0].content).
+Fields are typed with their bounds, strictly ("2" is not an integer, true is not 1);
+unknown fields are accepted and ignored, as OpenAI does; what the server does not support
+is refused with a message. An error's `param` is pydantic's `loc` as OpenAI writes a
+field (messages[0].content). docs/server.md lists every limit and why.
 """
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError,
                       WrapValidator, field_validator, model_serializer, model_validator)
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-MAX_CHOICES = 64          # n (times the prompts of a /v1/completions batch)
-MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 256, 256
-# The sampler divides float32 logits by the temperature and the repetition penalty: a
-# value that is 0 or inf in float32 makes them NaN and fails the whole engine step,
-# every request in the batch. So: OpenAI's temperature range (below 1e-5 is greedy, as
-# in vLLM), and a repetition penalty within [1/100, 100].
-MAX_TEMPERATURE, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 2.0, 1e-2, 100.0
+MAX_CHOICES, MAX_STOP, MAX_STOP_CHARS = 64, 16, 256     # n (x prompts); stop strings, and their length
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "seed", "ignore_eos"}
 
 
-# ---- errors in OpenAI's shape ----
 class APIError(Exception):
-    """An error the client caused (or a state it must wait out); becomes an HTTP reply."""
+    """An error the client caused (or a state it must wait out), with OpenAI's error body."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        self.status, self.body = status, {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -47,23 +38,20 @@ def param_of(loc) -> str | None:
     A union's branch is tagged in parentheses, "(parts)": it is not part of the field."""
     out = ""
     for key in loc:
-        if isinstance(key, str) and key.startswith("("):
-            continue
-        out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else str(key))
+        if not (isinstance(key, str) and key.startswith("(")):
+            out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else str(key))
     return out or None
 
 
 def invalid_field(err: dict) -> APIError:
-    """One pydantic error (an item of ValidationError.errors()) as OpenAI's 400: the one
-    place where a `loc` becomes a `param`."""
+    """One pydantic error (of ValidationError.errors()) as a 400: the one place a loc becomes a param."""
     param = param_of(err["loc"])
     got = json.dumps(err.get("input"), default=str)[:50] if err["type"] not in ("missing", "model_type") else ""
     return bad_request(f"{param or 'the request body'}: {err['msg']}{', got ' + got if got else ''}", param)
 
 
 def explained(message: str) -> WrapValidator:
-    """Any error inside this value becomes one error at the value itself that says what
-    it must be: a bad tool is tools[0], however deep inside it the mistake is."""
+    """Any error inside this value becomes one error at the value (tools[0]), saying what it must be."""
     def check(value, handler):
         try:
             return handler(value)
@@ -72,21 +60,27 @@ def explained(message: str) -> WrapValidator:
     return WrapValidator(check)
 
 
-def unsupported(message: str) -> AfterValidator:
+def unsupported(what: str) -> AfterValidator:
     """A field the server does not support: null (or an empty value) passes, anything else is refused."""
     def check(value):
         if value:
-            raise PydanticCustomError("unsupported", "{message}", {"message": message})
+            raise PydanticCustomError("unsupported", "{what} not supported by this server; leave it unset",
+                                      {"what": what})
         return value
     return AfterValidator(check)
 
 
-class Strict(BaseModel):
-    """A request part: JSON types as written; unknown fields kept aside (extra) and never read."""
+class Strict(BaseModel):                          # a request part: unknown fields kept aside, never read
     model_config = ConfigDict(strict=True, extra="allow")
 
 
-# ---- requests ----
+# The sampler divides float32 logits by the temperature and the repetition penalty: a value
+# that is 0 or inf in float32 would make them NaN and fail the engine step for the whole batch.
+Penalty = Annotated[float | None, Field(ge=-2, le=2)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+Ids = Annotated[list[int], Field(min_length=1)]
+
+
 class StreamOptions(Strict):
     include_usage: bool = False
 
@@ -98,29 +92,22 @@ class SamplingRequest(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1, description="capped to the room the prompt leaves")
-    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
+    temperature: float | None = Field(None, ge=0, le=2, description="below 1e-5: greedy")
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, description="vLLM extension; 0 or -1 = off")
     min_p: float | None = Field(None, ge=0, le=1, description="vLLM extension")
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY,
-                                             description="vLLM extension; 1 = off")
+    presence_penalty: Penalty = None
+    frequency_penalty: Penalty = None
+    repetition_penalty: float | None = Field(None, ge=1e-2, le=100, description="vLLM extension; 1 = off")
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="choice i of n uses seed + i")
-    stop: Annotated[Union[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)],
-                          list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]]] | None,
-                    Field(max_length=MAX_STOP),
-                    explained(f"'stop' must be a string of 1 to {MAX_STOP_CHARS} characters or a list of at "
-                              f"most {MAX_STOP} of them")] = None
-    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]] | None, Field(max_length=MAX_STOP_TOKEN_IDS),
-                              explained(f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} "
-                                        "non-negative integers")] = None
+    stop: Annotated[StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None, explained(
+        f"'stop' must be a string of 1 to {MAX_STOP_CHARS} characters or a list of at most {MAX_STOP}")] = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]] | None, Field(max_length=256), explained(
+        "'stop_token_ids' must be a list of at most 256 non-negative integers")] = None
     ignore_eos: bool | None = Field(None, description="vLLM extension: generate past end-of-sequence ids")
     user: str | None = None
-    logprobs: Annotated[bool | int | None, unsupported("logprobs are not supported by this server; leave "
-                                                       "'logprobs' unset")] = None
-    logit_bias: Annotated[dict[str, float] | None, unsupported(
-        "logit_bias is not supported by this server; leave it unset (or {})")] = None
+    logprobs: Annotated[bool | int | None, unsupported("logprobs are")] = None
+    logit_bias: Annotated[dict[str, float] | None, unsupported("logit_bias is")] = None
 
     def sampling(self) -> dict:
         """The sampling fields this request sets (SamplingParams' names; None = the model's default)."""
@@ -134,16 +121,11 @@ class TextPart(Strict):
     text: str
 
 
-def _content_kind(value) -> str | None:
-    return "(text)" if isinstance(value, str) else "(parts)" if isinstance(value, list) else None
-
-
 Content = Annotated[
-    Union[Annotated[str, Tag("(text)")],
-          Annotated[list[Annotated[TextPart, explained(
-              "only text parts ({'type': 'text', 'text': ...}) are supported")]], Tag("(parts)")]],
-    Discriminator(_content_kind, custom_error_type="content_type",
-                  custom_error_message="must be a string or a list of text parts")]
+    Union[Annotated[str, Tag("(text)")], Annotated[list[Annotated[TextPart, explained(
+        "only text parts ({'type': 'text', 'text': ...}) are supported")]], Tag("(parts)")]],
+    Discriminator(lambda v: "(text)" if isinstance(v, str) else "(parts)" if isinstance(v, list) else None,
+                  custom_error_type="content_type", custom_error_message="must be a string or a list of text parts")]
 
 
 class FunctionCall(Strict):
@@ -178,8 +160,7 @@ class Message(Strict):
     def for_template(self) -> dict:
         """The message as the chat template reads it: text content, system for developer."""
         m = self.model_dump(exclude_none=True)
-        parts = self.content if isinstance(self.content, list) else None
-        m["content"] = "".join(p.text for p in parts) if parts is not None else (self.content or "")
+        m["content"] = "".join(p.text for p in self.content) if isinstance(self.content, list) else self.content or ""
         m["role"] = "system" if self.role == "developer" else self.role
         return m
 
@@ -196,8 +177,7 @@ class Tool(Strict):
     function: FunctionDef
 
 
-class ChatTemplateKwargs(Strict):
-    """Variables for the chat template (vLLM extension); any other name is passed on."""
+class ChatTemplateKwargs(Strict):                 # the chat template's variables (vLLM); other names passed on
     enable_thinking: bool = True
 
     @model_validator(mode="after")
@@ -212,7 +192,7 @@ class ChatTemplateKwargs(Strict):
 class ChatCompletionRequest(SamplingRequest):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    top_logprobs: Annotated[int | None, unsupported("top_logprobs are not supported by this server")] = None
+    top_logprobs: Annotated[int | None, unsupported("top_logprobs are")] = None
     tools: list[Annotated[Tool, explained(
         "a tool must be {'type': 'function', 'function': {'name': ...}}")]] | None = None
     tool_choice: Annotated[Literal["none", "auto"] | None, explained(
@@ -220,14 +200,11 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: ChatTemplateKwargs | None = None
 
 
-TokenIds = Annotated[list[int], Field(min_length=1)]
-
-
 class CompletionRequest(SamplingRequest):
-    prompt: Annotated[Union[str, TokenIds, Annotated[list[Union[str, TokenIds]], Field(min_length=1)]],
+    prompt: Annotated[Union[str, Ids, Annotated[list[Union[str, Ids]], Field(min_length=1)]],
                       explained("'prompt' must be a string, a list of token ids, or a list of those")]
     echo: bool = False
-    suffix: Annotated[str | None, unsupported("'suffix' is not supported")] = None
+    suffix: Annotated[str | None, unsupported("'suffix' is")] = None
 
     @model_validator(mode="after")
     def _choices(self):
@@ -244,7 +221,6 @@ class CompletionRequest(SamplingRequest):
         return [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
 
 
-# ---- responses ----
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -254,10 +230,18 @@ class Usage(BaseModel):
 
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str | None
+    content: str | None = None
     reasoning_content: str | None = None          # the <think> part (DeepSeek's and vLLM's name) ...
     reasoning: str | None = None                  # ... and OpenRouter's
     tool_calls: list[dict] | None = None
+
+
+class Delta(ChatMessage):                         # what a chunk adds to a message: only the keys it sets
+    role: Literal["assistant"] | None = None
+
+    @model_serializer(mode="wrap")
+    def _set_only(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ReplyChoice(BaseModel):
@@ -266,35 +250,21 @@ class ReplyChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatChoice(ReplyChoice):
-    message: ChatMessage
-
-
-class Reply(BaseModel):
-    """What every generation reply and streamed chunk carries."""
+class Reply(BaseModel):                           # every generation reply and streamed chunk
     id: str
     created: int
     model: str
     usage: Usage | None = None
 
 
+class ChatChoice(ReplyChoice):
+    message: ChatMessage
+
+
 class ChatCompletionResponse(Reply):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: Usage
-
-
-class Delta(BaseModel):
-    """What one chunk adds to a streamed message; only the keys it sets are sent."""
-    role: str | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-    reasoning: str | None = None
-    tool_calls: list[dict] | None = None
-
-    @model_serializer(mode="wrap")
-    def _set_only(self, handler):
-        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChunkChoice(ReplyChoice):
@@ -310,8 +280,7 @@ class CompletionChoice(ReplyChoice):
     text: str
 
 
-class CompletionResponse(Reply):
-    """A whole answer, and also each streamed chunk (OpenAI uses one shape for both)."""
+class CompletionResponse(Reply):                  # a whole answer, and each streamed chunk (as OpenAI)
     object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
 
@@ -327,3 +296,79 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ---- bytes -> a model, with the checks pydantic's JSON parser leaves to us ----
+# pydantic refuses a lone surrogate, nesting past its own limit and an integer of over 4300
+# digits with no field to name, and it reads NaN: so json.loads reads the body first, and
+# its answer is walked for what we refuse, naming the field (docs/server.md).
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_JSON_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{},:]', re.DOTALL)   # strings (whole), brackets, separators
+
+
+def parse_request(model: type[Strict], raw: bytes, max_depth: int) -> Strict:
+    """The body as `model`, or a 400 that names the field (on a prepare thread)."""
+    def no_constant(name):
+        raise ValueError(f"{name} is not valid JSON (JSON has no NaN or Infinity); send a number or null")
+    try:
+        body = json.loads(raw, parse_constant=no_constant)
+    except RecursionError:
+        raise _too_deep(_deep_where(raw, max_depth), max_depth) from None
+    except ValueError as e:         # not JSON, not UTF-8, NaN, an integer of more than 4300 digits
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got a JSON {type(body).__name__}")
+    stack = [(body, 1, [])]         # (container, its depth, its keys from the body)
+    while stack:
+        value, depth, keys = stack.pop()
+        if depth > max_depth:
+            raise _too_deep(keys, max_depth)
+        for key, item in (value.items() if isinstance(value, dict) else enumerate(value)):
+            if isinstance(key, str) and _SURROGATE.search(key):
+                raise bad_request(f"{param_of(keys) or 'the request body'} has a key with a lone UTF-16 surrogate; "
+                                  "send valid Unicode (a surrogate must be half of a pair)", param_of(keys))
+            if isinstance(item, str) and (m := _SURROGATE.search(item)):
+                path = param_of(keys + [key])
+                raise bad_request(f"{path} contains a lone UTF-16 surrogate (\\u{ord(m.group()):04x} at character "
+                                  f"{m.start()}), which is not valid Unicode; send the character as a surrogate "
+                                  "pair, or leave it out", path)
+            if isinstance(item, (dict, list)):
+                stack.append((item, depth + 1, keys + [key]))
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise invalid_field(e.errors(include_url=False)[0]) from None
+
+
+def _too_deep(keys: list, max_depth: int) -> APIError:
+    """Names the field by its first four keys; the message shows the full path, cut at 80 characters."""
+    field = param_of(keys[:4]) if keys and isinstance(keys[0], str) else None
+    full = param_of(keys) or ""
+    at = f" (at {full[:80]}{'...' if len(full) > 80 else ''})" if full != field else ""
+    return bad_request(f"{field or 'the request body'} nests arrays/objects more than {max_depth} levels "
+                       f"deep{at}; send a flatter structure", field)
+
+
+def _deep_where(raw: bytes, max_depth: int) -> list:
+    """The keys down to the first container deeper than max_depth, from the raw bytes (for a
+    body past Python's own recursion limit); the scan stops there: 100,000 '[' cost 65 steps."""
+    frames: list[list] = []     # per open container: [is_object, current key or index, last string]
+    for m in _JSON_TOKEN.finditer(raw):
+        t = m.group()
+        if t in (b"[", b"{"):
+            if len(frames) >= max_depth:
+                break
+            frames.append([t == b"{", None if t == b"{" else 0, None])
+        elif t in (b"]", b"}"):
+            if frames:
+                frames.pop()
+        elif frames and t == b",":
+            frames[-1][1] = None if frames[-1][0] else frames[-1][1] + 1
+        elif frames and t == b":":
+            frames[-1][1] = frames[-1][2]
+        elif frames:                # a string: maybe the key of the next ':'
+            try:
+                frames[-1][2] = json.loads(t)
+            except ValueError:
+                frames[-1][2] = t.decode("utf-8", "replace")
+    return ["?" if key is None else key for _obj, key, _last in frames]

@@ -1,19 +1,11 @@
-"""An engine in a child process, behind the same Engine protocol (--engine-process).
+"""An engine in a child process behind the same Engine protocol (--engine-process): the contract
+of common/engine.py crosses a pipe, a Request one way, TokenEvent fields (ids) the other.
 
-The engine thread (common/engine_loop.py) calls this proxy as it would call the engine;
-the proxy forwards each call over a pipe to a child process that owns the real engine.
-What crosses is the contract of common/engine.py and nothing more: Request (ids +
-SamplingParams) one way, TokenEvent fields (ids) the other.
-
-    server process                            child process
-    engine thread: proxy.step() --- pipe ---> engine.step() -> [(request_id, token_id, finish_reason)]
-
-If the child dies (a segfault or an LLVM abort in compiled code, an out-of-memory kill,
-SIGKILL), the pipe closes: the next step() raises EngineDied, the engine loop fails the
-requests the child held, and the step after it starts a new child (/healthz says
-"restarting" until it is up, and counts the restarts). The child is started with "spawn"
-(a fork of a threaded server is not safe), so the engine builder must be importable:
-the stage's serve.py build_engine.
+The child does not wait to be asked for a step: while its engine has work it steps, sends
+the step's events in one message and takes the calls that came meanwhile, so the pipe is off
+the critical path. If it dies (a segfault, an abort in compiled code, SIGKILL), the pipe
+closes: the requests it held fail at the next step(), and the step after starts a new child.
+It is started with "spawn" (a fork of a threaded server is not safe): the builder must be importable.
 """
 from __future__ import annotations
 
@@ -31,28 +23,31 @@ log = logging.getLogger("qwen3-stages.server")
 
 
 def _child(conn, builder: str, folder, args) -> None:
-    """The child's whole life: build the engine, then answer calls until the pipe closes."""
+    """Build the engine, then step it while it has work and answer calls until the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # Ctrl-C stops the server, which closes the pipe
     module, name = builder.split(":")
     engine = getattr(importlib.import_module(module), name)(folder, args)
     config = getattr(engine, "config", None)
     conn.send((engine.max_ctx, getattr(config, "vocab_size", 0), list(getattr(config, "eos_token_ids", []) or [])))
-    while True:
-        try:
-            call, arg = conn.recv()
-        except EOFError:
-            return
-        if call == "step":
-            events = engine.step() if engine.has_work() else []
-            conn.send(([(e.request_id, e.token_id, e.finish_reason) for e in events], engine.has_work()))
-        elif call == "add":
-            try:
-                engine.add_request(arg)
-                conn.send(None)
-            except ValueError as e:
-                conn.send(str(e))
-        else:
-            engine.abort(arg)
+    told = False          # the server was told this child has work: it waits for one more step message
+    with suppress(EOFError, OSError):
+        while True:
+            busy = engine.has_work()
+            if not (busy or told) or conn.poll():     # idle: block for a call; busy: take what came
+                call, arg = conn.recv()
+                if call == "add":
+                    try:
+                        engine.add_request(arg)
+                        told = True
+                        conn.send(("added", None))
+                    except ValueError as e:           # a prompt this engine cannot take
+                        conn.send(("added", str(e)))
+                else:
+                    engine.abort(arg)
+                continue
+            events = engine.step() if busy else []
+            told = engine.has_work()
+            conn.send(("step", [(e.request_id, e.token_id, e.finish_reason) for e in events], told))
 
 
 class EngineDied(RuntimeError):
@@ -76,7 +71,6 @@ class EngineProcess:
         self.restarts = 0
         self.lost: EngineDied | None = None   # the child died: the next step() raises this
         self.running: set[str] = set()        # request ids the child holds
-        self.work = False                     # the child had work after the last call
         self._start()
 
     def _start(self) -> None:
@@ -92,32 +86,48 @@ class EngineProcess:
             self.proc.join(5)
             raise RuntimeError(f"the engine process exited while loading (exit code {self.proc.exitcode})") from None
         self.config = SimpleNamespace(vocab_size=vocab, eos_token_ids=eos)
+        self.work, self.events = False, []    # the child has work; events read but not yet returned
         self.up = True                        # False from a death until the new child answers (/healthz)
 
-    def _call(self, call: str, arg=None):
+    def _alive(self) -> None:
         if not self.up:                       # the child died: start a new one (a failure: the next call retries)
             self.work = False
             self._start()
             self.restarts += 1
             log.warning("the engine process was restarted (%d restarts)", self.restarts)
+
+    def _io(self, fn, *args):     # a pipe call; a closed pipe means the child is dead: what it held is lost
         try:
-            self.conn.send((call, arg))
-            return self.conn.recv() if call != "abort" else None
+            return fn(*args)
         except (EOFError, OSError):
             self.proc.join(5)
             code = self.proc.exitcode
             how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-            self.up, self.work = False, True  # the engine loop steps again, which starts the new child
+            self.up, self.work, self.events = False, True, []   # the loop steps again: raise, then restart
             self.lost = EngineDied(f"the engine process died ({how}); it is being restarted", self.running)
             self.running = set()
             raise self.lost from None
 
+    def _read(self):     # one message: a step's events are kept for step(); an add's answer is returned
+        kind, *body = self._io(self.conn.recv)
+        if kind == "added":
+            return body
+        self.events += [TokenEvent(*e) for e in body[0]]
+        self.work = body[1]
+
+    def _add(self, req: Request) -> str | None:
+        self._alive()
+        self._io(self.conn.send, ("add", req))
+        while (answer := self._read()) is None:
+            pass
+        return answer[0]
+
     # ---- the Engine protocol ----
     def add_request(self, req: Request) -> None:
-        try:
-            error = self._call("add", req)   # the child's engine checks the prompt
-        except EngineDied:                   # found dead: the new child takes it (what the old one
-            error = self._call("add", req)   # held fails at the next step, alone)
+        try:                                 # the child's engine checks the prompt; found dead, the new child
+            error = self._add(req)           # takes it (what the old one held fails at the next step, alone)
+        except EngineDied:
+            error = self._add(req)
         if error is not None:
             raise ValueError(error)
         self.running.add(req.id)
@@ -125,22 +135,24 @@ class EngineProcess:
 
     def abort(self, request_id: str) -> None:
         if request_id in self.running and self.up:
+            self.running.discard(request_id)
             with suppress(EngineDied):        # the next step() reports the loss
-                self._call("abort", request_id)
-                self.work = True              # the child reports the abort at its next step
+                self._io(self.conn.send, ("abort", request_id))
 
     def step(self) -> list[TokenEvent]:
-        if self.lost is None:
-            with suppress(EngineDied):
-                events, self.work = self._call("step")
-                out = [TokenEvent(*e) for e in events]
-                self.running -= {e.request_id for e in out if e.finish_reason is not None}
-                return out
-        lost, self.lost = self.lost, None
-        raise lost
+        if self.lost is not None:
+            lost, self.lost = self.lost, None
+            raise lost
+        self._alive()
+        with suppress(EngineDied):            # blocks (no polling) until the child's next step
+            if self.work and not self.events:
+                self._read()
+        out, self.events = self.events, []
+        self.running -= {e.request_id for e in out if e.finish_reason is not None}
+        return out
 
     def has_work(self) -> bool:
-        return self.work
+        return self.work or bool(self.events)
 
     def close(self) -> None:
         self.conn.close()

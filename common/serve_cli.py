@@ -1,7 +1,5 @@
-"""`python -m stageN.serve`: the command line of the server (common/server.py builds the app).
-
-Each stage's serve.py calls main() with its engine builder; the socket is bound first,
-so /healthz answers 503 while the weights load, then 200."""
+"""`python -m stageN.serve`: the server's command line; each stage's serve.py calls main() with its
+engine builder. The socket is bound first, so /healthz answers 503 while the weights load."""
 from __future__ import annotations
 
 import argparse
@@ -33,9 +31,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     add("--max-concurrent", type=int, default=limits.max_concurrent, metavar="N",
         help="generation requests served at once; one more gets 429 (default %(default)d)")
     add("--engine-process", action=argparse.BooleanOptionalAction, default=False,
-        help="run the engine in a child process that is restarted if it dies (a crash in compiled code then "
-        "fails only the requests in flight; docs/server.md measures its cost; default: on for stage 1, off for "
-        "stages 2 and 3)")
+        help="run the engine in a child process, restarted if it dies: a crash in compiled code then fails only "
+        "the requests in flight (docs/server.md measures its cost; default off)")
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -47,13 +44,10 @@ def parse_addr(addr: str) -> tuple[str, int]:
 
 
 def main(build_engine: Callable[[Path, argparse.Namespace], Any], argv: list[str] | None = None,
-         prog: str | None = None, add_args: Callable[[argparse.ArgumentParser], None] | None = None,
-         engine_process: bool = False) -> None:
+         prog: str | None = None, add_args: Callable[[argparse.ArgumentParser], None] | None = None) -> None:
     """Parse the command line, bind the socket, load the engine in the background, serve until Ctrl-C.
-
-    build_engine(folder, args) -> Engine is the only stage-specific part (a module-level
-    function, so that --engine-process can import it in the child); add_args(parser)
-    adds the stage's own options; engine_process is the stage's default for --engine-process."""
+    build_engine(folder, args) -> Engine is a module-level function (--engine-process imports it in
+    the child); add_args(parser) adds the stage's own options."""
     import uvicorn
 
     from common.chat_template import ChatTemplate
@@ -64,7 +58,6 @@ def main(build_engine: Callable[[Path, argparse.Namespace], Any], argv: list[str
     add_server_args(parser)
     if add_args:
         add_args(parser)
-    parser.set_defaults(engine_process=engine_process)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     if args.max_ctx < 2:

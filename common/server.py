@@ -1,33 +1,27 @@
-"""An OpenAI-compatible HTTP server over any engine: this file builds the app.
+"""An OpenAI-compatible HTTP server over any engine: this file builds the app (docs/server.md).
 
-HTTP and JSON in, token ids to the engine, token ids back, text and JSON out:
+    event loop: read the body (413, 429)          api_state.py
+    prepare thread: parse, check, render, tokenize api_protocol.py, api_chat.py, api_completions.py
+    engine thread: add_request, step, abort       engine_loop.py (engine_process.py: in a child)
+    event loop: detokenize, stop strings, SSE     api_generation.py
 
-    event loop: read the body (413, 429)      api_state.py
-    prepare thread: parse and check it,       api_json.py, api_protocol.py (pydantic models),
-        render the template, tokenize         api_chat.py, api_completions.py (one router each)
-    engine thread: add_request, step, abort   engine_loop.py (engine_process.py: in a child)
-    event loop: detokenize, stop strings,     api_generation.py
-        <think>/<tool_call> parsing, SSE
-
-Input a client controls never gets a 5xx: every limit (docs/server.md) answers with a
-4xx that names the field. Only /v1 is behind --api-key: /docs and /openapi.json stay
-open (a browser cannot send a bearer token, and the schema holds no data). The command
-line is common/serve_cli.py; each stage's serve.py only builds its engine.
+Only /v1 is behind --api-key: /docs and /openapi.json stay open (a browser cannot send a
+bearer token, and the schema holds no data). The command line is serve_cli.py.
 """
 from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
-from fastapi import APIRouter, Depends, FastAPI
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException
 
-from common import api_chat, api_completions, api_models
-from common.api_protocol import APIError, ChatCompletionRequest, CompletionRequest, invalid_field
+from common import api_chat, api_completions
+from common.api_protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, invalid_field
 from common.api_state import Limits, ServerState, require_api_key
 
 log = logging.getLogger("qwen3-stages.server")
@@ -40,8 +34,14 @@ def build_app(state: ServerState) -> FastAPI:
     state.pools = state.pools or {"small": ThreadPoolExecutor(2, thread_name_prefix="prepare-small"), "large":
                                   ThreadPoolExecutor(state.limits.prepare_threads, thread_name_prefix="prepare-large")}
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
-    for module in (api_chat, api_completions, api_models):
-        v1.include_router(module.router)
+    v1.include_router(api_chat.router)
+    v1.include_router(api_completions.router)
+
+    @v1.get("/models", response_model=ModelList, summary="The model this server serves")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=state.model_name, created=state.created,
+                                         max_model_len=state.max_ctx or None)])
+
     app.include_router(v1)
 
     @app.get("/healthz", summary="200 when the model is loaded (503 while it loads or its engine restarts)")
@@ -56,24 +56,19 @@ def build_app(state: ServerState) -> FastAPI:
                 return JSONResponse({**body, "status": "restarting"}, status_code=503)
         return body
 
-    # errors, all in OpenAI's shape
-    def handler(to_error):
-        async def handle(request, e):
-            error = to_error(e)
-            return JSONResponse(error.body(), status_code=error.status)
-        return handle
-
-    app.add_exception_handler(APIError, handler(lambda e: e))
-    app.add_exception_handler(RequestValidationError, handler(lambda e: invalid_field(
-        {**e.errors()[0], "loc": e.errors()[0]["loc"][1:]})))     # FastAPI's loc starts with "query", "header"...
-    app.add_exception_handler(HTTPException, handler(lambda e: APIError(
-        e.status_code, str(e.detail), type="not_found_error" if e.status_code == 404 else "invalid_request_error")))
-
     def crash(e: Exception) -> APIError:
         log.exception("request failed")
         return APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
 
-    app.add_exception_handler(Exception, handler(crash))
+    for kind, to_error in [   # every error in OpenAI's shape; FastAPI's loc starts with "query", "header"...
+            (APIError, lambda e: e), (Exception, crash),
+            (RequestValidationError, lambda e: invalid_field({**e.errors()[0], "loc": e.errors()[0]["loc"][1:]})),
+            (HTTPException, lambda e: APIError(e.status_code, str(e.detail), type="not_found_error"
+                                               if e.status_code == 404 else "invalid_request_error"))]:
+        async def handle(request: Request, e, to_error=to_error):
+            error = to_error(e)
+            return JSONResponse(error.body, status_code=error.status)
+        app.add_exception_handler(kind, handle)
 
     def openapi() -> dict:
         """FastAPI's schema, plus the request models the endpoints read themselves."""
@@ -91,8 +86,7 @@ def build_app(state: ServerState) -> FastAPI:
 
 def create_app(engine, tokenizer, template, model_name: str, folder=None, max_ctx: int | None = None,
                api_key: str | None = None, limits: Limits | None = None) -> FastAPI:
-    """An app serving `engine` at once (tests run it in-process with any engine);
-    app.state.server.loop is its EngineLoop."""
+    """An app serving `engine` at once (tests run it in-process); app.state.server.loop is its EngineLoop."""
     state = ServerState(model_name=model_name, api_key=api_key, limits=limits or Limits())
     state.set_ready(engine, tokenizer, template, folder, max_ctx)
     return build_app(state)

@@ -6,10 +6,9 @@ streaming are the same for every stage. Stage 1 runs one sequence at a time, so
 --slots and --token-budget have no effect here; concurrent requests wait in its
 FIFO queue.
 
-The engine runs in a child process (--engine-process, on by default here: a crash
-in compiled code then fails only the requests in flight, and its cost does not
-show against a stage-1 step, docs/server.md); the child imports build_engine by
-its module and name, so it stays a module-level function.
+With --engine-process the engine runs in a child process (a crash in compiled code
+then fails only the requests in flight; docs/server.md measures its cost), which
+imports build_engine by its module and name: it stays a module-level function.
 """
 from __future__ import annotations
 
@@ -28,7 +27,7 @@ def build_engine(folder: Path, args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> None:
-    serve_main(build_engine, argv, prog="python -m stage1_cpu.serve", add_args=add_args, engine_process=True)
+    serve_main(build_engine, argv, prog="python -m stage1_cpu.serve", add_args=add_args)
 
 
 if __name__ == "__main__":

@@ -100,7 +100,7 @@ def containers(value, out=None) -> list:
 def mutated(draw, body_strategy) -> bytes:
     """A valid body, then one (or two) hostile changes, as bytes."""
     body = draw(body_strategy)
-    nests: list[bytes] = []
+    nests: list[tuple] = []
     for _ in range(draw(st.integers(1, 2))):
         kind = draw(st.sampled_from(["replace", "replace", "drop", "add", "nest", "surrogate", "nan", "big int"]))
         places = containers(body)
@@ -116,7 +116,7 @@ def mutated(draw, body_strategy) -> bytes:
             depth, bracket = draw(st.sampled_from([63, 65, 200, 5000])), draw(st.sampled_from(["[]", "{}"]))
             opener = b"[" if bracket == "[]" else b'{"k": '
             closer = b"]" if bracket == "[]" else b"}"
-            nests.append(opener * depth + json.dumps(where[key]).encode() + closer * depth)
+            nests.append((opener * depth, where[key], closer * depth))   # written below, big ints too
             where[key] = f"__nest{len(nests) - 1}__"
         elif kind == "surrogate":                 # a lone surrogate, written as a \u escape by json.dumps
             where[key] = draw(text) + chr(draw(st.integers(0xD800, 0xDFFF))) + draw(text)
@@ -128,8 +128,8 @@ def mutated(draw, body_strategy) -> bytes:
     sys.set_int_max_str_digits(0)                 # so that the 5000-digit integer can be written
     try:
         raw = json.dumps(body).encode()           # ensure_ascii: lone surrogates become "\udxxx" escapes
-        for i, nested in enumerate(nests):
-            raw = raw.replace(f'"__nest{i}__"'.encode(), nested)
+        for i, (opened, inner, closed) in enumerate(nests):
+            raw = raw.replace(f'"__nest{i}__"'.encode(), opened + json.dumps(inner).encode() + closed)
     finally:
         sys.set_int_max_str_digits(old)
     cut = draw(st.sampled_from(["none", "none", "none", "truncate", "byte", "pad"]))
