@@ -2,28 +2,11 @@
 gate, the MoE router's choice and mix; RMSNorm, with the conventions every kernel file
 follows, is in norms.py). The matmuls are in matmul.py.
 
-Every function here computes exactly what its numpy twin in ops.py computes;
-tests/test_stage1_kernels.py checks each one at awkward shapes. What makes them fast:
-
-- The inner loops are plain `for j in range(n): acc += a[j] * b[j]` over
-  contiguous memory, which LLVM turns into the CPU's vector code. `fastmath` is limited
-  to {"reassoc", "contract"}: reassociation lets LLVM split a sum into vector
-  lanes, contraction gives fused multiply-adds. We never assume "no NaN / no
-  inf", so a NaN or inf in the activations propagates as it does in numpy.
-- A parallel region costs tens of microseconds to start when idle threads sleep
-  (OMP_WAIT_POLICY=PASSIVE; about a microsecond when they spin): more than a
-  token's element-wise op takes, so those run serially; attention, which reads
-  the whole KV cache, runs in parallel (prange), as the matmuls do.
-- numba's np.exp is a scalar libm call; softmax and SiLU use exp_f32, a
-  polynomial that vectorises (7x faster).
-- `cache=True` stores the machine code on disk, so only the first run compiles.
-  numba notices an edit to a kernel's own file only, so every numba helper a
-  kernel here calls (exp_f32, its bit cast) is defined in this file too.
-
-Nothing here names a CPU instruction: LLVM picks the vector instructions of
-whatever CPU runs it (SSE2, AVX2, AVX-512, NEON). The row bodies are `_inline`
-helpers so that stage1_cpu/fast/ can run the same bodies in its one-region
-decode step (and get the same bits).
+Every function here computes exactly what its numpy twin in ops.py computes
+(tests/test_stage1_kernels.py checks each one at awkward shapes). What makes the loops
+fast, and why element-wise ops run on one thread while attention uses prange:
+docs/stage1.md, section 7. numba notices an edit to a kernel's own file only, so every
+numba helper a kernel here calls (exp_f32, its bit cast) is defined in this file too.
 """
 
 import math
@@ -40,8 +23,6 @@ from .norms import FAST, _inline, _parallel, _serial, rmsnorm, rmsnorm_row  # no
 
 # ---------------------------------------------------------------------------
 # exp in float32, with the bit cast it needs (numba has no float reinterpret of its own)
-
-
 @intrinsic
 def _u32_as_f32(typingctx, bits):
     """Reinterpret the 32 bits of an integer as a float32."""
@@ -82,8 +63,6 @@ def exp_f32(x):
 # ---------------------------------------------------------------------------
 # Element-wise ops: numba twins of ops.py, each written once for one row, as an
 # inlined helper (_inline, norms.py), and a serial loop over the rows.
-
-
 @_inline
 def silu_mul_row(gate_up, out, t):
     F = out.shape[1]
@@ -112,8 +91,6 @@ def silu_mul(gate_up: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------
 # MoE: the router's choice, and the weighted sum of the chosen experts' outputs.
 # Per token, serial: E and k are small (128 and 8 for Qwen3-30B-A3B).
-
-
 @_inline
 def route_row(logits, t, k, norm, top, weight):
     """ops.route for token t: logits [T, E] -> top [T, k] int64, weight [T, k] f32."""
@@ -237,8 +214,6 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 # ---------------------------------------------------------------------------
 # Attention over the KV cache.
-
-
 @_inline
 def attention_item(q, k_cache, v_cache, start_pos, out, item):
     """One (KV head, query) pair: all `group` query heads of KV head kvh for query t."""

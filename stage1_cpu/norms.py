@@ -13,11 +13,9 @@ from numba import njit
 # which removes a branch per division (with it, silu_mul did not vectorise: 6x).
 FAST = {"reassoc", "contract"}
 
-# Each kernel's body for one row (one output row of a matmul, one token of a norm)
-# is an _inline helper: the prange kernels below loop over it, and so does
-# fast/decode_step.py, which runs a whole decode step in one parallel region. One
-# body, two callers: both compute bit for bit the same. _serial kernels loop over the rows
-# on one thread, _parallel ones with prange (kernels.py, matmul.py).
+# Each kernel's body for one row (a matmul's output row, a norm's token) is an _inline
+# helper; the kernels loop over it, _serial on one thread, _parallel with prange, and so does
+# fast/decode_step.py's one parallel region: one body, the same bits (docs/stage1.md, section 7).
 _inline = njit(inline="always", fastmath=FAST, error_model="numpy")
 _serial = njit(cache=True, fastmath=FAST, error_model="numpy")
 _parallel = njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")

@@ -1,8 +1,5 @@
 """Stage 1's command-line options and engine builder, shared by chat, serve and generate.
-
-Kept free of heavy imports so that `--help` answers at once (numba loads only
-when the engine is built).
-"""
+Kept free of heavy imports so that `--help` answers at once (numba loads with the engine)."""
 from __future__ import annotations
 
 import argparse
@@ -45,8 +42,7 @@ def quant_for(folder: Path, args: argparse.Namespace) -> str:
 
 
 def describe(args: argparse.Namespace) -> str:
-    """A few words for the banner (the engine's describe_kernels() adds which kernels and
-    instructions it chose, and for a GGUF what each tensor type became)."""
+    """A few words for the banner (the engine's describe_kernels() adds which kernels it chose)."""
     from common.models import resolve_model
     q = args.quant or quant_for(resolve_model(getattr(args, "model", None), progress=False), args)
     quant = {"none": "float32", "stored": "GGUF as stored"}.get(q, q)

@@ -1,15 +1,8 @@
 """python -m stage1_cpu.serve --model DIR [--quant int8|int4|none] [--addr 127.0.0.1:8000]
 
-The OpenAI-compatible server (common/server.py, command line: common/serve_cli.py) over the stage-1 CPU engine.
-This file only builds the engine: HTTP, templates, tokenization, parsing and
-streaming are the same for every stage. Stage 1 runs one sequence at a time, so
---slots and --token-budget have no effect here; concurrent requests wait in its
-FIFO queue.
-
-The engine runs in a child process (--engine-process, on by default here: a crash
-in compiled code then fails only the requests in flight, and its cost does not
-show against a stage-1 step, docs/server.md); the child imports build_engine by
-its module and name, so it stays a module-level function.
+The OpenAI-compatible server (common/serve_cli.py, the same for every stage) over the stage-1
+engine, one sequence at a time: concurrent requests wait in its FIFO queue. The engine runs in
+a child process (docs/server.md), which imports build_engine by name: it stays module-level.
 """
 from __future__ import annotations
 
