@@ -6,8 +6,7 @@ from pathlib import Path
 
 from common import numba_cache
 
-# OpenBLAS's idle threads spin ~0.1 s after each call, taking a core from the numba kernels
-# next; it reads this when numpy loads it, so before stage 1 imports numpy (docs/stage1.md, section 7)
+# OpenBLAS's idle threads spin ~0.1 s per call, taking a core from numba (docs/stage1.md, section 7)
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 # numba's disk cache for stage 1, one folder per clone and per target (common/numba_cache.py)
 CACHE_DIR = numba_cache.use_folder("stage1", Path(__file__).parent,

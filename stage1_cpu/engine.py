@@ -17,8 +17,7 @@ from common.config import ModelConfig
 from common.engine import Request, TokenEvent, check_prompt
 from common.sampling import Sampler
 
-from . import CACHE_DIR, KERNEL_FILES
-from . import ops
+from . import CACHE_DIR, KERNEL_FILES, ops
 from .model import Model
 from .weights import load_weights
 
@@ -87,9 +86,11 @@ class LLMEngine(numba_cache.WarmUp):       # warm_up(), kernels_cold(): common/n
     def warm_key(self) -> tuple | None:
         """What the warm-up mark follows (numba_cache.WarmUp): the files the chosen kernels compile
         from, the format, the kernels, the model kind (MoE layers run kernels of their own)."""
+        if self.model.k is ops:                   # the numpy definitions: nothing to compile
+            return None
         w, mlp = self.weights, "moe" if self.config.num_experts else "dense"
         files, kinds = (w.fast.files(), w.fast.kinds(w)) if w.fast else (KERNEL_FILES, "fp32")
-        return None if self.model.k is ops else (CACHE_DIR, files, w.fmt, w.kernels, mlp, kinds)
+        return CACHE_DIR, files, w.fmt, w.kernels, mlp, kinds
 
     def step(self) -> list[TokenEvent]:
         events = [TokenEvent(rid, -1, "abort") for rid in self.aborted]

@@ -1,12 +1,10 @@
 """The matmul kernels behind stage1_cpu/quant.py: each weight format read as stored and
-converted to fp32 in registers, one fused dequantize-and-multiply per format. Each computes
-exactly what `Weight.matmul_ref` (quant.py) computes (tests/test_stage1_kernels.py).
-
-Decode is a matrix-vector product, limited by memory bandwidth: prange gives each thread
-one contiguous slice of rows, and a full-precision copy of a weight is never made. Prefill
-does not come here: quant.py hands a dequantized tile (dequant_rows_*) to BLAS
-(docs/stage1.md, section 7). As in kernels.py, the numba helpers a kernel calls (the bit
-casts) live in its file: numba notices an edit to a kernel's own file only.
+converted to fp32 in registers, one fused dequantize-and-multiply per format, each exactly
+what `Weight.matmul_ref` (quant.py) computes (tests/test_stage1_kernels.py). Decode is a
+matrix-vector product, limited by memory bandwidth: prange gives each thread a contiguous
+slice of rows. Prefill does not come here: quant.py hands a dequantized tile (dequant_rows_*)
+to BLAS (docs/stage1.md, section 7). As in kernels.py, the numba helpers a kernel calls (the
+bit casts) live in its file: numba notices an edit to a kernel's own file only.
 """
 
 import numpy as np
@@ -16,7 +14,7 @@ from numba.extending import intrinsic
 
 from .norms import FAST, _inline
 
-# ---------------------------------------------------------------------------
+
 # Bit casts. numba has no float16 or bfloat16 type, so weights and scales are
 # stored as uint16 bit patterns and turned into float32 with one instruction.
 @intrinsic
@@ -56,12 +54,10 @@ def f16_to_f32(h):
     return _u32_as_f32(bits) * np.float32(5.192296858534828e33)  # 2^112
 
 
-# ---------------------------------------------------------------------------
 # Quantized matmul, decode path: out[t, r] = sum_k x[t, k] * W[r, k].
 # x: [T, Kp] f32 (Kp = in_features padded to whole groups), out: [T, O] f32.
-# For T < quant.PREFILL_MIN_T: each weight row is read once and reused from L1 for all T
-# tokens. Converting in registers costs bf16 a shift and int4 most (two nibbles, a floor),
-# which can make int4 compute-bound (docs/stage1.md, "The napkin maths").
+# For T < quant.PREFILL_MIN_T: each row is read once, reused from L1 for all T tokens. Converting
+# in registers costs bf16 a shift, int4 most: int4 can be compute-bound (docs/stage1.md, napkin maths).
 @_inline
 def row_f32(x, t, w, r):
     """x[t] . w[r]: x [T, K] f32, w [O, K] f32."""
@@ -104,8 +100,6 @@ def matmul_bf16(x, w, out):
 # so numba knows each is >= 0 (no wrap-around select) and makes no array views (each costs
 # two atomic reference counts, which threads sharing x bounce between their cores). The
 # group size stays a runtime value (docs/stage1.md, section 7, "What did not help").
-
-
 @_inline
 def row_int8(x3, t, q, s, r):
     """x3[t] . row r of (q, s): x3 [T, G, gs] f32, q [O, G, gs] int8, s [O, G] fp16 bits."""
@@ -183,7 +177,6 @@ def matmul_int4(x4, q, s, m, out):
             out[t, r] = row_int4(x4, xsum, t, q, s, m, r)
 
 
-# ---------------------------------------------------------------------------
 # Dequantize selected rows to fp32: the embedding lookup, and the fp32 tile that the
 # prefill path hands to BLAS. ids: [R] int64; out: [R, Kp] f32, in the weight's group
 # layout. Serial on purpose: numba threads would fight OpenBLAS's spinning workers for the cores.

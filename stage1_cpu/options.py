@@ -30,6 +30,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def build_engine(folder: Path, args: argparse.Namespace, progress: bool = True):
     from .engine import LLMEngine   # here, so --help does not wait for numba
+    if getattr(args, "slots", None) not in (None, 1) or getattr(args, "token_budget", None) is not None:
+        print("note: stage 1 serves one sequence at a time; --slots and --token-budget are ignored", flush=True)
     return LLMEngine(folder, quant=quant_for(folder, args), group_size=args.group_size, max_ctx=args.max_ctx,
                      threads=args.threads, progress=progress, kernels=args.kernels,
                      activations=args.activations)

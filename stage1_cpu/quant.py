@@ -1,12 +1,10 @@
-"""Weight formats for stage 1: fp32, bf16, and group-wise int8 / int4. The bytes per
-weight, the layouts and why int8 is symmetric while int4 stores a minimum: docs/stage1.md,
-section 6.
+"""Weight formats for stage 1: fp32, bf16, and group-wise int8 / int4 (docs/stage1.md, section
+6: the bytes per weight, the layouts, why int8 is symmetric and int4 stores a minimum).
 
-`quantize(w, fmt, group_size)` turns one fp32 matrix [out, in] into a `Weight` once, at
-load time. A Weight multiplies activations without ever rebuilding the fp32 matrix: the
-numba kernels (matmul.py) read the stored bytes and convert them in registers.
-`matmul_ref` is the numpy twin that defines the result (dequantize, then matmul): slow,
-and used only by the tests.
+`quantize(w, fmt, group_size)` turns one fp32 matrix [out, in] into a `Weight` once, at load
+time; the numba kernels (matmul.py) read its stored bytes and convert them in registers, never
+rebuilding the fp32 matrix. `matmul_ref` is the numpy twin that defines the result
+(dequantize, then matmul): slow, and used only by the tests.
 """
 from __future__ import annotations
 
@@ -20,10 +18,10 @@ from . import matmul
 FORMATS = ("none", "bf16", "int8", "int4")
 GROUP_SIZES = (32, 64, 128)
 
-# Prefill dequantizes ROW_BLOCK rows at a time into an fp32 tile for BLAS sgemm, far faster
-# than a numba GEMM (docs/stage1.md, section 7, has the measurements behind both sizes).
+# Prefill: ROW_BLOCK rows at a time dequantized to an fp32 tile for BLAS sgemm (docs/stage1.md, section 7)
 PREFILL_MIN_T = 8     # from 8 tokens on, the tile beats reading each row T times (bench/kernels.py)
 ROW_BLOCK = 1024      # 1024 rows x 1024 fp32 = 4 MB: wide enough for OpenBLAS's threads, still in L3
+QUANT_ROWS = 4096     # rows quantized at a time: bounds the fp32 temporaries (~6 x rows x in x 4 bytes)
 
 
 def f32_to_bf16_bits(w: np.ndarray) -> np.ndarray:
@@ -70,7 +68,6 @@ class Weight:
         return f"Weight({self.fmt}, [{self.out_features}, {self.in_features}]{gs}, {self.nbytes / 2**20:.1f} MiB)"
 
     # -- the numba kernels ----------------------------------------------------
-
     def matmul(self, x: np.ndarray) -> np.ndarray:
         """x [T, in] f32 -> x @ W.T [T, out] f32."""
         x = self._check(x)
@@ -135,7 +132,6 @@ class Weight:
             matmul.dequant_rows_int4(ids, self.data, self.scales, self.mins, out.reshape(R, -1, 2, gs))
 
     # -- the numpy twin that defines it ---------------------------------------
-
     def dequantize(self) -> np.ndarray:
         """The full fp32 matrix [out, in] (tests and references only)."""
         if self.fmt == "none":
@@ -158,7 +154,6 @@ class Weight:
         return (x @ self.dequantize().T).astype(np.float32)
 
     # -- helpers ---------------------------------------------------------------
-
     def _check(self, x: np.ndarray) -> np.ndarray:
         if x.ndim != 2 or x.shape[1] != self.in_features:
             raise ValueError(f"matmul expects x [T, {self.in_features}], got {list(x.shape)} for {self!r}")
@@ -172,9 +167,6 @@ class Weight:
         xp = np.zeros((x.shape[0], Kp), dtype=np.float32)
         xp[:, : self.in_features] = x
         return xp
-
-
-QUANT_ROWS = 4096  # rows quantized at a time: bounds the fp32 temporaries (~6 x rows x in x 4 bytes)
 
 
 def quantize(w: np.ndarray, fmt: str, group_size: int = 32) -> Weight:
@@ -208,8 +200,7 @@ def quantize(w: np.ndarray, fmt: str, group_size: int = 32) -> Weight:
     else:
         data = np.empty((O, G // 2, gs), dtype=np.uint8)
         mins = np.empty((O, G), dtype=np.float16)
-    # a block of rows at a time, so a 150k-row embedding needs no 4x-size temporaries
-    for r in range(0, O, QUANT_ROWS):
+    for r in range(0, O, QUANT_ROWS):                 # a 150k-row embedding needs no 4x-size temporaries
         rows = slice(r, min(O, r + QUANT_ROWS))
         # [rows, G, gs]: split each row into groups, the last ones padded with zeros
         g = np.zeros((rows.stop - r, G * gs), dtype=np.float32)

@@ -1,23 +1,14 @@
 """python -m stage1_cpu.serve --model DIR [--quant int8|int4|none] [--addr 127.0.0.1:8000]
 
 The OpenAI-compatible server (common/serve_cli.py, the same for every stage) over the stage-1
-engine, one sequence at a time: concurrent requests wait in its FIFO queue. The engine runs in
-a child process (docs/server.md), which imports build_engine by name: it stays module-level.
+engine, one sequence at a time: concurrent requests wait in its FIFO queue, and --slots and
+--token-budget have no effect (options.build_engine says so). The engine runs in a child
+process (docs/server.md), which imports build_engine by name: it stays module-level.
 """
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
 from common.serve_cli import main as serve_main
-from .options import add_args
-from .options import build_engine as _build
-
-
-def build_engine(folder: Path, args: argparse.Namespace):
-    if args.slots not in (None, 1) or args.token_budget is not None:
-        print("note: stage 1 serves one sequence at a time; --slots and --token-budget are ignored", flush=True)
-    return _build(folder, args)
+from .options import add_args, build_engine
 
 
 def main(argv: list[str] | None = None) -> None:

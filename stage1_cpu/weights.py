@@ -1,10 +1,8 @@
 """Load a model folder into stage 1's layout, quantizing tensor by tensor: each projection
-becomes a quant.Weight the moment it is read, and its float32 copy is dropped before the
-next tensor is read (peak memory: the quantized model plus one fp32 tensor). q/k/v and
-gate/up are stacked into one matrix each (docs/stage1.md, section 3, says why).
-
-This is also the one place that chooses the kernels (choose_kernels, --kernels): the core
-alone, or stage1_cpu.fast's FastPath, imported here and only here.
+becomes a quant.Weight the moment it is read, its float32 copy dropped before the next is
+read (peak memory: the quantized model plus one fp32 tensor). q/k/v and gate/up are stacked
+into one matrix each (docs/stage1.md, section 3, says why). And the one place that chooses
+the kernels (choose_kernels): the core alone, or stage1_cpu.fast's FastPath, imported here.
 """
 from __future__ import annotations
 
@@ -16,6 +14,8 @@ import numpy as np
 from common.config import ModelConfig
 from common.loader import loading, open_weights, quantize_by_rows, stack
 from .quant import FORMATS, Weight, quantize
+
+KERNELS = ("auto", "plain", "fast")     # --kernels
 
 
 @dataclass
@@ -59,9 +59,6 @@ class Weights:
         return "fast" if self.fast else "plain"
 
 
-KERNELS = ("auto", "plain", "fast")
-
-
 def choose_kernels(kernels: str, activations: str, fmt: str):
     """--kernels auto | plain | fast -> stage1_cpu.fast.FastPath, or None for the core alone.
     auto is fast wherever it runs (fast.available()). The import is here, lazy: nothing of
@@ -97,10 +94,9 @@ def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
     loader = open_weights(folder, keep_quantized=fmt == "stored")
     cfg = loader.config
     q = quantizer(fmt)
-    # The embedding / lm_head, the one matrix every logit goes through, stays int8 when the rest is
-    # int4 (as llama.cpp's Q4 files keep it at Q8_0), and the fast path rounds its decode activations
-    # to int16, not int8: on the default model either flips the first answer token (docs/stage1.md,
-    # sections 6 and 12).
+    # The embedding / lm_head, the one matrix every logit goes through, stays int8 when the rest is int4
+    # (as llama.cpp's Q4 files keep it at Q8_0), and the fast path rounds its decode activations to int16,
+    # not int8: on the default model either flips the first answer token (docs/stage1.md, sections 6, 12).
     embed_fmt = "int8" if fmt == "int4" else fmt
     head_q = quantizer(embed_fmt, lm_head=True)
     # one step per Weight: wqkv and wo per layer (attn=2), gate_up and down per MLP (mlp=2)
@@ -122,18 +118,14 @@ def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
                 L.q_norm, L.k_norm = loader.layer("q_norm", i), loader.layer("k_norm", i)
             if cfg.is_moe_layer(i):
                 L.router = quantize(loader.layer("router", i), "none")
-                experts = [ExpertWeights(step(q(loader.fused(["e_gate", "e_up"], i, e))),
-                                         step(q(loader.layer("e_down", i, e))))
-                           for e in range(cfg.num_experts)]
                 # one matrix per projection for all E experts, each expert a view of its rows: the
                 # one-region decode step reads the k chosen experts' rows as one work list
-                L.experts_gate_up = stack([ex.e_gate_up for ex in experts])
-                L.experts_down = stack([ex.e_down for ex in experts])
-                del experts
-                Fe2, C = L.experts_gate_up.out_features // cfg.num_experts, cfg.hidden_size
+                E = cfg.num_experts
+                L.experts_gate_up = stack([step(q(loader.fused(["e_gate", "e_up"], i, e))) for e in range(E)])
+                L.experts_down = stack([step(q(loader.layer("e_down", i, e))) for e in range(E)])
+                Fe2, C = L.experts_gate_up.out_features // E, L.experts_down.out_features // E
                 L.experts = [ExpertWeights(L.experts_gate_up.part(e * Fe2, (e + 1) * Fe2),
-                                           L.experts_down.part(e * C, (e + 1) * C))
-                             for e in range(cfg.num_experts)]
+                                           L.experts_down.part(e * C, (e + 1) * C)) for e in range(E)]
                 if cfg.shared_expert_intermediate_size:
                     L.shared_expert = ExpertWeights(step(q(loader.fused(["s_gate", "s_up"], i))),
                                                     step(q(loader.layer("s_down", i))))
