@@ -14,8 +14,10 @@ stages ask for "wq" of layer 3 and never spell out "model.layers.3.self_attn.q_p
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -240,3 +242,43 @@ class WeightLoader:
         (of one MoE expert, with expert: ["e_gate", "e_up"] -> [2 * Fe, C]; the biases
         ["bq", "bk", "bv"] -> [(H + 2*Hkv) * D], in the same order as the rows)."""
         return np.concatenate([self.layer(k, layer, expert, dtype=dtype) for k in keys], axis=0)
+
+
+def quantize_by_rows(loader, key: str, q, fmt: str, block: int = 16384):
+    """The embedding / lm_head [V, C] is by far the largest tensor (Qwen3-0.6B: 622 MB in
+    fp32). Quantize it a block of rows at a time straight from the mapped file (q: the
+    stage's quantizer), so its fp32 form never exists whole. -> one matrix, the blocks'
+    rows stacked (stack)."""
+    V = loader.config.vocab_size
+    if fmt == "none":
+        return q(loader.glob(key))                            # fp32 is the format itself
+    parts = [q(loader.glob(key, rows=slice(r, r + block))) for r in range(0, V, block)]
+    return parts[0] if len(parts) == 1 else stack(parts)
+
+
+def stack(ws: list):
+    """Matrices of one format and in_features (dataclasses with data, scales and mins, as
+    stage 1's quant.Weight) -> one matrix, their rows stacked in order."""
+    cat = lambda name: (None if getattr(ws[0], name) is None  # noqa: E731
+                        else np.concatenate([getattr(w, name) for w in ws]))
+    return dataclasses.replace(ws[0], out_features=sum(w.out_features for w in ws), data=cat("data"),
+                               scales=cat("scales"), mins=cat("mins"))
+
+
+@contextmanager
+def loading(cfg: ModelConfig, title: str, attn: int, mlp: int, show: bool = True):
+    """A progress bar that advances once per matrix loaded: `with loading(...) as step:`, then
+    step(matrix) -> matrix. attn, mlp: how many matrices one layer's attention and one MLP hold
+    (a MoE layer has one MLP per expert, and a shared one); 2 more for embed and lm_head."""
+    from rich.progress import Progress
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    n_shared = n_moe if cfg.shared_expert_intermediate_size else 0
+    total = 2 + cfg.num_layers * (attn + mlp) + (n_moe * (cfg.num_experts - 1) + n_shared) * mlp
+    with Progress(transient=True, disable=not show) as bar:
+        task = bar.add_task(title, total=total)
+
+        def step(value):
+            bar.advance(task)
+            return value
+
+        yield step

@@ -87,6 +87,26 @@ def warm_up(forward, max_ctx: int, mark: Path) -> float:
     return time.perf_counter() - t0
 
 
+class WarmUp:
+    """warm_up() and kernels_cold() for an engine (the chat and generate call them): the
+    engine gives warm_key() -> (cache folder, kernel files, *key) for warm_mark(), or None
+    when it runs no numba code, and has model.forward, max_ctx and reset()."""
+
+    def warm_up(self) -> float | None:
+        """Compile every kernel a conversation needs before the first prompt, unless a previous
+        run did. -> seconds it took, or None."""
+        if not self.kernels_cold():
+            return None
+        took = warm_up(self.model.forward, self.max_ctx, warm_mark(*self.warm_key()))
+        self.reset()                              # the KV cache holds nothing a prompt can reuse
+        return took
+
+    def kernels_cold(self) -> bool:
+        """True until warm_up() has run for this key, with the kernel files as they are now."""
+        key = self.warm_key()
+        return key is not None and not warm_mark(*key).exists()
+
+
 def set_threads(n: int | None) -> int:
     """Use n threads for numba's parallel kernels (None: all cores). Returns the count."""
     import numba

@@ -6,13 +6,8 @@ from pathlib import Path
 
 from common import numba_cache
 
-# numpy's OpenBLAS keeps its worker threads spinning for 2^28 cycles (~0.1 s) after each
-# call, taking a core away from the numba kernels that run next: cutting the spin to 2^4
-# cycles makes a 512-token bf16 prefill about a quarter faster (docs/benchmarks.md). OpenBLAS
-# reads this when numpy loads it, so it is set here, before stage 1 imports numpy (with
-# `python -m stage1_cpu.chat` this package is imported first; bench/common.py sets it too).
+# OpenBLAS's idle threads spin ~0.1 s per call, taking a core from numba (docs/stage1.md, section 7)
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
-
 # numba's disk cache for stage 1, one folder per clone and per target (common/numba_cache.py)
 CACHE_DIR = numba_cache.use_folder("stage1", Path(__file__).parent,
                                    env=("QS_FAST_ISA", "NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES"))

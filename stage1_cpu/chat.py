@@ -1,11 +1,7 @@
-"""The terminal chat on the stage-1 CPU engine:
+"""python -m stage1_cpu.chat [--model DIR|NAME] [--quant none|bf16|int8|int4] [--threads N]
 
-    python -m stage1_cpu.chat [--model DIR|NAME] [--quant none|bf16|int8|int4] [--threads N]
-
-The chat itself (conversation, template, streaming, /commands) is common/chat.py;
-this file only hands it stage 1's options and engine, so every stage gets the
-same chat.
-"""
+The chat itself is common/chat.py, the same for every stage; this file hands it stage 1's
+options and engine."""
 from __future__ import annotations
 
 import sys

@@ -1,14 +1,7 @@
-"""The stage-1 Engine: one sequence at a time, a FIFO queue behind it.
-
-step() does one unit of work for the running request:
-  * prefill: feed up to `prefill_chunk` prompt tokens through the model (a long
-    prompt takes several steps, so abort() and other callers are never blocked
-    for long, and attention scores stay small);
-  * decode: sample the next token from the last logits and feed it back.
-
-The KV cache survives between requests. A new request whose prompt starts with
-the tokens already in the cache (the next turn of a chat) only prefills the new
-part: that is the whole of multi-turn caching in a single-sequence engine.
+"""The stage-1 Engine: one sequence at a time, a FIFO queue behind it. step() prefills up
+to `prefill_chunk` prompt tokens, or decodes one token; the KV cache survives between
+requests, so a prompt that starts with the cached tokens (the next turn of a chat) only
+prefills the new part (docs/stage1.md, section 2).
 """
 from __future__ import annotations
 
@@ -24,8 +17,7 @@ from common.config import ModelConfig
 from common.engine import Request, TokenEvent, check_prompt
 from common.sampling import Sampler
 
-from . import CACHE_DIR, KERNEL_FILES
-from . import ops
+from . import CACHE_DIR, KERNEL_FILES, ops
 from .model import Model
 from .weights import load_weights
 
@@ -39,7 +31,7 @@ class _Running:
     logits: np.ndarray | None = None               # [V] of the last fed position
 
 
-class LLMEngine:
+class LLMEngine(numba_cache.WarmUp):       # warm_up(), kernels_cold(): common/numba_cache.py
     def __init__(self, folder: str | Path, quant: str = "none", group_size: int = 32,
                  max_ctx: int = 4096, threads: int | None = None, progress: bool = True,
                  prefill_chunk: int = 512, use_numba: bool = True, kernels: str = "auto",
@@ -91,24 +83,14 @@ class LLMEngine:
         kernels = w.fast.describe(w) if w.fast else "plain kernels"
         return f"{w.source} · {kernels}" if w.source else kernels
 
-    def warm_up(self) -> float | None:
-        """Compile every kernel a conversation needs before the first prompt, unless a previous
-        run did (common/numba_cache.py). -> seconds it took, or None."""
-        if not self.kernels_cold():
+    def warm_key(self) -> tuple | None:
+        """What the warm-up mark follows (numba_cache.WarmUp): the files the chosen kernels compile
+        from, the format, the kernels, the model kind (MoE layers run kernels of their own)."""
+        if self.model.k is ops:                   # the numpy definitions: nothing to compile
             return None
-        took = numba_cache.warm_up(self.model.forward, self.max_ctx, self._warm_mark())
-        self.cached_ids = []                      # the cache holds nothing a prompt can reuse
-        return took
-
-    def kernels_cold(self) -> bool:
-        """True until warm_up() has run for these kernels, format and model kind (MoE layers
-        run kernels of their own), with the kernel files as they are now."""
-        return self.model.k is not ops and not self._warm_mark().exists()
-
-    def _warm_mark(self) -> Path:
         w, mlp = self.weights, "moe" if self.config.num_experts else "dense"
         files, kinds = (w.fast.files(), w.fast.kinds(w)) if w.fast else (KERNEL_FILES, "fp32")
-        return numba_cache.warm_mark(CACHE_DIR, files, w.fmt, w.kernels, mlp, kinds)
+        return CACHE_DIR, files, w.fmt, w.kernels, mlp, kinds
 
     def step(self) -> list[TokenEvent]:
         events = [TokenEvent(rid, -1, "abort") for rid in self.aborted]

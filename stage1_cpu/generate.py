@@ -1,9 +1,5 @@
-"""One-shot generation: python -m stage1_cpu.generate --model DIR|NAME --prompt "..."
-
-Prints tokens as they arrive, then prefill and decode speed. The prompt goes
-through the model's chat template unless --raw is given. The generation itself is
-common/generate.py; this file only hands it stage 1's options and engine.
-"""
+"""python -m stage1_cpu.generate --model DIR|NAME --prompt "...": the tokens as they arrive,
+then prefill and decode speed (common/generate.py; this file hands it stage 1's engine)."""
 from __future__ import annotations
 
 import sys

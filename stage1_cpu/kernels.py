@@ -1,29 +1,10 @@
-"""Numba kernels for stage 1: the twins of stage1_cpu/ops.py (RoPE, attention, SwiGLU's
-gate, the MoE router's choice and mix; RMSNorm, with the conventions every kernel file
-follows, is in norms.py). The matmuls are in matmul.py.
-
-Every function here computes exactly what its numpy twin in ops.py computes;
-tests/test_stage1_kernels.py checks each one at awkward shapes. What makes them fast:
-
-- The inner loops are plain `for j in range(n): acc += a[j] * b[j]` over
-  contiguous memory, which LLVM turns into the CPU's vector code. `fastmath` is limited
-  to {"reassoc", "contract"}: reassociation lets LLVM split a sum into vector
-  lanes, contraction gives fused multiply-adds. We never assume "no NaN / no
-  inf", so a NaN or inf in the activations propagates as it does in numpy.
-- A parallel region costs tens of microseconds to start when idle threads sleep
-  (OMP_WAIT_POLICY=PASSIVE; about a microsecond when they spin): more than a
-  token's element-wise op takes, so those run serially; attention, which reads
-  the whole KV cache, runs in parallel (prange), as the matmuls do.
-- numba's np.exp is a scalar libm call; softmax and SiLU use exp_f32, a
-  polynomial that vectorises (7x faster).
-- `cache=True` stores the machine code on disk, so only the first run compiles.
-  numba notices an edit to a kernel's own file only, so every numba helper a
-  kernel here calls (exp_f32, its bit cast) is defined in this file too.
-
-Nothing here names a CPU instruction: LLVM picks the vector instructions of
-whatever CPU runs it (SSE2, AVX2, AVX-512, NEON). The row bodies are `_inline`
-helpers so that stage1_cpu/fast/ can run the same bodies in its one-region
-decode step (and get the same bits).
+"""Numba kernels for stage 1: the twins of stage1_cpu/ops.py (RoPE, attention, SwiGLU's gate,
+the MoE router's choice and mix; RMSNorm and the conventions every kernel file follows are in
+norms.py, the matmuls in matmul.py). Each computes exactly what its numpy twin computes
+(tests/test_stage1_kernels.py, at awkward shapes); what makes the loops fast, and why
+element-wise ops run on one thread while attention uses prange: docs/stage1.md, section 7.
+numba notices an edit to a kernel's own file only, so every numba helper a kernel here calls
+(exp_f32, its bit cast) is defined in this file too.
 """
 
 import math
@@ -38,10 +19,7 @@ from common.numba_cache import set_threads  # noqa: F401  (numba's thread count:
 from .norms import FAST, _inline, _parallel, _serial, rmsnorm, rmsnorm_row  # noqa: F401 (K.rmsnorm)
 
 
-# ---------------------------------------------------------------------------
 # exp in float32, with the bit cast it needs (numba has no float reinterpret of its own)
-
-
 @intrinsic
 def _u32_as_f32(typingctx, bits):
     """Reinterpret the 32 bits of an integer as a float32."""
@@ -56,12 +34,10 @@ def _u32_as_f32(typingctx, bits):
 
 @njit(inline="always", fastmath=FAST, error_model="numpy")
 def exp_f32(x):
-    """exp(x) in float32 to ~2 ulp (measured max rel. error 2.3e-7), in plain
-    arithmetic that LLVM vectorises: 7x faster here than np.exp, which numba
-    turns into one libm call per element. Inputs are clamped to [-87, 88], so
-    exp(-inf) gives 1.6e-38 rather than 0 (no caller relies on exact 0).
-        exp(x) = 2^n * exp(r),  n = round(x / ln2),  r = x - n ln2 in [-ln2/2, ln2/2]
-    """
+    """exp(x) in float32 to ~2 ulp (measured max rel. error 2.3e-7), in plain arithmetic that
+    LLVM vectorises: 7x faster than np.exp, one libm call per element in numba. Inputs are
+    clamped to [-87, 88], so exp(-inf) gives 1.6e-38, not 0 (no caller relies on exact 0).
+        exp(x) = 2^n * exp(r),  n = round(x / ln2),  r = x - n ln2 in [-ln2/2, ln2/2]"""
     x = min(max(x, np.float32(-87.0)), np.float32(88.0))
     n = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
     # r = x - n ln2, with ln2 split in two so that n * (high part) is exact
@@ -79,11 +55,8 @@ def exp_f32(x):
     return p * _u32_as_f32((np.int64(n) + 127) << 23)
 
 
-# ---------------------------------------------------------------------------
 # Element-wise ops: numba twins of ops.py, each written once for one row, as an
 # inlined helper (_inline, norms.py), and a serial loop over the rows.
-
-
 @_inline
 def silu_mul_row(gate_up, out, t):
     F = out.shape[1]
@@ -99,9 +72,8 @@ def _silu_mul(gate_up, out):
 
 
 def silu_mul(gate_up: np.ndarray) -> np.ndarray:
-    """[T, 2F] = [gate | up] (the fused projection's output) -> silu(gate) * up [T, F].
-    Taking the fused array whole keeps it contiguous: given its two column halves
-    (strided views), numba's loop did not vectorise and ran 20x slower (measured)."""
+    """[T, 2F] = [gate | up] (the fused projection's output) -> silu(gate) * up [T, F]. Whole, so
+    contiguous: given its two column halves (strided views) the loop did not vectorise (20x)."""
     gate_up = np.ascontiguousarray(gate_up)
     T, F = gate_up.shape[0], gate_up.shape[1] // 2
     out = np.empty((T, F), dtype=np.float32)
@@ -109,11 +81,8 @@ def silu_mul(gate_up: np.ndarray) -> np.ndarray:
     return out
 
 
-# ---------------------------------------------------------------------------
 # MoE: the router's choice, and the weighted sum of the chosen experts' outputs.
 # Per token, serial: E and k are small (128 and 8 for Qwen3-30B-A3B).
-
-
 @_inline
 def route_row(logits, t, k, norm, top, weight):
     """ops.route for token t: logits [T, E] -> top [T, k] int64, weight [T, k] f32."""
@@ -216,16 +185,11 @@ def rope_head(x, cos, sin, out, t, h):
     # exercise 1.2 end
 
 
-@_inline
-def _rope_row(x, cos, sin, out, t):
-    for h in range(x.shape[1]):
-        rope_head(x, cos, sin, out, t, h)
-
-
 @_serial
 def _rope(x, cos, sin, out):
     for t in range(x.shape[0]):
-        _rope_row(x, cos, sin, out, t)
+        for h in range(x.shape[1]):
+            rope_head(x, cos, sin, out, t, h)
 
 
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -235,10 +199,7 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return out
 
 
-# ---------------------------------------------------------------------------
 # Attention over the KV cache.
-
-
 @_inline
 def attention_item(q, k_cache, v_cache, start_pos, out, item):
     """One (KV head, query) pair: all `group` query heads of KV head kvh for query t."""

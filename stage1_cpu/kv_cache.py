@@ -1,11 +1,6 @@
-"""The KV cache of one sequence: every layer's keys and values for positions 0..max_ctx-1.
-
-Layout [L, 2, Hkv, T_max, D] (index 0 = K, 1 = V): for one layer and one kv head
-the positions are contiguous, so attention streams each head's keys as one block.
-The array is allocated with np.zeros, which the OS hands out as untouched pages:
-memory is only committed for positions actually written, so a large --max-ctx
-costs nothing until the conversation grows into it.
-"""
+"""The KV cache of one sequence, [L, 2, Hkv, T_max, D] (0 = K, 1 = V): a kv head's positions
+are contiguous, so attention streams its keys as one block. np.zeros hands out untouched
+pages, so a large --max-ctx costs no memory until the conversation grows into it."""
 from __future__ import annotations
 
 import numpy as np

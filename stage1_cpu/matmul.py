@@ -1,22 +1,10 @@
 """The matmul kernels behind stage1_cpu/quant.py: each weight format read as stored and
-converted to fp32 in registers, one fused dequantize-and-multiply per format.
-
-Every kernel computes exactly what `Weight.matmul_ref` (quant.py) computes;
-tests/test_stage1_kernels.py checks each one at awkward shapes.
-
-- Decode (one token) is a matrix-vector product: each weight byte is used once,
-  so the speed limit is memory bandwidth, not arithmetic. The kernels read the
-  weight rows in their stored format (bf16 / int8 / int4) and convert to fp32 in
-  registers; a full-precision copy of a weight matrix is never made.
-- Work is split over output rows with `prange` (one chunk per thread, so each
-  thread streams one contiguous slice of the matrix).
-- Prefill (many tokens) does not come here: quant.py dequantizes a tile of rows
-  (dequant_rows_*, below) and hands it to BLAS, which is compute-bound work.
-
-The row bodies are `_inline` helpers so that stage1_cpu/fast/ can run the same
-bodies in its one-region decode step (and get the same bits). The numba helpers
-each kernel calls (the bit casts) live in this file too: numba notices an edit
-to a kernel's own file only, so a kernel and what it inlines are kept together.
+converted to fp32 in registers, one fused dequantize-and-multiply per format, each exactly
+what `Weight.matmul_ref` (quant.py) computes (tests/test_stage1_kernels.py). Decode is a
+matrix-vector product, limited by memory bandwidth: prange gives each thread a contiguous
+slice of rows. Prefill does not come here: quant.py hands a dequantized tile (dequant_rows_*)
+to BLAS (docs/stage1.md, section 7). As in kernels.py, the numba helpers a kernel calls (the
+bit casts) live in its file: numba notices an edit to a kernel's own file only.
 """
 
 import numpy as np
@@ -24,15 +12,11 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from .norms import FAST
+from .norms import FAST, _inline
 
-_inline = njit(inline="always", fastmath=FAST, error_model="numpy")
 
-# ---------------------------------------------------------------------------
 # Bit casts. numba has no float16 or bfloat16 type, so weights and scales are
 # stored as uint16 bit patterns and turned into float32 with one instruction.
-
-
 @intrinsic
 def bf16_to_f32(typingctx, bits):
     """uint16 bfloat16 bits -> float32: bf16 is the top half of an fp32, so
@@ -61,31 +45,19 @@ def _u32_as_f32(typingctx, bits):
 
 @njit(inline="always", error_model="numpy")
 def f16_to_f32(h):
-    """uint16 IEEE half bits -> float32, exact for every finite value.
-
-    Move sign, exponent and mantissa to their float32 places (the 5-bit
-    exponent lands in the low bits of float32's 8-bit one, i.e. the value is
-    scaled by 2^-112), then multiply by 2^112. Half subnormals come out right
-    too. (LLVM's own `fpext half` is one instruction, but this LLVM build hits
-    an assertion when it vectorises it, so we avoid the half type entirely.)
-    Scales are read once per group, so the few integer ops cost nothing."""
+    """uint16 IEEE half bits -> float32, exact for every finite value (subnormals too): move
+    sign, exponent and mantissa to their float32 places (the value scaled by 2^-112), then
+    multiply by 2^112. (LLVM's `fpext half` is one instruction, but this LLVM build hits an
+    assertion when it vectorises it.) Once per group of weights, so its cost is nothing."""
     b = np.int64(h)
     bits = ((b & 0x8000) << 16) | ((b & 0x7FFF) << 13)
     return _u32_as_f32(bits) * np.float32(5.192296858534828e33)  # 2^112
 
 
-# ---------------------------------------------------------------------------
 # Quantized matmul, decode path: out[t, r] = sum_k x[t, k] * W[r, k].
 # x: [T, Kp] f32 (Kp = in_features padded to whole groups), out: [T, O] f32.
-# Used for T up to a few tokens (quant.PREFILL_MIN_T): each weight row is read
-# from memory once and reused from L1 for all T tokens.
-# Per core, converting the weights in registers costs bf16 least (a shift), int8
-# more (widen, convert) and int4 most (two nibbles, a floor): a core converts
-# 10-20 G weights/s of int8 / int4. With a few cores per memory channel, bf16 and
-# int8 are then memory-bound and int4 (0.56 byte/weight) compute-bound
-# (docs/benchmarks.md has the figures).
-
-
+# For T < quant.PREFILL_MIN_T: each row is read once, reused from L1 for all T tokens. Converting
+# in registers costs bf16 a shift, int4 most: int4 can be compute-bound (docs/stage1.md, napkin maths).
 @_inline
 def row_f32(x, t, w, r):
     """x[t] . w[r]: x [T, K] f32, w [O, K] f32."""
@@ -97,10 +69,8 @@ def row_f32(x, t, w, r):
 
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
 def matmul_f32(x, w, out):
-    """x: [T, K] f32, w: [O, K] f32 -> out: [T, O]. Decode only: BLAS would do the
-    same, but OpenBLAS's worker threads keep spinning after each call and starve
-    the numba threads of the kernels that follow (measured: fp32 decode of the
-    default model in the chat became about ten times slower when the two alternated)."""
+    """x: [T, K] f32, w: [O, K] f32 -> out: [T, O]. Decode only, and not BLAS: OpenBLAS's
+    spinning threads starve the numba kernels that follow (docs/stage1.md, section 7)."""
     T, O = x.shape[0], w.shape[0]
     for r in prange(O):
         for t in range(T):
@@ -126,14 +96,10 @@ def matmul_bf16(x, w, out):
             out[t, r] = row_bf16(x, t, w, r)
 
 
-# Indexing style, for all kernels below: plain a[r, g, j] with every index a
-# loop counter. Numba then knows each index is >= 0 (no wrap-around select) and
-# creates no array views (a view costs two atomic reference-count updates,
-# which two threads sharing x would bounce between their cores). The group
-# size stays a runtime value: a compile-time constant made LLVM fully unroll
-# the group loop, which was not faster and tripped an assertion in this LLVM.
-
-
+# Indexing style, for all kernels below: plain a[r, g, j] with every index a loop counter,
+# so numba knows each is >= 0 (no wrap-around select) and makes no array views (each costs
+# two atomic reference counts, which threads sharing x bounce between their cores). The
+# group size stays a runtime value (docs/stage1.md, section 7, "What did not help").
 @_inline
 def row_int8(x3, t, q, s, r):
     """x3[t] . row r of (q, s): x3 [T, G, gs] f32, q [O, G, gs] int8, s [O, G] fp16 bits."""
@@ -199,16 +165,9 @@ def row_int4(x4, xsum, t, q, s, m, r):
 def matmul_int4(x4, q, s, m, out):
     """x4: [T, G/2, 2, gs] f32 (x split into pairs of groups, a view);
     q: [O, G/2, gs] uint8; s, m: [O, G] fp16 bits, scale and minimum per group.
-
-    Byte j of pair p holds weight j of group 2p in its low nibble and weight j
-    of group 2p+1 in its high nibble (llama.cpp's Q4 layout with the two
-    halves of its block given their own scales). Both nibbles of a byte
-    multiply contiguous activations, and the inner loop runs over a whole
-    group (64 bytes at gs=64), long enough for full-width vector code.
-    W = nibble * s + m, hence a group's dot product is
-        s * sum(nibble * x) + m * sum(x)
-    where sum(x) is shared by every row, computed once per call.
-    """
+    Byte j of pair p holds weight j of group 2p (low nibble) and of group 2p+1 (high):
+    both nibbles multiply contiguous activations over a whole group. W = nibble * s + m,
+    so a group's dot product is s * sum(nibble * x) + m * sum(x), sum(x) once per call."""
     T, O = x4.shape[0], q.shape[0]
     xsum = np.empty((T, x4.shape[1], 2), dtype=np.float32)   # [T, G/2, 2] sum of each group of x
     for t in range(T):
@@ -218,15 +177,9 @@ def matmul_int4(x4, q, s, m, out):
             out[t, r] = row_int4(x4, xsum, t, q, s, m, r)
 
 
-# ---------------------------------------------------------------------------
-# Dequantize selected rows to fp32: the embedding lookup, and the fp32 tile
-# that the prefill path hands to BLAS (a block of rows, never the whole matrix).
-# ids: [R] int64; out: [R, Kp] f32, viewed in the weight's group layout.
-# Serial on purpose: in prefill the BLAS call that follows uses both cores, and
-# OpenBLAS's worker keeps spinning between calls; numba threads started now
-# would fight it for the cores.
-
-
+# Dequantize selected rows to fp32: the embedding lookup, and the fp32 tile that the
+# prefill path hands to BLAS. ids: [R] int64; out: [R, Kp] f32, in the weight's group
+# layout. Serial on purpose: numba threads would fight OpenBLAS's spinning workers for the cores.
 @njit(cache=True, fastmath=FAST, error_model="numpy")
 def dequant_rows_bf16(ids, w, out):
     """w: [O, K] bf16 bits -> out: [R, K]."""

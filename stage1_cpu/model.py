@@ -13,13 +13,9 @@
                                                          plus a gated shared expert: qwen2_moe)
     logits = rmsnorm(x) @ lm_head.T                     [V] for the last position
 
-Each step is one call of a numba kernel (kernels.py), and each matmul one parallel
-region of its own. With --kernels fast, a one-token step runs instead in a single
-parallel region (fast/decode_step.py), bit for bit the result of this code.
-
-Weight names follow Hugging Face's (wq is q_proj, ...); the rename table is in
-common/loader.py. Each matmul is a quant.Weight, so the same code runs fp32,
-bf16, int8 and int4 weights.
+Each step is one numba kernel (kernels.py), each matmul a quant.Weight in any format; with
+--kernels fast a one-token step runs in one parallel region instead (fast/decode_step.py),
+bit for bit the same. Weight names are Hugging Face's (wq is q_proj; common/loader.py).
 """
 from __future__ import annotations
 

@@ -1,23 +1,18 @@
-"""RMSNorm, the first numba kernel of stage 1, and the conventions every kernel file follows
-(kernels.py, matmul.py). Its numpy twin is ops.rmsnorm.
-
-RMSNorm has a file of its own because numba caches machine code per source file: an
-edit here recompiles these few functions, not every op (docs/stage1.md, section 2).
-"""
+"""RMSNorm, the first numba kernel of stage 1 (its numpy twin is ops.rmsnorm), and the
+conventions every kernel file follows (kernels.py, matmul.py). It has a file of its own because
+numba caches machine code per source file: an edit here recompiles these few functions, not
+every op (docs/stage1.md, section 2)."""
 
 import numpy as np
 from numba import njit
 
-# reassoc: let LLVM split reductions over vector lanes; contract: allow FMA.
-# Every kernel also sets error_model="numpy": x / 0 gives inf instead of raising,
-# which removes a branch per division (with it, silu_mul did not vectorise: 6x).
+# reassoc: LLVM may split sums over vector lanes; contract: FMA. error_model="numpy": x / 0 is
+# inf, not an exception, one branch less per division (without it silu_mul did not vectorise: 6x).
 FAST = {"reassoc", "contract"}
 
-# Each kernel's body for one row (one output row of a matmul, one token of a norm)
-# is an _inline helper: the prange kernels below loop over it, and so does
-# fast/decode_step.py, which runs a whole decode step in one parallel region. One
-# body, two callers: both compute bit for bit the same. _serial kernels loop over the rows
-# on one thread, _parallel ones with prange (kernels.py, matmul.py).
+# Each kernel's body for one row (a matmul's output row, a norm's token) is an _inline
+# helper; the kernels loop over it, _serial on one thread, _parallel with prange, and so does
+# fast/decode_step.py's one parallel region: one body, the same bits (docs/stage1.md, section 7).
 _inline = njit(inline="always", fastmath=FAST, error_model="numpy")
 _serial = njit(cache=True, fastmath=FAST, error_model="numpy")
 _parallel = njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")

@@ -1,8 +1,5 @@
 """Stage 1's command-line options and engine builder, shared by chat, serve and generate.
-
-Kept free of heavy imports so that `--help` answers at once (numba loads only
-when the engine is built).
-"""
+Kept free of heavy imports so that `--help` answers at once (numba loads with the engine)."""
 from __future__ import annotations
 
 import argparse
@@ -33,6 +30,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def build_engine(folder: Path, args: argparse.Namespace, progress: bool = True):
     from .engine import LLMEngine   # here, so --help does not wait for numba
+    if getattr(args, "slots", None) not in (None, 1) or getattr(args, "token_budget", None) is not None:
+        print("note: stage 1 serves one sequence at a time; --slots and --token-budget are ignored", flush=True)
     return LLMEngine(folder, quant=quant_for(folder, args), group_size=args.group_size, max_ctx=args.max_ctx,
                      threads=args.threads, progress=progress, kernels=args.kernels,
                      activations=args.activations)
@@ -45,8 +44,7 @@ def quant_for(folder: Path, args: argparse.Namespace) -> str:
 
 
 def describe(args: argparse.Namespace) -> str:
-    """A few words for the banner (the engine's describe_kernels() adds which kernels and
-    instructions it chose, and for a GGUF what each tensor type became)."""
+    """A few words for the banner (the engine's describe_kernels() adds which kernels it chose)."""
     from common.models import resolve_model
     q = args.quant or quant_for(resolve_model(getattr(args, "model", None), progress=False), args)
     quant = {"none": "float32", "stored": "GGUF as stored"}.get(q, q)

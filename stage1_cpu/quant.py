@@ -1,43 +1,10 @@
-"""Weight formats for stage 1: fp32, bf16, and group-wise int8 / int4.
+"""Weight formats for stage 1: fp32, bf16, and group-wise int8 / int4 (docs/stage1.md, section
+6: the bytes per weight, the layouts, why int8 is symmetric and int4 stores a minimum).
 
-`quantize(w, fmt, group_size)` turns one fp32 matrix [out, in] into a `Weight`
-once, at load time. A Weight multiplies activations without ever rebuilding the
-fp32 matrix: the numba kernels (matmul.py) read the stored bytes and convert
-them in registers. `matmul_ref` is the numpy twin that defines the result
+`quantize(w, fmt, group_size)` turns one fp32 matrix [out, in] into a `Weight` once, at load
+time; the numba kernels (matmul.py) read its stored bytes and convert them in registers, never
+rebuilding the fp32 matrix. `matmul_ref` is the numpy twin that defines the result
 (dequantize, then matmul): slow, and used only by the tests.
-
-Formats (bytes per weight at group size 64, what a decode step reads):
-  none  fp32, x @ w.T through numpy's BLAS                          4
-  bf16  top 16 bits of the fp32 (round to nearest even)             2
-  int8  q in [-127, 127], W = q * s, one scale s per group          1.031
-  int4  q in [0, 15],    W = q * s + m, scale and minimum per group 0.5625
-
-Layouts (G groups of gs weights per row; Kp = G * gs, in_features padded):
-  int8  data [O, G, gs] int8, scales [O, G]
-  int4  data [O, G/2, gs] uint8: byte j of pair p holds weight j of group 2p
-        in its low nibble and weight j of group 2p+1 in its high nibble, so the
-        kernel unpacks contiguous bytes against two contiguous runs of x (see
-        matmul.matmul_int4); scales and mins [O, G]. G is padded to even.
-
-Scales (and int4 minimums) are stored as fp16 (uint16 bits): half the bytes of
-fp32. At group size 32, int4 is exactly llama.cpp's Q4_1 block (a 4-bit grid
-plus an fp16 scale and minimum per 32 weights), so a GGUF Q4_1 model converted
-to fp32 re-quantizes to the same grid (tests: test_int4_reproduces_a_4bit_grid_exactly).
-fp16 holds scales down to 6e-5 at full precision (subnormal below, 0 below 6e-8):
-far below the scales of real weight groups.
-
-Symmetric or with a zero point? (The errors behind the choice: docs/stage1.md, section 6.)
-int8: the 8-bit grid is far finer than real weights' own noise, so a zero point
-would cost 2 more bytes per group and one more term per group in the kernel for no
-measurable gain: int8 stays symmetric (like Q8_0). int4: the minimum cuts the error
-by 5-25 %, which matters at 4 bits, for 2 more bytes per group (6 % more to read per
-token at group size 64): int4 stores a scale and a minimum.
-
-in_features that is not a multiple of group_size: the last group is padded with
-zero weights (and the activations with zeros at matmul time), so any size works.
-
-Everything here is fp32 arithmetic on the stored weights; the fast path's FastWeight
-(stage1_cpu/fast/weight.py) rounds the activations too, where the CPU pays for it.
 """
 from __future__ import annotations
 
@@ -51,15 +18,10 @@ from . import matmul
 FORMATS = ("none", "bf16", "int8", "int4")
 GROUP_SIZES = (32, 64, 128)
 
-# Prefill (T tokens at once) is compute-bound: matmul dequantizes a block
-# of ROW_BLOCK rows into an fp32 tile and hands it to BLAS sgemm, which is far
-# faster than anything numba emits for a GEMM. From PREFILL_MIN_T tokens this
-# beats reading the rows T times in the decode kernel (bench/kernels.py).
-# Tile size: OpenBLAS's threads split the tile's columns, and narrow tiles leave
-# them too little each; 1024 rows x 1024 fp32 is 4 MB, which a current CPU's L3
-# still holds. 1024 rows was the fastest of 256-2048 (docs/benchmarks.md).
-PREFILL_MIN_T = 8
-ROW_BLOCK = 1024
+# Prefill: ROW_BLOCK rows at a time dequantized to an fp32 tile for BLAS sgemm (docs/stage1.md, section 7)
+PREFILL_MIN_T = 8     # from 8 tokens on, the tile beats reading each row T times (bench/kernels.py)
+ROW_BLOCK = 1024      # 1024 rows x 1024 fp32 = 4 MB: wide enough for OpenBLAS's threads, still in L3
+QUANT_ROWS = 4096     # rows quantized at a time: bounds the fp32 temporaries (~6 x rows x in x 4 bytes)
 
 
 def f32_to_bf16_bits(w: np.ndarray) -> np.ndarray:
@@ -106,7 +68,6 @@ class Weight:
         return f"Weight({self.fmt}, [{self.out_features}, {self.in_features}]{gs}, {self.nbytes / 2**20:.1f} MiB)"
 
     # -- the numba kernels ----------------------------------------------------
-
     def matmul(self, x: np.ndarray) -> np.ndarray:
         """x [T, in] f32 -> x @ W.T [T, out] f32."""
         x = self._check(x)
@@ -171,7 +132,6 @@ class Weight:
             matmul.dequant_rows_int4(ids, self.data, self.scales, self.mins, out.reshape(R, -1, 2, gs))
 
     # -- the numpy twin that defines it ---------------------------------------
-
     def dequantize(self) -> np.ndarray:
         """The full fp32 matrix [out, in] (tests and references only)."""
         if self.fmt == "none":
@@ -194,7 +154,6 @@ class Weight:
         return (x @ self.dequantize().T).astype(np.float32)
 
     # -- helpers ---------------------------------------------------------------
-
     def _check(self, x: np.ndarray) -> np.ndarray:
         if x.ndim != 2 or x.shape[1] != self.in_features:
             raise ValueError(f"matmul expects x [T, {self.in_features}], got {list(x.shape)} for {self!r}")
@@ -208,9 +167,6 @@ class Weight:
         xp = np.zeros((x.shape[0], Kp), dtype=np.float32)
         xp[:, : self.in_features] = x
         return xp
-
-
-QUANT_ROWS = 4096  # rows quantized at a time: bounds the fp32 temporaries (~6 x rows x in x 4 bytes)
 
 
 def quantize(w: np.ndarray, fmt: str, group_size: int = 32) -> Weight:
@@ -244,8 +200,7 @@ def quantize(w: np.ndarray, fmt: str, group_size: int = 32) -> Weight:
     else:
         data = np.empty((O, G // 2, gs), dtype=np.uint8)
         mins = np.empty((O, G), dtype=np.float16)
-    # a block of rows at a time, so a 150k-row embedding needs no 4x-size temporaries
-    for r in range(0, O, QUANT_ROWS):
+    for r in range(0, O, QUANT_ROWS):                 # a 150k-row embedding needs no 4x-size temporaries
         rows = slice(r, min(O, r + QUANT_ROWS))
         # [rows, G, gs]: split each row into groups, the last ones padded with zeros
         g = np.zeros((rows.stop - r, G * gs), dtype=np.float32)

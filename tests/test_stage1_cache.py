@@ -68,3 +68,29 @@ def test_stage1_keys_each_path_on_the_files_it_compiles():
     assert {str(p.resolve()) for p in stage1_cpu.KERNEL_FILES} <= {str(p) for p in group}
     # the core's own files keep numba's per-file stamp
     assert str((ROOT / "stage1_cpu/kernels.py").resolve()) not in numba_cache._GROUPS
+
+
+def test_warm_up_runs_once_per_mark_and_forgets_the_cache(tmp_path):
+    from common import numba_cache
+    kernel = tmp_path / "kernels.py"
+    kernel.write_text("x = 1\n")
+
+    class Engine(numba_cache.WarmUp):
+        max_ctx, fed, resets, key = 100, [], 0, (str(tmp_path), [kernel], "int8", "plain")
+        model = type("M", (), {"forward": lambda self, tokens, pos: Engine.fed.append((len(tokens), pos))})()
+
+        def warm_key(self):
+            return self.key
+
+        def reset(self):
+            Engine.resets += 1
+
+    e = Engine()
+    assert e.kernels_cold()
+    assert e.warm_up() is not None
+    assert Engine.fed == [(1, 0), (2, 1), (8, 3), (64, 11)] and Engine.resets == 1
+    assert not e.kernels_cold() and e.warm_up() is None and Engine.resets == 1   # the mark is there
+    kernel.write_text("x = 2\n")                                    # an edit: warm up again
+    assert e.kernels_cold()
+    e.key = None                                                    # no numba code: never cold
+    assert not e.kernels_cold() and e.warm_up() is None
