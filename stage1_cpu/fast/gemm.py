@@ -24,7 +24,7 @@ stored [O, G, gs] layout stays for decode), int4 one byte per weight (the
 nibbles widened to bytes: two times its stored data), plus 4 bytes per group and
 row for the fp32 scales (and int4 minima).
 
-The micro-kernel (_tile) keeps RB x 8 rows x TT tokens of accumulators in
+The micro-kernel (_tile) keeps RB x 8 rows x TT tokens (RB8 x TT8, RB4 x TT4) of accumulators in
 registers (AVX2 has 16 ymm registers: RB x TT int32 accumulators, RB x TT float
 ones, RB weight vectors and one broadcast): each weight vector loaded serves TT
 tokens, each broadcast serves RB x 8 rows. Per chunk of 32 values the int32 lanes
@@ -51,8 +51,8 @@ from numba.extending import intrinsic
 
 from ..kernels import FAST
 
-RB = 2                        # 8-row vectors per tile (16 rows)
-TT = 3                        # tokens per tile
+RB8, TT8 = 2, 4               # int8: 8-row vectors x tokens per tile (16 rows x 4 tokens)
+RB4, TT4 = 2, 2               # int4: its int16 accumulators need registers too (16 rows x 2 tokens)
 BLOCK_RB = 8                  # 8-row vectors a thread takes at a time (64 rows x Kp bytes: in L2)
 TOKEN_BLOCK = 48              # tokens per pass over a row block (48 x Kp activations: in L2 beside it)
 CHUNK = 32                    # values between two float epilogues (int4: the int16 accumulators' limit)
@@ -82,6 +82,7 @@ def _splat(builder, v, vty):
 
 def _tile(context, builder, sig, args, int4):
     """The body of tile_int8 / tile_int4 (argument order in tile_int8's docstring)."""
+    RB, TT = (RB4, TT4) if int4 else (RB8, TT8)
     (wp_, woff, x_, xoff, Kp, sp_, soff, xs_, xsoff, G, gs, mp_, xsum_, out_, ooff, ostride, n_rb, n_tok) = [
         context.cast(builder, a, t, types.int64) if isinstance(t, types.Integer) else a
         for a, t in zip(args, sig.args)]
@@ -195,6 +196,7 @@ def _block(int4, wf, xf, sf, xsf, mf, xsumf, G, gs, out, ostride, v0, nv, blk, T
     TOKEN_BLOCK tokens at a time, RB x TT per tile, into out [T, ostride] (column 8 (vector - v0))."""
     Kp = G * gs
     v_end = min(nv, (blk + 1) * BLOCK_RB)
+    RB, TT = (RB4, TT4) if int4 else (RB8, TT8)
     for t0 in range(0, T, TOKEN_BLOCK):
         t_end = min(T, t0 + TOKEN_BLOCK)
         for v in range(blk * BLOCK_RB, v_end, RB):
