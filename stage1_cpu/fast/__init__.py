@@ -42,9 +42,9 @@ from .weight import FastWeight, as_fast, check_act, fast_quantize  # noqa: E402,
 
 ACTIVATIONS = ("auto", "int8", "fp32")
 # weights whose prefill --activations auto runs on gemm.py's int8 GEMM where there is no AVX-512 BF16:
-# none yet, as it runs below the core's tile + sgemm on the AVX2 machine measured (docs/benchmarks.md,
-# "Prefill on integers"); --activations int8 turns it on
-AUTO_INT8_PREFILL: tuple[str, ...] = ()
+# both, as on the AVX2 machine measured it beats the core's tile + sgemm at 32, 128 and 512 tokens
+# (python -m bench.prefill_gemm, docs/benchmarks.md "The int8 prefill GEMM"); --activations fp32 turns it off
+AUTO_INT8_PREFILL: tuple[str, ...] = ("int8", "int4")
 
 
 def available() -> str | None:
