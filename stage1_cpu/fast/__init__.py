@@ -6,7 +6,7 @@ lesson (docs/stage1.md, "The fast path"):
 
     simd.py, kernels.py   int8 (or int16) activations at decode, multiplied by the
                           CPU's integer dot-product instructions; a bf16 GEMM at prefill
-    gemm.py               an int8-activation GEMM with register tiles at prefill (--activations int8)
+    gemm.py               an int8-activation GEMM with register tiles on repacked weights at prefill (int8 / int4)
     attention.py          prefill attention as two GEMMs per KV head, through BLAS
     weight.py             FastWeight: a quant.Weight that routes those cases to them
     plan.py, sync.py,     a whole decode step (plan.py writes it down as data, dense or
