@@ -312,14 +312,14 @@ class LlamaCppRunner:
     """llama.cpp through llama-cpp-python's low-level eval: no sampler chain, the same
     greedy argmax in Python as the other engines, the KV cache cleared per prompt."""
 
-    def __init__(self, path: str, threads: int, max_ctx: int, logits_all: bool = False):
+    def __init__(self, path: str, threads: int, max_ctx: int, logits_all: bool = False, mmap: bool = True):
         import llama_cpp
         self.llama_cpp = llama_cpp
         batch = 64 if logits_all else 512      # every position's logits: keep that buffer small
         self.llm = llama_cpp.Llama(model_path=path, n_ctx=64 if logits_all else max_ctx,
                                    n_batch=batch, n_ubatch=batch,
                                    n_threads=threads, n_threads_batch=threads,
-                                   logits_all=logits_all, verbose=False)
+                                   logits_all=logits_all, use_mmap=mmap, verbose=False)
         self.n_vocab = self.llm.n_vocab()
 
     def set_threads(self, n: int) -> None:
@@ -458,24 +458,34 @@ def worker(spec: dict) -> None:
     # the read bandwidth just before and just after each decode run: this VM's moves
     # within seconds, and the run's roofline is what the memory could do meanwhile
     probe = BandwidthProbe()
+    ttft_lens = spec.get("ttft_lens", [])
+    decode_prompt = spec.get("decode_prompt") or spec["prompt_lens"][0]
     for n in spec["threads"]:
         if n != spec["threads"][0]:
             runner = set_threads(runner, spec, n)
-        runner.generate(prompt_ids(vocab, 32, seed=1), 4)      # warm-up: JIT, allocations
-        cell = {"prefill": {str(p): [] for p in spec["prompt_lens"]}, "decode": [], "decode_bw": []}
+        # warm-up, not counted: every size that is measured below, once (JIT, allocations, the
+        # weights' pages, gemm.py's packed copies, llama.cpp's compute buffers for a full batch)
+        for p in [*spec["prompt_lens"], *ttft_lens]:
+            runner.generate(prompt_ids(vocab, p, seed=1 + p), 0)
+        runner.generate(prompt_ids(vocab, decode_prompt, seed=2), spec["decode_tokens"])
+        cell = {"prefill": {str(p): [] for p in spec["prompt_lens"]}, "decode": [], "decode_bw": [],
+                "ttft": {str(p): [] for p in ttft_lens}}
         t_cell = time.perf_counter()
         for r in range(spec["runs"]):
             # a fresh random prompt each time, so no engine can reuse a cached prefix
             for p in spec["prompt_lens"]:
                 _, t_prefill, _ = runner.generate(prompt_ids(vocab, p, seed=1000 * n + 10 * r + p), 0)
                 cell["prefill"][str(p)].append(p / t_prefill)
-            p = spec["prompt_lens"][0]         # decode after a prompt of the first length
+            for p in ttft_lens:                # time to the first token of a chat-sized prompt, seconds
+                _, t_first, _ = runner.generate(prompt_ids(vocab, p, seed=1000 * n + 10 * r + p + 3), 0)
+                cell["ttft"][str(p)].append(t_first)
             before = probe.read(n)
-            _, _, t_decode = runner.generate(prompt_ids(vocab, p, seed=1000 * n + 10 * r + 5), spec["decode_tokens"])
+            _, _, t_decode = runner.generate(prompt_ids(vocab, decode_prompt, seed=1000 * n + 10 * r + 5),
+                                             spec["decode_tokens"])
             after = probe.read(n)
             cell["decode"].append(spec["decode_tokens"] / t_decode)
             cell["decode_bw"].append(max(before, after))    # the better one, as for the run's figure
-            # several runs for a median, but stop early on a slow engine
+            # at least min_runs runs for the median, more while the cell is cheap
             if r + 1 >= spec["min_runs"] and time.perf_counter() - t_cell > spec["cell_seconds"]:
                 break
         cell["runs"] = r + 1
@@ -498,7 +508,8 @@ def make_runner(spec: dict, threads: int, check: bool = False):
     if spec["engine"] == "stage1":
         return Stage1Runner(spec["path"], spec["fmt"], threads, spec["max_ctx"], spec.get("kernels", "auto"))
     if spec["engine"] == "llama.cpp":
-        return LlamaCppRunner(spec["path"], threads, spec["max_ctx"], logits_all=check)
+        return LlamaCppRunner(spec["path"], threads, spec["max_ctx"], logits_all=check,
+                              mmap=spec.get("llama_mmap", "on") == "on")
     if spec["engine"] == "read only":
         return ReadOnlyRunner(spec["weight_bytes"], spec["kv_bytes_per_position"], threads, spec["max_ctx"])
     return TransformersRunner(spec["path"], spec["fmt"], threads)
@@ -590,8 +601,9 @@ def run_all(args, shape: Shape, paths: dict, log, plan: dict) -> tuple[list[Row]
     """One table: every engine and format of the plan, under its wait policy."""
     threads = plan["threads"]
     base = dict(vocab=shape.vocab_size, max_ctx=1024, threads=threads, prompt_lens=args.prompt_lens,
-                decode_tokens=args.decode_tokens, runs=args.runs, min_runs=min(2, args.runs),
-                cell_seconds=args.cell_seconds, kernels=args.kernels)
+                decode_tokens=args.decode_tokens, runs=args.runs, min_runs=args.runs,
+                cell_seconds=args.cell_seconds, kernels=args.kernels, ttft_lens=args.ttft_lens,
+                decode_prompt=args.decode_prompt, llama_mmap=args.llama_mmap)
     tmp = Path(tempfile.mkdtemp(prefix="bench-cpu-"))
     check_ids = prompt_ids(shape.vocab_size, CHECK_TOKENS, seed=7)
     check = lambda out: {"check_ids": check_ids, "check_out": str(tmp / out)} if plan["check"] else {}
@@ -685,8 +697,11 @@ def report(args, shape: Shape, tables: list[dict], bw: dict, loads: tuple[float,
                    "(no AVX-512); transformers with ATEN_CPU_CAPABILITY=avx2; " + args.llama_line)
     out.append("- llama.cpp files: the same weights, every matrix in BF16 / Q8_0 / Q4_0, except that the Q4_0 "
                "file keeps the tied token_embd (the lm_head) in Q8_0, as stage 1's int4 keeps it in int8")
-    out.append(f"- medians of up to {args.runs} run{'s' * (args.runs > 1)}; prefill = prompt tokens ÷ time to the "
-               f"first token; decode = {args.decode_tokens} greedy tokens (EOS ignored) ÷ their time"
+    out.append(f"- every engine first runs each measured size once, uncounted (every prefill length, every "
+               f"time-to-first-token prompt, a full decode); then medians of {args.runs} warm "
+               f"run{'s' * (args.runs > 1)}; prefill = prompt tokens ÷ time to the first token; decode = "
+               f"{args.decode_tokens} greedy tokens (EOS ignored) after a {args.decode_prompt}-token prompt ÷ their time; "
+               f"llama.cpp with use_mmap {args.llama_mmap}, n_batch = n_ubatch = 512"
                + ("; --quick: the model fits in the L3 cache, so % roofline can pass 100 %" if args.quick else ""))
     out += ["", "### instruction sets each engine used", ""]
     seen = set()
@@ -696,7 +711,7 @@ def report(args, shape: Shape, tables: list[dict], bw: dict, loads: tuple[float,
             if isa and (row.engine, isa) not in seen:
                 seen.add((row.engine, isa))
                 out.append(f"- {row.engine} {row.fmt}: {isa}")
-    out += [""] + headline(args, tables)
+    out += [""] + prefill_headline(args, tables) + headline(args, tables)
     for t in tables:
         plan = t["plan"]
         out += [f"### OMP_WAIT_POLICY={plan['policy']} (this table: {t['wall_s'] / 60:.1f} min, other processes "
@@ -723,11 +738,47 @@ def best_by_policy(args, tables: list[dict]) -> dict:
             for n, cell in row.result.get("cells", {}).items():
                 values = {"decode": median(cell["decode"])}
                 values.update({p: median(cell["prefill"][str(p)]) for p in args.prompt_lens})
+                # time to first token: seconds, so the best is the smallest (kept as 1 / s to compare alike)
+                values.update({f"ttft{p}": 1 / median(v) for p, v in cell.get("ttft", {}).items() if v})
                 for metric, v in values.items():
                     key = (row.engine, row.fmt, int(n), metric)
                     if v == v and (key not in best or v > best[key][0]):
                         best[key] = (v, t["plan"]["policy"])
     return best
+
+
+# issue 28's targets (stage 1 ÷ llama.cpp, 2 threads, each engine at its best policy)
+PREFILL_TARGETS = {"int8": {32: 1.0, 128: 1.6, 512: 1.5, "decode": 1.0},
+                   "int4": {32: 1.0, 128: 1.3, 512: 1.3, "decode": 1.0}}
+
+
+def prefill_headline(args, tables: list[dict]) -> list[str]:
+    """Per format at the largest thread count: every prefill length, decode and the time to first
+    token, stage 1 against llama.cpp, each at its best policy, with the prefill targets."""
+    best = best_by_policy(args, tables)
+    n = max(n for t in tables for n in t["plan"]["threads"])
+    metrics = [*args.prompt_lens, "decode", *(f"ttft{p}" for p in args.ttft_lens)]
+    rows = []
+    for fmt in args.formats:
+        q = LLAMA_FORMAT[fmt]
+        for m in metrics:
+            s, l = best.get(("stage1", fmt, n, m)), best.get(("llama.cpp", q, n, m))
+            ttft = isinstance(m, str) and m.startswith("ttft")
+            show = (lambda v: f"{1e3 / v:.0f} ms") if ttft else (lambda v: f"{v:.1f} tok/s")
+            what = f"time to first token, {m[4:]}-token prompt" if ttft else (
+                "decode" if m == "decode" else f"prefill {m}")
+            ratio = s[0] / l[0] if s and l else float("nan")
+            target = PREFILL_TARGETS.get(fmt, {}).get(m)
+            verdict = "" if target is None or ratio != ratio else \
+                f"{'met' if ratio >= target else 'NOT met'} (≥{target:.1f}×)"
+            rows.append([fmt, q, what, f"{show(s[0])} ({s[1]})" if s else "–",
+                         f"{show(l[0])} ({l[1]})" if l else "–",
+                         f"{ratio:.2f}×" if ratio == ratio else "–", verdict])
+    return [f"### prefill, decode and time to first token at {n} threads: stage 1 ÷ llama.cpp "
+            f"(--kernels {args.kernels}), each engine at its own best wait policy", "",
+            "(speed ratio: for the time to first token llama.cpp's time ÷ stage 1's; the policy in brackets; "
+            f"medians of {args.runs} warm runs after a warm-up of every size)", "",
+            markdown_table(["stage 1", "llama.cpp", "what", "stage 1", "llama.cpp", "ratio", "target"], rows), ""]
 
 
 def headline(args, tables: list[dict]) -> list[str]:
@@ -857,12 +908,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--threads", default=None, help="comma-separated thread counts (default 1,2; quick: 2)")
     p.add_argument("--formats", default="bf16,int8,int4", help="stage-1 formats: bf16,int8,int4")
     p.add_argument("--engines", default="stage1,llama.cpp,transformers", help="which engines to run")
-    p.add_argument("--runs", type=int, default=None, help="runs per measurement, the median is reported (default 3; quick: 2)")
+    p.add_argument("--runs", type=int, default=None,
+                   help="warm runs per measurement, after a warm-up of every size; the median is reported (default 3; quick: 2)")
     p.add_argument("--cell-seconds", type=float, default=None,
-                   help="stop adding runs (after 2) once one engine/thread count took this long (default 60; quick 15)")
+                   help="stop adding runs after the first --runs once one engine/thread count took this long "
+                        "(bench cpu makes exactly --runs runs, so this only matters to bench moe; default 60; quick 15)")
     p.add_argument("--decode-tokens", type=int, default=128, help="greedy tokens generated for the decode figure")
-    p.add_argument("--prompt-lens", default="128,512",
-                   help="prompt lengths for prefill (decode follows a prompt of the first length)")
+    p.add_argument("--prompt-lens", default="32,128,512", help="prompt lengths for prefill tok/s")
+    p.add_argument("--decode-prompt", type=int, default=128, help="the prompt length decode follows")
+    p.add_argument("--ttft-lens", default="37,300",
+                   help="prompt lengths whose time to first token is reported (chat-sized prompts; '' for none)")
+    p.add_argument("--llama-mmap", default="on", choices=["on", "off"],
+                   help="llama.cpp's use_mmap (on: its fastest load here, decode the same; docs/benchmarks.md)")
     p.add_argument("--out", type=Path, default=None, help="also write the markdown report to this file")
     p.add_argument("--save", type=Path, default=None,
                    help="also write the decode results as JSON (docs/figures/stage1_roofline.json: "
@@ -888,6 +945,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     args.prompt_lens = [int(x) for x in args.prompt_lens.split(",")]
+    args.ttft_lens = [int(x) for x in args.ttft_lens.split(",") if x.strip()]
     args.runs = args.runs or (2 if args.quick else 3)
     args.omp_wait_policy = args.omp_wait_policy or ("PASSIVE" if args.quick else "both")
     args.llama_lib, args.llama_missing, args.llama_line = None, None, ""
@@ -902,7 +960,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"unknown engine {bad[0]!r}; choose from stage1, llama.cpp, transformers")
     if any(t < 1 for t in args.threads) or args.runs < 1 or args.decode_tokens < 1:
         p.error("--threads, --runs and --decode-tokens must be positive")
-    if max(args.prompt_lens) + args.decode_tokens + 1 > 1024:
+    if max([*args.prompt_lens, *args.ttft_lens, args.decode_prompt]) + args.decode_tokens + 1 > 1024:
         p.error("prompt length + decode tokens must stay under the 1024-token context the engines are given")
     return args
 

@@ -6,6 +6,7 @@ figure is redrawn in seconds after the benchmark that feeds it:
   stage3_lessons.svg   docs/figures/lessons.json         python -m bench lessons --save ...
   stage1_ladder.svg    docs/figures/stage1_ladder.json   python -m bench ladder --save ...
   stage1_roofline.svg  docs/figures/stage1_roofline.json python -m bench cpu --save ...
+  stage1_prefill_tile.svg docs/figures/stage1_prefill_gemm.json python -m bench.prefill_gemm --save ...
 
 Every figure's caption (its last line of text) names the command that wrote its data.
 Needs matplotlib (the `test` extra).
@@ -123,6 +124,56 @@ def stage1_roofline(data: dict, out: Path) -> Path:
     return out
 
 
+def stage1_prefill_tile(data: dict, out: Path) -> Path:
+    """Left: the int8 GEMM's register tile (fast/gemm.py) on the repacked layout; right: the
+    G MAC/s it and sgemm reached against their instructions' measured peaks."""
+    plt = _plt()
+    from matplotlib.patches import Rectangle
+    rows8, toks = data["tile"]["int8"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.4), gridspec_kw={"width_ratios": [1.1, 1]})
+    nv = rows8 // 8
+    for t in range(toks):                                   # the broadcasts: 2 int16 of one token, all lanes
+        a.add_patch(Rectangle((2 + t * 1.6, nv * 2.2 + 0.3), 1.4, 0.8, color="#dd8452"))
+        a.text(2.7 + t * 1.6, nv * 2.2 + 0.7, f"x[t{t}]\n2 values", ha="center", va="center", fontsize=7)
+    for v in range(nv):
+        y = (nv - 1 - v) * 2.2
+        a.add_patch(Rectangle((0, y), 1.6, 2.0, color="#55a868"))
+        a.text(0.8, y + 1.0, f"rows {8 * v}..{8 * v + 7}\n2 values each\n(16 B)", ha="center", va="center",
+               fontsize=7)
+        for t in range(toks):
+            a.add_patch(Rectangle((2 + t * 1.6, y), 1.4, 2.0, fill=False, lw=1.2))
+            for lane in range(8):
+                a.add_patch(Rectangle((2.1 + t * 1.6, y + 0.1 + lane * 0.225), 1.2, 0.19, color="#4c72b0",
+                                      alpha=0.25 + 0.06 * lane))
+    a.text(2 + toks * 0.8, -0.6, f"{nv * toks} int32 accumulators, lane i = row i: each vpmaddwd multiplies "
+           "8 rows by one token", ha="center", fontsize=7)
+    a.set_xlim(-0.3, 2.2 + toks * 1.6)
+    a.set_ylim(-1.0, nv * 2.2 + 1.4)
+    a.axis("off")
+    a.set_title(f"int8 register tile: {rows8} rows × {toks} tokens per step of k", fontsize=9)
+    labels, got, peak = [], [], []
+    for r in data["rows"]:
+        fmt = r["format"]
+        labels += [f"{fmt} sgemm T={r['tokens']}", f"{fmt} int8 GEMM T={r['tokens']}"]
+        got += [r["sgemm_gmac_s"], r["int8_gemm_gmac_s"]]
+        peak += [data["peaks_gmac_s"]["fma"], data["peaks_gmac_s"]["maddwd" if fmt == "int8" else "maddubs"]]
+    y = range(len(labels))
+    b.barh(y, peak, color="0.85", label="peak of its instruction (micro-benchmark)")
+    b.barh(y, got, color=["#dd8452" if "sgemm" in s else "#4c72b0" for s in labels], label="achieved")
+    for i in y:
+        b.text(got[i], i, f" {got[i]:.0f} ({100 * got[i] / peak[i]:.0f} %)", va="center", fontsize=7)
+    b.set_yticks(list(y), labels, fontsize=7)
+    b.invert_yaxis()
+    b.set_xlabel(f"G multiply-adds / s, {data.get('threads', '?')} threads, gs {data.get('group_size', '?')}")
+    b.set_title("one layer's four matmuls (Qwen3-0.6B shapes)", fontsize=9)
+    b.legend(fontsize=7, loc="lower right")
+    _caption(fig, data)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(out, metadata={"Date": None})
+    plt.close(fig)
+    return out
+
+
 def _nice_ticks(lo: float, hi: float) -> list[float]:
     """1, 1.5, 2, 3, 4, 6, 8 times the powers of ten between lo and hi (a log axis's labels)."""
     import math
@@ -133,7 +184,8 @@ def _nice_ticks(lo: float, hi: float) -> list[float]:
 
 
 DRAW = {"stage3_lessons": ("lessons.json", stage3_lessons), "stage1_ladder": ("stage1_ladder.json", stage1_ladder),
-        "stage1_roofline": ("stage1_roofline.json", stage1_roofline)}
+        "stage1_roofline": ("stage1_roofline.json", stage1_roofline),
+        "stage1_prefill_tile": ("stage1_prefill_gemm.json", stage1_prefill_tile)}
 
 
 def draw_all(results: Path = FIGURES, out: Path = FIGURES, fmt: str = "svg") -> list[Path]:

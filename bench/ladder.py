@@ -18,6 +18,13 @@ almost the engine's decode step (attention, norms and sampling are left out).
     rung 5  the fast path: int4 weights, activations rounded to int8 and multiplied by the
             CPU's integer dot product (stage1_cpu/fast; only where cpu.INT8 is not None)
 
+Then the prefill ladder, in ms per prompt token: every layer's projections (no
+lm_head: prefill needs only the last token's logits) for a --prefill-tokens prompt:
+
+    rung P1  the plain path: ROW_BLOCK rows dequantized to an fp32 tile, then BLAS sgemm (int8)
+    rung P2  the fast path's int8-activation GEMM with register tiles (stage1_cpu/fast/gemm.py)
+    rung P3  the same GEMM on int4 weights (vpmaddubsw)
+
 The weights are random (speed does not depend on their values), built straight in
 stage 1's storage formats (quant.Weight), never as fp32 matrices. Each rung is
 warmed up once (compilation), then timed over --tokens tokens (a new random
@@ -113,6 +120,58 @@ def time_rung(step, mats: list, C: int, tokens: int, rng: np.random.Generator) -
     return times
 
 
+def time_prefill(mats: list, T: int, reps: int, rng: np.random.Generator) -> list[float]:
+    """ms per prompt token of every matrix's x [T, K] @ W.T: one warm-up pass (compiles,
+    packs), then `reps` timed ones."""
+    xs = {K: rng.standard_normal((T, K), dtype=np.float32) for K in {w.in_features for w in mats}}
+    times = []
+    for r in range(reps + 1):
+        t0 = time.perf_counter()
+        for w in mats:
+            w.matmul(xs[w.in_features])
+        if r:
+            times.append(1e3 * (time.perf_counter() - t0) / T)
+    return times
+
+
+def run_prefill_ladder(shape, threads: int, T: int, reps: int, log=print) -> list[dict]:
+    """Rungs P1-P3 (the module's doc) on the layers' matrices (the lm_head left out)."""
+    from stage1_cpu.fast import as_fast, cpu
+
+    rng = np.random.default_rng(1)
+    kernels.set_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    int8 = model_matrices(shape, "int8", rng)[:-1]
+    rungs = [("plain: dequantize an fp32 tile, BLAS sgemm", "int8", int8)]
+    if cpu.INT8:
+        rungs.append(("+ int8 activations, integer GEMM with register tiles (fast/gemm.py)", "int8",
+                      [as_fast(w, "fp32", "int8") for w in int8]))
+        rungs.append(("+ int4 weights, the same GEMM (vpmaddubsw)", "int4",
+                      [as_fast(w, "fp32", "int8") for w in model_matrices(shape, "int4", rng)[:-1]]))
+    else:
+        log("the fast path has no int8 dot product on this target: its prefill rungs are left out")
+    rows = []
+    for name, fmt, mats in rungs:
+        ms = time_prefill(mats, T, reps, rng)
+        med = statistics.median(ms)
+        macs = sum(w.out_features * w.in_features for w in mats)
+        rows.append({"rung": name, "fmt": fmt, "threads": threads, "ms": med, "min": min(ms), "max": max(ms),
+                     "gmacs": macs / (med * 1e6)})
+        log(f"  {name}: {med:.3f} ms/prompt token (min {min(ms):.3f}, max {max(ms):.3f})")
+    return rows
+
+
+def prefill_report(rows: list[dict], T: int, reps: int) -> str:
+    table = []
+    for i, r in enumerate(rows):
+        step = rows[i - 1]["ms"] / r["ms"] if i else 1.0
+        table.append([f"P{i + 1}", r["rung"], r["fmt"], str(r["threads"]), f"{r['ms']:.3f}", f"{r['gmacs']:.1f}",
+                      f"{step:.2f}×"])
+    return "\n".join([f"Prefill ladder: a {T}-token prompt through every layer's matrices (no lm_head), "
+                      f"median of {reps} after one warm-up", "",
+                      markdown_table(["rung", "what", "weights", "threads", "ms/prompt token", "GMAC/s",
+                                      "× previous"], table)]) + "\n"
+
+
 def run_ladder(shape, threads: int, tokens: int, log=print) -> list[dict]:
     from stage1_cpu.fast import cpu
 
@@ -184,6 +243,7 @@ def parse_args(argv):
     p.add_argument("--layers", type=int, default=None, help="fewer layers than the shape has (faster, less memory)")
     p.add_argument("--threads", type=int, default=None, help="threads of rungs 2+ (default: all, at most 2)")
     p.add_argument("--tokens", type=int, default=5, help="timed tokens per rung (the median is reported)")
+    p.add_argument("--prefill-tokens", type=int, default=128, help="prompt length of the prefill rungs (0: none)")
     p.add_argument("--out", type=Path, default=None, help="also write the markdown table to this file")
     p.add_argument("--save", type=Path, default=None,
                    help="also write the rows as JSON (docs/figures/stage1_ladder.json: python -m bench figures)")
@@ -208,7 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     log(check_load("before"))
     load0, meter = os.getloadavg()[0], NeighbourMeter()
     rows = run_ladder(shape, args.threads, args.tokens, log)
+    prefill = run_prefill_ladder(shape, args.threads, args.prefill_tokens, 3, log) if args.prefill_tokens else []
     text = report(rows, shape, args, (load0, meter.cores_used_by_others()))
+    if prefill:
+        text += "\n" + prefill_report(prefill, args.prefill_tokens, 3)
     print("\n" + text)
     if args.out:
         args.out.write_text(text)
@@ -219,7 +282,9 @@ def main(argv: list[str] | None = None) -> int:
             command="python -m bench ladder " + " ".join(args.argv), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             machine=machine_description(),
             rows=[dict(rung=i + 1, what=r["rung"], weights=r["fmt"], threads=r["threads"], mb_per_token=r["MB"],
-                       ms_per_token=r["ms"]) for i, r in enumerate(rows)]), indent=1) + "\n")
+                       ms_per_token=r["ms"]) for i, r in enumerate(rows)],
+            prefill=[dict(rung=f"P{i + 1}", what=r["rung"], weights=r["fmt"], threads=r["threads"],
+                          ms_per_prompt_token=r["ms"]) for i, r in enumerate(prefill)]), indent=1) + "\n")
     return 0
 
 

@@ -3,6 +3,7 @@ prefill (dequantize ROW_BLOCK rows to fp32, BLAS sgemm), on the Qwen3-0.6B matri
 interleaved in one run, and the integer / fp32 peak of the instructions they use.
 
     OMP_WAIT_POLICY=PASSIVE python -m bench.prefill_gemm [--reps 5] [--tokens 32 128 512]
+        [--save docs/figures/stage1_prefill_gemm.json]   (python -m bench figures draws it)
 
 Prints, per format and prompt length, the best of --reps of one layer's four
 matmuls (wqkv, wo, gate_up, down; lm_head left out: it runs on the last token only)
@@ -104,10 +105,14 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[32, 128, 512])
     ap.add_argument("--group-size", type=int, default=32)
     ap.add_argument("--formats", nargs="+", default=["int8", "int4"])
+    ap.add_argument("--save", default=None, help="also write the results as JSON (for python -m bench figures)")
     args = ap.parse_args(argv)
     if not cpu.INT8:
         raise SystemExit(f"no int8 dot product on this target ({cpu.instructions()}): nothing to compare")
+    import os
+    import sys
     rng = np.random.default_rng(0)
+    rows, load0 = [], os.getloadavg()[0]
     print(f"threads {numba.get_num_threads()}, {cpu.instructions()}, group size {args.group_size}")
     for fmt in args.formats:
         mats = {k: rng.standard_normal(s, dtype=np.float32) * 0.02 for k, s in SHAPES.items()}
@@ -127,9 +132,32 @@ def main(argv=None) -> None:
                         best[name] = min(best[name], dt)
             row = ", ".join(f"{n} {T / t:7.1f} tok/s {macs / t / 1e9:5.1f} GMAC/s" for n, t in best.items())
             print(f"{fmt} T={T:4d}: {row}  ({best['sgemm'] / best['int8 gemm']:.2f}x)", flush=True)
+            rows.append(dict(format=fmt, tokens=T, **{f"{n.replace(' ', '_')}_gmac_s": macs / t / 1e9
+                                                      for n, t in best.items()}))
     th = numba.get_num_threads()
+    peaks = {}
     for kind in ("maddwd", "maddubs", "fma"):
-        print(f"peak {kind:8s} {peak(kind, th) / 1e9:6.1f} GMAC/s on {th} threads")
+        peaks[kind] = peak(kind, th) / 1e9
+        print(f"peak {kind:8s} {peaks[kind]:6.1f} GMAC/s on {th} threads")
+    for r in rows:            # the int8 tile issues vpmaddwd, the int4 one vpmaddubsw, sgemm vfmadd231ps
+        r["int8_gemm_of_peak"] = r["int8_gemm_gmac_s"] / peaks["maddwd" if r["format"] == "int8" else "maddubs"]
+        r["sgemm_of_peak"] = r["sgemm_gmac_s"] / peaks["fma"]
+        print(f"{r['format']} T={r['tokens']:4d}: int8 gemm {100 * r['int8_gemm_of_peak']:.0f} % of its instruction's "
+              f"peak, sgemm {100 * r['sgemm_of_peak']:.0f} % of the FMA peak")
+    print(f"1-minute load before {load0:.2f}, after {os.getloadavg()[0]:.2f}")
+    if args.save:
+        import json
+        from pathlib import Path
+
+        from bench.common import machine_description
+        from stage1_cpu.fast import gemm
+        Path(args.save).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.save).write_text(json.dumps(dict(
+            command="python -m bench.prefill_gemm " + " ".join(sys.argv[1:]),
+            date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), machine=machine_description(),
+            threads=th, load=[load0, os.getloadavg()[0]], group_size=args.group_size,
+            tile={"int8": [gemm.RB8 * 8, gemm.TT8], "int4": [gemm.RB4 * 8, gemm.TT4]},
+            peaks_gmac_s=peaks, rows=rows), indent=1) + "\n")
 
 
 if __name__ == "__main__":

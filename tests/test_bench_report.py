@@ -9,8 +9,9 @@ import pytest
 from bench import cpu as bench_cpu
 
 
-def _cell(decode: float, p128: float, p512: float) -> dict:
-    return {"prefill": {"128": [p128], "512": [p512]}, "decode": [decode], "decode_bw": [30.0], "runs": 1}
+def _cell(decode: float, p128: float, p512: float, ttft37: float = 0.5) -> dict:
+    return {"prefill": {"32": [p128 / 2], "128": [p128], "512": [p512]}, "decode": [decode], "decode_bw": [30.0],
+            "ttft": {"37": [ttft37], "300": [2 * ttft37]}, "runs": 1}
 
 
 def test_full_run_measures_both_policies_and_the_second_one_smaller():
@@ -79,3 +80,23 @@ def test_ladder_matrices_have_the_model_shapes(fmt):
         (s.num_attention_heads + 2 * s.num_key_value_heads) * s.head_dim, s.hidden_size)
     assert mats[-1].fmt == "int8" and mats[-1].out_features == s.vocab_size
     assert {m.fmt for m in mats[:-1]} == {fmt}
+
+
+def test_prefill_headline_ranks_time_to_first_token_by_the_smaller_time_and_checks_targets():
+    """TTFT: the smaller time wins, the ratio is llama.cpp's time / stage 1's; the prefill targets
+    of the int8 GEMM (128: >= 1.6x, 512: >= 1.5x) are read off the best-policy figures."""
+    args = bench_cpu.parse_args(["--threads", "2", "--formats", "int8"])
+    plans = bench_cpu.table_plans(args)
+    passive = [bench_cpu.Row("stage1", "int8", 1, {"cells": {"2": _cell(40.0, 170.0, 200.0, ttft37=0.25)}}),
+               bench_cpu.Row("llama.cpp", "Q8_0", 1, {"cells": {"2": _cell(20.0, 100.0, 150.0, ttft37=0.6)}})]
+    default = [bench_cpu.Row("stage1", "int8", 1, {"cells": {"2": _cell(38.0, 110.0, 190.0, ttft37=0.4)}}),
+               bench_cpu.Row("llama.cpp", "Q8_0", 1, {"cells": {"2": _cell(32.0, 80.0, 100.0, ttft37=0.5)}})]
+    tables = [{"plan": plans[0], "rows": passive}, {"plan": plans[1], "rows": default}]
+    text = "\n".join(bench_cpu.prefill_headline(args, tables))
+    rows = {line.split("|")[3].strip(): line for line in text.splitlines() if line.startswith("| int8")}
+    assert "250 ms (PASSIVE)" in rows["time to first token, 37-token prompt"]
+    assert "500 ms (default)" in rows["time to first token, 37-token prompt"]
+    assert "2.00×" in rows["time to first token, 37-token prompt"]        # 0.5 s / 0.25 s
+    assert "1.70×" in rows["prefill 128"] and "met (≥1.6×)" in rows["prefill 128"]
+    assert "1.33×" in rows["prefill 512"] and "NOT met (≥1.5×)" in rows["prefill 512"]
+    assert "1.25×" in rows["decode"] and "met (≥1.0×)" in rows["decode"]

@@ -137,3 +137,41 @@ def test_int8_prefill_logits_close_to_transformers(family):
     for fmt in ("int8", "int4"):
         gemm_err = rel_err(logits_all(folder, PROMPT, fmt=fmt, group_size=32, activations="int8"), ref)
         assert 0 < gemm_err < QUANT_TOL[fmt], (fmt, gemm_err)
+
+
+@NEEDS_INT8
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_packed_layout_puts_eight_rows_side_by_side(rng, fmt):
+    """gemm.pack: vector block b, group g, step j holds rows 8b..8b+7's values j*per.. of group g
+    (zero rows past O), and the fp32 scales / minima of those rows."""
+    from stage1_cpu.fast import gemm
+    w = _weight(rng, fmt, 64, 21, 128)                         # 21 rows: the last block has 5
+    wp, sp, mp = gemm.pack(w)
+    per = 2 if fmt == "int8" else 4
+    q = w.data if fmt == "int8" else np.stack([w.data & 15, w.data >> 4], axis=2).reshape(21, -1, 64)
+    assert wp.shape == (3, 2, 64 // per, 8, per)
+    for r, g, k in [(0, 0, 0), (9, 1, 37), (20, 1, 63)]:
+        assert wp[r // 8, g, k // per, r % 8, k % per] == q[r, g, k]
+        assert sp[r // 8, g, r % 8] == np.float32(w.scales[r:r + 1, g].view(np.float16)[0])
+    assert not wp[2, :, :, 5:].any() and not sp[2, :, 5:].any()
+    assert (mp is None) == (fmt == "int8")
+    assert gemm.packed_bytes(w) == wp.nbytes + sp.nbytes + (0 if mp is None else mp.nbytes)
+
+
+@NEEDS_INT8
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_expert_parts_read_the_parents_packed_copy(rng, fmt):
+    """MoE prefill multiplies w.part(e * n, (e + 1) * n): on an 8-row boundary it reads the parent's
+    packed copy (built once), elsewhere its own; both equal the part multiplied on its own."""
+    K, n = 128, 24
+    w = _weight(rng, fmt, 32, 4 * n, K, prefill_act="int8")
+    x = rng.standard_normal((quant.PREFILL_MIN_T + 5, K)).astype(np.float32)
+    for r0, r1 in [(n, 2 * n), (3 * n, 4 * n), (4, 4 + n)]:                 # aligned, the last, unaligned
+        part = w.part(r0, r1)
+        alone = as_fast(quant.Weight(w.fmt, r1 - r0, K, 32, w.data[r0:r1].copy(), w.scales[r0:r1].copy(),
+                                     None if w.mins is None else w.mins[r0:r1].copy()), "fp32", "int8")
+        np.testing.assert_array_equal(part.matmul(x), alone.matmul(x))
+    packed = w._packed
+    assert packed is not None and w.part(0, n)._pack_root is w
+    w.part(2 * n, 3 * n).matmul(x)
+    assert w._packed is packed                                                  # built once

@@ -6,7 +6,7 @@ lesson (docs/stage1.md, "The fast path"):
 
     simd.py, kernels.py   int8 (or int16) activations at decode, multiplied by the
                           CPU's integer dot-product instructions; a bf16 GEMM at prefill
-    gemm.py               an int8-activation GEMM with register tiles at prefill (--activations int8)
+    gemm.py               an int8-activation GEMM with register tiles on repacked weights at prefill
     blocks.py             decode matvecs by whole blocks of rows; bf16 four rows per pass
     attention.py          prefill attention as two GEMMs per KV head, through BLAS
     weight.py             FastWeight: a quant.Weight that routes those cases to them
@@ -43,8 +43,9 @@ from .weight import FastWeight, as_fast, check_act, fast_quantize  # noqa: E402,
 
 ACTIVATIONS = ("auto", "int8", "fp32")
 # weights whose prefill --activations auto runs on gemm.py's int8 GEMM where there is no AVX-512 BF16:
-# none yet, as it runs below the core's tile + sgemm on the AVX2 machine measured (docs/benchmarks.md,
-# "Prefill on integers"); --activations int8 turns it on
+# none: it beats the core's tile + sgemm at 32-512 tokens (docs/benchmarks.md, "The int8 prefill GEMM"),
+# but its repacked copy of the weights costs +100 % (int8) / +200 % (int4) of their memory, which a
+# model that barely fits cannot pay; --activations int8 turns it on
 AUTO_INT8_PREFILL: tuple[str, ...] = ()
 
 

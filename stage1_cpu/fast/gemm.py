@@ -1,42 +1,43 @@
-"""Prefill on integers: an int8-activation GEMM with a register tile (int8 / int4 weights).
+"""Prefill on integers: an int8-activation GEMM with register tiles on repacked weights.
 
 Why (docs/stage1.md, "Prefill on integers"): the core's prefill dequantizes
 ROW_BLOCK rows to an fp32 tile and hands it to BLAS sgemm, one fp32
 multiply-add per weight and token, 8 per FMA instruction. Here the
 activations are rounded to int8 per token and group, exactly as decode does
 (kernels.quantize_activations), and each group's dot product is integer
-multiply-adds: 32 per vpmaddubsw + vpmaddwd (AVX2) or per vpdpbusd (VNNI).
+multiply-adds: 16 per vpmaddwd (int8 weights, int16 activations) or 32 per
+vpmaddubsw (int4 weights: unsigned nibbles x int8 activations).
 
-The micro-kernel (gemm_int8_tile / gemm_int4_tile) computes a tile of ROWS
-weight rows x TOKENS tokens at once. Per chunk of 32 values it loads each
-row's 32 weight bytes once and each token's 32 activation bytes once, and
-multiplies every row with every token from registers: a weight load serves
-TOKENS tokens, an activation load serves ROWS rows. Per group and (row, token)
-pair the int32 lanes are converted to float and multiply-added, with the
-scale s[r, g] * xs[t, g], into that pair's 8 float lanes; those are summed once
-at the end of the row. ROWS x TOKENS float accumulators live in registers
-(16 ymm registers on AVX2: 4 x 2 = 8 accumulators, plus the loads).
+The repacked layout (pack(), built once per matrix on its first prefill). Eight
+rows sit side by side: for each group and each step of k, one 16- or 32-byte
+vector holds that step's weights of the 8 rows,
+
+    int8 ("pairs")  wp [O/8, G, gs/2, 8, 2] int8    8 rows x 2 values: vpmovsxbw -> vpmaddwd
+    int4 ("quads")  wp [O/8, G, gs/4, 8, 4] uint8   8 rows x 4 nibble values: vpmaddubsw
+
+so one vector instruction multiplies 8 rows by the same 2 (or 4) activations of
+one token, broadcast to all lanes (vpbroadcastd). Lane i of the accumulator then
+*is* row i: no horizontal sums, the per-group scale multiply runs on 8 rows at
+once (s [O/8, G, 8] f32 times the token's xs[t, g] broadcast), and 8 outputs of
+a token are stored as one vector. Memory: int8 one more byte per weight (the
+stored [O, G, gs] layout stays for decode), int4 one byte per weight (the
+nibbles widened to bytes: two times its stored data), plus 4 bytes per group and
+row for the fp32 scales (and int4 minima).
+
+The micro-kernel (_tile) keeps RB x 8 rows x TT tokens (RB8 x TT8, RB4 x TT4) of accumulators in
+registers (AVX2 has 16 ymm registers: RB x TT int32 accumulators, RB x TT float
+ones, RB weight vectors and one broadcast): each weight vector loaded serves TT
+tokens, each broadcast serves RB x 8 rows. Per chunk of 32 values the int32 lanes
+are converted to float and multiply-added with the group's scale product:
 
     out[t, r] = sum_g s[r, g] xs[t, g] (q[r, g] . xq[t, g])          int8
               + sum_g m[r, g] xsum[t, g]                             int4 (its minimum)
 
-The int4 minimum term is a [T, G] x [G, O] product (1/gs of the work), added
-in plain numba after the tile. No weight repacking: the tile reads the stored
-layouts ([O, G, gs] int8; [O, G/2, gs] nibble pairs) in place, so prefill
-costs no memory beyond the rounded activations (xq and |xq|, and on AVX2 an
-int16 copy: 4 bytes per activation) and fp32 copies of the scales and minima
-(O x G x 4 bytes each per call).
+int4: nibble x int8 pair sums (<= 2 x 15 x 127) add up in int16 over one chunk
+(8 steps), then one vpmaddwd by ones widens them to int32.
 
-Instructions (cpu.INT8, decided in Python before anything here compiles):
-  "avx2"  int8 weights widened to int16 once per row and chunk (vpmovsxbw), against
-          int16 activations (activations_for) in vpmaddwd: 16 products a step, exact,
-          no saturation and no sign trick;
-  "vnni"  vpdpbusd on (q + 128) unsigned x xq signed, minus 128 sum(xq), the
-          correction one vpdpbusd per token and chunk, shared by the rows (not
-          measured: no VNNI machine was at hand);
-  int4    nibbles (0..15) are unsigned already: vpmaddubsw on them and xq as they
-          are, the pair sums (<= 2 * 15 * 127) added in int16 for a whole group
-          (up to 8 chunks, gs <= 256), then one vpmaddwd by ones per group.
+Instructions: AVX2's (cpu.INT8 "avx2", and they run on VNNI CPUs as well; a
+vpdpbusd variant is not written: no VNNI machine was at hand to measure it).
 None of it is compiled where cpu.INT8 is None: weight.py never calls it there.
 The numpy twin: gemm_ref below.
 """
@@ -48,17 +49,17 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from . import cpu
 from ..kernels import FAST
 
-VNNI = cpu.INT8 == "vnni"
-ROWS = 4                      # weight rows per tile
-TOKENS = 2                    # tokens per tile
-ROW_BLOCK = 64                # rows a thread takes at a time (64 x Kp bytes: in L2 beside a token block)
-TOKEN_BLOCK = 64              # tokens per pass over a row block (64 x Kp activation bytes)
+RB8, TT8 = 2, 4               # int8: 8-row vectors x tokens per tile (16 rows x 4 tokens)
+RB4, TT4 = 2, 2               # int4: its int16 accumulators need registers too (16 rows x 2 tokens)
+BLOCK_RB = 8                  # 8-row vectors a thread takes at a time (64 rows x Kp bytes: in L2)
+TOKEN_BLOCK = 48              # tokens per pass over a row block (48 x Kp activations: in L2 beside it)
+CHUNK = 32                    # values between two float epilogues (int4: the int16 accumulators' limit)
 
 I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 BYTES32 = ir.VectorType(I8, 32)
+BYTES16 = ir.VectorType(I8, 16)
 SHORTS16 = ir.VectorType(I16, 16)
 INTS8 = ir.VectorType(I32, 8)
 FLOATS8 = ir.VectorType(F32, 8)
@@ -69,232 +70,210 @@ def _fn(builder, name, ret, args):
 
 
 def _ptr(context, builder, aty, ary, elem, offset):
-    """Pointer to element `offset` of a 1-D numba array."""
+    """Pointer to element `offset` of a 1-D numba array, as elem*."""
     base = builder.bitcast(context.make_array(aty)(context, builder, ary).data, elem.as_pointer())
     return builder.gep(base, [offset])
 
 
-def _load32(builder, p, at):
-    return builder.load(builder.bitcast(builder.gep(p, [at]), BYTES32.as_pointer()), align=1)
-
-
-def _dot(builder, unsigned, signed, acc):
-    """acc (8 x int32) + sums of 4 products of unsigned x signed bytes: vpdpbusd, or
-    vpmaddubsw + vpmaddwd by ones (callers keep each pair sum within int16)."""
-    if VNNI:
-        f = _fn(builder, "llvm.x86.avx512.vpdpbusd.256", INTS8, [INTS8] * 3)
-        return builder.call(f, [acc, builder.bitcast(unsigned, INTS8), builder.bitcast(signed, INTS8)])
-    maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", SHORTS16, [BYTES32, BYTES32])
-    maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", INTS8, [SHORTS16, SHORTS16])
-    pairs = builder.call(maddubs, [unsigned, signed])
-    return builder.add(acc, builder.call(maddwd, [pairs, ir.Constant(SHORTS16, [1] * 16)]))
-
-
-def _splat(builder, v):
-    one = builder.insert_element(ir.Constant(FLOATS8, ir.Undefined), v, ir.Constant(I32, 0))
-    return builder.shuffle_vector(one, ir.Constant(FLOATS8, ir.Undefined), ir.Constant(INTS8, [0] * 8))
+def _splat(builder, v, vty):
+    one = builder.insert_element(ir.Constant(vty, ir.Undefined), v, ir.Constant(I32, 0))
+    return builder.shuffle_vector(one, ir.Constant(vty, ir.Undefined), ir.Constant(INTS8, [0] * 8))
 
 
 def _tile(context, builder, sig, args, int4):
-    """Shared body of the two tile intrinsics (argument order in gemm_int8_tile)."""
-    (q_, qoff, rstride, xq_, xa_, xoff, xstride, s_, soff, xs_, xsoff, G, gs, res_, n_rows, n_tok, xsum_) = [
+    """The body of tile_int8 / tile_int4 (argument order in tile_int8's docstring)."""
+    RB, TT = (RB4, TT4) if int4 else (RB8, TT8)
+    (wp_, woff, x_, xoff, Kp, sp_, soff, xs_, xsoff, G, gs, mp_, xsum_, out_, ooff, ostride, n_rb, n_tok) = [
         context.cast(builder, a, t, types.int64) if isinstance(t, types.Integer) else a
         for a, t in zip(args, sig.args)]
     ty = sig.args
-    one64 = ir.Constant(I64, 1)
-    qbase = _ptr(context, builder, ty[0], q_, I8, qoff)
-    xbase = _ptr(context, builder, ty[3], xq_, I8, xoff)
-    sbase = _ptr(context, builder, ty[7], s_, F32, soff)
-    xsbase = _ptr(context, builder, ty[9], xs_, F32, xsoff)
-    resp = _ptr(context, builder, ty[13], res_, F32, ir.Constant(I64, 0))
-    # rows / tokens past the tile's end repeat the last one (read, never stored by the caller)
-    rows = [builder.select(builder.icmp_signed("<", ir.Constant(I64, i), n_rows), ir.Constant(I64, i),
-                           builder.sub(n_rows, one64)) for i in range(ROWS)]
-    toks = [builder.select(builder.icmp_signed("<", ir.Constant(I64, t), n_tok), ir.Constant(I64, t),
-                           builder.sub(n_tok, one64)) for t in range(TOKENS)]
-    qps = [builder.gep(qbase, [builder.mul(r, rstride)]) for r in rows]
-    sps = [builder.gep(sbase, [builder.mul(r, G)]) for r in rows]
-    xps = [builder.gep(xbase, [builder.mul(t, xstride)]) for t in toks]
-    xsps = [builder.gep(xsbase, [builder.mul(t, G)]) for t in toks]
-    fma = _fn(builder, "llvm.fma.v8f32", FLOATS8, [FLOATS8] * 3)
-    zero = ir.Constant(INTS8, None)
-    bias = ir.Constant(BYTES32, [128] * 32)
-    low4 = ir.Constant(BYTES32, [15] * 32)
-    facc = [[cgutils.alloca_once_value(builder, ir.Constant(FLOATS8, None)) for _ in range(TOKENS)]
-            for _ in range(ROWS)]
-    iacc = [[cgutils.alloca_once(builder, INTS8) for _ in range(TOKENS)] for _ in range(ROWS)]
-    corr = [cgutils.alloca_once(builder, INTS8) for _ in range(TOKENS)]
-    n_chunks = builder.udiv(gs, ir.Constant(I64, 32))
+    c = lambda v: ir.Constant(I64, v)          # noqa: E731
+    one = c(1)
+    rbs = [builder.select(builder.icmp_signed("<", c(i), n_rb), c(i), builder.sub(n_rb, one)) for i in range(RB)]
+    toks = [builder.select(builder.icmp_signed("<", c(t), n_tok), c(t), builder.sub(n_tok, one)) for t in range(TT)]
+    vstride = builder.mul(Kp, c(8))                                     # bytes of one 8-row vector block
+    wbase = _ptr(context, builder, ty[0], wp_, I8, woff)
+    wps = [builder.gep(wbase, [builder.mul(r, vstride)]) for r in rbs]
+    xelem = I8 if int4 else I16                                         # int4: xq int8; int8: xq as int16
+    xbase = _ptr(context, builder, ty[2], x_, xelem, xoff)
+    xps = [builder.gep(xbase, [builder.mul(t, Kp)]) for t in toks]
+    G8 = builder.mul(G, c(8))
+    sps = [builder.gep(_ptr(context, builder, ty[5], sp_, F32, soff), [builder.mul(r, G8)]) for r in rbs]
+    mps = [builder.gep(_ptr(context, builder, ty[11], mp_, F32, soff), [builder.mul(r, G8)]) for r in rbs]
+    xsps = [builder.gep(_ptr(context, builder, ty[7], xs_, F32, xsoff), [builder.mul(t, G)]) for t in toks]
+    xsumps = [builder.gep(_ptr(context, builder, ty[12], xsum_, F32, xsoff), [builder.mul(t, G)]) for t in toks]
     maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", INTS8, [SHORTS16, SHORTS16])
     maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", SHORTS16, [BYTES32, BYTES32])
+    fma = _fn(builder, "llvm.fma.v8f32", FLOATS8, [FLOATS8] * 3)
     ones = ir.Constant(SHORTS16, [1] * 16)
-    wide = not int4 and not VNNI            # AVX2 int8: int16 x int16 by vpmaddwd (xq holds int16)
-    if wide:
-        xps = [builder.gep(_ptr(context, builder, ty[3], xq_, I16, xoff), [builder.mul(t, xstride)]) for t in toks]
+    facc = [[cgutils.alloca_once_value(builder, ir.Constant(FLOATS8, None)) for _ in range(TT)] for _ in range(RB)]
+    n_chunks = builder.udiv(gs, c(CHUNK))
+    per = 4 if int4 else 2                                              # values per lane and step
+    steps = CHUNK // per
     with cgutils.for_range(builder, G) as gl:
         g = gl.index
-        for r in range(ROWS):
-            for t in range(TOKENS):
-                builder.store(zero, iacc[r][t])
-        for t in range(TOKENS):
-            builder.store(zero, corr[t])
-        if int4:      # group g: the low (g even) or high (g odd) nibbles of pair g // 2's gs bytes
-            qat = builder.mul(builder.lshr(g, one64), gs)
-            shift = builder.trunc(builder.shl(builder.and_(g, one64), ir.Constant(I64, 2)), I8)
-            shifts = builder.shuffle_vector(
-                builder.insert_element(ir.Constant(BYTES32, ir.Undefined), shift, ir.Constant(I32, 0)),
-                ir.Constant(BYTES32, ir.Undefined), ir.Constant(ir.VectorType(I32, 32), [0] * 32))
-        else:
-            qat = builder.mul(g, gs)
-        xat = builder.mul(g, gs)
+        svs = [builder.load(builder.bitcast(builder.gep(p, [builder.mul(g, c(8))]), FLOATS8.as_pointer()), align=4)
+               for p in sps]
+        xsb = [_splat(builder, builder.load(builder.gep(p, [g])), FLOATS8) for p in xsps]
+        scale = [[builder.fmul(svs[r], xsb[t]) for t in range(TT)] for r in range(RB)]
+        gw = builder.mul(g, builder.mul(gs, c(8)))                      # the group's first byte in a vector block
+        gx = builder.mul(g, gs)
         with cgutils.for_range(builder, n_chunks) as cl:
-            off = builder.mul(cl.index, ir.Constant(I64, 32))
-            xo = builder.add(xat, off)
-            qo = builder.add(qat, off)
-            if wide:          # two halves of 16: weights widened once per row, activations loaded as int16
-                for h in range(2):
-                    ho = ir.Constant(I64, 16 * h)
-                    ws = [builder.sext(builder.load(builder.bitcast(builder.gep(p, [builder.add(qo, ho)]),
-                                                                    ir.VectorType(I8, 16).as_pointer()), align=1),
-                                       SHORTS16) for p in qps]
-                    xv = [builder.load(builder.bitcast(builder.gep(p, [builder.add(xo, ho)]),
-                                                       SHORTS16.as_pointer()), align=2) for p in xps]
-                    for r in range(ROWS):
-                        for t in range(TOKENS):
-                            d = builder.call(maddwd, [ws[r], xv[t]])
-                            builder.store(builder.add(builder.load(iacc[r][t]), d), iacc[r][t])
-            else:
-                xv = [_load32(builder, p, xo) for p in xps]
-                if int4:      # nibble x int8 pair sums <= 2 * 15 * 127: up to 8 chunks add up in int16
-                    ws = [builder.and_(builder.lshr(_load32(builder, p, qo), shifts), low4) for p in qps]
-                    for r in range(ROWS):
-                        for t in range(TOKENS):
-                            acc16 = builder.bitcast(builder.load(iacc[r][t]), SHORTS16)
-                            d = builder.add(acc16, builder.call(maddubs, [ws[r], xv[t]]))
-                            builder.store(builder.bitcast(d, INTS8), iacc[r][t])
-                else:         # VNNI: (q + 128) . xq - 128 sum(xq), the correction shared by the rows
-                    ws = [builder.xor(_load32(builder, p, qo), bias) for p in qps]
-                    for t in range(TOKENS):
-                        builder.store(_dot(builder, bias, xv[t], builder.load(corr[t])), corr[t])
-                    for r in range(ROWS):
-                        for t in range(TOKENS):
-                            builder.store(_dot(builder, ws[r], xv[t], builder.load(iacc[r][t])), iacc[r][t])
-        xsg = [_splat(builder, builder.load(builder.gep(p, [g]))) for p in xsps]    # broadcasts from memory
-        for r in range(ROWS):
-            sg = _splat(builder, builder.load(builder.gep(sps[r], [g])))
-            for t in range(TOKENS):
-                dot = builder.load(iacc[r][t])
+            cw = builder.add(gw, builder.mul(cl.index, c(CHUNK * 8)))
+            cx = builder.add(gx, builder.mul(cl.index, c(CHUNK)))
+            acc = [[ir.Constant(SHORTS16 if int4 else INTS8, None) for _ in range(TT)] for _ in range(RB)]
+            for j in range(steps):
                 if int4:
-                    dot = builder.call(maddwd, [builder.bitcast(dot, SHORTS16), ones])
-                elif VNNI:
-                    dot = builder.sub(dot, builder.load(corr[t]))
-                lanes = builder.sitofp(dot, FLOATS8)
-                scale = builder.fmul(sg, xsg[t])
-                builder.store(builder.call(fma, [lanes, scale, builder.load(facc[r][t])]), facc[r][t])
-    if int4:          # the minimum: sum_g m[r, g] xsum[t, g], 8 groups per FMA (then the last G % 8)
-        mbase = _ptr(context, builder, ty[4], xa_, F32, soff)          # int4: the xa slot carries m [O G] f32
-        mps = [builder.gep(mbase, [builder.mul(r, G)]) for r in rows]
-        xsumps = [builder.gep(_ptr(context, builder, ty[16], xsum_, F32, xsoff), [builder.mul(t, G)]) for t in toks]
-        g8 = builder.udiv(G, ir.Constant(I64, 8))
-        with cgutils.for_range(builder, g8) as gl:
-            at = builder.mul(gl.index, ir.Constant(I64, 8))
-            mv = [builder.load(builder.bitcast(builder.gep(p, [at]), FLOATS8.as_pointer()), align=4) for p in mps]
-            sv = [builder.load(builder.bitcast(builder.gep(p, [at]), FLOATS8.as_pointer()), align=4) for p in xsumps]
-            for r in range(ROWS):
-                for t in range(TOKENS):
-                    builder.store(builder.call(fma, [mv[r], sv[t], builder.load(facc[r][t])]), facc[r][t])
-        with cgutils.for_range_slice(builder, builder.mul(g8, ir.Constant(I64, 8)), G, one64) as (g, _):
-            for r in range(ROWS):
-                m = builder.load(builder.gep(mps[r], [g]))
-                for t in range(TOKENS):
-                    term = builder.insert_element(ir.Constant(FLOATS8, None),
-                                                  builder.fmul(m, builder.load(builder.gep(xsumps[t], [g]))),
-                                                  ir.Constant(I32, 0))
-                    builder.store(builder.fadd(builder.load(facc[r][t]), term), facc[r][t])
-    total = _fn(builder, "llvm.vector.reduce.fadd.v8f32", F32, [F32, FLOATS8])
-    for r in range(ROWS):
-        for t in range(TOKENS):
-            v = builder.call(total, [ir.Constant(F32, 0.0), builder.load(facc[r][t])], fastmath=("reassoc",))
-            builder.store(v, builder.gep(resp, [ir.Constant(I64, t * ROWS + r)]))
+                    ws = [builder.load(builder.bitcast(builder.gep(p, [builder.add(cw, c(32 * j))]),
+                                                       BYTES32.as_pointer()), align=1) for p in wps]
+                else:
+                    ws = [builder.sext(builder.load(builder.bitcast(builder.gep(p, [builder.add(cw, c(16 * j))]),
+                                                                    BYTES16.as_pointer()), align=1), SHORTS16)
+                          for p in wps]
+                bc = [builder.load(builder.bitcast(builder.gep(p, [builder.add(cx, c(per * j))]), I32.as_pointer()),
+                                   align=1) for p in xps]
+                bc = [_splat(builder, v, INTS8) for v in bc]
+                for t in range(TT):
+                    if int4:
+                        xb = builder.bitcast(bc[t], BYTES32)
+                        for r in range(RB):
+                            acc[r][t] = builder.add(acc[r][t], builder.call(maddubs, [ws[r], xb]))
+                    else:
+                        xb = builder.bitcast(bc[t], SHORTS16)
+                        for r in range(RB):
+                            acc[r][t] = builder.add(acc[r][t], builder.call(maddwd, [ws[r], xb]))
+            for r in range(RB):
+                for t in range(TT):
+                    dot = builder.call(maddwd, [acc[r][t], ones]) if int4 else acc[r][t]
+                    lanes = builder.sitofp(dot, FLOATS8)
+                    builder.store(builder.call(fma, [lanes, scale[r][t], builder.load(facc[r][t])]), facc[r][t])
+        if int4:      # the minimum: m[r, g] xsum[t, g], 8 rows per FMA
+            for r in range(RB):
+                mv = builder.load(builder.bitcast(builder.gep(mps[r], [builder.mul(g, c(8))]), FLOATS8.as_pointer()),
+                                  align=4)
+                for t in range(TT):
+                    xm = _splat(builder, builder.load(builder.gep(xsumps[t], [g])), FLOATS8)
+                    builder.store(builder.call(fma, [mv, xm, builder.load(facc[r][t])]), facc[r][t])
+    obase = _ptr(context, builder, ty[13], out_, F32, ooff)
+    for t in range(TT):
+        for r in range(RB):
+            keep = builder.and_(builder.icmp_signed("<", c(t), n_tok), builder.icmp_signed("<", c(r), n_rb))
+            with builder.if_then(keep, likely=True):
+                at = builder.add(builder.mul(c(t), ostride), c(8 * r))
+                builder.store(builder.load(facc[r][t]),
+                              builder.bitcast(builder.gep(obase, [at]), FLOATS8.as_pointer()), align=4)
     return context.get_dummy_value()
 
 
+_SIG_DOC = """out[ooff + t ostride + 8 i + l] = row l of 8-row vector i, token t, for i < min(RB, n_rb),
+    t < min(TT, n_tok): wp from woff (vector i at woff + i Kp 8), x from xoff (token t at
+    xoff + t Kp), sp (and mp) from soff (vector i at soff + i G 8), xs (and xsum) from xsoff
+    (token t at xsoff + t G). Vectors / tokens past n_rb / n_tok repeat the last ones (read,
+    never stored)."""
+
+
 @intrinsic
-def gemm_int8_tile(typingctx, q, qoff, rstride, xq, xa, xoff, xstride, s, soff, xs, xsoff, G, gs, res, n_rows,
-                   n_tok, xsum):
-    """res[t * ROWS + i] = sum_g s[soff + i G + g] xs[xsoff + t G + g]
-                              * (q[qoff + i rstride + g gs ..] . xq[xoff + t xstride + g gs ..])
-    for i < ROWS, t < TOKENS (rows i >= n_rows and tokens t >= n_tok repeat the last
-    ones). q int8, xq int8, xa = |xq| uint8 (read on AVX2), s and xs float32, res float32."""
-    sig = types.void(q, qoff, rstride, xq, xa, xoff, xstride, s, soff, xs, xsoff, G, gs, res, n_rows, n_tok, xsum)
+def tile_int8(typingctx, wp, woff, x, xoff, Kp, sp, soff, xs, xsoff, G, gs, mp, xsum, out, ooff, ostride,
+              n_rb, n_tok):
+    sig = types.void(wp, woff, x, xoff, Kp, sp, soff, xs, xsoff, G, gs, mp, xsum, out, ooff, ostride, n_rb, n_tok)
     return sig, lambda context, builder, signature, args: _tile(context, builder, signature, args, False)
 
 
 @intrinsic
-def gemm_int4_tile(typingctx, q, qoff, rstride, xq, xa, xoff, xstride, s, soff, xs, xsoff, G, gs, res, n_rows,
-                   n_tok, xsum):
-    """gemm_int8_tile for int4 weights: q holds matmul_int4's [O, G/2, gs] nibble
-    pairs (group g: the low nibbles of pair g // 2 when g is even, the high ones
-    when odd); the nibbles 0..15 meet xq as they are. xa is not read. The minimum
-    term is the caller's (matmul_int4_prefill)."""
-    sig = types.void(q, qoff, rstride, xq, xa, xoff, xstride, s, soff, xs, xsoff, G, gs, res, n_rows, n_tok, xsum)
+def tile_int4(typingctx, wp, woff, x, xoff, Kp, sp, soff, xs, xsoff, G, gs, mp, xsum, out, ooff, ostride,
+              n_rb, n_tok):
+    sig = types.void(wp, woff, x, xoff, Kp, sp, soff, xs, xsoff, G, gs, mp, xsum, out, ooff, ostride, n_rb, n_tok)
     return sig, lambda context, builder, signature, args: _tile(context, builder, signature, args, True)
 
 
+tile_int8.__doc__ = "int8 weights (pairs layout), x int16. " + _SIG_DOC
+tile_int4.__doc__ = "int4 weights (quads layout), x int8, plus m[r, g] xsum[t, g]. " + _SIG_DOC
+
+
 @njit(inline="always", fastmath=FAST, error_model="numpy")
-def _gemm_block(int4, qf, rstride, xf, mf, sf, xsf, xsumf, G, gs, out, b, T, O, res):
-    """Rows b * ROW_BLOCK .. of out [T, O], all tokens, tile by tile: TOKEN_BLOCK tokens'
-    activations (64 x Kp elements) against the block's rows, ROWS x TOKENS at a time."""
-    r_end = min(O, (b + 1) * ROW_BLOCK)
+def _block(int4, wf, xf, sf, xsf, mf, xsumf, G, gs, out, ostride, v0, nv, blk, T):
+    """8-row vectors blk * BLOCK_RB .. (< nv) from vector v0 of the packed arrays, every token,
+    TOKEN_BLOCK tokens at a time, RB x TT per tile, into out [T, ostride] (column 8 (vector - v0))."""
     Kp = G * gs
+    v_end = min(nv, (blk + 1) * BLOCK_RB)
+    RB, TT = (RB4, TT4) if int4 else (RB8, TT8)
     for t0 in range(0, T, TOKEN_BLOCK):
         t_end = min(T, t0 + TOKEN_BLOCK)
-        for r0 in range(b * ROW_BLOCK, r_end, ROWS):
-            nr = min(ROWS, r_end - r0)
-            for t in range(t0, t_end, TOKENS):
-                nt = min(TOKENS, t_end - t)
+        for v in range(blk * BLOCK_RB, v_end, RB):
+            n_rb = min(RB, v_end - v)
+            for t in range(t0, t_end, TT):
+                n_tok = min(TT, t_end - t)
                 if int4:
-                    gemm_int4_tile(qf, r0 * rstride, rstride, xf, mf, t * Kp, Kp, sf, r0 * G, xsf, t * G, G, gs,
-                                   res, nr, nt, xsumf)
+                    tile_int4(wf, (v0 + v) * Kp * 8, xf, t * Kp, Kp, sf, (v0 + v) * G * 8, xsf, t * G, G, gs,
+                              mf, xsumf, out, t * ostride + 8 * v, ostride, n_rb, n_tok)
                 else:
-                    gemm_int8_tile(qf, r0 * rstride, rstride, xf, mf, t * Kp, Kp, sf, r0 * G, xsf, t * G, G, gs,
-                                   res, nr, nt, xsumf)
-                for j in range(nt):
-                    for i in range(nr):
-                        out[t + j, r0 + i] = res[j * ROWS + i]
+                    tile_int8(wf, (v0 + v) * Kp * 8, xf, t * Kp, Kp, sf, (v0 + v) * G * 8, xsf, t * G, G, gs,
+                              mf, xsumf, out, t * ostride + 8 * v, ostride, n_rb, n_tok)
 
 
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
-def matmul_int8_prefill(x, xs, q, s32, out):
-    """x [T, G, gs] the rounded activations (int16 on AVX2, int8 with VNNI: activations_for),
-    xs [T, G] their scales (kernels.quantize_activations); q [O, G, gs] int8; s32 [O, G]
-    float32 -> out [T, O]: out[t, r] = sum_g s[r, g] xs[t, g] (q[r, g] . xq[t, g])."""
-    T, G, gs = x.shape
-    O = q.shape[0]
-    qf, xf, sf, xsf = q.reshape(-1), x.reshape(-1), s32.reshape(-1), xs.reshape(-1)
-    for b in prange(-(-O // ROW_BLOCK)):
-        res = np.empty(ROWS * TOKENS, dtype=np.float32)
-        _gemm_block(False, qf, G * gs, xf, xsf, sf, xsf, xsf, G, gs, out, b, T, O, res)
+def gemm_int8(x16, xs, wp, sp, v0, nv, out):
+    """x16 [T, G, gs] int16 (the rounded activations), xs [T, G] f32; wp, sp the pairs layout
+    (pack), vectors v0 .. v0 + nv -> out [T, 8 nv]: out[t, r] = sum_g s xs (q . xq)."""
+    T, G, gs = x16.shape
+    xf, xsf, wf, sf = x16.reshape(-1), xs.reshape(-1), wp.reshape(-1), sp.reshape(-1)
+    for blk in prange(-(-nv // BLOCK_RB)):
+        _block(False, wf, xf, sf, xsf, sf, xsf, G, gs, out.reshape(-1), out.shape[1], v0, nv, blk, T)
 
 
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
-def matmul_int4_prefill(xq, xs, xsum, q, s32, m32, out):
-    """xq [T, G, gs], xs, xsum [T, G] from kernels.quantize_activations; q [O, G/2, gs]
-    uint8 nibble pairs; s32, m32 [O, G] float32 -> out [T, O]:
-        out[t, r] = sum_g s[r, g] xs[t, g] (nibbles[r, g] . xq[t, g]) + m[r, g] xsum[t, g]"""
+def gemm_int4(xq, xs, xsum, wp, sp, mp, v0, nv, out):
+    """xq [T, G, gs] int8, xs, xsum [T, G] f32; wp, sp, mp the quads layout (pack), vectors
+    v0 .. v0 + nv -> out [T, 8 nv]: out[t, r] = sum_g s xs (nibbles . xq) + m xsum."""
     T, G, gs = xq.shape
-    O = q.shape[0]
-    qf, xqf, sf, mf, xsf, xsumf = q.reshape(-1), xq.reshape(-1), s32.reshape(-1), m32.reshape(-1), \
-        xs.reshape(-1), xsum.reshape(-1)
-    for b in prange(-(-O // ROW_BLOCK)):
-        res = np.empty(ROWS * TOKENS, dtype=np.float32)
-        _gemm_block(True, qf, G * gs // 2, xqf, mf, sf, xsf, xsumf, G, gs, out, b, T, O, res)
+    xf, xsf, xsumf = xq.reshape(-1), xs.reshape(-1), xsum.reshape(-1)
+    wf, sf, mf = wp.reshape(-1), sp.reshape(-1), mp.reshape(-1)
+    for blk in prange(-(-nv // BLOCK_RB)):
+        _block(True, wf, xf, sf, xsf, mf, xsumf, G, gs, out.reshape(-1), out.shape[1], v0, nv, blk, T)
 
 
-def activations_for(xq: np.ndarray) -> np.ndarray:
-    """The rounded activations as matmul_int8_prefill takes them: int16 on AVX2 (vpmaddwd
-    multiplies int16 pairs: 2 bytes per activation), int8 with VNNI (vpdpbusd)."""
-    return xq if VNNI else xq.astype(np.int16)
+def pack(w) -> tuple:
+    """The repacked layout of a quant.Weight (int8 / int4), in numpy, once per matrix:
+    (wp, sp, mp or None), rows padded with zeros to a multiple of 8 (see the module's doc)."""
+    O, gs = w.out_features, w.group_size
+    Ob = -(-O // 8)
+    if w.fmt == "int8":
+        q = w.data                                                          # [O, G, gs] int8
+    else:
+        b = w.data                                                          # [O, G/2, gs] nibble pairs
+        q = np.stack([b & 15, b >> 4], axis=2).reshape(O, -1, gs)           # [O, G, gs] 0..15
+    G = q.shape[1]
+    per = 2 if w.fmt == "int8" else 4
+    qp = np.zeros((Ob * 8, G, gs), dtype=q.dtype)
+    qp[:O] = q
+    wp = np.ascontiguousarray(qp.reshape(Ob, 8, G, gs // per, per).transpose(0, 2, 3, 1, 4))   # [Ob, G, gs/per, 8, per]
+
+    def rows8(a):                                                           # [O, G] fp16 bits -> [Ob, G, 8] f32
+        f = np.zeros((Ob * 8, G), dtype=np.float32)
+        f[:O] = a.view(np.float16)
+        return np.ascontiguousarray(f.reshape(Ob, 8, G).transpose(0, 2, 1))
+    return wp, rows8(w.scales), None if w.mins is None else rows8(w.mins)
+
+
+def packed_bytes(w) -> int:
+    """What pack(w) costs in memory (the stored layout stays for decode)."""
+    O8, G = -(-w.out_features // 8) * 8, w.padded_in // w.group_size
+    return O8 * w.padded_in + O8 * G * 4 * (1 if w.fmt == "int8" else 2)
+
+
+def gemm(w, packed, v0: int, x: np.ndarray) -> np.ndarray:
+    """x [T, Kp] f32 (padded) @ W.T on the packed layout (vectors v0 ..) -> [T, out_features]."""
+    from . import kernels as fk
+    T, gs, O = x.shape[0], w.group_size, w.out_features
+    nv = -(-O // 8)
+    xq, _, xs, xsum = fk.quantize_activations(x.reshape(T, -1, gs))       # [T, G, gs], [T, G]
+    out = np.empty((T, 8 * nv), dtype=np.float32)
+    wp, sp, mp = packed
+    if w.fmt == "int8":
+        gemm_int8(xq.astype(np.int16), xs, wp, sp, v0, nv, out)
+    else:
+        gemm_int4(xq, xs, xsum, wp, sp, mp, v0, nv, out)
+    return out if 8 * nv == O else np.ascontiguousarray(out[:, :O])
 
 
 def gemm_ref(xq, xs, xsum, w) -> np.ndarray:
