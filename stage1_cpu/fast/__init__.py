@@ -11,7 +11,8 @@ lesson (docs/stage1.md, "The fast path"):
     attention.py          prefill attention as two GEMMs per KV head, through BLAS
     weight.py             FastWeight: a quant.Weight that routes those cases to them
     plan.py, sync.py,     a whole decode step (plan.py writes it down as data, dense or
-    decode_step.py        MoE) in one parallel region, on the core's own row bodies (the same bits)
+    decode_step.py,       MoE) in one parallel region, on the core's own row bodies (the same bits);
+    matvec.py             its matrix phases
 
 cpu.py decides, in Python and before anything is compiled, which instructions
 exist on the target (cpu.INT8: "vnni" | "avx2" | None; cpu.BF16). A kernel that
@@ -37,6 +38,15 @@ from ..quant import Weight
 HERE = Path(__file__).parent
 FILES = sorted(HERE.glob("*.py"))
 numba_cache.depend(FILES, on=KERNEL_FILES)
+# Finer stamps where they save a restart: the step's matrix phases (matvec.py) and its worker
+# (decode_step.py) call each other through a function pointer, so each is stamped with the
+# files it inlines only, and fast/kernels.py with the matmul files: an edit to RMSNorm or
+# attention recompiles the worker, one to a matmul kernel recompiles matvec.py and kernels.py.
+_CORE = HERE.parent
+numba_cache.depend([HERE / "matvec.py"], on=[_CORE / "matmul.py", HERE / "blocks.py", HERE / "kernels.py",
+                                             HERE / "simd.py", HERE / "sync.py", HERE / "cpu.py"])
+numba_cache.depend([HERE / "kernels.py"], on=[_CORE / "matmul.py", HERE / "simd.py", HERE / "cpu.py"])
+numba_cache.depend([HERE / "decode_step.py"], on=[_CORE / "norms.py", _CORE / "kernels.py", HERE / "sync.py"])
 
 from . import cpu  # noqa: E402  (after depend: numba stamps each kernel when it is defined)
 from .weight import FastWeight, as_fast, check_act, fast_quantize  # noqa: E402, F401

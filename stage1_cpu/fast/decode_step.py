@@ -40,33 +40,39 @@ path (bf16 weights: of FastWeight.matmul, which runs blocks.py's rows too), with
 rounded ones those of FastWeight.matmul (tests/test_stage1_decode_step.py
 checks both, for every weight format, dense and MoE).
 
-Which row bodies the step may inline is chosen in Python from cpu.INT8 (the `if`
-around _rows_q8 below): where the CPU has no integer dot product the fast
-kernels are never named, so numba never hands their instructions to LLVM (a
-runtime branch would not do: both sides are compiled, and on an AVX2-only CPU
+Which row bodies the matrix phases may inline is chosen in Python from cpu.INT8
+(the `if` around _rows_q8 in matvec.py): where the CPU has no integer dot product
+the fast kernels are never named, so numba never hands their instructions to LLVM
+(a runtime branch would not do: both sides are compiled, and on an AVX2-only CPU
 LLVM aborts with "Cannot select ... VPDPWSSD"). Of those, the step compiles only
 the bodies its model's weights use (kinds(): a None argument drops its branch
 before numba compiles it), so a cold start compiles one or two formats, not all.
+
+What compiling costs: the step is three compiled functions, _decode (the parallel
+region) calling _worker (the program) calling matvec._matvec (a matrix phase), each
+through a function pointer (Pointer), not linked into its caller. numba links a
+called function's code into its caller and LLVM optimizes and emits it again there;
+the parallel region's body is a function of its own too, so linked, _matvec's code
+went through LLVM four times and the step took about 49 s of a cold start, through
+pointers once each, about 18 s (docs/benchmarks.md, "Restarts after an edit"). The
+pointers also let each be cached with its own files: an edit to RMSNorm recompiles
+_worker, one to an int8 matmul kernel _matvec.
 """
 from __future__ import annotations
 
-import os
 
 import numba
 import numpy as np
 from numba import prange, types
+from numba.core.types.function_type import WrapperAddressProtocol
 from numba.typed import List
 
-from .. import kernels, matmul
-from . import blocks, cpu, simd, sync
-from .plan import plan
-from . import kernels as fk
+from .. import kernels
 from ..kernels import FAST
+from . import simd, sync
+from .matvec import ACT, BIG, FMT, KINDS, TAIL_ITEMS, _items, _matvec, kinds  # noqa: F401 (tests, FastPath)
+from .plan import plan
 
-FMT = {"none": 0, "bf16": 1, "int8": 2, "int4": 3}
-ACT = {"fp32": 0, "int8": 1, "int16": 2}
-NONE, BF16, INT8, INT4 = range(4)
-A_FP32, A_INT8, A_INT16 = range(3)
 # the phases of plan.plan(), as opcodes
 OPS = {"norm": 0, "matmul": 1, "attention": 2, "add": 3, "silu_mul": 4, "route": 5, "experts": 6, "mix": 7,
        "gated_add": 8}
@@ -77,155 +83,10 @@ SHARED = {"matmul", "experts", "attention"}      # split into items across the w
 # layer, counter (shared phases), rows of the input (experts: 1, or k slots)
 OP, SRC, DST, AUX, WEIGHT, VEC, VEC2, LAYER, COUNTER, ROWS = 0, 1, 4, 7, 10, 11, 12, 13, 14, 15
 FIELDS = 16
-ITEMS_PER_WORKER = 16                     # small row blocks per matmul and worker, at least ...
-ITEM_BYTES = 1 << 18                      # ... and at most ~256 KB of weights per small block (~10 us)
-BIG = 8                                   # a phase's first items are 8 small blocks long ...
-TAIL_ITEMS = 2                            # ... its last 2 per worker are small ones (see _items)
-
-_njit = numba.njit(cache=True, fastmath=FAST, error_model="numpy")
 _inline = numba.njit(inline="always", fastmath=FAST, error_model="numpy")
 
 
-# Which rows kernels the step may name is decided here, in Python, from cpu.py: where the CPU
-# has no integer dot product, the intrinsics (fast/kernels.py) are never named, so numba never
-# hands them to LLVM (a runtime `if` would not do: the code is compiled either way).
-if cpu.INT8:
-    _rows_q8, _rows_q16, _rows_q4 = fk.rows_int8_q8, fk.rows_int8_q16, fk.rows_int4_q8
-else:                   # never named: no weight has rounded activations on this CPU (weight.check_act)
-    _rows_q8 = _rows_q16 = _rows_q4 = None
-
-# The row bodies a model uses, out of the seven below (the other arguments of _matvec are
-# None): numba drops the branch of a None argument before it compiles anything, so a model
-# compiles only its own formats' bodies (each a few seconds of LLVM's time).
-KINDS = ("f32", "bf16", "int8", "int4", "int8.q8", "int8.q16", "int4.q8")
-
-
-def kinds(weights) -> tuple:
-    """The body each weight's matvec runs (FastWeight.matmul's choice) -> True / None per KINDS.
-    QS_FAST_ALL_KINDS=1: all this CPU can run (one compile serves every model: the tests set it)."""
-    if os.environ.get("QS_FAST_ALL_KINDS") == "1":
-        return tuple(True if cpu.INT8 or "." not in k else None for k in KINDS)
-    used = set()
-    for w in weights:
-        act = getattr(w, "decode_act", "fp32")
-        used.add({"none": "f32"}.get(w.fmt, w.fmt) if act == "fp32" else
-                 f"{w.fmt}.q16" if act == "int16" else f"{w.fmt}.q8")
-    return tuple(True if k in used else None for k in KINDS)
-
-
-@numba.njit(inline="always")
-def _block_rows(O, row_bytes, workers):
-    """Rows per item: small enough that the phase's last item is short (the other
-    workers wait for it), large enough that claims (tens of nanoseconds each) cost nothing."""
-    rows = min(-(-O // (ITEMS_PER_WORKER * workers)), max(1, ITEM_BYTES // max(row_bytes, 1)))
-    return max(4, rows + (-rows) % 4)                # whole 4-row blocks, as the prange kernels take them
-
-
-@numba.njit(inline="always")
-def _items(O, row_bytes, workers):
-    """How a phase's O rows are cut into items: (small block rows, big block rows,
-    number of big items, rows they cover, number of items).
-
-    Big items first, small ones last (the "guided" schedule of OpenMP): every item
-    starts new memory streams, and the prefetcher needs a few misses on each before
-    it runs ahead, so long items read faster; but the phase ends when its last item
-    does, so the last ones are short. Which rows an item holds changes no result:
-    every row's dot product is computed alone (kernels.py)."""
-    block = _block_rows(O, row_bytes, workers)
-    big = BIG * block
-    n_big = max(0, O - TAIL_ITEMS * workers * block) // big
-    split = n_big * big
-    return block, big, n_big, split, n_big + -(-(O - split) // block)
-
-
-@_njit
-def _matvec(m, data, scales, mins, x, S, starts, n, bias, out, counts, phase, workers,
-            k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4, gsk):
-    """Phase `phase`: out[s n + i] = x[s] . W[starts[s] + i] (+ bias[starts[s] + i]) for
-    segment s < len(starts) and i < n. x [S K] is this worker's input: S = 1 (every
-    segment reads it; a matmul is one segment of all O rows) or one row per segment
-    (the experts' down projection). W is given by its format row m = (fmt, act, O, K, Kp, gs)
-    and flat arrays. The segments' rows, end to end, are cut into claimed items. k_*: the
-    row bodies this model uses (kinds()), None for the others; gsk: simd.chunks() of the
-    group size every weight with rounded activations has (their row bodies are compiled for it)."""
-    fmt, act, O, K, Kp, gs = m[0], m[1], m[2], m[3], m[4], m[5]
-    R = starts.size * n                                          # rows of all segments
-    block, big, n_big, split, n_items = _items(R, data.size // O, workers)
-    i = sync.claim(counts, phase)
-    if i >= n_items:                                             # the others took every item
-        sync.wait(counts, phase, n_items)
-        return
-    G = Kp // gs if gs else 0
-    # the input as matmul() sees it: padded to whole groups, rounded as the weight asks
-    x2 = np.zeros((S, Kp), dtype=np.float32)
-    x2[:, :K] = x.reshape(S, K)
-    x3 = x2.reshape(S, G, gs) if gs else np.empty((S, 0, 0), dtype=np.float32)
-    x4 = x2.reshape(S, G // 2, 2, gs) if fmt == INT4 else np.empty((S, 0, 2, 0), dtype=np.float32)
-    xsum4 = np.empty((S, G // 2, 2), dtype=np.float32)
-    xq = np.empty((S, G, gs), dtype=np.int8)
-    xa = np.empty((S, G, gs), dtype=np.uint8)
-    x16 = np.empty((S, G, gs), dtype=np.int16)
-    xs = np.empty((S, G), dtype=np.float32)
-    xsum = np.empty((S, G), dtype=np.float32)
-    for t in range(S):
-        if fmt == INT4 and act == A_FP32:
-            if k_int4 is not None:
-                matmul.group_sums(x4, t, xsum4)
-        if act == A_INT8:
-            fk.quantize_token(x3, t, xq, xa, xs, xsum)
-        elif act == A_INT16:
-            fk.quantize_token16(x3, t, x16, xs)
-    # the weight in the shape its kernel indexes (an empty stand-in for the other formats)
-    wf = data.view(np.float32).reshape(O, Kp) if fmt == NONE else np.empty((0, 0), dtype=np.float32)
-    wb = data.view(np.uint16).reshape(O, Kp) if fmt == BF16 else np.empty((0, 0), dtype=np.uint16)
-    q8 = data.view(np.int8).reshape(O, G, gs) if fmt == INT8 else np.empty((0, 0, 0), dtype=np.int8)
-    q4 = data.reshape(O, G // 2, gs) if fmt == INT4 else np.empty((0, 0, 0), dtype=np.uint8)
-    s2 = scales.reshape(O, G) if gs else np.empty((0, 0), dtype=np.uint16)
-    m2 = mins.reshape(O, G) if fmt == INT4 else np.empty((0, 0), dtype=np.uint16)
-    xqf, xaf, x16f, xsf = xq.reshape(-1), xa.reshape(-1), x16.reshape(-1), xs.reshape(-1)
-
-    while i < n_items:
-        v0 = i * big if i < n_big else split + (i - n_big) * block     # rows v0..v1 of all segments
-        v1 = min(R, v0 + (big if i < n_big else block))
-        while v0 < v1:                                               # an item may span segments
-            s = v0 // n
-            e = min(v1, (s + 1) * n)
-            r0, ooff = starts[s] + v0 - s * n, s * n - starts[s]     # W's rows r0.. -> out[ooff + r]
-            r1 = r0 + e - v0
-            t = s if S > 1 else 0                                    # the row of x: out[ooff + r] = W[r] . x[t]
-            if act == A_INT8 and fmt == INT8:                        # the kernel matmul() would use
-                if k_q8 is not None:
-                    _rows_q8(xqf, xaf, xsf, t, data, scales, r0, r1, G, gs, out, ooff, gsk)
-            elif act == A_INT16:
-                if k_q16 is not None:
-                    _rows_q16(x16f, xsf, t, data, scales, r0, r1, G, gs, out, ooff, gsk)
-            elif act == A_INT8:
-                if k_q4 is not None:
-                    _rows_q4(xqf, xsf, xsum.reshape(-1), t, data, scales, m2.reshape(-1), r0, r1, G, gs, out,
-                             ooff, gsk)
-            elif fmt == BF16:                                        # fp32 activations: the core's bodies
-                if k_bf16 is not None:
-                    blocks.rows_bf16(x2, t, wb, r0, r1, out, ooff)
-            else:
-                for r in range(r0, r1):
-                    if fmt == NONE:
-                        if k_f32 is not None:
-                            out[ooff + r] = matmul.row_f32(x2, t, wf, r)
-                    elif fmt == INT8:
-                        if k_int8 is not None:
-                            out[ooff + r] = matmul.row_int8(x3, t, q8, s2, r)
-                    elif k_int4 is not None:
-                        out[ooff + r] = matmul.row_int4(x4, xsum4, t, q4, s2, m2, r)
-            if bias.size:
-                for r in range(r0, r1):
-                    out[ooff + r] = out[ooff + r] + bias[r]
-            v0 = e
-        sync.finish(counts, phase)
-        i = sync.claim(counts, phase)
-    sync.wait(counts, phase, n_items)
-
-
-@_njit
+@_inline
 def _attention(qkv, kv, layer, pos, cos, sin, q_norm, k_norm, qk_norm, eps, H, Hkv, D, att, counts, phase):
     """Phase `phase`, one item per KV head: its q heads and k normed and rotated in
     place in qkv, its k and v stored in the cache at pos, its q heads attending."""
@@ -259,13 +120,15 @@ def _buf(own, shared, ref):
     return own[ref[1]:ref[1] + ref[2]] if ref[0] == 0 else shared[ref[1]:ref[1] + ref[2]]
 
 
-@_njit
-def _worker(workers, x0, pos, prog, meta, data, scales, mins, vecs, shared, own_size, kv, cos, sin, eps, dims,
-            counts, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4, gsk):
-    """Everything one worker does in a decode step: the program, phase by phase."""
+@numba.njit(cache=True, fastmath=FAST, error_model="numpy")
+def _worker(matvec, workers, x0, pos, prog, meta, data, scales, mins, vecs, shared, own_size, kv, cos, sin, eps,
+            dims, counts, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4, gsk):
+    """Everything one worker does in a decode step: the program, phase by phase.
+    matvec: _matvec, compiled for this model's kinds, as a function pointer (Pointer)."""
     H, Hkv, D, k, norm_topk = dims[0], dims[1], dims[2], dims[3], dims[4] != 0
     own = np.zeros(own_size, dtype=np.float32)       # this worker's private buffers; x first
-    own[:x0.size] = x0
+    for c in range(x0.size):                         # (a loop: a slice assignment compiles numba's
+        own[c] = x0[c]                               # error-message formatting, seconds of LLVM)
     top = np.zeros((1, max(k, 1)), dtype=np.int64)   # [1, k] the experts of the current MoE layer ...
     weight = np.zeros((1, max(k, 1)), dtype=np.float32)   # ... and their weights
     one = np.zeros(1, dtype=np.int64)                # a matmul: one segment, from row 0
@@ -296,25 +159,44 @@ def _worker(workers, x0, pos, prog, meta, data, scales, mins, vecs, shared, own_
             k_norm = vecs[row[VEC2]] if qk else none
             _attention(src, kv, row[LAYER], pos, cos, sin, q_norm, k_norm, qk, eps, H, Hkv, D, dst, counts,
                        row[COUNTER])
-        else:                                        # MATMUL, EXPERTS
+        else:                                        # MATMUL, EXPERTS: one call, through the pointer
             w = row[WEIGHT]
             bias = vecs[row[VEC]] if row[VEC] >= 0 else none
-            if op == MATMUL:
-                _matvec(meta[w], data[w], scales[w], mins[w], src, 1, one, dst.size, bias, dst, counts,
-                        row[COUNTER], workers, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4, gsk)
-            else:
-                n = dst.size // k                    # each expert's rows in the stacked matrix
-                _matvec(meta[w], data[w], scales[w], mins[w], src, row[ROWS], top[0] * n, n, bias, dst,
-                        counts, row[COUNTER], workers, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4, gsk)
+            experts = op == EXPERTS
+            n = dst.size // k if experts else dst.size   # experts: each one's rows in the stacked matrix
+            starts = top[0] * n if experts else one
+            matvec(meta[w], data[w], scales[w], mins[w], src, row[ROWS] if experts else 1, starts, n, bias, dst,
+                   counts, row[COUNTER], workers, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4, gsk)
 
 
 @numba.njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
-def _decode(workers, x0, pos, prog, meta, data, scales, mins, vecs, shared, own_size, kv, cos, sin, eps, dims,
-            counts, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4, gsk):
+def _decode(worker, matvec, workers, x0, pos, prog, meta, data, scales, mins, vecs, shared, own_size, kv, cos, sin,
+            eps, dims, counts, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4, gsk):
     # workers: numba.get_num_threads(), passed in (called in here, it would keep this from the disk cache)
     for _ in prange(workers):                        # one iteration per thread: the one parallel region
-        _worker(workers, x0, pos, prog, meta, data, scales, mins, vecs, shared, own_size, kv, cos, sin, eps,
-                dims, counts, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4, gsk)
+        worker(matvec, workers, x0, pos, prog, meta, data, scales, mins, vecs, shared, own_size, kv, cos, sin,
+               eps, dims, counts, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4, gsk)
+
+
+class Pointer(WrapperAddressProtocol):
+    """A cached numba function compiled for one signature, handed to another as a function
+    pointer (numba's first-class functions). The caller calls it through the pointer: it does
+    not link the callee's code into its own, so LLVM optimizes and emits each body once, in
+    the callee's own compile. (A callee numba links in is optimized and emitted again by every
+    caller above it: _matvec, inside _worker inside the parallel region's body inside _decode,
+    was compiled four times.) A call through the pointer costs nanoseconds; a phase, microseconds."""
+
+    def __init__(self, fn, arg_types):
+        self._sig = types.void(*arg_types)
+        fn.compile(self._sig)                        # or loads it from the disk cache
+        cres = fn.get_compile_result(self._sig)
+        self._address = cres.library.get_pointer_to_function(cres.fndesc.llvm_cfunc_wrapper_name)
+
+    def __wrapper_address__(self):
+        return self._address
+
+    def signature(self):
+        return self._sig
 
 
 _READONLY = types.Array(types.uint8, 1, "C", readonly=True)
@@ -411,15 +293,29 @@ class DecodeStep:
         self.vecs = _typed_list([np.array(v, dtype=np.float32).reshape(-1) for v in vecs], _VEC)
         self.shared = np.zeros(self.shared_size, dtype=np.float32)
         self.eps = np.float32(cfg.rms_norm_eps)
+        self.worker = self.matvec = None             # Pointers, made at the first step
         self.dims = np.array([cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, k, int(cfg.norm_topk_prob)],
                              dtype=np.int64)
+
+    def _pointers(self, args):
+        """_worker and _matvec compiled for the types of this model's arguments (the first
+        call compiles them, or loads them from the disk cache) -> (worker, matvec) Pointers."""
+        t = [numba.typeof(a) for a in args]
+        f32, i64 = types.Array(types.float32, 1, "C"), types.int64
+        # _matvec(m, data, scales, mins, x, S, starts, n, bias, out, counts, phase, workers, kinds..., gsk)
+        matvec = Pointer(_matvec, [types.Array(types.int64, 1, "C"), _READONLY, _READONLY16, _READONLY16, f32, i64,
+                                   types.Array(types.int64, 1, "C"), i64, f32, f32, t[16], i64, t[0]] + t[17:])
+        return Pointer(_worker, [numba.typeof(matvec)] + t), matvec
 
     def step(self, x: np.ndarray, pos: int, workers: int | None = None) -> np.ndarray:
         """x [C] f32 -> logits [V] f32 (a new array). workers: worker iterations of the
         region (default: numba's threads; any number gives the same result)."""
-        _decode(workers or numba.get_num_threads(), np.ascontiguousarray(x, dtype=np.float32), pos, self.prog,
+        args = (workers or numba.get_num_threads(), np.ascontiguousarray(x, dtype=np.float32), pos, self.prog,
                 self.meta, self.data, self.scales, self.mins, self.vecs, self.shared, self.own_size,
                 self.cache.data, self.cos[pos:pos + 1], self.sin[pos:pos + 1], self.eps, self.dims,
                 sync.counters(self.n_counters), *self.kinds, self.gsk)
+        if self.worker is None:
+            self.worker, self.matvec = self._pointers(args)
+        _decode(self.worker, self.matvec, *args)
         _, off, n = self.logits
         return self.shared[off:off + n].copy()
