@@ -21,7 +21,6 @@ from common.engine import Request, TokenEvent
 log = logging.getLogger("qwen3-stages.server")
 Sink = Callable[[TokenEvent | Exception], None]
 
-
 class EngineLoop:
     """Owns the engine; submit() and abort() append under a lock, the thread applies them between steps."""
 
