@@ -1,10 +1,6 @@
 """The OpenAI API as pydantic models (as vLLM's protocol.py), errors, and a body's bytes -> a model.
-
-Fields are typed with their bounds, strictly ("2" is not an integer, true is not 1);
-unknown fields are accepted and ignored, as OpenAI does; what the server does not support
-is refused with a message. An error's `param` is pydantic's `loc` as OpenAI writes a
-field (messages[0].content). docs/server.md lists every limit and why.
-"""
+Fields are strict ("2" is not an integer) and bounded; unknown fields are ignored, as OpenAI does;
+what the server does not support is refused with a message. docs/server.md lists every limit."""
 from __future__ import annotations
 
 import json
@@ -66,8 +62,6 @@ def unsupported(what: str) -> AfterValidator:
 class Strict(BaseModel):                          # a request part: unknown fields kept aside, never read
     model_config = ConfigDict(strict=True, extra="allow")
 
-# The sampler divides float32 logits by the temperature and the repetition penalty: a value
-# that is 0 or inf in float32 would make them NaN and fail the engine step for the whole batch.
 Penalty = Annotated[float | None, Field(ge=-2, le=2)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 Ids = Annotated[list[int], Field(min_length=1)]
@@ -265,10 +259,8 @@ class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
 
-# ---- bytes -> a model, with the checks pydantic's JSON parser leaves to us ----
-# pydantic refuses a lone surrogate, nesting past its own limit and an integer of over 4300
-# digits with no field to name, and it reads NaN: so json.loads reads the body first, and
-# its answer is walked for what we refuse, naming the field (docs/server.md).
+# ---- bytes -> a model: json.loads and a walk first, for what pydantic's parser would refuse with no
+# field to name (lone surrogates, deep nesting, 4300-digit integers) or read (NaN); docs/server.md ----
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _JSON_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{},:]', re.DOTALL)   # strings (whole), brackets, separators
 

@@ -124,10 +124,8 @@ async def require_api_key(request: Request, credentials: HTTPAuthorizationCreden
                        "server was started with (--api-key)", type="authentication_error", code="invalid_api_key")
 
 async def admitted_body(request: Request) -> AsyncIterator[bytes]:
-    """The body's bytes: 503 while loading, 413 as soon as it is known to be too large, before parsing.
-    Once it has arrived it counts against --max-concurrent (429 past it) until its answer has ended,
-    a stream included (FastAPI >= 0.118); a client still sending does not count, so half-sent
-    connections cannot lock others out."""
+    """The body's bytes (503 while loading; 413 as soon as it is known to be too large). Once it has arrived
+    it counts against --max-concurrent (429) until its answer has ended, a stream included (FastAPI >= 0.118)."""
     state = server_state(request)
     if state.loop is None:
         raise APIError(503, state.load_error or "the model is still loading; retry when GET /healthz says 200",
