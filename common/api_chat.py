@@ -27,9 +27,9 @@ def prepare_chat(state: ServerState, raw: bytes) -> Job:
         raise bad_request(f"the chat template cannot render these messages: {e}", "messages") from None
     if not isinstance(prompt, str):
         raise bad_request("the chat template did not render text for these messages", "messages")
-    think = kwargs.enable_thinking
     return state.job(req, {"messages": prompt}, req.max_completion_tokens or req.max_tokens, functools.partial(
-        StreamParser, thinking=think, tools=tools is not None, start_in_reasoning=think and prompt_opens_think(prompt)))
+        StreamParser, thinking=kwargs.enable_thinking, tools=tools is not None,
+        start_in_reasoning=kwargs.enable_thinking and prompt_opens_think(prompt)))
 
 def finish_reason(c: Choice) -> str:
     return "tool_calls" if (c.parser.tool_calls and c.finish_reason == "stop") else c.finish_reason

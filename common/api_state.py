@@ -113,12 +113,9 @@ class ServerState:
         pool = self.pools["small" if len(raw) <= self.limits.small_body_bytes else "large"]
         return await asyncio.get_running_loop().run_in_executor(pool, fn, self, raw)
 
-def server_state(request: Request) -> ServerState:
-    return request.app.state.server
-
 async def require_api_key(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(
         HTTPBearer(auto_error=False))):      # our own 401: older FastAPI would answer 403 {"detail"}
-    key = server_state(request).api_key
+    key = request.app.state.server.api_key
     if key and not (credentials and hmac.compare_digest(credentials.credentials.encode(), key.encode())):
         raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' with the key the "
                        "server was started with (--api-key)", type="authentication_error", code="invalid_api_key")
@@ -126,7 +123,7 @@ async def require_api_key(request: Request, credentials: HTTPAuthorizationCreden
 async def admitted_body(request: Request) -> AsyncIterator[bytes]:
     """The body's bytes (503 while loading; 413 as soon as it is known to be too large). Once it has arrived
     it counts against --max-concurrent (429) until its answer has ended, a stream included (FastAPI >= 0.118)."""
-    state = server_state(request)
+    state = request.app.state.server
     if state.loop is None:
         raise APIError(503, state.load_error or "the model is still loading; retry when GET /healthz says 200",
                        type="service_unavailable", code="model_loading")
@@ -219,7 +216,7 @@ class Generation:
     @classmethod
     async def start(cls, request: Request, raw: bytes, prepare: Callable[[ServerState, bytes], Job], prefix: str):
         """prepare(state, raw) on a prepare thread, then its Job submitted."""
-        state = server_state(request)
+        state = request.app.state.server
         return cls(state, await state.prepare(prepare, raw), prefix)
 
     def reply(self, model: type[BaseModel], **fields) -> BaseModel:     # a reply or chunk of this generation
