@@ -1,10 +1,6 @@
 """The OpenAI API as pydantic models (as vLLM's protocol.py), errors, and a body's bytes -> a model.
-
-Fields are typed with their bounds, strictly ("2" is not an integer, true is not 1);
-unknown fields are accepted and ignored, as OpenAI does; what the server does not support
-is refused with a message. An error's `param` is pydantic's `loc` as OpenAI writes a
-field (messages[0].content). docs/server.md lists every limit and why.
-"""
+Fields are strict ("2" is not an integer) and bounded; unknown fields are ignored, as OpenAI does;
+what the server does not support is refused with a message. docs/server.md lists every limit."""
 from __future__ import annotations
 
 import json
@@ -19,7 +15,6 @@ MAX_CHOICES, MAX_STOP, MAX_STOP_CHARS = 64, 16, 256     # n (x prompts); stop st
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "seed", "ignore_eos"}
 
-
 class APIError(Exception):
     """An error the client caused (or a state it must wait out), with OpenAI's error body."""
 
@@ -28,10 +23,8 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.body = status, {"error": {"message": message, "type": type, "param": param, "code": code}}
 
-
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
-
 
 def param_of(loc) -> str | None:
     """pydantic's loc ('messages', 0, 'content') as OpenAI writes it: messages[0].content.
@@ -42,13 +35,11 @@ def param_of(loc) -> str | None:
             out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else str(key))
     return out or None
 
-
 def invalid_field(err: dict) -> APIError:
     """One pydantic error (of ValidationError.errors()) as a 400: the one place a loc becomes a param."""
     param = param_of(err["loc"])
     got = json.dumps(err.get("input"), default=str)[:50] if err["type"] not in ("missing", "model_type") else ""
     return bad_request(f"{param or 'the request body'}: {err['msg']}{', got ' + got if got else ''}", param)
-
 
 def explained(message: str) -> WrapValidator:
     """Any error inside this value becomes one error at the value (tools[0]), saying what it must be."""
@@ -59,7 +50,6 @@ def explained(message: str) -> WrapValidator:
             raise PydanticCustomError("invalid_value", "{message}", {"message": message}) from None
     return WrapValidator(check)
 
-
 def unsupported(what: str) -> AfterValidator:
     """A field the server does not support: null (or an empty value) passes, anything else is refused."""
     def check(value):
@@ -69,21 +59,15 @@ def unsupported(what: str) -> AfterValidator:
         return value
     return AfterValidator(check)
 
-
 class Strict(BaseModel):                          # a request part: unknown fields kept aside, never read
     model_config = ConfigDict(strict=True, extra="allow")
 
-
-# The sampler divides float32 logits by the temperature and the repetition penalty: a value
-# that is 0 or inf in float32 would make them NaN and fail the engine step for the whole batch.
 Penalty = Annotated[float | None, Field(ge=-2, le=2)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 Ids = Annotated[list[int], Field(min_length=1)]
 
-
 class StreamOptions(Strict):
     include_usage: bool = False
-
 
 class SamplingRequest(Strict):
     """What /v1/chat/completions and /v1/completions share: the model, n, streaming, sampling."""
@@ -109,17 +93,17 @@ class SamplingRequest(Strict):
     logprobs: Annotated[bool | int | None, unsupported("logprobs are")] = None
     logit_bias: Annotated[dict[str, float] | None, unsupported("logit_bias is")] = None
 
+    include_usage = property(lambda self: bool(self.stream_options and self.stream_options.include_usage))
+
     def sampling(self) -> dict:
         """The sampling fields this request sets (SamplingParams' names; None = the model's default)."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         return self.model_dump(include=SAMPLING_FIELDS) | dict(stop=stop or [],
                                                                stop_token_ids=self.stop_token_ids or [])
 
-
 class TextPart(Strict):
     type: Literal["text"]
     text: str
-
 
 Content = Annotated[
     Union[Annotated[str, Tag("(text)")], Annotated[list[Annotated[TextPart, explained(
@@ -127,17 +111,14 @@ Content = Annotated[
     Discriminator(lambda v: "(text)" if isinstance(v, str) else "(parts)" if isinstance(v, list) else None,
                   custom_error_type="content_type", custom_error_message="must be a string or a list of text parts")]
 
-
 class FunctionCall(Strict):
     name: str
     arguments: str | dict[str, Any] = ""
-
 
 class ToolCall(Strict):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
-
 
 class Message(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]   # developer: OpenAI's new system
@@ -164,18 +145,15 @@ class Message(Strict):
         m["role"] = "system" if self.role == "developer" else self.role
         return m
 
-
 class FunctionDef(Strict):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None     # a JSON schema, rendered into the prompt
     strict: bool | None = None
 
-
 class Tool(Strict):
     type: Literal["function"] = "function"
     function: FunctionDef
-
 
 class ChatTemplateKwargs(Strict):                 # the chat template's variables (vLLM); other names passed on
     enable_thinking: bool = True
@@ -188,7 +166,6 @@ class ChatTemplateKwargs(Strict):                 # the chat template's variable
                                       "messages, tools and add_generation_prompt")
         return self
 
-
 class ChatCompletionRequest(SamplingRequest):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -198,7 +175,6 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Annotated[Literal["none", "auto"] | None, explained(
         "tool_choice must be 'none' or 'auto' (forcing a tool is not supported)")] = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
-
 
 class CompletionRequest(SamplingRequest):
     prompt: Annotated[Union[str, Ids, Annotated[list[Union[str, Ids]], Field(min_length=1)]],
@@ -220,13 +196,11 @@ class CompletionRequest(SamplingRequest):
         p = self.prompt
         return [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
 
-
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: dict | None = None     # {"cached_tokens": N}, from an engine with a prefix cache
-
 
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
@@ -235,7 +209,6 @@ class ChatMessage(BaseModel):
     reasoning: str | None = None                  # ... and OpenRouter's
     tool_calls: list[dict] | None = None
 
-
 class Delta(ChatMessage):                         # what a chunk adds to a message: only the keys it sets
     role: Literal["assistant"] | None = None
 
@@ -243,12 +216,19 @@ class Delta(ChatMessage):                         # what a chunk adds to a messa
     def _set_only(self, handler):
         return {k: v for k, v in handler(self).items() if v is not None}
 
-
 class ReplyChoice(BaseModel):
     index: int
     logprobs: None = None
     finish_reason: str | None = None
 
+class ChatChoice(ReplyChoice):
+    message: ChatMessage
+
+class ChunkChoice(ReplyChoice):
+    delta: Delta
+
+class CompletionChoice(ReplyChoice):
+    text: str
 
 class Reply(BaseModel):                           # every generation reply and streamed chunk
     id: str
@@ -256,34 +236,17 @@ class Reply(BaseModel):                           # every generation reply and s
     model: str
     usage: Usage | None = None
 
-
-class ChatChoice(ReplyChoice):
-    message: ChatMessage
-
-
 class ChatCompletionResponse(Reply):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
-    usage: Usage
-
-
-class ChunkChoice(ReplyChoice):
-    delta: Delta
-
 
 class ChatCompletionChunk(Reply):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChunkChoice]
 
-
-class CompletionChoice(ReplyChoice):
-    text: str
-
-
 class CompletionResponse(Reply):                  # a whole answer, and each streamed chunk (as OpenAI)
     object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
-
 
 class ModelCard(BaseModel):
     id: str
@@ -292,19 +255,14 @@ class ModelCard(BaseModel):
     owned_by: str = "qwen3-stages"
     max_model_len: int | None = None
 
-
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
 
-
-# ---- bytes -> a model, with the checks pydantic's JSON parser leaves to us ----
-# pydantic refuses a lone surrogate, nesting past its own limit and an integer of over 4300
-# digits with no field to name, and it reads NaN: so json.loads reads the body first, and
-# its answer is walked for what we refuse, naming the field (docs/server.md).
+# ---- bytes -> a model: json.loads and a walk first, for what pydantic's parser would refuse with no
+# field to name (lone surrogates, deep nesting, 4300-digit integers) or read (NaN); docs/server.md ----
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _JSON_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{},:]', re.DOTALL)   # strings (whole), brackets, separators
-
 
 def parse_request(model: type[Strict], raw: bytes, max_depth: int) -> Strict:
     """The body as `model`, or a 400 that names the field (on a prepare thread)."""
@@ -339,7 +297,6 @@ def parse_request(model: type[Strict], raw: bytes, max_depth: int) -> Strict:
     except ValidationError as e:
         raise invalid_field(e.errors(include_url=False)[0]) from None
 
-
 def _too_deep(keys: list, max_depth: int) -> APIError:
     """Names the field by its first four keys; the message shows the full path, cut at 80 characters."""
     field = param_of(keys[:4]) if keys and isinstance(keys[0], str) else None
@@ -347,7 +304,6 @@ def _too_deep(keys: list, max_depth: int) -> APIError:
     at = f" (at {full[:80]}{'...' if len(full) > 80 else ''})" if full != field else ""
     return bad_request(f"{field or 'the request body'} nests arrays/objects more than {max_depth} levels "
                        f"deep{at}; send a flatter structure", field)
-
 
 def _deep_where(raw: bytes, max_depth: int) -> list:
     """The keys down to the first container deeper than max_depth, from the raw bytes (for a

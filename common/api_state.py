@@ -1,27 +1,37 @@
-"""What the routers share: the limits, the server state (all read from the model folder once),
-and the dependencies of /v1: the API key, and a body under the size limit counted against
---max-concurrent."""
+"""What the routers share: the limits, the server state (read from the model folder once), the
+dependencies of /v1 (the API key; a body under the size limit, counted against --max-concurrent),
+and a generation: a Job (made on a prepare thread) submitted to the engine loop, yielding
+(choice, new text), answered whole or as SSE by stream()."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
+import json
+import logging
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Iterable
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, PositiveInt
+from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
+from starlette.responses import StreamingResponse
 
-from common.api_protocol import APIError, SamplingRequest, bad_request
-from common.engine import check_prompt
+from common.api_protocol import APIError, SamplingRequest, Usage, bad_request
+from common.engine import Request as EngineRequest, TokenEvent, check_prompt
 from common.engine_loop import EngineLoop
+from common.parsing import StreamParser
 from common.sampling import SamplingParams, generation_defaults
+from common.stopping import StopChecker
 
+log = logging.getLogger("qwen3-stages.server")
 
 class Limits(BaseModel, strict=True):
     """What one request may ask for besides the protocol's bounds; each is checked before the work it protects."""
@@ -30,7 +40,6 @@ class Limits(BaseModel, strict=True):
     max_concurrent: PositiveInt = 256          # generation requests served at once (--max-concurrent); more -> 429
     prepare_threads: PositiveInt = 2           # threads that parse, render and tokenize large bodies; bodies up
     small_body_bytes: PositiveInt = 64 * 2**10  # to this size have 2 of their own, never queued behind large ones
-
 
 @dataclass
 class ServerState:
@@ -73,60 +82,55 @@ class ServerState:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r} "
                            "(GET /v1/models lists it)", param="model", code="model_not_found")
 
-    def prompt_ids(self, prompt: str | list[int], param: str) -> list[int]:
-        """A prompt's token ids, or a 400 at `param` if it cannot fit: a text from its length before tokenizing."""
-        if isinstance(prompt, str) and self.max_prompt_chars is not None and len(prompt) > self.max_prompt_chars:
-            raise bad_request(f"the prompt has {len(prompt)} characters; a context of {self.max_ctx} tokens holds at "
-                              f"most {self.max_prompt_chars} (a token covers at most {self.longest_token} characters); "
-                              "shorten the prompt or start the server with a larger --max-ctx", param)
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        try:
-            check_prompt(ids, self.max_ctx, self.vocab_size)
-        except ValueError as e:
-            raise bad_request(str(e), param) from None
-        return ids
-
-    def choice_params(self, req: SamplingRequest, max_tokens: int | None, prompt_len: int) -> list[SamplingParams]:
-        """req.n choices of one prompt: the request's fields over generation_config.json's; max_tokens at most
-        the room the prompt leaves (all of it when unset, as in vLLM); seeds seed+i, each reproducible."""
-        room = self.max_ctx - prompt_len
-        p = SamplingParams.from_defaults(self.sampling_defaults, max_tokens=min(max_tokens or room, room),
-                                         **req.sampling())
-        return [dataclasses.replace(p, seed=None if p.seed is None else p.seed + i) for i in range(req.n)]
+    def job(self, req: SamplingRequest, prompts: dict[str, str | list[int]], max_tokens: int | None,
+            parser: Callable[[], StreamParser] | None = None, echo: bool = False) -> Job:
+        """req.n choices per prompt ({param: text or token ids}), each prompt tokenized once, or a 400 at its
+        param if it cannot fit (a text from its length, before tokenizing). Sampling: the request's fields
+        over generation_config.json's; max_tokens at most the room the prompt leaves (all of it when unset,
+        as in vLLM); seeds seed+i, each reproducible."""
+        job = Job([], [], req.stream, req.include_usage, parser)
+        for param, prompt in prompts.items():
+            if isinstance(prompt, str) and self.max_prompt_chars is not None and len(prompt) > self.max_prompt_chars:
+                raise bad_request(f"the prompt has {len(prompt)} characters; a context of {self.max_ctx} tokens "
+                                  f"holds at most {self.max_prompt_chars} (a token covers at most "
+                                  f"{self.longest_token} characters); shorten the prompt or start the server "
+                                  "with a larger --max-ctx", param)
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            try:
+                check_prompt(ids, self.max_ctx, self.vocab_size)
+            except ValueError as e:
+                raise bad_request(str(e), param) from None
+            room = self.max_ctx - len(ids)
+            p = SamplingParams.from_defaults(self.sampling_defaults, max_tokens=min(max_tokens or room, room),
+                                             **req.sampling())
+            job.prompts += [ids] * req.n
+            job.params += [dataclasses.replace(p, seed=None if p.seed is None else p.seed + i) for i in range(req.n)]
+            job.echoes += [(prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if echo else ""] * req.n
+        return job
 
     async def prepare(self, fn: Callable[[ServerState, bytes], Any], raw: bytes):
         """fn(self, raw) on a prepare thread: its time grows with the body, and the event loop stays free."""
         pool = self.pools["small" if len(raw) <= self.limits.small_body_bytes else "large"]
         return await asyncio.get_running_loop().run_in_executor(pool, fn, self, raw)
 
-
-def server_state(request: Request) -> ServerState:
-    return request.app.state.server
-
-
 async def require_api_key(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(
         HTTPBearer(auto_error=False))):      # our own 401: older FastAPI would answer 403 {"detail"}
-    key = server_state(request).api_key
+    key = request.app.state.server.api_key
     if key and not (credentials and hmac.compare_digest(credentials.credentials.encode(), key.encode())):
         raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' with the key the "
                        "server was started with (--api-key)", type="authentication_error", code="invalid_api_key")
 
-
 async def admitted_body(request: Request) -> AsyncIterator[bytes]:
-    """The body's bytes: 503 while loading, 413 as soon as it is known to be too large, before parsing.
-    Once it has arrived it counts against --max-concurrent (429 past it) until its answer has ended,
-    a stream included (FastAPI >= 0.118); a client still sending does not count, so half-sent
-    connections cannot lock others out."""
-    state = server_state(request)
+    """The body's bytes (503 while loading; 413 as soon as it is known to be too large). Once it has arrived
+    it counts against --max-concurrent (429) until its answer has ended, a stream included (FastAPI >= 0.118)."""
+    state = request.app.state.server
     if state.loop is None:
         raise APIError(503, state.load_error or "the model is still loading; retry when GET /healthz says 200",
                        type="service_unavailable", code="model_loading")
     limit, declared, chunks, size = state.limits.max_body_bytes, request.headers.get("content-length", ""), [], 0
-
     def too_large(size: str) -> APIError:
         return APIError(413, f"the request body is {size} bytes; this server takes at most {limit} "
                         "(--max-body-mb): send a shorter prompt", code="request_too_large")
-
     if declared.isdigit() and int(declared) > limit:
         raise too_large(declared)
     try:
@@ -146,8 +150,169 @@ async def admitted_body(request: Request) -> AsyncIterator[bytes]:
     finally:
         state.in_flight -= 1
 
-
 def body_schema(model) -> dict:
     """The OpenAPI request body of an endpoint that reads its own bytes (not on the event loop)."""
     return {"requestBody": {"required": True, "content": {"application/json": {
         "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+@dataclass
+class Job:
+    """A request ready for the engine: token ids and sampling parameters per choice."""
+    prompts: list[list[int]]                 # the token ids of each choice's prompt
+    params: list[SamplingParams]             # one per choice
+    stream: bool = False
+    include_usage: bool = False
+    parser: Callable[[], StreamParser] | None = None   # chat: a <think>/<tool_call> parser per choice
+    echoes: list[str] = field(default_factory=list)   # completions: text to put before each choice
+
+class Choice:
+    """One engine request: ids -> text (detokenizer) -> text before any stop string."""
+
+    def __init__(self, index: int, request_id: str, prompt_ids: list[int], params: SamplingParams, state, parser):
+        self.index, self.id, self.prompt_ids, self.params = index, request_id, prompt_ids, params
+        self.detok, self.stopper = state.tokenizer.detokenizer(), StopChecker(params.stop)
+        self.stop_ids = set(params.stop_token_ids) | state.stop_ids
+        self.n_tokens, self.finish_reason, self.text = 0, None, ""   # text: all returned so far
+        self.parser: StreamParser | None = parser() if parser else None
+
+    done = property(lambda self: self.finish_reason is not None)
+
+    def on_event(self, ev: TokenEvent) -> str:
+        """One engine event -> the new text that is safe to return."""
+        text = ""
+        if ev.token_id >= 0:
+            self.n_tokens += 1
+            if not (ev.finish_reason == "stop" and ev.token_id in self.stop_ids):   # <|im_end|> is no text
+                text = self.detok.add(ev.token_id)
+        if ev.finish_reason is not None:
+            text += self.detok.flush()
+        out = self.stopper.feed(text)
+        if self.stopper.stopped:
+            self.finish_reason = "stop"
+        elif ev.finish_reason is not None:
+            out += self.stopper.flush()
+            self.finish_reason = ev.finish_reason
+        self.text += out
+        return out
+
+class Generation:
+    """Submits a job's choices to the engine loop and yields (choice, new_text) as events arrive."""
+
+    def __init__(self, state: ServerState, job: Job, prefix: str):
+        self.state, self.job, self.id, self.created = state, job, f"{prefix}-{uuid.uuid4().hex}", int(time.time())
+        self.queue: asyncio.Queue = asyncio.Queue()
+        loop, base = asyncio.get_running_loop(), uuid.uuid4().hex[:16]
+
+        def sink(item):      # called on the engine thread: call_soon_threadsafe is the safe way in
+            with contextlib.suppress(RuntimeError):       # the event loop is closed: shutting down
+                loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+        self.choices = [Choice(i, f"{base}-{i}", ids, p, state, job.parser)
+                        for i, (ids, p) in enumerate(zip(job.prompts, job.params))]
+        self.by_id = {c.id: c for c in self.choices}
+        for c in self.choices:
+            state.loop.submit(EngineRequest(c.id, c.prompt_ids, c.params), sink)
+
+    @classmethod
+    async def start(cls, request: Request, raw: bytes, prepare: Callable[[ServerState, bytes], Job], prefix: str):
+        """prepare(state, raw) on a prepare thread, then its Job submitted."""
+        state = request.app.state.server
+        return cls(state, await state.prepare(prepare, raw), prefix)
+
+    def reply(self, model: type[BaseModel], **fields) -> BaseModel:     # a reply or chunk of this generation
+        return model(id=self.id, created=self.created, model=self.state.model_name, **fields)
+
+    async def events(self):
+        while not all(c.done for c in self.choices):
+            item = await self.queue.get()
+            if isinstance(item, ValueError):
+                raise bad_request(str(item))
+            if isinstance(item, Exception):
+                raise APIError(500, str(item), type="server_error")
+            c = self.by_id.get(item.request_id)
+            if c is None or c.done:
+                continue
+            text = c.on_event(item)
+            if c.stopper.stopped and item.finish_reason is None:
+                self.state.loop.abort(c.id)   # a stop string ended it: the engine would go on
+            yield c, text
+
+    def close(self) -> None:
+        """The client is gone (or an error): abort what still runs, so nothing leaks."""
+        for c in self.choices:
+            if not c.done:
+                c.finish_reason = "abort"
+                self.state.loop.abort(c.id)
+
+    def usage(self) -> Usage:      # a prompt shared by n choices counts once
+        prompt = sum(len(ids) for ids in dict.fromkeys(tuple(c.prompt_ids) for c in self.choices))
+        completion = sum(c.n_tokens for c in self.choices)
+        usage = Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        cached = getattr(self.state.loop.engine, "num_cached_tokens", None)   # an engine with a prefix cache
+        if cached is not None:
+            firsts = {tuple(c.prompt_ids): c.id for c in reversed(self.choices)}   # one choice per prompt
+            usage.prompt_tokens_details = {"cached_tokens": sum(cached(i) for i in firsts.values())}
+        return usage
+
+    async def run_to_end(self, request, on_text: Callable | None = None) -> None:
+        """Drive a non-streaming generation; abort it if the client disconnects first."""
+        async def drive():
+            async for c, text in self.events():
+                if on_text:
+                    on_text(c, text)
+        try:
+            work = await until_disconnect(drive(), request.receive)
+        finally:
+            self.close()     # aborts whatever has not finished (client gone, or an error in one choice)
+        if work.cancelled():     # nobody reads this reply; it only ends the handler
+            raise APIError(400, "the client closed the connection before the answer was ready")
+        work.result()        # re-raise an engine error as the reply
+
+async def until_disconnect(work, receive) -> asyncio.Task:
+    """Runs `work` until it ends or the client disconnects (then it is cancelled); its task."""
+    async def disconnected():    # the body was read, so the next message is the disconnect
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    tasks = task, _ = [asyncio.ensure_future(work), asyncio.ensure_future(disconnected())]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return task
+
+def stream(gen: Generation, first: Iterable[BaseModel], pieces: Callable[[Choice, str], Iterable[BaseModel]],
+           usage_chunk: Callable[[Usage], BaseModel]) -> EventStream:
+    """An SSE answer: the `first` chunks, then pieces(choice, new_text) as text arrives, the usage
+    chunk when asked for, and [DONE]. An engine error ends it as an error event."""
+    async def events():
+        for chunk in first:
+            yield f"data: {chunk.model_dump_json()}\n\n"
+        try:
+            async for c, text in gen.events():
+                for chunk in pieces(c, text):
+                    yield f"data: {chunk.model_dump_json()}\n\n"
+        except APIError as e:
+            yield f"data: {json.dumps(e.body, ensure_ascii=False)}\n\n"
+        if gen.job.include_usage:
+            yield f"data: {usage_chunk(gen.usage()).model_dump_json()}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return EventStream(events(), media_type="text/event-stream", background=BackgroundTask(gen.close),
+                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+class EventStream(StreamingResponse):
+    """SSE that notices a client leaving even while no token is ready (a queued request can wait
+    long), and always runs its background task (gen.close: the engine aborts what nobody wants)."""
+
+    async def __call__(self, scope, receive, send):
+        try:
+            sent = await until_disconnect(self.stream_response(send), receive)
+            error = None if sent.cancelled() else sent.exception()
+            if error is not None and not isinstance(error, OSError):   # OSError: the client closed the socket
+                log.error("streaming a response failed: %r", error)
+        finally:
+            await self.body_iterator.aclose()    # a generator cut short runs its cleanup now
+            await self.background()

@@ -12,6 +12,7 @@ For a stage-2 reader it is the outer loop of LLMEngine: the scheduler runs insid
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import Callable
@@ -20,7 +21,6 @@ from common.engine import Request, TokenEvent
 
 log = logging.getLogger("qwen3-stages.server")
 Sink = Callable[[TokenEvent | Exception], None]
-
 
 class EngineLoop:
     """Owns the engine; submit() and abort() append under a lock, the thread applies them between steps."""
@@ -93,7 +93,5 @@ class EngineLoop:
         touched = getattr(e, "request_ids", None)
         for rid in [r for r in self.sinks if touched is None or r in touched]:
             self.sinks.pop(rid)(RuntimeError(f"the engine failed: {type(e).__name__}: {e}"))
-            try:
+            with contextlib.suppress(Exception):     # a dead engine cannot abort: its loss is reported already
                 self.engine.abort(rid)
-            except Exception:
-                pass

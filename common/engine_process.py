@@ -1,12 +1,8 @@
-"""An engine in a child process behind the same Engine protocol (--engine-process): the contract
-of common/engine.py crosses a pipe, a Request one way, TokenEvent fields (ids) the other.
-
-The child does not wait to be asked for a step: while its engine has work it steps, sends
-the step's events in one message and takes the calls that came meanwhile, so the pipe is off
-the critical path. If it dies (a segfault, an abort in compiled code, SIGKILL), the pipe
-closes: the requests it held fail at the next step(), and the step after starts a new child.
-It is started with "spawn" (a fork of a threaded server is not safe): the builder must be importable.
-"""
+"""An engine in a child process behind the same Engine protocol (--engine-process): a Request
+crosses the pipe one way, TokenEvent fields (ids) the other. While it has work the child steps
+and sends each step's events in one message, so the pipe is off the critical path. If it dies,
+the pipe closes: what it held fails at the next step(), and the step after starts a new child
+("spawn": a fork of a threaded server is not safe, so the builder must be importable)."""
 from __future__ import annotations
 
 import importlib
@@ -20,7 +16,6 @@ from types import SimpleNamespace
 from common.engine import Request, TokenEvent
 
 log = logging.getLogger("qwen3-stages.server")
-
 
 def _child(conn, builder: str, folder, args) -> None:
     """Build the engine, then step it while it has work and answer calls until the pipe closes."""
@@ -49,14 +44,9 @@ def _child(conn, builder: str, folder, args) -> None:
             told = engine.has_work()
             conn.send(("step", [(e.request_id, e.token_id, e.finish_reason) for e in events], told))
 
-
 class EngineDied(RuntimeError):
-    """The child died; request_ids are the requests it held (they are lost)."""
-
-    def __init__(self, message: str, request_ids: set[str]):
-        super().__init__(message)
-        self.request_ids = request_ids
-
+    """The child died; request_ids (set by _io) are the requests it held, which are lost."""
+    request_ids: set[str]
 
 class EngineProcess:
     """The Engine protocol, run by a child process; a new child replaces one that died."""
@@ -104,8 +94,8 @@ class EngineProcess:
             code = self.proc.exitcode
             how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
             self.up, self.work, self.events = False, True, []   # the loop steps again: raise, then restart
-            self.lost = EngineDied(f"the engine process died ({how}); it is being restarted", self.running)
-            self.running = set()
+            self.lost = EngineDied(f"the engine process died ({how}); it is being restarted")
+            self.lost.request_ids, self.running = self.running, set()
             raise self.lost from None
 
     def _read(self):     # one message: a step's events are kept for step(); an add's answer is returned

@@ -1,12 +1,11 @@
 """An OpenAI-compatible HTTP server over any engine: this file builds the app (docs/server.md).
 
-    event loop: read the body (413, 429)          api_state.py
-    prepare thread: parse, check, render, tokenize api_protocol.py, api_chat.py, api_completions.py
-    engine thread: add_request, step, abort       engine_loop.py (engine_process.py: in a child)
-    event loop: detokenize, stop strings, SSE     api_generation.py
+    event loop: read the body (413, 429)            api_state.py
+    prepare thread: parse, check, render, tokenize  api_protocol.py, api_chat.py, api_completions.py
+    engine thread: add_request, step, abort         engine_loop.py (engine_process.py: in a child)
+    event loop: detokenize, stop strings, SSE       api_state.py
 
-Only /v1 is behind --api-key: /docs and /openapi.json stay open (a browser cannot send a
-bearer token, and the schema holds no data). The command line is serve_cli.py.
+Only /v1 is behind --api-key: /docs and /openapi.json stay open (docs/server.md says why).
 """
 from __future__ import annotations
 
@@ -26,7 +25,6 @@ from common.api_state import Limits, ServerState, require_api_key
 
 log = logging.getLogger("qwen3-stages.server")
 __all__ = ["Limits", "ServerState", "build_app", "create_app"]
-
 
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="qwen3-stages", version="0.1.0", summary="OpenAI-compatible API over a qwen3-stages engine")
@@ -82,7 +80,6 @@ def build_app(state: ServerState) -> FastAPI:
 
     app.openapi = openapi
     return app
-
 
 def create_app(engine, tokenizer, template, model_name: str, folder=None, max_ctx: int | None = None,
                api_key: str | None = None, limits: Limits | None = None) -> FastAPI:
