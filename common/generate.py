@@ -71,13 +71,18 @@ def main(build_engine, argv=None, prog: str = "python -m stage1_cpu.generate", a
     detok = tok.detokenizer()
     n_out = 0
     t0 = time.perf_counter()
+    failed = False
     while engine.has_work():
         for ev in engine.step():
-            if ev.finish_reason != "stop":       # a stop token is not answer text
+            failed |= ev.finish_reason == "error"
+            if ev.finish_reason not in ("stop", "abort", "error"):   # those carry no answer text
                 sys.stdout.write(detok.add(ev.token_id))
                 sys.stdout.flush()
                 n_out += 1
     sys.stdout.write(detok.flush() + "\n")
+    if failed:
+        print("error: the engine could not go on (its logits were not finite)", file=sys.stderr)
+        return 1
     wall = time.perf_counter() - t0
     pf = engine.last_prefill_tokens / max(engine.last_prefill_s, 1e-9)
     dc = engine.last_decode_tokens / max(engine.last_decode_s, 1e-9)

@@ -64,14 +64,19 @@ def main(argv=None) -> int:
     detok = tok.detokenizer()
     n_out = 0
     t0 = time.perf_counter()
+    failed = False
     while engine.has_work():
         for ev in engine.step():
-            if ev.finish_reason != "stop":       # a stop token is not answer text
+            failed |= ev.finish_reason == "error"
+            if ev.finish_reason not in ("stop", "abort", "error"):   # those carry no answer text
                 n_out += 1
                 if ev.request_id == "generate-0":
                     sys.stdout.write(detok.add(ev.token_id))
                     sys.stdout.flush()
     sys.stdout.write(detok.flush() + "\n")
+    if failed:
+        print("error: the engine could not go on (its logits were not finite)", file=sys.stderr)
+        return 1
     wall = time.perf_counter() - t0
     cached = sum(engine.num_cached_tokens(f"generate-{i}") for i in range(args.n))
     print(f"[{args.n} x {len(ids)} prompt tokens ({cached} from the prefix cache), {n_out} generated "

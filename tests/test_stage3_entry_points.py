@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from common.engine import Request
+from common.engine import Request, TokenEvent
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
 from models import make_model
@@ -102,3 +102,42 @@ def test_chat_help_lists_stage3_flags():
     r = subprocess.run([sys.executable, "-m", "stage3_optimized.chat", "--help"], cwd=ROOT,
                        capture_output=True, text=True, env=ENV, timeout=120)
     assert r.returncode == 0 and "--no-prefix-caching" in r.stdout and "--page-size" in r.stdout
+
+
+class _FailingEngine:
+    """One token, then an "error" event (the engine could not sample: token -1)."""
+    num_steps = 2
+
+    def __init__(self, token):
+        self.token, self.events, self.reqs = token, None, []
+
+    def add_request(self, req):
+        self.reqs.append(req.id)
+
+    def has_work(self):
+        return self.events is None or bool(self.events)
+
+    def step(self):
+        if self.events is None:
+            self.events = [[TokenEvent(r, -1, "error") for r in self.reqs]]
+            return [TokenEvent(r, self.token, None) for r in self.reqs]
+        return self.events.pop()
+
+    def num_cached_tokens(self, rid):
+        return 0
+
+
+def test_generate_says_an_engine_error_and_exits_1_in_stage1_and_stage3(monkeypatch, capsys):
+    from common import generate as g1
+    from stage3_optimized import generate as g3
+    folder = make_model("qwen3", tokenizer=True)
+    token = Tokenizer(folder).encode("hello")[0]
+    text = Tokenizer(folder).decode([token])
+    args = ["--model", str(folder), "--raw", "--prompt", "hi", "--max-tokens", "4"]
+    monkeypatch.setattr(g3, "build_engine", lambda folder, a, progress: _FailingEngine(token))
+    for run in (lambda: g1.main(lambda folder, a, progress: _FailingEngine(token), args),
+                lambda: g3.main(args + ["--device", "cpu"])):
+        assert run() == 1                          # not 0: the answer did not end by itself
+        out, err = capsys.readouterr()
+        assert out.strip() == text.strip()         # the token before the error, and no text for -1
+        assert "error: the engine could not go on" in err
