@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import hmac
 import json
 import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterable
 
@@ -24,7 +23,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
-from common.api_protocol import APIError, SamplingRequest, Usage, bad_request
+from common.api_protocol import APIError, Reply, SamplingRequest, Usage, bad_request
 from common.engine import Request as EngineRequest, TokenEvent, check_prompt
 from common.engine_loop import EngineLoop
 from common.parsing import StreamParser
@@ -104,7 +103,7 @@ class ServerState:
             p = SamplingParams.from_defaults(self.sampling_defaults, max_tokens=min(max_tokens or room, room),
                                              **req.sampling())
             job.prompts += [ids] * req.n
-            job.params += [dataclasses.replace(p, seed=None if p.seed is None else p.seed + i) for i in range(req.n)]
+            job.params += [replace(p, seed=None if p.seed is None else p.seed + i) for i in range(req.n)]
             job.echoes += [(prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if echo else ""] * req.n
         return job
 
@@ -216,11 +215,10 @@ class Generation:
     @classmethod
     async def start(cls, request: Request, raw: bytes, prepare: Callable[[ServerState, bytes], Job], prefix: str):
         """prepare(state, raw) on a prepare thread, then its Job submitted."""
-        state = request.app.state.server
-        return cls(state, await state.prepare(prepare, raw), prefix)
+        return cls(state := request.app.state.server, await state.prepare(prepare, raw), prefix)
 
-    def reply(self, model: type[BaseModel], **fields) -> BaseModel:     # a reply or chunk of this generation
-        return model(id=self.id, created=self.created, model=self.state.model_name, **fields)
+    def reply(self, kind: str, **fields) -> Reply:     # a reply or chunk of this generation (its "object")
+        return Reply(id=self.id, object=kind, created=self.created, model=self.state.model_name, **fields)
 
     async def events(self):
         while not all(c.done for c in self.choices):
@@ -254,12 +252,11 @@ class Generation:
             usage.prompt_tokens_details = {"cached_tokens": sum(cached(i) for i in firsts.values())}
         return usage
 
-    async def run_to_end(self, request, on_text: Callable | None = None) -> None:
+    async def run_to_end(self, request, on_text: Callable = lambda c, text: None) -> None:
         """Drive a non-streaming generation; abort it if the client disconnects first."""
         async def drive():
             async for c, text in self.events():
-                if on_text:
-                    on_text(c, text)
+                on_text(c, text)
         try:
             work = await until_disconnect(drive(), request.receive)
         finally:
