@@ -71,5 +71,5 @@ async def chat_completions(request: Request, raw: bytes = Depends(admitted_body)
                 calls_sent[c.index] += 1
         return out + ([chunk(c, Delta(), finish_reason(c))] if c.done else [])
 
-    return stream(gen, [chunk(c, Delta(role="assistant", content="")) for c in gen.choices], pieces,
-                  lambda usage: gen.reply("chat.completion.chunk", choices=[], usage=usage))
+    return stream(gen, "chat.completion.chunk", [chunk(c, Delta(role="assistant", content="")) for c in gen.choices],
+                  pieces)

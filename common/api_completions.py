@@ -29,6 +29,6 @@ async def completions(request: Request, raw: bytes = Depends(admitted_body)):
     if not gen.job.stream:
         await gen.run_to_end(request)
         return answer([(c.index, echoes[c.index] + c.text, c.finish_reason) for c in gen.choices], gen.usage())
-    return stream(gen, [answer([(c.index, echoes[c.index], None)]) for c in gen.choices if echoes[c.index]],
-                  lambda c, text: [answer([(c.index, text, c.finish_reason)])] if (text or c.done) else [],
-                  lambda usage: answer([], usage))
+    return stream(gen, "text_completion", [answer([(c.index, echoes[c.index], None)]) for c in gen.choices
+                                           if echoes[c.index]],
+                  lambda c, text: [answer([(c.index, text, c.finish_reason)])] if (text or c.done) else [])

@@ -4,13 +4,7 @@ and a generation: a Job (made on a prepare thread) submitted to the engine loop,
 (choice, new text), answered whole or as SSE by stream()."""
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import hmac
-import json
-import logging
-import time
-import uuid
+import asyncio, contextlib, hmac, json, logging, time, uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -106,11 +100,6 @@ class ServerState:
             job.params += [replace(p, seed=None if p.seed is None else p.seed + i) for i in range(req.n)]
             job.echoes += [(prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if echo else ""] * req.n
         return job
-
-    async def prepare(self, fn: Callable[[ServerState, bytes], Any], raw: bytes):
-        """fn(self, raw) on a prepare thread: its time grows with the body, and the event loop stays free."""
-        pool = self.pools["small" if len(raw) <= self.limits.small_body_bytes else "large"]
-        return await asyncio.get_running_loop().run_in_executor(pool, fn, self, raw)
 
 async def require_api_key(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(
         HTTPBearer(auto_error=False))):      # our own 401: older FastAPI would answer 403 {"detail"}
@@ -214,8 +203,11 @@ class Generation:
 
     @classmethod
     async def start(cls, request: Request, raw: bytes, prepare: Callable[[ServerState, bytes], Job], prefix: str):
-        """prepare(state, raw) on a prepare thread, then its Job submitted."""
-        return cls(state := request.app.state.server, await state.prepare(prepare, raw), prefix)
+        """prepare(state, raw) on a prepare thread (its time grows with the body; the event loop stays free),
+        then its Job submitted."""
+        state = request.app.state.server
+        pool = state.pools["small" if len(raw) <= state.limits.small_body_bytes else "large"]
+        return cls(state, await asyncio.get_running_loop().run_in_executor(pool, prepare, state, raw), prefix)
 
     def reply(self, kind: str, **fields) -> Reply:     # a reply or chunk of this generation (its "object")
         return Reply(id=self.id, object=kind, created=self.created, model=self.state.model_name, **fields)
@@ -280,10 +272,10 @@ async def until_disconnect(work, receive) -> asyncio.Task:
         await asyncio.gather(*tasks, return_exceptions=True)
     return task
 
-def stream(gen: Generation, first: Iterable[BaseModel], pieces: Callable[[Choice, str], Iterable[BaseModel]],
-           usage_chunk: Callable[[Usage], BaseModel]) -> EventStream:
-    """An SSE answer: the `first` chunks, then pieces(choice, new_text) as text arrives, the usage
-    chunk when asked for, and [DONE]. An engine error ends it as an error event."""
+def stream(gen: Generation, kind: str, first: Iterable[Reply], pieces: Callable[[Choice, str], Iterable[Reply]]
+           ) -> EventStream:
+    """An SSE answer of `kind` chunks: the `first` chunks, then pieces(choice, new_text) as text arrives, the
+    usage chunk when asked for, and [DONE]. An engine error ends it as an error event."""
     async def events():
         for chunk in first:
             yield f"data: {chunk.model_dump_json()}\n\n"
@@ -294,7 +286,7 @@ def stream(gen: Generation, first: Iterable[BaseModel], pieces: Callable[[Choice
         except APIError as e:
             yield f"data: {json.dumps(e.body, ensure_ascii=False)}\n\n"
         if gen.job.include_usage:
-            yield f"data: {usage_chunk(gen.usage()).model_dump_json()}\n\n"
+            yield f"data: {gen.reply(kind, choices=[], usage=gen.usage()).model_dump_json()}\n\n"
         yield "data: [DONE]\n\n"
 
     return EventStream(events(), media_type="text/event-stream", background=BackgroundTask(gen.close),
