@@ -6,8 +6,8 @@ import functools
 
 from fastapi import APIRouter, Depends, Request
 
-from common.api_protocol import ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, \
-    ChatMessage, ChatTemplateKwargs, ChunkChoice, Delta, bad_request, parse_request
+from common.api_protocol import ChatCompletionRequest, ChatMessage, ChatTemplateKwargs, Delta, Reply, ReplyChoice, \
+    bad_request, parse_request
 from common.api_state import Choice, Generation, Job, ServerState, admitted_body, body_schema, stream
 from common.parsing import StreamParser, prompt_opens_think
 
@@ -44,22 +44,22 @@ def message(parts: list) -> ChatMessage:
     return ChatMessage(content=content if (content or not calls) else None, reasoning_content=reasoning or None,
                        reasoning=reasoning or None, tool_calls=calls)
 
-@router.post("/chat/completions", response_model=ChatCompletionResponse, openapi_extra=body_schema(
+@router.post("/chat/completions", response_model=Reply, openapi_extra=body_schema(
     ChatCompletionRequest), summary="A chat answer; with stream: true, chat.completion.chunk events (SSE)")
 async def chat_completions(request: Request, raw: bytes = Depends(admitted_body)):
     gen = await Generation.start(request, raw, prepare_chat, "chatcmpl")
     if not gen.job.stream:
         got = {c.index: [] for c in gen.choices}
         await gen.run_to_end(request, lambda c, text: got[c.index].extend(deltas(c, text)))
-        return gen.reply(ChatCompletionResponse, usage=gen.usage(), choices=[ChatChoice(
+        return gen.reply("chat.completion", usage=gen.usage(), choices=[ReplyChoice(
             index=c.index, message=message(got[c.index]), finish_reason=finish_reason(c)) for c in gen.choices])
 
-    def chunk(c: Choice, delta: Delta, finish: str | None = None) -> ChatCompletionChunk:
-        return gen.reply(ChatCompletionChunk, choices=[ChunkChoice(index=c.index, delta=delta, finish_reason=finish)])
+    def chunk(c: Choice, delta: Delta, finish: str | None = None) -> Reply:
+        return gen.reply("chat.completion.chunk", choices=[ReplyChoice(index=c.index, delta=delta, finish_reason=finish)])
 
     calls_sent = {c.index: 0 for c in gen.choices}
 
-    def pieces(c: Choice, text: str) -> list[ChatCompletionChunk]:
+    def pieces(c: Choice, text: str) -> list[Reply]:
         out = []
         for d in deltas(c, text):
             if d.kind == "content":
@@ -71,5 +71,5 @@ async def chat_completions(request: Request, raw: bytes = Depends(admitted_body)
                 calls_sent[c.index] += 1
         return out + ([chunk(c, Delta(), finish_reason(c))] if c.done else [])
 
-    return stream(gen, [chunk(c, Delta(role="assistant", content="")) for c in gen.choices], pieces,
-                  lambda usage: gen.reply(ChatCompletionChunk, choices=[], usage=usage))
+    return stream(gen, "chat.completion.chunk", [chunk(c, Delta(role="assistant", content="")) for c in gen.choices],
+                  pieces)

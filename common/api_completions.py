@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
-from common.api_protocol import CompletionChoice, CompletionRequest, CompletionResponse, parse_request
+from common.api_protocol import CompletionRequest, Reply, ReplyChoice, parse_request
 from common.api_state import Generation, Job, ServerState, admitted_body, body_schema, stream
 
 router = APIRouter()
@@ -16,19 +16,19 @@ def prepare_completion(state: ServerState, raw: bytes) -> Job:
     return state.job(req, {"prompt" if len(prompts) == 1 else f"prompt[{k}]": p for k, p in enumerate(prompts)},
                      req.max_tokens, echo=req.echo)
 
-@router.post("/completions", response_model=CompletionResponse, openapi_extra=body_schema(CompletionRequest),
+@router.post("/completions", response_model=Reply, openapi_extra=body_schema(CompletionRequest),
              summary="A completion; with stream: true, text_completion events (SSE)")
 async def completions(request: Request, raw: bytes = Depends(admitted_body)):
     gen = await Generation.start(request, raw, prepare_completion, "cmpl")
     echoes = gen.job.echoes
 
-    def answer(choices: list[tuple], usage=None) -> CompletionResponse:    # (index, text, finish_reason)
-        return gen.reply(CompletionResponse, usage=usage, choices=[
-            CompletionChoice(index=i, text=text, finish_reason=finish) for i, text, finish in choices])
+    def answer(choices: list[tuple], usage=None) -> Reply:    # (index, text, finish_reason)
+        return gen.reply("text_completion", usage=usage, choices=[
+            ReplyChoice(index=i, text=text, finish_reason=finish) for i, text, finish in choices])
 
     if not gen.job.stream:
         await gen.run_to_end(request)
         return answer([(c.index, echoes[c.index] + c.text, c.finish_reason) for c in gen.choices], gen.usage())
-    return stream(gen, [answer([(c.index, echoes[c.index], None)]) for c in gen.choices if echoes[c.index]],
-                  lambda c, text: [answer([(c.index, text, c.finish_reason)])] if (text or c.done) else [],
-                  lambda usage: answer([], usage))
+    return stream(gen, "text_completion", [answer([(c.index, echoes[c.index], None)]) for c in gen.choices
+                                           if echoes[c.index]],
+                  lambda c, text: [answer([(c.index, text, c.finish_reason)])] if (text or c.done) else [])

@@ -3,8 +3,7 @@ Fields are strict ("2" is not an integer) and bounded; unknown fields are ignore
 what the server does not support is refused with a message. docs/server.md lists every limit."""
 from __future__ import annotations
 
-import json
-import re
+import json, re
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError,
@@ -216,37 +215,26 @@ class Delta(ChatMessage):                         # what a chunk adds to a messa
     def _set_only(self, handler):
         return {k: v for k, v in handler(self).items() if v is not None}
 
-class ReplyChoice(BaseModel):
+class ReplyChoice(BaseModel):                     # a choice of any reply: message, delta (a chunk's) or text
     index: int
     logprobs: None = None
     finish_reason: str | None = None
+    message: ChatMessage | None = None
+    delta: Delta | None = None
+    text: str | None = None
 
-class ChatChoice(ReplyChoice):
-    message: ChatMessage
+    @model_serializer(mode="wrap")
+    def _set_only(self, handler):                 # of message, delta and text only the one given
+        return {k: v for k, v in handler(self).items() if k not in ("message", "delta", "text") or
+                k in self.model_fields_set}
 
-class ChunkChoice(ReplyChoice):
-    delta: Delta
-
-class CompletionChoice(ReplyChoice):
-    text: str
-
-class Reply(BaseModel):                           # every generation reply and streamed chunk
+class Reply(BaseModel):                           # every generation reply and streamed chunk (as OpenAI)
     id: str
+    object: Literal["chat.completion", "chat.completion.chunk", "text_completion"]
     created: int
     model: str
+    choices: list[ReplyChoice]
     usage: Usage | None = None
-
-class ChatCompletionResponse(Reply):
-    object: Literal["chat.completion"] = "chat.completion"
-    choices: list[ChatChoice]
-
-class ChatCompletionChunk(Reply):
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    choices: list[ChunkChoice]
-
-class CompletionResponse(Reply):                  # a whole answer, and each streamed chunk (as OpenAI)
-    object: Literal["text_completion"] = "text_completion"
-    choices: list[CompletionChoice]
 
 class ModelCard(BaseModel):
     id: str

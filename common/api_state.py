@@ -4,16 +4,9 @@ and a generation: a Job (made on a prepare thread) submitted to the engine loop,
 (choice, new text), answered whole or as SSE by stream()."""
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import dataclasses
-import hmac
-import json
-import logging
-import time
-import uuid
+import asyncio, contextlib, hmac, json, logging, time, uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterable
 
@@ -24,7 +17,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
-from common.api_protocol import APIError, SamplingRequest, Usage, bad_request
+from common.api_protocol import APIError, Reply, SamplingRequest, Usage, bad_request
 from common.engine import Request as EngineRequest, TokenEvent, check_prompt
 from common.engine_loop import EngineLoop
 from common.parsing import StreamParser
@@ -104,14 +97,9 @@ class ServerState:
             p = SamplingParams.from_defaults(self.sampling_defaults, max_tokens=min(max_tokens or room, room),
                                              **req.sampling())
             job.prompts += [ids] * req.n
-            job.params += [dataclasses.replace(p, seed=None if p.seed is None else p.seed + i) for i in range(req.n)]
+            job.params += [replace(p, seed=None if p.seed is None else p.seed + i) for i in range(req.n)]
             job.echoes += [(prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if echo else ""] * req.n
         return job
-
-    async def prepare(self, fn: Callable[[ServerState, bytes], Any], raw: bytes):
-        """fn(self, raw) on a prepare thread: its time grows with the body, and the event loop stays free."""
-        pool = self.pools["small" if len(raw) <= self.limits.small_body_bytes else "large"]
-        return await asyncio.get_running_loop().run_in_executor(pool, fn, self, raw)
 
 async def require_api_key(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(
         HTTPBearer(auto_error=False))):      # our own 401: older FastAPI would answer 403 {"detail"}
@@ -215,12 +203,14 @@ class Generation:
 
     @classmethod
     async def start(cls, request: Request, raw: bytes, prepare: Callable[[ServerState, bytes], Job], prefix: str):
-        """prepare(state, raw) on a prepare thread, then its Job submitted."""
+        """prepare(state, raw) on a prepare thread (its time grows with the body; the event loop stays free),
+        then its Job submitted."""
         state = request.app.state.server
-        return cls(state, await state.prepare(prepare, raw), prefix)
+        pool = state.pools["small" if len(raw) <= state.limits.small_body_bytes else "large"]
+        return cls(state, await asyncio.get_running_loop().run_in_executor(pool, prepare, state, raw), prefix)
 
-    def reply(self, model: type[BaseModel], **fields) -> BaseModel:     # a reply or chunk of this generation
-        return model(id=self.id, created=self.created, model=self.state.model_name, **fields)
+    def reply(self, kind: str, **fields) -> Reply:     # a reply or chunk of this generation (its "object")
+        return Reply(id=self.id, object=kind, created=self.created, model=self.state.model_name, **fields)
 
     async def events(self):
         while not all(c.done for c in self.choices):
@@ -254,12 +244,11 @@ class Generation:
             usage.prompt_tokens_details = {"cached_tokens": sum(cached(i) for i in firsts.values())}
         return usage
 
-    async def run_to_end(self, request, on_text: Callable | None = None) -> None:
+    async def run_to_end(self, request, on_text: Callable = lambda c, text: None) -> None:
         """Drive a non-streaming generation; abort it if the client disconnects first."""
         async def drive():
             async for c, text in self.events():
-                if on_text:
-                    on_text(c, text)
+                on_text(c, text)
         try:
             work = await until_disconnect(drive(), request.receive)
         finally:
@@ -283,10 +272,10 @@ async def until_disconnect(work, receive) -> asyncio.Task:
         await asyncio.gather(*tasks, return_exceptions=True)
     return task
 
-def stream(gen: Generation, first: Iterable[BaseModel], pieces: Callable[[Choice, str], Iterable[BaseModel]],
-           usage_chunk: Callable[[Usage], BaseModel]) -> EventStream:
-    """An SSE answer: the `first` chunks, then pieces(choice, new_text) as text arrives, the usage
-    chunk when asked for, and [DONE]. An engine error ends it as an error event."""
+def stream(gen: Generation, kind: str, first: Iterable[Reply], pieces: Callable[[Choice, str], Iterable[Reply]]
+           ) -> EventStream:
+    """An SSE answer of `kind` chunks: the `first` chunks, then pieces(choice, new_text) as text arrives, the
+    usage chunk when asked for, and [DONE]. An engine error ends it as an error event."""
     async def events():
         for chunk in first:
             yield f"data: {chunk.model_dump_json()}\n\n"
@@ -297,7 +286,7 @@ def stream(gen: Generation, first: Iterable[BaseModel], pieces: Callable[[Choice
         except APIError as e:
             yield f"data: {json.dumps(e.body, ensure_ascii=False)}\n\n"
         if gen.job.include_usage:
-            yield f"data: {usage_chunk(gen.usage()).model_dump_json()}\n\n"
+            yield f"data: {gen.reply(kind, choices=[], usage=gen.usage()).model_dump_json()}\n\n"
         yield "data: [DONE]\n\n"
 
     return EventStream(events(), media_type="text/event-stream", background=BackgroundTask(gen.close),

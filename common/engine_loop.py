@@ -12,9 +12,7 @@ For a stage-2 reader it is the outer loop of LLMEngine: the scheduler runs insid
 """
 from __future__ import annotations
 
-import contextlib
-import logging
-import threading
+import contextlib, logging, threading
 from typing import Callable
 
 from common.engine import Request, TokenEvent
