@@ -3,7 +3,8 @@ Fields are strict ("2" is not an integer) and bounded; unknown fields are ignore
 what the server does not support is refused with a message. docs/server.md lists every limit."""
 from __future__ import annotations
 
-import json, re
+import json
+import re
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError,

@@ -4,7 +4,13 @@ and a generation: a Job (made on a prepare thread) submitted to the engine loop,
 (choice, new text), answered whole or as SSE by stream()."""
 from __future__ import annotations
 
-import asyncio, contextlib, hmac, json, logging, time, uuid
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path

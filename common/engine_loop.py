@@ -12,7 +12,9 @@ For a stage-2 reader it is the outer loop of LLMEngine: the scheduler runs insid
 """
 from __future__ import annotations
 
-import contextlib, logging, threading
+import contextlib
+import logging
+import threading
 from typing import Callable
 
 from common.engine import Request, TokenEvent

@@ -5,7 +5,11 @@ the pipe closes: what it held fails at the next step(), and the step after start
 ("spawn": a fork of a threaded server is not safe, so the builder must be importable)."""
 from __future__ import annotations
 
-import importlib, logging, multiprocessing, signal, sys
+import importlib
+import logging
+import multiprocessing
+import signal
+import sys
 from contextlib import suppress
 from types import SimpleNamespace
 
