@@ -95,11 +95,13 @@ class FastPath:
         return KERNEL_FILES + FILES
 
     def kinds(self, weights) -> str:
-        """The row bodies the one-region step compiles for this model and the prefill
-        roundings, for the warm-up mark (a model with other kinds compiles other code)."""
+        """The row bodies the one-region step compiles for this model, whether its attention
+        has q/k norms (decode_step.ops; MoE is in the mark already) and the prefill roundings,
+        for the warm-up mark (a model with other kinds compiles other code)."""
         from .decode_step import KINDS, kinds
         mats = list(_matrices(weights)) + [w for lw in weights.layers for w in (lw.router, lw.shared_gate) if w]
         body = [k for k, on in zip(KINDS, kinds(mats)) if on]        # all of them under QS_FAST_ALL_KINDS=1
+        body += ["qk"] if any(getattr(lw, "q_norm", None) is not None for lw in weights.layers) else []
         return "_".join(body + sorted({f"pre.{getattr(w, 'prefill_act', 'fp32')}" for w in mats}))
 
     def describe(self, weights) -> str:

@@ -60,6 +60,7 @@ _worker, one to an int8 matmul kernel _matvec.
 """
 from __future__ import annotations
 
+import os
 
 import numba
 import numpy as np
@@ -122,9 +123,12 @@ def _buf(own, shared, ref):
 
 @numba.njit(cache=True, fastmath=FAST, error_model="numpy")
 def _worker(matvec, workers, x0, pos, prog, meta, data, scales, mins, vecs, shared, own_size, kv, cos, sin, eps,
-            dims, counts, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4, gsk):
+            dims, counts, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4, gsk, k_moe, k_qk):
     """Everything one worker does in a decode step: the program, phase by phase.
-    matvec: _matvec, compiled for this model's kinds, as a function pointer (Pointer)."""
+    matvec: _matvec, compiled for this model's kinds, as a function pointer (Pointer).
+    k_moe, k_qk: True where the model has MoE layers / q and k norms, else None (ops()): numba
+    drops the branches of a None argument before compiling, so a dense model without q/k norms
+    (llama) compiles neither the routing and mixing ops nor the norms inside attention."""
     H, Hkv, D, k, norm_topk = dims[0], dims[1], dims[2], dims[3], dims[4] != 0
     own = np.zeros(own_size, dtype=np.float32)       # this worker's private buffers; x first
     for c in range(x0.size):                         # (a loop: a slice assignment compiles numba's
@@ -147,18 +151,25 @@ def _worker(matvec, workers, x0, pos, prog, meta, data, scales, mins, vecs, shar
             for t in range(S):
                 kernels.silu_mul_row(src.reshape(S, -1), dst.reshape(S, -1), t)
         elif op == ROUTE:
-            kernels.route_row(src.reshape(1, -1), 0, k, norm_topk, top, weight)
+            if k_moe is not None:
+                kernels.route_row(src.reshape(1, -1), 0, k, norm_topk, top, weight)
         elif op == MIX:
-            kernels.mix_row(src.reshape(k, -1), weight, dst.reshape(1, -1), 0)
+            if k_moe is not None:
+                kernels.mix_row(src.reshape(k, -1), weight, dst.reshape(1, -1), 0)
         elif op == GATED_ADD:
-            gate = _buf(own, shared, row[AUX:AUX + 3])
-            kernels.gated_add_row(dst.reshape(1, -1), src.reshape(1, -1), gate.reshape(1, 1), 0)
+            if k_moe is not None:
+                gate = _buf(own, shared, row[AUX:AUX + 3])
+                kernels.gated_add_row(dst.reshape(1, -1), src.reshape(1, -1), gate.reshape(1, 1), 0)
         elif op == ATTENTION:
-            qk = row[VEC] >= 0
-            q_norm = vecs[row[VEC]] if qk else none
-            k_norm = vecs[row[VEC2]] if qk else none
-            _attention(src, kv, row[LAYER], pos, cos, sin, q_norm, k_norm, qk, eps, H, Hkv, D, dst, counts,
-                       row[COUNTER])
+            if k_qk is not None:
+                qk = row[VEC] >= 0
+                q_norm = vecs[row[VEC]] if qk else none
+                k_norm = vecs[row[VEC2]] if qk else none
+                _attention(src, kv, row[LAYER], pos, cos, sin, q_norm, k_norm, qk, eps, H, Hkv, D, dst, counts,
+                           row[COUNTER])
+            else:                                    # a constant False: LLVM drops the norms
+                _attention(src, kv, row[LAYER], pos, cos, sin, none, none, False, eps, H, Hkv, D, dst, counts,
+                           row[COUNTER])
         else:                                        # MATMUL, EXPERTS: one call, through the pointer
             w = row[WEIGHT]
             bias = vecs[row[VEC]] if row[VEC] >= 0 else none
@@ -171,11 +182,18 @@ def _worker(matvec, workers, x0, pos, prog, meta, data, scales, mins, vecs, shar
 
 @numba.njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
 def _decode(worker, matvec, workers, x0, pos, prog, meta, data, scales, mins, vecs, shared, own_size, kv, cos, sin,
-            eps, dims, counts, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4, gsk):
+            eps, dims, counts, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4, gsk, k_moe, k_qk):
     # workers: numba.get_num_threads(), passed in (called in here, it would keep this from the disk cache)
     for _ in prange(workers):                        # one iteration per thread: the one parallel region
         worker(matvec, workers, x0, pos, prog, meta, data, scales, mins, vecs, shared, own_size, kv, cos, sin,
-               eps, dims, counts, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4, gsk)
+               eps, dims, counts, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4, gsk, k_moe, k_qk)
+
+
+def ops(cfg) -> tuple:
+    """(k_moe, k_qk) for _worker: True where the model has MoE layers / q and k norms, else None
+    (QS_FAST_ALL_KINDS=1: both True, one compile for every model)."""
+    every = os.environ.get("QS_FAST_ALL_KINDS") == "1"
+    return (True if every or cfg.num_experts else None), (True if every or cfg.qk_norm else None)
 
 
 class Pointer(WrapperAddressProtocol):
@@ -282,6 +300,7 @@ class DecodeStep:
         no16 = np.zeros(0, dtype=np.uint16)
         self.meta = np.array([_format_row(w) for w in weights], dtype=np.int64)
         self.kinds = kinds(weights)                  # the row bodies _matvec compiles for this model
+        self.ops = ops(cfg)                          # (k_moe, k_qk): the ops _worker compiles for it
         rounded = {w.group_size for w in weights if getattr(w, "decode_act", "fp32") != "fp32"}
         self.gsk = simd.chunks(rounded.pop()) if len(rounded) == 1 else ()   # (): a loop for any size
         self.data = _typed_list([np.ascontiguousarray(w.data).reshape(-1).view(np.uint8) for w in weights],
@@ -304,7 +323,7 @@ class DecodeStep:
         f32, i64 = types.Array(types.float32, 1, "C"), types.int64
         # _matvec(m, data, scales, mins, x, S, starts, n, bias, out, counts, phase, workers, kinds..., gsk)
         matvec = Pointer(_matvec, [types.Array(types.int64, 1, "C"), _READONLY, _READONLY16, _READONLY16, f32, i64,
-                                   types.Array(types.int64, 1, "C"), i64, f32, f32, t[16], i64, t[0]] + t[17:])
+                                   types.Array(types.int64, 1, "C"), i64, f32, f32, t[16], i64, t[0]] + t[17:25])
         return Pointer(_worker, [numba.typeof(matvec)] + t), matvec
 
     def step(self, x: np.ndarray, pos: int, workers: int | None = None) -> np.ndarray:
@@ -313,7 +332,7 @@ class DecodeStep:
         args = (workers or numba.get_num_threads(), np.ascontiguousarray(x, dtype=np.float32), pos, self.prog,
                 self.meta, self.data, self.scales, self.mins, self.vecs, self.shared, self.own_size,
                 self.cache.data, self.cos[pos:pos + 1], self.sin[pos:pos + 1], self.eps, self.dims,
-                sync.counters(self.n_counters), *self.kinds, self.gsk)
+                sync.counters(self.n_counters), *self.kinds, self.gsk, *self.ops)
         if self.worker is None:
             self.worker, self.matvec = self._pointers(args)
         _decode(self.worker, self.matvec, *args)
