@@ -31,8 +31,13 @@ def _plt():
     return plt
 
 
-def _caption(fig, data: dict) -> None:
+def _finish(fig, data: dict, out: Path, bottom: float = 0.04) -> Path:
+    """Caption the figure with the command and date of its data, save it to out, close it."""
     fig.text(0.01, 0.01, f"data: {data.get('command', '?')} ({data.get('date', '?')})", fontsize=7, color="0.35")
+    fig.tight_layout(rect=(0, bottom, 1, 1))
+    fig.savefig(out, metadata={"Date": None})
+    _plt().close(fig)
+    return out
 
 
 def stage3_lessons(data: dict, out: Path) -> Path:
@@ -62,11 +67,7 @@ def stage3_lessons(data: dict, out: Path) -> Path:
     fig.suptitle(f"Stage 2 → 3, one lesson per rung (counted on the twins; {w.get('num_hidden_layers', '?')} layers, "
                  f"{w.get('num_attention_heads', '?')}/{w.get('num_key_value_heads', '?')} heads × {w.get('head_dim', '?')})",
                  fontsize=10)
-    _caption(fig, data)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    fig.savefig(out, metadata={"Date": None})
-    plt.close(fig)
-    return out
+    return _finish(fig, data, out)
 
 
 def stage1_ladder(data: dict, out: Path) -> Path:
@@ -83,11 +84,7 @@ def stage1_ladder(data: dict, out: Path) -> Path:
     ax.set_xlabel("ms per token (decode matmuls of one token)")
     ax.set_xlim(0, max(ms) * 1.45)
     ax.set_title("Stage 1 ablation ladder", fontsize=10)
-    _caption(fig, data)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
-    fig.savefig(out, metadata={"Date": None})
-    plt.close(fig)
-    return out
+    return _finish(fig, data, out, bottom=0.05)
 
 
 def stage1_roofline(data: dict, out: Path) -> Path:
@@ -117,11 +114,7 @@ def stage1_roofline(data: dict, out: Path) -> Path:
     ax.set_ylabel("decode tok/s")
     ax.set_title("Stage 1 decode against the memory roofline", fontsize=10)
     ax.legend(fontsize=8)
-    _caption(fig, data)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    fig.savefig(out, metadata={"Date": None})
-    plt.close(fig)
-    return out
+    return _finish(fig, data, out)
 
 
 def stage1_prefill_tile(data: dict, out: Path) -> Path:
@@ -167,11 +160,7 @@ def stage1_prefill_tile(data: dict, out: Path) -> Path:
     b.set_xlabel(f"G multiply-adds / s, {data.get('threads', '?')} threads, gs {data.get('group_size', '?')}")
     b.set_title("one layer's four matmuls (Qwen3-0.6B shapes)", fontsize=9)
     b.legend(fontsize=7, loc="lower right")
-    _caption(fig, data)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    fig.savefig(out, metadata={"Date": None})
-    plt.close(fig)
-    return out
+    return _finish(fig, data, out)
 
 
 def _nice_ticks(lo: float, hi: float) -> list[float]:
