@@ -141,28 +141,40 @@ def test_int8_prefill_logits_close_to_transformers(family):
 
 @NEEDS_INT8
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_packed_layout_puts_eight_rows_side_by_side(rng, fmt):
-    """gemm.pack: vector block b, group g, step j holds rows 8b..8b+7's values j*per.. of group g
-    (zero rows past O), and the fp32 scales / minima of those rows."""
+def test_repacked_block_puts_eight_rows_side_by_side(rng, fmt):
+    """repack_int8 / repack_int4 (what each thread builds before its tiles): vector v, group g,
+    step j holds rows r0+8v..r0+8v+7's values j*per.. of group g (zeros past O), and the fp32
+    scales / minima of those rows."""
+    from numba import njit
+
     from stage1_cpu.fast import gemm
-    w = _weight(rng, fmt, 64, 21, 128)                         # 21 rows: the last block has 5
-    wp, sp, mp = gemm.pack(w)
-    per = 2 if fmt == "int8" else 4
-    q = w.data if fmt == "int8" else np.stack([w.data & 15, w.data >> 4], axis=2).reshape(21, -1, 64)
-    assert wp.shape == (3, 2, 64 // per, 8, per)
-    for r, g, k in [(0, 0, 0), (9, 1, 37), (20, 1, 63)]:
-        assert wp[r // 8, g, k // per, r % 8, k % per] == q[r, g, k]
-        assert sp[r // 8, g, r % 8] == np.float32(w.scales[r:r + 1, g].view(np.float16)[0])
-    assert not wp[2, :, :, 5:].any() and not sp[2, :, 5:].any()
-    assert (mp is None) == (fmt == "int8")
-    assert gemm.packed_bytes(w) == wp.nbytes + sp.nbytes + (0 if mp is None else mp.nbytes)
+    w = _weight(rng, fmt, 64, 21, 128)                         # 21 rows: from r0 = 8, the last vector has 5
+    r0, nv, G, per = 8, 2, 2, 2 if fmt == "int8" else 4
+    data, s = w.data.reshape(21, -1), w.scales.view(np.uint16)
+    sl, ml = np.full(nv * G * 8, 7.0, np.float32), np.full(nv * G * 8, 7.0, np.float32)
+    if fmt == "int8":
+        wl = np.full(nv * 128 * 4, 7, np.int16)
+        njit(lambda q, s, r0, wl, sl: gemm.repack_int8(q, s, r0, wl, sl))(data.view(np.int16), s, r0, wl, sl)
+        q = w.data
+    else:
+        wl = np.full(nv * 128 * 2, 7, np.uint32)
+        njit(lambda b, s, m, gs, r0, wl, sl, ml: gemm.repack_int4(b, s, m, gs, r0, wl, sl, ml))(
+            data.view(np.uint32), s, w.mins.view(np.uint16), 64, r0, wl, sl, ml)
+        q = np.stack([w.data & 15, w.data >> 4], axis=2).reshape(21, -1, 64)
+    wp, sp = wl.view(np.uint8 if fmt == "int4" else np.int8).reshape(nv, G, 64 // per, 8, per), sl.reshape(nv, G, 8)
+    for r, g, k in [(8, 0, 0), (9, 1, 37), (20, 1, 63), (15, 0, 5)]:
+        assert wp[(r - r0) // 8, g, k // per, r % 8, k % per] == q[r, g, k]
+        assert sp[(r - r0) // 8, g, r % 8] == np.float32(w.scales[r:r + 1, g].view(np.float16)[0])
+        if fmt == "int4":
+            assert ml.reshape(nv, G, 8)[(r - r0) // 8, g, r % 8] == np.float32(w.mins[r:r + 1, g].view(np.float16)[0])
+    assert not wp[1, :, :, 5:].any() and not sp[1, :, 5:].any()
 
 
 @NEEDS_INT8
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_expert_parts_read_the_parents_packed_copy(rng, fmt):
-    """MoE prefill multiplies w.part(e * n, (e + 1) * n): on an 8-row boundary it reads the parent's
-    packed copy (built once), elsewhere its own; both equal the part multiplied on its own."""
+def test_expert_parts_equal_the_part_alone(rng, fmt):
+    """MoE prefill multiplies w.part(e * n, (e + 1) * n), a view of the stacked rows, on or off an
+    8-row boundary: each equals the part copied out and multiplied on its own."""
     K, n = 128, 24
     w = _weight(rng, fmt, 32, 4 * n, K, prefill_act="int8")
     x = rng.standard_normal((quant.PREFILL_MIN_T + 5, K)).astype(np.float32)
@@ -171,7 +183,3 @@ def test_expert_parts_read_the_parents_packed_copy(rng, fmt):
         alone = as_fast(quant.Weight(w.fmt, r1 - r0, K, 32, w.data[r0:r1].copy(), w.scales[r0:r1].copy(),
                                      None if w.mins is None else w.mins[r0:r1].copy()), "fp32", "int8")
         np.testing.assert_array_equal(part.matmul(x), alone.matmul(x))
-    packed = w._packed
-    assert packed is not None and w.part(0, n)._pack_root is w
-    w.part(2 * n, 3 * n).matmul(x)
-    assert w._packed is packed                                                  # built once

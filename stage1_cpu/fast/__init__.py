@@ -53,10 +53,9 @@ from .weight import FastWeight, as_fast, check_act, fast_quantize  # noqa: E402,
 
 ACTIVATIONS = ("auto", "int8", "fp32")
 # weights whose prefill --activations auto runs on gemm.py's int8 GEMM where there is no AVX-512 BF16:
-# none: it beats the core's tile + sgemm at 32-512 tokens (docs/benchmarks.md, "The int8 prefill GEMM"),
-# but its repacked copy of the weights costs +100 % (int8) / +200 % (int4) of their memory, which a
-# model that barely fits cannot pay; --activations int8 turns it on
-AUTO_INT8_PREFILL: tuple[str, ...] = ()
+# both; it beats the core's tile + sgemm at 32-512 tokens (docs/benchmarks.md, "The int8 prefill GEMM")
+# and repacks 64 rows at a time as it goes, so it keeps no copy of the weights
+AUTO_INT8_PREFILL: tuple[str, ...] = ("int8", "int4")
 
 
 def available() -> str | None:

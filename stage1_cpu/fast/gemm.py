@@ -50,6 +50,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..kernels import FAST
+from ..matmul import f16_to_f32
 
 RB8, TT8 = 2, 4               # int8: 8-row vectors x tokens per tile (16 rows x 4 tokens)
 RB4, TT4 = 2, 2               # int4: its int16 accumulators need registers too (16 rows x 2 tokens)
@@ -191,89 +192,123 @@ tile_int4.__doc__ = "int4 weights (quads layout), x int8, plus m[r, g] xsum[t, g
 
 
 @njit(inline="always", fastmath=FAST, error_model="numpy")
-def _block(int4, wf, xf, sf, xsf, mf, xsumf, G, gs, out, ostride, v0, nv, blk, T):
-    """8-row vectors blk * BLOCK_RB .. (< nv) from vector v0 of the packed arrays, every token,
-    TOKEN_BLOCK tokens at a time, RB x TT per tile, into out [T, ostride] (column 8 (vector - v0))."""
+def repack_int8(q16, s, r0, wl, sl):
+    """Rows r0 .. r0 + 8 nv of q16 [O, Kp/2] (int8 value pairs as int16), s [O, G] fp16 bits ->
+    wl [nv Kp/2 8] int16 (pair k of row 8 v + l at (v Kp/2 + k) 8 + l), sl [nv G 8] f32; rows past O: zeros."""
+    O, N = q16.shape
+    G, nv = s.shape[1], wl.size // (8 * N)
+    if O - r0 < 8 * nv:                            # the last block: its missing rows are zeros
+        wl[:] = 0
+        sl[:] = 0
+    for v in range(nv):
+        lanes = min(8, O - r0 - 8 * v)
+        if lanes == 8:                             # 8 rows' pair k side by side: one 16-byte store
+            for k in range(N):
+                for lane in range(8):
+                    wl[(v * N + k) * 8 + lane] = q16[r0 + 8 * v + lane, k]
+        else:
+            for k in range(N):
+                for lane in range(lanes):
+                    wl[(v * N + k) * 8 + lane] = q16[r0 + 8 * v + lane, k]
+        for lane in range(lanes):
+            for g in range(G):
+                sl[(v * G + g) * 8 + lane] = f16_to_f32(s[r0 + 8 * v + lane, g])
+
+
+@njit(inline="always", fastmath=FAST, error_model="numpy")
+def repack_int4(b32, s, m, gs, r0, wl, sl, ml):
+    """Rows r0 .. r0 + 8 nv of b32 [O, G/2 gs/4] (the stored nibble pairs, 4 bytes at a time), s, m
+    [O, G] fp16 bits -> wl [nv G gs/4 8] uint32 (4 values of group g as 4 bytes 0..15: the low nibbles
+    for even g, the high ones for odd g), sl, ml [nv G 8] f32; rows past O: zeros."""
+    O = b32.shape[0]
+    G, n4 = s.shape[1], gs // 4
+    nv = wl.size // (8 * G * n4)
+    if O - r0 < 8 * nv:                            # the last block: its missing rows are zeros
+        wl[:] = 0
+        sl[:] = 0
+        ml[:] = 0
+    for v in range(nv):
+        lanes = min(8, O - r0 - 8 * v)
+        for g in range(G):
+            at, shift, src = (v * G + g) * n4, 4 * (g & 1), (g >> 1) * n4
+            if lanes == 8:                         # 8 rows' 4 values side by side: one 32-byte store
+                for k in range(n4):
+                    for lane in range(8):
+                        wl[(at + k) * 8 + lane] = (b32[r0 + 8 * v + lane, src + k] >> shift) & 0x0F0F0F0F
+            else:
+                for k in range(n4):
+                    for lane in range(lanes):
+                        wl[(at + k) * 8 + lane] = (b32[r0 + 8 * v + lane, src + k] >> shift) & 0x0F0F0F0F
+            for lane in range(lanes):
+                sl[(v * G + g) * 8 + lane] = f16_to_f32(s[r0 + 8 * v + lane, g])
+                ml[(v * G + g) * 8 + lane] = f16_to_f32(m[r0 + 8 * v + lane, g])
+
+
+@njit(inline="always", fastmath=FAST, error_model="numpy")
+def _block(int4, wl, xf, sl, xsf, ml, xsumf, G, gs, out, ostride, c0, nv, T):
+    """nv 8-row vectors repacked in wl, sl (ml), every token, TOKEN_BLOCK tokens at a time,
+    RB x TT per tile, into out [T, ostride] (vector v at column c0 + 8 v)."""
     Kp = G * gs
-    v_end = min(nv, (blk + 1) * BLOCK_RB)
     RB, TT = (RB4, TT4) if int4 else (RB8, TT8)
     for t0 in range(0, T, TOKEN_BLOCK):
         t_end = min(T, t0 + TOKEN_BLOCK)
-        for v in range(blk * BLOCK_RB, v_end, RB):
-            n_rb = min(RB, v_end - v)
+        for v in range(0, nv, RB):
+            n_rb = min(RB, nv - v)
             for t in range(t0, t_end, TT):
                 n_tok = min(TT, t_end - t)
                 if int4:
-                    tile_int4(wf, (v0 + v) * Kp * 8, xf, t * Kp, Kp, sf, (v0 + v) * G * 8, xsf, t * G, G, gs,
-                              mf, xsumf, out, t * ostride + 8 * v, ostride, n_rb, n_tok)
+                    tile_int4(wl, v * Kp * 8, xf, t * Kp, Kp, sl, v * G * 8, xsf, t * G, G, gs,
+                              ml, xsumf, out, t * ostride + c0 + 8 * v, ostride, n_rb, n_tok)
                 else:
-                    tile_int8(wf, (v0 + v) * Kp * 8, xf, t * Kp, Kp, sf, (v0 + v) * G * 8, xsf, t * G, G, gs,
-                              mf, xsumf, out, t * ostride + 8 * v, ostride, n_rb, n_tok)
+                    tile_int8(wl, v * Kp * 8, xf, t * Kp, Kp, sl, v * G * 8, xsf, t * G, G, gs,
+                              ml, xsumf, out, t * ostride + c0 + 8 * v, ostride, n_rb, n_tok)
 
 
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
-def gemm_int8(x16, xs, wp, sp, v0, nv, out):
-    """x16 [T, G, gs] int16 (the rounded activations), xs [T, G] f32; wp, sp the pairs layout
-    (pack), vectors v0 .. v0 + nv -> out [T, 8 nv]: out[t, r] = sum_g s xs (q . xq)."""
+def gemm_int8(x16, xs, q16, s, out):
+    """x16 [T, G, gs] int16 (the rounded activations), xs [T, G] f32; q16 [O, Kp/2] the stored int8
+    weights as value pairs, s [O, G] their fp16 scales -> out [T, 8 ceil(O / 8)]:
+    out[t, r] = sum_g s xs (q . xq). Each thread repacks BLOCK_RB x 8 rows at a time (repack_int8)."""
     T, G, gs = x16.shape
-    xf, xsf, wf, sf = x16.reshape(-1), xs.reshape(-1), wp.reshape(-1), sp.reshape(-1)
-    for blk in prange(-(-nv // BLOCK_RB)):
-        _block(False, wf, xf, sf, xsf, sf, xsf, G, gs, out.reshape(-1), out.shape[1], v0, nv, blk, T)
+    O, Kp = q16.shape[0], G * gs
+    xf, xsf, of = x16.reshape(-1), xs.reshape(-1), out.reshape(-1)
+    nv_all = -(-O // 8)
+    for blk in prange(-(-nv_all // BLOCK_RB)):
+        nv = min(BLOCK_RB, nv_all - blk * BLOCK_RB)
+        wl, sl = np.empty(nv * Kp * 4, dtype=np.int16), np.empty(nv * G * 8, dtype=np.float32)
+        repack_int8(q16, s, 8 * BLOCK_RB * blk, wl, sl)
+        _block(False, wl, xf, sl, xsf, sl, xsf, G, gs, of, out.shape[1], 8 * BLOCK_RB * blk, nv, T)
 
 
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
-def gemm_int4(xq, xs, xsum, wp, sp, mp, v0, nv, out):
-    """xq [T, G, gs] int8, xs, xsum [T, G] f32; wp, sp, mp the quads layout (pack), vectors
-    v0 .. v0 + nv -> out [T, 8 nv]: out[t, r] = sum_g s xs (nibbles . xq) + m xsum."""
+def gemm_int4(xq, xs, xsum, b32, s, m, out):
+    """xq [T, G, gs] int8, xs, xsum [T, G] f32; b32 [O, Kp/8] the stored nibble pairs 4 bytes at a
+    time, s, m [O, G] fp16 scales and minima -> out [T, 8 ceil(O / 8)]:
+    out[t, r] = sum_g s xs (nibbles . xq) + m xsum. Each thread repacks BLOCK_RB x 8 rows at a time."""
     T, G, gs = xq.shape
-    xf, xsf, xsumf = xq.reshape(-1), xs.reshape(-1), xsum.reshape(-1)
-    wf, sf, mf = wp.reshape(-1), sp.reshape(-1), mp.reshape(-1)
-    for blk in prange(-(-nv // BLOCK_RB)):
-        _block(True, wf, xf, sf, xsf, mf, xsumf, G, gs, out.reshape(-1), out.shape[1], v0, nv, blk, T)
+    O, Kp = b32.shape[0], G * gs
+    xf, xsf, xsumf, of = xq.reshape(-1), xs.reshape(-1), xsum.reshape(-1), out.reshape(-1)
+    nv_all = -(-O // 8)
+    for blk in prange(-(-nv_all // BLOCK_RB)):
+        nv = min(BLOCK_RB, nv_all - blk * BLOCK_RB)
+        wl = np.empty(nv * Kp * 2, dtype=np.uint32)
+        sl, ml = np.empty(nv * G * 8, dtype=np.float32), np.empty(nv * G * 8, dtype=np.float32)
+        repack_int4(b32, s, m, gs, 8 * BLOCK_RB * blk, wl, sl, ml)
+        _block(True, wl, xf, sl, xsf, ml, xsumf, G, gs, of, out.shape[1], 8 * BLOCK_RB * blk, nv, T)
 
 
-def pack(w) -> tuple:
-    """The repacked layout of a quant.Weight (int8 / int4), in numpy, once per matrix:
-    (wp, sp, mp or None), rows padded with zeros to a multiple of 8 (see the module's doc)."""
-    O, gs = w.out_features, w.group_size
-    Ob = -(-O // 8)
-    if w.fmt == "int8":
-        q = w.data                                                          # [O, G, gs] int8
-    else:
-        b = w.data                                                          # [O, G/2, gs] nibble pairs
-        q = np.stack([b & 15, b >> 4], axis=2).reshape(O, -1, gs)           # [O, G, gs] 0..15
-    G = q.shape[1]
-    per = 2 if w.fmt == "int8" else 4
-    qp = np.zeros((Ob * 8, G, gs), dtype=q.dtype)
-    qp[:O] = q
-    wp = np.ascontiguousarray(qp.reshape(Ob, 8, G, gs // per, per).transpose(0, 2, 3, 1, 4))   # [Ob, G, gs/per, 8, per]
-
-    def rows8(a):                                                           # [O, G] fp16 bits -> [Ob, G, 8] f32
-        f = np.zeros((Ob * 8, G), dtype=np.float32)
-        f[:O] = a.view(np.float16)
-        return np.ascontiguousarray(f.reshape(Ob, 8, G).transpose(0, 2, 1))
-    return wp, rows8(w.scales), None if w.mins is None else rows8(w.mins)
-
-
-def packed_bytes(w) -> int:
-    """What pack(w) costs in memory (the stored layout stays for decode)."""
-    O8, G = -(-w.out_features // 8) * 8, w.padded_in // w.group_size
-    return O8 * w.padded_in + O8 * G * 4 * (1 if w.fmt == "int8" else 2)
-
-
-def gemm(w, packed, v0: int, x: np.ndarray) -> np.ndarray:
-    """x [T, Kp] f32 (padded) @ W.T on the packed layout (vectors v0 ..) -> [T, out_features]."""
+def gemm(w, x: np.ndarray) -> np.ndarray:
+    """x [T, Kp] f32 (padded) @ W.T for a quant.Weight (int8 / int4) -> [T, out_features]."""
     from . import kernels as fk
     T, gs, O = x.shape[0], w.group_size, w.out_features
-    nv = -(-O // 8)
     xq, _, xs, xsum = fk.quantize_activations(x.reshape(T, -1, gs))       # [T, G, gs], [T, G]
-    out = np.empty((T, 8 * nv), dtype=np.float32)
-    wp, sp, mp = packed
+    out = np.empty((T, 8 * -(-O // 8)), dtype=np.float32)
+    data, scales = np.ascontiguousarray(w.data).reshape(O, -1), w.scales.view(np.uint16)
     if w.fmt == "int8":
-        gemm_int8(xq.astype(np.int16), xs, wp, sp, v0, nv, out)
+        gemm_int8(xq.astype(np.int16), xs, data.view(np.int16), scales, out)
     else:
-        gemm_int4(xq, xs, xsum, wp, sp, mp, v0, nv, out)
-    return out if 8 * nv == O else np.ascontiguousarray(out[:, :O])
+        gemm_int4(xq, xs, xsum, data.view(np.uint32), scales, w.mins.view(np.uint16), out)
+    return out if out.shape[1] == O else np.ascontiguousarray(out[:, :O])
 
 
 def gemm_ref(xq, xs, xsum, w) -> np.ndarray:

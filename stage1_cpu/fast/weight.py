@@ -19,9 +19,10 @@ fast kernels (fast/kernels.py); every other case is the core's code, unchanged.
   are dequantized to bf16 for it (one more rounding, 8 significant bits: small
   next to the quantization's own error); bf16 weights are used as they are.
 
-- prefill_act="int8" (int8 / int4 weights, cpu.INT8; --activations int8): prefill
-  rounds the activations as decode does and runs gemm.py's integer GEMM with
-  register tiles on a repacked copy of the weights instead of fp32 tiles through sgemm.
+- prefill_act="int8" (int8 / int4 weights, cpu.INT8 without cpu.BF16; --activations
+  auto or int8): prefill rounds the activations as decode does and runs gemm.py's
+  integer GEMM with register tiles, on 64 rows at a time repacked as it goes, instead
+  of fp32 tiles through sgemm.
 
 The numpy twin (matmul_ref) rounds the same things the same way, so the kernels
 are still checked exactly against a definition; tests/test_quant_quality.py
@@ -97,25 +98,13 @@ class FastWeight(Weight):
 
     def _matmul_int8_prefill(self, x: np.ndarray) -> np.ndarray:
         """Prefill on gemm.py's int8-activation GEMM: x [T, Kp] rounded to int8 per token and
-        group as at decode, integer dot products in register tiles on a repacked copy of the
-        weights (gemm.pack: built on the first prefill, gemm.packed_bytes of memory; a part()
-        of a matrix, one expert of a stack, shares its parent's copy). Group sizes that are not
-        a multiple of 32 take the core's tile + sgemm."""
+        group as at decode, integer dot products in register tiles on 64 rows at a time,
+        repacked by each thread as it takes them (no copy of the weights is kept). Group
+        sizes that are not a multiple of 32 take the core's tile + sgemm."""
         from . import gemm                                               # compiled on first prefill
         if self.group_size % gemm.CHUNK:
             return super().matmul(x)
-        root, r0 = getattr(self, "_pack_root", self), getattr(self, "_pack_row0", 0)
-        if r0 % 8:                                                       # not on an 8-row boundary: its own copy
-            root, r0 = self, 0
-        if getattr(root, "_packed", None) is None:
-            root._packed = gemm.pack(root)
-        return gemm.gemm(self, root._packed, r0 // 8, x)
-
-    def part(self, r0: int, r1: int) -> "FastWeight":
-        """Rows r0..r1-1 (views); int8 prefill reads them from the parent's packed copy."""
-        p = super().part(r0, r1)
-        p._pack_root, p._pack_row0 = getattr(self, "_pack_root", self), getattr(self, "_pack_row0", 0) + r0
-        return p
+        return gemm.gemm(self, x)
 
     def matmul_ref(self, x: np.ndarray) -> np.ndarray:
         """The numpy twin: round x (and W, for bf16 prefill) as matmul does, then multiply."""
