@@ -8,21 +8,20 @@ activations are rounded to int8 per token and group, exactly as decode does
 multiply-adds: 16 per vpmaddwd (int8 weights, int16 activations) or 32 per
 vpmaddubsw (int4 weights: unsigned nibbles x int8 activations).
 
-The repacked layout (pack(), built once per matrix on its first prefill). Eight
-rows sit side by side: for each group and each step of k, one 16- or 32-byte
-vector holds that step's weights of the 8 rows,
+The repacked layout. Eight rows sit side by side: for each group and each step
+of k, one 16- or 32-byte vector holds that step's weights of the 8 rows,
 
-    int8 ("pairs")  wp [O/8, G, gs/2, 8, 2] int8    8 rows x 2 values: vpmovsxbw -> vpmaddwd
-    int4 ("quads")  wp [O/8, G, gs/4, 8, 4] uint8   8 rows x 4 nibble values: vpmaddubsw
+    int8 ("pairs")  [8 rows / 8, G, gs/2, 8, 2] int8    8 rows x 2 values: vpmovsxbw -> vpmaddwd
+    int4 ("quads")  [8 rows / 8, G, gs/4, 8, 4] uint8   8 rows x 4 nibble values: vpmaddubsw
 
 so one vector instruction multiplies 8 rows by the same 2 (or 4) activations of
 one token, broadcast to all lanes (vpbroadcastd). Lane i of the accumulator then
 *is* row i: no horizontal sums, the per-group scale multiply runs on 8 rows at
-once (s [O/8, G, 8] f32 times the token's xs[t, g] broadcast), and 8 outputs of
-a token are stored as one vector. Memory: int8 one more byte per weight (the
-stored [O, G, gs] layout stays for decode), int4 one byte per weight (the
-nibbles widened to bytes: two times its stored data), plus 4 bytes per group and
-row for the fp32 scales (and int4 minima).
+once (s [.., G, 8] f32 times the token's xs[t, g] broadcast), and 8 outputs of
+a token are stored as one vector. Each thread repacks BLOCK_RB x 8 rows at a
+time from the stored [O, G, gs] layout into a scratch buffer of its own
+(repack_int8 / repack_int4), then runs every token through them: no copy of
+the weights is kept, and the repack moves each byte once per T multiply-adds.
 
 The micro-kernel (_tile) keeps RB x 8 rows x TT tokens (RB8 x TT8, RB4 x TT4) of accumulators in
 registers (AVX2 has 16 ymm registers: RB x TT int32 accumulators, RB x TT float
