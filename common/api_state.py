@@ -74,7 +74,7 @@ class ServerState:
             # and the NFC a tokenizer may apply first shrinks a text by well under half, hence 2x
             self.longest_token = max(len(tokenizer.id_to_token(i) or "") for i in range(tokenizer.vocab_size))
             self.max_prompt_chars = 2 * self.longest_token * self.max_ctx
-        self.loop = EngineLoop(engine)
+        self.loop = engine if hasattr(engine, "submit") else EngineLoop(engine)   # an EngineProcess is one already
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name and name not in self.aliases:

@@ -25,8 +25,8 @@ Sink = Callable[[TokenEvent | Exception], None]
 class EngineLoop:
     """Owns the engine; submit() and abort() append under a lock, the thread applies them between steps."""
 
-    def __init__(self, engine):
-        self.engine, self.cond = engine, threading.Condition()
+    def __init__(self, engine, on_step: Callable[[], None] = lambda: None):
+        self.engine, self.cond, self.on_step = engine, threading.Condition(), on_step   # on_step: after each step
         self._adds: list[tuple[Request, Sink]] = []
         self._aborts: list[str] = []
         self._stop = self.busy = False       # busy: the engine had work after the last step
@@ -54,7 +54,6 @@ class EngineLoop:
             self._stop = True
             self.cond.notify()
         self.thread.join(timeout=10)
-        getattr(self.engine, "close", lambda: None)()     # an engine in a child process ends it
 
     def _run(self) -> None:
         while True:
@@ -85,6 +84,7 @@ class EngineLoop:
                                       "were not finite)") if ev.finish_reason == "error" else ev)
             with self.cond:
                 self.busy = self.engine.has_work()
+            self.on_step()
 
     def _fail(self, e: Exception) -> None:
         """A bug, an out-of-memory or a dead engine process: the requests in flight (or those the error

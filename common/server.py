@@ -47,10 +47,10 @@ def build_app(state: ServerState) -> FastAPI:
         if state.loop is None:
             body = {"status": "error", "error": state.load_error} if state.load_error else {"status": "loading"}
             return JSONResponse(body, status_code=503)
-        body, engine = {"status": "ok", "model": state.model_name}, state.loop.engine
-        if hasattr(engine, "restarts"):          # an engine in a child process (--engine-process)
-            body["engine_restarts"] = engine.restarts
-            if not engine.up:
+        body, loop = {"status": "ok", "model": state.model_name}, state.loop
+        if hasattr(loop, "restarts"):            # an engine in a child process (--engine-process)
+            body["engine_restarts"] = loop.restarts
+            if not loop.up:
                 return JSONResponse({**body, "status": "restarting"}, status_code=503)
         return body
 
