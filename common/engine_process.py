@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 from contextlib import suppress
-from types import SimpleNamespace
 
 from common.engine import Request, TokenEvent
 from common.engine_loop import EngineLoop, Sink
@@ -26,8 +25,7 @@ def _child(conn, builder: str, folder, args) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # Ctrl-C stops the server, which stops the child
     module, name = builder.split(":")
     engine = getattr(importlib.import_module(module), name)(folder, args)
-    config = getattr(engine, "config", None)
-    conn.send((engine.max_ctx, getattr(config, "vocab_size", 0), list(getattr(config, "eos_token_ids", []) or [])))
+    conn.send((engine.max_ctx, getattr(engine, "config", None)))     # what the server reads of the engine
     out: list[tuple[str, TokenEvent | Exception]] = []   # this step's (request id, event), on the engine thread
 
     def sink(rid: str, item) -> None:   # an error crosses as what it is to the server: a ValueError (400) or not
@@ -62,10 +60,9 @@ class EngineProcess:
         self.builder, self.folder, self.args = build_engine, folder, args
         self.lock, self.restarts, self.stopping = threading.Lock(), 0, False
         self.up = True                        # False from a death until the new child has loaded (/healthz)
-        self.sinks: dict[str, Sink] = {}      # the requests in the child, or waiting for it
-        self.waiting: list[Request] = []      # submitted while there was no child to take them
+        self.sinks: dict[str, Sink] = {}      # the requests sent to this child
+        self.waiting: dict[str, tuple[Request, Sink]] = {}   # submitted while there was no child to take them
         self._start()
-        threading.Thread(target=self._read, name="engine-process", daemon=True).start()
 
     def _start(self) -> None:
         ctx = multiprocessing.get_context("spawn")
@@ -75,32 +72,33 @@ class EngineProcess:
         self.proc.start()
         child_end.close()          # so that the child's death closes the pipe for us
         try:
-            self.max_ctx, vocab, eos = self.conn.recv()
+            self.max_ctx, self.config = self.conn.recv()
         except EOFError:
             self.proc.join(5)
             raise RuntimeError(f"the engine process exited while loading (exit code {self.proc.exitcode})") from None
-        self.config = SimpleNamespace(vocab_size=vocab, eos_token_ids=eos)
+        threading.Thread(target=self._read, args=(self.conn,), name="engine-process", daemon=True).start()
 
     def submit(self, req: Request, sink: Sink) -> None:
         with self.lock:
-            self.sinks[req.id] = sink
             if self.up:
-                with suppress(OSError):       # a child that has just died: the reader thread starts the next
+                self.sinks[req.id] = sink
+                try:
                     self.conn.send(("add", req))
                     return
-            self.waiting.append(req)
+                except OSError:               # a child that has just died: the reader thread starts the next
+                    del self.sinks[req.id]
+            self.waiting[req.id] = (req, sink)
 
     def abort(self, request_id: str) -> None:
         with self.lock:
-            self.sinks.pop(request_id, None)
-            self.waiting = [r for r in self.waiting if r.id != request_id]
-            if self.up:
+            self.waiting.pop(request_id, None)
+            if self.sinks.pop(request_id, None) is not None and self.up:
                 with suppress(OSError):
                     self.conn.send(("abort", request_id))
 
     def idle(self) -> bool:
         """No request in the child or waiting for one (for tests)."""
-        return not self.sinks
+        return not (self.sinks or self.waiting)
 
     def stop(self) -> None:
         self.stopping = True
@@ -110,29 +108,26 @@ class EngineProcess:
         if self.proc.is_alive():
             self.proc.kill()
 
-    def _read(self) -> None:
-        """The reader thread: each event to its request's sink; a closed pipe is a dead child."""
-        while not self.stopping:
-            try:
-                events = self.conn.recv()
-            except (EOFError, OSError):
-                if not self.stopping:
-                    self._restart()
-                continue
-            for rid, item in events:
-                ended = not isinstance(item, TokenEvent) or item.finish_reason is not None
-                sink = self.sinks.pop(rid, None) if ended else self.sinks.get(rid)
-                if sink is not None:
-                    sink(item)
+    def _read(self, conn) -> None:
+        """A child's reader thread: each event to its request's sink, until the pipe closes (the child died)."""
+        with suppress(EOFError, OSError):
+            while True:
+                for rid, item in conn.recv():
+                    ended = not isinstance(item, TokenEvent) or item.finish_reason is not None
+                    sink = self.sinks.pop(rid, None) if ended else self.sinks.get(rid)
+                    if sink is not None:
+                        sink(item)
+        if not self.stopping:
+            self._restart()
 
     def _restart(self) -> None:
-        """What the dead child held fails; a new child starts (tried again each second) and takes what waits."""
+        """What the dead child held fails; a new child (and its reader) starts, retried each second, and takes
+        what waits."""
         self.proc.join(5)
         code = self.proc.exitcode
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
         with self.lock:
-            self.up, waiting = False, {r.id for r in self.waiting}
-            lost = [self.sinks.pop(rid) for rid in list(self.sinks) if rid not in waiting]
+            self.up, lost, self.sinks = False, list(self.sinks.values()), {}
         log.warning("the engine process died (%s); starting a new one", how)
         for sink in lost:
             sink(RuntimeError(f"the engine process died ({how}); it is being restarted"))
@@ -144,6 +139,7 @@ class EngineProcess:
                 log.error("starting the engine process failed: %s", e)
                 time.sleep(1)
         with self.lock:
-            for req in self.waiting:
+            for rid, (req, sink) in self.waiting.items():
+                self.sinks[rid] = sink
                 self.conn.send(("add", req))
-            self.waiting, self.up, self.restarts = [], True, self.restarts + 1
+            self.waiting, self.up, self.restarts = {}, True, self.restarts + 1
