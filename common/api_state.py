@@ -227,14 +227,13 @@ class Generation:
                 c.finish_reason = "abort"
                 self.state.loop.abort(c.id)
 
-    def usage(self) -> Usage:      # a prompt shared by n choices counts once
-        prompt = sum(len(ids) for ids in dict.fromkeys(tuple(c.prompt_ids) for c in self.choices))
-        completion = sum(c.n_tokens for c in self.choices)
+    def usage(self) -> Usage:
+        firsts = {tuple(c.prompt_ids): c for c in reversed(self.choices)}   # a prompt of n choices counts once
+        prompt, completion = sum(map(len, firsts)), sum(c.n_tokens for c in self.choices)
         usage = Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
         cached = getattr(self.state.loop.engine, "num_cached_tokens", None)   # an engine with a prefix cache
         if cached is not None:
-            firsts = {tuple(c.prompt_ids): c.id for c in reversed(self.choices)}   # one choice per prompt
-            usage.prompt_tokens_details = {"cached_tokens": sum(cached(i) for i in firsts.values())}
+            usage.prompt_tokens_details = {"cached_tokens": sum(cached(c.id) for c in firsts.values())}
         return usage
 
     async def run_to_end(self, request: Request, on_text: Callable = lambda c, text: None) -> None:

@@ -1,12 +1,6 @@
-"""An OpenAI-compatible HTTP server over any engine: this file builds the app (docs/server.md).
-
-    event loop: read the body (413, 429)            api_state.py
-    prepare thread: parse, check, render, tokenize  api_protocol.py, api_chat.py, api_completions.py
-    engine thread: add_request, step, abort         engine_loop.py (engine_process.py: in a child)
-    event loop: detokenize, stop strings, SSE       api_state.py
-
-Only /v1 is behind --api-key: /docs and /openapi.json stay open (docs/server.md says why).
-"""
+"""An OpenAI-compatible HTTP server over any engine: this file builds the app from the modules beside it
+(docs/server.md, "Where the work happens", says which thread runs what, in which file). Only /v1 is behind
+--api-key: /docs and /openapi.json stay open (docs/server.md says why)."""
 from __future__ import annotations
 
 import logging
