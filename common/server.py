@@ -8,7 +8,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException
@@ -62,17 +61,10 @@ def build_app(state: ServerState) -> FastAPI:
             return JSONResponse(error.body, status_code=error.status)
         app.add_exception_handler(kind, handle)
 
-    def openapi() -> dict:
-        """FastAPI's schema, plus the request models the endpoints read themselves."""
-        if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
-            _, defs = models_json_schema([(m, "validation") for m in (ChatCompletionRequest, CompletionRequest)],
-                                         ref_template="#/components/schemas/{model}")
-            schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    app.openapi = openapi
+    # FastAPI's schema (made once, then served as it is), plus the request models the endpoints read themselves
+    _, defs = models_json_schema([(m, "validation") for m in (ChatCompletionRequest, CompletionRequest)],
+                                 ref_template="#/components/schemas/{model}")
+    app.openapi().setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
     return app
 
 def create_app(engine, tokenizer, template, model_name: str, folder=None, max_ctx: int | None = None,
