@@ -9,6 +9,7 @@ through the sink it gave, a function that puts them on its asyncio queue:
     the request's queue <------------------ sink(ev) for each event, by ev.request_id
 
 For a stage-2 reader it is the outer loop of LLMEngine: the scheduler runs inside step().
+With --engine-process this loop runs in the child (common/engine_process.py).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ class EngineLoop:
     """Owns the engine; submit() and abort() append under a lock, the thread applies them between steps."""
 
     def __init__(self, engine, on_step: Callable[[], None] = lambda: None):
-        self.engine, self.cond, self.on_step = engine, threading.Condition(), on_step   # on_step: after each step
+        self.engine, self.cond, self.on_step = engine, threading.Condition(), on_step   # on_step(): after a step
         self._adds: list[tuple[Request, Sink]] = []
         self._aborts: list[str] = []
         self._stop = self.busy = False       # busy: the engine had work after the last step

@@ -131,13 +131,15 @@ class EngineProcess:
         log.warning("the engine process died (%s); starting a new one", how)
         for sink in lost:
             sink(RuntimeError(f"the engine process died ({how}); it is being restarted"))
-        while True:
+        while not self.stopping:
             try:
                 self._start()
                 break
             except Exception as e:            # /healthz says "restarting" meanwhile
                 log.error("starting the engine process failed: %s", e)
                 time.sleep(1)
+        if self.stopping:
+            return
         with self.lock:
             for rid, (req, sink) in self.waiting.items():
                 self.sinks[rid] = sink
