@@ -88,11 +88,10 @@ class EngineLoop:
             self.on_step()
 
     def _fail(self, e: Exception) -> None:
-        """A bug, an out-of-memory or a dead engine process: the requests in flight (or those the error
-        names, e.request_ids) get a server error and leave the engine; the loop goes on."""
+        """A bug or an out-of-memory: the requests in flight get a server error and leave the engine; the
+        loop goes on."""
         log.error("engine step failed: %s: %s", type(e).__name__, e, exc_info=e)
-        touched = getattr(e, "request_ids", None)
-        for rid in [r for r in self.sinks if touched is None or r in touched]:
+        for rid in list(self.sinks):
             self.sinks.pop(rid)(RuntimeError(f"the engine failed: {type(e).__name__}: {e}"))
-            with contextlib.suppress(Exception):     # a dead engine cannot abort: its loss is reported already
+            with contextlib.suppress(Exception):     # a broken engine may fail to abort: the loss is reported
                 self.engine.abort(rid)
