@@ -42,7 +42,7 @@ class ServerState:
     api_key: str | None = None
     aliases: set[str] = field(default_factory=set)   # other names accepted for the model
     limits: Limits = field(default_factory=Limits)
-    loop: EngineLoop | None = None           # None while loading
+    loop: EngineLoop | None = None           # None while loading; with --engine-process an EngineProcess
     load_error: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     in_flight: int = 0                       # generation requests being served (event loop only)
