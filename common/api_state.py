@@ -262,7 +262,8 @@ def stream(gen: Generation, kind: str, first: Iterable[Reply], pieces: Callable[
            ) -> StreamingResponse:
     """An SSE answer of `kind` chunks: the `first` chunks, then pieces(choice, new_text) as text arrives, the
     usage chunk when asked for, and [DONE]. An engine error ends it as an error event. Starlette cancels it
-    when the client disconnects (while it waits for a token too); gen.close() then aborts what still runs."""
+    when the client disconnects, while no token is ready too (it listens under uvicorn's ASGI 2.3); gen.close()
+    then aborts what still runs."""
     async def events():
         try:
             for chunk in first:
