@@ -5,9 +5,9 @@ against the same engine behind common/engine_process.py, interleaved A/B rounds.
     python -m bench.engine_process_cost stage2_batched.serve 9 --model DIR --device cpu
     python -m bench.engine_process_cost null 9                              # no compute: the pipe alone
 
-Each round times every decode step of one 64-token answer (its median) on each engine,
-alternating which goes first; it prints the medians over the rounds, each round's difference (median, quartiles,
-range) and the load.
+Each round times one 64-token answer on each (the median time between two of its tokens, as the
+server's side receives them: an EngineLoop's sink, or EngineProcess's), alternating which goes first;
+it prints the medians over the rounds, each round's difference (median, quartiles, range) and the load.
 """
 from __future__ import annotations
 
@@ -16,10 +16,12 @@ import importlib
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
 from common.engine import Request, TokenEvent
+from common.engine_loop import EngineLoop
 from common.engine_process import EngineProcess
 from common.sampling import SamplingParams
 
@@ -54,16 +56,18 @@ def build_null(folder, args):
     return NullEngine()
 
 
-def decode_step_ms(engine, rid: str, steps: int) -> float:
-    engine.add_request(Request(rid, [1, 450, 4996, 8253, 5389],
-                               SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)))
-    engine.step()                                  # the prefill
-    times = []
-    while engine.has_work():
-        t = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1000
+def decode_step_ms(loop, rid: str, steps: int) -> float:
+    arrived, done = [], threading.Event()
+
+    def sink(ev) -> None:
+        arrived.append(time.perf_counter())
+        if isinstance(ev, Exception) or ev.finish_reason is not None:
+            done.set()
+
+    loop.submit(Request(rid, [1, 450, 4996, 8253, 5389],
+                        SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)), sink)
+    done.wait()
+    return statistics.median(b - a for a, b in zip(arrived, arrived[1:])) * 1000   # the first: after the prefill
 
 
 def main() -> None:
@@ -79,7 +83,7 @@ def main() -> None:
         importlib.import_module(module.rsplit(".", 1)[0] + ".options").add_args(parser)
         args = parser.parse_args(argv)
         folder = Path(resolve_model(args.model))
-    engines = {"in-process": build(folder, args), "engine-process": EngineProcess(build, folder, args)}
+    engines = {"in-process": EngineLoop(build(folder, args)), "engine-process": EngineProcess(build, folder, args)}
     steps = int(os.environ.get("STEPS", "64"))
     for name, engine in engines.items():
         decode_step_ms(engine, f"warm-{name}", steps)          # compiles and caches before timing
@@ -100,7 +104,8 @@ def main() -> None:
           f"{pairs[(3 * len(pairs)) // 4]:+.2f} %, range {pairs[0]:+.2f} .. {pairs[-1]:+.2f} %")
     print(f"load average {min(loads):.1f}-{max(loads):.1f} (median {statistics.median(loads):.1f}) "
           f"on {os.cpu_count()} cores")
-    engines["engine-process"].close()
+    for loop in engines.values():
+        loop.stop()
 
 
 if __name__ == "__main__":

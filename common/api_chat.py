@@ -8,13 +8,13 @@ from fastapi import APIRouter, Depends, Request
 
 from common.api_protocol import ChatCompletionRequest, ChatMessage, ChatTemplateKwargs, Delta, Reply, ReplyChoice, \
     bad_request, parse_request
-from common.api_state import Choice, Generation, Job, ServerState, admitted_body, body_schema, stream
+from common.api_state import Choice, Generation, ServerState, admitted_body, body_schema, stream
 from common.parsing import StreamParser, prompt_opens_think
 
 router = APIRouter()
 
-def prepare_chat(state: ServerState, raw: bytes) -> Job:
-    """Body bytes -> a Job: checked, the template rendered and tokenized once (a prepare thread)."""
+def prepare_chat(state: ServerState, raw: bytes) -> Generation:
+    """Body bytes -> a Generation: checked, the template rendered and tokenized once (a prepare thread)."""
     req = parse_request(ChatCompletionRequest, raw, state.limits.max_depth)
     state.check_model(req.model)
     kwargs = req.chat_template_kwargs or ChatTemplateKwargs()
@@ -27,7 +27,7 @@ def prepare_chat(state: ServerState, raw: bytes) -> Job:
         raise bad_request(f"the chat template cannot render these messages: {e}", "messages") from None
     if not isinstance(prompt, str):
         raise bad_request("the chat template did not render text for these messages", "messages")
-    return state.job(req, {"messages": prompt}, req.max_completion_tokens or req.max_tokens, functools.partial(
+    return state.generation(req, {"messages": prompt}, req.max_completion_tokens or req.max_tokens, functools.partial(
         StreamParser, thinking=kwargs.enable_thinking, tools=tools is not None,
         start_in_reasoning=kwargs.enable_thinking and prompt_opens_think(prompt)))
 
@@ -48,7 +48,7 @@ def message(parts: list) -> ChatMessage:
     ChatCompletionRequest), summary="A chat answer; with stream: true, chat.completion.chunk events (SSE)")
 async def chat_completions(request: Request, raw: bytes = Depends(admitted_body)):
     gen = await Generation.start(request, raw, prepare_chat, "chatcmpl")
-    if not gen.job.stream:
+    if not gen.stream:
         got = {c.index: [] for c in gen.choices}
         await gen.run_to_end(request, lambda c, text: got[c.index].extend(deltas(c, text)))
         return gen.reply("chat.completion", usage=gen.usage(), choices=[ReplyChoice(

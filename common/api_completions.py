@@ -4,31 +4,29 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 
 from common.api_protocol import CompletionRequest, Reply, ReplyChoice, parse_request
-from common.api_state import Generation, Job, ServerState, admitted_body, body_schema, stream
+from common.api_state import Generation, ServerState, admitted_body, body_schema, stream
 
 router = APIRouter()
 
-def prepare_completion(state: ServerState, raw: bytes) -> Job:
-    """Body bytes -> a Job: checked, each prompt tokenized once (a prepare thread)."""
+def prepare_completion(state: ServerState, raw: bytes) -> Generation:
+    """Body bytes -> a Generation: checked, each prompt tokenized once (a prepare thread)."""
     req = parse_request(CompletionRequest, raw, state.limits.max_depth)
     state.check_model(req.model)
     prompts = req.prompts()
-    return state.job(req, {"prompt" if len(prompts) == 1 else f"prompt[{k}]": p for k, p in enumerate(prompts)},
+    return state.generation(req, {"prompt" if len(prompts) == 1 else f"prompt[{k}]": p for k, p in enumerate(prompts)},
                      req.max_tokens, echo=req.echo)
 
 @router.post("/completions", response_model=Reply, openapi_extra=body_schema(CompletionRequest),
              summary="A completion; with stream: true, text_completion events (SSE)")
 async def completions(request: Request, raw: bytes = Depends(admitted_body)):
     gen = await Generation.start(request, raw, prepare_completion, "cmpl")
-    echoes = gen.job.echoes
 
-    def answer(choices: list[tuple], usage=None) -> Reply:    # (index, text, finish_reason)
+    def answer(choices: list[tuple], usage=None) -> Reply:    # (choice, text, finish_reason)
         return gen.reply("text_completion", usage=usage, choices=[
-            ReplyChoice(index=i, text=text, finish_reason=finish) for i, text, finish in choices])
+            ReplyChoice(index=c.index, text=text, finish_reason=finish) for c, text, finish in choices])
 
-    if not gen.job.stream:
+    if not gen.stream:
         await gen.run_to_end(request)
-        return answer([(c.index, echoes[c.index] + c.text, c.finish_reason) for c in gen.choices], gen.usage())
-    return stream(gen, "text_completion", [answer([(c.index, echoes[c.index], None)]) for c in gen.choices
-                                           if echoes[c.index]],
-                  lambda c, text: [answer([(c.index, text, c.finish_reason)])] if (text or c.done) else [])
+        return answer([(c, c.echo + c.text, c.finish_reason) for c in gen.choices], gen.usage())
+    return stream(gen, "text_completion", [answer([(c, c.echo, None)]) for c in gen.choices if c.echo],
+                  lambda c, text: [answer([(c, text, c.finish_reason)])] if (text or c.done) else [])

@@ -37,6 +37,8 @@ def param_of(loc) -> str | None:
 
 def invalid_field(err: dict) -> APIError:
     """One pydantic error (of ValidationError.errors()) as a 400: the one place a loc becomes a param."""
+    if err["type"] == "json_invalid":         # not UTF-8, a syntax error, an integer of more than 4300 digits
+        return bad_request(f"the request body is not valid JSON: {err['ctx']['error']}")
     param = param_of(err["loc"])
     got = json.dumps(err.get("input"), default=str)[:50] if err["type"] not in ("missing", "model_type") else ""
     return bad_request(f"{param or 'the request body'}: {err['msg']}{', got ' + got if got else ''}", param)
@@ -248,43 +250,50 @@ class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
 
-# ---- bytes -> a model: json.loads and a walk first, for what pydantic's parser would refuse with no
-# field to name (lone surrogates, deep nesting, 4300-digit integers) or read (NaN); docs/server.md ----
+# ---- bytes -> a model: a scan of the raw bytes first, for what pydantic's parser would refuse with no
+# field to name (lone surrogates, deep nesting) or read as a number (NaN); docs/server.md ----
 _SURROGATE = re.compile("[\ud800-\udfff]")
-_JSON_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{},:]', re.DOTALL)   # strings (whole), brackets, separators
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")     # as an escape, or as UTF-8 bytes
+_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{},]|NaN|-?Infinity')   # strings (whole), brackets, commas
 
 def parse_request(model: type[Strict], raw: bytes, max_depth: int) -> Strict:
     """The body as `model`, or a 400 that names the field (on a prepare thread)."""
-    def no_constant(name):
-        raise ValueError(f"{name} is not valid JSON (JSON has no NaN or Infinity); send a number or null")
-    try:
-        body = json.loads(raw, parse_constant=no_constant)
-    except RecursionError:
-        raise _too_deep(_deep_where(raw, max_depth), max_depth) from None
-    except ValueError as e:         # not JSON, not UTF-8, NaN, an integer of more than 4300 digits
-        raise bad_request(f"the request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object, got a JSON {type(body).__name__}")
-    stack = [(body, 1, [])]         # (container, its depth, its keys from the body)
-    while stack:
-        value, depth, keys = stack.pop()
-        if depth > max_depth:
-            raise _too_deep(keys, max_depth)
-        for key, item in (value.items() if isinstance(value, dict) else enumerate(value)):
-            if isinstance(key, str) and _SURROGATE.search(key):
-                raise bad_request(f"{param_of(keys) or 'the request body'} has a key with a lone UTF-16 surrogate; "
-                                  "send valid Unicode (a surrogate must be half of a pair)", param_of(keys))
-            if isinstance(item, str) and (m := _SURROGATE.search(item)):
-                path = param_of(keys + [key])
-                raise bad_request(f"{path} contains a lone UTF-16 surrogate (\\u{ord(m.group()):04x} at character "
-                                  f"{m.start()}), which is not valid Unicode; send the character as a surrogate "
-                                  "pair, or leave it out", path)
-            if isinstance(item, (dict, list)):
-                stack.append((item, depth + 1, keys + [key]))
+    _scan(raw, max_depth)
     try:
         return model.model_validate_json(raw)
     except ValidationError as e:
         raise invalid_field(e.errors(include_url=False)[0]) from None
+
+def _scan(raw: bytes, max_depth: int) -> None:
+    """Follows the keys down the raw bytes, so also past Python's recursion limit (100,000 '[' cost 65
+    steps): a 400 naming the field for a container deeper than max_depth, a lone surrogate, or NaN."""
+    keys: list = []     # per open container: its index, or its key (None: the next string is the key)
+    for t in _TOKEN.findall(raw):
+        if t in (b"[", b"{"):
+            if len(keys) >= max_depth:
+                raise _too_deep(["?" if key is None else key for key in keys], max_depth)
+            keys.append(None if t == b"{" else 0)
+        elif t in (b"]", b"}"):
+            del keys[-1:]
+        elif t == b",":
+            if keys:
+                keys[-1] = keys[-1] + 1 if isinstance(keys[-1], int) else None
+        elif not t.startswith(b'"'):
+            raise bad_request(f"the request body is not valid JSON: {t.decode()} is not valid JSON (JSON has no "
+                              "NaN or Infinity); send a number or null", param_of(keys))
+        elif (is_key := bool(keys) and keys[-1] is None) or _ESCAPED_SURROGATE.search(t):
+            try:            # a key (the one its object waits for), or a value that may hold a lone surrogate
+                text = json.loads(t) if b"\\" in t else t[1:-1].decode("utf-8", "surrogatepass")
+            except ValueError:      # a bad escape, or not UTF-8: pydantic's error says so
+                continue
+            if s := _SURROGATE.search(text):
+                where = param_of(keys[:-1] if is_key else keys)
+                raise bad_request(f"{where or 'the request body'} {'has a key with' if is_key else 'contains'} "
+                                  f"a lone UTF-16 surrogate (\\u{ord(s.group()):04x} at character {s.start()}), "
+                                  "which is not valid Unicode; send the character as a surrogate pair, or "
+                                  "leave it out", where)
+            if is_key:
+                keys[-1] = text
 
 def _too_deep(keys: list, max_depth: int) -> APIError:
     """Names the field by its first four keys; the message shows the full path, cut at 80 characters."""
@@ -293,27 +302,3 @@ def _too_deep(keys: list, max_depth: int) -> APIError:
     at = f" (at {full[:80]}{'...' if len(full) > 80 else ''})" if full != field else ""
     return bad_request(f"{field or 'the request body'} nests arrays/objects more than {max_depth} levels "
                        f"deep{at}; send a flatter structure", field)
-
-def _deep_where(raw: bytes, max_depth: int) -> list:
-    """The keys down to the first container deeper than max_depth, from the raw bytes (for a
-    body past Python's own recursion limit); the scan stops there: 100,000 '[' cost 65 steps."""
-    frames: list[list] = []     # per open container: [is_object, current key or index, last string]
-    for m in _JSON_TOKEN.finditer(raw):
-        t = m.group()
-        if t in (b"[", b"{"):
-            if len(frames) >= max_depth:
-                break
-            frames.append([t == b"{", None if t == b"{" else 0, None])
-        elif t in (b"]", b"}"):
-            if frames:
-                frames.pop()
-        elif frames and t == b",":
-            frames[-1][1] = None if frames[-1][0] else frames[-1][1] + 1
-        elif frames and t == b":":
-            frames[-1][1] = frames[-1][2]
-        elif frames:                # a string: maybe the key of the next ':'
-            try:
-                frames[-1][2] = json.loads(t)
-            except ValueError:
-                frames[-1][2] = t.decode("utf-8", "replace")
-    return ["?" if key is None else key for _obj, key, _last in frames]

@@ -1,6 +1,6 @@
 """What the routers share: the limits, the server state (read from the model folder once), the
 dependencies of /v1 (the API key; a body under the size limit, counted against --max-concurrent),
-and a generation: a Job (made on a prepare thread) submitted to the engine loop, yielding
+and a generation: its choices (made on a prepare thread) submitted to the engine loop, yielding
 (choice, new text), answered whole or as SSE by stream()."""
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import hmac
 import json
-import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +18,6 @@ from typing import Any, AsyncIterator, Callable, Iterable
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, PositiveInt
-from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
@@ -29,8 +27,6 @@ from common.engine_loop import EngineLoop
 from common.parsing import StreamParser
 from common.sampling import SamplingParams, generation_defaults
 from common.stopping import StopChecker
-
-log = logging.getLogger("qwen3-stages.server")
 
 class Limits(BaseModel, strict=True):
     """What one request may ask for besides the protocol's bounds; each is checked before the work it protects."""
@@ -46,7 +42,7 @@ class ServerState:
     api_key: str | None = None
     aliases: set[str] = field(default_factory=set)   # other names accepted for the model
     limits: Limits = field(default_factory=Limits)
-    loop: EngineLoop | None = None           # None while loading
+    loop: EngineLoop | None = None           # None while loading; with --engine-process an EngineProcess
     load_error: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     in_flight: int = 0                       # generation requests being served (event loop only)
@@ -74,20 +70,20 @@ class ServerState:
             # and the NFC a tokenizer may apply first shrinks a text by well under half, hence 2x
             self.longest_token = max(len(tokenizer.id_to_token(i) or "") for i in range(tokenizer.vocab_size))
             self.max_prompt_chars = 2 * self.longest_token * self.max_ctx
-        self.loop = EngineLoop(engine)
+        self.loop = engine if hasattr(engine, "submit") else EngineLoop(engine)   # an EngineProcess is one already
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name and name not in self.aliases:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r} "
                            "(GET /v1/models lists it)", param="model", code="model_not_found")
 
-    def job(self, req: SamplingRequest, prompts: dict[str, str | list[int]], max_tokens: int | None,
-            parser: Callable[[], StreamParser] | None = None, echo: bool = False) -> Job:
+    def generation(self, req: SamplingRequest, prompts: dict[str, str | list[int]], max_tokens: int | None,
+                   parser: Callable[[], StreamParser] | None = None, echo: bool = False) -> Generation:
         """req.n choices per prompt ({param: text or token ids}), each prompt tokenized once, or a 400 at its
         param if it cannot fit (a text from its length, before tokenizing). Sampling: the request's fields
         over generation_config.json's; max_tokens at most the room the prompt leaves (all of it when unset,
         as in vLLM); seeds seed+i, each reproducible."""
-        job = Job([], [], req.stream, req.include_usage, parser)
+        gen = Generation(self, req)
         for param, prompt in prompts.items():
             if isinstance(prompt, str) and self.max_prompt_chars is not None and len(prompt) > self.max_prompt_chars:
                 raise bad_request(f"the prompt has {len(prompt)} characters; a context of {self.max_ctx} tokens "
@@ -102,10 +98,10 @@ class ServerState:
             room = self.max_ctx - len(ids)
             p = SamplingParams.from_defaults(self.sampling_defaults, max_tokens=min(max_tokens or room, room),
                                              **req.sampling())
-            job.prompts += [ids] * req.n
-            job.params += [replace(p, seed=None if p.seed is None else p.seed + i) for i in range(req.n)]
-            job.echoes += [(prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if echo else ""] * req.n
-        return job
+            shown = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if echo else ""
+            gen.choices += [Choice(len(gen.choices) + i, ids, replace(p, seed=None if p.seed is None else p.seed + i),
+                                   self, parser, shown) for i in range(req.n)]
+        return gen
 
 async def require_api_key(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(
         HTTPBearer(auto_error=False))):      # our own 401: older FastAPI would answer 403 {"detail"}
@@ -149,25 +145,16 @@ def body_schema(model) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {
         "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
-@dataclass
-class Job:
-    """A request ready for the engine: token ids and sampling parameters per choice."""
-    prompts: list[list[int]]                 # the token ids of each choice's prompt
-    params: list[SamplingParams]             # one per choice
-    stream: bool = False
-    include_usage: bool = False
-    parser: Callable[[], StreamParser] | None = None   # chat: a <think>/<tool_call> parser per choice
-    echoes: list[str] = field(default_factory=list)   # completions: text to put before each choice
-
 class Choice:
     """One engine request: ids -> text (detokenizer) -> text before any stop string."""
 
-    def __init__(self, index: int, request_id: str, prompt_ids: list[int], params: SamplingParams, state, parser):
-        self.index, self.id, self.prompt_ids, self.params = index, request_id, prompt_ids, params
+    def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams, state, parser, echo: str = ""):
+        self.index, self.id, self.prompt_ids, self.params = index, uuid.uuid4().hex, prompt_ids, params
         self.detok, self.stopper = state.tokenizer.detokenizer(), StopChecker(params.stop)
         self.stop_ids = set(params.stop_token_ids) | state.stop_ids
         self.n_tokens, self.finish_reason, self.text = 0, None, ""   # text: all returned so far
         self.parser: StreamParser | None = parser() if parser else None
+        self.echo = echo                     # completions: the text shown before the answer
 
     done = property(lambda self: self.finish_reason is not None)
 
@@ -190,30 +177,30 @@ class Choice:
         return out
 
 class Generation:
-    """Submits a job's choices to the engine loop and yields (choice, new_text) as events arrive."""
+    """A request's choices (made on a prepare thread); start() submits them to the engine loop, and
+    events() yields (choice, new_text) as their events arrive."""
 
-    def __init__(self, state: ServerState, job: Job, prefix: str):
-        self.state, self.job, self.id, self.created = state, job, f"{prefix}-{uuid.uuid4().hex}", int(time.time())
-        self.queue: asyncio.Queue = asyncio.Queue()
-        loop, base = asyncio.get_running_loop(), uuid.uuid4().hex[:16]
+    def __init__(self, state: ServerState, req: SamplingRequest):
+        self.state, self.stream, self.include_usage, self.choices = state, req.stream, req.include_usage, []
+
+    @classmethod
+    async def start(cls, request: Request, raw: bytes, prepare: Callable[[ServerState, bytes], Generation],
+                    prefix: str) -> Generation:
+        """prepare(state, raw) on a prepare thread (its time grows with the body; the event loop stays free),
+        then its choices submitted."""
+        state, loop = request.app.state.server, asyncio.get_running_loop()
+        pool = state.pools["small" if len(raw) <= state.limits.small_body_bytes else "large"]
+        gen = await loop.run_in_executor(pool, prepare, state, raw)
+        gen.id, gen.created, gen.queue = f"{prefix}-{uuid.uuid4().hex}", int(time.time()), asyncio.Queue()
 
         def sink(item):      # called on the engine thread: call_soon_threadsafe is the safe way in
             with contextlib.suppress(RuntimeError):       # the event loop is closed: shutting down
-                loop.call_soon_threadsafe(self.queue.put_nowait, item)
+                loop.call_soon_threadsafe(gen.queue.put_nowait, item)
 
-        self.choices = [Choice(i, f"{base}-{i}", ids, p, state, job.parser)
-                        for i, (ids, p) in enumerate(zip(job.prompts, job.params))]
-        self.by_id = {c.id: c for c in self.choices}
-        for c in self.choices:
+        gen.by_id = {c.id: c for c in gen.choices}
+        for c in gen.choices:
             state.loop.submit(EngineRequest(c.id, c.prompt_ids, c.params), sink)
-
-    @classmethod
-    async def start(cls, request: Request, raw: bytes, prepare: Callable[[ServerState, bytes], Job], prefix: str):
-        """prepare(state, raw) on a prepare thread (its time grows with the body; the event loop stays free),
-        then its Job submitted."""
-        state = request.app.state.server
-        pool = state.pools["small" if len(raw) <= state.limits.small_body_bytes else "large"]
-        return cls(state, await asyncio.get_running_loop().run_in_executor(pool, prepare, state, raw), prefix)
+        return gen
 
     def reply(self, kind: str, **fields) -> Reply:     # a reply or chunk of this generation (its "object")
         return Reply(id=self.id, object=kind, created=self.created, model=self.state.model_name, **fields)
@@ -240,74 +227,58 @@ class Generation:
                 c.finish_reason = "abort"
                 self.state.loop.abort(c.id)
 
-    def usage(self) -> Usage:      # a prompt shared by n choices counts once
-        prompt = sum(len(ids) for ids in dict.fromkeys(tuple(c.prompt_ids) for c in self.choices))
-        completion = sum(c.n_tokens for c in self.choices)
+    def usage(self) -> Usage:
+        firsts = {tuple(c.prompt_ids): c for c in reversed(self.choices)}   # a prompt of n choices counts once
+        prompt, completion = sum(map(len, firsts)), sum(c.n_tokens for c in self.choices)
         usage = Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
         cached = getattr(self.state.loop.engine, "num_cached_tokens", None)   # an engine with a prefix cache
         if cached is not None:
-            firsts = {tuple(c.prompt_ids): c.id for c in reversed(self.choices)}   # one choice per prompt
-            usage.prompt_tokens_details = {"cached_tokens": sum(cached(i) for i in firsts.values())}
+            usage.prompt_tokens_details = {"cached_tokens": sum(cached(c.id) for c in firsts.values())}
         return usage
 
-    async def run_to_end(self, request, on_text: Callable = lambda c, text: None) -> None:
+    async def run_to_end(self, request: Request, on_text: Callable = lambda c, text: None) -> None:
         """Drive a non-streaming generation; abort it if the client disconnects first."""
         async def drive():
             async for c, text in self.events():
                 on_text(c, text)
+
+        async def disconnected():    # the body was read, so the next message is the disconnect
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        tasks = work, _ = [asyncio.ensure_future(drive()), asyncio.ensure_future(disconnected())]
         try:
-            work = await until_disconnect(drive(), request.receive)
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             self.close()     # aborts whatever has not finished (client gone, or an error in one choice)
         if work.cancelled():     # nobody reads this reply; it only ends the handler
             raise APIError(400, "the client closed the connection before the answer was ready")
         work.result()        # re-raise an engine error as the reply
 
-async def until_disconnect(work, receive) -> asyncio.Task:
-    """Runs `work` until it ends or the client disconnects (then it is cancelled); its task."""
-    async def disconnected():    # the body was read, so the next message is the disconnect
-        while (await receive())["type"] != "http.disconnect":
-            pass
-
-    tasks = task, _ = [asyncio.ensure_future(work), asyncio.ensure_future(disconnected())]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-    return task
-
 def stream(gen: Generation, kind: str, first: Iterable[Reply], pieces: Callable[[Choice, str], Iterable[Reply]]
-           ) -> EventStream:
+           ) -> StreamingResponse:
     """An SSE answer of `kind` chunks: the `first` chunks, then pieces(choice, new_text) as text arrives, the
-    usage chunk when asked for, and [DONE]. An engine error ends it as an error event."""
+    usage chunk when asked for, and [DONE]. An engine error ends it as an error event. Starlette cancels it
+    when the client disconnects, while no token is ready too (it listens under uvicorn's ASGI 2.3); gen.close()
+    then aborts what still runs."""
     async def events():
-        for chunk in first:
-            yield f"data: {chunk.model_dump_json()}\n\n"
         try:
-            async for c, text in gen.events():
-                for chunk in pieces(c, text):
-                    yield f"data: {chunk.model_dump_json()}\n\n"
-        except APIError as e:
-            yield f"data: {json.dumps(e.body, ensure_ascii=False)}\n\n"
-        if gen.job.include_usage:
-            yield f"data: {gen.reply(kind, choices=[], usage=gen.usage()).model_dump_json()}\n\n"
-        yield "data: [DONE]\n\n"
-
-    return EventStream(events(), media_type="text/event-stream", background=BackgroundTask(gen.close),
-                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-class EventStream(StreamingResponse):
-    """SSE that notices a client leaving even while no token is ready (a queued request can wait
-    long), and always runs its background task (gen.close: the engine aborts what nobody wants)."""
-
-    async def __call__(self, scope, receive, send):
-        try:
-            sent = await until_disconnect(self.stream_response(send), receive)
-            error = None if sent.cancelled() else sent.exception()
-            if error is not None and not isinstance(error, OSError):   # OSError: the client closed the socket
-                log.error("streaming a response failed: %r", error)
+            for chunk in first:
+                yield f"data: {chunk.model_dump_json()}\n\n"
+            try:
+                async for c, text in gen.events():
+                    for chunk in pieces(c, text):
+                        yield f"data: {chunk.model_dump_json()}\n\n"
+            except APIError as e:
+                yield f"data: {json.dumps(e.body, ensure_ascii=False)}\n\n"
+            if gen.include_usage:
+                yield f"data: {gen.reply(kind, choices=[], usage=gen.usage()).model_dump_json()}\n\n"
+            yield "data: [DONE]\n\n"
         finally:
-            await self.body_iterator.aclose()    # a generator cut short runs its cleanup now
-            await self.background()
+            gen.close()
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -9,6 +9,7 @@ through the sink it gave, a function that puts them on its asyncio queue:
     the request's queue <------------------ sink(ev) for each event, by ev.request_id
 
 For a stage-2 reader it is the outer loop of LLMEngine: the scheduler runs inside step().
+With --engine-process this loop runs in the child (common/engine_process.py).
 """
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ Sink = Callable[[TokenEvent | Exception], None]
 class EngineLoop:
     """Owns the engine; submit() and abort() append under a lock, the thread applies them between steps."""
 
-    def __init__(self, engine):
-        self.engine, self.cond = engine, threading.Condition()
+    def __init__(self, engine, on_step: Callable[[], None] = lambda: None):
+        self.engine, self.cond, self.on_step = engine, threading.Condition(), on_step   # on_step(): after a step
         self._adds: list[tuple[Request, Sink]] = []
         self._aborts: list[str] = []
         self._stop = self.busy = False       # busy: the engine had work after the last step
@@ -54,7 +55,6 @@ class EngineLoop:
             self._stop = True
             self.cond.notify()
         self.thread.join(timeout=10)
-        getattr(self.engine, "close", lambda: None)()     # an engine in a child process ends it
 
     def _run(self) -> None:
         while True:
@@ -85,13 +85,13 @@ class EngineLoop:
                                       "were not finite)") if ev.finish_reason == "error" else ev)
             with self.cond:
                 self.busy = self.engine.has_work()
+            self.on_step()
 
     def _fail(self, e: Exception) -> None:
-        """A bug, an out-of-memory or a dead engine process: the requests in flight (or those the error
-        names, e.request_ids) get a server error and leave the engine; the loop goes on."""
+        """A bug or an out-of-memory: the requests in flight get a server error and leave the engine; the
+        loop goes on."""
         log.error("engine step failed: %s: %s", type(e).__name__, e, exc_info=e)
-        touched = getattr(e, "request_ids", None)
-        for rid in [r for r in self.sinks if touched is None or r in touched]:
+        for rid in list(self.sinks):
             self.sinks.pop(rid)(RuntimeError(f"the engine failed: {type(e).__name__}: {e}"))
-            with contextlib.suppress(Exception):     # a dead engine cannot abort: its loss is reported already
+            with contextlib.suppress(Exception):     # a broken engine may fail to abort: the loss is reported
                 self.engine.abort(rid)

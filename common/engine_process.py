@@ -1,55 +1,55 @@
-"""An engine in a child process behind the same Engine protocol (--engine-process): a Request
-crosses the pipe one way, TokenEvent fields (ids) the other. While it has work the child steps
-and sends each step's events in one message, so the pipe is off the critical path. If it dies,
-the pipe closes: what it held fails at the next step(), and the step after starts a new child
-("spawn": a fork of a threaded server is not safe, so the builder must be importable)."""
+"""An engine in a child process (--engine-process), in the server as its EngineLoop would be (submit,
+abort, idle, stop). The child runs an EngineLoop of its own: it steps while it has work and sends each
+step's events in one message. A Request crosses the pipe one way, TokenEvents (ids) the other. If the
+child dies, the pipe closes: what it held fails, and a new child starts ("spawn": a fork of a threaded
+server is not safe, so the builder must be importable)."""
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import multiprocessing
 import signal
 import sys
+import threading
+import time
 from contextlib import suppress
-from types import SimpleNamespace
 
 from common.engine import Request, TokenEvent
+from common.engine_loop import EngineLoop, Sink
 
 log = logging.getLogger("qwen3-stages.server")
 
 def _child(conn, builder: str, folder, args) -> None:
-    """Build the engine, then step it while it has work and answer calls until the pipe closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)      # Ctrl-C stops the server, which closes the pipe
+    """Build the engine and run an EngineLoop on it, with the calls that come down the pipe."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)      # Ctrl-C stops the server, which stops the child
     module, name = builder.split(":")
     engine = getattr(importlib.import_module(module), name)(folder, args)
-    config = getattr(engine, "config", None)
-    conn.send((engine.max_ctx, getattr(config, "vocab_size", 0), list(getattr(config, "eos_token_ids", []) or [])))
-    told = False          # the server was told this child has work: it waits for one more step message
-    with suppress(EOFError, OSError):
-        while True:
-            busy = engine.has_work()
-            if not (busy or told) or conn.poll():     # idle: block for a call; busy: take what came
-                call, arg = conn.recv()
-                if call == "add":
-                    try:
-                        engine.add_request(arg)
-                        told = True
-                        conn.send(("added", None))
-                    except ValueError as e:           # a prompt this engine cannot take
-                        conn.send(("added", str(e)))
-                else:
-                    engine.abort(arg)
-                continue
-            events = engine.step() if busy else []
-            told = engine.has_work()
-            conn.send(("step", [(e.request_id, e.token_id, e.finish_reason) for e in events], told))
+    conn.send((engine.max_ctx, getattr(engine, "config", None)))     # what the server reads of the engine
+    out: list[tuple[str, TokenEvent | Exception]] = []   # this step's (request id, event), on the engine thread
 
-class EngineDied(RuntimeError):
-    """The child died; request_ids (set by _io) are the requests it held, which are lost."""
-    request_ids: set[str]
+    def sink(rid: str, item) -> None:   # an error crosses as what it is to the server: a ValueError (400) or not
+        out.append((rid, item if isinstance(item, TokenEvent) else
+                    (ValueError if isinstance(item, ValueError) else RuntimeError)(str(item))))
+
+    def send() -> None:
+        if out:
+            conn.send(out[:])
+            out.clear()
+
+    loop = EngineLoop(engine, on_step=send)
+    with suppress(EOFError, OSError):
+        while (call := conn.recv())[0] != "stop":
+            if call[0] == "add":
+                loop.submit(call[1], functools.partial(sink, call[1].id))
+            else:
+                loop.abort(call[1])
+    loop.stop()
 
 class EngineProcess:
-    """The Engine protocol, run by a child process; a new child replaces one that died."""
+    """The server's side: submit() and abort() go down the pipe; a reader thread hands the child's events
+    to the requests' sinks, and starts a new child when one dies."""
+    engine = None                             # it is in the child (usage has no prefix-cache count)
 
     def __init__(self, build_engine, folder, args):
         if not isinstance(build_engine, str):     # 'package.module:function', also when run as __main__
@@ -58,9 +58,10 @@ class EngineProcess:
                 module = getattr(sys.modules["__main__"].__spec__, "name", None) or module
             build_engine = f"{module}:{build_engine.__qualname__}"
         self.builder, self.folder, self.args = build_engine, folder, args
-        self.restarts = 0
-        self.lost: EngineDied | None = None   # the child died: the next step() raises this
-        self.running: set[str] = set()        # request ids the child holds
+        self.lock, self.restarts, self.stopping = threading.Lock(), 0, False
+        self.up = True                        # False from a death until the new child has loaded (/healthz)
+        self.sinks: dict[str, Sink] = {}      # the requests sent to this child
+        self.waiting: dict[str, tuple[Request, Sink]] = {}   # submitted while there was no child to take them
         self._start()
 
     def _start(self) -> None:
@@ -71,81 +72,76 @@ class EngineProcess:
         self.proc.start()
         child_end.close()          # so that the child's death closes the pipe for us
         try:
-            self.max_ctx, vocab, eos = self.conn.recv()
+            self.max_ctx, self.config = self.conn.recv()
         except EOFError:
             self.proc.join(5)
             raise RuntimeError(f"the engine process exited while loading (exit code {self.proc.exitcode})") from None
-        self.config = SimpleNamespace(vocab_size=vocab, eos_token_ids=eos)
-        self.work, self.events = False, []    # the child has work; events read but not yet returned
-        self.up = True                        # False from a death until the new child answers (/healthz)
+        threading.Thread(target=self._read, args=(self.conn,), name="engine-process", daemon=True).start()
 
-    def _alive(self) -> None:
-        if not self.up:                       # the child died: start a new one (a failure: the next call retries)
-            self.work = False
-            self._start()
-            self.restarts += 1
-            log.warning("the engine process was restarted (%d restarts)", self.restarts)
-
-    def _io(self, fn, *args):     # a pipe call; a closed pipe means the child is dead: what it held is lost
-        try:
-            return fn(*args)
-        except (EOFError, OSError):
-            self.proc.join(5)
-            code = self.proc.exitcode
-            how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-            self.up, self.work, self.events = False, True, []   # the loop steps again: raise, then restart
-            self.lost = EngineDied(f"the engine process died ({how}); it is being restarted")
-            self.lost.request_ids, self.running = self.running, set()
-            raise self.lost from None
-
-    def _read(self):     # one message: a step's events are kept for step(); an add's answer is returned
-        kind, *body = self._io(self.conn.recv)
-        if kind == "added":
-            return body
-        self.events += [TokenEvent(*e) for e in body[0]]
-        self.work = body[1]
-
-    def _add(self, req: Request) -> str | None:
-        self._alive()
-        self._io(self.conn.send, ("add", req))
-        while (answer := self._read()) is None:
-            pass
-        return answer[0]
-
-    # ---- the Engine protocol ----
-    def add_request(self, req: Request) -> None:
-        try:                                 # the child's engine checks the prompt; found dead, the new child
-            error = self._add(req)           # takes it (what the old one held fails at the next step, alone)
-        except EngineDied:
-            error = self._add(req)
-        if error is not None:
-            raise ValueError(error)
-        self.running.add(req.id)
-        self.work = True
+    def submit(self, req: Request, sink: Sink) -> None:
+        with self.lock:
+            if self.up:
+                self.sinks[req.id] = sink
+                try:
+                    self.conn.send(("add", req))
+                    return
+                except OSError:               # a child that has just died: the reader thread starts the next
+                    del self.sinks[req.id]
+            self.waiting[req.id] = (req, sink)
 
     def abort(self, request_id: str) -> None:
-        if request_id in self.running and self.up:
-            self.running.discard(request_id)
-            with suppress(EngineDied):        # the next step() reports the loss
-                self._io(self.conn.send, ("abort", request_id))
+        with self.lock:
+            self.waiting.pop(request_id, None)
+            if self.sinks.pop(request_id, None) is not None and self.up:
+                with suppress(OSError):
+                    self.conn.send(("abort", request_id))
 
-    def step(self) -> list[TokenEvent]:
-        if self.lost is not None:
-            lost, self.lost = self.lost, None
-            raise lost
-        self._alive()
-        with suppress(EngineDied):            # blocks (no polling) until the child's next step
-            if self.work and not self.events:
-                self._read()
-        out, self.events = self.events, []
-        self.running -= {e.request_id for e in out if e.finish_reason is not None}
-        return out
+    def idle(self) -> bool:
+        """No request in the child or waiting for one (for tests)."""
+        return not (self.sinks or self.waiting)
 
-    def has_work(self) -> bool:
-        return self.work or bool(self.events)
-
-    def close(self) -> None:
-        self.conn.close()
+    def stop(self) -> None:
+        self.stopping = True
+        with self.lock, suppress(OSError):
+            self.conn.send(("stop", None))
         self.proc.join(10)
         if self.proc.is_alive():
             self.proc.kill()
+
+    def _read(self, conn) -> None:
+        """A child's reader thread: each event to its request's sink, until the pipe closes (the child died)."""
+        with suppress(EOFError, OSError):
+            while True:
+                for rid, item in conn.recv():
+                    ended = not isinstance(item, TokenEvent) or item.finish_reason is not None
+                    sink = self.sinks.pop(rid, None) if ended else self.sinks.get(rid)
+                    if sink is not None:
+                        sink(item)
+        if not self.stopping:
+            self._restart()
+
+    def _restart(self) -> None:
+        """What the dead child held fails; a new child (and its reader) starts, retried each second, and takes
+        what waits."""
+        self.proc.join(5)
+        code = self.proc.exitcode
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        with self.lock:
+            self.up, lost, self.sinks = False, list(self.sinks.values()), {}
+        log.warning("the engine process died (%s); starting a new one", how)
+        for sink in lost:
+            sink(RuntimeError(f"the engine process died ({how}); it is being restarted"))
+        while not self.stopping:
+            try:
+                self._start()
+                break
+            except Exception as e:            # /healthz says "restarting" meanwhile
+                log.error("starting the engine process failed: %s", e)
+                time.sleep(1)
+        if self.stopping:
+            return
+        with self.lock:
+            for rid, (req, sink) in self.waiting.items():
+                self.sinks[rid] = sink
+                self.conn.send(("add", req))
+            self.waiting, self.up, self.restarts = {}, True, self.restarts + 1

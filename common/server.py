@@ -1,12 +1,6 @@
-"""An OpenAI-compatible HTTP server over any engine: this file builds the app (docs/server.md).
-
-    event loop: read the body (413, 429)            api_state.py
-    prepare thread: parse, check, render, tokenize  api_protocol.py, api_chat.py, api_completions.py
-    engine thread: add_request, step, abort         engine_loop.py (engine_process.py: in a child)
-    event loop: detokenize, stop strings, SSE       api_state.py
-
-Only /v1 is behind --api-key: /docs and /openapi.json stay open (docs/server.md says why).
-"""
+"""An OpenAI-compatible HTTP server over any engine: this file builds the app from the modules beside it
+(docs/server.md, "Where the work happens", says which thread runs what, in which file). Only /v1 is behind
+--api-key: /docs and /openapi.json stay open (docs/server.md says why)."""
 from __future__ import annotations
 
 import logging
@@ -14,7 +8,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException
@@ -47,10 +40,10 @@ def build_app(state: ServerState) -> FastAPI:
         if state.loop is None:
             body = {"status": "error", "error": state.load_error} if state.load_error else {"status": "loading"}
             return JSONResponse(body, status_code=503)
-        body, engine = {"status": "ok", "model": state.model_name}, state.loop.engine
-        if hasattr(engine, "restarts"):          # an engine in a child process (--engine-process)
-            body["engine_restarts"] = engine.restarts
-            if not engine.up:
+        body, loop = {"status": "ok", "model": state.model_name}, state.loop
+        if hasattr(loop, "restarts"):            # an engine in a child process (--engine-process)
+            body["engine_restarts"] = loop.restarts
+            if not loop.up:
                 return JSONResponse({**body, "status": "restarting"}, status_code=503)
         return body
 
@@ -68,17 +61,10 @@ def build_app(state: ServerState) -> FastAPI:
             return JSONResponse(error.body, status_code=error.status)
         app.add_exception_handler(kind, handle)
 
-    def openapi() -> dict:
-        """FastAPI's schema, plus the request models the endpoints read themselves."""
-        if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
-            _, defs = models_json_schema([(m, "validation") for m in (ChatCompletionRequest, CompletionRequest)],
-                                         ref_template="#/components/schemas/{model}")
-            schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    app.openapi = openapi
+    # FastAPI's schema (made once, then served as it is), plus the request models the endpoints read themselves
+    _, defs = models_json_schema([(m, "validation") for m in (ChatCompletionRequest, CompletionRequest)],
+                                 ref_template="#/components/schemas/{model}")
+    app.openapi().setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
     return app
 
 def create_app(engine, tokenizer, template, model_name: str, folder=None, max_ctx: int | None = None,

@@ -467,7 +467,7 @@ def test_a_body_over_the_limit_gets_413_before_it_is_parsed(client, scripted, ca
 
 def test_deep_nesting_gets_400_naming_the_field(client, scripted):
     url = scripted.url + "/v1/chat/completions"
-    # 100,000 '[' (the report: 500 RecursionError): json.loads gives up, a scan finds where
+    # 100,000 '[' (the report: 500 RecursionError): past Python's recursion limit, the scan stops at level 65
     r, seconds = post_raw(url, b"[" * 100_000)
     err = assert_error(r, 400, says="the request body nests arrays/objects more than 64 levels deep (at [0][0]")
     assert err["param"] is None
@@ -476,7 +476,7 @@ def test_deep_nesting_gets_400_naming_the_field(client, scripted):
     r, _ = post_raw(url, head + b"[" * 100_000 + b"]" * 100_000 + b"}]}")
     err = assert_error(r, 400, param="messages[0].content[0]", says="more than 64 levels deep")
     assert "(at messages[0].content[0][0][0]" in err["message"], err
-    # deep enough to fail our walk but not json.loads: the same answer
+    # deep enough for our limit but not for the parsers' own: the same answer
     r, _ = post_raw(url, json.dumps({**CHAT_OK, "tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"x": functools.reduce(lambda v, _: [v], range(80), 0)}}}]}).encode())
     err = assert_error(r, 400, param="tools[0].function.parameters", says="more than 64 levels deep")

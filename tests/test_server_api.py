@@ -136,6 +136,30 @@ def test_what_pydantics_json_parser_reads_differently_keeps_the_documented_answe
 # ============================================================================
 # Engine faults
 # ============================================================================
+def serve(engine, model_dir, tok) -> tuple[LiveServer, openai.OpenAI]:
+    """The real server over `engine` (one of the scripted engines below), and a client for it."""
+    server = LiveServer(create_app(engine, tok, ChatTemplate.from_folder(model_dir), "scripted", folder=model_dir,
+                                   max_ctx=512))
+    return server, openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+
+
+def post_in_background(server: LiveServer) -> tuple[threading.Thread, dict]:
+    """A long non-streaming chat request on a thread; its response lands in the dict as "r"."""
+    waiting: dict = {}
+    thread = threading.Thread(target=lambda: waiting.update(r=httpx.post(
+        server.url + "/v1/chat/completions", timeout=30,
+        json={"model": "scripted", "messages": user("endless wait"), "max_tokens": 2000})))
+    thread.start()
+    return thread, waiting
+
+
+def wait_until_running(engine: ScriptedEngine, n: int) -> None:
+    deadline = time.time() + 10
+    while len(engine.running) < n:
+        assert time.time() < deadline
+        time.sleep(0.01)
+
+
 class FaultyEngine(ScriptedEngine):
     """The scripted engine with an exception planted in step(), fired once on demand."""
     fail = False
@@ -149,22 +173,13 @@ class FaultyEngine(ScriptedEngine):
 
 def test_an_exception_in_engine_step_fails_the_requests_in_flight_and_new_ones_are_served(model_dir, tok):
     engine = FaultyEngine(tok, step_delay=0.005)
-    server = LiveServer(create_app(engine, tok, ChatTemplate.from_folder(model_dir), "scripted", folder=model_dir,
-                                   max_ctx=512))
+    server, c = serve(engine, model_dir, tok)
     try:
-        c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
-        waiting: dict = {}
-        thread = threading.Thread(target=lambda: waiting.update(r=httpx.post(
-            server.url + "/v1/chat/completions", timeout=30,
-            json={"model": "scripted", "messages": user("endless wait"), "max_tokens": 2000})))
-        thread.start()
+        thread, waiting = post_in_background(server)
         stream = iter(c.chat.completions.create(model="scripted", messages=user("endless"), max_tokens=2000,
                                                 stream=True))
         assert [next(stream) for _ in range(3)]
-        deadline = time.time() + 10
-        while len(engine.running) < 2:            # both are in the engine
-            assert time.time() < deadline
-            time.sleep(0.01)
+        wait_until_running(engine, 2)             # both are in the engine
         engine.fail = True
         with pytest.raises(openai.APIError, match="planted fault"):
             for _ in stream:
@@ -197,22 +212,13 @@ class DegenerateEngine(ScriptedEngine):
 
 def test_an_error_event_from_the_engine_fails_that_request_only_with_a_server_error(model_dir, tok):
     engine = DegenerateEngine(tok, step_delay=0.005)
-    server = LiveServer(create_app(engine, tok, ChatTemplate.from_folder(model_dir), "scripted", folder=model_dir,
-                                   max_ctx=512))
+    server, c = serve(engine, model_dir, tok)
     try:
-        c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
         other = iter(c.chat.completions.create(model="scripted", messages=user("endless"), max_tokens=2000,
                                                stream=True))
         assert next(other)
-        waiting: dict = {}
-        thread = threading.Thread(target=lambda: waiting.update(r=httpx.post(
-            server.url + "/v1/chat/completions", timeout=30,
-            json={"model": "scripted", "messages": user("endless wait"), "max_tokens": 2000})))
-        thread.start()
-        deadline = time.time() + 10
-        while len(engine.running) < 2:
-            assert time.time() < deadline
-            time.sleep(0.01)
+        thread, waiting = post_in_background(server)
+        wait_until_running(engine, 2)
         engine.spoil = engine.requests[-1].id         # the second request, the one waiting whole
         thread.join(timeout=30)
         err = assert_error(waiting["r"], 500, says="not finite")
@@ -231,10 +237,8 @@ def scripted_engine(folder, args):
 
 def test_killing_the_engine_process_during_a_stream_fails_it_and_the_restarted_child_serves(model_dir, tok):
     engine = EngineProcess(scripted_engine, model_dir, SimpleNamespace(step_delay=0.005))
-    server = LiveServer(create_app(engine, tok, ChatTemplate.from_folder(model_dir), "scripted", folder=model_dir,
-                                   max_ctx=512))
+    server, c = serve(engine, model_dir, tok)
     try:
-        c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
         r = c.chat.completions.create(model="scripted", messages=user("hello"), seed=3, max_tokens=200)
         assert r.choices[0].message.content == script_for("<|im_start|>user\nhello", 3)   # through the child
         assert httpx.get(server.url + "/healthz").json()["engine_restarts"] == 0
@@ -260,9 +264,10 @@ def test_killing_the_engine_process_during_a_stream_fails_it_and_the_restarted_c
         assert "".join(ch.choices[0].delta.content or "" for ch in r if ch.choices) == \
             script_for("<|im_start|>user\nhello", 5)
         # a child that dies while idle: the next request finds it dead, and the new child serves it
-        second = engine.proc.pid
+        dead = engine.proc
+        second = dead.pid
         os.kill(second, signal.SIGKILL)
-        engine.proc.join(10)
+        dead.join(10)                # (the reader thread may have started the next child by now)
         r = c.chat.completions.create(model="scripted", messages=user("hello"), seed=6, max_tokens=200)
         assert r.choices[0].message.content == script_for("<|im_start|>user\nhello", 6)
         assert engine.restarts == 2 and engine.proc.pid not in (first, second)
