@@ -22,9 +22,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         "auto: fast wherever it runs (default)")
     g.add_argument("--activations", choices=("auto", "int8", "fp32"), default="auto",
                    help="fast kernels, int8 / int4 weights: round the activations to int8 and multiply "
-                        "integers (as llama.cpp does), at decode and in the prefill GEMM. auto: where the "
-                        "CPU has an int8 dot product (VNNI or AVX2), the lm_head at int16, prefill in bf16 "
-                        "instead where AVX-512 BF16 exists; int8: everywhere; fp32: never")
+                        "integers (as llama.cpp does). auto: at decode where the CPU has an int8 dot product "
+                        "(VNNI or AVX2), the lm_head at int16, prefill in bf16 where AVX-512 BF16 exists; "
+                        "int8: everywhere, prefill through the int8 GEMM included; fp32: never")
     g.add_argument("--threads", type=int, default=None, metavar="N",
                    help="numba threads (default: all cores)")
 

@@ -53,9 +53,10 @@ from .weight import FastWeight, as_fast, check_act, fast_quantize  # noqa: E402,
 
 ACTIVATIONS = ("auto", "int8", "fp32")
 # weights whose prefill --activations auto runs on gemm.py's int8 GEMM where there is no AVX-512 BF16:
-# both; it beats the core's tile + sgemm at 32-512 tokens (docs/benchmarks.md, "The int8 prefill GEMM")
-# and repacks 64 rows at a time as it goes, so it keeps no copy of the weights
-AUTO_INT8_PREFILL: tuple[str, ...] = ("int8", "int4")
+# none. It beats the core's tile + sgemm at 32-512 tokens and keeps no copy of the weights
+# (docs/benchmarks.md, "The int8 prefill GEMM"), but int8 activations over a whole prompt flip the
+# default model's first answer (tests/test_default_model.py); --activations int8 turns it on
+AUTO_INT8_PREFILL: tuple[str, ...] = ()
 
 
 def available() -> str | None:

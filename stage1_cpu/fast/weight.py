@@ -20,7 +20,7 @@ fast kernels (fast/kernels.py); every other case is the core's code, unchanged.
   next to the quantization's own error); bf16 weights are used as they are.
 
 - prefill_act="int8" (int8 / int4 weights, cpu.INT8 without cpu.BF16; --activations
-  auto or int8): prefill rounds the activations as decode does and runs gemm.py's
+  int8): prefill rounds the activations as decode does and runs gemm.py's
   integer GEMM with register tiles, on 64 rows at a time repacked as it goes, instead
   of fp32 tiles through sgemm.
 
