@@ -34,10 +34,12 @@ def _weight(rng, fmt, gs, O, K, **act):
     return fast_quantize((rng.standard_normal((O, K)) * 0.5).astype(np.float32), fmt, gs, **act)
 
 
-def _rounded(w, x):
-    """x [T, K] -> xq, xs, xsum as the kernel sees them (padded to whole groups)."""
+def _rounded(w, x, act="int8"):
+    """x [T, K] -> xq, xs, xsum as the kernel sees them (padded to whole groups); act int16: x16, xs, None."""
     xp = np.zeros((x.shape[0], w.padded_in), dtype=np.float32)
     xp[:, : x.shape[1]] = x
+    if act == "int16":
+        return (*fk.quantize_activations16(xp.reshape(x.shape[0], -1, w.group_size)), None)
     xq, _, xs, xsum = fk.quantize_activations(xp.reshape(x.shape[0], -1, w.group_size))
     return xq, xs, xsum
 
@@ -51,19 +53,19 @@ def _abs_terms(w, xq, xs, xsum):
         scales = np.abs(w.scales.view(np.float16)).view(np.uint16)
         data = np.abs(w.data.astype(np.int16)).astype(np.int8) if w.fmt == "int8" else w.data
         mins = None if w.mins is None else np.abs(w.mins.view(np.float16)).view(np.uint16)
-    return gemm.gemm_ref(np.abs(xq.astype(np.int16)), xs, np.abs(xsum), Abs)
+    return gemm.gemm_ref(np.abs(xq.astype(np.int32)), xs, None if xsum is None else np.abs(xsum), Abs)
 
 
 @NEEDS_INT8
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt,act", [("int8", "int8"), ("int4", "int8"), ("int8", "int16")])
 @pytest.mark.parametrize("gs", [32, 64, 128])
 @pytest.mark.parametrize("O,K,T", [(37, 200, 11), (64, 256, 8), (70, 384, 67)])  # row / token / group tails
-def test_prefill_gemm_equals_its_integer_definition(rng, fmt, gs, O, K, T):
+def test_prefill_gemm_equals_its_integer_definition(rng, fmt, act, gs, O, K, T):
     from stage1_cpu.fast import gemm
-    w = _weight(rng, fmt, gs, O, K, decode_act="int8", prefill_act="int8")
+    w = _weight(rng, fmt, gs, O, K, decode_act="int8", prefill_act=act)
     x = (rng.standard_normal((T, K)) * 2.0).astype(np.float32)
     got = w.matmul(x)
-    xq, xs, xsum = _rounded(w, x)
+    xq, xs, xsum = _rounded(w, x, act)
     ref = gemm.gemm_ref(xq, xs, xsum, w)
     G = xq.shape[1]
     bound = (G + 8) * EPS * _abs_terms(w, xq, xs, xsum) + 1e-30
@@ -76,21 +78,24 @@ def test_prefill_gemm_equals_its_integer_definition(rng, fmt, gs, O, K, T):
 
 
 @NEEDS_INT8
-@pytest.mark.parametrize("fmt,gs", [("int8", 32), ("int4", 64), ("int8", 128)])
-def test_prefill_gemm_within_the_activation_rounding_of_fp32(rng, fmt, gs):
-    """Against fp32 activations: no more than the rounding of each x to its group's grid allows."""
+@pytest.mark.parametrize("fmt,gs,act", [("int8", 32, "int8"), ("int4", 64, "int8"), ("int8", 128, "int8"),
+                                        ("int8", 32, "int16")])
+def test_prefill_gemm_within_the_activation_rounding_of_fp32(rng, fmt, gs, act):
+    """Against fp32 activations: no more than the rounding of each x to its group's grid allows
+    (int16: a grid 258 times finer, so a bound 258 times tighter)."""
     O, K, T = 48, 320, 19
-    w = _weight(rng, fmt, gs, O, K, decode_act="int8", prefill_act="int8")
+    w = _weight(rng, fmt, gs, O, K, decode_act="int8", prefill_act=act)
     x = (rng.standard_normal((T, K)) * 3.0).astype(np.float32)
     got = w.matmul(x)
     exact = x.astype(np.float64) @ w.dequantize().astype(np.float64).T
-    _, xs, _ = _rounded(w, x)
+    _, xs, _ = _rounded(w, x, act)
     step = np.repeat(xs, gs, axis=1)[:, :K] / 2                # |x - xq xs| <= xs / 2
     bound = step @ np.abs(w.dequantize()).T.astype(np.float64)
     err = np.abs(got - exact)
-    assert (err <= bound * (1 + 1e-3) + 1e-4 * np.abs(exact).max()).all()
-    # and the rounding does show (the path taken is the int8 one, not fp32)
-    assert err.max() > 1e-4 * np.abs(exact).max()
+    slack = (1e-4 if act == "int8" else 2e-6) * np.abs(exact).max()      # fp32 sums (the int16 rounding is smaller)
+    assert (err <= bound * (1 + 1e-3) + slack).all()
+    if act == "int8":      # and the rounding does show (the path taken is the int8 one, not fp32)
+        assert err.max() > 1e-4 * np.abs(exact).max()
 
 
 @NEEDS_INT8
@@ -108,8 +113,9 @@ def test_only_prefill_int8_takes_the_gemm(rng):
     if not cpu.BF16:                                           # where bf16 prefill exists it ranks first
         assert choose_act("int8", "int8", K)["prefill_act"] == "int8"
         assert choose_act("int4", "int8", K)["prefill_act"] == "int8"
-        for fmt in ("int8", "int4"):                           # auto: only where it was measured to win
-            assert (choose_act(fmt, "auto", K)["prefill_act"] == "int8") == (fmt in AUTO_INT8_PREFILL)
+        for fmt in ("int8", "int4"):                           # auto: int8 weights, on int16 activations
+            assert choose_act(fmt, "auto", K)["prefill_act"] == ("int16" if fmt in AUTO_INT8_PREFILL else "fp32")
+        assert AUTO_INT8_PREFILL == ("int8",)
 
 
 def test_int8_prefill_refused_without_an_int8_dot(rng):
@@ -137,6 +143,11 @@ def test_int8_prefill_logits_close_to_transformers(family):
     for fmt in ("int8", "int4"):
         gemm_err = rel_err(logits_all(folder, PROMPT, fmt=fmt, group_size=32, activations="int8"), ref)
         assert 0 < gemm_err < QUANT_TOL[fmt], (fmt, gemm_err)
+    # --activations auto: int8 weights on int16 activations, as close as fp32 activations
+    assert load_weights(folder, "int8", 32, progress=False).layers[0].wqkv.prefill_act == "int16"
+    auto_err = rel_err(logits_all(folder, PROMPT, fmt="int8", group_size=32), ref)
+    fp32_err = rel_err(logits_all(folder, PROMPT, fmt="int8", group_size=32, activations="fp32"), ref)
+    assert 0 < auto_err < QUANT_TOL["int8"] and auto_err < 1.05 * fp32_err + 1e-4, (auto_err, fp32_err)
 
 
 @NEEDS_INT8

@@ -52,11 +52,11 @@ from . import cpu  # noqa: E402  (after depend: numba stamps each kernel when it
 from .weight import FastWeight, as_fast, check_act, fast_quantize  # noqa: E402, F401
 
 ACTIVATIONS = ("auto", "int8", "fp32")
-# weights whose prefill --activations auto runs on gemm.py's int8 GEMM where there is no AVX-512 BF16:
-# none. It beats the core's tile + sgemm at 32-512 tokens and keeps no copy of the weights
-# (docs/benchmarks.md, "The int8 prefill GEMM"), but int8 activations over a whole prompt flip the
-# default model's first answer (tests/test_default_model.py); --activations int8 turns it on
-AUTO_INT8_PREFILL: tuple[str, ...] = ()
+# weights whose prefill --activations auto runs on gemm.py's integer GEMM where there is no AVX-512
+# BF16, with int16 activations (free for int8 weights, almost exact): int8. int4 weights would need
+# int8 activations (vpmaddubsw), and int8 rounding over a whole prompt flips the default model's first
+# answer (tests/test_default_model.py), so they keep the tile + sgemm; --activations int8 turns it on
+AUTO_INT8_PREFILL: tuple[str, ...] = ("int8",)
 
 
 def available() -> str | None:
@@ -112,8 +112,9 @@ class FastPath:
 def choose_act(fmt: str, activations: str, in_features: int, lm_head: bool = False) -> dict:
     """How a FastWeight rounds its activations: --activations auto rounds them where the
     CPU has an instruction that pays for it: to int8 at int8 / int4 decode (cpu.INT8; the
-    int8 lm_head's to int16) and to bf16 at bf16 / int8 / int4 prefill (cpu.BF16); int8
-    rounds the lm_head's to int8 too; fp32 never rounds.
+    int8 lm_head's to int16), to bf16 at bf16 / int8 / int4 prefill (cpu.BF16), else to
+    int16 at int8 prefill (the integer GEMM); int8 rounds the lm_head's and the int8 / int4
+    prefill's to int8; fp32 never rounds.
     -> fast_quantize()'s keyword arguments {"decode_act": ..., "prefill_act": ...}."""
     if activations not in ACTIVATIONS:
         raise ValueError(f"unknown --activations {activations!r}; choose one of {', '.join(ACTIVATIONS)}")
@@ -126,8 +127,10 @@ def choose_act(fmt: str, activations: str, in_features: int, lm_head: bool = Fal
             act["decode_act"] = "int16"
     if cpu.BF16 and (fmt != "bf16" or in_features % 2 == 0):
         act["prefill_act"] = "bf16"
-    elif fmt in ("int8", "int4") and (activations == "int8" or (cpu.INT8 and fmt in AUTO_INT8_PREFILL)):
+    elif fmt in ("int8", "int4") and activations == "int8":
         act["prefill_act"] = "int8"                 # gemm.py's integer GEMM (check_act refuses it without cpu.INT8)
+    elif cpu.INT8 and fmt in AUTO_INT8_PREFILL:
+        act["prefill_act"] = "int16"                # the same GEMM on int16 activations
     return act
 
 

@@ -296,16 +296,23 @@ def gemm_int4(xq, xs, xsum, b32, s, m, out):
         _block(True, wl, xf, sl, xsf, ml, xsumf, G, gs, of, out.shape[1], 8 * BLOCK_RB * blk, nv, T)
 
 
-def gemm(w, x: np.ndarray) -> np.ndarray:
-    """x [T, Kp] f32 (padded) @ W.T for a quant.Weight (int8 / int4) -> [T, out_features]."""
+def gemm(w, x: np.ndarray, act: str = "int8") -> np.ndarray:
+    """x [T, Kp] f32 (padded) @ W.T for a quant.Weight (int8 / int4) -> [T, out_features], x rounded
+    to int8 per token and group (act "int8"), or to int16 (act "int16", int8 weights only: the int8
+    tile multiplies int16 activations anyway, so the finer rounding costs nothing)."""
     from . import kernels as fk
     T, gs, O = x.shape[0], w.group_size, w.out_features
-    xq, _, xs, xsum = fk.quantize_activations(x.reshape(T, -1, gs))       # [T, G, gs], [T, G]
     out = np.empty((T, 8 * -(-O // 8)), dtype=np.float32)
     data, scales = np.ascontiguousarray(w.data).reshape(O, -1), w.scales.view(np.uint16)
     if w.fmt == "int8":
-        gemm_int8(xq.astype(np.int16), xs, data.view(np.int16), scales, out)
+        if act == "int16":
+            x16, xs = fk.quantize_activations16(x.reshape(T, -1, gs))        # [T, G, gs], [T, G]
+        else:
+            xq, _, xs, _ = fk.quantize_activations(x.reshape(T, -1, gs))
+            x16 = xq.astype(np.int16)
+        gemm_int8(x16, xs, data.view(np.int16), scales, out)
     else:
+        xq, _, xs, xsum = fk.quantize_activations(x.reshape(T, -1, gs))   # [T, G, gs], [T, G]
         gemm_int4(xq, xs, xsum, data.view(np.uint32), scales, w.mins.view(np.uint16), out)
     return out if out.shape[1] == O else np.ascontiguousarray(out[:, :O])
 

@@ -19,6 +19,10 @@ fast kernels (fast/kernels.py); every other case is the core's code, unchanged.
   are dequantized to bf16 for it (one more rounding, 8 significant bits: small
   next to the quantization's own error); bf16 weights are used as they are.
 
+- prefill_act="int16" (int8 weights, cpu.INT8 without cpu.BF16; --activations auto):
+  the same GEMM with the activations rounded to int16 (xs = max|x| / 32767), almost
+  exact: the int8 tile widens both operands to int16 for vpmaddwd anyway, so it costs
+  nothing. int8 rounding over a whole prompt flips the default model's first answer.
 - prefill_act="int8" (int8 / int4 weights, cpu.INT8 without cpu.BF16; --activations
   int8): prefill rounds the activations as decode does and runs gemm.py's
   integer GEMM with register tiles, on 64 rows at a time repacked as it goes, instead
@@ -47,13 +51,14 @@ BF16_ROWS = 8192    # rows of an int8 / int4 matrix turned into bf16 at a time (
 class FastWeight(Weight):
     decode_act: str = "fp32"            # T < PREFILL_MIN_T: fp32 | int8 (int8 / int4 weights) | int16 (int8)
     prefill_act: str = "fp32"           # T >= PREFILL_MIN_T: fp32 | bf16 (bf16 / int8 / int4) | int8 (int8 / int4)
+    #                                     | int16 (int8)
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
         """x [T, in] f32 -> x @ W.T [T, out] f32, the activations rounded as the fields say."""
         T = x.shape[0]
         if T >= PREFILL_MIN_T and self.prefill_act == "bf16":
             return self._matmul_bf16(self._pad(self._check(x)))
-        if T >= PREFILL_MIN_T and self.prefill_act == "int8":
+        if T >= PREFILL_MIN_T and self.prefill_act in ("int8", "int16"):
             return self._matmul_int8_prefill(self._pad(self._check(x)))
         if T < PREFILL_MIN_T and self.fmt == "bf16":                     # four rows per pass (blocks.py)
             x = self._check(x)
@@ -104,7 +109,7 @@ class FastWeight(Weight):
         from . import gemm                                               # compiled on first prefill
         if self.group_size % gemm.CHUNK:
             return super().matmul(x)
-        return gemm.gemm(self, x)
+        return gemm.gemm(self, x, self.prefill_act)
 
     def matmul_ref(self, x: np.ndarray) -> np.ndarray:
         """The numpy twin: round x (and W, for bf16 prefill) as matmul does, then multiply."""
@@ -113,8 +118,9 @@ class FastWeight(Weight):
         if self.decode_act != "fp32" and x.shape[0] < PREFILL_MIN_T:    # decode rounds x to int8 / int16
             qmax = 127 if self.decode_act == "int8" else 32767
             x = quantize_activations(self._pad(x), self.group_size, qmax)[:, : self.in_features]
-        if self.prefill_act == "int8" and x.shape[0] >= PREFILL_MIN_T:  # int8 prefill rounds x as decode does
-            x = quantize_activations(self._pad(x), self.group_size)[:, : self.in_features]
+        if self.prefill_act in ("int8", "int16") and x.shape[0] >= PREFILL_MIN_T:  # the integer GEMM's rounding
+            qmax = 127 if self.prefill_act == "int8" else 32767
+            x = quantize_activations(self._pad(x), self.group_size, qmax)[:, : self.in_features]
         if self.prefill_act == "bf16" and x.shape[0] >= PREFILL_MIN_T:  # prefill rounds x and W to bf16
             x, w = bf16_bits_to_f32(f32_to_bf16_bits(x)), bf16_bits_to_f32(f32_to_bf16_bits(w))
         return (x @ w.T).astype(np.float32)
@@ -146,8 +152,8 @@ def as_fast(w: Weight, decode_act: str = "fp32", prefill_act: str = "fp32") -> F
 
 
 def check_act(decode_act: str, prefill_act: str, fmt: str, K: int) -> None:
-    if decode_act not in ("fp32", "int8", "int16") or prefill_act not in ("fp32", "bf16", "int8"):
-        raise ValueError(f"decode activations are fp32, int8 or int16, prefill ones fp32, bf16 or int8; "
+    if decode_act not in ("fp32", "int8", "int16") or prefill_act not in ("fp32", "bf16", "int8", "int16"):
+        raise ValueError(f"decode activations are fp32, int8 or int16, prefill ones fp32, bf16, int8 or int16; "
                          f"got {decode_act!r}, {prefill_act!r}")
     here = f"here: {cpu.INT8 or 'none'}"
     if decode_act == "int8" and not (fmt in ("int8", "int4") and cpu.INT8):
@@ -159,6 +165,9 @@ def check_act(decode_act: str, prefill_act: str, fmt: str, K: int) -> None:
     if prefill_act == "int8" and not (fmt in ("int8", "int4") and cpu.INT8):
         raise ValueError(f"int8 prefill activations are not available for {fmt} weights on this CPU: they need "
                          f"int8 / int4 weights and an int8 dot product (VNNI or AVX2; {here}); use fp32")
+    if prefill_act == "int16" and not (fmt == "int8" and cpu.INT8):
+        raise ValueError(f"int16 prefill activations are not available for {fmt} weights on this CPU: they need "
+                         f"int8 weights and an int8 dot product (VNNI or AVX2; {here}); use fp32")
     if prefill_act == "bf16" and not (cpu.BF16 and (fmt in ("int8", "int4") or (fmt == "bf16" and K % 2 == 0))):
         raise ValueError(f"bf16 activations are not available for {fmt} weights [*, {K}] on this CPU: "
                          f"they need bf16 / int8 / int4 weights, an even in_features (bf16) and "
