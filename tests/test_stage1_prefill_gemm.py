@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from stage1_cpu import quant
-from stage1_cpu.fast import AUTO_INT8_PREFILL, choose_act, cpu
+from stage1_cpu.fast import AUTO_GEMM_PREFILL, choose_act, cpu
 from stage1_cpu.fast import kernels as fk
 from stage1_cpu.fast.weight import as_fast, fast_quantize
 
@@ -114,8 +114,8 @@ def test_only_prefill_int8_takes_the_gemm(rng):
         assert choose_act("int8", "int8", K)["prefill_act"] == "int8"
         assert choose_act("int4", "int8", K)["prefill_act"] == "int8"
         for fmt in ("int8", "int4"):                           # auto: int8 weights, on int16 activations
-            assert choose_act(fmt, "auto", K)["prefill_act"] == ("int16" if fmt in AUTO_INT8_PREFILL else "fp32")
-        assert AUTO_INT8_PREFILL == ("int8",)
+            assert choose_act(fmt, "auto", K)["prefill_act"] == ("int16" if fmt in AUTO_GEMM_PREFILL else "fp32")
+        assert AUTO_GEMM_PREFILL == ("int8",)
 
 
 def test_int8_prefill_refused_without_an_int8_dot(rng):

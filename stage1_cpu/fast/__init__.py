@@ -56,7 +56,7 @@ ACTIVATIONS = ("auto", "int8", "fp32")
 # BF16, with int16 activations (free for int8 weights, almost exact): int8. int4 weights would need
 # int8 activations (vpmaddubsw), and int8 rounding over a whole prompt flips the default model's first
 # answer (tests/test_default_model.py), so they keep the tile + sgemm; --activations int8 turns it on
-AUTO_INT8_PREFILL: tuple[str, ...] = ("int8",)
+AUTO_GEMM_PREFILL: tuple[str, ...] = ("int8",)
 
 
 def available() -> str | None:
@@ -129,7 +129,7 @@ def choose_act(fmt: str, activations: str, in_features: int, lm_head: bool = Fal
         act["prefill_act"] = "bf16"
     elif fmt in ("int8", "int4") and activations == "int8":
         act["prefill_act"] = "int8"                 # gemm.py's integer GEMM (check_act refuses it without cpu.INT8)
-    elif cpu.INT8 and fmt in AUTO_INT8_PREFILL:
+    elif cpu.INT8 and fmt in AUTO_GEMM_PREFILL:
         act["prefill_act"] = "int16"                # the same GEMM on int16 activations
     return act
 

@@ -1,10 +1,12 @@
-"""Prefill on integers: an int8-activation GEMM with register tiles on repacked weights.
+"""Prefill on integers: an integer-activation GEMM with register tiles on repacked weights.
 
 Why (docs/stage1.md, "Prefill on integers"): the core's prefill dequantizes
 ROW_BLOCK rows to an fp32 tile and hands it to BLAS sgemm, one fp32
 multiply-add per weight and token, 8 per FMA instruction. Here the
 activations are rounded to int8 per token and group, exactly as decode does
-(kernels.quantize_activations), and each group's dot product is integer
+(kernels.quantize_activations; for int8 weights also to int16,
+kernels.quantize_activations16, which their tile multiplies at the same
+cost), and each group's dot product is integer
 multiply-adds: 16 per vpmaddwd (int8 weights, int16 activations) or 32 per
 vpmaddubsw (int4 weights: unsigned nibbles x int8 activations).
 
@@ -318,9 +320,9 @@ def gemm(w, x: np.ndarray, act: str = "int8") -> np.ndarray:
 
 
 def gemm_ref(xq, xs, xsum, w) -> np.ndarray:
-    """The numpy twin of matmul_int8_prefill / matmul_int4_prefill, in float64:
-    the integer dot products exactly, then the fp32 scales. w: a quant.Weight
-    (int8 / int4); xq, xs, xsum from kernels.quantize_activations."""
+    """The numpy twin of gemm_int8 / gemm_int4, in float64: the integer dot products
+    exactly, then the fp32 scales. w: a quant.Weight (int8 / int4); xq, xs, xsum from
+    kernels.quantize_activations (int8 weights: or x16, xs from quantize_activations16)."""
     T, G, gs = xq.shape
     O = w.out_features
     s = w.scales.view(np.float16).astype(np.float64)                        # [O, G]

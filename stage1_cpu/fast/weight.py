@@ -102,8 +102,8 @@ class FastWeight(Weight):
         return out
 
     def _matmul_int8_prefill(self, x: np.ndarray) -> np.ndarray:
-        """Prefill on gemm.py's int8-activation GEMM: x [T, Kp] rounded to int8 per token and
-        group as at decode, integer dot products in register tiles on 64 rows at a time,
+        """Prefill on gemm.py's integer GEMM: x [T, Kp] rounded per token and group to int8
+        as at decode (prefill_act int8) or to int16 (int16), integer dot products in register tiles on 64 rows at a time,
         repacked by each thread as it takes them (no copy of the weights is kept). Group
         sizes that are not a multiple of 32 take the core's tile + sgemm."""
         from . import gemm                                               # compiled on first prefill
