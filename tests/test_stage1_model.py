@@ -154,7 +154,12 @@ def test_quantized_engine_computes_exactly_its_numpy_twin(fmt, activations, act,
     twin = Model(w, 64, one_region=False)                   # the per-op path calls the twins
     if T < len(PROMPT):
         twin.forward(prompt[:-T], 0)
-    assert rel_err(fused, twin.forward(prompt[-T:], len(PROMPT) - T, all_logits=True)) < 1e-4
+    # the int16 GEMM sums its integer dot products in another order than the twin's BLAS (~1e-7 apart), and
+    # that moves a few activations across a grid point of the next rounding: int16's (1/32767 of the group's
+    # largest, ~5e-5 in the logits), or in this MoE model an expert's int8 decode rounding (~2e-3 here); a
+    # wrong kernel is off by O(1). On int8 prefill's grid, 258x coarser, such a crossing is that much rarer
+    tol = 5e-3 if act.split()[1] == "int16" else 1e-4      # (T = 1 too: the rest of the prompt is a prefill)
+    assert rel_err(fused, twin.forward(prompt[-T:], len(PROMPT) - T, all_logits=True)) < tol
     if fell_back and act.split()[1] == "fp32":      # the fallback is checked; the bf16 kernel is not
         pytest.skip("the bf16 prefill kernel needs AVX-512 BF16 (vdpbf16ps), absent here: its fp32 fallback passed")
 

@@ -35,11 +35,13 @@ def _weight(rng, fmt, gs, O, K, **act):
 
 
 def _rounded(w, x, act="int8"):
-    """x [T, K] -> xq, xs, xsum as the kernel sees them (padded to whole groups); act int16: x16, xs, None."""
+    """x [T, K] -> xq, xs, xsum as the kernel sees them (padded to whole groups); act int16: x16, xs and
+    xsum = xs sum(x16), computed here in float64 from the integers."""
     xp = np.zeros((x.shape[0], w.padded_in), dtype=np.float32)
     xp[:, : x.shape[1]] = x
     if act == "int16":
-        return (*fk.quantize_activations16(xp.reshape(x.shape[0], -1, w.group_size)), None)
+        x16, xs = fk.quantize_activations16(xp.reshape(x.shape[0], -1, w.group_size))
+        return x16, xs, x16.astype(np.int64).sum(-1) * xs.astype(np.float64)
     xq, _, xs, xsum = fk.quantize_activations(xp.reshape(x.shape[0], -1, w.group_size))
     return xq, xs, xsum
 
@@ -57,7 +59,7 @@ def _abs_terms(w, xq, xs, xsum):
 
 
 @NEEDS_INT8
-@pytest.mark.parametrize("fmt,act", [("int8", "int8"), ("int4", "int8"), ("int8", "int16")])
+@pytest.mark.parametrize("fmt,act", [("int8", "int8"), ("int4", "int8"), ("int8", "int16"), ("int4", "int16")])
 @pytest.mark.parametrize("gs", [32, 64, 128])
 @pytest.mark.parametrize("O,K,T", [(37, 200, 11), (64, 256, 8), (70, 384, 67)])  # row / token / group tails
 def test_prefill_gemm_equals_its_integer_definition(rng, fmt, act, gs, O, K, T):
@@ -79,7 +81,7 @@ def test_prefill_gemm_equals_its_integer_definition(rng, fmt, act, gs, O, K, T):
 
 @NEEDS_INT8
 @pytest.mark.parametrize("fmt,gs,act", [("int8", 32, "int8"), ("int4", 64, "int8"), ("int8", 128, "int8"),
-                                        ("int8", 32, "int16")])
+                                        ("int8", 32, "int16"), ("int4", 64, "int16")])
 def test_prefill_gemm_within_the_activation_rounding_of_fp32(rng, fmt, gs, act):
     """Against fp32 activations: no more than the rounding of each x to its group's grid allows
     (int16: a grid 258 times finer, so a bound 258 times tighter)."""
@@ -113,9 +115,9 @@ def test_only_prefill_int8_takes_the_gemm(rng):
     if not cpu.BF16:                                           # where bf16 prefill exists it ranks first
         assert choose_act("int8", "int8", K)["prefill_act"] == "int8"
         assert choose_act("int4", "int8", K)["prefill_act"] == "int8"
-        for fmt in ("int8", "int4"):                           # auto: int8 weights, on int16 activations
+        for fmt in ("int8", "int4"):                           # auto: both, on int16 activations
             assert choose_act(fmt, "auto", K)["prefill_act"] == ("int16" if fmt in AUTO_GEMM_PREFILL else "fp32")
-        assert AUTO_GEMM_PREFILL == ("int8",)
+        assert AUTO_GEMM_PREFILL == ("int8", "int4")
 
 
 def test_int8_prefill_refused_without_an_int8_dot(rng):
@@ -143,24 +145,25 @@ def test_int8_prefill_logits_close_to_transformers(family):
     for fmt in ("int8", "int4"):
         gemm_err = rel_err(logits_all(folder, PROMPT, fmt=fmt, group_size=32, activations="int8"), ref)
         assert 0 < gemm_err < QUANT_TOL[fmt], (fmt, gemm_err)
-    # --activations auto: int8 weights on int16 activations, as close as fp32 activations
-    assert load_weights(folder, "int8", 32, progress=False).layers[0].wqkv.prefill_act == "int16"
-    auto_err = rel_err(logits_all(folder, PROMPT, fmt="int8", group_size=32), ref)
-    fp32_err = rel_err(logits_all(folder, PROMPT, fmt="int8", group_size=32, activations="fp32"), ref)
-    assert 0 < auto_err < QUANT_TOL["int8"] and auto_err < 1.05 * fp32_err + 1e-4, (auto_err, fp32_err)
+    # --activations auto: int8 and int4 weights on int16 activations, as close as fp32 activations
+    for fmt in ("int8", "int4"):
+        assert load_weights(folder, fmt, 32, progress=False).layers[0].wqkv.prefill_act == "int16"
+        auto_err = rel_err(logits_all(folder, PROMPT, fmt=fmt, group_size=32), ref)
+        fp32_err = rel_err(logits_all(folder, PROMPT, fmt=fmt, group_size=32, activations="fp32"), ref)
+        assert 0 < auto_err < QUANT_TOL[fmt] and auto_err < 1.05 * fp32_err + 1e-4, (fmt, auto_err, fp32_err)
 
 
 @NEEDS_INT8
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_repacked_block_puts_eight_rows_side_by_side(rng, fmt):
+@pytest.mark.parametrize("fmt,per", [("int8", 2), ("int4", 4), ("int4", 2)])
+def test_repacked_block_puts_eight_rows_side_by_side(rng, fmt, per):
     """repack_int8 / repack_int4 (what each thread builds before its tiles): vector v, group g,
     step j holds rows r0+8v..r0+8v+7's values j*per.. of group g (zeros past O), and the fp32
-    scales / minima of those rows."""
+    scales / minima of those rows; int4 in the quads layout (per 4) and the pairs one (per 2)."""
     from numba import njit
 
     from stage1_cpu.fast import gemm
     w = _weight(rng, fmt, 64, 21, 128)                         # 21 rows: from r0 = 8, the last vector has 5
-    r0, nv, G, per = 8, 2, 2, 2 if fmt == "int8" else 4
+    r0, nv, G = 8, 2, 2
     data, s = w.data.reshape(21, -1), w.scales.view(np.uint16)
     sl, ml = np.full(nv * G * 8, 7.0, np.float32), np.full(nv * G * 8, 7.0, np.float32)
     if fmt == "int8":
@@ -168,9 +171,10 @@ def test_repacked_block_puts_eight_rows_side_by_side(rng, fmt):
         njit(lambda q, s, r0, wl, sl: gemm.repack_int8(q, s, r0, wl, sl))(data.view(np.int16), s, r0, wl, sl)
         q = w.data
     else:
-        wl = np.full(nv * 128 * 2, 7, np.uint32)
+        word = np.uint32 if per == 4 else np.uint16
+        wl = np.full(nv * 128 * 8 // per, 7, word)
         njit(lambda b, s, m, gs, r0, wl, sl, ml: gemm.repack_int4(b, s, m, gs, r0, wl, sl, ml))(
-            data.view(np.uint32), s, w.mins.view(np.uint16), 64, r0, wl, sl, ml)
+            data.view(word), s, w.mins.view(np.uint16), 64, r0, wl, sl, ml)
         q = np.stack([w.data & 15, w.data >> 4], axis=2).reshape(21, -1, 64)
     wp, sp = wl.view(np.uint8 if fmt == "int4" else np.int8).reshape(nv, G, 64 // per, 8, per), sl.reshape(nv, G, 8)
     for r, g, k in [(8, 0, 0), (9, 1, 37), (20, 1, 63), (15, 0, 5)]:
@@ -182,15 +186,15 @@ def test_repacked_block_puts_eight_rows_side_by_side(rng, fmt):
 
 
 @NEEDS_INT8
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_expert_parts_equal_the_part_alone(rng, fmt):
+@pytest.mark.parametrize("fmt,act", [("int8", "int8"), ("int4", "int8"), ("int4", "int16")])
+def test_expert_parts_equal_the_part_alone(rng, fmt, act):
     """MoE prefill multiplies w.part(e * n, (e + 1) * n), a view of the stacked rows, on or off an
     8-row boundary: each equals the part copied out and multiplied on its own."""
     K, n = 128, 24
-    w = _weight(rng, fmt, 32, 4 * n, K, prefill_act="int8")
+    w = _weight(rng, fmt, 32, 4 * n, K, prefill_act=act)
     x = rng.standard_normal((quant.PREFILL_MIN_T + 5, K)).astype(np.float32)
     for r0, r1 in [(n, 2 * n), (3 * n, 4 * n), (4, 4 + n)]:                 # aligned, the last, unaligned
         part = w.part(r0, r1)
         alone = as_fast(quant.Weight(w.fmt, r1 - r0, K, 32, w.data[r0:r1].copy(), w.scales[r0:r1].copy(),
-                                     None if w.mins is None else w.mins[r0:r1].copy()), "fp32", "int8")
+                                     None if w.mins is None else w.mins[r0:r1].copy()), "fp32", act)
         np.testing.assert_array_equal(part.matmul(x), alone.matmul(x))

@@ -3,18 +3,19 @@
 Why (docs/stage1.md, "Prefill on integers"): the core's prefill dequantizes
 ROW_BLOCK rows to an fp32 tile and hands it to BLAS sgemm, one fp32
 multiply-add per weight and token, 8 per FMA instruction. Here the
-activations are rounded to int8 per token and group, exactly as decode does
-(kernels.quantize_activations; for int8 weights also to int16,
-kernels.quantize_activations16, which their tile multiplies at the same
-cost), and each group's dot product is integer
-multiply-adds: 16 per vpmaddwd (int8 weights, int16 activations) or 32 per
-vpmaddubsw (int4 weights: unsigned nibbles x int8 activations).
+activations are rounded per token and group to int16 (--activations auto,
+kernels.quantize_activations16) or to int8, exactly as decode does
+(--activations int8, kernels.quantize_activations), and each group's dot
+product is integer multiply-adds: 16 per vpmaddwd (int8 or int4 weights as
+int16 pairs x int16 or int8 activations) or 32 per vpmaddubsw (int4 weights
+on int8 activations only: unsigned nibbles x int8).
 
 The repacked layout. Eight rows sit side by side: for each group and each step
 of k, one 16- or 32-byte vector holds that step's weights of the 8 rows,
 
-    int8 ("pairs")  [8 rows / 8, G, gs/2, 8, 2] int8    8 rows x 2 values: vpmovsxbw -> vpmaddwd
-    int4 ("quads")  [8 rows / 8, G, gs/4, 8, 4] uint8   8 rows x 4 nibble values: vpmaddubsw
+    "pairs"  [8 rows / 8, G, gs/2, 8, 2] int8    8 rows x 2 values: vpmovsxbw -> vpmaddwd
+                                                 (int8 weights, or int4 ones as bytes 0..15)
+    "quads"  [8 rows / 8, G, gs/4, 8, 4] uint8   8 rows x 4 nibble values: vpmaddubsw
 
 so one vector instruction multiplies 8 rows by the same 2 (or 4) activations of
 one token, broadcast to all lanes (vpbroadcastd). Lane i of the accumulator then
@@ -34,7 +35,11 @@ are converted to float and multiply-added with the group's scale product:
     out[t, r] = sum_g s[r, g] xs[t, g] (q[r, g] . xq[t, g])          int8
               + sum_g m[r, g] xsum[t, g]                             int4 (its minimum)
 
-int4: nibble x int8 pair sums (<= 2 x 15 x 127) add up in int16 over one chunk
+    tile_int8     pairs x int16 (or int8 activations widened)        int8 weights
+    tile_int4_16  pairs x int16, plus the minimum                    int4 weights, act int16
+    tile_int4     quads x int8, plus the minimum                     int4 weights, act int8
+
+quads: nibble x int8 pair sums (<= 2 x 15 x 127) add up in int16 over one chunk
 (8 steps), then one vpmaddwd by ones widens them to int32.
 
 Instructions: AVX2's (cpu.INT8 "avx2", and they run on VNNI CPUs as well; a
@@ -50,6 +55,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from . import kernels as fk
 from ..kernels import FAST
 from ..matmul import f16_to_f32
 
@@ -62,6 +68,7 @@ CHUNK = 32                    # values between two float epilogues (int4: the in
 I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 BYTES32 = ir.VectorType(I8, 32)
 BYTES16 = ir.VectorType(I8, 16)
+SHORTS8 = ir.VectorType(I16, 8)
 SHORTS16 = ir.VectorType(I16, 16)
 INTS8 = ir.VectorType(I32, 8)
 FLOATS8 = ir.VectorType(F32, 8)
@@ -82,9 +89,10 @@ def _splat(builder, v, vty):
     return builder.shuffle_vector(one, ir.Constant(vty, ir.Undefined), ir.Constant(INTS8, [0] * 8))
 
 
-def _tile(context, builder, sig, args, int4):
-    """The body of tile_int8 / tile_int4 (argument order in tile_int8's docstring)."""
-    RB, TT = (RB4, TT4) if int4 else (RB8, TT8)
+def _tile(context, builder, sig, args, quads, minimum):
+    """The body of tile_int8 / tile_int4 / tile_int4_16 (argument order in tile_int8's docstring):
+    quads, the int4 layout for vpmaddubsw (else pairs, for vpmaddwd); minimum, the m xsum term."""
+    RB, TT = (RB4, TT4) if quads else (RB8, TT8)
     (wp_, woff, x_, xoff, Kp, sp_, soff, xs_, xsoff, G, gs, mp_, xsum_, out_, ooff, ostride, n_rb, n_tok) = [
         context.cast(builder, a, t, types.int64) if isinstance(t, types.Integer) else a
         for a, t in zip(args, sig.args)]
@@ -96,7 +104,7 @@ def _tile(context, builder, sig, args, int4):
     vstride = builder.mul(Kp, c(8))                                     # bytes of one 8-row vector block
     wbase = _ptr(context, builder, ty[0], wp_, I8, woff)
     wps = [builder.gep(wbase, [builder.mul(r, vstride)]) for r in rbs]
-    xelem = I8 if int4 else I16                                         # int4: xq int8; int8: xq as int16
+    xelem = I8 if quads else I16                                        # quads: xq int8; pairs: x as int16
     xbase = _ptr(context, builder, ty[2], x_, xelem, xoff)
     xps = [builder.gep(xbase, [builder.mul(t, Kp)]) for t in toks]
     G8 = builder.mul(G, c(8))
@@ -110,7 +118,7 @@ def _tile(context, builder, sig, args, int4):
     ones = ir.Constant(SHORTS16, [1] * 16)
     facc = [[cgutils.alloca_once_value(builder, ir.Constant(FLOATS8, None)) for _ in range(TT)] for _ in range(RB)]
     n_chunks = builder.udiv(gs, c(CHUNK))
-    per = 4 if int4 else 2                                              # values per lane and step
+    per = 4 if quads else 2                                             # values per lane and step
     steps = CHUNK // per
     with cgutils.for_range(builder, G) as gl:
         g = gl.index
@@ -123,9 +131,9 @@ def _tile(context, builder, sig, args, int4):
         with cgutils.for_range(builder, n_chunks) as cl:
             cw = builder.add(gw, builder.mul(cl.index, c(CHUNK * 8)))
             cx = builder.add(gx, builder.mul(cl.index, c(CHUNK)))
-            acc = [[ir.Constant(SHORTS16 if int4 else INTS8, None) for _ in range(TT)] for _ in range(RB)]
+            acc = [[ir.Constant(SHORTS16 if quads else INTS8, None) for _ in range(TT)] for _ in range(RB)]
             for j in range(steps):
-                if int4:
+                if quads:
                     ws = [builder.load(builder.bitcast(builder.gep(p, [builder.add(cw, c(32 * j))]),
                                                        BYTES32.as_pointer()), align=1) for p in wps]
                 else:
@@ -136,7 +144,7 @@ def _tile(context, builder, sig, args, int4):
                                    align=1) for p in xps]
                 bc = [_splat(builder, v, INTS8) for v in bc]
                 for t in range(TT):
-                    if int4:
+                    if quads:
                         xb = builder.bitcast(bc[t], BYTES32)
                         for r in range(RB):
                             acc[r][t] = builder.add(acc[r][t], builder.call(maddubs, [ws[r], xb]))
@@ -146,10 +154,10 @@ def _tile(context, builder, sig, args, int4):
                             acc[r][t] = builder.add(acc[r][t], builder.call(maddwd, [ws[r], xb]))
             for r in range(RB):
                 for t in range(TT):
-                    dot = builder.call(maddwd, [acc[r][t], ones]) if int4 else acc[r][t]
+                    dot = builder.call(maddwd, [acc[r][t], ones]) if quads else acc[r][t]
                     lanes = builder.sitofp(dot, FLOATS8)
                     builder.store(builder.call(fma, [lanes, scale[r][t], builder.load(facc[r][t])]), facc[r][t])
-        if int4:      # the minimum: m[r, g] xsum[t, g], 8 rows per FMA
+        if minimum:   # int4's minimum: m[r, g] xsum[t, g], 8 rows per FMA
             for r in range(RB):
                 mv = builder.load(builder.bitcast(builder.gep(mps[r], [builder.mul(g, c(8))]), FLOATS8.as_pointer()),
                                   align=4)
@@ -178,18 +186,61 @@ _SIG_DOC = """out[ooff + t ostride + 8 i + l] = row l of 8-row vector i, token t
 def tile_int8(typingctx, wp, woff, x, xoff, Kp, sp, soff, xs, xsoff, G, gs, mp, xsum, out, ooff, ostride,
               n_rb, n_tok):
     sig = types.void(wp, woff, x, xoff, Kp, sp, soff, xs, xsoff, G, gs, mp, xsum, out, ooff, ostride, n_rb, n_tok)
-    return sig, lambda context, builder, signature, args: _tile(context, builder, signature, args, False)
+    return sig, lambda context, builder, signature, args: _tile(context, builder, signature, args, False, False)
 
 
 @intrinsic
 def tile_int4(typingctx, wp, woff, x, xoff, Kp, sp, soff, xs, xsoff, G, gs, mp, xsum, out, ooff, ostride,
               n_rb, n_tok):
     sig = types.void(wp, woff, x, xoff, Kp, sp, soff, xs, xsoff, G, gs, mp, xsum, out, ooff, ostride, n_rb, n_tok)
-    return sig, lambda context, builder, signature, args: _tile(context, builder, signature, args, True)
+    return sig, lambda context, builder, signature, args: _tile(context, builder, signature, args, True, True)
+
+
+@intrinsic
+def tile_int4_16(typingctx, wp, woff, x, xoff, Kp, sp, soff, xs, xsoff, G, gs, mp, xsum, out, ooff, ostride,
+                 n_rb, n_tok):
+    sig = types.void(wp, woff, x, xoff, Kp, sp, soff, xs, xsoff, G, gs, mp, xsum, out, ooff, ostride, n_rb, n_tok)
+    return sig, lambda context, builder, signature, args: _tile(context, builder, signature, args, False, True)
 
 
 tile_int8.__doc__ = "int8 weights (pairs layout), x int16. " + _SIG_DOC
 tile_int4.__doc__ = "int4 weights (quads layout), x int8, plus m[r, g] xsum[t, g]. " + _SIG_DOC
+tile_int4_16.__doc__ = "int4 weights (pairs layout), x int16, plus m[r, g] xsum[t, g]. " + _SIG_DOC
+
+
+@intrinsic
+def transpose8x8(typingctx, src, soff, stride, dst, doff, shift, mask):
+    """dst[doff + 8 j + i] = (src[soff + i stride + j] >> shift) & mask for i, j < 8 (src, dst: C arrays
+    of 16-bit values, offsets into them flat): 8 rows' values j side by side, an 8 x 8 transpose in
+    3 rounds of 8 interleaves (punpck{l,h}{wd,dq,qdq})."""
+    sig = types.void(src, soff, stride, dst, doff, shift, mask)
+
+    def codegen(context, builder, signature, args):
+        ty = signature.args
+        src_, soff_, stride_, dst_, doff_, shift_, mask_ = [
+            context.cast(builder, a, t, types.int64) if isinstance(t, types.Integer) else a for a, t in zip(args, ty)]
+        sp, dp = _ptr(context, builder, ty[0], src_, I16, soff_), _ptr(context, builder, ty[3], dst_, I16, doff_)
+        splat = lambda v: builder.shuffle_vector(                              # noqa: E731
+            builder.insert_element(ir.Constant(SHORTS8, None), builder.trunc(v, I16), ir.Constant(I32, 0)),
+            ir.Constant(SHORTS8, None), ir.Constant(ir.VectorType(I32, 8), [0] * 8))
+        a = [builder.load(builder.bitcast(builder.gep(sp, [builder.mul(ir.Constant(I64, i), stride_)]),
+                                          SHORTS8.as_pointer()), align=2) for i in range(8)]
+        a = [builder.and_(builder.lshr(v, splat(shift_)), splat(mask_)) for v in a]
+
+        def mix(x, y, lanes):                    # lanes of x (0..7) and y (8..15)
+            return builder.shuffle_vector(x, y, ir.Constant(ir.VectorType(I32, 8), lanes))
+        lo16, hi16 = [0, 8, 1, 9, 2, 10, 3, 11], [4, 12, 5, 13, 6, 14, 7, 15]
+        lo32, hi32 = [0, 1, 8, 9, 2, 3, 10, 11], [4, 5, 12, 13, 6, 7, 14, 15]
+        lo64, hi64 = [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]
+        b = [mix(a[i], a[i + 1], h) for i in (0, 2, 4, 6) for h in (lo16, hi16)]   # rows 2i, 2i+1 interleaved
+        c = [mix(b[i], b[i + 2], h) for i in (0, 1, 4, 5) for h in (lo32, hi32)]   # c[j]: values 2j, 2j+1 of 4 rows
+        cols = [mix(c[j], c[j + 4], h) for j in range(4) for h in (lo64, hi64)]    # value j of the 8 rows
+        for j, v in enumerate(cols):
+            builder.store(v, builder.bitcast(builder.gep(dp, [ir.Constant(I64, 8 * j)]), SHORTS8.as_pointer()),
+                          align=2)
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 @njit(inline="always", fastmath=FAST, error_model="numpy")
@@ -203,10 +254,9 @@ def repack_int8(q16, s, r0, wl, sl):
         sl[:] = 0
     for v in range(nv):
         lanes = min(8, O - r0 - 8 * v)
-        if lanes == 8:                             # 8 rows' pair k side by side: one 16-byte store
-            for k in range(N):
-                for lane in range(8):
-                    wl[(v * N + k) * 8 + lane] = q16[r0 + 8 * v + lane, k]
+        if lanes == 8:                             # 8 rows' pairs k .. k + 7 side by side (N % 16 == 0)
+            for k in range(0, N, 8):
+                transpose8x8(q16, (r0 + 8 * v) * N + k, N, wl, (v * N + k) * 8, 0, 0xFFFF)
         else:
             for k in range(N):
                 for lane in range(lanes):
@@ -217,12 +267,13 @@ def repack_int8(q16, s, r0, wl, sl):
 
 
 @njit(inline="always", fastmath=FAST, error_model="numpy")
-def repack_int4(b32, s, m, gs, r0, wl, sl, ml):
-    """Rows r0 .. r0 + 8 nv of b32 [O, G/2 gs/4] (the stored nibble pairs, 4 bytes at a time), s, m
-    [O, G] fp16 bits -> wl [nv G gs/4 8] uint32 (4 values of group g as 4 bytes 0..15: the low nibbles
-    for even g, the high ones for odd g), sl, ml [nv G 8] f32; rows past O: zeros."""
-    O = b32.shape[0]
-    G, n4 = s.shape[1], gs // 4
+def repack_int4(b, s, m, gs, r0, wl, sl, ml):
+    """Rows r0 .. r0 + 8 nv of b [O, G/2 gs/n] (the stored nibble pairs, n = 4 bytes at a time as
+    uint32: the quads layout; or n = 2 as uint16: the pairs layout), s, m [O, G] fp16 bits ->
+    wl [nv G gs/n 8] of b's type (n values of group g as n bytes 0..15: the low nibbles for even g,
+    the high ones for odd g), sl, ml [nv G 8] f32; rows past O: zeros."""
+    O = b.shape[0]
+    G, n4 = s.shape[1], gs // b.itemsize
     nv = wl.size // (8 * G * n4)
     if O - r0 < 8 * nv:                            # the last block: its missing rows are zeros
         wl[:] = 0
@@ -232,34 +283,43 @@ def repack_int4(b32, s, m, gs, r0, wl, sl, ml):
         lanes = min(8, O - r0 - 8 * v)
         for g in range(G):
             at, shift, src = (v * G + g) * n4, 4 * (g & 1), (g >> 1) * n4
-            if lanes == 8:                         # 8 rows' 4 values side by side: one 32-byte store
+            if lanes == 8 and b.itemsize == 2:     # 8 rows' pairs k .. k + 7 side by side (n4 % 16 == 0)
+                for k in range(0, n4, 8):
+                    transpose8x8(b, (r0 + 8 * v) * b.shape[1] + src + k, b.shape[1], wl, (at + k) * 8, shift, 0x0F0F)
+            elif lanes == 8:                       # 8 rows' 4 values side by side: one 32-byte store
                 for k in range(n4):
                     for lane in range(8):
-                        wl[(at + k) * 8 + lane] = (b32[r0 + 8 * v + lane, src + k] >> shift) & 0x0F0F0F0F
+                        wl[(at + k) * 8 + lane] = (b[r0 + 8 * v + lane, src + k] >> shift) & 0x0F0F0F0F
             else:
                 for k in range(n4):
                     for lane in range(lanes):
-                        wl[(at + k) * 8 + lane] = (b32[r0 + 8 * v + lane, src + k] >> shift) & 0x0F0F0F0F
+                        wl[(at + k) * 8 + lane] = (b[r0 + 8 * v + lane, src + k] >> shift) & 0x0F0F0F0F
             for lane in range(lanes):
                 sl[(v * G + g) * 8 + lane] = f16_to_f32(s[r0 + 8 * v + lane, g])
                 ml[(v * G + g) * 8 + lane] = f16_to_f32(m[r0 + 8 * v + lane, g])
 
 
+INT8, INT4, INT4_16 = 0, 1, 2  # the tiles _block runs: int8 x int16 pairs, int4 quads x int8, int4 pairs x int16
+
+
 @njit(inline="always", fastmath=FAST, error_model="numpy")
-def _block(int4, wl, xf, sl, xsf, ml, xsumf, G, gs, out, ostride, c0, nv, T):
+def _block(kind, wl, xf, sl, xsf, ml, xsumf, G, gs, out, ostride, c0, nv, T):
     """nv 8-row vectors repacked in wl, sl (ml), every token, TOKEN_BLOCK tokens at a time,
     RB x TT per tile, into out [T, ostride] (vector v at column c0 + 8 v)."""
     Kp = G * gs
-    RB, TT = (RB4, TT4) if int4 else (RB8, TT8)
+    RB, TT = (RB4, TT4) if kind == INT4 else (RB8, TT8)
     for t0 in range(0, T, TOKEN_BLOCK):
         t_end = min(T, t0 + TOKEN_BLOCK)
         for v in range(0, nv, RB):
             n_rb = min(RB, nv - v)
             for t in range(t0, t_end, TT):
                 n_tok = min(TT, t_end - t)
-                if int4:
+                if kind == INT4:
                     tile_int4(wl, v * Kp * 8, xf, t * Kp, Kp, sl, v * G * 8, xsf, t * G, G, gs,
                               ml, xsumf, out, t * ostride + c0 + 8 * v, ostride, n_rb, n_tok)
+                elif kind == INT4_16:
+                    tile_int4_16(wl, v * Kp * 8, xf, t * Kp, Kp, sl, v * G * 8, xsf, t * G, G, gs,
+                                 ml, xsumf, out, t * ostride + c0 + 8 * v, ostride, n_rb, n_tok)
                 else:
                     tile_int8(wl, v * Kp * 8, xf, t * Kp, Kp, sl, v * G * 8, xsf, t * G, G, gs,
                               ml, xsumf, out, t * ostride + c0 + 8 * v, ostride, n_rb, n_tok)
@@ -278,51 +338,78 @@ def gemm_int8(x16, xs, q16, s, out):
         nv = min(BLOCK_RB, nv_all - blk * BLOCK_RB)
         wl, sl = np.empty(nv * Kp * 4, dtype=np.int16), np.empty(nv * G * 8, dtype=np.float32)
         repack_int8(q16, s, 8 * BLOCK_RB * blk, wl, sl)
-        _block(False, wl, xf, sl, xsf, sl, xsf, G, gs, of, out.shape[1], 8 * BLOCK_RB * blk, nv, T)
+        _block(INT8, wl, xf, sl, xsf, sl, xsf, G, gs, of, out.shape[1], 8 * BLOCK_RB * blk, nv, T)
 
 
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
-def gemm_int4(xq, xs, xsum, b32, s, m, out):
-    """xq [T, G, gs] int8, xs, xsum [T, G] f32; b32 [O, Kp/8] the stored nibble pairs 4 bytes at a
-    time, s, m [O, G] fp16 scales and minima -> out [T, 8 ceil(O / 8)]:
+def gemm_int4(xq, xs, xsum, b, s, m, out):
+    """xq [T, G, gs] int8 with b [O, Kp/8] uint32 (the stored nibble pairs 4 bytes at a time: the quads
+    tile), or xq int16 with b [O, Kp/4] uint16 (2 bytes at a time: the pairs tile); xs, xsum [T, G]
+    f32, s, m [O, G] fp16 scales and minima -> out [T, 8 ceil(O / 8)]:
     out[t, r] = sum_g s xs (nibbles . xq) + m xsum. Each thread repacks BLOCK_RB x 8 rows at a time."""
     T, G, gs = xq.shape
-    O, Kp = b32.shape[0], G * gs
+    O, Kp = b.shape[0], G * gs
     xf, xsf, xsumf, of = xq.reshape(-1), xs.reshape(-1), xsum.reshape(-1), out.reshape(-1)
+    kind = INT4 if b.itemsize == 4 else INT4_16
     nv_all = -(-O // 8)
     for blk in prange(-(-nv_all // BLOCK_RB)):
         nv = min(BLOCK_RB, nv_all - blk * BLOCK_RB)
-        wl = np.empty(nv * Kp * 2, dtype=np.uint32)
+        wl = np.empty(nv * Kp * 8 // b.itemsize, dtype=b.dtype)
         sl, ml = np.empty(nv * G * 8, dtype=np.float32), np.empty(nv * G * 8, dtype=np.float32)
-        repack_int4(b32, s, m, gs, 8 * BLOCK_RB * blk, wl, sl, ml)
-        _block(True, wl, xf, sl, xsf, ml, xsumf, G, gs, of, out.shape[1], 8 * BLOCK_RB * blk, nv, T)
+        repack_int4(b, s, m, gs, 8 * BLOCK_RB * blk, wl, sl, ml)
+        _block(kind, wl, xf, sl, xsf, ml, xsumf, G, gs, of, out.shape[1], 8 * BLOCK_RB * blk, nv, T)
+
+
+@njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
+def round_prompt16(x3):
+    """kernels.quantize_activations16 for a prompt's tokens on all threads: x3 [T, G, gs] f32 ->
+    x16 [T, G, gs] int16, xs [T, G] f32, and xsum [T, G] = xs sum(x16) for int4's minimum (the
+    integer sum is exact in fp32: |sum(x16)| < 2^24)."""
+    T, G, gs = x3.shape
+    x16 = np.empty((T, G, gs), dtype=np.int16)
+    xs, xsum = np.empty((T, G), dtype=np.float32), np.empty((T, G), dtype=np.float32)
+    for t in prange(T):
+        fk.quantize_token16(x3, t, x16, xs)
+        for g in range(G):
+            total = 0
+            for j in range(gs):
+                total += x16[t, g, j]
+            xsum[t, g] = np.float32(total) * xs[t, g]
+    return x16, xs, xsum
+
+
+@njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
+def round_prompt8(x3):
+    """kernels.quantize_activations for a prompt's tokens on all threads -> xq int8, xs, xsum."""
+    T, G, gs = x3.shape
+    xq, xa = np.empty((T, G, gs), dtype=np.int8), np.empty((T, G, gs), dtype=np.uint8)
+    xs, xsum = np.empty((T, G), dtype=np.float32), np.empty((T, G), dtype=np.float32)
+    for t in prange(T):
+        fk.quantize_token(x3, t, xq, xa, xs, xsum)
+    return xq, xs, xsum
 
 
 def gemm(w, x: np.ndarray, act: str = "int8") -> np.ndarray:
     """x [T, Kp] f32 (padded) @ W.T for a quant.Weight (int8 / int4) -> [T, out_features], x rounded
-    to int8 per token and group (act "int8"), or to int16 (act "int16", int8 weights only: the int8
-    tile multiplies int16 activations anyway, so the finer rounding costs nothing)."""
-    from . import kernels as fk
+    to int8 per token and group (act "int8"), or to int16 (act "int16": the pairs tile multiplies
+    int16 activations, so the finer rounding costs int8 weights nothing; int4 weights then take
+    the pairs tile, at vpmaddwd's rate instead of vpmaddubsw's)."""
     T, gs, O = x.shape[0], w.group_size, w.out_features
     out = np.empty((T, 8 * -(-O // 8)), dtype=np.float32)
     data, scales = np.ascontiguousarray(w.data).reshape(O, -1), w.scales.view(np.uint16)
+    xq, xs, xsum = (round_prompt16 if act == "int16" else round_prompt8)(x.reshape(T, -1, gs))  # [T, G, gs], [T, G]
     if w.fmt == "int8":
-        if act == "int16":
-            x16, xs = fk.quantize_activations16(x.reshape(T, -1, gs))        # [T, G, gs], [T, G]
-        else:
-            xq, _, xs, _ = fk.quantize_activations(x.reshape(T, -1, gs))
-            x16 = xq.astype(np.int16)
-        gemm_int8(x16, xs, data.view(np.int16), scales, out)
+        gemm_int8(xq.astype(np.int16, copy=False), xs, data.view(np.int16), scales, out)
     else:
-        xq, _, xs, xsum = fk.quantize_activations(x.reshape(T, -1, gs))   # [T, G, gs], [T, G]
-        gemm_int4(xq, xs, xsum, data.view(np.uint32), scales, w.mins.view(np.uint16), out)
+        b = data.view(np.uint16 if act == "int16" else np.uint32)
+        gemm_int4(xq, xs, xsum, b, scales, w.mins.view(np.uint16), out)
     return out if out.shape[1] == O else np.ascontiguousarray(out[:, :O])
 
 
 def gemm_ref(xq, xs, xsum, w) -> np.ndarray:
     """The numpy twin of gemm_int8 / gemm_int4, in float64: the integer dot products
     exactly, then the fp32 scales. w: a quant.Weight (int8 / int4); xq, xs, xsum from
-    kernels.quantize_activations (int8 weights: or x16, xs from quantize_activations16)."""
+    kernels.quantize_activations, or x16, xs from quantize_activations16 with xsum = xs sum(x16))."""
     T, G, gs = xq.shape
     O = w.out_features
     s = w.scales.view(np.float16).astype(np.float64)                        # [O, G]

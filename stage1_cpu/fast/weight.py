@@ -19,10 +19,12 @@ fast kernels (fast/kernels.py); every other case is the core's code, unchanged.
   are dequantized to bf16 for it (one more rounding, 8 significant bits: small
   next to the quantization's own error); bf16 weights are used as they are.
 
-- prefill_act="int16" (int8 weights, cpu.INT8 without cpu.BF16; --activations auto):
-  the same GEMM with the activations rounded to int16 (xs = max|x| / 32767), almost
-  exact: the int8 tile widens both operands to int16 for vpmaddwd anyway, so it costs
-  nothing. int8 rounding over a whole prompt flips the default model's first answer.
+- prefill_act="int16" (int8 / int4 weights, cpu.INT8 without cpu.BF16; --activations
+  auto): the same GEMM with the activations rounded to int16 (xs = max|x| / 32767),
+  almost exact: the int8 tile widens both operands to int16 for vpmaddwd anyway, so it
+  costs int8 weights nothing; int4 weights go through that tile too (vpmaddwd's rate,
+  half vpmaddubsw's). int8 rounding over a whole prompt flips the default model's first
+  answer.
 - prefill_act="int8" (int8 / int4 weights, cpu.INT8 without cpu.BF16; --activations
   int8): prefill rounds the activations as decode does and runs gemm.py's
   integer GEMM with register tiles, on 64 rows at a time repacked as it goes, instead
@@ -50,8 +52,8 @@ BF16_ROWS = 8192    # rows of an int8 / int4 matrix turned into bf16 at a time (
 @dataclass(eq=False)
 class FastWeight(Weight):
     decode_act: str = "fp32"            # T < PREFILL_MIN_T: fp32 | int8 (int8 / int4 weights) | int16 (int8)
-    prefill_act: str = "fp32"           # T >= PREFILL_MIN_T: fp32 | bf16 (bf16 / int8 / int4) | int8 (int8 / int4)
-    #                                     | int16 (int8)
+    prefill_act: str = "fp32"           # T >= PREFILL_MIN_T: fp32 | bf16 (bf16 / int8 / int4) | int8 | int16
+    #                                     (int8 / int4)
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
         """x [T, in] f32 -> x @ W.T [T, out] f32, the activations rounded as the fields say."""
@@ -165,9 +167,9 @@ def check_act(decode_act: str, prefill_act: str, fmt: str, K: int) -> None:
     if prefill_act == "int8" and not (fmt in ("int8", "int4") and cpu.INT8):
         raise ValueError(f"int8 prefill activations are not available for {fmt} weights on this CPU: they need "
                          f"int8 / int4 weights and an int8 dot product (VNNI or AVX2; {here}); use fp32")
-    if prefill_act == "int16" and not (fmt == "int8" and cpu.INT8):
+    if prefill_act == "int16" and not (fmt in ("int8", "int4") and cpu.INT8):
         raise ValueError(f"int16 prefill activations are not available for {fmt} weights on this CPU: they need "
-                         f"int8 weights and an int8 dot product (VNNI or AVX2; {here}); use fp32")
+                         f"int8 / int4 weights and an int8 dot product (VNNI or AVX2; {here}); use fp32")
     if prefill_act == "bf16" and not (cpu.BF16 and (fmt in ("int8", "int4") or (fmt == "bf16" and K % 2 == 0))):
         raise ValueError(f"bf16 activations are not available for {fmt} weights [*, {K}] on this CPU: "
                          f"they need bf16 / int8 / int4 weights, an even in_features (bf16) and "
