@@ -29,8 +29,9 @@ the weights is kept, and the repack moves each byte once per T multiply-adds.
 The micro-kernel (_tile) keeps RB x 8 rows x TT tokens (RB8 x TT8, RB4 x TT4) of accumulators in
 registers (AVX2 has 16 ymm registers: RB x TT int32 accumulators, RB x TT float
 ones, RB weight vectors and one broadcast): each weight vector loaded serves TT
-tokens, each broadcast serves RB x 8 rows. Per chunk of 32 values the int32 lanes
-are converted to float and multiply-added with the group's scale product:
+tokens, each broadcast serves RB x 8 rows. Per group the int32 lanes (a whole
+group's, gs <= 256: |sum| <= 128 x 2 x 127 x 32767 < 2^31) are converted to float
+and multiply-added with the group's scale product:
 
     out[t, r] = sum_g s[r, g] xs[t, g] (q[r, g] . xq[t, g])          int8
               + sum_g m[r, g] xsum[t, g]                             int4 (its minimum)
@@ -40,7 +41,7 @@ are converted to float and multiply-added with the group's scale product:
     tile_int4     quads x int8, plus the minimum                     int4 weights, act int8
 
 quads: nibble x int8 pair sums (<= 2 x 15 x 127) add up in int16 over one chunk
-(8 steps), then one vpmaddwd by ones widens them to int32.
+of 32 values (8 steps), then one vpmaddwd by ones widens them into the group's int32.
 
 Instructions: AVX2's (cpu.INT8 "avx2", and they run on VNNI CPUs as well; a
 vpdpbusd variant is not written: no VNNI machine was at hand to measure it).
@@ -63,7 +64,7 @@ RB8, TT8 = 2, 4               # int8: 8-row vectors x tokens per tile (16 rows x
 RB4, TT4 = 2, 2               # int4: its int16 accumulators need registers too (16 rows x 2 tokens)
 BLOCK_RB = 8                  # 8-row vectors a thread takes at a time (64 rows x Kp bytes: in L2)
 TOKEN_BLOCK = 48              # tokens per pass over a row block (48 x Kp activations: in L2 beside it)
-CHUNK = 32                    # values between two float epilogues (int4: the int16 accumulators' limit)
+CHUNK = 32                    # values per unrolled run of steps (quads: the int16 accumulators' limit)
 
 I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 BYTES32 = ir.VectorType(I8, 32)
@@ -117,15 +118,15 @@ def _tile(context, builder, sig, args, quads, minimum):
     fma = _fn(builder, "llvm.fma.v8f32", FLOATS8, [FLOATS8] * 3)
     ones = ir.Constant(SHORTS16, [1] * 16)
     facc = [[cgutils.alloca_once_value(builder, ir.Constant(FLOATS8, None)) for _ in range(TT)] for _ in range(RB)]
+    iacc = [[cgutils.alloca_once(builder, INTS8) for _ in range(TT)] for _ in range(RB)]   # one group's dots
     n_chunks = builder.udiv(gs, c(CHUNK))
     per = 4 if quads else 2                                             # values per lane and step
     steps = CHUNK // per
     with cgutils.for_range(builder, G) as gl:
         g = gl.index
-        svs = [builder.load(builder.bitcast(builder.gep(p, [builder.mul(g, c(8))]), FLOATS8.as_pointer()), align=4)
-               for p in sps]
-        xsb = [_splat(builder, builder.load(builder.gep(p, [g])), FLOATS8) for p in xsps]
-        scale = [[builder.fmul(svs[r], xsb[t]) for t in range(TT)] for r in range(RB)]
+        for row in iacc:
+            for p in row:
+                builder.store(ir.Constant(INTS8, None), p)
         gw = builder.mul(g, builder.mul(gs, c(8)))                      # the group's first byte in a vector block
         gx = builder.mul(g, gs)
         with cgutils.for_range(builder, n_chunks) as cl:
@@ -152,11 +153,18 @@ def _tile(context, builder, sig, args, quads, minimum):
                         xb = builder.bitcast(bc[t], SHORTS16)
                         for r in range(RB):
                             acc[r][t] = builder.add(acc[r][t], builder.call(maddwd, [ws[r], xb]))
-            for r in range(RB):
+            for r in range(RB):             # quads: the int16 sums widened; pairs: int32 holds a whole group
                 for t in range(TT):
                     dot = builder.call(maddwd, [acc[r][t], ones]) if quads else acc[r][t]
-                    lanes = builder.sitofp(dot, FLOATS8)
-                    builder.store(builder.call(fma, [lanes, scale[r][t], builder.load(facc[r][t])]), facc[r][t])
+                    builder.store(builder.add(builder.load(iacc[r][t]), dot), iacc[r][t])
+        svs = [builder.load(builder.bitcast(builder.gep(p, [builder.mul(g, c(8))]), FLOATS8.as_pointer()), align=4)
+               for p in sps]
+        xsb = [_splat(builder, builder.load(builder.gep(p, [g])), FLOATS8) for p in xsps]
+        for r in range(RB):                 # the group's epilogue: 8 rows' dots to fp32, times s xs
+            for t in range(TT):
+                lanes = builder.sitofp(builder.load(iacc[r][t]), FLOATS8)
+                builder.store(builder.call(fma, [lanes, builder.fmul(svs[r], xsb[t]), builder.load(facc[r][t])]),
+                              facc[r][t])
         if minimum:   # int4's minimum: m[r, g] xsum[t, g], 8 rows per FMA
             for r in range(RB):
                 mv = builder.load(builder.bitcast(builder.gep(mps[r], [builder.mul(g, c(8))]), FLOATS8.as_pointer()),

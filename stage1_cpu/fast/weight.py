@@ -107,9 +107,9 @@ class FastWeight(Weight):
         """Prefill on gemm.py's integer GEMM: x [T, Kp] rounded per token and group to int8
         as at decode (prefill_act int8) or to int16 (int16), integer dot products in register tiles on 64 rows at a time,
         repacked by each thread as it takes them (no copy of the weights is kept). Group
-        sizes that are not a multiple of 32 take the core's tile + sgemm."""
+        sizes that are not a multiple of 32, or past 256 (a group's int32 sum), take the core's tile + sgemm."""
         from . import gemm                                               # compiled on first prefill
-        if self.group_size % gemm.CHUNK:
+        if self.group_size % gemm.CHUNK or self.group_size > 256:
             return super().matmul(x)
         return gemm.gemm(self, x, self.prefill_act)
 
