@@ -27,9 +27,9 @@ def prepare_chat(state: ServerState, raw: bytes) -> Generation:
         raise bad_request(f"the chat template cannot render these messages: {e}", "messages") from None
     if not isinstance(prompt, str):
         raise bad_request("the chat template did not render text for these messages", "messages")
-    return state.generation(req, {"messages": prompt}, req.max_completion_tokens or req.max_tokens, functools.partial(
-        StreamParser, thinking=kwargs.enable_thinking, tools=tools is not None,
-        start_in_reasoning=kwargs.enable_thinking and prompt_opens_think(prompt)))
+    return Generation(state, req, {"messages": prompt}, req.max_completion_tokens or req.max_tokens, "chatcmpl",
+                      functools.partial(StreamParser, thinking=kwargs.enable_thinking, tools=tools is not None,
+                                        start_in_reasoning=kwargs.enable_thinking and prompt_opens_think(prompt)))
 
 def finish_reason(c: Choice) -> str:
     return "tool_calls" if (c.parser.tool_calls and c.finish_reason == "stop") else c.finish_reason
@@ -47,7 +47,7 @@ def message(parts: list) -> ChatMessage:
 @router.post("/chat/completions", response_model=Reply, openapi_extra=body_schema(
     ChatCompletionRequest), summary="A chat answer; with stream: true, chat.completion.chunk events (SSE)")
 async def chat_completions(request: Request, raw: bytes = Depends(admitted_body)):
-    gen = await Generation.start(request, raw, prepare_chat, "chatcmpl")
+    gen = await Generation.start(request, raw, prepare_chat)
     if not gen.stream:
         got = {c.index: [] for c in gen.choices}
         await gen.run_to_end(request, lambda c, text: got[c.index].extend(deltas(c, text)))

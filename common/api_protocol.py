@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError,
                       WrapValidator, field_validator, model_serializer, model_validator)
-from pydantic_core import InitErrorDetails, PydanticCustomError
+from pydantic_core import PydanticCustomError
 
 MAX_CHOICES, MAX_STOP, MAX_STOP_CHARS = 64, 16, 256     # n (x prompts); stop strings, and their length
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -184,17 +184,8 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     suffix: Annotated[str | None, unsupported("'suffix' is")] = None
 
-    @model_validator(mode="after")
-    def _choices(self):
-        k, n = len(self.prompts()), self.n
-        if n * k > MAX_CHOICES:      # an error at "n", where the client can fix it
-            raise ValidationError.from_exception_data("CompletionRequest", [InitErrorDetails(
-                type=PydanticCustomError("choices", "{k} prompts x n={n} is {total} choices; this server makes at "
-                                         "most {max} per request", dict(k=k, n=n, total=n * k, max=MAX_CHOICES)),
-                loc=("n",), input=n)])
-        return self
-
     def prompts(self) -> list[str | list[int]]:
+        """Each prompt, with n choices of its own: at most MAX_CHOICES in all (the router checks)."""
         p = self.prompt
         return [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
 
