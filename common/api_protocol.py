@@ -7,7 +7,7 @@ import json
 import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError,
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError,
                       WrapValidator, field_validator, model_serializer, model_validator)
 from pydantic_core import PydanticCustomError
 
@@ -52,14 +52,8 @@ def explained(message: str) -> WrapValidator:
             raise PydanticCustomError("invalid_value", "{message}", {"message": message}) from None
     return WrapValidator(check)
 
-def unsupported(what: str) -> AfterValidator:
-    """A field the server does not support: null (or an empty value) passes, anything else is refused."""
-    def check(value):
-        if value:
-            raise PydanticCustomError("unsupported", "{what} not supported by this server; leave it unset",
-                                      {"what": what})
-        return value
-    return AfterValidator(check)
+def unsupported(what: str) -> WrapValidator:     # on a field that takes only null or an empty value
+    return explained(f"{what} not supported by this server; leave it unset")
 
 class Strict(BaseModel):                          # a request part: unknown fields kept aside, never read
     model_config = ConfigDict(strict=True, extra="allow")
@@ -92,8 +86,8 @@ class SamplingRequest(Strict):
         "'stop_token_ids' must be a list of at most 256 non-negative integers")] = None
     ignore_eos: bool | None = Field(None, description="vLLM extension: generate past end-of-sequence ids")
     user: str | None = None
-    logprobs: Annotated[bool | int | None, unsupported("logprobs are")] = None
-    logit_bias: Annotated[dict[str, float] | None, unsupported("logit_bias is")] = None
+    logprobs: Annotated[Literal[False, 0] | None, unsupported("logprobs are")] = None
+    logit_bias: Annotated[Annotated[dict, Field(max_length=0)] | None, unsupported("logit_bias is")] = None
 
     include_usage = property(lambda self: bool(self.stream_options and self.stream_options.include_usage))
 
@@ -171,7 +165,7 @@ class ChatTemplateKwargs(Strict):                 # the chat template's variable
 class ChatCompletionRequest(SamplingRequest):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    top_logprobs: Annotated[int | None, unsupported("top_logprobs are")] = None
+    top_logprobs: Annotated[Literal[0] | None, unsupported("top_logprobs are")] = None
     tools: list[Annotated[Tool, explained(
         "a tool must be {'type': 'function', 'function': {'name': ...}}")]] | None = None
     tool_choice: Annotated[Literal["none", "auto"] | None, explained(
@@ -182,7 +176,7 @@ class CompletionRequest(SamplingRequest):
     prompt: Annotated[Union[str, Ids, Annotated[list[Union[str, Ids]], Field(min_length=1)]],
                       explained("'prompt' must be a string, a list of token ids, or a list of those")]
     echo: bool = False
-    suffix: Annotated[str | None, unsupported("'suffix' is")] = None
+    suffix: Annotated[Literal[""] | None, unsupported("'suffix' is")] = None
 
     def prompts(self) -> list[str | list[int]]:
         """Each prompt, with n choices of its own: at most MAX_CHOICES in all (the router checks)."""
