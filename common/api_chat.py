@@ -37,6 +37,12 @@ def finish_reason(c: Choice) -> str:
 def deltas(c: Choice, text: str) -> list:
     return c.parser.feed(text) + (c.parser.finish() if c.done else [])
 
+def chunk_delta(c: Choice, d) -> Delta:
+    """A parser delta as a chunk's; a tool call's index is its place among the choice's calls."""
+    if d.kind == "tool_call":
+        return Delta(tool_calls=[{"index": c.parser.tool_calls.index(d.tool_call), **d.tool_call}])
+    return Delta(content=d.text) if d.kind == "content" else Delta(reasoning_content=d.text, reasoning=d.text)
+
 def message(parts: list) -> ChatMessage:
     """A whole answer's deltas as one message."""
     content, reasoning = ("".join(d.text for d in parts if d.kind == kind) for kind in ("content", "reasoning"))
@@ -55,21 +61,12 @@ async def chat_completions(request: Request, raw: bytes = Depends(admitted_body)
             index=c.index, message=message(got[c.index]), finish_reason=finish_reason(c)) for c in gen.choices])
 
     def chunk(c: Choice, delta: Delta, finish: str | None = None) -> Reply:
-        return gen.reply("chat.completion.chunk", choices=[ReplyChoice(index=c.index, delta=delta, finish_reason=finish)])
-
-    calls_sent = {c.index: 0 for c in gen.choices}
+        return gen.reply("chat.completion.chunk", choices=[ReplyChoice(index=c.index, delta=delta,
+                                                                       finish_reason=finish)])
 
     def pieces(c: Choice, text: str) -> list[Reply]:
-        out = []
-        for d in deltas(c, text):
-            if d.kind == "content":
-                out.append(chunk(c, Delta(content=d.text)))
-            elif d.kind == "reasoning":
-                out.append(chunk(c, Delta(reasoning_content=d.text, reasoning=d.text)))
-            else:
-                out.append(chunk(c, Delta(tool_calls=[{"index": calls_sent[c.index], **d.tool_call}])))
-                calls_sent[c.index] += 1
-        return out + ([chunk(c, Delta(), finish_reason(c))] if c.done else [])
+        return [chunk(c, chunk_delta(c, d)) for d in deltas(c, text)] + (
+            [chunk(c, Delta(), finish_reason(c))] if c.done else [])
 
     return stream(gen, "chat.completion.chunk", [chunk(c, Delta(role="assistant", content="")) for c in gen.choices],
                   pieces)
