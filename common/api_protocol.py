@@ -12,8 +12,9 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, Validati
 from pydantic_core import PydanticCustomError
 
 MAX_CHOICES, MAX_STOP, MAX_STOP_CHARS = 64, 16, 256     # n (x prompts); stop strings, and their length
+# the fields a request passes on to SamplingParams, under its names (None: the model's default)
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "seed", "ignore_eos"}
+                   "repetition_penalty", "seed", "ignore_eos", "stop", "stop_token_ids"}
 
 class APIError(Exception):
     """An error the client caused (or a state it must wait out), with OpenAI's error body."""
@@ -90,12 +91,6 @@ class SamplingRequest(Strict):
     logit_bias: Annotated[Annotated[dict, Field(max_length=0)] | None, unsupported("logit_bias is")] = None
 
     include_usage = property(lambda self: bool(self.stream_options and self.stream_options.include_usage))
-
-    def sampling(self) -> dict:
-        """The sampling fields this request sets (SamplingParams' names; None = the model's default)."""
-        stop = [self.stop] if isinstance(self.stop, str) else self.stop
-        return self.model_dump(include=SAMPLING_FIELDS) | dict(stop=stop or [],
-                                                               stop_token_ids=self.stop_token_ids or [])
 
 class TextPart(Strict):
     type: Literal["text"]

@@ -22,7 +22,7 @@ from pydantic import BaseModel, PositiveInt
 from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
-from common.api_protocol import APIError, Reply, SamplingRequest, Usage, bad_request
+from common.api_protocol import SAMPLING_FIELDS, APIError, Reply, SamplingRequest, Usage, bad_request
 from common.engine import Request as EngineRequest, check_prompt
 from common.engine_loop import EngineLoop
 from common.parsing import StreamParser
@@ -155,7 +155,7 @@ class Generation:
                 raise bad_request(str(e), param) from None
             room = state.max_ctx - len(ids)
             p = SamplingParams.from_defaults(state.sampling_defaults, max_tokens=min(max_tokens or room, room),
-                                             **req.sampling())
+                                             **req.model_dump(include=SAMPLING_FIELDS))
             shown = (prompt if isinstance(prompt, str) else state.tokenizer.decode(ids)) if echo else ""
             self.choices += [Choice(len(self.choices) + i, ids, replace(p, seed=None if p.seed is None else p.seed + i),
                                     state.tokenizer, parser, shown) for i in range(req.n)]
