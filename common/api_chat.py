@@ -25,8 +25,6 @@ def prepare_chat(state: ServerState, raw: bytes) -> Generation:
     except (ValueError, RecursionError, TypeError, AttributeError, LookupError) as e:
         # the template refused these messages (ChatTemplateError), or got a value of a type it does not expect
         raise bad_request(f"the chat template cannot render these messages: {e}", "messages") from None
-    if not isinstance(prompt, str):
-        raise bad_request("the chat template did not render text for these messages", "messages")
     return Generation(state, req, {"messages": prompt}, req.max_completion_tokens or req.max_tokens, "chatcmpl",
                       functools.partial(StreamParser, thinking=kwargs.enable_thinking, tools=tools is not None,
                                         start_in_reasoning=kwargs.enable_thinking and prompt_opens_think(prompt)))

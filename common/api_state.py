@@ -90,7 +90,7 @@ async def admitted_body(request: Request) -> AsyncIterator[bytes]:
     if state.loop is None:
         raise APIError(503, state.load_error or "the model is still loading; retry when GET /healthz says 200",
                        type="service_unavailable", code="model_loading")
-    limit, declared, chunks, size = state.limits.max_body_bytes, request.headers.get("content-length", ""), [], 0
+    limit, declared, body = state.limits.max_body_bytes, request.headers.get("content-length", ""), bytearray()
     def too_large(size: str) -> APIError:
         return APIError(413, f"the request body is {size} bytes; this server takes at most {limit} "
                         "(--max-body-mb): send a shorter prompt", code="request_too_large")
@@ -98,10 +98,9 @@ async def admitted_body(request: Request) -> AsyncIterator[bytes]:
         raise too_large(declared)
     try:
         async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
+            body += chunk
+            if len(body) > limit:
                 raise too_large(f"more than {limit}")
-            chunks.append(chunk)
     except ClientDisconnect:
         raise APIError(400, "the client closed the connection while sending the body") from None
     if state.in_flight >= state.limits.max_concurrent:
@@ -109,7 +108,7 @@ async def admitted_body(request: Request) -> AsyncIterator[bytes]:
                        "(--max-concurrent); retry in a moment", type="rate_limit_error", code="too_many_requests")
     state.in_flight += 1
     try:
-        yield b"".join(chunks)
+        yield bytes(body)
     finally:
         state.in_flight -= 1
 
@@ -126,8 +125,6 @@ class Choice(AnswerText):
         self.index, self.id, self.prompt_ids, self.params = index, uuid.uuid4().hex, prompt_ids, params
         self.parser: StreamParser | None = parser() if parser else None
         self.echo = echo                     # completions: the text shown before the answer
-
-    done = property(lambda self: self.finish_reason is not None)
 
 class Generation:
     """A request's choices, made on a prepare thread; start() submits them to the engine loop, and events()

@@ -358,7 +358,7 @@ class Chat:
         t0 = time.perf_counter()
         with _CtrlC() as ctrl_c:
             aborted = False
-            while answer.finish_reason is None:
+            while not answer.done:
                 if ctrl_c.hit and not aborted:
                     self.engine.abort(req.id)    # the next step reports it with finish_reason "abort"
                     aborted = True

@@ -54,6 +54,8 @@ class AnswerText:
         self.n_tokens, self.text = 0, ""    # tokens the engine produced (the end-of-turn one too); text shown
         self.finish_reason = None      # set once it has ended: the engine's, or "stop" for a stop string
 
+    done = property(lambda self: self.finish_reason is not None)
+
     def feed(self, ev) -> str:
         """One event -> the new text that is safe to show."""
         self.n_tokens += ev.token_id >= 0
