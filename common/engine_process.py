@@ -50,7 +50,7 @@ class EngineProcess:
 
     def __init__(self, build_engine, folder, args):
         self.child_args = (build_engine, folder, args)   # build_engine(folder, args) runs in the child
-        self.lock, self.restarts, self.stopping = threading.Lock(), 0, False
+        self.lock, self.restarts, self.stopping = threading.RLock(), 0, False
         self.up = True                        # False from a death until the new child has loaded (/healthz)
         self.sinks: dict[str, Sink] = {}      # the requests sent to this child
         self.waiting: dict[str, tuple[Request, Sink]] = {}   # submitted while there was no child to take them
@@ -133,9 +133,7 @@ class EngineProcess:
                 time.sleep(1)
         if self.stopping:
             return
-        with self.lock:
-            for rid, (req, sink) in self.waiting.items():
-                self.sinks[rid] = sink
-                with suppress(OSError):       # this child died too: the reader fails them with its death
-                    self.conn.send(("add", req))
-            self.waiting, self.up, self.restarts = {}, True, self.restarts + 1
+        with self.lock:                       # (an RLock: submit() takes it too)
+            waiting, self.waiting, self.up, self.restarts = self.waiting, {}, True, self.restarts + 1
+            for req, sink in waiting.values():
+                self.submit(req, sink)        # if this child has died already, they wait for the next
