@@ -13,7 +13,6 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterable
 
 from fastapi import Depends, Request
@@ -59,7 +58,7 @@ class ServerState:
     def set_ready(self, engine, tokenizer, template, folder, max_ctx: int | None = None) -> None:
         """Called once the engine is built (from the loading thread)."""
         self.tokenizer, self.template = tokenizer, template
-        self.sampling_defaults = generation_defaults(Path(folder)) if folder else {}
+        self.sampling_defaults = generation_defaults(folder)     # {} without a folder or its file
         SamplingParams(**self.sampling_defaults)        # a bad generation_config.json fails here, not per request
         self.max_ctx = min(x for x in (getattr(engine, "max_ctx", 0), max_ctx) if x)
         config = getattr(engine, "config", None)
