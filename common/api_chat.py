@@ -25,17 +25,21 @@ def prepare_chat(state: ServerState, raw: bytes) -> Generation:
     except (ValueError, RecursionError, TypeError, AttributeError, LookupError) as e:
         # the template refused these messages (ChatTemplateError), or got a value of a type it does not expect
         raise bad_request(f"the chat template cannot render these messages: {e}", "messages") from None
-    if not isinstance(prompt, str):
-        raise bad_request("the chat template did not render text for these messages", "messages")
-    return state.generation(req, {"messages": prompt}, req.max_completion_tokens or req.max_tokens, functools.partial(
-        StreamParser, thinking=kwargs.enable_thinking, tools=tools is not None,
-        start_in_reasoning=kwargs.enable_thinking and prompt_opens_think(prompt)))
+    return Generation(state, req, {"messages": prompt}, req.max_completion_tokens or req.max_tokens, "chatcmpl",
+                      functools.partial(StreamParser, thinking=kwargs.enable_thinking, tools=tools is not None,
+                                        start_in_reasoning=kwargs.enable_thinking and prompt_opens_think(prompt)))
 
 def finish_reason(c: Choice) -> str:
     return "tool_calls" if (c.parser.tool_calls and c.finish_reason == "stop") else c.finish_reason
 
 def deltas(c: Choice, text: str) -> list:
     return c.parser.feed(text) + (c.parser.finish() if c.done else [])
+
+def chunk_delta(c: Choice, d) -> Delta:
+    """A parser delta as a chunk's; a tool call's index is its place among the choice's calls."""
+    if d.kind == "tool_call":
+        return Delta(tool_calls=[{"index": c.parser.tool_calls.index(d.tool_call), **d.tool_call}])
+    return Delta(content=d.text) if d.kind == "content" else Delta(reasoning_content=d.text, reasoning=d.text)
 
 def message(parts: list) -> ChatMessage:
     """A whole answer's deltas as one message."""
@@ -47,7 +51,7 @@ def message(parts: list) -> ChatMessage:
 @router.post("/chat/completions", response_model=Reply, openapi_extra=body_schema(
     ChatCompletionRequest), summary="A chat answer; with stream: true, chat.completion.chunk events (SSE)")
 async def chat_completions(request: Request, raw: bytes = Depends(admitted_body)):
-    gen = await Generation.start(request, raw, prepare_chat, "chatcmpl")
+    gen = await Generation.start(request, raw, prepare_chat)
     if not gen.stream:
         got = {c.index: [] for c in gen.choices}
         await gen.run_to_end(request, lambda c, text: got[c.index].extend(deltas(c, text)))
@@ -55,21 +59,12 @@ async def chat_completions(request: Request, raw: bytes = Depends(admitted_body)
             index=c.index, message=message(got[c.index]), finish_reason=finish_reason(c)) for c in gen.choices])
 
     def chunk(c: Choice, delta: Delta, finish: str | None = None) -> Reply:
-        return gen.reply("chat.completion.chunk", choices=[ReplyChoice(index=c.index, delta=delta, finish_reason=finish)])
-
-    calls_sent = {c.index: 0 for c in gen.choices}
+        return gen.reply("chat.completion.chunk", choices=[ReplyChoice(index=c.index, delta=delta,
+                                                                       finish_reason=finish)])
 
     def pieces(c: Choice, text: str) -> list[Reply]:
-        out = []
-        for d in deltas(c, text):
-            if d.kind == "content":
-                out.append(chunk(c, Delta(content=d.text)))
-            elif d.kind == "reasoning":
-                out.append(chunk(c, Delta(reasoning_content=d.text, reasoning=d.text)))
-            else:
-                out.append(chunk(c, Delta(tool_calls=[{"index": calls_sent[c.index], **d.tool_call}])))
-                calls_sent[c.index] += 1
-        return out + ([chunk(c, Delta(), finish_reason(c))] if c.done else [])
+        return [chunk(c, chunk_delta(c, d)) for d in deltas(c, text)] + (
+            [chunk(c, Delta(), finish_reason(c))] if c.done else [])
 
     return stream(gen, "chat.completion.chunk", [chunk(c, Delta(role="assistant", content="")) for c in gen.choices],
                   pieces)

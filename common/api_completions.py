@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
-from common.api_protocol import CompletionRequest, Reply, ReplyChoice, parse_request
+from common.api_protocol import MAX_CHOICES, CompletionRequest, Reply, ReplyChoice, bad_request, parse_request
 from common.api_state import Generation, ServerState, admitted_body, body_schema, stream
 
 router = APIRouter()
@@ -11,15 +11,18 @@ router = APIRouter()
 def prepare_completion(state: ServerState, raw: bytes) -> Generation:
     """Body bytes -> a Generation: checked, each prompt tokenized once (a prepare thread)."""
     req = parse_request(CompletionRequest, raw, state.limits.max_depth)
-    state.check_model(req.model)
     prompts = req.prompts()
-    return state.generation(req, {"prompt" if len(prompts) == 1 else f"prompt[{k}]": p for k, p in enumerate(prompts)},
-                     req.max_tokens, echo=req.echo)
+    if req.n * len(prompts) > MAX_CHOICES:       # an error at "n", where the client can fix it
+        raise bad_request(f"n: {len(prompts)} prompts x n={req.n} is {req.n * len(prompts)} choices; this server "
+                          f"makes at most {MAX_CHOICES} per request", "n")
+    state.check_model(req.model)
+    return Generation(state, req, {"prompt" if len(prompts) == 1 else f"prompt[{k}]": p for k, p in enumerate(prompts)},
+                      req.max_tokens, "cmpl", echo=req.echo)
 
 @router.post("/completions", response_model=Reply, openapi_extra=body_schema(CompletionRequest),
              summary="A completion; with stream: true, text_completion events (SSE)")
 async def completions(request: Request, raw: bytes = Depends(admitted_body)):
-    gen = await Generation.start(request, raw, prepare_completion, "cmpl")
+    gen = await Generation.start(request, raw, prepare_completion)
 
     def answer(choices: list[tuple], usage=None) -> Reply:    # (choice, text, finish_reason)
         return gen.reply("text_completion", usage=usage, choices=[

@@ -7,13 +7,14 @@ import json
 import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError,
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError,
                       WrapValidator, field_validator, model_serializer, model_validator)
-from pydantic_core import InitErrorDetails, PydanticCustomError
+from pydantic_core import PydanticCustomError
 
 MAX_CHOICES, MAX_STOP, MAX_STOP_CHARS = 64, 16, 256     # n (x prompts); stop strings, and their length
+# the fields a request passes on to SamplingParams, under its names (None: the model's default)
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "seed", "ignore_eos"}
+                   "repetition_penalty", "seed", "ignore_eos", "stop", "stop_token_ids"}
 
 class APIError(Exception):
     """An error the client caused (or a state it must wait out), with OpenAI's error body."""
@@ -52,14 +53,8 @@ def explained(message: str) -> WrapValidator:
             raise PydanticCustomError("invalid_value", "{message}", {"message": message}) from None
     return WrapValidator(check)
 
-def unsupported(what: str) -> AfterValidator:
-    """A field the server does not support: null (or an empty value) passes, anything else is refused."""
-    def check(value):
-        if value:
-            raise PydanticCustomError("unsupported", "{what} not supported by this server; leave it unset",
-                                      {"what": what})
-        return value
-    return AfterValidator(check)
+def unsupported(what: str) -> WrapValidator:     # on a field that takes only null or an empty value
+    return explained(f"{what} not supported by this server; leave it unset")
 
 class Strict(BaseModel):                          # a request part: unknown fields kept aside, never read
     model_config = ConfigDict(strict=True, extra="allow")
@@ -92,16 +87,10 @@ class SamplingRequest(Strict):
         "'stop_token_ids' must be a list of at most 256 non-negative integers")] = None
     ignore_eos: bool | None = Field(None, description="vLLM extension: generate past end-of-sequence ids")
     user: str | None = None
-    logprobs: Annotated[bool | int | None, unsupported("logprobs are")] = None
-    logit_bias: Annotated[dict[str, float] | None, unsupported("logit_bias is")] = None
+    logprobs: Annotated[Literal[False, 0] | None, unsupported("logprobs are")] = None
+    logit_bias: Annotated[Annotated[dict, Field(max_length=0)] | None, unsupported("logit_bias is")] = None
 
     include_usage = property(lambda self: bool(self.stream_options and self.stream_options.include_usage))
-
-    def sampling(self) -> dict:
-        """The sampling fields this request sets (SamplingParams' names; None = the model's default)."""
-        stop = [self.stop] if isinstance(self.stop, str) else self.stop
-        return self.model_dump(include=SAMPLING_FIELDS) | dict(stop=stop or [],
-                                                               stop_token_ids=self.stop_token_ids or [])
 
 class TextPart(Strict):
     type: Literal["text"]
@@ -171,7 +160,7 @@ class ChatTemplateKwargs(Strict):                 # the chat template's variable
 class ChatCompletionRequest(SamplingRequest):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    top_logprobs: Annotated[int | None, unsupported("top_logprobs are")] = None
+    top_logprobs: Annotated[Literal[0] | None, unsupported("top_logprobs are")] = None
     tools: list[Annotated[Tool, explained(
         "a tool must be {'type': 'function', 'function': {'name': ...}}")]] | None = None
     tool_choice: Annotated[Literal["none", "auto"] | None, explained(
@@ -182,19 +171,10 @@ class CompletionRequest(SamplingRequest):
     prompt: Annotated[Union[str, Ids, Annotated[list[Union[str, Ids]], Field(min_length=1)]],
                       explained("'prompt' must be a string, a list of token ids, or a list of those")]
     echo: bool = False
-    suffix: Annotated[str | None, unsupported("'suffix' is")] = None
-
-    @model_validator(mode="after")
-    def _choices(self):
-        k, n = len(self.prompts()), self.n
-        if n * k > MAX_CHOICES:      # an error at "n", where the client can fix it
-            raise ValidationError.from_exception_data("CompletionRequest", [InitErrorDetails(
-                type=PydanticCustomError("choices", "{k} prompts x n={n} is {total} choices; this server makes at "
-                                         "most {max} per request", dict(k=k, n=n, total=n * k, max=MAX_CHOICES)),
-                loc=("n",), input=n)])
-        return self
+    suffix: Annotated[Literal[""] | None, unsupported("'suffix' is")] = None
 
     def prompts(self) -> list[str | list[int]]:
+        """Each prompt, with n choices of its own: at most MAX_CHOICES in all (the router checks)."""
         p = self.prompt
         return [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterable
 
 from fastapi import Depends, Request
@@ -21,12 +21,12 @@ from pydantic import BaseModel, PositiveInt
 from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
-from common.api_protocol import APIError, Reply, SamplingRequest, Usage, bad_request
-from common.engine import Request as EngineRequest, TokenEvent, check_prompt
+from common.api_protocol import SAMPLING_FIELDS, APIError, Reply, SamplingRequest, Usage, bad_request
+from common.engine import Request as EngineRequest, check_prompt
 from common.engine_loop import EngineLoop
 from common.parsing import StreamParser
 from common.sampling import SamplingParams, generation_defaults
-from common.stopping import StopChecker
+from common.stopping import AnswerText
 
 class Limits(BaseModel, strict=True):
     """What one request may ask for besides the protocol's bounds; each is checked before the work it protects."""
@@ -52,19 +52,17 @@ class ServerState:
     sampling_defaults: dict = field(default_factory=dict)   # generation_config.json's sampling values
     max_ctx: int = 0
     vocab_size: int = 0
-    stop_ids: set[int] = field(default_factory=set)  # ids that end a turn (not answer text)
     longest_token: int = 0                   # characters in the longest vocabulary entry (0: unknown)
     max_prompt_chars: int | None = None      # a longer text cannot fit the context (None: unknown)
 
     def set_ready(self, engine, tokenizer, template, folder, max_ctx: int | None = None) -> None:
         """Called once the engine is built (from the loading thread)."""
         self.tokenizer, self.template = tokenizer, template
-        self.sampling_defaults = generation_defaults(Path(folder)) if folder else {}
+        self.sampling_defaults = generation_defaults(folder)     # {} without a folder or its file
         SamplingParams(**self.sampling_defaults)        # a bad generation_config.json fails here, not per request
         self.max_ctx = min(x for x in (getattr(engine, "max_ctx", 0), max_ctx) if x)
         config = getattr(engine, "config", None)
         self.vocab_size = getattr(config, "vocab_size", 0) or tokenizer.vocab_size
-        self.stop_ids = set(tokenizer.eos_token_ids) | set(getattr(config, "eos_token_ids", []) or [])
         if getattr(tokenizer, "id_to_token", None) and tokenizer.vocab_size and self.max_ctx:
             # a token covers at most its longest entry's characters (added tokens included: Qwen3's is 128),
             # and the NFC a tokenizer may apply first shrinks a text by well under half, hence 2x
@@ -76,32 +74,6 @@ class ServerState:
         if name is not None and name != self.model_name and name not in self.aliases:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r} "
                            "(GET /v1/models lists it)", param="model", code="model_not_found")
-
-    def generation(self, req: SamplingRequest, prompts: dict[str, str | list[int]], max_tokens: int | None,
-                   parser: Callable[[], StreamParser] | None = None, echo: bool = False) -> Generation:
-        """req.n choices per prompt ({param: text or token ids}), each prompt tokenized once, or a 400 at its
-        param if it cannot fit (a text from its length, before tokenizing). Sampling: the request's fields
-        over generation_config.json's; max_tokens at most the room the prompt leaves (all of it when unset,
-        as in vLLM); seeds seed+i, each reproducible."""
-        gen = Generation(self, req)
-        for param, prompt in prompts.items():
-            if isinstance(prompt, str) and self.max_prompt_chars is not None and len(prompt) > self.max_prompt_chars:
-                raise bad_request(f"the prompt has {len(prompt)} characters; a context of {self.max_ctx} tokens "
-                                  f"holds at most {self.max_prompt_chars} (a token covers at most "
-                                  f"{self.longest_token} characters); shorten the prompt or start the server "
-                                  "with a larger --max-ctx", param)
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-            try:
-                check_prompt(ids, self.max_ctx, self.vocab_size)
-            except ValueError as e:
-                raise bad_request(str(e), param) from None
-            room = self.max_ctx - len(ids)
-            p = SamplingParams.from_defaults(self.sampling_defaults, max_tokens=min(max_tokens or room, room),
-                                             **req.sampling())
-            shown = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if echo else ""
-            gen.choices += [Choice(len(gen.choices) + i, ids, replace(p, seed=None if p.seed is None else p.seed + i),
-                                   self, parser, shown) for i in range(req.n)]
-        return gen
 
 async def require_api_key(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(
         HTTPBearer(auto_error=False))):      # our own 401: older FastAPI would answer 403 {"detail"}
@@ -117,7 +89,7 @@ async def admitted_body(request: Request) -> AsyncIterator[bytes]:
     if state.loop is None:
         raise APIError(503, state.load_error or "the model is still loading; retry when GET /healthz says 200",
                        type="service_unavailable", code="model_loading")
-    limit, declared, chunks, size = state.limits.max_body_bytes, request.headers.get("content-length", ""), [], 0
+    limit, declared, body = state.limits.max_body_bytes, request.headers.get("content-length", ""), bytearray()
     def too_large(size: str) -> APIError:
         return APIError(413, f"the request body is {size} bytes; this server takes at most {limit} "
                         "(--max-body-mb): send a shorter prompt", code="request_too_large")
@@ -125,10 +97,9 @@ async def admitted_body(request: Request) -> AsyncIterator[bytes]:
         raise too_large(declared)
     try:
         async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
+            body += chunk
+            if len(body) > limit:
                 raise too_large(f"more than {limit}")
-            chunks.append(chunk)
     except ClientDisconnect:
         raise APIError(400, "the client closed the connection while sending the body") from None
     if state.in_flight >= state.limits.max_concurrent:
@@ -136,7 +107,7 @@ async def admitted_body(request: Request) -> AsyncIterator[bytes]:
                        "(--max-concurrent); retry in a moment", type="rate_limit_error", code="too_many_requests")
     state.in_flight += 1
     try:
-        yield b"".join(chunks)
+        yield bytes(body)
     finally:
         state.in_flight -= 1
 
@@ -145,61 +116,61 @@ def body_schema(model) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {
         "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
-class Choice:
-    """One engine request: ids -> text (detokenizer) -> text before any stop string."""
+class Choice(AnswerText):
+    """One engine request of a generation: its prompt and sampling, and its answer so far (AnswerText)."""
 
-    def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams, state, parser, echo: str = ""):
+    def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams, tokenizer, parser, echo: str):
+        super().__init__(tokenizer.detokenizer(), params.stop)
         self.index, self.id, self.prompt_ids, self.params = index, uuid.uuid4().hex, prompt_ids, params
-        self.detok, self.stopper = state.tokenizer.detokenizer(), StopChecker(params.stop)
-        self.stop_ids = set(params.stop_token_ids) | state.stop_ids
-        self.n_tokens, self.finish_reason, self.text = 0, None, ""   # text: all returned so far
         self.parser: StreamParser | None = parser() if parser else None
         self.echo = echo                     # completions: the text shown before the answer
 
-    done = property(lambda self: self.finish_reason is not None)
-
-    def on_event(self, ev: TokenEvent) -> str:
-        """One engine event -> the new text that is safe to return."""
-        text = ""
-        if ev.token_id >= 0:
-            self.n_tokens += 1
-            if not (ev.finish_reason == "stop" and ev.token_id in self.stop_ids):   # <|im_end|> is no text
-                text = self.detok.add(ev.token_id)
-        if ev.finish_reason is not None:
-            text += self.detok.flush()
-        out = self.stopper.feed(text)
-        if self.stopper.stopped:
-            self.finish_reason = "stop"
-        elif ev.finish_reason is not None:
-            out += self.stopper.flush()
-            self.finish_reason = ev.finish_reason
-        self.text += out
-        return out
-
 class Generation:
-    """A request's choices (made on a prepare thread); start() submits them to the engine loop, and
-    events() yields (choice, new_text) as their events arrive."""
+    """A request's choices, made on a prepare thread; start() submits them to the engine loop, and events()
+    yields (choice, new text) as their events arrive."""
 
-    def __init__(self, state: ServerState, req: SamplingRequest):
+    def __init__(self, state: ServerState, req: SamplingRequest, prompts: dict[str, str | list[int]],
+                 max_tokens: int | None, prefix: str, parser: Callable[[], StreamParser] | None = None,
+                 echo: bool = False):
+        """req.n choices per prompt ({param: text or token ids}), each prompt tokenized once, or a 400 at its
+        param if it cannot fit (a text from its length, before tokenizing). Sampling: the request's fields
+        over generation_config.json's; max_tokens at most the room the prompt leaves (all of it when unset,
+        as in vLLM); seeds seed+i, each reproducible."""
         self.state, self.stream, self.include_usage, self.choices = state, req.stream, req.include_usage, []
+        self.id, self.created, self.queue = f"{prefix}-{uuid.uuid4().hex}", int(time.time()), asyncio.Queue()
+        for param, prompt in prompts.items():
+            if isinstance(prompt, str) and state.max_prompt_chars is not None and len(prompt) > state.max_prompt_chars:
+                raise bad_request(f"the prompt has {len(prompt)} characters; a context of {state.max_ctx} tokens "
+                                  f"holds at most {state.max_prompt_chars} (a token covers at most "
+                                  f"{state.longest_token} characters); shorten the prompt or start the server "
+                                  "with a larger --max-ctx", param)
+            ids = state.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            try:
+                check_prompt(ids, state.max_ctx, state.vocab_size)
+            except ValueError as e:
+                raise bad_request(str(e), param) from None
+            room = state.max_ctx - len(ids)
+            p = SamplingParams.from_defaults(state.sampling_defaults, max_tokens=min(max_tokens or room, room),
+                                             **req.model_dump(include=SAMPLING_FIELDS))
+            shown = (prompt if isinstance(prompt, str) else state.tokenizer.decode(ids)) if echo else ""
+            self.choices += [Choice(len(self.choices) + i, ids, replace(p, seed=None if p.seed is None else p.seed + i),
+                                    state.tokenizer, parser, shown) for i in range(req.n)]
 
     @classmethod
-    async def start(cls, request: Request, raw: bytes, prepare: Callable[[ServerState, bytes], Generation],
-                    prefix: str) -> Generation:
+    async def start(cls, request: Request, raw: bytes, prepare: Callable[[ServerState, bytes], Generation]
+                    ) -> Generation:
         """prepare(state, raw) on a prepare thread (its time grows with the body; the event loop stays free),
-        then its choices submitted."""
+        then its choices submitted, each with a sink that puts (choice, event) on the queue."""
         state, loop = request.app.state.server, asyncio.get_running_loop()
         pool = state.pools["small" if len(raw) <= state.limits.small_body_bytes else "large"]
         gen = await loop.run_in_executor(pool, prepare, state, raw)
-        gen.id, gen.created, gen.queue = f"{prefix}-{uuid.uuid4().hex}", int(time.time()), asyncio.Queue()
 
-        def sink(item):      # called on the engine thread: call_soon_threadsafe is the safe way in
+        def sink(c: Choice, item):      # called on the engine thread: call_soon_threadsafe is the safe way in
             with contextlib.suppress(RuntimeError):       # the event loop is closed: shutting down
-                loop.call_soon_threadsafe(gen.queue.put_nowait, item)
+                loop.call_soon_threadsafe(gen.queue.put_nowait, (c, item))
 
-        gen.by_id = {c.id: c for c in gen.choices}
         for c in gen.choices:
-            state.loop.submit(EngineRequest(c.id, c.prompt_ids, c.params), sink)
+            state.loop.submit(EngineRequest(c.id, c.prompt_ids, c.params), functools.partial(sink, c))
         return gen
 
     def reply(self, kind: str, **fields) -> Reply:     # a reply or chunk of this generation (its "object")
@@ -207,18 +178,18 @@ class Generation:
 
     async def events(self):
         while not all(c.done for c in self.choices):
-            item = await self.queue.get()
+            c, item = await self.queue.get()
+            if isinstance(item, APIError):
+                raise item
             if isinstance(item, ValueError):
                 raise bad_request(str(item))
             if isinstance(item, Exception):
                 raise APIError(500, str(item), type="server_error")
-            c = self.by_id.get(item.request_id)
-            if c is None or c.done:
-                continue
-            text = c.on_event(item)
-            if c.stopper.stopped and item.finish_reason is None:
-                self.state.loop.abort(c.id)   # a stop string ended it: the engine would go on
-            yield c, text
+            if not c.done:
+                text = c.feed(item)
+                if c.done and item.finish_reason is None:
+                    self.state.loop.abort(c.id)   # a stop string ended it: the engine would go on
+                yield c, text
 
     def close(self) -> None:
         """The client is gone (or an error): abort what still runs, so nothing leaks."""
@@ -237,26 +208,19 @@ class Generation:
         return usage
 
     async def run_to_end(self, request: Request, on_text: Callable = lambda c, text: None) -> None:
-        """Drive a non-streaming generation; abort it if the client disconnects first."""
-        async def drive():
-            async for c, text in self.events():
-                on_text(c, text)
-
-        async def disconnected():    # the body was read, so the next message is the disconnect
+        """Drive a non-streaming generation; a disconnect first ends it with an error nobody reads."""
+        async def watch():       # the body was read, so the next message is the disconnect
             while (await request.receive())["type"] != "http.disconnect":
                 pass
+            self.queue.put_nowait((None, APIError(400, "the client closed the connection before the answer was ready")))
 
-        tasks = work, _ = [asyncio.ensure_future(drive()), asyncio.ensure_future(disconnected())]
+        watcher = asyncio.ensure_future(watch())
         try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            async for c, text in self.events():
+                on_text(c, text)
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            watcher.cancel()
             self.close()     # aborts whatever has not finished (client gone, or an error in one choice)
-        if work.cancelled():     # nobody reads this reply; it only ends the handler
-            raise APIError(400, "the client closed the connection before the answer was ready")
-        work.result()        # re-raise an engine error as the reply
 
 def stream(gen: Generation, kind: str, first: Iterable[Reply], pieces: Callable[[Choice, str], Iterable[Reply]]
            ) -> StreamingResponse:

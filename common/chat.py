@@ -38,9 +38,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
-from common.engine import Request
+from common.engine import Request, TokenEvent
 from common.parsing import StreamParser, prompt_opens_think
 from common.sampling import SamplingParams
+from common.stopping import AnswerText
 
 HELP = """\
 Type a message and press Enter. Commands:
@@ -335,14 +336,10 @@ class Chat:
     def _stream(self, req: Request, prompt: str) -> tuple[str, TurnStats]:
         """Drive the engine until `req` finishes, showing text as it comes."""
         ui = self.ui
-        detok = self.tokenizer.detokenizer()
+        answer = AnswerText(self.tokenizer.detokenizer())   # events -> text, end-of-turn ids left out
         # the parser always recognises <think>; /think decides whether it is shown
         parser = StreamParser(thinking=True, tools=False, start_in_reasoning=prompt_opens_think(prompt))
-        # end-of-turn ids end the answer; their text (<|im_end|>) is not part of it
-        end_ids = set(self.tokenizer.eos_token_ids) | set(req.params.stop_token_ids)
-        pieces: list[str] = []       # the raw text produced: what goes back into the conversation
-        n_generated, n_reasoning = 0, 0
-        finish, t_first = None, None
+        n_reasoning, t_first = 0, None
 
         def show(deltas):
             nonlocal n_reasoning
@@ -352,7 +349,7 @@ class Chat:
                         ui.reasoning(d.text)
                     else:
                         n_reasoning += 1
-                        ui.waiting(f"thinking (hidden, /think on shows it) · {n_generated} tokens")
+                        ui.waiting(f"thinking (hidden, /think on shows it) · {answer.n_tokens} tokens")
                 elif d.kind == "content":
                     ui.content(d.text)
 
@@ -361,31 +358,21 @@ class Chat:
         t0 = time.perf_counter()
         with _CtrlC() as ctrl_c:
             aborted = False
-            while finish is None:
+            while not answer.done:
                 if ctrl_c.hit and not aborted:
                     self.engine.abort(req.id)    # the next step reports it with finish_reason "abort"
                     aborted = True
-                if not self.engine.has_work():
-                    finish = "abort" if aborted else "stop"
+                if not self.engine.has_work():   # it ended without an event: the same as one
+                    show(parser.feed(answer.feed(TokenEvent(req.id, -1, "abort" if aborted else "stop"))))
                     break
                 for ev in self.engine.step():
-                    if ev.request_id != req.id:
-                        continue
-                    if ev.token_id >= 0:
-                        if t_first is None:
+                    if ev.request_id == req.id:
+                        if ev.token_id >= 0 and t_first is None:
                             t_first = time.perf_counter()
-                        n_generated += 1
-                        if not (ev.finish_reason == "stop" and ev.token_id in end_ids):
-                            text = detok.add(ev.token_id)
-                            pieces.append(text)
-                            show(parser.feed(text))
-                    if ev.finish_reason is not None:
-                        finish = ev.finish_reason
-                        break
+                        show(parser.feed(answer.feed(ev)))
         t_end = time.perf_counter()
-        tail = detok.flush()
-        pieces.append(tail)
-        show(parser.feed(tail) + parser.finish())
+        show(parser.finish())
+        finish, n_generated = answer.finish_reason, answer.n_tokens
 
         t_first = t_first or t_end
         n_prompt = len(req.prompt_ids)
@@ -397,10 +384,10 @@ class Chat:
         if finish == "length" and used >= self.engine.max_ctx:
             note = (f"The context is full ({used} of {self.engine.max_ctx} tokens): "
                     "type /reset to start a new conversation.")
-        elif n_reasoning and not self.thinking and not any(p.strip() for p in pieces):
+        elif n_reasoning and not self.thinking and not answer.text.strip():
             note = "(the answer was all thinking; /think on shows it)"
         ui.end_answer(stats, note)
-        return "".join(pieces), stats
+        return answer.text, stats
 
 
 # --------------------------------------------------------------------------- input

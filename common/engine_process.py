@@ -2,15 +2,13 @@
 abort, idle, stop). The child runs an EngineLoop of its own: it steps while it has work and sends each
 step's events in one message. A Request crosses the pipe one way, TokenEvents (ids) the other. If the
 child dies, the pipe closes: what it held fails, and a new child starts ("spawn": a fork of a threaded
-server is not safe, so the builder must be importable)."""
+server is not safe, so the builder is pickled by name and must be a module-level function)."""
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 import multiprocessing
 import signal
-import sys
 import threading
 import time
 from contextlib import suppress
@@ -20,11 +18,10 @@ from common.engine_loop import EngineLoop, Sink
 
 log = logging.getLogger("qwen3-stages.server")
 
-def _child(conn, builder: str, folder, args) -> None:
+def _child(conn, build_engine, folder, args) -> None:
     """Build the engine and run an EngineLoop on it, with the calls that come down the pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # Ctrl-C stops the server, which stops the child
-    module, name = builder.split(":")
-    engine = getattr(importlib.import_module(module), name)(folder, args)
+    engine = build_engine(folder, args)
     conn.send((engine.max_ctx, getattr(engine, "config", None)))     # what the server reads of the engine
     out: list[tuple[str, TokenEvent | Exception]] = []   # this step's (request id, event), on the engine thread
 
@@ -52,23 +49,18 @@ class EngineProcess:
     engine = None                             # it is in the child (usage has no prefix-cache count)
 
     def __init__(self, build_engine, folder, args):
-        if not isinstance(build_engine, str):     # 'package.module:function', also when run as __main__
-            module = build_engine.__module__
-            if module == "__main__":
-                module = getattr(sys.modules["__main__"].__spec__, "name", None) or module
-            build_engine = f"{module}:{build_engine.__qualname__}"
-        self.builder, self.folder, self.args = build_engine, folder, args
-        self.lock, self.restarts, self.stopping = threading.Lock(), 0, False
+        self.child_args = (build_engine, folder, args)   # build_engine(folder, args) runs in the child
+        self.lock, self.restarts, self.stopping = threading.RLock(), 0, False
         self.up = True                        # False from a death until the new child has loaded (/healthz)
         self.sinks: dict[str, Sink] = {}      # the requests sent to this child
         self.waiting: dict[str, tuple[Request, Sink]] = {}   # submitted while there was no child to take them
         self._start()
+        threading.Thread(target=self._read, name="engine-process", daemon=True).start()
 
     def _start(self) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child_end = ctx.Pipe()
-        self.proc = ctx.Process(target=_child, args=(child_end, self.builder, self.folder, self.args),
-                                name="engine", daemon=True)
+        self.proc = ctx.Process(target=_child, args=(child_end, *self.child_args), name="engine", daemon=True)
         self.proc.start()
         child_end.close()          # so that the child's death closes the pipe for us
         try:
@@ -76,7 +68,6 @@ class EngineProcess:
         except EOFError:
             self.proc.join(5)
             raise RuntimeError(f"the engine process exited while loading (exit code {self.proc.exitcode})") from None
-        threading.Thread(target=self._read, args=(self.conn,), name="engine-process", daemon=True).start()
 
     def submit(self, req: Request, sink: Sink) -> None:
         with self.lock:
@@ -108,21 +99,23 @@ class EngineProcess:
         if self.proc.is_alive():
             self.proc.kill()
 
-    def _read(self, conn) -> None:
-        """A child's reader thread: each event to its request's sink, until the pipe closes (the child died)."""
-        with suppress(EOFError, OSError):
-            while True:
-                for rid, item in conn.recv():
-                    ended = not isinstance(item, TokenEvent) or item.finish_reason is not None
-                    sink = self.sinks.pop(rid, None) if ended else self.sinks.get(rid)
-                    if sink is not None:
-                        sink(item)
-        if not self.stopping:
+    def _read(self) -> None:
+        """The reader thread: each event to its request's sink, until the pipe closes (the child died), then
+        the next child; it reads that one once it has been handed what waits."""
+        while not self.stopping:
+            with suppress(EOFError, OSError):
+                while True:
+                    for rid, item in self.conn.recv():
+                        ended = not isinstance(item, TokenEvent) or item.finish_reason is not None
+                        sink = self.sinks.pop(rid, None) if ended else self.sinks.get(rid)
+                        if sink is not None:
+                            sink(item)
             self._restart()
 
     def _restart(self) -> None:
-        """What the dead child held fails; a new child (and its reader) starts, retried each second, and takes
-        what waits."""
+        """What the dead child held fails; a new child starts (retried each second) and takes what waits."""
+        if self.stopping:
+            return
         self.proc.join(5)
         code = self.proc.exitcode
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
@@ -140,8 +133,7 @@ class EngineProcess:
                 time.sleep(1)
         if self.stopping:
             return
-        with self.lock:
-            for rid, (req, sink) in self.waiting.items():
-                self.sinks[rid] = sink
-                self.conn.send(("add", req))
-            self.waiting, self.up, self.restarts = {}, True, self.restarts + 1
+        with self.lock:                       # (an RLock: submit() takes it too)
+            waiting, self.waiting, self.up, self.restarts = self.waiting, {}, True, self.restarts + 1
+            for req, sink in waiting.values():
+                self.submit(req, sink)        # if this child has died already, they wait for the next

@@ -16,6 +16,7 @@ from common.chat_template import ChatTemplate
 from common.engine import Request
 from common.models import resolve_model
 from common.sampling import SamplingParams
+from common.stopping import AnswerText
 from common.tokenizer import Tokenizer
 
 
@@ -68,19 +69,15 @@ def main(build_engine, argv=None, prog: str = "python -m stage1_cpu.generate", a
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    detok = tok.detokenizer()
-    n_out = 0
+    answer = AnswerText(tok.detokenizer())     # events -> text, the end-of-turn id left out
     t0 = time.perf_counter()
-    failed = False
     while engine.has_work():
         for ev in engine.step():
-            failed |= ev.finish_reason == "error"
-            if ev.finish_reason not in ("stop", "abort", "error"):   # those carry no answer text
-                sys.stdout.write(detok.add(ev.token_id))
-                sys.stdout.flush()
-                n_out += 1
-    sys.stdout.write(detok.flush() + "\n")
-    if failed:
+            sys.stdout.write(answer.feed(ev))
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    n_out = answer.n_tokens - (answer.finish_reason == "stop")     # the tokens of the answer text
+    if answer.finish_reason == "error":
         print("error: the engine could not go on (its logits were not finite)", file=sys.stderr)
         return 1
     wall = time.perf_counter() - t0
