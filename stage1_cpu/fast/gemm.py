@@ -307,30 +307,25 @@ def repack_int4(b, s, m, gs, r0, wl, sl, ml):
                 ml[(v * G + g) * 8 + lane] = f16_to_f32(m[r0 + 8 * v + lane, g])
 
 
-INT8, INT4, INT4_16 = 0, 1, 2  # the tiles _block runs: int8 x int16 pairs, int4 quads x int8, int4 pairs x int16
+def _blocks(tile, RB, TT):
+    """The loops around one tile kind (each compiled on its own: a tile is a lot of code)."""
+    @njit(inline="always", fastmath=FAST, error_model="numpy")
+    def block(wl, xf, sl, xsf, ml, xsumf, G, gs, out, ostride, c0, nv, T):
+        """nv 8-row vectors repacked in wl, sl (ml), every token, TOKEN_BLOCK tokens at a time,
+        RB x TT per tile, into out [T, ostride] (vector v at column c0 + 8 v)."""
+        Kp = G * gs
+        for t0 in range(0, T, TOKEN_BLOCK):
+            t_end = min(T, t0 + TOKEN_BLOCK)
+            for v in range(0, nv, RB):
+                for t in range(t0, t_end, TT):
+                    tile(wl, v * Kp * 8, xf, t * Kp, Kp, sl, v * G * 8, xsf, t * G, G, gs, ml, xsumf,
+                         out, t * ostride + c0 + 8 * v, ostride, min(RB, nv - v), min(TT, t_end - t))
+    return block
 
 
-@njit(inline="always", fastmath=FAST, error_model="numpy")
-def _block(kind, wl, xf, sl, xsf, ml, xsumf, G, gs, out, ostride, c0, nv, T):
-    """nv 8-row vectors repacked in wl, sl (ml), every token, TOKEN_BLOCK tokens at a time,
-    RB x TT per tile, into out [T, ostride] (vector v at column c0 + 8 v)."""
-    Kp = G * gs
-    RB, TT = (RB4, TT4) if kind == INT4 else (RB8, TT8)
-    for t0 in range(0, T, TOKEN_BLOCK):
-        t_end = min(T, t0 + TOKEN_BLOCK)
-        for v in range(0, nv, RB):
-            n_rb = min(RB, nv - v)
-            for t in range(t0, t_end, TT):
-                n_tok = min(TT, t_end - t)
-                if kind == INT4:
-                    tile_int4(wl, v * Kp * 8, xf, t * Kp, Kp, sl, v * G * 8, xsf, t * G, G, gs,
-                              ml, xsumf, out, t * ostride + c0 + 8 * v, ostride, n_rb, n_tok)
-                elif kind == INT4_16:
-                    tile_int4_16(wl, v * Kp * 8, xf, t * Kp, Kp, sl, v * G * 8, xsf, t * G, G, gs,
-                                 ml, xsumf, out, t * ostride + c0 + 8 * v, ostride, n_rb, n_tok)
-                else:
-                    tile_int8(wl, v * Kp * 8, xf, t * Kp, Kp, sl, v * G * 8, xsf, t * G, G, gs,
-                              ml, xsumf, out, t * ostride + c0 + 8 * v, ostride, n_rb, n_tok)
+block_int8 = _blocks(tile_int8, RB8, TT8)           # int8 weights, pairs x int16 (or int8 widened)
+block_int4 = _blocks(tile_int4, RB4, TT4)           # int4 weights, quads x int8
+block_int4_16 = _blocks(tile_int4_16, RB8, TT8)     # int4 weights, pairs x int16
 
 
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
@@ -346,26 +341,37 @@ def gemm_int8(x16, xs, q16, s, out):
         nv = min(BLOCK_RB, nv_all - blk * BLOCK_RB)
         wl, sl = np.empty(nv * Kp * 4, dtype=np.int16), np.empty(nv * G * 8, dtype=np.float32)
         repack_int8(q16, s, 8 * BLOCK_RB * blk, wl, sl)
-        _block(INT8, wl, xf, sl, xsf, sl, xsf, G, gs, of, out.shape[1], 8 * BLOCK_RB * blk, nv, T)
+        block_int8(wl, xf, sl, xsf, sl, xsf, G, gs, of, out.shape[1], 8 * BLOCK_RB * blk, nv, T)
 
 
-@njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
-def gemm_int4(xq, xs, xsum, b, s, m, out):
-    """xq [T, G, gs] int8 with b [O, Kp/8] uint32 (the stored nibble pairs 4 bytes at a time: the quads
-    tile), or xq int16 with b [O, Kp/4] uint16 (2 bytes at a time: the pairs tile); xs, xsum [T, G]
-    f32, s, m [O, G] fp16 scales and minima -> out [T, 8 ceil(O / 8)]:
-    out[t, r] = sum_g s xs (nibbles . xq) + m xsum. Each thread repacks BLOCK_RB x 8 rows at a time."""
+@njit(inline="always", fastmath=FAST, error_model="numpy")
+def _gemm_int4(block, xq, xs, xsum, b, s, m, out):
+    """gemm_int4 and gemm_int4_16: block is block_int4 (b uint32) or block_int4_16 (b uint16)."""
     T, G, gs = xq.shape
     O, Kp = b.shape[0], G * gs
     xf, xsf, xsumf, of = xq.reshape(-1), xs.reshape(-1), xsum.reshape(-1), out.reshape(-1)
-    kind = INT4 if b.itemsize == 4 else INT4_16
     nv_all = -(-O // 8)
     for blk in prange(-(-nv_all // BLOCK_RB)):
         nv = min(BLOCK_RB, nv_all - blk * BLOCK_RB)
         wl = np.empty(nv * Kp * 8 // b.itemsize, dtype=b.dtype)
         sl, ml = np.empty(nv * G * 8, dtype=np.float32), np.empty(nv * G * 8, dtype=np.float32)
         repack_int4(b, s, m, gs, 8 * BLOCK_RB * blk, wl, sl, ml)
-        _block(kind, wl, xf, sl, xsf, ml, xsumf, G, gs, of, out.shape[1], 8 * BLOCK_RB * blk, nv, T)
+        block(wl, xf, sl, xsf, ml, xsumf, G, gs, of, out.shape[1], 8 * BLOCK_RB * blk, nv, T)
+
+
+@njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
+def gemm_int4(xq, xs, xsum, b32, s, m, out):
+    """xq [T, G, gs] int8, xs, xsum [T, G] f32; b32 [O, Kp/8] the stored nibble pairs 4 bytes at a
+    time, s, m [O, G] fp16 scales and minima -> out [T, 8 ceil(O / 8)]:
+    out[t, r] = sum_g s xs (nibbles . xq) + m xsum, on the quads tile."""
+    _gemm_int4(block_int4, xq, xs, xsum, b32, s, m, out)
+
+
+@njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
+def gemm_int4_16(x16, xs, xsum, b16, s, m, out):
+    """gemm_int4 for x16 [T, G, gs] int16, b16 [O, Kp/4] (the nibble pairs 2 bytes at a time), on the
+    pairs tile."""
+    _gemm_int4(block_int4_16, x16, xs, xsum, b16, s, m, out)
 
 
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
@@ -409,8 +415,8 @@ def gemm(w, x: np.ndarray, act: str = "int8") -> np.ndarray:
     if w.fmt == "int8":
         gemm_int8(xq.astype(np.int16, copy=False), xs, data.view(np.int16), scales, out)
     else:
-        b = data.view(np.uint16 if act == "int16" else np.uint32)
-        gemm_int4(xq, xs, xsum, b, scales, w.mins.view(np.uint16), out)
+        run, word = (gemm_int4_16, np.uint16) if act == "int16" else (gemm_int4, np.uint32)
+        run(xq, xs, xsum, data.view(word), scales, w.mins.view(np.uint16), out)
     return out if out.shape[1] == O else np.ascontiguousarray(out[:, :O])
 
 
