@@ -252,11 +252,28 @@ def transpose8x8(typingctx, src, soff, stride, dst, doff, shift, mask):
 
 
 @njit(inline="always", fastmath=FAST, error_model="numpy")
+def repack_scales(s, r0, v, lanes, sl, tmp):
+    """sl[(v G + g) 8 + l] = s[r0 + 8 v + l, g] as f32, l < lanes: 8 rows' fp16 scales (or minima) side
+    by side, 8 groups at a time through transpose8x8 (tmp: 64 uint16) where 8 rows and G % 8 == 0."""
+    G = s.shape[1]
+    if lanes == 8 and G % 8 == 0:
+        for g0 in range(0, G, 8):
+            transpose8x8(s, (r0 + 8 * v) * G + g0, G, tmp, 0, 0, 0xFFFF)
+            for j in range(64):
+                sl[(v * G + g0) * 8 + j] = f16_to_f32(tmp[j])
+    else:
+        for lane in range(lanes):
+            for g in range(G):
+                sl[(v * G + g) * 8 + lane] = f16_to_f32(s[r0 + 8 * v + lane, g])
+
+
+@njit(inline="always", fastmath=FAST, error_model="numpy")
 def repack_int8(q16, s, r0, wl, sl):
     """Rows r0 .. r0 + 8 nv of q16 [O, Kp/2] (int8 value pairs as int16), s [O, G] fp16 bits ->
     wl [nv Kp/2 8] int16 (pair k of row 8 v + l at (v Kp/2 + k) 8 + l), sl [nv G 8] f32; rows past O: zeros."""
     O, N = q16.shape
     G, nv = s.shape[1], wl.size // (8 * N)
+    tmp = np.empty(64, dtype=np.uint16)
     if O - r0 < 8 * nv:                            # the last block: its missing rows are zeros
         wl[:] = 0
         sl[:] = 0
@@ -269,9 +286,7 @@ def repack_int8(q16, s, r0, wl, sl):
             for k in range(N):
                 for lane in range(lanes):
                     wl[(v * N + k) * 8 + lane] = q16[r0 + 8 * v + lane, k]
-        for lane in range(lanes):
-            for g in range(G):
-                sl[(v * G + g) * 8 + lane] = f16_to_f32(s[r0 + 8 * v + lane, g])
+        repack_scales(s, r0, v, lanes, sl, tmp)
 
 
 @njit(inline="always", fastmath=FAST, error_model="numpy")
@@ -283,6 +298,7 @@ def repack_int4(b, s, m, gs, r0, wl, sl, ml):
     O = b.shape[0]
     G, n4 = s.shape[1], gs // b.itemsize
     nv = wl.size // (8 * G * n4)
+    tmp = np.empty(64, dtype=np.uint16)
     if O - r0 < 8 * nv:                            # the last block: its missing rows are zeros
         wl[:] = 0
         sl[:] = 0
@@ -302,9 +318,8 @@ def repack_int4(b, s, m, gs, r0, wl, sl, ml):
                 for k in range(n4):
                     for lane in range(lanes):
                         wl[(at + k) * 8 + lane] = (b[r0 + 8 * v + lane, src + k] >> shift) & 0x0F0F0F0F
-            for lane in range(lanes):
-                sl[(v * G + g) * 8 + lane] = f16_to_f32(s[r0 + 8 * v + lane, g])
-                ml[(v * G + g) * 8 + lane] = f16_to_f32(m[r0 + 8 * v + lane, g])
+        repack_scales(s, r0, v, lanes, sl, tmp)
+        repack_scales(m, r0, v, lanes, ml, tmp)
 
 
 def _blocks(tile, RB, TT):
@@ -410,13 +425,13 @@ def gemm(w, x: np.ndarray, act: str = "int8") -> np.ndarray:
     the pairs tile, at vpmaddwd's rate instead of vpmaddubsw's)."""
     T, gs, O = x.shape[0], w.group_size, w.out_features
     out = np.empty((T, 8 * -(-O // 8)), dtype=np.float32)
-    data, scales = np.ascontiguousarray(w.data).reshape(O, -1), w.scales.view(np.uint16)
+    data, scales = np.ascontiguousarray(w.data).reshape(O, -1), np.ascontiguousarray(w.scales).view(np.uint16)
     xq, xs, xsum = (round_prompt16 if act == "int16" else round_prompt8)(x.reshape(T, -1, gs))  # [T, G, gs], [T, G]
     if w.fmt == "int8":
         gemm_int8(xq.astype(np.int16, copy=False), xs, data.view(np.int16), scales, out)
     else:
         run, word = (gemm_int4_16, np.uint16) if act == "int16" else (gemm_int4, np.uint32)
-        run(xq, xs, xsum, data.view(word), scales, w.mins.view(np.uint16), out)
+        run(xq, xs, xsum, data.view(word), scales, np.ascontiguousarray(w.mins).view(np.uint16), out)
     return out if out.shape[1] == O else np.ascontiguousarray(out[:, :O])
 
 
