@@ -154,35 +154,40 @@ def test_int8_prefill_logits_close_to_transformers(family):
 
 
 @NEEDS_INT8
+@pytest.mark.parametrize("O,K", [(21, 128), (24, 512)])      # a last vector of 5 rows, G = 2; two full ones, G = 8
 @pytest.mark.parametrize("fmt,per", [("int8", 2), ("int4", 4), ("int4", 2)])
-def test_repacked_block_puts_eight_rows_side_by_side(rng, fmt, per):
+def test_repacked_block_puts_eight_rows_side_by_side(rng, fmt, per, O, K):
     """repack_int8 / repack_int4 (what each thread builds before its tiles): vector v, group g,
     step j holds rows r0+8v..r0+8v+7's values j*per.. of group g (zeros past O), and the fp32
-    scales / minima of those rows; int4 in the quads layout (per 4) and the pairs one (per 2)."""
+    scales / minima of those rows (8 groups at a time through a transpose where G % 8 == 0);
+    int4 in the quads layout (per 4) and the pairs one (per 2)."""
     from numba import njit
 
     from stage1_cpu.fast import gemm
-    w = _weight(rng, fmt, 64, 21, 128)                         # 21 rows: from r0 = 8, the last vector has 5
-    r0, nv, G = 8, 2, 2
-    data, s = w.data.reshape(21, -1), w.scales.view(np.uint16)
+    w = _weight(rng, fmt, 64, O, K)                            # from r0 = 8, two vectors of 8 rows
+    r0, nv, G = 8, 2, K // 64
+    data, s = w.data.reshape(O, -1), w.scales.view(np.uint16)
     sl, ml = np.full(nv * G * 8, 7.0, np.float32), np.full(nv * G * 8, 7.0, np.float32)
     if fmt == "int8":
-        wl = np.full(nv * 128 * 4, 7, np.int16)
+        wl = np.full(nv * K * 4, 7, np.int16)
         njit(lambda q, s, r0, wl, sl: gemm.repack_int8(q, s, r0, wl, sl))(data.view(np.int16), s, r0, wl, sl)
         q = w.data
     else:
         word = np.uint32 if per == 4 else np.uint16
-        wl = np.full(nv * 128 * 8 // per, 7, word)
+        wl = np.full(nv * K * 8 // per, 7, word)
         njit(lambda b, s, m, gs, r0, wl, sl, ml: gemm.repack_int4(b, s, m, gs, r0, wl, sl, ml))(
             data.view(word), s, w.mins.view(np.uint16), 64, r0, wl, sl, ml)
-        q = np.stack([w.data & 15, w.data >> 4], axis=2).reshape(21, -1, 64)
+        q = np.stack([w.data & 15, w.data >> 4], axis=2).reshape(O, -1, 64)
     wp, sp = wl.view(np.uint8 if fmt == "int4" else np.int8).reshape(nv, G, 64 // per, 8, per), sl.reshape(nv, G, 8)
-    for r, g, k in [(8, 0, 0), (9, 1, 37), (20, 1, 63), (15, 0, 5)]:
+    for r, g, k in [(8, 0, 0), (9, 1, 37), (20, 1, 63), (15, 0, 5), (O - 1, G - 1, 62)]:
         assert wp[(r - r0) // 8, g, k // per, r % 8, k % per] == q[r, g, k]
-        assert sp[(r - r0) // 8, g, r % 8] == np.float32(w.scales[r:r + 1, g].view(np.float16)[0])
-        if fmt == "int4":
-            assert ml.reshape(nv, G, 8)[(r - r0) // 8, g, r % 8] == np.float32(w.mins[r:r + 1, g].view(np.float16)[0])
-    assert not wp[1, :, :, 5:].any() and not sp[1, :, 5:].any()
+    for got, half in [(sp, w.scales)] + ([(ml.reshape(nv, G, 8), w.mins)] if fmt == "int4" else []):
+        want = np.zeros((nv, G, 8), np.float32)                # every scale (minimum) in its lane, zeros past O
+        for r in range(r0, min(O, r0 + 8 * nv)):
+            want[(r - r0) // 8, :, r % 8] = half[r].view(np.float16)
+        np.testing.assert_array_equal(got, want)
+    if O == 21:
+        assert not wp[1, :, :, 5:].any()
 
 
 @NEEDS_INT8
