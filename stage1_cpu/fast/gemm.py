@@ -60,8 +60,8 @@ from . import kernels as fk
 from ..kernels import FAST
 from ..matmul import f16_to_f32
 
-RB8, TT8 = 2, 4               # int8: 8-row vectors x tokens per tile (16 rows x 4 tokens)
-RB4, TT4 = 2, 2               # int4: its int16 accumulators need registers too (16 rows x 2 tokens)
+RB8, TT8 = 2, 4               # pairs: 8-row vectors x tokens per tile (16 rows x 4 tokens)
+RB4, TT4 = 2, 2               # quads: their int16 accumulators need registers too (16 rows x 2 tokens)
 BLOCK_RB = 8                  # 8-row vectors a thread takes at a time (64 rows x Kp bytes: in L2)
 TOKEN_BLOCK = 48              # tokens per pass over a row block (48 x Kp activations: in L2 beside it)
 CHUNK = 32                    # values per unrolled run of steps (quads: the int16 accumulators' limit)
@@ -436,7 +436,7 @@ def gemm(w, x: np.ndarray, act: str = "int8") -> np.ndarray:
 
 
 def gemm_ref(xq, xs, xsum, w) -> np.ndarray:
-    """The numpy twin of gemm_int8 / gemm_int4, in float64: the integer dot products
+    """The numpy twin of gemm_int8 / gemm_int4 / gemm_int4_16, in float64: the integer dot products
     exactly, then the fp32 scales. w: a quant.Weight (int8 / int4); xq, xs, xsum from
     kernels.quantize_activations, or x16, xs from quantize_activations16 with xsum = xs sum(x16))."""
     T, G, gs = xq.shape

@@ -105,9 +105,10 @@ class FastWeight(Weight):
 
     def _matmul_int8_prefill(self, x: np.ndarray) -> np.ndarray:
         """Prefill on gemm.py's integer GEMM: x [T, Kp] rounded per token and group to int8
-        as at decode (prefill_act int8) or to int16 (int16), integer dot products in register tiles on 64 rows at a time,
-        repacked by each thread as it takes them (no copy of the weights is kept). Group
-        sizes that are not a multiple of 32, or past 256 (a group's int32 sum), take the core's tile + sgemm."""
+        as at decode (prefill_act int8) or to int16 (int16), integer dot products in register
+        tiles on 64 rows at a time, repacked by each thread as it takes them (no copy of the
+        weights is kept). Group sizes that are not a multiple of 32, or past 256 (a group's
+        int32 sum), take the core's tile + sgemm."""
         from . import gemm                                               # compiled on first prefill
         if self.group_size % gemm.CHUNK or self.group_size > 256:
             return super().matmul(x)
@@ -164,12 +165,9 @@ def check_act(decode_act: str, prefill_act: str, fmt: str, K: int) -> None:
     if decode_act == "int16" and not (fmt == "int8" and cpu.INT8):
         raise ValueError(f"int16 activations are not available for {fmt} weights on this CPU: they need "
                          f"int8 weights and an int8 dot product (VNNI or AVX2; {here}); use fp32")
-    if prefill_act == "int8" and not (fmt in ("int8", "int4") and cpu.INT8):
-        raise ValueError(f"int8 prefill activations are not available for {fmt} weights on this CPU: they need "
-                         f"int8 / int4 weights and an int8 dot product (VNNI or AVX2; {here}); use fp32")
-    if prefill_act == "int16" and not (fmt in ("int8", "int4") and cpu.INT8):
-        raise ValueError(f"int16 prefill activations are not available for {fmt} weights on this CPU: they need "
-                         f"int8 / int4 weights and an int8 dot product (VNNI or AVX2; {here}); use fp32")
+    if prefill_act in ("int8", "int16") and not (fmt in ("int8", "int4") and cpu.INT8):   # the integer GEMM
+        raise ValueError(f"{prefill_act} prefill activations are not available for {fmt} weights on this CPU: they "
+                         f"need int8 / int4 weights and an int8 dot product (VNNI or AVX2; {here}); use fp32")
     if prefill_act == "bf16" and not (cpu.BF16 and (fmt in ("int8", "int4") or (fmt == "bf16" and K % 2 == 0))):
         raise ValueError(f"bf16 activations are not available for {fmt} weights [*, {K}] on this CPU: "
                          f"they need bf16 / int8 / int4 weights, an even in_features (bf16) and "
