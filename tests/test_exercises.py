@@ -109,6 +109,7 @@ WRONG = [
     ("2.3", "        seq.block_table = []", "", "block table"),
     ("2.4", "victim = self.running[-1]", "victim = self.running[0]", "preempted"),        # the oldest
     ("2.4", "n = min(seq.num_uncomputed, budget)", "n = seq.num_uncomputed", "budget"),
+    ("2.4", "                if victim is seq:\n                    break\n", "", "itself"),  # preempts on for it
     ("2.5", "const int g = h / (H / Hkv);", "const int g = h % Hkv;", "head 1"),          # wrong GQA mapping
     ("3.1", "self._key(parent, chunk)", "self._key(None, chunk)", "parent"),             # an unchained key
     ("3.1", "key.ids != chunk or key.parent is not parent", "key.parent is not parent", "same P ids"),

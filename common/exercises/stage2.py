@@ -269,6 +269,9 @@ BUDGET_CASE = dict(num_pages=40, page_size=4, slots=3, token_budget=8,
                    arrivals=[(0, "a", 20, 3), (0, "b", 3, 4), (1, "c", 5, 3), (2, "d", 2, 2)])
 PREEMPT_CASE = dict(num_pages=6, page_size=4, slots=3, token_budget=16,
                     arrivals=[(0, "a", 9, 8), (0, "b", 6, 8), (1, "c", 4, 6)])
+# b's second chunk (14 tokens, 4 pages) does not fit even once b's own page is freed: b is
+# preempted and the loop stops there; a, scheduled before b in the same step, keeps running
+SELF_CASE = dict(num_pages=6, page_size=4, slots=3, token_budget=16, arrivals=[(0, "a", 12, 2), (0, "b", 18, 2)])
 
 
 def _simulate(sched_mod, case: dict, max_steps: int = 80) -> list[dict]:
@@ -318,7 +321,10 @@ def check_scheduler(ws: Workspace) -> None:
                               "what the budget leaves after the decodes"),
                              ("preemption", PREEMPT_CASE, "6 pages of 4 for three sequences that grow: the newest "
                               "running one is preempted (pages freed, recomputed later), possibly the sequence "
-                              "that needs the page itself")):
+                              "that needs the page itself"),
+                             ("preempting itself", SELF_CASE, "once the sequence that needs the pages has "
+                              "preempted itself, nothing more is preempted for it: the older sequences are already "
+                              "in this step's batch")):
         want, got = _simulate(reference, case), _simulate(mine, case)
         setting = (f"{case['num_pages']} pages of {case['page_size']}, slots {case['slots']}, token budget "
                    f"{case['token_budget']}, arrivals (step, id, prompt, tokens) {case['arrivals']}")
