@@ -173,11 +173,6 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     suffix: Annotated[Literal[""] | None, unsupported("'suffix' is")] = None
 
-    def prompts(self) -> list[str | list[int]]:
-        """Each prompt, with n choices of its own: at most MAX_CHOICES in all (the router checks)."""
-        p = self.prompt
-        return [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
-
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int

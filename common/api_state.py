@@ -1,7 +1,6 @@
-"""What the routers share: the limits, the server state (read from the model folder once), the
-dependencies of /v1 (the API key; a body under the size limit, counted against --max-concurrent),
-and a generation: its choices (made on a prepare thread) submitted to the engine loop, yielding
-(choice, new text), answered whole or as SSE by stream()."""
+"""What the routers share: the limits, the server state (read from the model folder once), the dependencies of /v1
+(the API key; a body under the size limit, counted against --max-concurrent), and a generation: its choices (made on
+a prepare thread) submitted to the engine loop, yielding (choice, new text), answered whole or as SSE by stream()."""
 from __future__ import annotations
 
 import asyncio
@@ -61,8 +60,7 @@ class ServerState:
         self.sampling_defaults = generation_defaults(folder)     # {} without a folder or its file
         SamplingParams(**self.sampling_defaults)        # a bad generation_config.json fails here, not per request
         self.max_ctx = min(x for x in (getattr(engine, "max_ctx", 0), max_ctx) if x)
-        config = getattr(engine, "config", None)
-        self.vocab_size = getattr(config, "vocab_size", 0) or tokenizer.vocab_size
+        self.vocab_size = getattr(getattr(engine, "config", None), "vocab_size", 0) or tokenizer.vocab_size
         if getattr(tokenizer, "id_to_token", None) and tokenizer.vocab_size and self.max_ctx:
             # a token covers at most its longest entry's characters (added tokens included: Qwen3's is 128),
             # and the NFC a tokenizer may apply first shrinks a text by well under half, hence 2x

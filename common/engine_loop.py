@@ -59,8 +59,7 @@ class EngineLoop:
     def _run(self) -> None:
         while True:
             with self.cond:       # 1. wait for work, then take what the HTTP side handed in
-                while not (self._adds or self._aborts or self._stop or self.busy):
-                    self.cond.wait()
+                self.cond.wait_for(lambda: self._adds or self._aborts or self._stop or self.busy)
                 if self._stop:
                     return
                 (adds, self._adds), (aborts, self._aborts) = (self._adds, []), (self._aborts, [])
