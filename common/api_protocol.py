@@ -12,9 +12,6 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, Validati
 from pydantic_core import PydanticCustomError
 
 MAX_CHOICES, MAX_STOP, MAX_STOP_CHARS = 64, 16, 256     # n (x prompts); stop strings, and their length
-# the fields a request passes on to SamplingParams, under its names (None: the model's default)
-SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "seed", "ignore_eos", "stop", "stop_token_ids"}
 
 class APIError(Exception):
     """An error the client caused (or a state it must wait out), with OpenAI's error body."""

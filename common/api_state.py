@@ -11,7 +11,7 @@ import json
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, AsyncIterator, Callable, Iterable
 
 from fastapi import Depends, Request
@@ -20,7 +20,7 @@ from pydantic import BaseModel, PositiveInt
 from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
-from common.api_protocol import SAMPLING_FIELDS, APIError, Reply, SamplingRequest, Usage, bad_request
+from common.api_protocol import APIError, Reply, SamplingRequest, Usage, bad_request
 from common.engine import Request as EngineRequest, check_prompt
 from common.engine_loop import EngineLoop
 from common.parsing import StreamParser
@@ -124,18 +124,18 @@ class Choice(AnswerText):
         self.echo = echo                     # completions: the text shown before the answer
 
 class Generation:
-    """A request's choices, made on a prepare thread; start() submits them to the engine loop, and events()
-    yields (choice, new text) as their events arrive."""
+    """A request's choices (made on a prepare thread); start() submits them, events() yields (choice, new text)."""
 
     def __init__(self, state: ServerState, req: SamplingRequest, prompts: dict[str, str | list[int]],
                  max_tokens: int | None, prefix: str, parser: Callable[[], StreamParser] | None = None,
                  echo: bool = False):
-        """req.n choices per prompt ({param: text or token ids}), each prompt tokenized once, or a 400 at its
-        param if it cannot fit (a text from its length, before tokenizing). Sampling: the request's fields
-        over generation_config.json's; max_tokens at most the room the prompt leaves (all of it when unset,
-        as in vLLM); seeds seed+i, each reproducible."""
+        """req.n choices per prompt ({param: text or token ids}), each prompt tokenized once, or a 400 at its param if
+        it cannot fit (a text from its length, before tokenizing). Sampling: the request's fields (SamplingParams'
+        names) over generation_config.json's; max_tokens at most the room the prompt leaves (all of it when unset, as in
+        vLLM); seeds seed+i, each reproducible."""
         self.state, self.stream, self.include_usage, self.choices = state, req.stream, req.include_usage, []
         self.id, self.created, self.queue = f"{prefix}-{uuid.uuid4().hex}", int(time.time()), asyncio.Queue()
+        asked = req.model_dump(include={f.name for f in fields(SamplingParams)} - {"max_tokens"})
         for param, prompt in prompts.items():
             if isinstance(prompt, str) and state.max_prompt_chars is not None and len(prompt) > state.max_prompt_chars:
                 raise bad_request(f"the prompt has {len(prompt)} characters; a context of {state.max_ctx} tokens "
@@ -148,8 +148,7 @@ class Generation:
             except ValueError as e:
                 raise bad_request(str(e), param) from None
             room = state.max_ctx - len(ids)
-            p = SamplingParams.from_defaults(state.sampling_defaults, max_tokens=min(max_tokens or room, room),
-                                             **req.model_dump(include=SAMPLING_FIELDS))
+            p = SamplingParams.from_defaults(state.sampling_defaults, max_tokens=min(max_tokens or room, room), **asked)
             shown = (prompt if isinstance(prompt, str) else state.tokenizer.decode(ids)) if echo else ""
             self.choices += [Choice(len(self.choices) + i, ids, replace(p, seed=None if p.seed is None else p.seed + i),
                                     state.tokenizer, parser, shown) for i in range(req.n)]

@@ -87,8 +87,7 @@ class EngineLoop:
             self.on_step()
 
     def _fail(self, e: Exception) -> None:
-        """A bug or an out-of-memory: the requests in flight get a server error and leave the engine; the
-        loop goes on."""
+        """A bug or an out-of-memory fails the requests in flight (a server error) and drops them; the loop goes on."""
         log.error("engine step failed: %s: %s", type(e).__name__, e, exc_info=e)
         for rid in list(self.sinks):
             self.sinks.pop(rid)(RuntimeError(f"the engine failed: {type(e).__name__}: {e}"))

@@ -44,8 +44,7 @@ def _child(conn, build_engine, folder, args) -> None:
     loop.stop()
 
 class EngineProcess:
-    """The server's side: submit() and abort() go down the pipe; a reader thread hands the child's events
-    to the requests' sinks, and starts a new child when one dies."""
+    """The server's side: submit() and abort() go down the pipe, and a reader thread (_read) hands events back."""
     engine = None                             # it is in the child (usage has no prefix-cache count)
 
     def __init__(self, build_engine, folder, args):
