@@ -25,8 +25,7 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 def param_of(loc) -> str | None:
-    """pydantic's loc ('messages', 0, 'content') as OpenAI writes it: messages[0].content.
-    A union's branch is tagged in parentheses, "(parts)": it is not part of the field."""
+    """pydantic's loc ('messages', 0, 'content') in OpenAI's form, messages[0].content, less union tags ("(parts)")."""
     out = ""
     for key in loc:
         if not (isinstance(key, str) and key.startswith("(")):
@@ -242,8 +241,13 @@ def _scan(raw: bytes, max_depth: int) -> None:
     keys: list = []     # per open container: its index, or its key (None: the next string is the key)
     for t in _TOKEN.findall(raw):
         if t in (b"[", b"{"):
-            if len(keys) >= max_depth:
-                raise _too_deep(["?" if key is None else key for key in keys], max_depth)
+            if len(keys) >= max_depth:      # named by its first four keys; the path shown is cut at 80 characters
+                path = ["?" if key is None else key for key in keys]
+                field = param_of(path[:4]) if path and isinstance(path[0], str) else None
+                full = param_of(path) or ""
+                at = f" (at {full[:80]}{'...' if len(full) > 80 else ''})" if full != field else ""
+                raise bad_request(f"{field or 'the request body'} nests arrays/objects more than {max_depth} levels "
+                                  f"deep{at}; send a flatter structure", field)
             keys.append(None if t == b"{" else 0)
         elif t in (b"]", b"}"):
             del keys[-1:]
@@ -266,11 +270,3 @@ def _scan(raw: bytes, max_depth: int) -> None:
                                   "leave it out", where)
             if is_key:
                 keys[-1] = text
-
-def _too_deep(keys: list, max_depth: int) -> APIError:
-    """Names the field by its first four keys; the message shows the full path, cut at 80 characters."""
-    field = param_of(keys[:4]) if keys and isinstance(keys[0], str) else None
-    full = param_of(keys) or ""
-    at = f" (at {full[:80]}{'...' if len(full) > 80 else ''})" if full != field else ""
-    return bad_request(f"{field or 'the request body'} nests arrays/objects more than {max_depth} levels "
-                       f"deep{at}; send a flatter structure", field)
