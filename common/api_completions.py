@@ -1,6 +1,4 @@
 """POST /v1/completions: a prompt (text or token ids, or a batch of them) -> its continuation."""
-from __future__ import annotations
-
 from fastapi import APIRouter, Depends, Request
 
 from common.api_protocol import MAX_CHOICES, CompletionRequest, Reply, ReplyChoice, bad_request, parse_request

@@ -1,8 +1,6 @@
 """The OpenAI API as pydantic models (as vLLM's protocol.py), errors, and a body's bytes -> a model.
 Fields are strict ("2" is not an integer) and bounded; unknown fields are ignored, as OpenAI does;
 what the server does not support is refused with a message. docs/server.md lists every limit."""
-from __future__ import annotations
-
 import json
 import re
 from typing import Annotated, Any, Literal, Union
@@ -15,7 +13,6 @@ MAX_CHOICES, MAX_STOP, MAX_STOP_CHARS = 64, 16, 256     # n (x prompts); stop st
 
 class APIError(Exception):
     """An error the client caused (or a state it must wait out), with OpenAI's error body."""
-
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None):
         super().__init__(message)
@@ -85,8 +82,6 @@ class SamplingRequest(Strict):
     user: str | None = None
     logprobs: Annotated[Literal[False, 0] | None, unsupported("logprobs are")] = None
     logit_bias: Annotated[Annotated[dict, Field(max_length=0)] | None, unsupported("logit_bias is")] = None
-
-    include_usage = property(lambda self: bool(self.stream_options and self.stream_options.include_usage))
 
 class TextPart(Strict):
     type: Literal["text"]
@@ -228,16 +223,9 @@ _ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")     # as 
 _TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{},]|NaN|-?Infinity')   # strings (whole), brackets, commas
 
 def parse_request(model: type[Strict], raw: bytes, max_depth: int) -> Strict:
-    """The body as `model`, or a 400 that names the field (on a prepare thread)."""
-    _scan(raw, max_depth)
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as e:
-        raise invalid_field(e.errors(include_url=False)[0]) from None
-
-def _scan(raw: bytes, max_depth: int) -> None:
-    """Follows the keys down the raw bytes, so also past Python's recursion limit (100,000 '[' cost 65
-    steps): a 400 naming the field for a container deeper than max_depth, a lone surrogate, or NaN."""
+    """The body as `model`, or a 400 that names the field (on a prepare thread). The scan first follows the keys
+    down the raw bytes, so also past Python's recursion limit (100,000 '[' cost 65 steps): a 400 naming the field
+    for a container deeper than max_depth, a lone surrogate, or NaN; then pydantic validates."""
     keys: list = []     # per open container: its index, or its key (None: the next string is the key)
     for t in _TOKEN.findall(raw):
         if t in (b"[", b"{"):
@@ -270,3 +258,7 @@ def _scan(raw: bytes, max_depth: int) -> None:
                                   "leave it out", where)
             if is_key:
                 keys[-1] = text
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise invalid_field(e.errors(include_url=False)[0]) from None

@@ -1,8 +1,6 @@
 """What the routers share: the limits, the server state (read from the model folder once), the dependencies of /v1
 (the API key; a body under the size limit, counted against --max-concurrent), and a generation: its choices (made on
 a prepare thread) submitted to the engine loop, yielding (choice, new text), answered whole or as SSE by stream()."""
-from __future__ import annotations
-
 import asyncio
 import contextlib
 import functools
@@ -116,7 +114,6 @@ def body_schema(model) -> dict:
 
 class Choice(AnswerText):
     """One engine request of a generation: its prompt and sampling, and its answer so far (AnswerText)."""
-
     def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams, tokenizer, parser, echo: str):
         super().__init__(tokenizer.detokenizer(), params.stop)
         self.index, self.id, self.prompt_ids, self.params = index, uuid.uuid4().hex, prompt_ids, params
@@ -125,15 +122,14 @@ class Choice(AnswerText):
 
 class Generation:
     """A request's choices (made on a prepare thread); start() submits them, events() yields (choice, new text)."""
-
     def __init__(self, state: ServerState, req: SamplingRequest, prompts: dict[str, str | list[int]],
                  max_tokens: int | None, prefix: str, parser: Callable[[], StreamParser] | None = None,
                  echo: bool = False):
-        """req.n choices per prompt ({param: text or token ids}), each prompt tokenized once, or a 400 at its param if
-        it cannot fit (a text from its length, before tokenizing). Sampling: the request's fields (SamplingParams'
-        names) over generation_config.json's; max_tokens at most the room the prompt leaves (all of it when unset, as in
-        vLLM); seeds seed+i, each reproducible."""
-        self.state, self.stream, self.include_usage, self.choices = state, req.stream, req.include_usage, []
+        """req.n choices per prompt ({param: text or ids}), each tokenized once; a 400 at its param if it cannot fit (a
+        text judged by its length first). Sampling: the request's SamplingParams fields over generation_config.json's;
+        max_tokens at most the room the prompt leaves (all of it when unset, as vLLM); seeds seed+i, reproducible."""
+        self.state, self.stream, self.choices = state, req.stream, []
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         self.id, self.created, self.queue = f"{prefix}-{uuid.uuid4().hex}", int(time.time()), asyncio.Queue()
         asked = req.model_dump(include={f.name for f in fields(SamplingParams)} - {"max_tokens"})
         for param, prompt in prompts.items():
@@ -154,8 +150,8 @@ class Generation:
                                     state.tokenizer, parser, shown) for i in range(req.n)]
 
     @classmethod
-    async def start(cls, request: Request, raw: bytes, prepare: Callable[[ServerState, bytes], Generation]
-                    ) -> Generation:
+    async def start(cls, request: Request, raw: bytes, prepare: Callable[[ServerState, bytes], "Generation"]
+                    ) -> "Generation":
         """prepare(state, raw) on a prepare thread (its time grows with the body; the event loop stays free),
         then its choices submitted, each with a sink that puts (choice, event) on the queue."""
         state, loop = request.app.state.server, asyncio.get_running_loop()
@@ -221,10 +217,9 @@ class Generation:
 
 def stream(gen: Generation, kind: str, first: Iterable[Reply], pieces: Callable[[Choice, str], Iterable[Reply]]
            ) -> StreamingResponse:
-    """An SSE answer of `kind` chunks: the `first` chunks, then pieces(choice, new_text) as text arrives, the
-    usage chunk when asked for, and [DONE]. An engine error ends it as an error event. Starlette cancels it
-    when the client disconnects, while no token is ready too (it listens under uvicorn's ASGI 2.3); gen.close()
-    then aborts what still runs."""
+    """An SSE answer of `kind` chunks: the `first` ones, then pieces(choice, new_text) as text arrives, the usage chunk
+    when asked for, and [DONE]; an engine error ends it as an error event. Starlette cancels it when the client
+    disconnects, even while no token is ready (it listens under uvicorn's ASGI 2.3); gen.close() aborts the rest."""
     async def events():
         try:
             for chunk in first:

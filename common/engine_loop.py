@@ -11,8 +11,6 @@ through the sink it gave, a function that puts them on its asyncio queue:
 For a stage-2 reader it is the outer loop of LLMEngine: the scheduler runs inside step().
 With --engine-process this loop runs in the child (common/engine_process.py).
 """
-from __future__ import annotations
-
 import contextlib
 import logging
 import threading
@@ -20,12 +18,11 @@ from typing import Callable
 
 from common.engine import Request, TokenEvent
 
-log = logging.getLogger("qwen3-stages.server")
+log = logging.getLogger("qwen3-stages.server")   # the server's logger (all its files)
 Sink = Callable[[TokenEvent | Exception], None]
 
 class EngineLoop:
     """Owns the engine; submit() and abort() append under a lock, the thread applies them between steps."""
-
     def __init__(self, engine, on_step: Callable[[], None] = lambda: None):
         self.engine, self.cond, self.on_step = engine, threading.Condition(), on_step   # on_step(): after a step
         self._adds: list[tuple[Request, Sink]] = []
