@@ -1,7 +1,5 @@
 """POST /v1/chat/completions: messages -> the chat template -> token ids -> an answer whose
 <think> part is reasoning_content and whose <tool_call> blocks are tool_calls."""
-from __future__ import annotations
-
 import functools
 
 from fastapi import APIRouter, Depends, Request

@@ -1,6 +1,4 @@
 """POST /v1/completions: a prompt (text or token ids, or a batch of them) -> its continuation."""
-from __future__ import annotations
-
 from fastapi import APIRouter, Depends, Request
 
 from common.api_protocol import MAX_CHOICES, CompletionRequest, Reply, ReplyChoice, bad_request, parse_request
@@ -11,7 +9,8 @@ router = APIRouter()
 def prepare_completion(state: ServerState, raw: bytes) -> Generation:
     """Body bytes -> a Generation: checked, each prompt tokenized once (a prepare thread)."""
     req = parse_request(CompletionRequest, raw, state.limits.max_depth)
-    prompts = req.prompts()
+    prompt = req.prompt     # one prompt (a text or token ids) or a list of them; each has n choices of its own
+    prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
     if req.n * len(prompts) > MAX_CHOICES:       # an error at "n", where the client can fix it
         raise bad_request(f"n: {len(prompts)} prompts x n={req.n} is {req.n * len(prompts)} choices; this server "
                           f"makes at most {MAX_CHOICES} per request", "n")

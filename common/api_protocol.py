@@ -1,8 +1,6 @@
 """The OpenAI API as pydantic models (as vLLM's protocol.py), errors, and a body's bytes -> a model.
 Fields are strict ("2" is not an integer) and bounded; unknown fields are ignored, as OpenAI does;
 what the server does not support is refused with a message. docs/server.md lists every limit."""
-from __future__ import annotations
-
 import json
 import re
 from typing import Annotated, Any, Literal, Union
@@ -12,13 +10,9 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, Validati
 from pydantic_core import PydanticCustomError
 
 MAX_CHOICES, MAX_STOP, MAX_STOP_CHARS = 64, 16, 256     # n (x prompts); stop strings, and their length
-# the fields a request passes on to SamplingParams, under its names (None: the model's default)
-SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "seed", "ignore_eos", "stop", "stop_token_ids"}
 
 class APIError(Exception):
     """An error the client caused (or a state it must wait out), with OpenAI's error body."""
-
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None):
         super().__init__(message)
@@ -28,8 +22,7 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 def param_of(loc) -> str | None:
-    """pydantic's loc ('messages', 0, 'content') as OpenAI writes it: messages[0].content.
-    A union's branch is tagged in parentheses, "(parts)": it is not part of the field."""
+    """pydantic's loc ('messages', 0, 'content') in OpenAI's form, messages[0].content, less union tags ("(parts)")."""
     out = ""
     for key in loc:
         if not (isinstance(key, str) and key.startswith("(")):
@@ -89,8 +82,6 @@ class SamplingRequest(Strict):
     user: str | None = None
     logprobs: Annotated[Literal[False, 0] | None, unsupported("logprobs are")] = None
     logit_bias: Annotated[Annotated[dict, Field(max_length=0)] | None, unsupported("logit_bias is")] = None
-
-    include_usage = property(lambda self: bool(self.stream_options and self.stream_options.include_usage))
 
 class TextPart(Strict):
     type: Literal["text"]
@@ -173,11 +164,6 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     suffix: Annotated[Literal[""] | None, unsupported("'suffix' is")] = None
 
-    def prompts(self) -> list[str | list[int]]:
-        """Each prompt, with n choices of its own: at most MAX_CHOICES in all (the router checks)."""
-        p = self.prompt
-        return [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
-
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -237,21 +223,19 @@ _ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")     # as 
 _TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{},]|NaN|-?Infinity')   # strings (whole), brackets, commas
 
 def parse_request(model: type[Strict], raw: bytes, max_depth: int) -> Strict:
-    """The body as `model`, or a 400 that names the field (on a prepare thread)."""
-    _scan(raw, max_depth)
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as e:
-        raise invalid_field(e.errors(include_url=False)[0]) from None
-
-def _scan(raw: bytes, max_depth: int) -> None:
-    """Follows the keys down the raw bytes, so also past Python's recursion limit (100,000 '[' cost 65
-    steps): a 400 naming the field for a container deeper than max_depth, a lone surrogate, or NaN."""
+    """The body as `model`, or a 400 that names the field (on a prepare thread). The scan first follows the keys
+    down the raw bytes, so also past Python's recursion limit (100,000 '[' cost 65 steps): a 400 naming the field
+    for a container deeper than max_depth, a lone surrogate, or NaN; then pydantic validates."""
     keys: list = []     # per open container: its index, or its key (None: the next string is the key)
     for t in _TOKEN.findall(raw):
         if t in (b"[", b"{"):
-            if len(keys) >= max_depth:
-                raise _too_deep(["?" if key is None else key for key in keys], max_depth)
+            if len(keys) >= max_depth:      # named by its first four keys; the path shown is cut at 80 characters
+                path = ["?" if key is None else key for key in keys]
+                field = param_of(path[:4]) if path and isinstance(path[0], str) else None
+                full = param_of(path) or ""
+                at = f" (at {full[:80]}{'...' if len(full) > 80 else ''})" if full != field else ""
+                raise bad_request(f"{field or 'the request body'} nests arrays/objects more than {max_depth} levels "
+                                  f"deep{at}; send a flatter structure", field)
             keys.append(None if t == b"{" else 0)
         elif t in (b"]", b"}"):
             del keys[-1:]
@@ -274,11 +258,7 @@ def _scan(raw: bytes, max_depth: int) -> None:
                                   "leave it out", where)
             if is_key:
                 keys[-1] = text
-
-def _too_deep(keys: list, max_depth: int) -> APIError:
-    """Names the field by its first four keys; the message shows the full path, cut at 80 characters."""
-    field = param_of(keys[:4]) if keys and isinstance(keys[0], str) else None
-    full = param_of(keys) or ""
-    at = f" (at {full[:80]}{'...' if len(full) > 80 else ''})" if full != field else ""
-    return bad_request(f"{field or 'the request body'} nests arrays/objects more than {max_depth} levels "
-                       f"deep{at}; send a flatter structure", field)
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise invalid_field(e.errors(include_url=False)[0]) from None

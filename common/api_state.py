@@ -1,9 +1,6 @@
-"""What the routers share: the limits, the server state (read from the model folder once), the
-dependencies of /v1 (the API key; a body under the size limit, counted against --max-concurrent),
-and a generation: its choices (made on a prepare thread) submitted to the engine loop, yielding
-(choice, new text), answered whole or as SSE by stream()."""
-from __future__ import annotations
-
+"""What the routers share: the limits, the server state (read from the model folder once), the dependencies of /v1
+(the API key; a body under the size limit, counted against --max-concurrent), and a generation: its choices (made on
+a prepare thread) submitted to the engine loop, yielding (choice, new text), answered whole or as SSE by stream()."""
 import asyncio
 import contextlib
 import functools
@@ -12,7 +9,7 @@ import json
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, AsyncIterator, Callable, Iterable
 
 from fastapi import Depends, Request
@@ -21,7 +18,7 @@ from pydantic import BaseModel, PositiveInt
 from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
-from common.api_protocol import SAMPLING_FIELDS, APIError, Reply, SamplingRequest, Usage, bad_request
+from common.api_protocol import APIError, Reply, SamplingRequest, Usage, bad_request
 from common.engine import Request as EngineRequest, check_prompt
 from common.engine_loop import EngineLoop
 from common.parsing import StreamParser
@@ -61,8 +58,7 @@ class ServerState:
         self.sampling_defaults = generation_defaults(folder)     # {} without a folder or its file
         SamplingParams(**self.sampling_defaults)        # a bad generation_config.json fails here, not per request
         self.max_ctx = min(x for x in (getattr(engine, "max_ctx", 0), max_ctx) if x)
-        config = getattr(engine, "config", None)
-        self.vocab_size = getattr(config, "vocab_size", 0) or tokenizer.vocab_size
+        self.vocab_size = getattr(getattr(engine, "config", None), "vocab_size", 0) or tokenizer.vocab_size
         if getattr(tokenizer, "id_to_token", None) and tokenizer.vocab_size and self.max_ctx:
             # a token covers at most its longest entry's characters (added tokens included: Qwen3's is 128),
             # and the NFC a tokenizer may apply first shrinks a text by well under half, hence 2x
@@ -118,7 +114,6 @@ def body_schema(model) -> dict:
 
 class Choice(AnswerText):
     """One engine request of a generation: its prompt and sampling, and its answer so far (AnswerText)."""
-
     def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams, tokenizer, parser, echo: str):
         super().__init__(tokenizer.detokenizer(), params.stop)
         self.index, self.id, self.prompt_ids, self.params = index, uuid.uuid4().hex, prompt_ids, params
@@ -126,18 +121,17 @@ class Choice(AnswerText):
         self.echo = echo                     # completions: the text shown before the answer
 
 class Generation:
-    """A request's choices, made on a prepare thread; start() submits them to the engine loop, and events()
-    yields (choice, new text) as their events arrive."""
-
+    """A request's choices (made on a prepare thread); start() submits them, events() yields (choice, new text)."""
     def __init__(self, state: ServerState, req: SamplingRequest, prompts: dict[str, str | list[int]],
                  max_tokens: int | None, prefix: str, parser: Callable[[], StreamParser] | None = None,
                  echo: bool = False):
-        """req.n choices per prompt ({param: text or token ids}), each prompt tokenized once, or a 400 at its
-        param if it cannot fit (a text from its length, before tokenizing). Sampling: the request's fields
-        over generation_config.json's; max_tokens at most the room the prompt leaves (all of it when unset,
-        as in vLLM); seeds seed+i, each reproducible."""
-        self.state, self.stream, self.include_usage, self.choices = state, req.stream, req.include_usage, []
+        """req.n choices per prompt ({param: text or ids}), each tokenized once; a 400 at its param if it cannot fit (a
+        text judged by its length first). Sampling: the request's SamplingParams fields over generation_config.json's;
+        max_tokens at most the room the prompt leaves (all of it when unset, as vLLM); seeds seed+i, reproducible."""
+        self.state, self.stream, self.choices = state, req.stream, []
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         self.id, self.created, self.queue = f"{prefix}-{uuid.uuid4().hex}", int(time.time()), asyncio.Queue()
+        asked = req.model_dump(include={f.name for f in fields(SamplingParams)} - {"max_tokens"})
         for param, prompt in prompts.items():
             if isinstance(prompt, str) and state.max_prompt_chars is not None and len(prompt) > state.max_prompt_chars:
                 raise bad_request(f"the prompt has {len(prompt)} characters; a context of {state.max_ctx} tokens "
@@ -150,15 +144,14 @@ class Generation:
             except ValueError as e:
                 raise bad_request(str(e), param) from None
             room = state.max_ctx - len(ids)
-            p = SamplingParams.from_defaults(state.sampling_defaults, max_tokens=min(max_tokens or room, room),
-                                             **req.model_dump(include=SAMPLING_FIELDS))
+            p = SamplingParams.from_defaults(state.sampling_defaults, max_tokens=min(max_tokens or room, room), **asked)
             shown = (prompt if isinstance(prompt, str) else state.tokenizer.decode(ids)) if echo else ""
             self.choices += [Choice(len(self.choices) + i, ids, replace(p, seed=None if p.seed is None else p.seed + i),
                                     state.tokenizer, parser, shown) for i in range(req.n)]
 
     @classmethod
-    async def start(cls, request: Request, raw: bytes, prepare: Callable[[ServerState, bytes], Generation]
-                    ) -> Generation:
+    async def start(cls, request: Request, raw: bytes, prepare: Callable[[ServerState, bytes], "Generation"]
+                    ) -> "Generation":
         """prepare(state, raw) on a prepare thread (its time grows with the body; the event loop stays free),
         then its choices submitted, each with a sink that puts (choice, event) on the queue."""
         state, loop = request.app.state.server, asyncio.get_running_loop()
@@ -224,10 +217,9 @@ class Generation:
 
 def stream(gen: Generation, kind: str, first: Iterable[Reply], pieces: Callable[[Choice, str], Iterable[Reply]]
            ) -> StreamingResponse:
-    """An SSE answer of `kind` chunks: the `first` chunks, then pieces(choice, new_text) as text arrives, the
-    usage chunk when asked for, and [DONE]. An engine error ends it as an error event. Starlette cancels it
-    when the client disconnects, while no token is ready too (it listens under uvicorn's ASGI 2.3); gen.close()
-    then aborts what still runs."""
+    """An SSE answer of `kind` chunks: the `first` ones, then pieces(choice, new_text) as text arrives, the usage chunk
+    when asked for, and [DONE]; an engine error ends it as an error event. Starlette cancels it when the client
+    disconnects, even while no token is ready (it listens under uvicorn's ASGI 2.3); gen.close() aborts the rest."""
     async def events():
         try:
             for chunk in first:

@@ -11,8 +11,6 @@ through the sink it gave, a function that puts them on its asyncio queue:
 For a stage-2 reader it is the outer loop of LLMEngine: the scheduler runs inside step().
 With --engine-process this loop runs in the child (common/engine_process.py).
 """
-from __future__ import annotations
-
 import contextlib
 import logging
 import threading
@@ -20,12 +18,11 @@ from typing import Callable
 
 from common.engine import Request, TokenEvent
 
-log = logging.getLogger("qwen3-stages.server")
+log = logging.getLogger("qwen3-stages.server")   # the server's logger (all its files)
 Sink = Callable[[TokenEvent | Exception], None]
 
 class EngineLoop:
     """Owns the engine; submit() and abort() append under a lock, the thread applies them between steps."""
-
     def __init__(self, engine, on_step: Callable[[], None] = lambda: None):
         self.engine, self.cond, self.on_step = engine, threading.Condition(), on_step   # on_step(): after a step
         self._adds: list[tuple[Request, Sink]] = []
@@ -59,8 +56,7 @@ class EngineLoop:
     def _run(self) -> None:
         while True:
             with self.cond:       # 1. wait for work, then take what the HTTP side handed in
-                while not (self._adds or self._aborts or self._stop or self.busy):
-                    self.cond.wait()
+                self.cond.wait_for(lambda: self._adds or self._aborts or self._stop or self.busy)
                 if self._stop:
                     return
                 (adds, self._adds), (aborts, self._aborts) = (self._adds, []), (self._aborts, [])
@@ -88,8 +84,7 @@ class EngineLoop:
             self.on_step()
 
     def _fail(self, e: Exception) -> None:
-        """A bug or an out-of-memory: the requests in flight get a server error and leave the engine; the
-        loop goes on."""
+        """A bug or an out-of-memory fails the requests in flight (a server error) and drops them; the loop goes on."""
         log.error("engine step failed: %s: %s", type(e).__name__, e, exc_info=e)
         for rid in list(self.sinks):
             self.sinks.pop(rid)(RuntimeError(f"the engine failed: {type(e).__name__}: {e}"))

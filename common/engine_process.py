@@ -3,10 +3,7 @@ abort, idle, stop). The child runs an EngineLoop of its own: it steps while it h
 step's events in one message. A Request crosses the pipe one way, TokenEvents (ids) the other. If the
 child dies, the pipe closes: what it held fails, and a new child starts ("spawn": a fork of a threaded
 server is not safe, so the builder is pickled by name and must be a module-level function)."""
-from __future__ import annotations
-
 import functools
-import logging
 import multiprocessing
 import signal
 import threading
@@ -14,9 +11,7 @@ import time
 from contextlib import suppress
 
 from common.engine import Request, TokenEvent
-from common.engine_loop import EngineLoop, Sink
-
-log = logging.getLogger("qwen3-stages.server")
+from common.engine_loop import EngineLoop, Sink, log
 
 def _child(conn, build_engine, folder, args) -> None:
     """Build the engine and run an EngineLoop on it, with the calls that come down the pipe."""
@@ -44,8 +39,7 @@ def _child(conn, build_engine, folder, args) -> None:
     loop.stop()
 
 class EngineProcess:
-    """The server's side: submit() and abort() go down the pipe; a reader thread hands the child's events
-    to the requests' sinks, and starts a new child when one dies."""
+    """The server's side: submit() and abort() go down the pipe, and a reader thread (_read) hands events back."""
     engine = None                             # it is in the child (usage has no prefix-cache count)
 
     def __init__(self, build_engine, folder, args):
@@ -100,8 +94,8 @@ class EngineProcess:
             self.proc.kill()
 
     def _read(self) -> None:
-        """The reader thread: each event to its request's sink, until the pipe closes (the child died), then
-        the next child; it reads that one once it has been handed what waits."""
+        """The reader thread: each event to its request's sink, until the pipe closes (the child died). Then what
+        the dead child held fails, and a new child starts (retried each second) and takes what waits."""
         while not self.stopping:
             with suppress(EOFError, OSError):
                 while True:
@@ -110,12 +104,11 @@ class EngineProcess:
                         sink = self.sinks.pop(rid, None) if ended else self.sinks.get(rid)
                         if sink is not None:
                             sink(item)
+            if self.stopping:
+                return
             self._restart()
 
     def _restart(self) -> None:
-        """What the dead child held fails; a new child starts (retried each second) and takes what waits."""
-        if self.stopping:
-            return
         self.proc.join(5)
         code = self.proc.exitcode
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"

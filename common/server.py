@@ -1,9 +1,6 @@
 """An OpenAI-compatible HTTP server over any engine: this file builds the app from the modules beside it
 (docs/server.md, "Where the work happens", says which thread runs what, in which file). Only /v1 is behind
 --api-key: /docs and /openapi.json stay open (docs/server.md says why)."""
-from __future__ import annotations
-
-import logging
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -15,9 +12,7 @@ from starlette.exceptions import HTTPException
 from common import api_chat, api_completions
 from common.api_protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, invalid_field
 from common.api_state import Limits, ServerState, require_api_key
-
-log = logging.getLogger("qwen3-stages.server")
-__all__ = ["Limits", "ServerState", "build_app", "create_app"]
+from common.engine_loop import log
 
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="qwen3-stages", version="0.1.0", summary="OpenAI-compatible API over a qwen3-stages engine")

@@ -275,3 +275,14 @@ def test_killing_the_engine_process_during_a_stream_fails_it_and_the_restarted_c
     finally:
         server.close()
     assert not engine.proc.is_alive()
+
+
+def test_the_server_stays_within_its_size_limits():
+    """Issue 27's bound (docs/server.md): the server's files (common/api_*.py, engine_loop.py, engine_process.py,
+    server.py) total at most 900 lines, none over 400."""
+    root = os.path.join(os.path.dirname(__file__), "..", "common")
+    files = sorted(f for f in os.listdir(root) if re.fullmatch(r"api_\w+\.py", f))
+    files += ["engine_loop.py", "engine_process.py", "server.py"]
+    assert len(files) == 7, files          # a new api_ module counts too
+    lines = {f: len(open(os.path.join(root, f)).read().splitlines()) for f in files}
+    assert sum(lines.values()) <= 900 and max(lines.values()) <= 400, lines
