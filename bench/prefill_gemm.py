@@ -2,14 +2,18 @@
 prefill (dequantize ROW_BLOCK rows to fp32, BLAS sgemm), on the Qwen3-0.6B matrices,
 interleaved in one run, and the integer / fp32 peak of the instructions they use.
 
-    OMP_WAIT_POLICY=PASSIVE python -m bench.prefill_gemm [--reps 5] [--tokens 32 128 512]
+    OMP_WAIT_POLICY=PASSIVE python -m bench.prefill_gemm [--reps 5] [--tokens 32 128 512] [--act int8|int16]
         [--save docs/figures/stage1_prefill_gemm.json]   (python -m bench figures draws it)
 
 Prints, per format and prompt length, the best of --reps of one layer's four
 matmuls (wqkv, wo, gate_up, down; lm_head left out: it runs on the last token only)
 as layer-matmul tokens per second and GMAC/s, then the peak micro-benchmarks:
-vpmaddwd (int16 pairs, what the AVX2 int8 tile issues), vpmaddubsw (the int4 tile)
-and vfmadd231ps (what sgemm issues), 12 independent chains on each thread.
+vpmaddwd (int16 pairs, what the AVX2 int8 tile issues), vpmaddubsw (the int4 tile
+on int8 activations) and vfmadd231ps (what sgemm issues), 12 independent chains on
+each thread, then each tile alone (tile_alone: no repack, no rounding, its block in
+cache), so that the steps from the instruction's peak to the tile, and from the tile
+to the GEMM, each have a figure. --act int16 measures what --activations auto runs
+on AVX2 (int4 weights then on the pairs tile too).
 """
 from __future__ import annotations
 
@@ -98,6 +102,42 @@ def peak(kind: str, threads: int, n: int = 20_000_000) -> float:
     return CHAINS * n * threads * per_instr / best
 
 
+def tile_alone(fmt: str, act: str, threads: int, K: int = 1024, T: int = 128, gs: int = 32, reps: int = 7) -> float:
+    """Multiply-adds per second of the tile loops alone (gemm.block_*): each thread runs T tokens through
+    one repacked block of 64 rows again and again, its weights in cache, with no repack, no rounding and no
+    Python call per matrix; the GEMM's figure against this one is what those cost."""
+    from stage1_cpu.fast import gemm
+    block = {("int8", "int8"): gemm.block_int8, ("int8", "int16"): gemm.block_int8,
+             ("int4", "int8"): gemm.block_int4, ("int4", "int16"): gemm.block_int4_16}[fmt, act]
+    G, rows = K // gs, 64
+    rng = np.random.default_rng(1)
+    if fmt == "int8":                                            # int8 values, as the pairs' int16 words
+        wl = rng.integers(-127, 128, (threads, rows * K), dtype=np.int8).view(np.int16)
+    else:                                                        # nibbles 0..15, one a byte
+        word = np.uint32 if act == "int8" else np.uint16
+        wl = rng.integers(0, 16, (threads, rows * K), dtype=np.uint8).view(word)
+    x = rng.integers(-127, 128, T * K, dtype=np.int8)            # the quads tile reads int8 activations,
+    if block is not gemm.block_int4:                             # the pairs tiles int16 (int8 ones widened)
+        x = x.astype(np.int16) if act == "int8" else rng.integers(-32767, 32768, T * K, dtype=np.int16)
+    s, xs = rng.random(rows * G, dtype=np.float32), rng.random(T * G, dtype=np.float32)
+    out = np.zeros((threads, T * rows), dtype=np.float32)
+
+    @njit(parallel=True)
+    def run(n, wl, x, s, xs, out, G, gs, T):     # the sizes as arguments: as constants LLVM unrolls the tile worse
+        for i in prange(wl.shape[0]):
+            for _ in range(n):
+                block(wl[i], x, s, xs, s, xs, G, gs, out[i], 64, 0, 8, T)
+
+    run(1, wl, x, s, xs, out, G, gs, T)
+    n = max(1, int(4e8 / (rows * K * T)))
+    best = 1e9
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        run(n, wl, x, s, xs, out, G, gs, T)
+        best = min(best, time.perf_counter() - t0)
+    return threads * n * rows * K * T / best
+
+
 def main(argv=None) -> None:
     import numba
     from stage1_cpu.fast import cpu
@@ -108,6 +148,8 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[32, 128, 512])
     ap.add_argument("--group-size", type=int, default=32)
     ap.add_argument("--formats", nargs="+", default=["int8", "int4"])
+    ap.add_argument("--act", default="int8", choices=["int8", "int16"],
+                    help="the GEMM's activations: int8 (--activations int8) or int16 (auto's choice on AVX2)")
     ap.add_argument("--save", default=None, help="also write the results as JSON (for python -m bench figures)")
     args = ap.parse_args(argv)
     if not cpu.INT8:
@@ -116,11 +158,12 @@ def main(argv=None) -> None:
     import sys
     rng = np.random.default_rng(0)
     rows, load0 = [], os.getloadavg()[0]
-    print(f"threads {numba.get_num_threads()}, {cpu.instructions()}, group size {args.group_size}")
+    print(f"threads {numba.get_num_threads()}, {cpu.instructions()}, group size {args.group_size}, "
+          f"{args.act} activations")
     for fmt in args.formats:
         mats = {k: rng.standard_normal(s, dtype=np.float32) * 0.02 for k, s in SHAPES.items()}
         old = {k: fast_quantize(w, fmt, args.group_size) for k, w in mats.items()}
-        new = {k: fast_quantize(w, fmt, args.group_size, prefill_act="int8") for k, w in mats.items()}
+        new = {k: fast_quantize(w, fmt, args.group_size, prefill_act=args.act) for k, w in mats.items()}
         for T in args.tokens:
             xs = {k: rng.standard_normal((T, s[1]), dtype=np.float32) for k, s in SHAPES.items()}
             macs = T * sum(o * k for o, k in SHAPES.values())
@@ -142,14 +185,22 @@ def main(argv=None) -> None:
     for kind in ("maddwd", "maddwd+add", "maddubs", "fma"):
         peaks[kind] = peak(kind, th) / 1e9
         print(f"peak {kind:10s} {peaks[kind]:6.1f} GMAC/s on {th} threads")
-    for r in rows:            # the int8 tile issues vpmaddwd, the int4 one vpmaddubsw, sgemm vfmadd231ps
-        r["int8_gemm_of_peak"] = r["int8_gemm_gmac_s"] / peaks["maddwd" if r["format"] == "int8" else "maddubs"]
+    alone = {}
+    for r in rows:            # the pairs tiles issue vpmaddwd (each with a vpaddd), the quads tile vpmaddubsw
+        pairs = r["format"] == "int8" or args.act == "int16"
+        r["int8_gemm_of_peak"] = r["int8_gemm_gmac_s"] / peaks["maddwd" if pairs else "maddubs"]
         r["sgemm_of_peak"] = r["sgemm_gmac_s"] / peaks["fma"]
-        if r["format"] == "int8":     # each vpmaddwd of the int8 tile comes with a vpaddd
+        if pairs:
             r["int8_gemm_of_mix_peak"] = r["int8_gemm_gmac_s"] / peaks["maddwd+add"]
-        mix = f", {100 * r['int8_gemm_of_mix_peak']:.0f} % of vpmaddwd+vpaddd's" if r["format"] == "int8" else ""
+        mix = f", {100 * r['int8_gemm_of_mix_peak']:.0f} % of vpmaddwd+vpaddd's" if pairs else ""
         print(f"{r['format']} T={r['tokens']:4d}: int8 gemm {100 * r['int8_gemm_of_peak']:.0f} % of its instruction's "
               f"peak{mix}, sgemm {100 * r['sgemm_of_peak']:.0f} % of the FMA peak")
+    for fmt in args.formats:  # the same tiles with nothing around them: what the GEMM's loops and repack cost
+        pairs = fmt == "int8" or args.act == "int16"
+        alone[fmt] = tile_alone(fmt, args.act, th, gs=args.group_size) / 1e9
+        ceiling, name = (peaks["maddwd+add"], "vpmaddwd+vpaddd") if pairs else (peaks["maddubs"], "vpmaddubsw")
+        print(f"{fmt} tile alone (a 64-row block in cache, T=128, K=1024, repeated): {alone[fmt]:5.1f} GMAC/s, "
+              f"{100 * alone[fmt] / ceiling:.0f} % of {name}'s peak", flush=True)
     print(f"1-minute load before {load0:.2f}, after {os.getloadavg()[0]:.2f}")
     if args.save:
         import json
@@ -161,9 +212,9 @@ def main(argv=None) -> None:
         Path(args.save).write_text(json.dumps(dict(
             command="python -m bench.prefill_gemm " + " ".join(sys.argv[1:]),
             date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), machine=machine_description(),
-            threads=th, load=[load0, os.getloadavg()[0]], group_size=args.group_size,
+            threads=th, load=[load0, os.getloadavg()[0]], group_size=args.group_size, act=args.act,
             tile={"int8": [gemm.RB8 * 8, gemm.TT8], "int4": [gemm.RB4 * 8, gemm.TT4]},
-            peaks_gmac_s=peaks, rows=rows), indent=1) + "\n")
+            peaks_gmac_s=peaks, tile_alone_gmac_s=alone, rows=rows), indent=1) + "\n")
 
 
 if __name__ == "__main__":
