@@ -102,6 +102,13 @@ def peak(kind: str, threads: int, n: int = 20_000_000) -> float:
     return CHAINS * n * threads * per_instr / best
 
 
+def pairs_tile(fmt: str, act: str) -> bool:
+    """Whether gemm.py runs fmt on the pairs tile (vpmaddwd, each with the vpaddd that accumulates it):
+    int8 weights always, int4 ones on int16 activations; int4 on int8 activations takes the quads tile
+    (vpmaddubsw)."""
+    return fmt == "int8" or act == "int16"
+
+
 def tile_alone(fmt: str, act: str, threads: int, K: int = 1024, T: int = 128, gs: int = 32, reps: int = 7) -> float:
     """Multiply-adds per second of the tile loops alone (gemm.block_*): each thread runs T tokens through
     one repacked block of 64 rows again and again, its weights in cache, with no repack, no rounding and no
@@ -126,7 +133,7 @@ def tile_alone(fmt: str, act: str, threads: int, K: int = 1024, T: int = 128, gs
     def run(n, wl, x, s, xs, out, G, gs, T):     # the sizes as arguments: as constants LLVM unrolls the tile worse
         for i in prange(wl.shape[0]):
             for _ in range(n):
-                block(wl[i], x, s, xs, s, xs, G, gs, out[i], 64, 0, 8, T)
+                block(wl[i], x, s, xs, s, xs, G, gs, out[i], rows, 0, rows // 8, T)
 
     run(1, wl, x, s, xs, out, G, gs, T)
     n = max(1, int(4e8 / (rows * K * T)))
@@ -187,7 +194,7 @@ def main(argv=None) -> None:
         print(f"peak {kind:10s} {peaks[kind]:6.1f} GMAC/s on {th} threads")
     alone = {}
     for r in rows:            # the pairs tiles issue vpmaddwd (each with a vpaddd), the quads tile vpmaddubsw
-        pairs = r["format"] == "int8" or args.act == "int16"
+        pairs = pairs_tile(r["format"], args.act)
         r["int8_gemm_of_peak"] = r["int8_gemm_gmac_s"] / peaks["maddwd" if pairs else "maddubs"]
         r["sgemm_of_peak"] = r["sgemm_gmac_s"] / peaks["fma"]
         if pairs:
@@ -196,7 +203,7 @@ def main(argv=None) -> None:
         print(f"{r['format']} T={r['tokens']:4d}: int8 gemm {100 * r['int8_gemm_of_peak']:.0f} % of its instruction's "
               f"peak{mix}, sgemm {100 * r['sgemm_of_peak']:.0f} % of the FMA peak")
     for fmt in args.formats:  # the same tiles with nothing around them: what the GEMM's loops and repack cost
-        pairs = fmt == "int8" or args.act == "int16"
+        pairs = pairs_tile(fmt, args.act)
         alone[fmt] = tile_alone(fmt, args.act, th, gs=args.group_size) / 1e9
         ceiling, name = (peaks["maddwd+add"], "vpmaddwd+vpaddd") if pairs else (peaks["maddubs"], "vpmaddubsw")
         print(f"{fmt} tile alone (a 64-row block in cache, T=128, K=1024, repeated): {alone[fmt]:5.1f} GMAC/s, "
