@@ -155,6 +155,7 @@ struct Warp {
     int line = 0;
     const char* what = "";
     unsigned long long value[32];
+    std::condition_variable cv;                    // its shuffles wait here, not on the block's
 };
 
 struct Block {
@@ -164,7 +165,8 @@ struct Block {
     std::condition_variable cv;
     unsigned arrived = 0, exited = 0, generation = 0;
     int line = -1;
-    std::vector<Warp> warps;
+    std::unique_ptr<Warp[]> warps;
+    unsigned nwarps = 0;
     std::map<int, std::unique_ptr<unsigned char[]>> statics;
     unsigned long long static_bytes = 0;
     std::unique_ptr<unsigned char[]> dynamic;
@@ -199,10 +201,10 @@ inline void record(const std::string& msg) {       // the first error of the lau
     throw Abort{};
 }
 
-// wait on the block's condition variable until done(); the watchdog fails the launch
-// when nothing changes for watchdog_s seconds, another thread's error ends the wait
+// wait on cv (the block's, or a warp's for its shuffles) until done(); the watchdog fails the
+// launch when nothing changes for watchdog_s seconds, another thread's error ends the wait
 template <class Done, class Describe>
-void wait(std::unique_lock<std::mutex>& lk, Done done, Describe describe) {
+void wait(std::unique_lock<std::mutex>& lk, std::condition_variable& cv, Done done, Describe describe) {
     const auto deadline = std::chrono::steady_clock::now() +
                           std::chrono::duration<double>(launch_state->a.watchdog_s);
     while (!done()) {
@@ -211,7 +213,7 @@ void wait(std::unique_lock<std::mutex>& lk, Done done, Describe describe) {
             fail(fmt("watchdog: no progress for %.0f s, a deadlock: %s waits %s",
                      launch_state->a.watchdog_s, where().c_str(), describe().c_str()));
         }
-        cur->cv.wait_for(lk, std::chrono::milliseconds(20));
+        cv.wait_for(lk, std::chrono::milliseconds(20));
     }
 }
 
@@ -239,7 +241,7 @@ inline void syncthreads(int line) {
         return;
     }
     const unsigned gen = b.generation;
-    wait(lk, [&] { return b.generation != gen; }, [&] {
+    wait(lk, b.cv, [&] { return b.generation != gen; }, [&] {
         return fmt("at __syncthreads() line %d: %u of %u threads there, %u exited", line, b.arrived,
                    b.nthreads, b.exited);
     });
@@ -253,6 +255,7 @@ inline void thread_exit() {
     b.exited++;
     w.exited |= 1u << lane;
     b.cv.notify_all();
+    w.cv.notify_all();
     if (b.arrived > 0 && b.arrived + b.exited == b.nthreads) fail(divergent(b));
     if (w.arrived && !w.reading && ((w.mask >> lane) & 1u) && !((w.arrived >> lane) & 1u)) {
         fail(fmt("%s exited while lanes 0x%08x of its warp wait for it in %s at line %d (mask 0x%08x)",
@@ -289,7 +292,7 @@ T shfl(int line, const char* what, Kind kind, unsigned mask, T v, int arg, int w
     if (!((mask >> src) & 1u))
         fail(fmt("%s (lane %u) reads lane %d in %s at line %d, outside the mask 0x%08x (undefined on the GPU)",
                  where().c_str(), lane, src, what, line, mask));
-    wait(lk, [&] { return !w.reading; }, [&] { return fmt("to enter %s at line %d", what, line); });
+    wait(lk, w.cv, [&] { return !w.reading; }, [&] { return fmt("to enter %s at line %d", what, line); });
     if (w.arrived == 0) {
         w.mask = mask;
         w.line = line;
@@ -307,9 +310,9 @@ T shfl(int line, const char* what, Kind kind, unsigned mask, T v, int arg, int w
     if (w.arrived == mask) {
         w.reading = true;
         w.readers = std::popcount(mask);
-        b.cv.notify_all();
+        w.cv.notify_all();
     } else {
-        wait(lk, [&] { return w.reading && w.round == round; }, [&] {
+        wait(lk, w.cv, [&] { return w.reading && w.round == round; }, [&] {
             return fmt("in %s at line %d (mask 0x%08x): lanes 0x%08x arrived", what, line, mask, w.arrived);
         });
     }
@@ -319,7 +322,7 @@ T shfl(int line, const char* what, Kind kind, unsigned mask, T v, int arg, int w
         w.reading = false;
         w.arrived = 0;
         w.round++;
-        b.cv.notify_all();
+        w.cv.notify_all();
     }
     return out;
 }
@@ -352,14 +355,13 @@ inline void* dynamic_shared() {
     return cur->dynamic.get();
 }
 
-template <class Body>
-void run_block(unsigned long long i, Body& body) {
+inline void setup_block(Block& b, unsigned long long i) {
     const auto& a = launch_state->a;
-    Block b;
     b.idx = {unsigned(i % a.gx), unsigned((i / a.gx) % a.gy), unsigned(i / ((unsigned long long)a.gx * a.gy))};
     b.nthreads = a.bx * a.by * a.bz;
-    b.warps.resize((b.nthreads + 31) / 32);
-    for (unsigned w = 0; w < b.warps.size(); w++) {
+    b.nwarps = (b.nthreads + 31) / 32;
+    b.warps = std::make_unique<Warp[]>(b.nwarps);
+    for (unsigned w = 0; w < b.nwarps; w++) {
         const unsigned n = std::min(32u, b.nthreads - 32 * w);
         b.warps[w].existing = n == 32 ? 0xffffffffu : (1u << n) - 1;
     }
@@ -367,26 +369,75 @@ void run_block(unsigned long long i, Body& body) {
         b.dynamic = std::make_unique<unsigned char[]>(a.dynamic_smem);
         std::memset(b.dynamic.get(), 0xFF, a.dynamic_smem);
     }
-    std::vector<std::thread> threads;
-    threads.reserve(b.nthreads);
-    for (unsigned t = 0; t < b.nthreads; t++) {
-        threads.emplace_back([&, t] {
-            cur = &b;
-            tid = t;
-            threadIdx = {t % a.bx, (t / a.bx) % a.by, t / (a.bx * a.by)};
-            blockIdx = b.idx;
-            try {
-                body();
-                thread_exit();
-            } catch (Abort&) {
-            } catch (std::exception& e) {
-                record(where() + ": " + e.what());
+}
+
+// one of a launch's `live` slots: a team of blockDim OS threads, started once per launch,
+// runs block after block, each a fresh Block (its shared memory poisoned anew). Starting a
+// thread costs tens of microseconds (more under gVisor), so a team per block would spend
+// most of the emulator's time in the kernel starting and joining threads.
+template <class Body>
+void run_slot(Body& body, std::atomic<unsigned long long>& next, const std::vector<unsigned long long>& order) {
+    const auto& a = launch_state->a;
+    const unsigned nthreads = a.bx * a.by * a.bz;
+    std::mutex mu;
+    std::condition_variable start, finished;
+    std::unique_ptr<Block> block;
+    unsigned long long round = 0;                  // the team's block count: a new one starts the team
+    unsigned running = 0;
+    bool stop = false;
+    std::vector<std::thread> team;
+    team.reserve(nthreads);
+    for (unsigned t = 0; t < nthreads; t++) {
+        team.emplace_back([&, t] {
+            unsigned long long seen = 0;
+            for (;;) {
+                Block* b;
+                {
+                    std::unique_lock<std::mutex> lk(mu);
+                    start.wait(lk, [&] { return stop || round != seen; });
+                    if (stop) return;
+                    seen = round;
+                    b = block.get();
+                }
+                cur = b;
+                tid = t;
+                threadIdx = {t % a.bx, (t / a.bx) % a.by, t / (a.bx * a.by)};
+                blockIdx = b->idx;
+                try {
+                    body();
+                    thread_exit();
+                } catch (Abort&) {
+                } catch (std::exception& e) {
+                    record(where() + ": " + e.what());
+                }
+                {
+                    std::lock_guard<std::mutex> g(b->mu);   // wake the others, who see the abort
+                    b->cv.notify_all();
+                }
+                cur = nullptr;
+                std::lock_guard<std::mutex> g(mu);
+                if (--running == 0) finished.notify_one();
             }
-            std::lock_guard<std::mutex> g(b.mu);   // wake the others, who see the abort
-            b.cv.notify_all();
         });
     }
-    for (auto& th : threads) th.join();
+    for (;;) {
+        const unsigned long long i = next++;
+        if (i >= order.size() || launch_state->aborted) break;
+        auto b = std::make_unique<Block>();
+        setup_block(*b, order[i]);
+        std::unique_lock<std::mutex> lk(mu);
+        block = std::move(b);                      // (the team is done with the previous block)
+        running = nthreads;
+        round++;
+        start.notify_all();
+        finished.wait(lk, [&] { return running == 0; });
+    }
+    {
+        std::lock_guard<std::mutex> g(mu);
+        stop = true;
+    }
+    start.notify_all();
+    for (auto& th : team) th.join();
 }
 
 // every block once, in a shuffled order, `live` blocks at a time -> 0, or 1 and the error
@@ -416,15 +467,9 @@ int launch(const LaunchArgs* args, char* err, int errlen, Body body) {
     std::mt19937_64 rng(L.a.seed);
     std::shuffle(order.begin(), order.end(), rng);
     std::atomic<unsigned long long> next{0};
-    auto slot = [&] {
-        for (;;) {
-            const unsigned long long i = next++;
-            if (i >= n || L.aborted) return;
-            run_block(order[i], body);
-        }
-    };
     std::vector<std::thread> slots;
-    for (int s = 0; s < L.a.live && (unsigned long long)s < n; s++) slots.emplace_back(slot);
+    for (int s = 0; s < L.a.live && (unsigned long long)s < n; s++)
+        slots.emplace_back([&] { run_slot(body, next, order); });
     for (auto& th : slots) th.join();
     launch_state = nullptr;
     for (auto& sh : L.shadows) {
