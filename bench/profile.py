@@ -30,12 +30,13 @@ import argparse
 import collections
 import os
 import time
+import types
 from pathlib import Path
 
 import numpy as np
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model folder (default: the benchmark's 0.6B-shape model)")
     ap.add_argument("--quant", default="int4", choices=("none", "bf16", "int8", "int4"))
@@ -46,7 +47,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="forward passes timed (after a warm-up)")
     ap.add_argument("--against-bandwidth", action="store_true",
                     help="decode only: the one-region step and a read-only copy of it against the bandwidth")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     from bench.cpu import CACHE
     from stage1_cpu import kernels, quant
@@ -62,10 +63,18 @@ def main() -> None:
     spent: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()
 
+    inside = [False]               # a timed call inside a timed call (FastWeight -> Weight.matmul) counts once
+
     def timed(label_of, fn):
         def wrapper(*a, **k):
+            if inside[0]:
+                return fn(*a, **k)
+            inside[0] = True
             t0 = time.perf_counter()
-            result = fn(*a, **k)
+            try:
+                result = fn(*a, **k)
+            finally:
+                inside[0] = False
             label = label_of(*a)
             spent[label] += time.perf_counter() - t0
             calls[label] += 1
@@ -97,9 +106,22 @@ def main() -> None:
         versus = {name: ts[3:] for name, ts in versus.items()}     # without the warm-up
         model.decode_step = None
 
-    quant.Weight.matmul = timed(lambda w, x: f"matmul [{w.out_features}, {w.in_features}]", quant.Weight.matmul)
-    for name in ("rmsnorm", "rope", "attention", "silu_mul"):
+    # every matmul, whichever Weight class runs it (the fast path's FastWeight has its own)
+    classes, todo = [], [quant.Weight]
+    while todo:
+        cls = todo.pop()
+        classes.append(cls)
+        todo += cls.__subclasses__()
+    for cls in classes:
+        if "matmul" in vars(cls):
+            cls.matmul = timed(lambda w, x: f"matmul [{w.out_features}, {w.in_features}]", cls.matmul)
+    # every op of the namespace forward() calls (the fast path's replaces attention), and the
+    # plain kernels' module, which the fast ones fall back to
+    ops = ("rmsnorm", "rope", "attention", "silu_mul", "route", "mix", "gated_add")
+    for name in ops:
         setattr(kernels, name, timed(lambda *a, n=name: n, getattr(kernels, name)))
+    if model.k is not kernels:
+        model.k = types.SimpleNamespace(**{n: timed(lambda *a, n=n: n, getattr(model.k, n)) for n in ops})
 
     pos = 128
 
