@@ -29,7 +29,10 @@ if [ -z "$SDIST" ]; then
     spec="llama-cpp-python${VERSION:+==$VERSION}"
     echo "downloading the sdist of $spec ..."
     # --no-binary for this package only: ":all:" would also build its build tools (cmake) from source
-    $PY -m pip download --no-deps --no-build-isolation --no-binary llama-cpp-python -d "$DEST/src" "$spec"
+    # (pip reads the sdist's metadata with its build backend: without scikit-build-core in this env, in
+    # an isolated build environment)
+    $PY -m pip download --no-deps --no-build-isolation --no-binary llama-cpp-python -d "$DEST/src" "$spec" \
+        || $PY -m pip download --no-deps --no-binary llama-cpp-python -d "$DEST/src" "$spec"
     SDIST=$(ls -t "$DEST"/src/llama_cpp_python-*.tar.gz | head -1)
 fi
 echo "building $SDIST for AVX2 (no AVX-512) ..."
