@@ -155,11 +155,12 @@ def test_int8_prefill_logits_close_to_transformers(family):
 
 @NEEDS_INT8
 @pytest.mark.parametrize("O,K", [(21, 128), (24, 512)])      # a last vector of 5 rows, G = 2; two full ones, G = 8
-@pytest.mark.parametrize("fmt,per", [("int8", 2), ("int4", 4), ("int4", 2)])
+@pytest.mark.parametrize("fmt,per", [("int8", 2), ("int8", 4), ("int4", 4), ("int4", 2)])
 def test_repacked_block_puts_eight_rows_side_by_side(rng, fmt, per, O, K):
     """repack_int8 / repack_int4 (what each thread builds before its tiles): vector v, group g,
     step j holds rows r0+8v..r0+8v+7's values j*per.. of group g (zeros past O), and the fp32
     scales / minima of those rows (8 groups at a time through a transpose where G % 8 == 0);
+    int8 in the pairs layout (per 2) and in the quads one as q + 128 (per 4, VNNI's tile_int8_q8),
     int4 in the quads layout (per 4) and the pairs one (per 2)."""
     from numba import njit
 
@@ -169,16 +170,18 @@ def test_repacked_block_puts_eight_rows_side_by_side(rng, fmt, per, O, K):
     data, s = w.data.reshape(O, -1), w.scales.view(np.uint16)
     sl, ml = np.full(nv * G * 8, 7.0, np.float32), np.full(nv * G * 8, 7.0, np.float32)
     if fmt == "int8":
-        wl = np.full(nv * K * 4, 7, np.int16)
-        njit(lambda q, s, r0, wl, sl: gemm.repack_int8(q, s, r0, wl, sl))(data.view(np.int16), s, r0, wl, sl)
-        q = w.data
+        word, flip = (np.int16, 0) if per == 2 else (np.uint32, 0x80808080)
+        wl = np.full(nv * K * 8 // per, 7, word)
+        njit(lambda q, s, r0, wl, sl, flip: gemm.repack_int8(q, s, r0, wl, sl, flip))(data.view(word), s, r0, wl, sl,
+                                                                                      flip)
+        q = w.data if per == 2 else (w.data.astype(np.int16) + 128).astype(np.uint8)     # q + 128: unsigned bytes
     else:
         word = np.uint32 if per == 4 else np.uint16
         wl = np.full(nv * K * 8 // per, 7, word)
         njit(lambda b, s, m, gs, r0, wl, sl, ml: gemm.repack_int4(b, s, m, gs, r0, wl, sl, ml))(
             data.view(word), s, w.mins.view(np.uint16), 64, r0, wl, sl, ml)
         q = np.stack([w.data & 15, w.data >> 4], axis=2).reshape(O, -1, 64)
-    wp, sp = wl.view(np.uint8 if fmt == "int4" else np.int8).reshape(nv, G, 64 // per, 8, per), sl.reshape(nv, G, 8)
+    wp, sp = wl.view(q.dtype).reshape(nv, G, 64 // per, 8, per), sl.reshape(nv, G, 8)
     for r, g, k in [(8, 0, 0), (9, 1, 37), (20, 1, 63), (15, 0, 5), (O - 1, G - 1, 62)]:
         assert wp[(r - r0) // 8, g, k // per, r % 8, k % per] == q[r, g, k]
     for got, half in [(sp, w.scales)] + ([(ml.reshape(nv, G, 8), w.mins)] if fmt == "int4" else []):

@@ -57,11 +57,13 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import kernels as fk
+from . import simd
 from ..kernels import FAST
 from ..matmul import f16_to_f32
 
+VNNI = simd.VNNI              # vpdpwssd / vpdpbusd: the multiply-add and its accumulate in one instruction
 RB8, TT8 = 2, 4               # pairs: 8-row vectors x tokens per tile (16 rows x 4 tokens)
-RB4, TT4 = 2, 2               # quads: their int16 accumulators need registers too (16 rows x 2 tokens)
+RB4, TT4 = (2, 4) if VNNI else (2, 2)   # quads: on AVX2 their int16 accumulators need registers too
 BLOCK_RB = 8                  # 8-row vectors a thread takes at a time (64 rows x Kp bytes: in L2)
 TOKEN_BLOCK = 48              # tokens per pass over a row block (48 x Kp activations: in L2 beside it)
 CHUNK = 32                    # values per unrolled run of steps (quads: the int16 accumulators' limit)
@@ -90,10 +92,13 @@ def _splat(builder, v, vty):
     return builder.shuffle_vector(one, ir.Constant(vty, ir.Undefined), ir.Constant(INTS8, [0] * 8))
 
 
-def _tile(context, builder, sig, args, quads, minimum):
-    """The body of tile_int8 / tile_int4 / tile_int4_16 (argument order in tile_int8's docstring):
-    quads, the int4 layout for vpmaddubsw (else pairs, for vpmaddwd); minimum, the m xsum term."""
+def _tile(context, builder, sig, args, quads, minimum, bias=False):
+    """The body of tile_int8 / tile_int4 / tile_int4_16 / tile_int8_q8 (argument order in tile_int8's
+    docstring): quads, the 4-values-a-lane layout for vpmaddubsw / vpdpbusd (else pairs, for vpmaddwd /
+    vpdpwssd); minimum, the m xsum term; bias (tile_int8_q8, VNNI): the weights are q + 128, and each
+    group's int32 sums start from xsum's int32 -128 sum(xq), its correction."""
     RB, TT = (RB4, TT4) if quads else (RB8, TT8)
+    direct = VNNI or not quads          # the int32 sums accumulate in the instruction (or vpmaddwd + vpaddd)
     (wp_, woff, x_, xoff, Kp, sp_, soff, xs_, xsoff, G, gs, mp_, xsum_, out_, ooff, ostride, n_rb, n_tok) = [
         context.cast(builder, a, t, types.int64) if isinstance(t, types.Integer) else a
         for a, t in zip(args, sig.args)]
@@ -112,7 +117,8 @@ def _tile(context, builder, sig, args, quads, minimum):
     sps = [builder.gep(_ptr(context, builder, ty[5], sp_, F32, soff), [builder.mul(r, G8)]) for r in rbs]
     mps = [builder.gep(_ptr(context, builder, ty[11], mp_, F32, soff), [builder.mul(r, G8)]) for r in rbs]
     xsps = [builder.gep(_ptr(context, builder, ty[7], xs_, F32, xsoff), [builder.mul(t, G)]) for t in toks]
-    xsumps = [builder.gep(_ptr(context, builder, ty[12], xsum_, F32, xsoff), [builder.mul(t, G)]) for t in toks]
+    xsumps = [builder.gep(_ptr(context, builder, ty[12], xsum_, I32 if bias else F32, xsoff), [builder.mul(t, G)])
+              for t in toks]
     maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", INTS8, [SHORTS16, SHORTS16])
     maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", SHORTS16, [BYTES32, BYTES32])
     fma = _fn(builder, "llvm.fma.v8f32", FLOATS8, [FLOATS8] * 3)
@@ -124,15 +130,17 @@ def _tile(context, builder, sig, args, quads, minimum):
     steps = CHUNK // per
     with cgutils.for_range(builder, G) as gl:
         g = gl.index
-        for row in iacc:
-            for p in row:
-                builder.store(ir.Constant(INTS8, None), p)
+        for t in range(TT):
+            start = _splat(builder, builder.load(builder.gep(xsumps[t], [g])), INTS8) if bias else ir.Constant(INTS8, None)
+            for r in range(RB):
+                builder.store(start, iacc[r][t])
         gw = builder.mul(g, builder.mul(gs, c(8)))                      # the group's first byte in a vector block
         gx = builder.mul(g, gs)
         with cgutils.for_range(builder, n_chunks) as cl:
             cw = builder.add(gw, builder.mul(cl.index, c(CHUNK * 8)))
             cx = builder.add(gx, builder.mul(cl.index, c(CHUNK)))
-            acc = [[ir.Constant(SHORTS16 if quads else INTS8, None) for _ in range(TT)] for _ in range(RB)]
+            acc = [[builder.load(iacc[r][t]) if direct else ir.Constant(SHORTS16, None) for t in range(TT)]
+                   for r in range(RB)]
             for j in range(steps):
                 if quads:
                     ws = [builder.load(builder.bitcast(builder.gep(p, [builder.add(cw, c(32 * j))]),
@@ -143,20 +151,20 @@ def _tile(context, builder, sig, args, quads, minimum):
                           for p in wps]
                 bc = [builder.load(builder.bitcast(builder.gep(p, [builder.add(cx, c(per * j))]), I32.as_pointer()),
                                    align=1) for p in xps]
-                bc = [_splat(builder, v, INTS8) for v in bc]
+                bc = [builder.bitcast(_splat(builder, v, INTS8), BYTES32 if quads else SHORTS16) for v in bc]
                 for t in range(TT):
-                    if quads:
-                        xb = builder.bitcast(bc[t], BYTES32)
-                        for r in range(RB):
-                            acc[r][t] = builder.add(acc[r][t], builder.call(maddubs, [ws[r], xb]))
-                    else:
-                        xb = builder.bitcast(bc[t], SHORTS16)
-                        for r in range(RB):
-                            acc[r][t] = builder.add(acc[r][t], builder.call(maddwd, [ws[r], xb]))
-            for r in range(RB):             # quads: the int16 sums widened; pairs: int32 holds a whole group
+                    for r in range(RB):
+                        if quads and VNNI:      # 8 rows x 4 unsigned bytes . the token's 4 int8 values
+                            acc[r][t] = simd._vpdpbusd(builder, ws[r], bc[t], acc[r][t])
+                        elif quads:             # AVX2: pairs of those products into int16 lanes
+                            acc[r][t] = builder.add(acc[r][t], builder.call(maddubs, [ws[r], bc[t]]))
+                        else:                   # 8 rows x 2 int16 . the token's 2 int16 values
+                            acc[r][t] = simd._vpdpwssd(builder, acc[r][t], ws[r], bc[t])
+            for r in range(RB):             # int32 holds a whole group; AVX2 quads: the int16 sums widened
                 for t in range(TT):
-                    dot = builder.call(maddwd, [acc[r][t], ones]) if quads else acc[r][t]
-                    builder.store(builder.add(builder.load(iacc[r][t]), dot), iacc[r][t])
+                    dot = acc[r][t] if direct else builder.add(builder.load(iacc[r][t]),
+                                                               builder.call(maddwd, [acc[r][t], ones]))
+                    builder.store(dot, iacc[r][t])
         svs = [builder.load(builder.bitcast(builder.gep(p, [builder.mul(g, c(8))]), FLOATS8.as_pointer()), align=4)
                for p in sps]
         xsb = [_splat(builder, builder.load(builder.gep(p, [g])), FLOATS8) for p in xsps]
@@ -211,29 +219,40 @@ def tile_int4_16(typingctx, wp, woff, x, xoff, Kp, sp, soff, xs, xsoff, G, gs, m
     return sig, lambda context, builder, signature, args: _tile(context, builder, signature, args, False, True)
 
 
+@intrinsic
+def tile_int8_q8(typingctx, wp, woff, x, xoff, Kp, sp, soff, xs, xsoff, G, gs, mp, xsum, out, ooff, ostride,
+                 n_rb, n_tok):
+    sig = types.void(wp, woff, x, xoff, Kp, sp, soff, xs, xsoff, G, gs, mp, xsum, out, ooff, ostride, n_rb, n_tok)
+    return sig, lambda context, builder, signature, args: _tile(context, builder, signature, args, True, False, True)
+
+
 tile_int8.__doc__ = "int8 weights (pairs layout), x int16. " + _SIG_DOC
 tile_int4.__doc__ = "int4 weights (quads layout), x int8, plus m[r, g] xsum[t, g]. " + _SIG_DOC
 tile_int4_16.__doc__ = "int4 weights (pairs layout), x int16, plus m[r, g] xsum[t, g]. " + _SIG_DOC
+tile_int8_q8.__doc__ = ("int8 weights as q + 128 (quads layout), x int8, xsum int32 -128 sum(xq) per token and "
+                        "group (VNNI only). " + _SIG_DOC)
 
 
 @intrinsic
-def transpose8x8(typingctx, src, soff, stride, dst, doff, shift, mask):
-    """dst[doff + 8 j + i] = (src[soff + i stride + j] >> shift) & mask for i, j < 8 (src, dst: C arrays
-    of 16-bit values, offsets into them flat): 8 rows' values j side by side, an 8 x 8 transpose in
-    3 rounds of 8 interleaves (punpck{l,h}{wd,dq,qdq})."""
-    sig = types.void(src, soff, stride, dst, doff, shift, mask)
+def transpose8x8(typingctx, src, soff, stride, dst, doff, shift, mask, flip):
+    """dst[doff + 8 j + i] = ((src[soff + i stride + j] >> shift) & mask) ^ flip for i, j < 8 (src, dst: C
+    arrays of 16- or 32-bit values, offsets into them flat): 8 rows' values j side by side, an 8 x 8
+    transpose in 3 rounds of 8 interleaves (punpck{l,h}{wd,dq,qdq}, or their 32-bit twins)."""
+    sig = types.void(src, soff, stride, dst, doff, shift, mask, flip)
+    elem = ir.IntType(src.dtype.bitwidth)
+    vec = ir.VectorType(elem, 8)
 
     def codegen(context, builder, signature, args):
         ty = signature.args
-        src_, soff_, stride_, dst_, doff_, shift_, mask_ = [
+        src_, soff_, stride_, dst_, doff_, shift_, mask_, flip_ = [
             context.cast(builder, a, t, types.int64) if isinstance(t, types.Integer) else a for a, t in zip(args, ty)]
-        sp, dp = _ptr(context, builder, ty[0], src_, I16, soff_), _ptr(context, builder, ty[3], dst_, I16, doff_)
+        sp, dp = _ptr(context, builder, ty[0], src_, elem, soff_), _ptr(context, builder, ty[3], dst_, elem, doff_)
         splat = lambda v: builder.shuffle_vector(                              # noqa: E731
-            builder.insert_element(ir.Constant(SHORTS8, None), builder.trunc(v, I16), ir.Constant(I32, 0)),
-            ir.Constant(SHORTS8, None), ir.Constant(ir.VectorType(I32, 8), [0] * 8))
+            builder.insert_element(ir.Constant(vec, None), builder.trunc(v, elem), ir.Constant(I32, 0)),
+            ir.Constant(vec, None), ir.Constant(ir.VectorType(I32, 8), [0] * 8))
         a = [builder.load(builder.bitcast(builder.gep(sp, [builder.mul(ir.Constant(I64, i), stride_)]),
-                                          SHORTS8.as_pointer()), align=2) for i in range(8)]
-        a = [builder.and_(builder.lshr(v, splat(shift_)), splat(mask_)) for v in a]
+                                          vec.as_pointer()), align=2) for i in range(8)]
+        a = [builder.xor(builder.and_(builder.lshr(v, splat(shift_)), splat(mask_)), splat(flip_)) for v in a]
 
         def mix(x, y, lanes):                    # lanes of x (0..7) and y (8..15)
             return builder.shuffle_vector(x, y, ir.Constant(ir.VectorType(I32, 8), lanes))
@@ -244,7 +263,7 @@ def transpose8x8(typingctx, src, soff, stride, dst, doff, shift, mask):
         c = [mix(b[i], b[i + 2], h) for i in (0, 1, 4, 5) for h in (lo32, hi32)]   # c[j]: values 2j, 2j+1 of 4 rows
         cols = [mix(c[j], c[j + 4], h) for j in range(4) for h in (lo64, hi64)]    # value j of the 8 rows
         for j, v in enumerate(cols):
-            builder.store(v, builder.bitcast(builder.gep(dp, [ir.Constant(I64, 8 * j)]), SHORTS8.as_pointer()),
+            builder.store(v, builder.bitcast(builder.gep(dp, [ir.Constant(I64, 8 * j)]), vec.as_pointer()),
                           align=2)
         return context.get_dummy_value()
 
@@ -258,7 +277,7 @@ def repack_scales(s, r0, v, lanes, sl, tmp):
     G = s.shape[1]
     if lanes == 8 and G % 8 == 0:
         for g0 in range(0, G, 8):
-            transpose8x8(s, (r0 + 8 * v) * G + g0, G, tmp, 0, 0, 0xFFFF)
+            transpose8x8(s, (r0 + 8 * v) * G + g0, G, tmp, 0, 0, 0xFFFF, 0)
             for j in range(64):
                 sl[(v * G + g0) * 8 + j] = f16_to_f32(tmp[j])
     else:
@@ -268,24 +287,26 @@ def repack_scales(s, r0, v, lanes, sl, tmp):
 
 
 @njit(inline="always", fastmath=FAST, error_model="numpy")
-def repack_int8(q16, s, r0, wl, sl):
-    """Rows r0 .. r0 + 8 nv of q16 [O, Kp/2] (int8 value pairs as int16), s [O, G] fp16 bits ->
-    wl [nv Kp/2 8] int16 (pair k of row 8 v + l at (v Kp/2 + k) 8 + l), sl [nv G 8] f32; rows past O: zeros."""
-    O, N = q16.shape
-    G, nv = s.shape[1], wl.size // (8 * N)
+def repack_int8(q, s, r0, wl, sl, flip):
+    """Rows r0 .. r0 + 8 nv of q [O, N] (the stored int8 values n at a time: N = Kp/2 pairs as int16, the
+    pairs layout, or N = Kp/4 quads as uint32, the quads one), s [O, G] fp16 bits -> wl [nv N 8] of q's
+    type (word k of row 8 v + l at (v N + k) 8 + l, xor flip: 0x80808080 makes each byte q + 128),
+    sl [nv G 8] f32; rows past O: zeros."""
+    O, N = q.shape
+    nv = wl.size // (8 * N)
     tmp = np.empty(64, dtype=np.uint16)
     if O - r0 < 8 * nv:                            # the last block: its missing rows are zeros
         wl[:] = 0
         sl[:] = 0
     for v in range(nv):
         lanes = min(8, O - r0 - 8 * v)
-        if lanes == 8:                             # 8 rows' pairs k .. k + 7 side by side (N % 16 == 0)
+        if lanes == 8:                             # 8 rows' words k .. k + 7 side by side (N % 8 == 0)
             for k in range(0, N, 8):
-                transpose8x8(q16, (r0 + 8 * v) * N + k, N, wl, (v * N + k) * 8, 0, 0xFFFF)
+                transpose8x8(q, (r0 + 8 * v) * N + k, N, wl, (v * N + k) * 8, 0, -1, flip)
         else:
             for k in range(N):
                 for lane in range(lanes):
-                    wl[(v * N + k) * 8 + lane] = q16[r0 + 8 * v + lane, k]
+                    wl[(v * N + k) * 8 + lane] = q[r0 + 8 * v + lane, k] ^ flip
         repack_scales(s, r0, v, lanes, sl, tmp)
 
 
@@ -307,13 +328,10 @@ def repack_int4(b, s, m, gs, r0, wl, sl, ml):
         lanes = min(8, O - r0 - 8 * v)
         for g in range(G):
             at, shift, src = (v * G + g) * n4, 4 * (g & 1), (g >> 1) * n4
-            if lanes == 8 and b.itemsize == 2:     # 8 rows' pairs k .. k + 7 side by side (n4 % 16 == 0)
+            if lanes == 8:                         # 8 rows' words k .. k + 7 side by side (n4 % 8 == 0)
                 for k in range(0, n4, 8):
-                    transpose8x8(b, (r0 + 8 * v) * b.shape[1] + src + k, b.shape[1], wl, (at + k) * 8, shift, 0x0F0F)
-            elif lanes == 8:                       # 8 rows' 4 values side by side: one 32-byte store
-                for k in range(n4):
-                    for lane in range(8):
-                        wl[(at + k) * 8 + lane] = (b[r0 + 8 * v + lane, src + k] >> shift) & 0x0F0F0F0F
+                    transpose8x8(b, (r0 + 8 * v) * b.shape[1] + src + k, b.shape[1], wl, (at + k) * 8, shift,
+                                 0x0F0F0F0F, 0)
             else:
                 for k in range(n4):
                     for lane in range(lanes):
@@ -341,6 +359,7 @@ def _blocks(tile, RB, TT):
 block_int8 = _blocks(tile_int8, RB8, TT8)           # int8 weights, pairs x int16 (or int8 widened)
 block_int4 = _blocks(tile_int4, RB4, TT4)           # int4 weights, quads x int8
 block_int4_16 = _blocks(tile_int4_16, RB8, TT8)     # int4 weights, pairs x int16
+block_int8_q8 = _blocks(tile_int8_q8, RB4, TT4)     # int8 weights, quads (q + 128) x int8 (VNNI)
 
 
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
@@ -355,8 +374,25 @@ def gemm_int8(x16, xs, q16, s, out):
     for blk in prange(-(-nv_all // BLOCK_RB)):
         nv = min(BLOCK_RB, nv_all - blk * BLOCK_RB)
         wl, sl = np.empty(nv * Kp * 4, dtype=np.int16), np.empty(nv * G * 8, dtype=np.float32)
-        repack_int8(q16, s, 8 * BLOCK_RB * blk, wl, sl)
+        repack_int8(q16, s, 8 * BLOCK_RB * blk, wl, sl, 0)
         block_int8(wl, xf, sl, xsf, sl, xsf, G, gs, of, out.shape[1], 8 * BLOCK_RB * blk, nv, T)
+
+
+@njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
+def gemm_int8_q8(xq, xs, xcorr, b32, s, out):
+    """gemm_int8 on int8 activations with vpdpbusd (VNNI only): xq [T, G, gs] int8, xs [T, G] f32, xcorr
+    [T, G] int32 = -128 sum(xq); b32 [O, Kp/4] the stored int8 weights 4 at a time as uint32, s [O, G] fp16
+    bits -> out [T, 8 ceil(O / 8)]. vpdpbusd multiplies unsigned bytes by signed ones: the weights become
+    q + 128 in the repack, and (q + 128) . xq - 128 sum(xq) = q . xq exactly, in int32."""
+    T, G, gs = xq.shape
+    O, Kp = b32.shape[0], G * gs
+    xf, xsf, xcf, of = xq.reshape(-1), xs.reshape(-1), xcorr.reshape(-1), out.reshape(-1)
+    nv_all = -(-O // 8)
+    for blk in prange(-(-nv_all // BLOCK_RB)):
+        nv = min(BLOCK_RB, nv_all - blk * BLOCK_RB)
+        wl, sl = np.empty(nv * Kp * 2, dtype=np.uint32), np.empty(nv * G * 8, dtype=np.float32)
+        repack_int8(b32, s, 8 * BLOCK_RB * blk, wl, sl, 0x80808080)
+        block_int8_q8(wl, xf, sl, xsf, sl, xcf, G, gs, of, out.shape[1], 8 * BLOCK_RB * blk, nv, T)
 
 
 @njit(inline="always", fastmath=FAST, error_model="numpy")
@@ -409,13 +445,20 @@ def round_prompt16(x3):
 
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
 def round_prompt8(x3):
-    """kernels.quantize_activations for a prompt's tokens on all threads -> xq int8, xs, xsum."""
+    """kernels.quantize_activations for a prompt's tokens on all threads -> xq int8, xs, xsum, and xcorr
+    [T, G] int32 = -128 sum(xq) (gemm_int8_q8's correction)."""
     T, G, gs = x3.shape
     xq, xa = np.empty((T, G, gs), dtype=np.int8), np.empty((T, G, gs), dtype=np.uint8)
     xs, xsum = np.empty((T, G), dtype=np.float32), np.empty((T, G), dtype=np.float32)
+    xcorr = np.empty((T, G), dtype=np.int32)
     for t in prange(T):
         fk.quantize_token(x3, t, xq, xa, xs, xsum)
-    return xq, xs, xsum
+        for g in range(G):
+            total = 0
+            for j in range(gs):
+                total += xq[t, g, j]
+            xcorr[t, g] = -128 * total
+    return xq, xs, xsum, xcorr
 
 
 def gemm(w, x: np.ndarray, act: str = "int8") -> np.ndarray:
@@ -426,12 +469,22 @@ def gemm(w, x: np.ndarray, act: str = "int8") -> np.ndarray:
     T, gs, O = x.shape[0], w.group_size, w.out_features
     out = np.empty((T, 8 * -(-O // 8)), dtype=np.float32)
     data, scales = np.ascontiguousarray(w.data).reshape(O, -1), np.ascontiguousarray(w.scales).view(np.uint16)
-    xq, xs, xsum = (round_prompt16 if act == "int16" else round_prompt8)(x.reshape(T, -1, gs))  # [T, G, gs], [T, G]
-    if w.fmt == "int8":
-        gemm_int8(xq.astype(np.int16, copy=False), xs, data.view(np.int16), scales, out)
+    mins = None if w.mins is None else np.ascontiguousarray(w.mins).view(np.uint16)
+    x3 = x.reshape(T, -1, gs)                                                    # [T, G, gs]
+    if act == "int16":
+        x16, xs, xsum = round_prompt16(x3)                                       # [T, G, gs], [T, G]
+        if w.fmt == "int8":
+            gemm_int8(x16, xs, data.view(np.int16), scales, out)
+        else:
+            gemm_int4_16(x16, xs, xsum, data.view(np.uint16), scales, mins, out)
     else:
-        run, word = (gemm_int4_16, np.uint16) if act == "int16" else (gemm_int4, np.uint32)
-        run(xq, xs, xsum, data.view(word), scales, np.ascontiguousarray(w.mins).view(np.uint16), out)
+        xq, xs, xsum, xcorr = round_prompt8(x3)
+        if w.fmt == "int8" and VNNI:
+            gemm_int8_q8(xq, xs, xcorr, data.view(np.uint32), scales, out)
+        elif w.fmt == "int8":
+            gemm_int8(xq.astype(np.int16), xs, data.view(np.int16), scales, out)
+        else:
+            gemm_int4(xq, xs, xsum, data.view(np.uint32), scales, mins, out)
     return out if out.shape[1] == O else np.ascontiguousarray(out[:, :O])
 
 
