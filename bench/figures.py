@@ -150,6 +150,7 @@ def stage1_prefill_tile(data: dict, out: Path) -> Path:
     peaks, act = data["peaks_gmac_s"], data.get("act", "int8")
     pair = peaks.get("maddwd+add", peaks["maddwd"])          # older results measured vpmaddwd alone
     ceiling = {fmt: pair if pairs_tile(fmt, act) else peaks["maddubs"] for fmt in ("int8", "int4")}
+    ceiling.update({fmt: peaks[kind] for fmt, kind in data.get("ceiling", {}).items()})   # as the run named it
     for fmt, gmac in data.get("tile_alone_gmac_s", {}).items():       # the tile with nothing around it
         labels.append(f"{fmt} tile alone (T=128)")
         got.append(gmac)

@@ -7,13 +7,15 @@ interleaved in one run, and the integer / fp32 peak of the instructions they use
 
 Prints, per format and prompt length, the best of --reps of one layer's four
 matmuls (wqkv, wo, gate_up, down; lm_head left out: it runs on the last token only)
-as layer-matmul tokens per second and GMAC/s, then the peak micro-benchmarks:
-vpmaddwd (int16 pairs, what the AVX2 int8 tile issues), vpmaddubsw (the int4 tile
-on int8 activations) and vfmadd231ps (what sgemm issues), 12 independent chains on
-each thread, then each tile alone (tile_alone: no repack, no rounding, its block in
-cache), so that the steps from the instruction's peak to the tile, and from the tile
-to the GEMM, each have a figure. --act int16 measures what --activations auto runs
-on AVX2 (int4 weights then on the pairs tile too).
+as layer-matmul tokens per second and GMAC/s, and where AVX-512 BF16 exists the bf16
+prefill GEMM (fast/kernels.py) on the same matrices beside them; then the peak
+micro-benchmarks, 12 independent chains on each thread: vpmaddwd (int16 pairs, what
+the AVX2 pairs tile issues, alone and with its vpaddd), vpmaddubsw (the AVX2 quads
+tile), vfmadd231ps (what sgemm issues), and where they exist vpdpwssd / vpdpbusd
+(the VNNI tiles) and vdpbf16ps (the bf16 GEMM); then each tile alone (tile_alone: no
+repack, no rounding, its block in cache), so that the steps from the instruction's
+peak to the tile, and from the tile to the GEMM, each have a figure. --act int16
+measures what --activations auto runs (int4 weights then on the pairs tile too).
 """
 from __future__ import annotations
 
@@ -57,7 +59,27 @@ def _peak_kernel(kind):
             s = builder.fptosi(seed_, ir.IntType(16))
             a16 = builder.insert_element(ir.Constant(V16S, [1] * 16), s, ir.Constant(ir.IntType(32), 0))
             accs = [cgutils.alloca_once_value(builder, builder.bitcast(a16, V8I)) for _ in range(CHAINS)]
-            if kind in ("maddwd", "maddwd+add"):
+            if kind == "dpbf16":                 # AVX-512 BF16: 32 bf16 pairs into 16 fp32 lanes (a zmm register)
+                from stage1_cpu.fast.simd import BF16S32, FLOATS16
+                f = fn(builder.module, ir.FunctionType(FLOATS16, [FLOATS16, BF16S32, BF16S32]),
+                       "llvm.x86.avx512bf16.dpbf16ps.512")
+                a = builder.insert_element(ir.Constant(FLOATS16, None), seed_, ir.Constant(ir.IntType(32), 0))
+                b = builder.bitcast(a, BF16S32)
+                accs = [cgutils.alloca_once_value(builder, a) for _ in range(CHAINS)]
+                with cgutils.for_range(builder, n_):
+                    for acc in accs:
+                        builder.store(builder.call(f, [builder.load(acc), b, b]), acc)
+                tot = builder.load(accs[0])
+                for acc in accs[1:]:
+                    tot = builder.fadd(tot, builder.load(acc))
+                return builder.extract_element(tot, ir.Constant(ir.IntType(32), 0))
+            if kind in ("dpwssd", "dpbusd"):     # VNNI: the multiply-add and its accumulate in one instruction
+                f = fn(builder.module, ir.FunctionType(V8I, [V8I] * 3), f"llvm.x86.avx512.vp{kind}.256")
+                b = builder.bitcast(a16, V8I)
+                with cgutils.for_range(builder, n_):
+                    for acc in accs:
+                        builder.store(builder.call(f, [builder.load(acc), b, b]), acc)
+            elif kind in ("maddwd", "maddwd+add"):
                 f = fn(builder.module, ir.FunctionType(V8I, [V16S, V16S]), "llvm.x86.avx2.pmadd.wd")
                 with cgutils.for_range(builder, n_):
                     for acc in accs:          # a dependent chain each: nothing to hoist or fold
@@ -98,15 +120,23 @@ def peak(kind: str, threads: int, n: int = 20_000_000) -> float:
         t0 = time.perf_counter()
         run(n, threads)
         best = min(best, time.perf_counter() - t0)
-    per_instr = {"fma": 8, "maddwd": 16, "maddwd+add": 16, "maddubs": 32}[kind]
+    per_instr = {"fma": 8, "maddwd": 16, "maddwd+add": 16, "maddubs": 32, "dpwssd": 16, "dpbusd": 32,
+                 "dpbf16": 32}[kind]
     return CHAINS * n * threads * per_instr / best
 
 
-def pairs_tile(fmt: str, act: str) -> bool:
-    """Whether gemm.py runs fmt on the pairs tile (vpmaddwd, each with the vpaddd that accumulates it):
-    int8 weights always, int4 ones on int16 activations; int4 on int8 activations takes the quads tile
-    (vpmaddubsw)."""
-    return fmt == "int8" or act == "int16"
+def pairs_tile(fmt: str, act: str, vnni: bool = False) -> bool:
+    """Whether gemm.py runs fmt on the pairs tile (vpmaddwd, each with the vpaddd that accumulates it, or
+    vpdpwssd on VNNI): int8 weights, but for int8 activations on VNNI (the quads tile tile_int8_q8), and int4
+    ones on int16 activations; int4 on int8 activations takes the quads tile (vpmaddubsw, vpdpbusd on VNNI)."""
+    return act == "int16" or (fmt == "int8" and not vnni)
+
+
+def ceiling(fmt: str, act: str, vnni: bool) -> str:
+    """The peak() kind that bounds fmt's tile: the instruction it issues per multiply-add step."""
+    if pairs_tile(fmt, act, vnni):
+        return "dpwssd" if vnni else "maddwd+add"
+    return "dpbusd" if vnni else "maddubs"
 
 
 def tile_alone(fmt: str, act: str, threads: int, K: int = 1024, T: int = 128, gs: int = 32, reps: int = 7) -> float:
@@ -114,33 +144,36 @@ def tile_alone(fmt: str, act: str, threads: int, K: int = 1024, T: int = 128, gs
     one repacked block of 64 rows again and again, its weights in cache, with no repack, no rounding and no
     Python call per matrix; the GEMM's figure against this one is what those cost."""
     from stage1_cpu.fast import gemm
-    block = {("int8", "int8"): gemm.block_int8, ("int8", "int16"): gemm.block_int8,
+    q8 = fmt == "int8" and act == "int8" and gemm.VNNI               # tile_int8_q8: q + 128 in the quads layout
+    block = {("int8", "int8"): gemm.block_int8_q8 if q8 else gemm.block_int8, ("int8", "int16"): gemm.block_int8,
              ("int4", "int8"): gemm.block_int4, ("int4", "int16"): gemm.block_int4_16}[fmt, act]
     G, rows = K // gs, 64
     rng = np.random.default_rng(1)
-    if fmt == "int8":                                            # int8 values, as the pairs' int16 words
-        wl = rng.integers(-127, 128, (threads, rows * K), dtype=np.int8).view(np.int16)
+    quads = not pairs_tile(fmt, act, gemm.VNNI)
+    word = np.uint32 if quads else np.int16                      # 4 values a lane, or 2
+    if fmt == "int8":                                            # int8 values (q + 128 for the quads tile)
+        wl = rng.integers(-127, 128, (threads, rows * K), dtype=np.int8).view(word)
     else:                                                        # nibbles 0..15, one a byte
-        word = np.uint32 if act == "int8" else np.uint16
         wl = rng.integers(0, 16, (threads, rows * K), dtype=np.uint8).view(word)
-    x = rng.integers(-127, 128, T * K, dtype=np.int8)            # the quads tile reads int8 activations,
-    if block is not gemm.block_int4:                             # the pairs tiles int16 (int8 ones widened)
+    x = rng.integers(-127, 128, T * K, dtype=np.int8)            # the quads tiles read int8 activations,
+    if not quads:                                                # the pairs tiles int16 (int8 ones widened)
         x = x.astype(np.int16) if act == "int8" else rng.integers(-32767, 32768, T * K, dtype=np.int16)
     s, xs = rng.random(rows * G, dtype=np.float32), rng.random(T * G, dtype=np.float32)
+    xcorr = rng.integers(-2 ** 20, 2 ** 20, T * G, dtype=np.int32) if q8 else xs   # tile_int8_q8's correction
     out = np.zeros((threads, T * rows), dtype=np.float32)
 
     @njit(parallel=True)
-    def run(n, wl, x, s, xs, out, G, gs, T):     # the sizes as arguments: as constants LLVM unrolls the tile worse
+    def run(n, wl, x, s, xs, xsum, out, G, gs, T):   # the sizes as arguments: as constants LLVM unrolls the tile worse
         for i in prange(wl.shape[0]):
             for _ in range(n):
-                block(wl[i], x, s, xs, s, xs, G, gs, out[i], rows, 0, rows // 8, T)
+                block(wl[i], x, s, xs, s, xsum, G, gs, out[i], rows, 0, rows // 8, T)
 
-    run(1, wl, x, s, xs, out, G, gs, T)
+    run(1, wl, x, s, xs, xcorr, out, G, gs, T)
     n = max(1, int(4e8 / (rows * K * T)))
     best = 1e9
     for _ in range(reps):
         t0 = time.perf_counter()
-        run(n, wl, x, s, xs, out, G, gs, T)
+        run(n, wl, x, s, xs, xcorr, out, G, gs, T)
         best = min(best, time.perf_counter() - t0)
     return threads * n * rows * K * T / best
 
@@ -156,7 +189,7 @@ def main(argv=None) -> None:
     ap.add_argument("--group-size", type=int, default=32)
     ap.add_argument("--formats", nargs="+", default=["int8", "int4"])
     ap.add_argument("--act", default="int8", choices=["int8", "int16"],
-                    help="the GEMM's activations: int8 (--activations int8) or int16 (auto's choice on AVX2)")
+                    help="the GEMM's activations: int8 (--activations int8) or int16 (--activations auto's)")
     ap.add_argument("--save", default=None, help="also write the results as JSON (for python -m bench figures)")
     args = ap.parse_args(argv)
     if not cpu.INT8:
@@ -167,47 +200,52 @@ def main(argv=None) -> None:
     rows, load0 = [], os.getloadavg()[0]
     print(f"threads {numba.get_num_threads()}, {cpu.instructions()}, group size {args.group_size}, "
           f"{args.act} activations")
+    engines = ["sgemm", "int8 gemm"] + (["bf16"] if cpu.BF16 else [])   # bf16: what auto ran before on such CPUs
+    vnni = cpu.INT8 == "vnni"
     for fmt in args.formats:
         mats = {k: rng.standard_normal(s, dtype=np.float32) * 0.02 for k, s in SHAPES.items()}
-        old = {k: fast_quantize(w, fmt, args.group_size) for k, w in mats.items()}
-        new = {k: fast_quantize(w, fmt, args.group_size, prefill_act=args.act) for k, w in mats.items()}
+        weights = {"sgemm": {k: fast_quantize(w, fmt, args.group_size) for k, w in mats.items()},
+                   "int8 gemm": {k: fast_quantize(w, fmt, args.group_size, prefill_act=args.act) for k, w in mats.items()},
+                   "bf16": {k: fast_quantize(w, fmt, args.group_size, prefill_act="bf16") for k, w in mats.items()}
+                   if cpu.BF16 else {}}
         for T in args.tokens:
             xs = {k: rng.standard_normal((T, s[1]), dtype=np.float32) for k, s in SHAPES.items()}
             macs = T * sum(o * k for o, k in SHAPES.values())
-            best = {"sgemm": 1e9, "int8 gemm": 1e9}
+            best = {name: 1e9 for name in engines}
             for rep in range(args.reps + 1):                     # the first round warms up, uncounted
-                for name, ws in (("sgemm", old), ("int8 gemm", new)):
+                for name in engines:
                     t0 = time.perf_counter()
-                    for k, w in ws.items():
+                    for k, w in weights[name].items():
                         w.matmul(xs[k])
                     dt = time.perf_counter() - t0
                     if rep:
                         best[name] = min(best[name], dt)
             row = ", ".join(f"{n} {T / t:7.1f} tok/s {macs / t / 1e9:5.1f} GMAC/s" for n, t in best.items())
-            print(f"{fmt} T={T:4d}: {row}  ({best['sgemm'] / best['int8 gemm']:.2f}x)", flush=True)
+            print(f"{fmt} T={T:4d}: {row}  ({best['sgemm'] / best['int8 gemm']:.2f}x sgemm"
+                  + (f", {best['bf16'] / best['int8 gemm']:.2f}x bf16)" if cpu.BF16 else ")"), flush=True)
             rows.append(dict(format=fmt, tokens=T, **{f"{n.replace(' ', '_')}_gmac_s": macs / t / 1e9
                                                       for n, t in best.items()}))
     th = numba.get_num_threads()
     peaks = {}
-    for kind in ("maddwd", "maddwd+add", "maddubs", "fma"):
+    kinds = ["maddwd", "maddwd+add", "maddubs", "fma"] + (["dpwssd", "dpbusd"] if vnni else []) + \
+        (["dpbf16"] if cpu.BF16 else [])
+    for kind in kinds:
         peaks[kind] = peak(kind, th) / 1e9
         print(f"peak {kind:10s} {peaks[kind]:6.1f} GMAC/s on {th} threads")
+    names = {"maddwd+add": "vpmaddwd+vpaddd", "maddubs": "vpmaddubsw", "dpwssd": "vpdpwssd", "dpbusd": "vpdpbusd"}
+    tile_peak = {fmt: ceiling(fmt, args.act, vnni) for fmt in args.formats}
     alone = {}
-    for r in rows:            # the pairs tiles issue vpmaddwd (each with a vpaddd), the quads tile vpmaddubsw
-        pairs = pairs_tile(r["format"], args.act)
-        r["int8_gemm_of_peak"] = r["int8_gemm_gmac_s"] / peaks["maddwd" if pairs else "maddubs"]
+    for r in rows:            # each against the instruction its tile issues per multiply-add step
+        kind = tile_peak[r["format"]]
+        r["int8_gemm_of_peak"] = r["int8_gemm_gmac_s"] / peaks[kind]
         r["sgemm_of_peak"] = r["sgemm_gmac_s"] / peaks["fma"]
-        if pairs:
-            r["int8_gemm_of_mix_peak"] = r["int8_gemm_gmac_s"] / peaks["maddwd+add"]
-        mix = f", {100 * r['int8_gemm_of_mix_peak']:.0f} % of vpmaddwd+vpaddd's" if pairs else ""
-        print(f"{r['format']} T={r['tokens']:4d}: int8 gemm {100 * r['int8_gemm_of_peak']:.0f} % of its instruction's "
-              f"peak{mix}, sgemm {100 * r['sgemm_of_peak']:.0f} % of the FMA peak")
+        bf16 = f", bf16 {100 * r['bf16_gmac_s'] / peaks['dpbf16']:.0f} % of vdpbf16ps's" if cpu.BF16 else ""
+        print(f"{r['format']} T={r['tokens']:4d}: integer gemm {100 * r['int8_gemm_of_peak']:.0f} % of "
+              f"{names[kind]}'s peak, sgemm {100 * r['sgemm_of_peak']:.0f} % of the FMA peak{bf16}")
     for fmt in args.formats:  # the same tiles with nothing around them: what the GEMM's loops and repack cost
-        pairs = pairs_tile(fmt, args.act)
         alone[fmt] = tile_alone(fmt, args.act, th, gs=args.group_size) / 1e9
-        ceiling, name = (peaks["maddwd+add"], "vpmaddwd+vpaddd") if pairs else (peaks["maddubs"], "vpmaddubsw")
         print(f"{fmt} tile alone (a 64-row block in cache, T=128, K=1024, repeated): {alone[fmt]:5.1f} GMAC/s, "
-              f"{100 * alone[fmt] / ceiling:.0f} % of {name}'s peak", flush=True)
+              f"{100 * alone[fmt] / peaks[tile_peak[fmt]]:.0f} % of {names[tile_peak[fmt]]}'s peak", flush=True)
     print(f"1-minute load before {load0:.2f}, after {os.getloadavg()[0]:.2f}")
     if args.save:
         import json
@@ -221,7 +259,7 @@ def main(argv=None) -> None:
             date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), machine=machine_description(),
             threads=th, load=[load0, os.getloadavg()[0]], group_size=args.group_size, act=args.act,
             tile={"int8": [gemm.RB8 * 8, gemm.TT8], "int4": [gemm.RB4 * 8, gemm.TT4]},
-            peaks_gmac_s=peaks, tile_alone_gmac_s=alone, rows=rows), indent=1) + "\n")
+            ceiling=tile_peak, peaks_gmac_s=peaks, tile_alone_gmac_s=alone, rows=rows), indent=1) + "\n")
 
 
 if __name__ == "__main__":

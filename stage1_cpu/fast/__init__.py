@@ -125,12 +125,12 @@ def choose_act(fmt: str, activations: str, in_features: int, lm_head: bool = Fal
         act["decode_act"] = "int8"                  # int8 without an instruction: check_act explains
         if lm_head and fmt == "int8" and activations == "auto":
             act["decode_act"] = "int16"
-    if cpu.BF16 and (fmt != "bf16" or in_features % 2 == 0):
-        act["prefill_act"] = "bf16"
-    elif fmt in ("int8", "int4") and activations == "int8":
+    if fmt in ("int8", "int4") and activations == "int8":
         act["prefill_act"] = "int8"                 # gemm.py's integer GEMM (check_act refuses it without cpu.INT8)
     elif cpu.INT8 and fmt in AUTO_GEMM_PREFILL:
-        act["prefill_act"] = "int16"                # the same GEMM on int16 activations
+        act["prefill_act"] = "int16"                # the same GEMM on int16 activations (ahead of bf16's, too)
+    elif cpu.BF16 and (fmt != "bf16" or in_features % 2 == 0):
+        act["prefill_act"] = "bf16"
     return act
 
 
