@@ -23,8 +23,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--activations", choices=("auto", "int8", "fp32"), default="auto",
                    help="fast kernels, int8 / int4 weights: round the activations to int8 and multiply "
                         "integers (as llama.cpp does). auto: at decode where the CPU has an int8 dot product "
-                        "(VNNI or AVX2), the lm_head at int16; at prefill bf16 where AVX-512 BF16 exists, "
-                        "else int16 for int8 / int4 weights (the integer GEMM); "
+                        "(VNNI or AVX2), the lm_head at int16; at prefill int16 (the integer GEMM), bf16 weights "
+                        "bf16 where AVX-512 BF16 exists; "
                         "int8: everywhere, prefill through the integer GEMM included; fp32: never")
     g.add_argument("--threads", type=int, default=None, metavar="N",
                    help="numba threads (default: all cores)")

@@ -52,10 +52,11 @@ from . import cpu  # noqa: E402  (after depend: numba stamps each kernel when it
 from .weight import FastWeight, as_fast, check_act, fast_quantize  # noqa: E402, F401
 
 ACTIVATIONS = ("auto", "int8", "fp32")
-# weights whose prefill --activations auto runs on gemm.py's integer GEMM where there is no AVX-512
-# BF16, with int16 activations (almost exact) through the vpmaddwd tile: int8 and int4. int8 rounding
-# over a whole prompt (--activations int8; int4 then takes the vpmaddubsw tile, faster) flips the
-# default model's first answer (tests/test_default_model.py)
+# weights whose prefill --activations auto runs on gemm.py's integer GEMM, with int16 activations
+# (almost exact) through the vpmaddwd / vpdpwssd tile: int8 and int4. Where AVX-512 BF16 exists too it
+# ranks ahead of the bf16 GEMM for them (the same multiply-adds per cycle, no bf16 copy of the weights to
+# make per call; docs/benchmarks.md). int8 rounding over a whole prompt (--activations int8: the
+# vpmaddubsw / vpdpbusd tiles, faster) flips the default model's first answer (tests/test_default_model.py)
 AUTO_GEMM_PREFILL: tuple[str, ...] = ("int8", "int4")
 
 
@@ -112,8 +113,8 @@ class FastPath:
 def choose_act(fmt: str, activations: str, in_features: int, lm_head: bool = False) -> dict:
     """How a FastWeight rounds its activations: --activations auto rounds them where the
     CPU has an instruction that pays for it: to int8 at int8 / int4 decode (cpu.INT8; the
-    int8 lm_head's to int16), to bf16 at bf16 / int8 / int4 prefill (cpu.BF16), else to
-    int16 at int8 / int4 prefill (the integer GEMM); int8 rounds the lm_head's and the int8 / int4
+    int8 lm_head's to int16), to int16 at int8 / int4 prefill (the integer GEMM, cpu.INT8),
+    to bf16 at bf16 prefill (cpu.BF16); int8 rounds the lm_head's and the int8 / int4
     prefill's to int8; fp32 never rounds.
     -> fast_quantize()'s keyword arguments {"decode_act": ..., "prefill_act": ...}."""
     if activations not in ACTIVATIONS:

@@ -27,8 +27,8 @@ time from the stored [O, G, gs] layout into a scratch buffer of its own
 the weights is kept, and the repack moves each byte once per T multiply-adds.
 
 The micro-kernel (_tile) keeps RB x 8 rows x TT tokens (RB8 x TT8, RB4 x TT4) of accumulators in
-registers (AVX2 has 16 ymm registers: RB x TT int32 accumulators, RB x TT float
-ones, RB weight vectors and one broadcast): each weight vector loaded serves TT
+registers (AVX2 has 16 ymm registers, AVX-512 32: RB x TT int32 accumulators, RB x TT float
+ones, RB weight vectors and the broadcasts): each weight vector loaded serves TT
 tokens, each broadcast serves RB x 8 rows. Per group the int32 lanes (a whole
 group's, gs <= 256: |sum| <= 128 x 2 x 127 x 32767 < 2^31) are converted to float
 and multiply-added with the group's scale product:
@@ -39,12 +39,19 @@ and multiply-added with the group's scale product:
     tile_int8     pairs x int16 (or int8 activations widened)        int8 weights
     tile_int4_16  pairs x int16, plus the minimum                    int4 weights, act int16
     tile_int4     quads x int8, plus the minimum                     int4 weights, act int8
+    tile_int8_q8  quads (q + 128) x int8, from -128 sum(xq)          int8 weights, act int8, VNNI
 
-quads: nibble x int8 pair sums (<= 2 x 15 x 127) add up in int16 over one chunk
+quads on AVX2: nibble x int8 pair sums (<= 2 x 15 x 127) add up in int16 over one chunk
 of 32 values (8 steps), then one vpmaddwd by ones widens them into the group's int32.
 
-Instructions: AVX2's (cpu.INT8 "avx2", and they run on VNNI CPUs as well; a
-vpdpbusd variant is not written: no VNNI machine was at hand to measure it).
+Instructions (cpu.INT8): on AVX2 vpmaddwd + vpaddd (pairs) and vpmaddubsw (quads);
+on VNNI vpdpwssd (pairs: the same 16 multiply-adds, the accumulate fused) and
+vpdpbusd (quads: 32 multiply-adds straight into int32). vpdpbusd multiplies
+unsigned bytes by signed ones: nibbles are unsigned already, and int8 weights
+become q + 128 in the repack, their group's sums starting from -128 sum(xq)
+(tile_int8_q8): (q + 128) . xq - 128 sum(xq) = q . xq, exactly. On AVX2 int8
+weights meet int8 activations widened to int16 (vpmaddubsw's pair sums would
+saturate at 255 x 127 x 2), so there int8 activations gain nothing over int16.
 None of it is compiled where cpu.INT8 is None: weight.py never calls it there.
 The numpy twin: gemm_ref below.
 """
