@@ -79,8 +79,12 @@ def test_rope_matches_ops(rng, T, H, D):
     (7, 3, 1, 64, 0),        # prefill, odd head count, one KV head
     (5, 6, 2, 32, 11),       # prefill that continues a cached prefix
     (8, 16, 8, 128, 600),    # few queries over a long cache
-    (64, 4, 4, 64, 3),       # no GQA; the fast path's prefill through BLAS (T >= ATT_BLAS_MIN_T)
-    (130, 3, 1, 32, 9),      # two of its query blocks of ATT_BLOCK, the second one partial
+    (64, 4, 4, 64, 3),       # no GQA; the fast path's prefill in tiles (T >= ATT_BLAS_MIN_T)
+    (130, 3, 1, 32, 9),      # BLAS: two of its query blocks of ATT_BLOCK, the second one partial; tiles: 3 blocks
+    (40, 16, 8, 128, 21),    # tiles: Qwen3-0.6B's heads, 32-query blocks, the second partial, after a prefix
+    (33, 9, 3, 64, 2),       # tiles: SmolLM2's 9 / 3 heads, 63 rows a block (padded to 64), not a multiple of 6
+    (19, 8, 1, 16, 0),       # tiles: 8 heads a KV head, 8-query blocks: three, taken in the order 0, 2, 1
+    (20, 2, 1, 40, 0),       # D = 40, not a multiple of 16: BLAS
 ])
 def test_attention_matches_ops(rng, T, H, Hkv, D, start_pos):
     Tmax = start_pos + T + 9  # cache longer than used: stale rows beyond must be ignored
@@ -89,8 +93,14 @@ def test_attention_matches_ops(rng, T, H, Hkv, D, start_pos):
     v_cache = randn(rng, Hkv, Tmax, D)
     ref = ops.attention(q, k_cache, v_cache, start_pos)
     close(kernels.attention(q, k_cache, v_cache, start_pos), ref)
-    from stage1_cpu.fast import attention       # the fast path's: BLAS from ATT_BLAS_MIN_T queries
+    from stage1_cpu.fast import attention       # the fast path's: tiles (or BLAS) from ATT_BLAS_MIN_T queries
     close(attention.attention(q, k_cache, v_cache, start_pos), ref)
+    if T >= attention.ATT_BLAS_MIN_T:          # each version on its own, into NaNs: every output must be written
+        tiled = attention.TILED and D % 16 == 0
+        for run in [attention.attention_blas] + [lambda *a: attention.attention_tiled(*a, max(1, attention.ROWS // (H // Hkv)))] * tiled:
+            out = np.full_like(q, np.nan)
+            run(q, k_cache, v_cache, start_pos, out)
+            close(out, ref)
 
 
 @pytest.mark.parametrize("T,E,k,norm", [(1, 8, 2, True), (5, 8, 4, False), (3, 128, 8, True), (2, 6, 1, False)])
