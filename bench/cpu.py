@@ -248,12 +248,13 @@ def prepare_models(shape: Shape, cache: Path, log=print, quants=("BF16", "Q8_0",
 class Stage1Runner:
     """Stage 1 through the Engine protocol, exactly as the chat and the server use it."""
 
-    def __init__(self, folder: str, fmt: str, threads: int, max_ctx: int, kernels: str = "auto"):
+    def __init__(self, folder: str, fmt: str, threads: int, max_ctx: int, kernels: str = "auto",
+                 activations: str = "auto"):
         from stage1_cpu.engine import LLMEngine
         self.kernels = kernels
         quant = {"fp32": "none"}.get(fmt, fmt)
         self.engine = LLMEngine(folder, quant=quant, threads=threads, max_ctx=max_ctx, progress=False,
-                                kernels=kernels)
+                                kernels=kernels, activations=activations)
         self.count = 0
 
     def set_threads(self, n: int) -> None:
@@ -506,7 +507,8 @@ def save_check_logits(runner, spec: dict) -> str:
 
 def make_runner(spec: dict, threads: int, check: bool = False):
     if spec["engine"] == "stage1":
-        return Stage1Runner(spec["path"], spec["fmt"], threads, spec["max_ctx"], spec.get("kernels", "auto"))
+        return Stage1Runner(spec["path"], spec["fmt"], threads, spec["max_ctx"], spec.get("kernels", "auto"),
+                            spec.get("activations", "auto"))
     if spec["engine"] == "llama.cpp":
         return LlamaCppRunner(spec["path"], threads, spec["max_ctx"], logits_all=check,
                               mmap=spec.get("llama_mmap", "on") == "on")
@@ -602,7 +604,8 @@ def run_all(args, shape: Shape, paths: dict, log, plan: dict) -> tuple[list[Row]
     threads = plan["threads"]
     base = dict(vocab=shape.vocab_size, max_ctx=1024, threads=threads, prompt_lens=args.prompt_lens,
                 decode_tokens=args.decode_tokens, runs=args.runs, min_runs=args.runs,
-                cell_seconds=args.cell_seconds, kernels=args.kernels, ttft_lens=args.ttft_lens,
+                cell_seconds=args.cell_seconds, kernels=args.kernels, activations=args.activations,
+                ttft_lens=args.ttft_lens,
                 decode_prompt=args.decode_prompt, llama_mmap=args.llama_mmap)
     tmp = Path(tempfile.mkdtemp(prefix="bench-cpu-"))
     check_ids = prompt_ids(shape.vocab_size, CHECK_TOKENS, seed=7)
@@ -775,10 +778,15 @@ def prefill_headline(args, tables: list[dict]) -> list[str]:
                          f"{show(l[0])} ({l[1]})" if l else "–",
                          f"{ratio:.2f}×" if ratio == ratio else "–", verdict])
     return [f"### prefill, decode and time to first token at {n} threads: stage 1 ÷ llama.cpp "
-            f"(--kernels {args.kernels}), each engine at its own best wait policy", "",
+            f"(--kernels {args.kernels}{_acts(args)}), each engine at its own best wait policy", "",
             "(speed ratio: for the time to first token llama.cpp's time ÷ stage 1's; the policy in brackets; "
             f"medians of {args.runs} warm runs after a warm-up of every size)", "",
             markdown_table(["stage 1", "llama.cpp", "what", "stage 1", "llama.cpp", "ratio", "target"], rows), ""]
+
+
+def _acts(args) -> str:
+    """The --activations asked of stage 1, where it is not the default, for a table's heading."""
+    return "" if args.activations == "auto" else f", --activations {args.activations}"
 
 
 def headline(args, tables: list[dict]) -> list[str]:
@@ -807,7 +815,8 @@ def headline(args, tables: list[dict]) -> list[str]:
             rows.append([fmt, q, n, *cells, verdict])
     header = ["stage 1", "llama.cpp", "threads", "stage 1 decode tok/s", "llama.cpp decode tok/s", "decode ratio",
               f"stage 1 prefill {p}", f"llama.cpp prefill {p}", f"prefill {p} ratio", "targets (2 threads)"]
-    return [f"### headline: stage 1 ÷ llama.cpp, each engine at its own best wait policy (--kernels {args.kernels})",
+    return [f"### headline: stage 1 ÷ llama.cpp, each engine at its own best wait policy (--kernels {args.kernels}"
+            f"{_acts(args)})",
             "", "(the policy that gave each figure in brackets; the bf16 decode target applies where AVX-512 BF16 "
             "exists, the int8 / int4 ones everywhere)", "", markdown_table(header, rows), ""]
 
@@ -932,6 +941,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "its best), PASSIVE, ACTIVE or default. Default: both; --quick: PASSIVE")
     p.add_argument("--kernels", default="auto", choices=["auto", "plain", "fast"],
                    help="stage 1's kernels: plain (the portable core) or fast (stage1_cpu/fast/); default auto")
+    p.add_argument("--activations", default="auto", choices=["auto", "int8", "fp32"],
+                   help="stage 1's --activations (default auto; int8: llama.cpp's rounding, prefill on int8 too)")
     p.add_argument("--cpu-profile", default="native", choices=["native", "avx2"],
                    help="avx2: stand in for an AVX2-only CPU on an AVX-512 host (stage 1 under "
                         "NUMBA_CPU_NAME=haswell, llama.cpp from bench/build_llama_avx2.sh's build)")
