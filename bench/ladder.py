@@ -23,7 +23,7 @@ lm_head: prefill needs only the last token's logits) for a --prefill-tokens prom
 
     rung P1  the plain path: ROW_BLOCK rows dequantized to an fp32 tile, then BLAS sgemm (int8)
     rung P2  the fast path's int8-activation GEMM with register tiles (stage1_cpu/fast/gemm.py)
-    rung P3  the same GEMM on int4 weights (vpmaddubsw)
+    rung P3  the same GEMM on int4 weights (vpmaddubsw; vpdpbusd on VNNI)
 
 The weights are random (speed does not depend on their values), built straight in
 stage 1's storage formats (quant.Weight), never as fp32 matrices. Each rung is
@@ -145,7 +145,7 @@ def run_prefill_ladder(shape, threads: int, T: int, reps: int, log=print) -> lis
     if cpu.INT8:
         rungs.append(("+ int8 activations, integer GEMM with register tiles (fast/gemm.py)", "int8",
                       [as_fast(w, "fp32", "int8") for w in int8]))
-        rungs.append(("+ int4 weights, the same GEMM (vpmaddubsw)", "int4",
+        rungs.append(("+ int4 weights, the same GEMM (vpmaddubsw, vpdpbusd on VNNI)", "int4",
                       [as_fast(w, "fp32", "int8") for w in model_matrices(shape, "int4", rng)[:-1]]))
     else:
         log("the fast path has no int8 dot product on this target: its prefill rungs are left out")
