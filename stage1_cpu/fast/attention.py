@@ -18,10 +18,10 @@ KERNELS is the core's kernels module with that one op replaced: Model.forward ca
 it where the core calls stage1_cpu/kernels.py (FastPath.kernels).
 
 Why not BLAS everywhere: one layer of a 512-token prefill is 64 small GEMMs through
-BLAS (8 KV heads x 4 query blocks x 2), each a wake-up of BLAS's own threads (about
-50 us under OMP_WAIT_POLICY=PASSIVE) with the softmax on one thread in between, and
-with K = D = 128 inside, the scores' product ran at about a fifth of the FMA's peak
-(docs/benchmarks.md, "Prefill attention in register tiles").
+BLAS (8 KV heads x 4 query blocks x 2), each a start of BLAS's own threads, which take
+turns with numba's on the same cores, with the softmax on one thread in between; with
+K = D = 128 inside, the scores' product ran at about a fifth of the FMA's peak
+(docs/benchmarks.md, "Attention in register tiles").
 """
 import math
 from types import SimpleNamespace

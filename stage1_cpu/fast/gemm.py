@@ -137,8 +137,9 @@ def _tile(context, builder, sig, args, quads, minimum, bias=False):
     steps = CHUNK // per
     with cgutils.for_range(builder, G) as gl:
         g = gl.index
-        for t in range(TT):
-            start = _splat(builder, builder.load(builder.gep(xsumps[t], [g])), INTS8) if bias else ir.Constant(INTS8, None)
+        for t in range(TT):                 # each group's int32 sums start from zero (or the correction)
+            start = _splat(builder, builder.load(builder.gep(xsumps[t], [g])), INTS8) if bias else \
+                ir.Constant(INTS8, None)
             for r in range(RB):
                 builder.store(start, iacc[r][t])
         gw = builder.mul(g, builder.mul(gs, c(8)))                      # the group's first byte in a vector block
