@@ -370,20 +370,27 @@ block_int4_16 = _blocks(tile_int4_16, RB8, TT8)     # int4 weights, pairs x int1
 block_int8_q8 = _blocks(tile_int8_q8, RB4, TT4)     # int8 weights, quads (q + 128) x int8 (VNNI)
 
 
+@njit(inline="always", fastmath=FAST, error_model="numpy")
+def _gemm_int8(block, xq, xs, xsum, q, s, flip, out):
+    """gemm_int8 and gemm_int8_q8: block is block_int8 (q int16 pairs) or block_int8_q8 (q uint32 quads,
+    repacked xor flip)."""
+    T, G, gs = xq.shape
+    O, Kp = q.shape[0], G * gs
+    xf, xsf, xsumf, of = xq.reshape(-1), xs.reshape(-1), xsum.reshape(-1), out.reshape(-1)
+    nv_all = -(-O // 8)
+    for blk in prange(-(-nv_all // BLOCK_RB)):
+        nv = min(BLOCK_RB, nv_all - blk * BLOCK_RB)
+        wl, sl = np.empty(nv * Kp * 8 // q.itemsize, dtype=q.dtype), np.empty(nv * G * 8, dtype=np.float32)
+        repack_int8(q, s, 8 * BLOCK_RB * blk, wl, sl, flip)
+        block(wl, xf, sl, xsf, sl, xsumf, G, gs, of, out.shape[1], 8 * BLOCK_RB * blk, nv, T)
+
+
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
 def gemm_int8(x16, xs, q16, s, out):
     """x16 [T, G, gs] int16 (the rounded activations), xs [T, G] f32; q16 [O, Kp/2] the stored int8
     weights as value pairs, s [O, G] their fp16 scales -> out [T, 8 ceil(O / 8)]:
     out[t, r] = sum_g s xs (q . xq). Each thread repacks BLOCK_RB x 8 rows at a time (repack_int8)."""
-    T, G, gs = x16.shape
-    O, Kp = q16.shape[0], G * gs
-    xf, xsf, of = x16.reshape(-1), xs.reshape(-1), out.reshape(-1)
-    nv_all = -(-O // 8)
-    for blk in prange(-(-nv_all // BLOCK_RB)):
-        nv = min(BLOCK_RB, nv_all - blk * BLOCK_RB)
-        wl, sl = np.empty(nv * Kp * 4, dtype=np.int16), np.empty(nv * G * 8, dtype=np.float32)
-        repack_int8(q16, s, 8 * BLOCK_RB * blk, wl, sl, 0)
-        block_int8(wl, xf, sl, xsf, sl, xsf, G, gs, of, out.shape[1], 8 * BLOCK_RB * blk, nv, T)
+    _gemm_int8(block_int8, x16, xs, xs, q16, s, 0, out)
 
 
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
@@ -392,15 +399,7 @@ def gemm_int8_q8(xq, xs, xcorr, b32, s, out):
     [T, G] int32 = -128 sum(xq); b32 [O, Kp/4] the stored int8 weights 4 at a time as uint32, s [O, G] fp16
     bits -> out [T, 8 ceil(O / 8)]. vpdpbusd multiplies unsigned bytes by signed ones: the weights become
     q + 128 in the repack, and (q + 128) . xq - 128 sum(xq) = q . xq exactly, in int32."""
-    T, G, gs = xq.shape
-    O, Kp = b32.shape[0], G * gs
-    xf, xsf, xcf, of = xq.reshape(-1), xs.reshape(-1), xcorr.reshape(-1), out.reshape(-1)
-    nv_all = -(-O // 8)
-    for blk in prange(-(-nv_all // BLOCK_RB)):
-        nv = min(BLOCK_RB, nv_all - blk * BLOCK_RB)
-        wl, sl = np.empty(nv * Kp * 2, dtype=np.uint32), np.empty(nv * G * 8, dtype=np.float32)
-        repack_int8(b32, s, 8 * BLOCK_RB * blk, wl, sl, 0x80808080)
-        block_int8_q8(wl, xf, sl, xsf, sl, xcf, G, gs, of, out.shape[1], 8 * BLOCK_RB * blk, nv, T)
+    _gemm_int8(block_int8_q8, xq, xs, xcorr, b32, s, 0x80808080, out)
 
 
 @njit(inline="always", fastmath=FAST, error_model="numpy")
