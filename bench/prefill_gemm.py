@@ -144,12 +144,12 @@ def tile_alone(fmt: str, act: str, threads: int, K: int = 1024, T: int = 128, gs
     one repacked block of 64 rows again and again, its weights in cache, with no repack, no rounding and no
     Python call per matrix; the GEMM's figure against this one is what those cost."""
     from stage1_cpu.fast import gemm
-    q8 = fmt == "int8" and act == "int8" and gemm.VNNI               # tile_int8_q8: q + 128 in the quads layout
+    quads = not pairs_tile(fmt, act, gemm.VNNI)
+    q8 = fmt == "int8" and quads                                  # tile_int8_q8: q + 128 in the quads layout
     block = {("int8", "int8"): gemm.block_int8_q8 if q8 else gemm.block_int8, ("int8", "int16"): gemm.block_int8,
              ("int4", "int8"): gemm.block_int4, ("int4", "int16"): gemm.block_int4_16}[fmt, act]
     G, rows = K // gs, 64
     rng = np.random.default_rng(1)
-    quads = not pairs_tile(fmt, act, gemm.VNNI)
     word = np.uint32 if quads else np.int16                      # 4 values a lane, or 2
     if fmt == "int8":                                            # int8 values (q + 128 for the quads tile)
         wl = rng.integers(-127, 128, (threads, rows * K), dtype=np.int8).view(word)
