@@ -73,12 +73,22 @@ def _peak_kernel(kind):
                 for acc in accs[1:]:
                     tot = builder.fadd(tot, builder.load(acc))
                 return builder.extract_element(tot, ir.Constant(ir.IntType(32), 0))
-            if kind in ("dpwssd", "dpbusd"):     # VNNI: the multiply-add and its accumulate in one instruction
-                f = fn(builder.module, ir.FunctionType(V8I, [V8I] * 3), f"llvm.x86.avx512.vp{kind}.256")
+            if kind in ("dpwssd", "dpbusd", "dpwssd+fma"):   # VNNI: the multiply-add and its accumulate in one
+                f = fn(builder.module, ir.FunctionType(V8I, [V8I] * 3), f"llvm.x86.avx512.vp{kind[:6]}.256")
                 b = builder.bitcast(a16, V8I)
+                fma = fn(builder.module, ir.FunctionType(V8F, [V8F] * 3), "llvm.fma.v8f32")
+                fl = builder.sitofp(b, V8F)
+                faccs = [cgutils.alloca_once_value(builder, fl) for _ in range(CHAINS // 3 if "fma" in kind else 0)]
                 with cgutils.for_range(builder, n_):
                     for acc in accs:
                         builder.store(builder.call(f, [builder.load(acc), b, b]), acc)
+                    for acc in faccs:     # dpwssd+fma: 1 FMA per 3 vpdpwssd, as a tile's epilogue adds them
+                        builder.store(builder.call(fma, [fl, fl, builder.load(acc)]), acc)
+                if faccs:
+                    tot = builder.load(accs[0])
+                    for acc in faccs:
+                        tot = builder.add(tot, builder.bitcast(builder.load(acc), V8I))
+                    builder.store(tot, accs[0])
             elif kind in ("maddwd", "maddwd+add"):
                 f = fn(builder.module, ir.FunctionType(V8I, [V16S, V16S]), "llvm.x86.avx2.pmadd.wd")
                 with cgutils.for_range(builder, n_):
@@ -121,7 +131,7 @@ def peak(kind: str, threads: int, n: int = 20_000_000) -> float:
         run(n, threads)
         best = min(best, time.perf_counter() - t0)
     per_instr = {"fma": 8, "maddwd": 16, "maddwd+add": 16, "maddubs": 32, "dpwssd": 16, "dpbusd": 32,
-                 "dpbf16": 32}[kind]
+                 "dpbf16": 32, "dpwssd+fma": 16}[kind]          # dpwssd+fma: vpdpwssd's multiply-adds only
     return CHAINS * n * threads * per_instr / best
 
 
@@ -158,7 +168,7 @@ def tile_alone(fmt: str, act: str, threads: int, K: int = 1024, T: int = 128, gs
     x = rng.integers(-127, 128, T * K, dtype=np.int8)            # the quads tiles read int8 activations,
     if not quads:                                                # the pairs tiles int16 (int8 ones widened)
         x = x.astype(np.int16) if act == "int8" else rng.integers(-32767, 32768, T * K, dtype=np.int16)
-    s, xs = rng.random(rows * G, dtype=np.float32), rng.random(T * G, dtype=np.float32)
+    s, xs = rng.random(rows * G).astype(np.float16).view(np.uint16), rng.random(T * G, dtype=np.float32)
     xcorr = rng.integers(-2 ** 20, 2 ** 20, T * G, dtype=np.int32) if q8 else xs   # tile_int8_q8's correction
     out = np.zeros((threads, T * rows), dtype=np.float32)
 
@@ -227,7 +237,7 @@ def main(argv=None) -> None:
                                                       for n, t in best.items()}))
     th = numba.get_num_threads()
     peaks = {}
-    kinds = ["maddwd", "maddwd+add", "maddubs", "fma"] + (["dpwssd", "dpbusd"] if vnni else []) + \
+    kinds = ["maddwd", "maddwd+add", "maddubs", "fma"] + (["dpwssd", "dpwssd+fma", "dpbusd"] if vnni else []) + \
         (["dpbf16"] if cpu.BF16 else [])
     for kind in kinds:
         peaks[kind] = peak(kind, th) / 1e9

@@ -160,7 +160,7 @@ def test_int8_prefill_logits_close_to_transformers(family):
 @pytest.mark.parametrize("fmt,per", [("int8", 2), ("int8", 4), ("int4", 4), ("int4", 2)])
 def test_repacked_block_puts_eight_rows_side_by_side(rng, fmt, per, O, K):
     """repack_int8 / repack_int4 (what each thread builds before its tiles): vector v, group g,
-    step j holds rows r0+8v..r0+8v+7's values j*per.. of group g (zeros past O), and the fp32
+    step j holds rows r0+8v..r0+8v+7's values j*per.. of group g (zeros past O), and the fp16
     scales / minima of those rows (8 groups at a time through a transpose where G % 8 == 0);
     int8 in the pairs layout (per 2) and in the quads one as q + 128 (per 4, VNNI's tile_int8_q8),
     int4 in the quads layout (per 4) and the pairs one (per 2)."""
@@ -170,7 +170,7 @@ def test_repacked_block_puts_eight_rows_side_by_side(rng, fmt, per, O, K):
     w = _weight(rng, fmt, 64, O, K)                            # from r0 = 8, two vectors of 8 rows
     r0, nv, G = 8, 2, K // 64
     data, s = w.data.reshape(O, -1), w.scales.view(np.uint16)
-    sl, ml = np.full(nv * G * 8, 7.0, np.float32), np.full(nv * G * 8, 7.0, np.float32)
+    sl, ml = np.full(nv * G * 8, 7, np.uint16), np.full(nv * G * 8, 7, np.uint16)
     if fmt == "int8":
         word, flip = (np.int16, 0) if per == 2 else (np.uint32, 0x80808080)
         wl = np.full(nv * K * 8 // per, 7, word)
@@ -187,9 +187,9 @@ def test_repacked_block_puts_eight_rows_side_by_side(rng, fmt, per, O, K):
     for r, g, k in [(8, 0, 0), (9, 1, 37), (20, 1, 63), (15, 0, 5), (O - 1, G - 1, 62)]:
         assert wp[(r - r0) // 8, g, k // per, r % 8, k % per] == q[r, g, k]
     for got, half in [(sp, w.scales)] + ([(ml.reshape(nv, G, 8), w.mins)] if fmt == "int4" else []):
-        want = np.zeros((nv, G, 8), np.float32)                # every scale (minimum) in its lane, zeros past O
+        want = np.zeros((nv, G, 8), np.uint16)                 # every scale's (minimum's) bits in its lane, zeros past O
         for r in range(r0, min(O, r0 + 8 * nv)):
-            want[(r - r0) // 8, :, r % 8] = half[r].view(np.float16)
+            want[(r - r0) // 8, :, r % 8] = half[r].view(np.uint16)
         np.testing.assert_array_equal(got, want)
     if O == 21:
         assert not wp[1, :, :, 5:].any()

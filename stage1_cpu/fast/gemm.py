@@ -25,11 +25,16 @@ a token are stored as one vector. Each thread repacks BLOCK_RB x 8 rows at a
 time from the stored [O, G, gs] layout into a scratch buffer of its own
 (repack_int8 / repack_int4), then runs every token through them: no copy of
 the weights is kept, and the repack moves each byte once per T multiply-adds.
+int4's two groups in the same bytes (low and high nibbles) come out of one
+transpose; the scales stay fp16 (one vcvtph2ps per 8 rows in the tile's
+epilogue); and while a block multiplies, the next one's rows are prefetched.
 
 The micro-kernel (_tile) keeps RB x 8 rows x TT tokens (RB8 x TT8, RB4 x TT4) of accumulators in
 registers (AVX2 has 16 ymm registers, AVX-512 32: RB x TT int32 accumulators, RB x TT float
 ones, RB weight vectors and the broadcasts): each weight vector loaded serves TT
-tokens, each broadcast serves RB x 8 rows. Per group the int32 lanes (a whole
+tokens, each broadcast serves RB x 8 rows. With 32 registers the pairs tile is 32 rows x 4
+tokens: 16 int32 accumulators in flight, where vpdpwssd's latency x its 2 per cycle asks for 8
+at least (the float ones, touched once per group, may wait in memory). Per group the int32 lanes (a whole
 group's, gs <= 256: |sum| <= 128 x 2 x 127 x 32767 < 2^31) are converted to float
 and multiply-added with the group's scale product:
 
@@ -63,13 +68,13 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from . import cpu, simd
 from . import kernels as fk
-from . import simd
 from ..kernels import FAST
-from ..matmul import f16_to_f32
 
 VNNI = simd.VNNI              # vpdpwssd / vpdpbusd: the multiply-add and its accumulate in one instruction
-RB8, TT8 = 2, 4               # pairs: 8-row vectors x tokens per tile (16 rows x 4 tokens)
+REGISTERS = 32 if "avx512vl" in cpu.FEATURES else 16    # ymm registers (AVX-512VL adds ymm16..31)
+RB8, TT8 = (4, 4) if REGISTERS == 32 else (2, 4)       # pairs: 8-row vectors x tokens per tile
 RB4, TT4 = (2, 4) if VNNI else (2, 2)   # quads: on AVX2 their int16 accumulators need registers too
 BLOCK_RB = 8                  # 8-row vectors a thread takes at a time (64 rows x Kp bytes: in L2)
 TOKEN_BLOCK = 48              # tokens per pass over a row block (48 x Kp activations: in L2 beside it)
@@ -121,8 +126,8 @@ def _tile(context, builder, sig, args, quads, minimum, bias=False):
     xbase = _ptr(context, builder, ty[2], x_, xelem, xoff)
     xps = [builder.gep(xbase, [builder.mul(t, Kp)]) for t in toks]
     G8 = builder.mul(G, c(8))
-    sps = [builder.gep(_ptr(context, builder, ty[5], sp_, F32, soff), [builder.mul(r, G8)]) for r in rbs]
-    mps = [builder.gep(_ptr(context, builder, ty[11], mp_, F32, soff), [builder.mul(r, G8)]) for r in rbs]
+    sps = [builder.gep(_ptr(context, builder, ty[5], sp_, I16, soff), [builder.mul(r, G8)]) for r in rbs]
+    mps = [builder.gep(_ptr(context, builder, ty[11], mp_, I16, soff), [builder.mul(r, G8)]) for r in rbs]
     xsps = [builder.gep(_ptr(context, builder, ty[7], xs_, F32, xsoff), [builder.mul(t, G)]) for t in toks]
     xsumps = [builder.gep(_ptr(context, builder, ty[12], xsum_, I32 if bias else F32, xsoff), [builder.mul(t, G)])
               for t in toks]
@@ -173,8 +178,7 @@ def _tile(context, builder, sig, args, quads, minimum, bias=False):
                     dot = acc[r][t] if direct else builder.add(builder.load(iacc[r][t]),
                                                                builder.call(maddwd, [acc[r][t], ones]))
                     builder.store(dot, iacc[r][t])
-        svs = [builder.load(builder.bitcast(builder.gep(p, [builder.mul(g, c(8))]), FLOATS8.as_pointer()), align=4)
-               for p in sps]
+        svs = [simd._halves8(builder, p, builder.mul(g, c(8))) for p in sps]     # 8 rows' fp16 scales
         xsb = [_splat(builder, builder.load(builder.gep(p, [g])), FLOATS8) for p in xsps]
         for r in range(RB):                 # the group's epilogue: 8 rows' dots to fp32, times s xs
             for t in range(TT):
@@ -183,8 +187,7 @@ def _tile(context, builder, sig, args, quads, minimum, bias=False):
                               facc[r][t])
         if minimum:   # int4's minimum: m[r, g] xsum[t, g], 8 rows per FMA
             for r in range(RB):
-                mv = builder.load(builder.bitcast(builder.gep(mps[r], [builder.mul(g, c(8))]), FLOATS8.as_pointer()),
-                                  align=4)
+                mv = simd._halves8(builder, mps[r], builder.mul(g, c(8)))
                 for t in range(TT):
                     xm = _splat(builder, builder.load(builder.gep(xsumps[t], [g])), FLOATS8)
                     builder.store(builder.call(fma, [mv, xm, builder.load(facc[r][t])]), facc[r][t])
@@ -241,18 +244,26 @@ tile_int8_q8.__doc__ = ("int8 weights as q + 128 (quads layout), x int8, xsum in
                         "group (VNNI only). " + _SIG_DOC)
 
 
-@intrinsic
-def transpose8x8(typingctx, src, soff, stride, dst, doff, shift, mask, flip):
-    """dst[doff + 8 j + i] = ((src[soff + i stride + j] >> shift) & mask) ^ flip for i, j < 8 (src, dst: C
-    arrays of 16- or 32-bit values, offsets into them flat): 8 rows' values j side by side, an 8 x 8
-    transpose in 3 rounds of 8 interleaves (punpck{l,h}{wd,dq,qdq}, or their 32-bit twins)."""
-    sig = types.void(src, soff, stride, dst, doff, shift, mask, flip)
-    elem = ir.IntType(src.dtype.bitwidth)
-    vec = ir.VectorType(elem, 8)
+def _transpose(builder, a):
+    """8 vectors of 8 values (rows) -> 8 vectors of 8 (columns: value j of the 8 rows), in 3 rounds of
+    8 interleaves (punpck{l,h}{wd,dq,qdq}, or their 32-bit twins)."""
+    def mix(x, y, lanes):                        # lanes of x (0..7) and y (8..15)
+        return builder.shuffle_vector(x, y, ir.Constant(ir.VectorType(I32, 8), lanes))
+    lo16, hi16 = [0, 8, 1, 9, 2, 10, 3, 11], [4, 12, 5, 13, 6, 14, 7, 15]
+    lo32, hi32 = [0, 1, 8, 9, 2, 3, 10, 11], [4, 5, 12, 13, 6, 7, 14, 15]
+    lo64, hi64 = [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]
+    b = [mix(a[i], a[i + 1], h) for i in (0, 2, 4, 6) for h in (lo16, hi16)]   # rows 2i, 2i+1 interleaved
+    c = [mix(b[i], b[i + 2], h) for i in (0, 1, 4, 5) for h in (lo32, hi32)]   # c[j]: values 2j, 2j+1 of 4 rows
+    return [mix(c[j], c[j + 4], h) for j in range(4) for h in (lo64, hi64)]    # value j of the 8 rows
 
+
+def _transpose_codegen(nibbles):
+    """transpose8x8's body, or (nibbles) transpose8x8_nibbles'."""
     def codegen(context, builder, signature, args):
         ty = signature.args
-        src_, soff_, stride_, dst_, doff_, shift_, mask_, flip_ = [
+        elem = ir.IntType(ty[0].dtype.bitwidth)
+        vec = ir.VectorType(elem, 8)
+        src_, soff_, stride_, dst_, doff_, *rest = [
             context.cast(builder, a, t, types.int64) if isinstance(t, types.Integer) else a for a, t in zip(args, ty)]
         sp, dp = _ptr(context, builder, ty[0], src_, elem, soff_), _ptr(context, builder, ty[3], dst_, elem, doff_)
         splat = lambda v: builder.shuffle_vector(                              # noqa: E731
@@ -260,38 +271,51 @@ def transpose8x8(typingctx, src, soff, stride, dst, doff, shift, mask, flip):
             ir.Constant(vec, None), ir.Constant(ir.VectorType(I32, 8), [0] * 8))
         a = [builder.load(builder.bitcast(builder.gep(sp, [builder.mul(ir.Constant(I64, i), stride_)]),
                                           vec.as_pointer()), align=2) for i in range(8)]
-        a = [builder.xor(builder.and_(builder.lshr(v, splat(shift_)), splat(mask_)), splat(flip_)) for v in a]
-
-        def mix(x, y, lanes):                    # lanes of x (0..7) and y (8..15)
-            return builder.shuffle_vector(x, y, ir.Constant(ir.VectorType(I32, 8), lanes))
-        lo16, hi16 = [0, 8, 1, 9, 2, 10, 3, 11], [4, 12, 5, 13, 6, 14, 7, 15]
-        lo32, hi32 = [0, 1, 8, 9, 2, 3, 10, 11], [4, 5, 12, 13, 6, 7, 14, 15]
-        lo64, hi64 = [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]
-        b = [mix(a[i], a[i + 1], h) for i in (0, 2, 4, 6) for h in (lo16, hi16)]   # rows 2i, 2i+1 interleaved
-        c = [mix(b[i], b[i + 2], h) for i in (0, 1, 4, 5) for h in (lo32, hi32)]   # c[j]: values 2j, 2j+1 of 4 rows
-        cols = [mix(c[j], c[j + 4], h) for j in range(4) for h in (lo64, hi64)]    # value j of the 8 rows
-        for j, v in enumerate(cols):
-            builder.store(v, builder.bitcast(builder.gep(dp, [ir.Constant(I64, 8 * j)]), vec.as_pointer()),
-                          align=2)
+        if nibbles:                              # transposed once, split into low and high nibbles after
+            low = ir.Constant(vec, [int("0F" * (elem.width // 8), 16)] * 8)
+            cols = _transpose(builder, a)
+            outs = [(dp, [builder.and_(v, low) for v in cols]),
+                    (_ptr(context, builder, ty[3], dst_, elem, rest[0]),
+                     [builder.and_(builder.lshr(v, ir.Constant(vec, [4] * 8)), low) for v in cols])]
+        else:
+            shift_, mask_, flip_ = rest
+            a = [builder.xor(builder.and_(builder.lshr(v, splat(shift_)), splat(mask_)), splat(flip_)) for v in a]
+            outs = [(dp, _transpose(builder, a))]
+        for p, cols in outs:
+            for j, v in enumerate(cols):
+                builder.store(v, builder.bitcast(builder.gep(p, [ir.Constant(I64, 8 * j)]), vec.as_pointer()),
+                              align=2)
         return context.get_dummy_value()
+    return codegen
 
-    return sig, codegen
+
+@intrinsic
+def transpose8x8(typingctx, src, soff, stride, dst, doff, shift, mask, flip):
+    """dst[doff + 8 j + i] = ((src[soff + i stride + j] >> shift) & mask) ^ flip for i, j < 8 (src, dst: C
+    arrays of 16- or 32-bit values, offsets into them flat): 8 rows' values j side by side."""
+    return types.void(src, soff, stride, dst, doff, shift, mask, flip), _transpose_codegen(False)
+
+
+@intrinsic
+def transpose8x8_nibbles(typingctx, src, soff, stride, dst, doff, doff_hi):
+    """transpose8x8 of src's words once, each byte's low nibble to dst[doff ..] and its high one to
+    dst[doff_hi ..] (int4's nibble pairs: two groups' values from one transpose)."""
+    return types.void(src, soff, stride, dst, doff, doff_hi), _transpose_codegen(True)
 
 
 @njit(inline="always", fastmath=FAST, error_model="numpy")
-def repack_scales(s, r0, v, lanes, sl, tmp):
-    """sl[(v G + g) 8 + l] = s[r0 + 8 v + l, g] as f32, l < lanes: 8 rows' fp16 scales (or minima) side
-    by side, 8 groups at a time through transpose8x8 (tmp: 64 uint16) where 8 rows and G % 8 == 0."""
+def repack_scales(s, r0, v, lanes, sl):
+    """sl[(v G + g) 8 + l] = s[r0 + 8 v + l, g], l < lanes: 8 rows' fp16 scales (or minima) side by side,
+    still fp16 bits (the tile turns 8 of them into fp32 with one vcvtph2ps), 8 groups at a time through
+    transpose8x8 where 8 rows and G % 8 == 0."""
     G = s.shape[1]
     if lanes == 8 and G % 8 == 0:
         for g0 in range(0, G, 8):
-            transpose8x8(s, (r0 + 8 * v) * G + g0, G, tmp, 0, 0, 0xFFFF, 0)
-            for j in range(64):
-                sl[(v * G + g0) * 8 + j] = f16_to_f32(tmp[j])
+            transpose8x8(s, (r0 + 8 * v) * G + g0, G, sl, (v * G + g0) * 8, 0, 0xFFFF, 0)
     else:
         for lane in range(lanes):
             for g in range(G):
-                sl[(v * G + g) * 8 + lane] = f16_to_f32(s[r0 + 8 * v + lane, g])
+                sl[(v * G + g) * 8 + lane] = s[r0 + 8 * v + lane, g]
 
 
 @njit(inline="always", fastmath=FAST, error_model="numpy")
@@ -299,10 +323,9 @@ def repack_int8(q, s, r0, wl, sl, flip):
     """Rows r0 .. r0 + 8 nv of q [O, N] (the stored int8 values n at a time: N = Kp/2 pairs as int16, the
     pairs layout, or N = Kp/4 quads as uint32, the quads one), s [O, G] fp16 bits -> wl [nv N 8] of q's
     type (word k of row 8 v + l at (v N + k) 8 + l, xor flip: 0x80808080 makes each byte q + 128),
-    sl [nv G 8] f32; rows past O: zeros."""
+    sl [nv G 8] fp16 bits; rows past O: zeros."""
     O, N = q.shape
     nv = wl.size // (8 * N)
-    tmp = np.empty(64, dtype=np.uint16)
     if O - r0 < 8 * nv:                            # the last block: its missing rows are zeros
         wl[:] = 0
         sl[:] = 0
@@ -315,7 +338,7 @@ def repack_int8(q, s, r0, wl, sl, flip):
             for k in range(N):
                 for lane in range(lanes):
                     wl[(v * N + k) * 8 + lane] = q[r0 + 8 * v + lane, k] ^ flip
-        repack_scales(s, r0, v, lanes, sl, tmp)
+        repack_scales(s, r0, v, lanes, sl)
 
 
 @njit(inline="always", fastmath=FAST, error_model="numpy")
@@ -323,29 +346,51 @@ def repack_int4(b, s, m, gs, r0, wl, sl, ml):
     """Rows r0 .. r0 + 8 nv of b [O, G/2 gs/n] (the stored nibble pairs, n = 4 bytes at a time as
     uint32: the quads layout; or n = 2 as uint16: the pairs layout), s, m [O, G] fp16 bits ->
     wl [nv G gs/n 8] of b's type (n values of group g as n bytes 0..15: the low nibbles for even g,
-    the high ones for odd g), sl, ml [nv G 8] f32; rows past O: zeros."""
+    the high ones for odd g: one transpose8x8_nibbles serves both), sl, ml [nv G 8] fp16 bits; rows
+    past O: zeros."""
     O = b.shape[0]
     G, n4 = s.shape[1], gs // b.itemsize
     nv = wl.size // (8 * G * n4)
-    tmp = np.empty(64, dtype=np.uint16)
     if O - r0 < 8 * nv:                            # the last block: its missing rows are zeros
         wl[:] = 0
         sl[:] = 0
         ml[:] = 0
     for v in range(nv):
         lanes = min(8, O - r0 - 8 * v)
-        for g in range(G):
-            at, shift, src = (v * G + g) * n4, 4 * (g & 1), (g >> 1) * n4
+        for g in range(0, G, 2):                   # groups g, g + 1: the low and high nibbles of the same bytes
+            at, src = (v * G + g) * n4, (g >> 1) * n4
             if lanes == 8:                         # 8 rows' words k .. k + 7 side by side (n4 % 8 == 0)
                 for k in range(0, n4, 8):
-                    transpose8x8(b, (r0 + 8 * v) * b.shape[1] + src + k, b.shape[1], wl, (at + k) * 8, shift,
-                                 0x0F0F0F0F, 0)
+                    transpose8x8_nibbles(b, (r0 + 8 * v) * b.shape[1] + src + k, b.shape[1], wl, (at + k) * 8,
+                                         (at + n4 + k) * 8)
             else:
                 for k in range(n4):
                     for lane in range(lanes):
-                        wl[(at + k) * 8 + lane] = (b[r0 + 8 * v + lane, src + k] >> shift) & 0x0F0F0F0F
-        repack_scales(s, r0, v, lanes, sl, tmp)
-        repack_scales(m, r0, v, lanes, ml, tmp)
+                        word = b[r0 + 8 * v + lane, src + k]
+                        wl[(at + k) * 8 + lane] = word & 0x0F0F0F0F
+                        wl[(at + n4 + k) * 8 + lane] = (word >> 4) & 0x0F0F0F0F
+        repack_scales(s, r0, v, lanes, sl)
+        repack_scales(m, r0, v, lanes, ml)
+
+
+@intrinsic
+def prefetch(typingctx, a, byte):
+    """Asks for the 64-byte line holding byte `byte` of array a, into L2 (prefetcht1)."""
+    def codegen(context, builder, signature, args):
+        p = _ptr(context, builder, signature.args[0], args[0], I8,
+                 context.cast(builder, args[1], signature.args[1], types.int64))
+        fn = _fn(builder, "llvm.prefetch.p0i8", ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
+        builder.call(fn, [p, ir.Constant(I32, 0), ir.Constant(I32, 2), ir.Constant(I32, 1)])
+        return context.get_dummy_value()
+    return types.void(a, byte), codegen
+
+
+@njit(inline="always", fastmath=FAST, error_model="numpy")
+def prefetch_rows(a, r0, r1):
+    """Asks for rows r0 .. r1 of a C array a [O, n] into L2, a line at a time."""
+    n = a.shape[1] * a.itemsize
+    for byte in range(r0 * n, min(r1, a.shape[0]) * n, 64):
+        prefetch(a, byte)
 
 
 def _blocks(tile, RB, TT):
@@ -380,8 +425,11 @@ def _gemm_int8(block, xq, xs, xsum, q, s, flip, out):
     nv_all = -(-O // 8)
     for blk in prange(-(-nv_all // BLOCK_RB)):
         nv = min(BLOCK_RB, nv_all - blk * BLOCK_RB)
-        wl, sl = np.empty(nv * Kp * 8 // q.itemsize, dtype=q.dtype), np.empty(nv * G * 8, dtype=np.float32)
+        wl, sl = np.empty(nv * Kp * 8 // q.itemsize, dtype=q.dtype), np.empty(nv * G * 8, dtype=np.uint16)
         repack_int8(q, s, 8 * BLOCK_RB * blk, wl, sl, flip)
+        nxt = 8 * BLOCK_RB * (blk + 1)          # the next block's rows, read from memory while this one multiplies
+        prefetch_rows(q, nxt, nxt + 8 * BLOCK_RB)
+        prefetch_rows(s, nxt, nxt + 8 * BLOCK_RB)
         block(wl, xf, sl, xsf, sl, xsumf, G, gs, of, out.shape[1], 8 * BLOCK_RB * blk, nv, T)
 
 
@@ -412,8 +460,12 @@ def _gemm_int4(block, xq, xs, xsum, b, s, m, out):
     for blk in prange(-(-nv_all // BLOCK_RB)):
         nv = min(BLOCK_RB, nv_all - blk * BLOCK_RB)
         wl = np.empty(nv * Kp * 8 // b.itemsize, dtype=b.dtype)
-        sl, ml = np.empty(nv * G * 8, dtype=np.float32), np.empty(nv * G * 8, dtype=np.float32)
+        sl, ml = np.empty(nv * G * 8, dtype=np.uint16), np.empty(nv * G * 8, dtype=np.uint16)
         repack_int4(b, s, m, gs, 8 * BLOCK_RB * blk, wl, sl, ml)
+        nxt = 8 * BLOCK_RB * (blk + 1)          # the next block's rows, read from memory while this one multiplies
+        prefetch_rows(b, nxt, nxt + 8 * BLOCK_RB)
+        prefetch_rows(s, nxt, nxt + 8 * BLOCK_RB)
+        prefetch_rows(m, nxt, nxt + 8 * BLOCK_RB)
         block(wl, xf, sl, xsf, ml, xsumf, G, gs, of, out.shape[1], 8 * BLOCK_RB * blk, nv, T)
 
 
@@ -443,7 +495,7 @@ def round_prompt16(x3):
     for t in prange(T):
         fk.quantize_token16(x3, t, x16, xs)
         for g in range(G):
-            total = 0
+            total = np.int32(0)                    # int32 lanes: |sum| <= 32767 gs
             for j in range(gs):
                 total += x16[t, g, j]
             xsum[t, g] = np.float32(total) * xs[t, g]
@@ -461,7 +513,7 @@ def round_prompt8(x3):
     for t in prange(T):
         fk.quantize_token(x3, t, xq, xa, xs, xsum)
         for g in range(G):
-            total = 0
+            total = np.int32(0)
             for j in range(gs):
                 total += xq[t, g, j]
             xcorr[t, g] = -128 * total

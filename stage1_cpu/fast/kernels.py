@@ -21,7 +21,7 @@ from numba.extending import intrinsic
 
 from . import simd
 from ..kernels import FAST
-from ..matmul import _inline, f16_to_f32
+from ..matmul import _inline, _u32_as_f32, f16_to_f32
 from .blocks import decode_block
 
 
@@ -36,18 +36,31 @@ from .blocks import decode_block
 # ---------------------------------------------------------------------------
 
 
+@intrinsic
+def f32_bits(typingctx, x):
+    """The 32 bits of a float32, as an int32."""
+    return types.int32(types.float32), lambda context, builder, sig, args: builder.bitcast(args[0], ir.IntType(32))
+
+
+@_inline
+def group_amax(x3, t, g):
+    """max |x| over token t's group g, and the group's poison: NaN where it holds a NaN or an inf, else 0.
+    From the values' bits, |x| being the bits without the sign: an integer max vectorises, where a
+    float max that has to mind NaNs does not, and the largest bits past inf's say NaN or inf."""
+    bits = np.int32(0)
+    for j in range(x3.shape[2]):
+        bits = max(bits, f32_bits(x3[t, g, j]) & np.int32(0x7FFFFFFF))
+    return _u32_as_f32(bits), np.float32(np.nan) if bits >= 0x7F800000 else np.float32(0.0)
+
+
 @_inline
 def quantize_token(x3, t, xq, xa, xs, xsum):
     """Token t of quantize_activations, into the given arrays."""
     for g in range(x3.shape[1]):
-        amax = np.float32(0.0)
-        poison = np.float32(0.0)                # stays 0 unless x holds a NaN or an inf
-        for j in range(x3.shape[2]):
-            amax = max(amax, abs(x3[t, g, j]))
-            poison += x3[t, g, j] * np.float32(0.0)
+        amax, poison = group_amax(x3, t, g)
         scale = amax / np.float32(127.0)
         inv = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
-        total = 0
+        total = np.int32(0)                     # |sum| <= 127 gs: int32 lanes
         for j in range(x3.shape[2]):
             v = np.int32(np.rint(x3[t, g, j] * inv))
             xq[t, g, j] = v
@@ -79,11 +92,7 @@ def quantize_activations(x3):
 def quantize_token16(x3, t, x16, xs):
     """Token t of quantize_activations16, into the given arrays."""
     for g in range(x3.shape[1]):
-        amax = np.float32(0.0)
-        poison = np.float32(0.0)
-        for j in range(x3.shape[2]):
-            amax = max(amax, abs(x3[t, g, j]))
-            poison += x3[t, g, j] * np.float32(0.0)
+        amax, poison = group_amax(x3, t, g)
         scale = amax / np.float32(32767.0)
         inv = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
         for j in range(x3.shape[2]):
