@@ -7,15 +7,17 @@ interleaved in one run, and the integer / fp32 peak of the instructions they use
 
 Prints, per format and prompt length, the best of --reps of one layer's four
 matmuls (wqkv, wo, gate_up, down; lm_head left out: it runs on the last token only)
-as layer-matmul tokens per second and GMAC/s, and where AVX-512 BF16 exists the bf16
-prefill GEMM (fast/kernels.py) on the same matrices beside them; then the peak
-micro-benchmarks, 12 independent chains on each thread: vpmaddwd (int16 pairs, what
-the AVX2 pairs tile issues, alone and with its vpaddd), vpmaddubsw (the AVX2 quads
-tile), vfmadd231ps (what sgemm issues), and where they exist vpdpwssd / vpdpbusd
-(the VNNI tiles) and vdpbf16ps (the bf16 GEMM); then each tile alone (tile_alone: no
-repack, no rounding, its block in cache), so that the steps from the instruction's
-peak to the tile, and from the tile to the GEMM, each have a figure. --act int16
-measures what --activations auto runs (int4 weights then on the pairs tile too).
+as layer-matmul tokens per second and GMAC/s, the same GEMM on a layout repacked once
+beforehand (BuiltOnce: what repacking 64 rows at a time in every call costs), and
+where AVX-512 BF16 exists the bf16 prefill GEMM (fast/kernels.py) on the same matrices
+beside them; then the peak micro-benchmarks, 12 independent chains on each thread:
+vpmaddwd (int16 pairs, what the AVX2 pairs tile issues, alone and with its vpaddd),
+vpmaddubsw (the AVX2 quads tile), vfmadd231ps (what sgemm issues), and where they
+exist vpdpwssd / vpdpbusd (the VNNI tiles) and vdpbf16ps (the bf16 GEMM); then each
+tile alone (tile_alone: no repack, no rounding, its block in cache), so that the steps
+from the instruction's peak to the tile, and from the tile to the GEMM, each have a
+figure. --act int16 measures what --activations auto runs (int4 weights then on the
+pairs tile too).
 """
 from __future__ import annotations
 
@@ -149,6 +151,87 @@ def ceiling(fmt: str, act: str, vnni: bool) -> str:
     return "dpbusd" if vnni else "maddubs"
 
 
+class BuiltOnce:
+    """A FastWeight's integer GEMM on its layout repacked once, here, instead of 64 rows at a time in every
+    call (gemm._gemm_int8 / _gemm_int4): the same rounding, the same tiles, the same bits (checked against
+    w.matmul in main). Against "int8 gemm" it is what the per-call repack costs, and what keeping the layout
+    would buy, at the price of a second copy of the weights beside the one decode reads."""
+
+    def __init__(self, w, act: str):
+        from stage1_cpu.fast import gemm
+        self.O, self.act = w.out_features, act
+        quads = not pairs_tile(w.fmt, act, gemm.VNNI)
+        data, s = np.ascontiguousarray(w.data).reshape(self.O, -1), np.ascontiguousarray(w.scales).view(np.uint16)
+        word = data.view(np.uint32 if quads else (np.int16 if w.fmt == "int8" else np.uint16))
+        G, Kp, RB = s.shape[1], s.shape[1] * w.group_size, gemm.BLOCK_RB
+        nv = -(-self.O // 8)                                      # 8-row vectors, RB to a block
+        nb = -(-nv // RB)
+        self.W = np.empty((nb, RB * 8 * Kp // word.itemsize), dtype=word.dtype)
+        self.S = np.empty((nb, RB * G * 8), dtype=np.uint16)
+        if w.fmt == "int8":
+            self.M = self.S
+            _builders()[0](word, s, 0x80808080 if quads else 0, self.W, self.S)
+            self.run = _runner(gemm.block_int8_q8 if quads else gemm.block_int8)
+        else:
+            self.M = np.empty_like(self.S)
+            _builders()[1](word, s, np.ascontiguousarray(w.mins).view(np.uint16), w.group_size, self.W, self.S, self.M)
+            self.run = _runner(gemm.block_int4 if quads else gemm.block_int4_16)
+        self.quads, self.fmt, self.gs = quads, w.fmt, w.group_size
+
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        from stage1_cpu.fast import gemm
+        T = x.shape[0]
+        x3 = x.reshape(T, -1, self.gs)                                        # [T, G, gs]
+        out = np.empty((T, 8 * -(-self.O // 8)), dtype=np.float32)
+        if self.act == "int16":
+            xq, xs, xsum = gemm.round_prompt16(x3)
+        else:
+            xq, xs, xsum, xcorr = gemm.round_prompt8(x3)
+            if self.fmt == "int8":
+                xq, xsum = (xq, xcorr) if self.quads else (xq.astype(np.int16), xs)
+        self.run(xq, xs, xsum, self.W, self.S, self.M, self.O, out)
+        return out if out.shape[1] == self.O else np.ascontiguousarray(out[:, :self.O])
+
+
+_RUNNERS = {}
+
+
+def _builders():
+    """The repack of every block of a matrix at once, on all threads (gemm's repack_int8 / repack_int4)."""
+    if "build" not in _RUNNERS:
+        from stage1_cpu.fast.gemm import BLOCK_RB, repack_int4, repack_int8
+
+        @njit(parallel=True)
+        def build_int8(q, s, flip, W, S):
+            for blk in prange(W.shape[0]):
+                repack_int8(q, s, 8 * BLOCK_RB * blk, W[blk], S[blk], flip)
+
+        @njit(parallel=True)
+        def build_int4(b, s, m, gs, W, S, M):
+            for blk in prange(W.shape[0]):
+                repack_int4(b, s, m, gs, 8 * BLOCK_RB * blk, W[blk], S[blk], M[blk])
+        _RUNNERS["build"] = build_int8, build_int4
+    return _RUNNERS["build"]
+
+
+def _runner(block):
+    """The prange over the built blocks for one tile kind (gemm._gemm_int8's loop, less the repack)."""
+    if block not in _RUNNERS:
+        from stage1_cpu.fast.gemm import BLOCK_RB, prefetch_rows
+
+        @njit(parallel=True)
+        def run(x, xs, xsum, W, S, M, O, out):
+            T, G, gs = x.shape
+            xf, xsf, xsumf, of = x.reshape(-1), xs.reshape(-1), xsum.reshape(-1), out.reshape(-1)
+            nv_all = -(-O // 8)
+            for blk in prange(W.shape[0]):
+                prefetch_rows(W, blk + 1, blk + 2)            # as the GEMM prefetches its next block's rows
+                block(W[blk], xf, S[blk], xsf, M[blk], xsumf, G, gs, of, out.shape[1], 8 * BLOCK_RB * blk,
+                      min(BLOCK_RB, nv_all - blk * BLOCK_RB), T)
+        _RUNNERS[block] = run
+    return _RUNNERS[block]
+
+
 def tile_alone(fmt: str, act: str, threads: int, K: int = 1024, T: int = 128, gs: int = 32, reps: int = 7) -> float:
     """Multiply-adds per second of the tile loops alone (gemm.block_*): each thread runs T tokens through
     one repacked block of 64 rows again and again, its weights in cache, with no repack, no rounding and no
@@ -210,7 +293,7 @@ def main(argv=None) -> None:
     rows, load0 = [], os.getloadavg()[0]
     print(f"threads {numba.get_num_threads()}, {cpu.instructions()}, group size {args.group_size}, "
           f"{args.act} activations")
-    engines = ["sgemm", "int8 gemm"] + (["bf16"] if cpu.BF16 else [])   # bf16: what auto ran before on such CPUs
+    engines = ["sgemm", "int8 gemm", "built once"] + (["bf16"] if cpu.BF16 else [])   # bf16: auto's before, on such CPUs
     vnni = cpu.INT8 == "vnni"
     for fmt in args.formats:
         mats = {k: rng.standard_normal(s, dtype=np.float32) * 0.02 for k, s in SHAPES.items()}
@@ -218,8 +301,12 @@ def main(argv=None) -> None:
                    "int8 gemm": {k: fast_quantize(w, fmt, args.group_size, prefill_act=args.act) for k, w in mats.items()},
                    "bf16": {k: fast_quantize(w, fmt, args.group_size, prefill_act="bf16") for k, w in mats.items()}
                    if cpu.BF16 else {}}
+        weights["built once"] = {k: BuiltOnce(w, args.act) for k, w in weights["int8 gemm"].items()}
         for T in args.tokens:
             xs = {k: rng.standard_normal((T, s[1]), dtype=np.float32) for k, s in SHAPES.items()}
+            for k, w in weights["built once"].items():           # the same arithmetic: the same bits
+                if not np.array_equal(w.matmul(xs[k]), weights["int8 gemm"][k].matmul(xs[k])):
+                    raise SystemExit(f"the layout built once gives other bits than the GEMM ({fmt}, {k}, T={T})")
             macs = T * sum(o * k for o, k in SHAPES.values())
             best = {name: 1e9 for name in engines}
             for rep in range(args.reps + 1):                     # the first round warms up, uncounted
@@ -231,7 +318,8 @@ def main(argv=None) -> None:
                     if rep:
                         best[name] = min(best[name], dt)
             row = ", ".join(f"{n} {T / t:7.1f} tok/s {macs / t / 1e9:5.1f} GMAC/s" for n, t in best.items())
-            print(f"{fmt} T={T:4d}: {row}  ({best['sgemm'] / best['int8 gemm']:.2f}x sgemm"
+            print(f"{fmt} T={T:4d}: {row}  ({best['sgemm'] / best['int8 gemm']:.2f}x sgemm, built once "
+                  f"{best['int8 gemm'] / best['built once']:.2f}x the GEMM"
                   + (f", {best['bf16'] / best['int8 gemm']:.2f}x bf16)" if cpu.BF16 else ")"), flush=True)
             rows.append(dict(format=fmt, tokens=T, **{f"{n.replace(' ', '_')}_gmac_s": macs / t / 1e9
                                                       for n, t in best.items()}))

@@ -100,3 +100,22 @@ def test_prefill_headline_ranks_time_to_first_token_by_the_smaller_time_and_chec
     assert "1.70×" in rows["prefill 128"] and "met (≥1.6×)" in rows["prefill 128"]
     assert "1.33×" in rows["prefill 512"] and "NOT met (≥1.5×)" in rows["prefill 512"]
     assert "1.25×" in rows["decode"] and "met (≥1.0×)" in rows["decode"]
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_prefill_gemm_layout_built_once_gives_the_gemms_bits(fmt):
+    """bench.prefill_gemm's "built once" column: the whole matrix repacked beforehand, then the GEMM's own
+    tiles. Its figure means something only if the arithmetic is the GEMM's: the same bits, here with a tail
+    block (100 rows: 12.5 vectors of 8) and a token count that is not a multiple of the tile's. A block
+    offset, a scale lane or a tail row off by one changes outputs."""
+    from stage1_cpu.fast import cpu
+    if not cpu.INT8:
+        pytest.skip("no int8 dot product on this target: the integer GEMM is not compiled here")
+    from bench.prefill_gemm import BuiltOnce
+    from stage1_cpu.fast.weight import fast_quantize
+    rng = np.random.default_rng(3)
+    w = fast_quantize(rng.standard_normal((100, 256), dtype=np.float32) * 0.02, fmt, 32, prefill_act="int16")
+    x = rng.standard_normal((37, 256), dtype=np.float32)
+    got, want = BuiltOnce(w, "int16").matmul(x), w.matmul(x)
+    assert got.shape == want.shape == (37, 100) and np.abs(want).max() > 0.1
+    assert np.array_equal(got, want)
