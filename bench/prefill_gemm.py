@@ -22,6 +22,7 @@ pairs tile too).
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import numpy as np
@@ -151,6 +152,16 @@ def ceiling(fmt: str, act: str, vnni: bool) -> str:
     return "dpbusd" if vnni else "maddubs"
 
 
+def tile_block(fmt: str, act: str):
+    """gemm.py's block loop for fmt on act activations, and whether it runs the quads layout (4 values a
+    lane: int4 on int8 activations, and int8 on int8 ones on VNNI, as q + 128: tile_int8_q8)."""
+    from stage1_cpu.fast import gemm
+    quads = not pairs_tile(fmt, act, gemm.VNNI)
+    if fmt == "int8":
+        return (gemm.block_int8_q8 if quads else gemm.block_int8), quads
+    return (gemm.block_int4 if quads else gemm.block_int4_16), quads
+
+
 class BuiltOnce:
     """A FastWeight's integer GEMM on its layout repacked once, here, instead of 64 rows at a time in every
     call (gemm._gemm_int8 / _gemm_int4): the same rounding, the same tiles, the same bits (checked against
@@ -160,7 +171,7 @@ class BuiltOnce:
     def __init__(self, w, act: str):
         from stage1_cpu.fast import gemm
         self.O, self.act = w.out_features, act
-        quads = not pairs_tile(w.fmt, act, gemm.VNNI)
+        block, quads = tile_block(w.fmt, act)
         data, s = np.ascontiguousarray(w.data).reshape(self.O, -1), np.ascontiguousarray(w.scales).view(np.uint16)
         word = data.view(np.uint32 if quads else (np.int16 if w.fmt == "int8" else np.uint16))
         G, Kp, RB = s.shape[1], s.shape[1] * w.group_size, gemm.BLOCK_RB
@@ -171,11 +182,10 @@ class BuiltOnce:
         if w.fmt == "int8":
             self.M = self.S
             _builders()[0](word, s, 0x80808080 if quads else 0, self.W, self.S)
-            self.run = _runner(gemm.block_int8_q8 if quads else gemm.block_int8)
         else:
             self.M = np.empty_like(self.S)
             _builders()[1](word, s, np.ascontiguousarray(w.mins).view(np.uint16), w.group_size, self.W, self.S, self.M)
-            self.run = _runner(gemm.block_int4 if quads else gemm.block_int4_16)
+        self.run = _runner(block)
         self.quads, self.fmt, self.gs = quads, w.fmt, w.group_size
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
@@ -193,54 +203,46 @@ class BuiltOnce:
         return out if out.shape[1] == self.O else np.ascontiguousarray(out[:, :self.O])
 
 
-_RUNNERS = {}
-
-
+@functools.cache
 def _builders():
     """The repack of every block of a matrix at once, on all threads (gemm's repack_int8 / repack_int4)."""
-    if "build" not in _RUNNERS:
-        from stage1_cpu.fast.gemm import BLOCK_RB, repack_int4, repack_int8
+    from stage1_cpu.fast.gemm import BLOCK_RB, repack_int4, repack_int8
 
-        @njit(parallel=True)
-        def build_int8(q, s, flip, W, S):
-            for blk in prange(W.shape[0]):
-                repack_int8(q, s, 8 * BLOCK_RB * blk, W[blk], S[blk], flip)
+    @njit(parallel=True)
+    def build_int8(q, s, flip, W, S):
+        for blk in prange(W.shape[0]):
+            repack_int8(q, s, 8 * BLOCK_RB * blk, W[blk], S[blk], flip)
 
-        @njit(parallel=True)
-        def build_int4(b, s, m, gs, W, S, M):
-            for blk in prange(W.shape[0]):
-                repack_int4(b, s, m, gs, 8 * BLOCK_RB * blk, W[blk], S[blk], M[blk])
-        _RUNNERS["build"] = build_int8, build_int4
-    return _RUNNERS["build"]
+    @njit(parallel=True)
+    def build_int4(b, s, m, gs, W, S, M):
+        for blk in prange(W.shape[0]):
+            repack_int4(b, s, m, gs, 8 * BLOCK_RB * blk, W[blk], S[blk], M[blk])
+    return build_int8, build_int4
 
 
+@functools.cache
 def _runner(block):
     """The prange over the built blocks for one tile kind (gemm._gemm_int8's loop, less the repack)."""
-    if block not in _RUNNERS:
-        from stage1_cpu.fast.gemm import BLOCK_RB, prefetch_rows
+    from stage1_cpu.fast.gemm import BLOCK_RB, prefetch_rows
 
-        @njit(parallel=True)
-        def run(x, xs, xsum, W, S, M, O, out):
-            T, G, gs = x.shape
-            xf, xsf, xsumf, of = x.reshape(-1), xs.reshape(-1), xsum.reshape(-1), out.reshape(-1)
-            nv_all = -(-O // 8)
-            for blk in prange(W.shape[0]):
-                prefetch_rows(W, blk + 1, blk + 2)            # as the GEMM prefetches its next block's rows
-                block(W[blk], xf, S[blk], xsf, M[blk], xsumf, G, gs, of, out.shape[1], 8 * BLOCK_RB * blk,
-                      min(BLOCK_RB, nv_all - blk * BLOCK_RB), T)
-        _RUNNERS[block] = run
-    return _RUNNERS[block]
+    @njit(parallel=True)
+    def run(x, xs, xsum, W, S, M, O, out):
+        T, G, gs = x.shape
+        xf, xsf, xsumf, of = x.reshape(-1), xs.reshape(-1), xsum.reshape(-1), out.reshape(-1)
+        nv_all = -(-O // 8)
+        for blk in prange(W.shape[0]):
+            prefetch_rows(W, blk + 1, blk + 2)            # as the GEMM prefetches its next block's rows
+            block(W[blk], xf, S[blk], xsf, M[blk], xsumf, G, gs, of, out.shape[1], 8 * BLOCK_RB * blk,
+                  min(BLOCK_RB, nv_all - blk * BLOCK_RB), T)
+    return run
 
 
 def tile_alone(fmt: str, act: str, threads: int, K: int = 1024, T: int = 128, gs: int = 32, reps: int = 7) -> float:
     """Multiply-adds per second of the tile loops alone (gemm.block_*): each thread runs T tokens through
     one repacked block of 64 rows again and again, its weights in cache, with no repack, no rounding and no
     Python call per matrix; the GEMM's figure against this one is what those cost."""
-    from stage1_cpu.fast import gemm
-    quads = not pairs_tile(fmt, act, gemm.VNNI)
+    block, quads = tile_block(fmt, act)
     q8 = fmt == "int8" and quads                                  # tile_int8_q8: q + 128 in the quads layout
-    block = {("int8", "int8"): gemm.block_int8_q8 if q8 else gemm.block_int8, ("int8", "int16"): gemm.block_int8,
-             ("int4", "int8"): gemm.block_int4, ("int4", "int16"): gemm.block_int4_16}[fmt, act]
     G, rows = K // gs, 64
     rng = np.random.default_rng(1)
     word = np.uint32 if quads else np.int16                      # 4 values a lane, or 2
