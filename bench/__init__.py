@@ -5,6 +5,7 @@
     python -m bench ladder            the ablation ladder: naive matmul -> threads -> fused -> int4 -> int8 activations
     python -m bench kernels           the stage-1 matmul kernels alone (bench/kernels.py)
     python -m bench profile           one stage-1 forward pass, op by op (bench/profile.py)
+    python -m bench prefill-pair      prefill, stage 1 against llama.cpp round by round (bench/prefill_pair.py)
 
 Results and their history: docs/benchmarks.md.
 """

@@ -216,6 +216,20 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def worker_env(omp_wait_policy: str = "PASSIVE", env_extra: dict | None = None) -> tuple[dict, str]:
+    """-> (the environment of a worker process, the repository root to run it in): BENCH_ENV,
+    env_extra, and OMP_WAIT_POLICY as asked ("default": unset, the OpenMP runtime's own choice:
+    libgomp spins a while, then sleeps)."""
+    env = dict(os.environ, **BENCH_ENV, **(env_extra or {}))
+    if omp_wait_policy == "default":
+        env.pop("OMP_WAIT_POLICY", None)
+    else:
+        env["OMP_WAIT_POLICY"] = omp_wait_policy
+    repo_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = repo_root + os.pathsep + env.get("PYTHONPATH", "")
+    return env, repo_root
+
+
 def run_worker(module: str, spec: dict, timeout: float, log=print, omp_wait_policy: str = "PASSIVE",
                env_extra: dict | None = None) -> dict:
     """Run `python -m module --worker SPEC` in a fresh process and return its JSON result.
@@ -226,13 +240,7 @@ def run_worker(module: str, spec: dict, timeout: float, log=print, omp_wait_poli
     omp_wait_policy: PASSIVE, ACTIVE, or "default" (unset: the OpenMP runtime's own choice);
     env_extra: more variables for this worker alone (e.g. NUMBA_CPU_NAME, LLAMA_CPP_LIB_PATH).
     """
-    env = dict(os.environ, **BENCH_ENV, **(env_extra or {}))
-    if omp_wait_policy == "default":       # the OpenMP runtime's own choice (libgomp: spin a while, then sleep)
-        env.pop("OMP_WAIT_POLICY", None)
-    else:
-        env["OMP_WAIT_POLICY"] = omp_wait_policy
-    repo_root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = repo_root + os.pathsep + env.get("PYTHONPATH", "")
+    env, repo_root = worker_env(omp_wait_policy, env_extra)
     cmd = [sys.executable, "-m", module, "--worker", json.dumps(spec)]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=repo_root)

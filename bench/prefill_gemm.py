@@ -275,6 +275,7 @@ def tile_alone(fmt: str, act: str, threads: int, K: int = 1024, T: int = 128, gs
 
 def main(argv=None) -> None:
     import numba
+
     from stage1_cpu.fast import cpu
     from stage1_cpu.fast.weight import fast_quantize
 
@@ -354,12 +355,12 @@ def main(argv=None) -> None:
         from bench.common import machine_description
         from stage1_cpu.fast import gemm
         Path(args.save).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.save).write_text(json.dumps(dict(
-            command="python -m bench.prefill_gemm " + " ".join(sys.argv[1:]),
-            date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), machine=machine_description(),
-            threads=th, load=[load0, os.getloadavg()[0]], group_size=args.group_size, act=args.act,
-            tile={"int8": [gemm.RB8 * 8, gemm.TT8], "int4": [gemm.RB4 * 8, gemm.TT4]},
-            ceiling=tile_peak, peaks_gmac_s=peaks, tile_alone_gmac_s=alone, rows=rows), indent=1) + "\n")
+        Path(args.save).write_text(json.dumps({
+            "command": "python -m bench.prefill_gemm " + " ".join(sys.argv[1:]),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine_description(),
+            "threads": th, "load": [load0, os.getloadavg()[0]], "group_size": args.group_size, "act": args.act,
+            "tile": {"int8": [gemm.RB8 * 8, gemm.TT8], "int4": [gemm.RB4 * 8, gemm.TT4]},
+            "ceiling": tile_peak, "peaks_gmac_s": peaks, "tile_alone_gmac_s": alone, "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
