@@ -8,8 +8,8 @@ BENCHMARKS = {
     "cpu": "bench.cpu",          # stage 1 against llama.cpp, transformers and the roofline
     "ladder": "bench.ladder",    # the ablation ladder: naive matmul -> threads -> fused -> int4 -> int8 activations
     "kernels": "bench.kernels",  # the stage-1 matmul kernels on their own
-    "profile": "bench.profile",
-    "prefill-pair": "bench.prefill_pair",   # prefill, stage 1 against llama.cpp, interleaved: one ratio per round  # one stage-1 forward pass, op by op
+    "profile": "bench.profile",  # one stage-1 forward pass, op by op
+    "prefill-pair": "bench.prefill_pair",   # prefill, stage 1 against llama.cpp, interleaved: one ratio per round
     "moe": "bench.moe",          # the MoE benchmark: stage 1 against llama.cpp (qwen3moe) and transformers
     "gpu": "bench.gpu",          # stages 2 and 3 on a GPU: nano-vllm's workload, batch-1 decode (bench/gpu_check.sh)
     "lessons": "bench.lessons",  # the stage 2 -> 3 lesson ladder, counted on CPU per rung (docs/lessons/stage3)

@@ -4,18 +4,19 @@
 speed moves between those minutes: stage 1's int8 ÷ Q8_0 at 128 tokens came out anywhere from 1.54×
 to 2.27× in four runs of the same code (docs/benchmarks.md). Here both engines stay loaded side by
 side, each in its own worker process at its own wait policy, and the parent asks them in turn for
-the same fresh prompt:
+the same fresh prompt, length by length:
 
-    round r:  stage 1 (p = 32, 128, 512), then llama.cpp (the same prompts)    r even
-              llama.cpp first, then stage 1                                    r odd
+    round r:  p = 32: stage 1, then llama.cpp; p = 128: the same; p = 512: the same    r even
+              each pair the other way round                                        r odd
 
-with a pause before each prompt, so that the other engine's spinning threads have gone to sleep.
-Each round gives a ratio per length (stage 1's tok/s ÷ llama.cpp's, the same prompt, seconds apart);
-the report gives their median and range, how many rounds met the issue-28 target, and each engine's
+with a pause before each prompt, so that the other engine's OpenMP threads have gone to sleep (under
+the default or PASSIVE policy; ACTIVE never sleeps, so it is not offered). Each round gives a ratio
+per length (stage 1's tok/s ÷ llama.cpp's on the same prompt, one prefill and a pause apart); the
+report gives their median and range, how many rounds met the issue-28 target, and each engine's
 median tok/s. A drift of the machine over minutes moves both engines of a round together, so it
 leaves the ratio where it is. What it cannot remove: noise within a round's few seconds.
 
-    python -m bench prefill-pair --formats int8,int4 --rounds 9
+    python -m bench prefill-pair --formats int8,int4 --rounds 10
     python -m bench prefill-pair --cpu-profile avx2          # stage 1 under NUMBA_CPU_NAME=haswell,
                                                              # llama.cpp from bench/build_llama_avx2.sh
 Prefill is timed as in bench cpu: the prompt's forward pass and the first token's pick
@@ -26,44 +27,61 @@ from __future__ import annotations
 
 import argparse
 import json
+import select
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from bench.common import markdown_table, worker_env
+from bench.common import load_1min, markdown_table, worker_env
 
 PAUSE_S = 0.5            # before each prompt: an OpenMP runtime under its default policy spins a while, then sleeps
+MAX_CTX = 1024           # each engine's context
+WORKER_TIMEOUT_S = 900   # for one answer: loading and warming up a model, or one prefill
 
 
 def serve(spec: dict) -> None:
     """The worker: load one engine, warm every length up, then answer one JSON line per request
-    on stdin ({"len": p, "seed": s}) with the prefill's seconds, until stdin closes."""
+    on stdin ({"len": p, "seed": s}) with the prefill's seconds, until stdin closes. The answers go
+    to a copy of the original stdout; anything the engines print (Python or C) goes to stderr."""
+    import os
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     from bench.cpu import make_runner, prompt_ids
     runner = make_runner(spec, spec["threads"])
     for p in spec["prompt_lens"]:                         # JIT, buffers, the weights' pages: not counted
         runner.generate(prompt_ids(spec["vocab"], p, seed=1 + p), 0)
-    print(json.dumps({"ready": True, "isa": runner.isa()}), flush=True)
+    print(json.dumps({"ready": True, "isa": runner.isa()}), file=answers)
     for line in sys.stdin:
         req = json.loads(line)
         _, seconds, _ = runner.generate(prompt_ids(spec["vocab"], req["len"], seed=req["seed"]), 0)
-        print(json.dumps({"s": seconds}), flush=True)
+        print(json.dumps({"s": seconds}), file=answers)
 
 
 class Worker:
     """One engine in its own process (bench.common.worker_env: its wait policy, its CPU profile)."""
 
-    def __init__(self, name: str, spec: dict, policy: str, env_extra: dict):
+    def __init__(self, name: str, spec: dict, policy: str, env_extra: dict, timeout: float = WORKER_TIMEOUT_S):
         env, root = worker_env(policy, env_extra)
-        self.name, self.policy = name, policy
+        self.name, self.policy, self.timeout = name, policy, timeout
         self.proc = subprocess.Popen([sys.executable, "-m", "bench.prefill_pair", "--serve", json.dumps(spec)],
                                      env=env, cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, bufsize=1)
-        hello = self._reply()
-        self.isa = hello["isa"]
+        try:
+            self.isa = self._reply()["isa"]
+        except BaseException:
+            self.close()
+            raise
 
     def _reply(self) -> dict:
+        """The worker's next answer; it has self.timeout seconds (one line per request, so nothing
+        waits in the pipe's buffer beyond the line select sees)."""
+        ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout)
+        if not ready:
+            self.close()
+            raise RuntimeError(f"{self.name}: no answer in {self.timeout:.0f} s; the worker was stopped")
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"{self.name}: the worker exited ({self.proc.wait()}) before answering")
@@ -78,11 +96,16 @@ class Worker:
         return length / self._reply()["s"]
 
     def close(self) -> None:
+        """End the worker: stdin closed, then a kill if it has not exited within 60 s."""
         try:
             self.proc.stdin.close()
         except BrokenPipeError:
             pass
-        self.proc.wait(timeout=60)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def summarize(s1: dict[int, list[float]], ll: dict[int, list[float]], target: dict) -> list[dict]:
@@ -101,28 +124,30 @@ def summarize(s1: dict[int, list[float]], ll: dict[int, list[float]], target: di
 
 def run_format(args, fmt: str, paths: dict, shape, log) -> tuple[list[dict], list[str]]:
     from bench.cpu import LLAMA_FORMAT, PREFILL_TARGETS, profile_env
-    base = {"vocab": shape.vocab_size, "max_ctx": 1024, "threads": args.threads, "prompt_lens": args.prompt_lens}
+    base = {"vocab": shape.vocab_size, "max_ctx": MAX_CTX, "threads": args.threads, "prompt_lens": args.prompt_lens}
     s1 = Worker("stage 1", dict(base, engine="stage1", fmt=fmt, path=str(paths["hf"]), activations=args.activations),
                 args.stage1_policy, profile_env(args, "stage1"))
     try:
         ll = Worker("llama.cpp", dict(base, engine="llama.cpp", fmt=LLAMA_FORMAT[fmt],
                                       path=str(paths[LLAMA_FORMAT[fmt]])), args.llama_policy,
                     profile_env(args, "llama.cpp"))
-    except Exception:
+    except BaseException:
         s1.close()
         raise
     speeds = {w.name: {p: [] for p in args.prompt_lens} for w in (s1, ll)}
     try:
         for r in range(args.rounds):
-            for w in ((s1, ll) if r % 2 == 0 else (ll, s1)):
-                for p in args.prompt_lens:
+            for p in args.prompt_lens:                   # the same prompt for both, one after the other
+                for w in ((s1, ll) if r % 2 == 0 else (ll, s1)):
                     time.sleep(PAUSE_S)
                     speeds[w.name][p].append(w.prefill(p, seed=100_000 + 1000 * r + p))
             log(f"  {fmt} round {r + 1}: " + ", ".join(
                 f"{p}: {speeds['stage 1'][p][-1] / speeds['llama.cpp'][p][-1]:.2f}x" for p in args.prompt_lens))
     finally:
-        s1.close()
-        ll.close()
+        try:
+            s1.close()
+        finally:
+            ll.close()
     return summarize(speeds["stage 1"], speeds["llama.cpp"], PREFILL_TARGETS.get(fmt, {})), [s1.isa, ll.isa]
 
 
@@ -136,12 +161,14 @@ def report(args, results: dict) -> str:
             rows.append([f"{fmt} ÷ {LLAMA_FORMAT[fmt]}", f"prefill {s['len']}", f"{s['stage1']:.1f}",
                          f"{s['llama']:.1f}", f"**{s['ratio']:.2f}×**", f"{s['lo']:.2f}-{s['hi']:.2f}×", met])
     acts = "" if args.activations == "auto" else f" (stage 1 with --activations {args.activations})"
+    if args.cpu_profile == "avx2":
+        acts += ", AVX2 machine stand-in"
     out = ["## Prefill, stage 1 ÷ llama.cpp, interleaved round by round" + acts, "",
            f"- machine: {machine_description()}",
            "- command: `python -m bench prefill-pair " + " ".join(args.argv) + "`",
            (f"- {args.threads} threads; stage 1 under OMP_WAIT_POLICY={args.stage1_policy}, llama.cpp under "
             f"{args.llama_policy}; {args.rounds} rounds, the order swapped every round, {PAUSE_S} s before each "
-            "prompt"),
+            f"prompt; 1-minute load before {args.load[0]:.2f}, after {args.load[1]:.2f} (with its own threads)"),
            *(f"- {fmt}: " + " | ".join(isa) for fmt, (_, isa) in results.items()), "",
            markdown_table(["formats", "what", "stage 1 tok/s (median)", "llama.cpp tok/s (median)",
                            "ratio (median of rounds)", "rounds' range", "rounds at the target"], rows), ""]
@@ -153,11 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench prefill-pair", description=__doc__.split("\n")[0])
     ap.add_argument("--formats", default="int8,int4", help="stage-1 formats (int8 -> Q8_0, int4 -> Q4_0)")
     ap.add_argument("--prompt-lens", default="32,128,512")
-    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--rounds", type=int, default=10, help="even: each engine goes first equally often")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--activations", default="auto", choices=["auto", "int8", "fp32"], help="stage 1's --activations")
-    ap.add_argument("--stage1-policy", default="default", choices=["default", "PASSIVE", "ACTIVE"])
-    ap.add_argument("--llama-policy", default="default", choices=["default", "PASSIVE", "ACTIVE"])
+    ap.add_argument("--stage1-policy", default="default", choices=["default", "PASSIVE"])
+    ap.add_argument("--llama-policy", default="default", choices=["default", "PASSIVE"])
     ap.add_argument("--cpu-profile", choices=["native", "avx2"], default="native")
     ap.add_argument("--llama-avx2-lib", type=Path, default=None)
     ap.add_argument("--save", type=Path, default=None, help="also write the report (markdown) here")
@@ -166,13 +193,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve:
         serve(json.loads(args.serve))
         return 0
-    from bench.cpu import CACHE, LLAMA_FORMAT, QWEN3_0_6B, choose_llama_lib, llama_cpp_installed, prepare_models
+    from bench.cpu import (
+        CACHE,
+        LLAMA_FORMAT,
+        QWEN3_0_6B,
+        choose_llama_lib,
+        llama_cpp_installed,
+        prepare_models,
+    )
 
     args.argv = argv
     args.formats = [f for f in args.formats.split(",") if f]
     args.prompt_lens = [int(p) for p in args.prompt_lens.split(",")]
-    if not args.formats or set(args.formats) - set(LLAMA_FORMAT) or min(args.prompt_lens) < 1 or args.rounds < 1:
-        ap.error(f"--formats: some of {','.join(LLAMA_FORMAT)}; --prompt-lens and --rounds: positive")
+    if not args.formats or set(args.formats) - set(LLAMA_FORMAT) or args.rounds < 1 or \
+            not all(1 <= p <= MAX_CTX - 1 for p in args.prompt_lens):
+        ap.error(f"--formats: some of {','.join(LLAMA_FORMAT)}; --rounds: positive; --prompt-lens: 1 to {MAX_CTX - 1}")
     if not llama_cpp_installed():
         print("llama-cpp-python is not installed: pip install -e .[bench]", file=sys.stderr)
         return 2
@@ -187,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         print(line, file=sys.stderr, flush=True)
 
     paths = prepare_models(QWEN3_0_6B, CACHE, log, [LLAMA_FORMAT[f] for f in args.formats])
+    load0 = load_1min()
     results = {fmt: run_format(args, fmt, paths, QWEN3_0_6B, log) for fmt in args.formats}
+    args.load = (load0, load_1min())
     text = report(args, results)
     print(text)
     if args.save:

@@ -35,3 +35,36 @@ def test_worker_answers_each_prompt_and_says_why_when_it_cannot_start(tmp_path):
     bad = dict(spec, path=str(tmp_path / "no-such-model"))
     with pytest.raises(RuntimeError, match="exited"):
         prefill_pair.Worker("stage 1", bad, "PASSIVE", {})
+
+
+def test_rounds_pair_the_same_prompt_length_by_length_and_swap_who_goes_first(monkeypatch):
+    calls = []
+
+    class Stub:                       # stands in for a worker process: records each request
+        def __init__(self, name, spec, policy, env_extra):
+            self.name, self.isa, self.closed = name, name, False
+            stubs.append(self)
+
+        def prefill(self, length, seed):
+            calls.append((self.name, length, seed))
+            return 300.0 if self.name == "stage 1" else 200.0
+
+        def close(self):
+            self.closed = True
+
+    stubs = []
+    monkeypatch.setattr(prefill_pair, "Worker", Stub)
+    monkeypatch.setattr(prefill_pair, "PAUSE_S", 0.0)
+    args = prefill_pair.argparse.Namespace(threads=2, prompt_lens=[32, 128], rounds=2, activations="auto",
+                                           stage1_policy="default", llama_policy="default", cpu_profile="native")
+    shape = type("Shape", (), {"vocab_size": 512})()
+    rows, isa = prefill_pair.run_format(args, "int8", {"hf": "hf", "Q8_0": "q8"}, shape, lambda line: None)
+    who = [(name, length) for name, length, _ in calls]
+    assert who == [("stage 1", 32), ("llama.cpp", 32), ("stage 1", 128), ("llama.cpp", 128),
+                   ("llama.cpp", 32), ("stage 1", 32), ("llama.cpp", 128), ("stage 1", 128)]
+    for r in range(2):                                         # both engines of a round: the same prompt
+        for length in (32, 128):
+            assert len({seed for _, n, seed in calls[4 * r:4 * r + 4] if n == length}) == 1
+    assert len({seed for _, _, seed in calls}) == 4           # a fresh prompt per length and round
+    assert [r["ratio"] for r in rows] == [1.5, 1.5] and [r["met"] for r in rows] == [2, 0]   # targets 1.0, 1.6
+    assert all(s.closed for s in stubs) and isa == ["stage 1", "llama.cpp"]
