@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import select
 import statistics
 import subprocess
@@ -34,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import load_1min, markdown_table, worker_env
+from bench.common import load_1min, machine_description, markdown_table, worker_env
 
 PAUSE_S = 0.5            # before each prompt: an OpenMP runtime under its default policy spins a while, then sleeps
 MAX_CTX = 1024           # each engine's context
@@ -45,7 +46,6 @@ def serve(spec: dict) -> None:
     """The worker: load one engine, warm every length up, then answer one JSON line per request
     on stdin ({"len": p, "seed": s}) with the prefill's seconds, until stdin closes. The answers go
     to a copy of the original stdout; anything the engines print (Python or C) goes to stderr."""
-    import os
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
@@ -65,7 +65,7 @@ class Worker:
 
     def __init__(self, name: str, spec: dict, policy: str, env_extra: dict, timeout: float = WORKER_TIMEOUT_S):
         env, root = worker_env(policy, env_extra)
-        self.name, self.policy, self.timeout = name, policy, timeout
+        self.name, self.timeout = name, timeout
         self.proc = subprocess.Popen([sys.executable, "-m", "bench.prefill_pair", "--serve", json.dumps(spec)],
                                      env=env, cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, bufsize=1)
@@ -152,7 +152,6 @@ def run_format(args, fmt: str, paths: dict, shape, log) -> tuple[list[dict], lis
 
 
 def report(args, results: dict) -> str:
-    from bench.common import machine_description
     from bench.cpu import LLAMA_FORMAT
     rows = []
     for fmt, (summary, _) in results.items():
