@@ -586,6 +586,16 @@ def profile_env(args, engine: str) -> dict:
     return {}
 
 
+def add_cpu_profile_args(p: argparse.ArgumentParser) -> None:
+    """--cpu-profile and --llama-avx2-lib, which profile_env and choose_llama_lib read (bench cpu,
+    bench prefill-pair)."""
+    p.add_argument("--cpu-profile", default="native", choices=["native", "avx2"],
+                   help="avx2: stand in for an AVX2-only CPU on an AVX-512 host (stage 1 under "
+                        "NUMBA_CPU_NAME=haswell, llama.cpp from bench/build_llama_avx2.sh's build)")
+    p.add_argument("--llama-avx2-lib", type=Path, default=None,
+                   help=f"--cpu-profile avx2: the folder of the AVX2 build's libllama.so (default {AVX2_LLAMA_LIB})")
+
+
 def choose_llama_lib(args) -> tuple[Path | None, str | None, str]:
     """--cpu-profile avx2: (LLAMA_CPP_LIB_PATH or None for the installed build, why llama.cpp
     cannot run as an AVX2 build (or None), a line for the report)."""
@@ -943,11 +953,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="stage 1's kernels: plain (the portable core) or fast (stage1_cpu/fast/); default auto")
     p.add_argument("--activations", default="auto", choices=["auto", "int8", "fp32"],
                    help="stage 1's --activations (default auto; int8: llama.cpp's rounding, prefill on int8 too)")
-    p.add_argument("--cpu-profile", default="native", choices=["native", "avx2"],
-                   help="avx2: stand in for an AVX2-only CPU on an AVX-512 host (stage 1 under "
-                        "NUMBA_CPU_NAME=haswell, llama.cpp from bench/build_llama_avx2.sh's build)")
-    p.add_argument("--llama-avx2-lib", type=Path, default=None,
-                   help=f"--cpu-profile avx2: the folder of the AVX2 build's libllama.so (default {AVX2_LLAMA_LIB})")
+    add_cpu_profile_args(p)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.argv = argv

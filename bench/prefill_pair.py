@@ -175,6 +175,8 @@ def report(args, results: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bench.cpu import add_cpu_profile_args
+
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog="python -m bench prefill-pair", description=__doc__.split("\n")[0])
     ap.add_argument("--formats", default="int8,int4", help="stage-1 formats (int8 -> Q8_0, int4 -> Q4_0)")
@@ -184,8 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--activations", default="auto", choices=["auto", "int8", "fp32"], help="stage 1's --activations")
     ap.add_argument("--stage1-policy", default="default", choices=["default", "PASSIVE"])
     ap.add_argument("--llama-policy", default="default", choices=["default", "PASSIVE"])
-    ap.add_argument("--cpu-profile", choices=["native", "avx2"], default="native")
-    ap.add_argument("--llama-avx2-lib", type=Path, default=None)
+    add_cpu_profile_args(ap)
     ap.add_argument("--save", type=Path, default=None, help="also write the report (markdown) here")
     ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
