@@ -27,7 +27,10 @@ time from the stored [O, G, gs] layout into a scratch buffer of its own
 the weights is kept, and the repack moves each byte once per T multiply-adds.
 int4's two groups in the same bytes (low and high nibbles) come out of one
 transpose; the scales stay fp16 (one vcvtph2ps per 8 rows in the tile's
-epilogue); and while a block multiplies, the next one's rows are prefetched.
+epilogue). The threads claim the blocks one at a time from a shared counter
+(sync.claim), each its next one ahead, whose rows are prefetched while the
+current one multiplies: a thread that runs slower (a VM's busy neighbour, a
+core with other work) takes fewer blocks instead of holding the others up.
 
 The micro-kernel (_tile) keeps RB x 8 rows x TT tokens (RB8 x TT8, RB4 x TT4) of accumulators in
 registers (AVX2 has 16 ymm registers, AVX-512 32: RB x TT int32 accumulators, RB x TT float
@@ -62,15 +65,17 @@ The numpy twin: gemm_ref below.
 """
 from __future__ import annotations
 
+import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ..kernels import FAST
 from . import cpu, simd
 from . import kernels as fk
-from ..kernels import FAST
+from .sync import SLOT, claim
 
 VNNI = simd.VNNI              # vpdpwssd / vpdpbusd: the multiply-add and its accumulate in one instruction
 REGISTERS = 32 if "avx512vl" in cpu.FEATURES else 16    # ymm registers (AVX-512VL adds ymm16..31)
@@ -416,72 +421,88 @@ block_int8_q8 = _blocks(tile_int8_q8, RB4, TT4)     # int8 weights, quads (q + 1
 
 
 @njit(inline="always", fastmath=FAST, error_model="numpy")
-def _gemm_int8(block, xq, xs, xsum, q, s, flip, out):
+def _gemm_int8(block, xq, xs, xsum, q, s, flip, out, workers):
     """gemm_int8 and gemm_int8_q8: block is block_int8 (q int16 pairs) or block_int8_q8 (q uint32 quads,
-    repacked xor flip)."""
+    repacked xor flip). Each of the workers claims row blocks until none is left (sync.claim): a thread
+    that runs slower, or starts later, takes fewer blocks, and the others do not wait for it."""
     T, G, gs = xq.shape
     O, Kp = q.shape[0], G * gs
     xf, xsf, xsumf, of = xq.reshape(-1), xs.reshape(-1), xsum.reshape(-1), out.reshape(-1)
     nv_all = -(-O // 8)
-    for blk in prange(-(-nv_all // BLOCK_RB)):
-        nv = min(BLOCK_RB, nv_all - blk * BLOCK_RB)
-        wl, sl = np.empty(nv * Kp * 8 // q.itemsize, dtype=q.dtype), np.empty(nv * G * 8, dtype=np.uint16)
-        repack_int8(q, s, 8 * BLOCK_RB * blk, wl, sl, flip)
-        nxt = 8 * BLOCK_RB * (blk + 1)          # the next block's rows, read from memory while this one multiplies
-        prefetch_rows(q, nxt, nxt + 8 * BLOCK_RB)
-        prefetch_rows(s, nxt, nxt + 8 * BLOCK_RB)
-        block(wl, xf, sl, xsf, sl, xsumf, G, gs, of, out.shape[1], 8 * BLOCK_RB * blk, nv, T)
+    n_blocks = -(-nv_all // BLOCK_RB)
+    claims = np.zeros(2 * SLOT, dtype=np.int64)     # sync.counters(1): one phase, the blocks
+    for _ in prange(workers):                   # one iteration per thread, a scratch block of its own
+        wl_all = np.empty(BLOCK_RB * Kp * 8 // q.itemsize, dtype=q.dtype)
+        sl_all = np.empty(BLOCK_RB * G * 8, dtype=np.uint16)
+        blk = claim(claims, 0)
+        while blk < n_blocks:
+            nxt = claim(claims, 0)              # this thread's next block, claimed now: its rows are read
+            nv = min(BLOCK_RB, nv_all - blk * BLOCK_RB)     # from memory while this one multiplies
+            wl, sl = wl_all[:nv * Kp * 8 // q.itemsize], sl_all[:nv * G * 8]
+            repack_int8(q, s, 8 * BLOCK_RB * blk, wl, sl, flip)
+            prefetch_rows(q, 8 * BLOCK_RB * nxt, 8 * BLOCK_RB * (nxt + 1))
+            prefetch_rows(s, 8 * BLOCK_RB * nxt, 8 * BLOCK_RB * (nxt + 1))
+            block(wl, xf, sl, xsf, sl, xsumf, G, gs, of, out.shape[1], 8 * BLOCK_RB * blk, nv, T)
+            blk = nxt
 
 
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
-def gemm_int8(x16, xs, q16, s, out):
+def gemm_int8(x16, xs, q16, s, out, workers):
     """x16 [T, G, gs] int16 (the rounded activations), xs [T, G] f32; q16 [O, Kp/2] the stored int8
     weights as value pairs, s [O, G] their fp16 scales -> out [T, 8 ceil(O / 8)]:
-    out[t, r] = sum_g s xs (q . xq). Each thread repacks BLOCK_RB x 8 rows at a time (repack_int8)."""
-    _gemm_int8(block_int8, x16, xs, xs, q16, s, 0, out)
+    out[t, r] = sum_g s xs (q . xq). Each of the workers (numba.get_num_threads(), passed in: called in
+    here, it would keep this from the disk cache) repacks BLOCK_RB x 8 rows at a time (repack_int8)."""
+    _gemm_int8(block_int8, x16, xs, xs, q16, s, 0, out, workers)
 
 
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
-def gemm_int8_q8(xq, xs, xcorr, b32, s, out):
+def gemm_int8_q8(xq, xs, xcorr, b32, s, out, workers):
     """gemm_int8 on int8 activations with vpdpbusd (VNNI only): xq [T, G, gs] int8, xs [T, G] f32, xcorr
     [T, G] int32 = -128 sum(xq); b32 [O, Kp/4] the stored int8 weights 4 at a time as uint32, s [O, G] fp16
     bits -> out [T, 8 ceil(O / 8)]. vpdpbusd multiplies unsigned bytes by signed ones: the weights become
     q + 128 in the repack, and (q + 128) . xq - 128 sum(xq) = q . xq exactly, in int32."""
-    _gemm_int8(block_int8_q8, xq, xs, xcorr, b32, s, 0x80808080, out)
+    _gemm_int8(block_int8_q8, xq, xs, xcorr, b32, s, 0x80808080, out, workers)
 
 
 @njit(inline="always", fastmath=FAST, error_model="numpy")
-def _gemm_int4(block, xq, xs, xsum, b, s, m, out):
-    """gemm_int4 and gemm_int4_16: block is block_int4 (b uint32) or block_int4_16 (b uint16)."""
+def _gemm_int4(block, xq, xs, xsum, b, s, m, out, workers):
+    """gemm_int4 and gemm_int4_16: block is block_int4 (b uint32) or block_int4_16 (b uint16); row blocks
+    claimed as in _gemm_int8."""
     T, G, gs = xq.shape
     O, Kp = b.shape[0], G * gs
     xf, xsf, xsumf, of = xq.reshape(-1), xs.reshape(-1), xsum.reshape(-1), out.reshape(-1)
     nv_all = -(-O // 8)
-    for blk in prange(-(-nv_all // BLOCK_RB)):
-        nv = min(BLOCK_RB, nv_all - blk * BLOCK_RB)
-        wl = np.empty(nv * Kp * 8 // b.itemsize, dtype=b.dtype)
-        sl, ml = np.empty(nv * G * 8, dtype=np.uint16), np.empty(nv * G * 8, dtype=np.uint16)
-        repack_int4(b, s, m, gs, 8 * BLOCK_RB * blk, wl, sl, ml)
-        nxt = 8 * BLOCK_RB * (blk + 1)          # the next block's rows, read from memory while this one multiplies
-        prefetch_rows(b, nxt, nxt + 8 * BLOCK_RB)
-        prefetch_rows(s, nxt, nxt + 8 * BLOCK_RB)
-        prefetch_rows(m, nxt, nxt + 8 * BLOCK_RB)
-        block(wl, xf, sl, xsf, ml, xsumf, G, gs, of, out.shape[1], 8 * BLOCK_RB * blk, nv, T)
+    n_blocks = -(-nv_all // BLOCK_RB)
+    claims = np.zeros(2 * SLOT, dtype=np.int64)
+    for _ in prange(workers):
+        wl_all = np.empty(BLOCK_RB * Kp * 8 // b.itemsize, dtype=b.dtype)
+        sl_all, ml_all = np.empty(BLOCK_RB * G * 8, dtype=np.uint16), np.empty(BLOCK_RB * G * 8, dtype=np.uint16)
+        blk = claim(claims, 0)
+        while blk < n_blocks:
+            nxt = claim(claims, 0)
+            nv = min(BLOCK_RB, nv_all - blk * BLOCK_RB)
+            wl, sl, ml = wl_all[:nv * Kp * 8 // b.itemsize], sl_all[:nv * G * 8], ml_all[:nv * G * 8]
+            repack_int4(b, s, m, gs, 8 * BLOCK_RB * blk, wl, sl, ml)
+            prefetch_rows(b, 8 * BLOCK_RB * nxt, 8 * BLOCK_RB * (nxt + 1))
+            prefetch_rows(s, 8 * BLOCK_RB * nxt, 8 * BLOCK_RB * (nxt + 1))
+            prefetch_rows(m, 8 * BLOCK_RB * nxt, 8 * BLOCK_RB * (nxt + 1))
+            block(wl, xf, sl, xsf, ml, xsumf, G, gs, of, out.shape[1], 8 * BLOCK_RB * blk, nv, T)
+            blk = nxt
 
 
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
-def gemm_int4(xq, xs, xsum, b32, s, m, out):
+def gemm_int4(xq, xs, xsum, b32, s, m, out, workers):
     """xq [T, G, gs] int8, xs, xsum [T, G] f32; b32 [O, Kp/8] the stored nibble pairs 4 bytes at a
     time, s, m [O, G] fp16 scales and minima -> out [T, 8 ceil(O / 8)]:
     out[t, r] = sum_g s xs (nibbles . xq) + m xsum, on the quads tile."""
-    _gemm_int4(block_int4, xq, xs, xsum, b32, s, m, out)
+    _gemm_int4(block_int4, xq, xs, xsum, b32, s, m, out, workers)
 
 
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
-def gemm_int4_16(x16, xs, xsum, b16, s, m, out):
+def gemm_int4_16(x16, xs, xsum, b16, s, m, out, workers):
     """gemm_int4 for x16 [T, G, gs] int16, b16 [O, Kp/4] (the nibble pairs 2 bytes at a time), on the
     pairs tile."""
-    _gemm_int4(block_int4_16, x16, xs, xsum, b16, s, m, out)
+    _gemm_int4(block_int4_16, x16, xs, xsum, b16, s, m, out, workers)
 
 
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
@@ -530,20 +551,21 @@ def gemm(w, x: np.ndarray, act: str = "int8") -> np.ndarray:
     data, scales = np.ascontiguousarray(w.data).reshape(O, -1), np.ascontiguousarray(w.scales).view(np.uint16)
     mins = None if w.mins is None else np.ascontiguousarray(w.mins).view(np.uint16)
     x3 = x.reshape(T, -1, gs)                                                    # [T, G, gs]
+    workers = numba.get_num_threads()
     if act == "int16":
         x16, xs, xsum = round_prompt16(x3)                                       # [T, G, gs], [T, G]
         if w.fmt == "int8":
-            gemm_int8(x16, xs, data.view(np.int16), scales, out)
+            gemm_int8(x16, xs, data.view(np.int16), scales, out, workers)
         else:
-            gemm_int4_16(x16, xs, xsum, data.view(np.uint16), scales, mins, out)
+            gemm_int4_16(x16, xs, xsum, data.view(np.uint16), scales, mins, out, workers)
     else:
         xq, xs, xsum, xcorr = round_prompt8(x3)
         if w.fmt == "int8" and VNNI:
-            gemm_int8_q8(xq, xs, xcorr, data.view(np.uint32), scales, out)
+            gemm_int8_q8(xq, xs, xcorr, data.view(np.uint32), scales, out, workers)
         elif w.fmt == "int8":
-            gemm_int8(xq.astype(np.int16), xs, data.view(np.int16), scales, out)
+            gemm_int8(xq.astype(np.int16), xs, data.view(np.int16), scales, out, workers)
         else:
-            gemm_int4(xq, xs, xsum, data.view(np.uint32), scales, mins, out)
+            gemm_int4(xq, xs, xsum, data.view(np.uint32), scales, mins, out, workers)
     return out if out.shape[1] == O else np.ascontiguousarray(out[:, :O])
 
 
