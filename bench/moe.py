@@ -3,6 +3,7 @@
     python -m bench moe                     # the Qwen3-30B-A3B layer shape, 12 layers x 32 experts (bf16 4.7 GB)
     python -m bench moe --quick             # a tiny MoE (4 layers, 16 experts, top-4), a couple of minutes
     python -m bench moe --kernels plain --formats int8 --out /tmp/moe.md
+    python -m bench moe --cpu-profile avx2 --activations int8   # as on an AVX2-only CPU (bench cpu's options)
 
 The model keeps what makes Qwen3-30B-A3B's decode cost what it is, per layer:
 its attention (32 query / 4 KV heads x 128, hidden 2048) and its experts
@@ -44,8 +45,9 @@ import numpy as np
 
 from bench.common import (NeighbourMeter, check_load, emit_result, fmt_num, load_1min, machine_description,
                           markdown_table, measure_bandwidth, median, run_worker)
-from bench.cpu import (CACHE, CHECK_TOKENS, LLAMA_FORMAT, Row, Shape, _byte_level_alphabet, decode_roofline,
-                       gguf_name, llama_cpp_installed, logits_agreement, prompt_ids)
+from bench.cpu import (CACHE, CHECK_TOKENS, LLAMA_FORMAT, Row, Shape, _byte_level_alphabet, add_cpu_profile_args,
+                       choose_llama_lib, decode_roofline, gguf_name, llama_cpp_installed, logits_agreement,
+                       profile_env, prompt_ids)
 
 BUILD_VERSION = 1      # bump when the HF model changes, so old caches are rebuilt
 GGUF_VERSION = 1       # bump when the GGUF writing changes
@@ -406,17 +408,20 @@ def run_table(args, shape: MoeShape, paths: dict, log, plan: dict) -> tuple[list
     """One table: every job of the plan under its wait policy, one worker each."""
     base = dict(vocab=shape.vocab_size, max_ctx=1024, threads=plan["threads"], prompt_lens=args.prompt_lens,
                 decode_tokens=args.decode_tokens, runs=args.runs, min_runs=min(2, args.runs),
-                cell_seconds=args.cell_seconds)
+                cell_seconds=args.cell_seconds, activations=args.activations)
     tmp = Path(tempfile.mkdtemp(prefix="bench-moe-"))
     rows = []
     for job in jobs_for(args, shape, paths, plan, tmp):
         if job.label == "llama.cpp" and not llama_cpp_installed():
             rows.append(Row(job.label, job.fmt, job.nbytes, {"error": "not installed"}))
             continue
+        if job.label == "llama.cpp" and args.llama_missing:      # --cpu-profile avx2 without its build
+            rows.append(Row(job.label, job.fmt, job.nbytes, {"error": args.llama_missing}))
+            continue
         log(f"running {job.label} {job.fmt} (OMP_WAIT_POLICY={plan['policy']}) ...")
         t0 = time.perf_counter()
         res = run_worker("bench.moe", dict(base, **job.spec), timeout=args.worker_timeout, log=log,
-                         omp_wait_policy=plan["policy"])
+                         omp_wait_policy=plan["policy"], env_extra=profile_env(args, job.spec["engine"]))
         if "error" in res:
             log(f"  {job.label} {job.fmt}: {res['error']}")
         else:
@@ -541,7 +546,10 @@ def report(args, shape: MoeShape, paths: dict, tables: list[dict], bw: dict, loa
            f"- memory bandwidth (numba prange read, best of 5, the better of start / end): {n} threads "
            f"{bw['read'][n]:.1f} GB/s ({bw['start']['read'][n]:.1f} / {bw['end']['read'][n]:.1f})",
            f"- OpenMP wait policies: {', '.join(t['plan']['policy'] for t in tables)} (one table each); "
-           f"stage 1 kernels: {', '.join(args.kernels)}",
+           f"stage 1 kernels: {', '.join(args.kernels)}, --activations {args.activations}",
+           *([(f"- --cpu-profile avx2: stage 1 compiled for NUMBA_CPU_NAME=haswell with Haswell's features (no "
+               f"AVX-512); transformers with ATEN_CPU_CAPABILITY=avx2; {args.llama_line}")]
+             if args.cpu_profile == "avx2" else []),
            "- llama.cpp files: the same weights as qwen3moe GGUF, every matrix in BF16 / Q8_0 / Q4_0 (the Q4_0 "
            "file keeps the tied token_embd in Q8_0, as stage 1's int4 keeps its lm_head in int8), routers in F32; "
            + (layout if layout else "layout not checked"),
@@ -602,6 +610,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="also write the markdown report to this file")
     p.add_argument("--cache-dir", type=Path, default=CACHE, help="where the models are built and kept")
     p.add_argument("--worker-timeout", type=float, default=2400, help="seconds one engine may take in all")
+    p.add_argument("--activations", default="auto", choices=["auto", "int8", "fp32"],
+                   help="stage 1's --activations (default auto; int8: llama.cpp's rounding, prefill on int8 too)")
+    add_cpu_profile_args(p)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.argv = argv
@@ -623,6 +634,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--threads, --runs and --decode-tokens must be positive")
     if max(args.prompt_lens) + args.decode_tokens + 1 > 1024:
         p.error("prompt length + decode tokens must stay under the 1024-token context the engines are given")
+    args.llama_lib, args.llama_missing, args.llama_line = None, None, ""
+    if args.cpu_profile == "avx2":
+        args.llama_lib, args.llama_missing, args.llama_line = choose_llama_lib(args)
     return args
 
 

@@ -59,6 +59,35 @@ def test_avx2_profile_sets_haswell_for_stage1_and_the_lib_for_llama(tmp_path):
     assert missing.llama_missing and "build_llama_avx2.sh" in missing.llama_missing
 
 
+def test_moe_benchmark_hands_each_worker_the_profile_and_the_activations(tmp_path, monkeypatch):
+    """bench moe --cpu-profile avx2 --activations int8: stage 1's workers get haswell and int8, llama.cpp's
+    the AVX2 build; without that build llama.cpp's cell says why and no worker starts for it."""
+    from bench import moe as bench_moe
+    (tmp_path / "libllama.so").write_bytes(b"")
+    seen = []
+
+    def fake_worker(module, spec, timeout, log, omp_wait_policy, env_extra=None):
+        seen.append((spec["engine"], spec.get("activations"), env_extra or {}))
+        return {"error": "not run here"}
+    monkeypatch.setattr(bench_moe, "run_worker", fake_worker)
+    monkeypatch.setattr(bench_moe, "llama_cpp_installed", lambda: True)
+    monkeypatch.setattr(bench_moe, "gguf_decode_bytes", lambda path, shape: 1)
+    plan = {"policy": "PASSIVE", "threads": [2], "check": False}
+    paths = {"hf": tmp_path, "Q8_0": tmp_path / "q8.gguf"}
+    argv = ["--quick", "--engines", "stage1,llama.cpp", "--formats", "int8", "--kernels", "auto",
+            "--cpu-profile", "avx2", "--activations", "int8", "--llama-avx2-lib"]
+    rows, _ = bench_moe.run_table(bench_moe.parse_args(argv + [str(tmp_path)]), bench_moe.MOE_QUICK, paths,
+                                  lambda s: None, plan)
+    by_engine = {engine: (act, env) for engine, act, env in seen}
+    assert by_engine["stage1"][0] == "int8" and by_engine["stage1"][1]["NUMBA_CPU_NAME"] == "haswell"
+    assert by_engine["llama.cpp"][1] == {"LLAMA_CPP_LIB_PATH": str(tmp_path)}
+    seen.clear()
+    rows, _ = bench_moe.run_table(bench_moe.parse_args(argv + [str(tmp_path / "nope")]), bench_moe.MOE_QUICK, paths,
+                                  lambda s: None, plan)
+    assert [engine for engine, _, _ in seen] == ["stage1"]
+    assert "build_llama_avx2.sh" in next(r.result["error"] for r in rows if r.engine == "llama.cpp")
+
+
 def test_ladder_naive_rung_equals_the_weights_own_definition():
     from bench import ladder
     rng = np.random.default_rng(3)
