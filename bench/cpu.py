@@ -596,6 +596,22 @@ def add_cpu_profile_args(p: argparse.ArgumentParser) -> None:
                    help=f"--cpu-profile avx2: the folder of the AVX2 build's libllama.so (default {AVX2_LLAMA_LIB})")
 
 
+def resolve_cpu_profile(args) -> None:
+    """After parsing (bench cpu, bench moe): args.llama_lib, args.llama_missing and args.llama_line from
+    --cpu-profile (choose_llama_lib's answer under avx2; no library, nothing missing, no line natively)."""
+    args.llama_lib, args.llama_missing, args.llama_line = None, None, ""
+    if args.cpu_profile == "avx2":
+        args.llama_lib, args.llama_missing, args.llama_line = choose_llama_lib(args)
+
+
+def cpu_profile_lines(args) -> list[str]:
+    """The report's line saying what --cpu-profile avx2 ran (none under native)."""
+    if args.cpu_profile != "avx2":
+        return []
+    return ["- --cpu-profile avx2: stage 1 compiled for NUMBA_CPU_NAME=haswell with Haswell's features "
+            "(no AVX-512); transformers with ATEN_CPU_CAPABILITY=avx2; " + args.llama_line]
+
+
 def choose_llama_lib(args) -> tuple[Path | None, str | None, str]:
     """--cpu-profile avx2: (LLAMA_CPP_LIB_PATH or None for the installed build, why llama.cpp
     cannot run as an AVX2 build (or None), a line for the report)."""
@@ -705,9 +721,7 @@ def report(args, shape: Shape, tables: list[dict], bw: dict, loads: tuple[float,
            + "; ".join(f"{t['plan']['policy']}: threads {','.join(map(str, t['plan']['threads']))}, "
                        f"cost {t['wall_s'] / 60:.1f} min, other processes {t['others']:.2f} cores"
                        + (" **busy**" if t["others"] > 0.25 else "") for t in tables)]
-    if args.cpu_profile == "avx2":
-        out.append("- --cpu-profile avx2: stage 1 compiled for NUMBA_CPU_NAME=haswell with Haswell's features "
-                   "(no AVX-512); transformers with ATEN_CPU_CAPABILITY=avx2; " + args.llama_line)
+    out += cpu_profile_lines(args)
     out.append("- llama.cpp files: the same weights, every matrix in BF16 / Q8_0 / Q4_0, except that the Q4_0 "
                "file keeps the tied token_embd (the lm_head) in Q8_0, as stage 1's int4 keeps it in int8")
     out.append(f"- every engine first runs each measured size once, uncounted (every prefill length, every "
@@ -965,9 +979,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.ttft_lens = [int(x) for x in args.ttft_lens.split(",") if x.strip()]
     args.runs = args.runs or (2 if args.quick else 3)
     args.omp_wait_policy = args.omp_wait_policy or ("PASSIVE" if args.quick else "both")
-    args.llama_lib, args.llama_missing, args.llama_line = None, None, ""
-    if args.cpu_profile == "avx2":
-        args.llama_lib, args.llama_missing, args.llama_line = choose_llama_lib(args)
+    resolve_cpu_profile(args)
     args.cell_seconds = args.cell_seconds or (15 if args.quick else 60)
     bad = [f for f in args.formats if f not in LLAMA_FORMAT]
     if bad:

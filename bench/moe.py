@@ -46,8 +46,8 @@ import numpy as np
 from bench.common import (NeighbourMeter, check_load, emit_result, fmt_num, load_1min, machine_description,
                           markdown_table, measure_bandwidth, median, run_worker)
 from bench.cpu import (CACHE, CHECK_TOKENS, LLAMA_FORMAT, Row, Shape, _byte_level_alphabet, add_cpu_profile_args,
-                       choose_llama_lib, decode_roofline, gguf_name, llama_cpp_installed, logits_agreement,
-                       profile_env, prompt_ids)
+                       cpu_profile_lines, decode_roofline, gguf_name, llama_cpp_installed, logits_agreement,
+                       profile_env, prompt_ids, resolve_cpu_profile)
 
 BUILD_VERSION = 1      # bump when the HF model changes, so old caches are rebuilt
 GGUF_VERSION = 1       # bump when the GGUF writing changes
@@ -547,9 +547,7 @@ def report(args, shape: MoeShape, paths: dict, tables: list[dict], bw: dict, loa
            f"{bw['read'][n]:.1f} GB/s ({bw['start']['read'][n]:.1f} / {bw['end']['read'][n]:.1f})",
            f"- OpenMP wait policies: {', '.join(t['plan']['policy'] for t in tables)} (one table each); "
            f"stage 1 kernels: {', '.join(args.kernels)}, --activations {args.activations}",
-           *([(f"- --cpu-profile avx2: stage 1 compiled for NUMBA_CPU_NAME=haswell with Haswell's features (no "
-               f"AVX-512); transformers with ATEN_CPU_CAPABILITY=avx2; {args.llama_line}")]
-             if args.cpu_profile == "avx2" else []),
+           *cpu_profile_lines(args),
            "- llama.cpp files: the same weights as qwen3moe GGUF, every matrix in BF16 / Q8_0 / Q4_0 (the Q4_0 "
            "file keeps the tied token_embd in Q8_0, as stage 1's int4 keeps its lm_head in int8), routers in F32; "
            + (layout if layout else "layout not checked"),
@@ -634,9 +632,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--threads, --runs and --decode-tokens must be positive")
     if max(args.prompt_lens) + args.decode_tokens + 1 > 1024:
         p.error("prompt length + decode tokens must stay under the 1024-token context the engines are given")
-    args.llama_lib, args.llama_missing, args.llama_line = None, None, ""
-    if args.cpu_profile == "avx2":
-        args.llama_lib, args.llama_missing, args.llama_line = choose_llama_lib(args)
+    resolve_cpu_profile(args)
     return args
 
 
