@@ -45,26 +45,32 @@ def stage3_lessons(data: dict, out: Path) -> Path:
     rows = data["rows"]
     names = [f"{r['rung']}: {r['name'].split('-', 1)[1]}" for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    y = range(len(rows))
-    a.barh(y, [r["kernels_per_decode_step"] for r in rows], label="kernels", color="#4c72b0")
-    a.barh(y, [r["gemms_per_decode_step"] for r in rows], left=[r["kernels_per_decode_step"] for r in rows],
-           label="GEMMs", color="#dd8452")
-    a.plot([r["host_launches_per_decode_step"] for r in rows], list(y), "k|", markersize=14, label="host launches")
-    a.set_yticks(list(y), names)
+    y = list(range(len(rows)))
+    left = [0] * len(rows)
+    for kind, color in (("launches", "#4c72b0"), ("blas", "#dd8452"), ("allocations", "#8172b3"),
+                        ("elementwise", "#937860"), ("copies", "#da8bc3")):
+        counts = [r["host_calls"][kind] for r in rows]
+        a.barh(y, counts, left=left, label=kind, color=color)
+        left = [x + c for x, c in zip(left, counts)]
+    for i, r in enumerate(rows):
+        a.text(left[i], i, f" {r['host_us'] / 1e3:.2f} ms" + (f" ({r['graph_host_us']:.0f} µs graph)"
+                                                                if r.get("graph_host_us") else ""), va="center", fontsize=7)
+    a.set_yticks(y, names)
     a.invert_yaxis()
-    a.set_xlabel("per decode step")
-    a.set_title("launches per decode step")
-    a.legend(fontsize=8)
+    a.set_xlim(0, max(left) * 1.45)
+    a.set_xlabel("host calls per decode step (predicted host time)")
+    a.set_title("host calls per decode step")
+    a.legend(fontsize=7)
     b.barh(y, [r["weight_bytes_per_token"] / 1e6 for r in rows], label="weights", color="#55a868")
     b.barh(y, [r["kv_bytes_per_token"] / 1e6 for r in rows], left=[r["weight_bytes_per_token"] / 1e6 for r in rows],
            label="KV", color="#c44e52")
-    b.set_yticks(list(y), [""] * len(rows))
+    b.set_yticks(y, [""] * len(rows))
     b.invert_yaxis()
     b.set_xlabel("MB read per decode token")
     b.set_title("bytes per decode token")
     b.legend(fontsize=8)
     w = data.get("workload", {})
-    fig.suptitle(f"Stage 2 → 3, one lesson per rung (counted on the twins; {w.get('num_hidden_layers', '?')} layers, "
+    fig.suptitle(f"Stage 2 → 3, one lesson per rung (counted on a CPU; {w.get('num_hidden_layers', '?')} layers, "
                  f"{w.get('num_attention_heads', '?')}/{w.get('num_key_value_heads', '?')} heads × {w.get('head_dim', '?')})",
                  fontsize=10)
     return _finish(fig, data, out)

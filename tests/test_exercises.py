@@ -117,7 +117,7 @@ WRONG = [
     ("3.2", "l_all += ml[2 * j + 1] * expf(ml[2 * j] - m_all);", "l_all += ml[2 * j + 1];", "exp(m_j - M)"),
     ("3.3", "(row < count && t <= my_pos)", "(row < count)", "mask"),                    # no causal mask
     ("3.3", "o[kk][j] = o[kk][j] * correction + slice[j];", "o[kk][j] = o[kk][j] + slice[j];", "rescale"),
-    ("3.4", "(has_residual ? residual[base + c] : 0.0f)", "residual[base + c]", "has_residual"),
+    ("3.4", "rsqrtf(total / (float)C + eps)", "rsqrtf(total + eps)", "mean"),          # a sum, not a mean
     ("3.5", "slot_mapping=pad(batch.slot_mapping, -1)", "slot_mapping=pad(batch.slot_mapping, 0)", "slot -1"),
     ("3.5", "return pad(tokens, 0), padded", "return tokens, padded", "tokens"),         # the unpadded size
 ]

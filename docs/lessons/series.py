@@ -8,7 +8,7 @@ starts with a header (what it changes, what it saves, its docs/stage3.md section
 
     python docs/lessons/series.py check            # do the patches still give stage3_optimized/?
     python docs/lessons/series.py unpack DIR       # DIR/00-stage2, DIR/01-prefix-cache, ... (the rungs)
-    python docs/lessons/series.py packages DIR     # the same as packages DIR/rung00 ... DIR/rung06, so
+    python docs/lessons/series.py packages DIR     # the same as packages DIR/rung00 ... DIR/rung08, so
                                                    # PYTHONPATH=$PWD:DIR python -m rung02.chat --device cpu
     python docs/lessons/series.py pack DIR         # rewrite the patches from edited rung trees
     python docs/lessons/series.py rebase           # after an edit to stage 3: the last patch absorbs it
