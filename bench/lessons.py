@@ -1,7 +1,7 @@
 """python -m bench lessons [--save FILE] [--layers N] [--throughput --workdir DIR]: the stage 2 -> 3 ladder.
 
 Each rung of docs/lessons/stage3/ (stage 2 plus the first k patches, built by
-docs/lessons/series.py as a package of its own) runs with device="cpu" on its numpy twins,
+course/series.py as a package of its own) runs with device="cpu" on its numpy twins,
 a fixed small workload, while the launchers and the twins are counted:
 
   * workload: a random Qwen3 model with Qwen3-0.6B's depth and attention shape (28 layers,
@@ -61,7 +61,7 @@ WORKLOAD = dict(num_hidden_layers=28, num_attention_heads=16, num_key_value_head
 
 
 def _series():
-    spec = importlib.util.spec_from_file_location("qs_lesson_series", ROOT / "docs" / "lessons" / "series.py")
+    spec = importlib.util.spec_from_file_location("qs_lesson_series", ROOT / "course" / "series.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
