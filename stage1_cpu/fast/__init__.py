@@ -28,25 +28,25 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from common import numba_cache
+from common import numba_stamps
 
 from .. import KERNEL_FILES
 from ..quant import Weight
 
 # The one-region step inlines the core's row bodies and this package's kernels: every
-# function cached from here is stamped with all of those files (common/numba_cache.py).
+# function cached from here is stamped with all of those files (common/numba_stamps.py).
 HERE = Path(__file__).parent
 FILES = sorted(HERE.glob("*.py"))
-numba_cache.depend(FILES, on=KERNEL_FILES)
+numba_stamps.depend(FILES, on=KERNEL_FILES)
 # Finer stamps where they save a restart: the step's matrix phases (matvec.py) and its worker
 # (decode_step.py) call each other through a function pointer, so each is stamped with the
 # files it inlines only, and fast/kernels.py with the matmul files: an edit to RMSNorm or
 # attention recompiles the worker, one to a matmul kernel recompiles matvec.py and kernels.py.
 _CORE = HERE.parent
-numba_cache.depend([HERE / "matvec.py"], on=[_CORE / "matmul.py", HERE / "blocks.py", HERE / "kernels.py",
+numba_stamps.depend([HERE / "matvec.py"], on=[_CORE / "matmul.py", HERE / "blocks.py", HERE / "kernels.py",
                                              HERE / "simd.py", HERE / "sync.py", HERE / "cpu.py"])
-numba_cache.depend([HERE / "kernels.py"], on=[_CORE / "matmul.py", HERE / "simd.py", HERE / "cpu.py"])
-numba_cache.depend([HERE / "decode_step.py"], on=[_CORE / "norms.py", _CORE / "kernels.py", HERE / "sync.py"])
+numba_stamps.depend([HERE / "kernels.py"], on=[_CORE / "matmul.py", HERE / "simd.py", HERE / "cpu.py"])
+numba_stamps.depend([HERE / "decode_step.py"], on=[_CORE / "norms.py", _CORE / "kernels.py", HERE / "sync.py"])
 
 from . import cpu  # noqa: E402  (after depend: numba stamps each kernel when it is defined)
 from .weight import FastWeight, as_fast, check_act, fast_quantize  # noqa: E402, F401
