@@ -6,7 +6,8 @@ figure is redrawn in seconds after the benchmark that feeds it:
   stage3_lessons.svg   docs/figures/lessons.json         python -m bench lessons --save ...
   stage1_ladder.svg    docs/figures/stage1_ladder.json   python -m bench ladder --save ...
   stage1_roofline.svg  docs/figures/stage1_roofline.json python -m bench cpu --save ...
-  stage1_prefill_tile.svg docs/figures/stage1_prefill_gemm.json python -m bench.prefill_gemm --save ...
+  stage1_prefill_tile.svg docs/figures/stage1_prefill_gemm.json  (a saved run of a micro-benchmark of
+                       the int8 GEMM's tile and its instructions' peaks: drawn, not measured again)
 
 Every figure's caption (its last line of text) names the command that wrote its data.
 Needs matplotlib (the `test` extra).
@@ -152,10 +153,11 @@ def stage1_prefill_tile(data: dict, out: Path) -> Path:
     a.axis("off")
     a.set_title(f"int8 register tile: {rows8} rows × {toks} tokens per step of k", fontsize=9)
     labels, got, peak = [], [], []
-    from bench.prefill_gemm import pairs_tile
     peaks, act = data["peaks_gmac_s"], data.get("act", "int8")
     pair = peaks.get("maddwd+add", peaks["maddwd"])          # older results measured vpmaddwd alone
-    ceiling = {fmt: pair if pairs_tile(fmt, act) else peaks["maddubs"] for fmt in ("int8", "int4")}
+    # on AVX2 fast/gemm.py runs int8 weights, and int4 ones on int16 activations, on the pairs tile
+    # (vpmaddwd with the vpaddd that accumulates it); int4 on int8 activations on the quads tile (vpmaddubsw)
+    ceiling = {fmt: pair if act == "int16" or fmt == "int8" else peaks["maddubs"] for fmt in ("int8", "int4")}
     ceiling.update({fmt: peaks[kind] for fmt, kind in data.get("ceiling", {}).items()})   # as the run named it
     for fmt, gmac in data.get("tile_alone_gmac_s", {}).items():       # the tile with nothing around it
         labels.append(f"{fmt} tile alone (T=128)")

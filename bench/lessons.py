@@ -1,7 +1,7 @@
 """python -m bench lessons [--save FILE] [--layers N] [--throughput --workdir DIR]: the stage 2 -> 3 ladder.
 
 Each rung of the lesson series (stage 2 plus the first k patches of docs/lessons/stage3/,
-built by series.py as a package of its own) is counted on the CPU, on a random Qwen3
+built by course/series.py as a package of its own) is counted on the CPU, on a random Qwen3
 model with Qwen3-0.6B's depth and attention shape (28 layers, 16 query heads, 8 KV heads,
 head dim 128) and a small hidden size, MLP and vocabulary (128, 384, 1024): the counts of
 launches, KV bytes and attention FLOPs are 0.6B's. Request A (64 prompt tokens) is
@@ -62,7 +62,7 @@ ENGINE = dict(max_ctx=256, slots=8, token_budget=512, page_size=16, num_pages=64
 
 
 def series():
-    spec = importlib.util.spec_from_file_location("qs_lesson_series", ROOT / "docs" / "lessons" / "series.py")
+    spec = importlib.util.spec_from_file_location("qs_lesson_series", ROOT / "course" / "series.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

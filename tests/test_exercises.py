@@ -1,4 +1,4 @@
-"""The exercises (common/exercises, docs/exercises.md) cannot pass vacuously: for every
+"""The exercises (course/exercises, docs/exercises.md) cannot pass vacuously: for every
 exercise, its check fails on the stub that `start` writes and passes once the reference
 body is put back; for the stage-1 ones, plausible wrong answers fail too, with a message
 that names the mismatch. The CLI is run once end to end."""
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from common.exercises import EXERCISES, get
-from common.exercises import base
+from course.exercises import EXERCISES, get
+from course.exercises import base
 
 ROOT = Path(__file__).resolve().parent.parent
 # a stub's prange loop cannot run in parallel, and numba says so: not what these tests are about
@@ -142,7 +142,7 @@ def test_a_plausible_wrong_answer_fails_and_the_message_names_it(ex_id, old, new
 
 def cli(*args, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "common.exercises", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "course.exercises", *args], capture_output=True, text=True,
                           env=env, cwd=cwd, timeout=300)
 
 

@@ -1,4 +1,4 @@
-"""The stage 2 -> stage 3 lesson series (docs/lessons/stage3/*.patch, docs/lessons/series.py).
+"""The stage 2 -> stage 3 lesson series (docs/lessons/stage3/*.patch, course/series.py).
 
 1. stage2_batched/ plus every patch, in order, equals stage3_optimized/ byte for byte; a
    patch that no longer applies, or a stage 3 that no longer matches, is reported by name.
@@ -29,7 +29,7 @@ from common.sampling import SamplingParams
 from models import load_hf, make_model
 
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("qs_lesson_series", ROOT / "docs" / "lessons" / "series.py")
+_spec = importlib.util.spec_from_file_location("qs_lesson_series", ROOT / "course" / "series.py")
 series = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(series)
 

@@ -19,6 +19,10 @@ import ast
 
 import numpy as np
 
+from common.engine import Request
+from common.sampling import SamplingParams
+from stage3_optimized import cuda_graphs, ops
+
 from .base import REPO, CheckFailed, Exercise, Workspace, assert_close, assert_equal, require
 from .stage2 import build, dev, emulator, launches, paged
 
@@ -27,10 +31,9 @@ def _bf16_close(name: str, got, want, axes_names, hint: str = "", min_exact: flo
                 rtol: float = 2 ** -7, atol_of_scale: float = 1e-3) -> None:
     """Two bf16 bit arrays: within rtol (2 bf16 steps) + atol_of_scale x max |want|, and at least
     min_exact of them bit-identical (a kernel that computes something merely similar is not)."""
-    from stage3_optimized.ops import f32
     got, want = np.asarray(got).view(np.ndarray), np.asarray(want).view(np.ndarray)
-    scale = float(np.abs(f32(want)).max())
-    assert_close(name, f32(got), f32(want), atol=atol_of_scale * scale, rtol=rtol, axes_names=axes_names, hint=hint)
+    scale = float(np.abs(ops.f32(want)).max())
+    assert_close(name, ops.f32(got), ops.f32(want), atol=atol_of_scale * scale, rtol=rtol, axes_names=axes_names, hint=hint)
     exact = float(np.mean(got == want))
     require(exact >= min_exact, f"{name}: every value is close, but only {exact:.0%} are the same bf16 bits as the "
                                 f"twin's (expected at least {min_exact:.0%}): compute in fp32 and round once at the "
@@ -69,8 +72,6 @@ def fragment_shim() -> str:
 
 def _filled(mod, bm, name: str, ids: list[int], arrival: int):
     """A sequence with ids, its pages allocated, computed and registered in the prefix cache."""
-    from common.engine import Request
-    from common.sampling import SamplingParams
     seq = mod.Sequence.from_request(Request(name, list(ids), SamplingParams(max_tokens=4)), arrival)
     bm.allocate(seq, len(ids))
     seq.num_computed = len(ids)
@@ -79,8 +80,6 @@ def _filled(mod, bm, name: str, ids: list[int], arrival: int):
 
 
 def _probe(mod, name: str, ids: list[int]):
-    from common.engine import Request
-    from common.sampling import SamplingParams
     return mod.Sequence.from_request(Request(name, list(ids), SamplingParams(max_tokens=4)), 9)
 
 
@@ -133,7 +132,6 @@ def check_prefix_key(ws: Workspace) -> None:
 # ---------------------------------------------------------------------------
 
 def check_split_merge(ws: Workspace) -> None:
-    from stage3_optimized import ops
     kernels = build(ws, "stage3_optimized/cuda/decode_attention.cu")
     merge = kernels["merge_attention"]
     rng = np.random.default_rng(32)
@@ -168,7 +166,6 @@ def check_split_merge(ws: Workspace) -> None:
 # ---------------------------------------------------------------------------
 
 def check_tc_tile(ws: Workspace) -> None:
-    from stage3_optimized import ops
     kernel = build(ws, "stage3_optimized/cuda/prefill_attention_tc.cu", prefix=fragment_shim())["prefill_attention_tc"]
     rng = np.random.default_rng(33)
     WARPS = 4
@@ -212,7 +209,6 @@ def check_tc_tile(ws: Workspace) -> None:
 # ---------------------------------------------------------------------------
 
 def check_rmsnorm(ws: Workspace) -> None:
-    from stage3_optimized import ops
     kernel = build(ws, "stage3_optimized/cuda/rmsnorm.cu")["rmsnorm"]
     rng = np.random.default_rng(34)
     for N, C in [(3, 300), (2, 96)]:                       # C over the block of 256 threads, and under it
@@ -265,16 +261,15 @@ def _decode_batch(BatchInfo, rng, b: int, P: int):
 
 
 def check_graph_padding(ws: Workspace) -> None:
-    from stage3_optimized import cuda_graphs as reference
     mod = ws.module("stage3_optimized/cuda_graphs.py")
     P, max_blocks, max_ctx = 4, 9, 36
     for b, size in [(3, 4), (5, 8), (1, 1), (16, 16)]:
         seed = 35 + b
         tokens, batch = _decode_batch(mod.BatchInfo, np.random.default_rng(seed), b, P)
-        tokens_r, batch_r = _decode_batch(reference.BatchInfo, np.random.default_rng(seed), b, P)
+        tokens_r, batch_r = _decode_batch(cuda_graphs.BatchInfo, np.random.default_rng(seed), b, P)
         what = f"pad_decode_batch({b} sequences -> the bucket of {size}, max_blocks {max_blocks}, max_context {max_ctx})"
         got = mod.pad_decode_batch(tokens, batch, size, max_blocks, max_ctx)
-        want = reference.pad_decode_batch(tokens_r, batch_r, size, max_blocks, max_ctx)
+        want = cuda_graphs.pad_decode_batch(tokens_r, batch_r, size, max_blocks, max_ctx)
         require(isinstance(got, tuple) and len(got) == 2, f"{what}: returns (tokens [size], BatchInfo), got {type(got)}")
         gt, gb = got
         assert_equal(f"{what}: tokens", gt, want[0], ("row",), hint=PAD_HINTS["tokens"])
