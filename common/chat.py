@@ -89,9 +89,13 @@ class TurnStats:
         return " · ".join(parts)
 
 
-def _cached_tokens(engine, prompt_tokens: int) -> int | None:
-    """How many prompt tokens the engine took from its cache for the last request,
-    if it says (stage 1 reports the tokens it prefilled: `last_prefill_tokens`)."""
+def _cached_tokens(engine, prompt_tokens: int, request_id: str) -> int | None:
+    """How many prompt tokens the engine took from its cache for this request, if it says:
+    an engine with a prefix cache counts them (stage 3 and every rung from lesson 01 on:
+    `num_cached_tokens(request_id)`); stage 1 reports the tokens it prefilled
+    (`last_prefill_tokens`), and the rest were in its cache."""
+    if callable(getattr(engine, "num_cached_tokens", None)):
+        return engine.num_cached_tokens(request_id)
     computed = getattr(engine, "last_prefill_tokens", None)
     return max(prompt_tokens - computed, 0) if isinstance(computed, int) else None
 
@@ -379,7 +383,7 @@ class Chat:
 
         t_first = t_first or t_end
         n_prompt = len(req.prompt_ids)
-        stats = TurnStats(prompt_tokens=n_prompt, cached_tokens=_cached_tokens(self.engine, n_prompt),
+        stats = TurnStats(prompt_tokens=n_prompt, cached_tokens=_cached_tokens(self.engine, n_prompt, req.id),
                           generated_tokens=n_generated, ttft=t_first - t0, decode_time=t_end - t_first,
                           finish_reason=finish)
         note = None
