@@ -27,6 +27,7 @@ tokens, prefill s, decode s) and a branch of make_runner.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -777,21 +778,26 @@ def report(args, shape: Shape, tables: list[dict], bw: dict, loads: tuple[float,
     return "\n".join(out)
 
 
-def save_roofline(args, tables, bw) -> None:
-    """--save: per table, every engine's decode tok/s and MB/token, and the read bandwidth
-    (the schema bench/figures.py reads)."""
-    out = []
-    for tab in tables:
-        for n in tab["plan"]["threads"]:
-            for row in tab["rows"]:
-                cell = row.result.get("cells", {}).get(str(n))
-                if cell is not None and row.weight_bytes:
-                    out.append(dict(policy=tab["plan"]["policy"], threads=n, engine=row.engine, format=row.fmt,
-                                    mb_per_token=row.weight_bytes / 1e6, decode_tok_s=float(median(cell["decode"]))))
+def save_results(args, shape: Shape, tables: list[dict], bw: dict, others: float) -> None:
+    """--save: the run as JSON, which `bench report` writes the docs' tables from and `bench figures`
+    the roofline: machine, SIMD flags, --cpu-profile, date, command, versions, each engine's decode
+    per table (`rows`) and its best median over the policies per metric (`best`; ttftP in seconds)."""
+    rows = [dict(policy=tab["plan"]["policy"], threads=n, engine=row.engine, format=row.fmt,
+                 mb_per_token=row.weight_bytes / 1e6, decode_tok_s=float(median(cell["decode"])))
+            for tab in tables for n in tab["plan"]["threads"] for row in tab["rows"]
+            if (cell := row.result.get("cells", {}).get(str(n))) is not None and row.weight_bytes]
+    best = [dict(engine=e, format=f, threads=n, metric=str(m), policy=pol, value=1 / v if str(m).startswith("ttft") else v)
+            for (e, f, n, m), (v, pol, _, _) in best_by_policy(args, tables).items()]
+    versions = {pkg: importlib.metadata.version(pkg) for pkg, module in (("llama-cpp-python", "llama_cpp"), ("numba", "numba"),
+                ("torch", "torch"), ("transformers", "transformers")) if importlib.util.find_spec(module)}
     args.save.parent.mkdir(parents=True, exist_ok=True)
     args.save.write_text(json.dumps(dict(
         command="python -m bench cpu " + " ".join(args.argv), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        machine=machine_description(), bandwidth_gb_s=max(bw["read"].values()), rows=out), indent=1) + "\n")
+        machine=machine_description(), cpu_flags=sorted(f for f in cpu_flags()[1] if f.startswith(("avx", "fma", "f16c"))),
+        cpu_profile=args.cpu_profile, shape=shape.name, quick=args.quick, threads=args.threads,
+        others_cores=round(others, 2), versions=versions, bandwidth_gb_s=max(bw["read"].values()), rows=rows, best=best,
+        isa=sorted({f"{r.engine} {r.fmt}: {r.result['isa']}" for r in tables[0]["rows"] if r.result.get("isa")})),
+        indent=1) + "\n")
 
 
 # ------------------------------------------------------------------ the command line
@@ -832,8 +838,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help=f"--cpu-profile avx2: the folder of the AVX2 build's libllama.so (default {AVX2_LLAMA_LIB})")
     p.add_argument("--out", type=Path, default=None, help="also write the markdown report to this file")
     p.add_argument("--save", type=Path, default=None,
-                   help="also write the decode results as JSON (docs/figures/stage1_roofline.json: "
-                        "python -m bench figures draws the roofline from it)")
+                   help="also write the results as JSON (docs/results/cpu-CLASS.json: python -m bench report "
+                        "writes the docs' tables from it, bench figures the roofline)")
     p.add_argument("--cache-dir", type=Path, default=CACHE, help="where the models are built and kept")
     p.add_argument("--worker-timeout", type=float, default=2400, help="seconds one engine may take in all")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -901,7 +907,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(text)
         log(f"report written to {args.out}")
     if args.save:
-        save_roofline(args, tables, bw)
+        save_results(args, shape, tables, bw, others)
         log(f"results written to {args.save}")
     return 0
 
