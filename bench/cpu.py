@@ -781,13 +781,14 @@ def report(args, shape: Shape, tables: list[dict], bw: dict, loads: tuple[float,
 def save_results(args, shape: Shape, tables: list[dict], bw: dict, others: float) -> None:
     """--save: the run as JSON, which `bench report` writes the docs' tables from and `bench figures`
     the roofline: machine, SIMD flags, --cpu-profile, date, command, versions, each engine's decode
-    per table (`rows`) and its best median over the policies per metric (`best`; ttftP in seconds)."""
-    rows = [dict(policy=tab["plan"]["policy"], threads=n, engine=row.engine, format=row.fmt,
-                 mb_per_token=row.weight_bytes / 1e6, decode_tok_s=float(median(cell["decode"])))
-            for tab in tables for n in tab["plan"]["threads"] for row in tab["rows"]
-            if (cell := row.result.get("cells", {}).get(str(n))) is not None and row.weight_bytes]
+    at its best policy and the largest thread count (`rows`) and its best median over the policies
+    per thread count and metric (`best`; ttftP in seconds)."""
+    found = best_by_policy(args, tables)
+    rows = [dict(policy=pol, threads=n, engine=e, format=f, mb_per_token=row.weight_bytes / 1e6, decode_tok_s=v)
+            for (e, f, n, m), (v, pol, row, _) in found.items()
+            if m == "decode" and n == max(args.threads) and row.weight_bytes]
     best = [dict(engine=e, format=f, threads=n, metric=str(m), policy=pol, value=1 / v if str(m).startswith("ttft") else v)
-            for (e, f, n, m), (v, pol, _, _) in best_by_policy(args, tables).items()]
+            for (e, f, n, m), (v, pol, _, _) in found.items()]
     versions = {pkg: importlib.metadata.version(pkg) for pkg, module in (("llama-cpp-python", "llama_cpp"), ("numba", "numba"),
                 ("torch", "torch"), ("transformers", "transformers")) if importlib.util.find_spec(module)}
     args.save.parent.mkdir(parents=True, exist_ok=True)

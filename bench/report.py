@@ -65,7 +65,7 @@ def cpu_table(root: Path) -> str:
                                                                         short=True) for m in METRICS)]
                  for fmt in ("int8", "int4") if any((fmt, m) in s1 for m in METRICS)]
     return (markdown_table(["CPU", "stage 1 ÷ llama.cpp", *METRICS.values()], rows) + "\n\n"
-            + "\n".join(map(caption, runs)) + "\n") if rows else "No saved CPU run yet: benchmarks.md, \"Reproduce\".\n"
+            + "\n".join(map(caption, runs)) + "\n") if rows else "No saved CPU run yet: docs/benchmarks.md, \"Reproduce\".\n"
 
 
 def cpu_full(root: Path) -> str:
