@@ -108,7 +108,7 @@ def test_dry_run_reports_failures_gpu_skips_and_timeouts(tmp_path, work):
     assert "| engine_tests | 5 |" in summary and "**timed out** after 25 s" in summary
     assert "compute-sanitizer refuses this machine (========= Error: Device not supported)" in summary
     # the failing test's traceback and the skip's reason reach stdout
-    assert "--- FAILURE: ::test_kernel_stand_in_fails" in r.stdout and "a planted failure" in r.stdout
+    assert "gpu_check_dry::test_kernel_stand_in_fails" in r.stdout and "a planted failure" in r.stdout
     assert "QS_REQUIRE_GPU=1 and this GPU test skipped" in r.stdout
     assert len(list(out.iterdir())) <= 6
 
