@@ -4,8 +4,8 @@ A table sits in its document between `<!-- report: NAME -->` and `<!-- /report -
 between them is this program's. NAME: cpu (stage 1 ÷ llama.cpp per CPU class: int8, int4,
 decode, prefill 128 / 512), cpu-full (every metric of each saved CPU run), ladder / prefill
 (the ablation ladder's rungs), lessons (the stage 2 -> 3 ladder, counted), lines (each `path`
-(N) in the block given its line count again). CPU runs: docs/results/cpu-*.json (`bench cpu
---save`), the rest docs/figures/*.json. --check writes nothing, exits 1 naming each stale table.
+(N) in the block given its line count again, to 2 digits). CPU runs: docs/results/cpu-*.json
+(`bench cpu --save`), the rest docs/figures/*.json. --check writes nothing, exits 1 naming each stale table.
 """
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ from bench.cpu import LLAMA_FORMAT
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = re.compile(r"(<!-- report: ([\w-]+) -->\n)(.*?)(<!-- /report -->)", re.S)
+NOT_MEASURED = ("Not measured on this machine yet: run `python -m bench cpu --threads 2 --formats bf16,int8,int4 --save "
+                "docs/results/cpu-avx512.json` (the AVX2 class: `--cpu-profile avx2`, cpu-avx2.json), then `python -m bench report`.\n")
 METRICS = {"decode": "decode", "128": "prefill 128", "512": "prefill 512"}     # the README's columns
 
 
@@ -65,7 +67,7 @@ def cpu_table(root: Path) -> str:
                                                                         short=True) for m in METRICS)]
                  for fmt in ("int8", "int4") if any((fmt, m) in s1 for m in METRICS)]
     return (markdown_table(["CPU", "stage 1 ÷ llama.cpp", *METRICS.values()], rows) + "\n\n"
-            + "\n".join(map(caption, runs)) + "\n") if rows else "No saved CPU run yet: docs/benchmarks.md, \"Reproduce\".\n"
+            + "\n".join(map(caption, runs)) + "\n") if rows else NOT_MEASURED
 
 
 def cpu_full(root: Path) -> str:
@@ -105,10 +107,10 @@ def counted(root: Path) -> str:
 def lines(root: Path, body: str) -> str:
     """The block with every `path` (N) (a file or a glob) given its line count again."""
     def count(m: re.Match) -> str:
-        files = [p for p in root.glob(m.group(1)) if p.is_file()]
-        if not files:
+        n = sum(len(p.read_text().splitlines()) for p in root.glob(m.group(1)) if p.is_file())
+        if not n:
             raise FileNotFoundError(f"{m.group(1)} names no file of the repository")
-        return f"`{m.group(1)}` ({sum(len(p.read_text().splitlines()) for p in files):,})"
+        return f"`{m.group(1)}` ({round(n, 2 - len(str(n))):,})"          # 2 digits: an edit seldom moves it
     return re.sub(r"`([\w./*-]+)` \(([\d,]+)\)", count, body)
 
 
