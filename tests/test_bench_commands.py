@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from bench import report
+
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(1200)          # cold numba compiles in the workers (the fast path: --kernels auto)
 
@@ -91,7 +93,6 @@ def test_cpu_measures_every_engine_and_prints_its_tables(tmp_path, shape, engine
         assert "not checked (transformers fp32 did not run)" in out
     assert ("grouped per expert" in out) == (shape == "moe-tiny")      # the MoE napkin maths
     # --save: what `bench report` writes the docs' tables from, the same figures as the headline's
-    from bench import report
     saved = json.loads((tmp_path / "docs" / "results" / "cpu-x.json").read_text())
     assert saved["command"].startswith("python -m bench cpu --shape") and saved["threads"] == [1]
     assert {"machine", "date", "cpu_flags", "versions", "isa", "rows"} <= set(saved) and saved["isa"]
