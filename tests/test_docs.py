@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from bench import report
+from course.exercises import EXERCISES
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "docs" / "lessons" / "README.md"]
@@ -175,7 +176,6 @@ def links() -> list[tuple[Path, str]]:
     for path in DOCS:
         text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)       # code blocks hold no links
         out += [(path, t) for t in re.findall(r"!?\[[^\]]*\]\(([^)\s]+)\)", text)]
-    from course.exercises import EXERCISES
     out += [(ROOT / "README.md", e.section) for e in EXERCISES]           # each exercise's chapter section
     return out
 

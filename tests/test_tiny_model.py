@@ -20,9 +20,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+import transformers as tf
 
 from common.tiny_model import write_tiny_model
 from common.tokenizer import Tokenizer
+from stage1_cpu.engine import LLMEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OPENBLAS_NUM_THREADS": "1"}
@@ -36,9 +39,6 @@ def tiny(tmp_path_factory) -> Path:
 
 
 def test_tiny_model_is_a_qwen3_folder_transformers_reads_and_stage1_matches(tiny):
-    torch = pytest.importorskip("torch")
-    import transformers as tf
-    from stage1_cpu.engine import LLMEngine
     hf = tf.AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
     assert type(hf).__name__ == "Qwen3ForCausalLM"
     ids = Tokenizer(tiny).encode(QUESTION)
