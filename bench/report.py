@@ -47,8 +47,8 @@ def best(run: dict, engine: str) -> dict:
 def caption(run: dict) -> str:
     busy = f"; **busy**: other processes used {run['others_cores']:.2f} cores" if run["others_cores"] > 0.25 else ""
     shape = f"; the {run['shape']} shape, not Qwen3-0.6B's" if run["shape"] != "qwen3-0.6b-shape" else ""
-    return (f"- {run['class']}: {run['machine']}; {max(run['threads'])} threads; {run['date']}; llama-cpp-python "
-            f"{run['versions'].get('llama-cpp-python', 'not installed')}{shape}{busy}; `{run['command']}`")
+    return (f"- {run['class']}: {run['machine']}; {(n := max(run['threads']))} thread{'s' * (n > 1)}; {run['date']}; "
+            f"llama-cpp-python {run['versions'].get('llama-cpp-python', 'not installed')}{shape}{busy}; `{run['command']}`")
 
 
 def ratio(s: tuple | None, ll: tuple | None, ttft: bool = False, short: bool = False) -> str:
