@@ -70,13 +70,16 @@ POLICIES = {"both": ["PASSIVE", "default"], "PASSIVE": ["PASSIVE"], "ACTIVE": ["
 
 # --cpu-profile avx2: an "AVX2 machine" on an AVX-512 host. numba compiles stage 1 for a
 # Haswell (no AVX-512, no VNNI; the fast path then picks its AVX2 int8 dot product), llama.cpp
-# loads a second build made without AVX-512 (bench/build_llama_avx2.sh), torch caps its kernels
+# loads a second build made without AVX-512 (AVX2_BUILD, by hand), torch caps its kernels
 # at AVX2. The feature list is LLVM's names for what a Haswell has (a CPU name alone would leave
 # stage1_cpu/fast/cpu.py assuming no features at all).
 HASWELL_FEATURES = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fsgsbase,+fxsr,+invpcid,+lzcnt,"
                     "+mmx,+movbe,+pclmul,+popcnt,+rdrnd,+sahf,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,"
                     "+xsave,+xsaveopt")
-AVX2_LLAMA_LIB = CACHE.parent / "llama-avx2" / "lib"     # where bench/build_llama_avx2.sh puts it
+AVX2_LLAMA_LIB = CACHE.parent / "llama-avx2" / "llama_cpp" / "lib"     # where AVX2_BUILD puts it
+# the installed version of llama-cpp-python (its bindings must match the library), built for a Haswell
+AVX2_BUILD = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" pip install --no-deps '
+              '--no-binary llama-cpp-python --target ~/.cache/qwen3-stages/llama-avx2 llama-cpp-python==VERSION')
 
 
 # ------------------------------------------------------------------ the model
@@ -590,7 +593,7 @@ def choose_llama_lib(args) -> tuple[Path | None, str | None, str]:
     if args.llama_avx2_lib is None and "avx512f" not in cpu_flags()[1]:
         return None, None, ("llama.cpp: the installed build (this host has no AVX-512, so its native build "
                             "already is an AVX2 build)")
-    why = f"no AVX2 build of llama.cpp in {lib}: run bench/build_llama_avx2.sh"
+    why = f"no AVX2 build of llama.cpp in {lib}: build one (10-20 min) with {AVX2_BUILD}"
     return None, why, "llama.cpp: " + why
 
 
@@ -834,7 +837,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "default. Default: both; --quick: PASSIVE")
     p.add_argument("--cpu-profile", default="native", choices=["native", "avx2"],
                    help="avx2: stand in for an AVX2-only CPU on an AVX-512 host (stage 1 under "
-                        "NUMBA_CPU_NAME=haswell, llama.cpp from bench/build_llama_avx2.sh's build)")
+                        "NUMBA_CPU_NAME=haswell, llama.cpp built for AVX2 as docs/benchmarks.md says)")
     p.add_argument("--llama-avx2-lib", type=Path, default=None,
                    help=f"--cpu-profile avx2: the folder of the AVX2 build's libllama.so (default {AVX2_LLAMA_LIB})")
     p.add_argument("--out", type=Path, default=None, help="also write the markdown report to this file")
