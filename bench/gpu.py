@@ -39,6 +39,17 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
+from common.engine import Request
+from common.sampling import SamplingParams
+from stage3_optimized import kernels
+from stage3_optimized.batch import PREFILL_TILE, build_batch
+from stage3_optimized.engine import LLMEngine
+from stage3_optimized.ops import bf16_bits
+
+# (torch, transformers and cupy are imported in the steps that use them: the driver and
+# `--help` start without them, and each step runs in a process of its own)
 ROOT = Path(__file__).resolve().parent.parent
 
 # Qwen3-0.6B's config.json (the architecture numbers; weights are random)
@@ -59,7 +70,6 @@ OUT_OF_TIME = "skipped: out of time"
 
 def workload(num_seqs: int, seed: int = 0, min_len: int = 100, max_len: int = 1024):
     """nano-vllm's: random ids in 0..10000, input and output lengths uniform in min_len..max_len."""
-    import numpy as np
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, 10000, size=int(rng.integers(min_len, max_len + 1))).tolist()
                for _ in range(num_seqs)]
@@ -91,21 +101,17 @@ def _model(args, config: dict, name: str) -> Path:
     return folder
 
 
-def _engine(args, folder, stage="stage3_optimized", **kw):
-    import importlib
-    LLMEngine = importlib.import_module(f"{stage}.engine").LLMEngine
+def _engine(args, folder, **kw):
     return LLMEngine(folder, progress=False, device=_dev(args), **kw)
 
 
 def _greedy(n: int):
-    from common.sampling import SamplingParams
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
 def _throughput(eng, prompts, outputs, dev: str, partial: Path | None) -> dict:
     """All requests at once, run to the end: output tokens / s over the whole run (a timed-out
     run leaves its rate so far in `partial`)."""
-    from common.engine import Request
     eng.add_request(Request("warm", list(range(1, 40)), _greedy(4)))   # compile kernels, wake cuBLAS
     while eng.has_work():
         eng.step()
@@ -131,7 +137,6 @@ def _throughput(eng, prompts, outputs, dev: str, partial: Path | None) -> dict:
 
 def _b1(eng, prompt, new_tokens: int) -> dict:
     """One sequence, 3 runs: decode tok/s (tokens after the first / their time), the median run."""
-    from common.engine import Request
     rates = []
     for rep in range(3):
         eng.add_request(Request(f"b1-{rep}", prompt, _greedy(new_tokens)))
@@ -178,9 +183,6 @@ def host_costs() -> dict:
     """Host microseconds per call of each kind bench/lessons.py counts: the best of 5 rounds of
     N calls enqueued on an idle GPU (fewer than its queue holds, so the host never waits)."""
     import cupy
-    import numpy as np
-    from stage3_optimized import kernels
-    from stage3_optimized.ops import bf16_bits
 
     def us(f, n=200):
         f()
@@ -237,9 +239,6 @@ def step_b1(args) -> dict:
 def _eager_host_ms(args, eng, prompt) -> float:
     """The host time of one eager decode step of one sequence: the input upload, the forward
     pass and the sampling kernel enqueued on an idle GPU, without waiting for them."""
-    from common.engine import Request
-    from stage3_optimized import kernels
-    from stage3_optimized.batch import build_batch
     eng.add_request(Request("h", prompt, _greedy(8)))
     eng.step()
     sched = eng.scheduler.schedule()
@@ -271,9 +270,6 @@ def _eager_host_ms(args, eng, prompt) -> float:
 
 def step_gemv(args) -> dict:
     """gemv.cu against cuBLAS (ctypes), device time per call, 1 and 4 rows, 0.6B's decode shapes."""
-    import numpy as np
-    from stage3_optimized import kernels
-    from stage3_optimized.ops import bf16_bits
     xp = np if args.dry_run else __import__("cupy")
     shapes = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072),
               "lm_head": (151936, 1024)} if not args.dry_run else {"qkv": (64, 32)}
@@ -335,10 +331,6 @@ def step_b1_8b(args) -> dict:
 def step_attn(args) -> dict:
     """Prefill attention of 4 sequences x 2,048 tokens, 0.6B's heads (16 / 8 x 128), pages of
     256: TFLOP/s of the tensor-core kernel and of the plain one (the median of 5 after one)."""
-    import numpy as np
-    from stage3_optimized import kernels
-    from stage3_optimized.batch import PREFILL_TILE
-    from stage3_optimized.ops import bf16_bits
     S, T, H, Hkv, D, P = (4, 2048, 16, 8, 128, 256) if not args.dry_run else (1, 64, 4, 2, 64, 16)
     rng = np.random.default_rng(0)
     pages = S * T // P
@@ -365,7 +357,6 @@ def step_attn(args) -> dict:
 
 def step_serve(args) -> dict:
     """nano-vllm's workload, then the shared system prompt with the prefix cache."""
-    import numpy as np
     prompts, outputs = workload(args.num_seqs, **(dict(min_len=4, max_len=24) if args.dry_run else {}))
     eng = _engine(args, args.model_folder, max_ctx=2048, slots=256, token_budget=8192, page_size=256,
                   kv_memory=None if args.dry_run else 16 * 2**30)

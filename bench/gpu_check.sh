@@ -1,51 +1,27 @@
 #!/usr/bin/env bash
-# bench/gpu_check.sh — everything the GPU stages need a GPU for, in one run of at most
-# 300 s on one H200, so that a short loan of a GPU machine verifies it all and leaves
-# time for one rerun. Every step has a time cap, and the caps add up. What each step
-# took on the first H200 run (2026-12-04) sized them:
-#
-#   step          cap (s)  what (first run)
-#   probe           10     the interpreter that has CuPy (no pip, no network), the GPU, the
-#                          packages the tests need; none found: stop here, in seconds (3 s)
-#   kernel tests    25     tests/test_stage*_gpu.py -k "not engine": every CUDA kernel of every
-#                          GPU stage against its numpy twin (QS_REQUIRE_GPU=1: a skip is a
-#                          failure, and so is a stage none of whose tests passed, and a
-#                          tensor-core prefill that falls back to the plain kernel) (12 s)
-#   engine tests    45     tests/test_stage*_gpu.py -k engine: the engines on the GPU against
-#                          transformers' greedy tokens, CUDA graphs captured and replayed (33 s)
-#   benchmark      130     python -m bench gpu: stage 3 against its targets, transformers and the
-#                          HBM roofline, and the host's cost per call (host_costs.json comes back);
-#                          a step left without time says "skipped: out of time" in its row
-#   lessons         75     python -m bench lessons --layers 1 --throughput: the lesson ladder's
-#                          host calls counted on the CPU, then output tok/s per rung on the GPU
-#                          (32 sequences of 384..640 prompt tokens, 32..96 new); 7 s per rung, a
-#                          rung cut there reports its rate so far (first run: 70 s for 8 rungs)
-#   sanitizer       12     compute-sanitizer, probed first (some runtimes refuse the device):
-#                          memcheck on the tests marked `sanitize` (every kernel of each stage
-#                          once, small shapes, CuPy's memory pool off), racecheck on attention (10 s)
-#   pack             3     one junit file, one log archive, the summary
-#   (total         300 of 300)
-#
-# $OUT receives at most 6 files, all small: summary.md, logs.tar.gz, gpu_bench.md,
-# gpu_bench.json, gpu_tests.xml, host_costs.json. Everything heavy (the models, per-step logs
-# and JSON) goes to $QS_WORK (default $TMPDIR/qs-gpu-check), outside $OUT. The summary, the
-# failing tests with their tracebacks trimmed, and the benchmark table (with the lesson
-# ladder and a host-time profile of an eager decode step) are printed to stdout as well.
-# summary.md and logs.tar.gz are rewritten after every step, so a run that is cut short
-# still brings back what it did.
+# bench/gpu_check.sh — everything the GPU stages need a GPU for, in one run of at most 300 s on
+# one H200, so that a short loan of a GPU machine verifies it all and leaves time for a rerun.
+# Each step has a time cap (docs/stage2.md lists them and why), and the caps add up:
+#   probe 10 s          the interpreter with CuPy, the GPU, the packages; none: stop in seconds
+#   kernel tests 25 s   tests/test_stage*_gpu.py -k "not engine", with QS_REQUIRE_GPU=1 (a skip
+#                       fails, so does a stage none of whose tests passed)
+#   engine tests 45 s   tests/test_stage*_gpu.py -k engine (CUDA graphs captured and replayed)
+#   benchmark 130 s     python -m bench gpu (stage 3's targets, host costs per call)
+#   lessons 75 s        python -m bench lessons --layers 1 --throughput (the ladder, timed)
+#   sanitizer 12 s      compute-sanitizer memcheck (`sanitize` tests), racecheck (attention)
+#   pack 3 s            one junit file, one log archive, the summary
+# $OUT receives at most 6 small files (summary.md, logs.tar.gz, gpu_bench.md, gpu_bench.json,
+# gpu_tests.xml, host_costs.json); models and per-step logs stay in $QS_WORK (default
+# $TMPDIR/qs-gpu-check). The failures (trimmed), the summary and the benchmark table go to
+# stdout too; summary.md and logs.tar.gz are rewritten after each step.
 #
 # usage: OUT=DIR bash bench/gpu_check.sh [--dry-run]
-#   PYTHON=...        try this interpreter first
-#   QS_WORK=DIR       the work folder (must not be inside OUT)
-#   QS_CAP_<STEP>=S   override a cap (PROBE, KERNELS, ENGINE, BENCH, LESSONS, SANITIZE, PACK); the
-#                     caps must still add up to at most 300 s
-#   --dry-run         on a CPU: the same steps and plumbing (caps, files, paths, junit,
-#                     failures to stdout, the benchmark on tiny models) with stand-in tests,
-#                     and the kernel step runs stage 3's GPU kernel tests on the emulated
-#                     kernels (QS_GPU_DRY_RUN=1, tests/test_stage3_gpu.py; QS_DRY_STANDINS=1
-#                     leaves them out); caps are stretched by QS_DRY_SCALE (default 5). QS_DRY_FAIL=1
-#                     plants a failing test and a skipped GPU test; QS_DRY_HANG=1 a test
-#                     that outlives its cap (tests/test_gpu_check.py uses both)
+#   PYTHON=...        try this interpreter first;  QS_WORK=DIR  the work folder (not inside OUT)
+#   QS_CAP_<STEP>=S   override a cap (PROBE, KERNELS, ENGINE, BENCH, LESSONS, SANITIZE, PACK)
+#   --dry-run         on a CPU: the same steps and plumbing with stand-in tests
+#                     (tests/gpu_check_dry.py), stage 3's GPU kernel tests on the emulated
+#                     kernels (QS_GPU_DRY_RUN=1; QS_DRY_STANDINS=1 leaves them out) and the
+#                     benchmarks on tiny models; caps stretched by QS_DRY_SCALE (default 5)
 # exit: 0 all passed; 1 a test failed, a step broke or $OUT would not come back whole;
 #       2 no interpreter with CuPy, no GPU, or bad arguments
 set -u -o pipefail
@@ -55,7 +31,7 @@ DRY=0
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY=1 ;;
-        -h|--help) sed -n '2,51p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument $arg (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -206,30 +182,8 @@ KERNEL_TESTS=$GPU_TESTS
 STAGES=$(for d in stage*/cuda; do [ -d "$d" ] && basename "$(dirname "$d")" | cut -d_ -f1; done | tr '\n' ' ')
 PYTEST=("$PY" -m pytest -q -rfE --no-header -p no:cacheprovider -o console_output_style=classic)
 if [ "$DRY" = 1 ]; then
-    # stand-ins: the real conftest (QS_REQUIRE_GPU, time limits) on tests written here
-    mkdir -p "$WORK/dry"
-    cat > "$WORK/dry/test_dry_kernels.py" <<'PYEOF'
-import os, pytest
-def test_kernel_stand_in_passes():
-    assert sum(range(10)) == 45
-if os.environ.get("QS_DRY_FAIL") == "1":
-    def test_kernel_stand_in_fails():
-        values = [1, 2, 3]
-        assert sum(values) == 7, "a planted failure"
-    @pytest.mark.gpu
-    @pytest.mark.skipif(True, reason="CuPy cannot see a GPU (planted)")
-    def test_kernel_stand_in_skips_without_gpu():
-        pass
-PYEOF
-    cat > "$WORK/dry/test_dry_engine.py" <<'PYEOF'
-import os, time
-def test_engine_stand_in_passes():
-    assert "engine".upper() == "ENGINE"
-if os.environ.get("QS_DRY_HANG") == "1":
-    def test_engine_stand_in_hangs():
-        time.sleep(600)
-PYEOF
-    GPU_TESTS="$WORK/dry/test_dry_kernels.py $WORK/dry/test_dry_engine.py"
+    # stand-ins (tests/gpu_check_dry.py) under the real conftest: QS_REQUIRE_GPU, time limits
+    GPU_TESTS="tests/gpu_check_dry.py"
     KERNEL_TESTS=$GPU_TESTS
     STAGES=""
     if [ "${QS_DRY_STANDINS:-0}" != 1 ]; then

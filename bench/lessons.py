@@ -46,6 +46,10 @@ from pathlib import Path
 
 import pytest
 
+from bench import gpu
+from common.engine import Request
+from common.sampling import SamplingParams
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 import cuda_emulator as emu  # noqa: E402  (tests/: the stand-in CuPy and its count of host calls)
@@ -77,8 +81,6 @@ def _requests(eng, counted):
     """The workload: A's prefill, three cache hits prefilled together, then `counted()` around
     one decode step of the four; the rest of the run finishes them. Sampled (temperature 0.8,
     top-p 0.9, seeded), so that a rung that samples on the host copies the logits back."""
-    from common.engine import Request
-    from common.sampling import SamplingParams
     params = lambda seed: SamplingParams(temperature=0.8, top_p=0.9, seed=seed, max_tokens=6,  # noqa: E731
                                          ignore_eos=True)
     shared = [(7 * i) % 1000 + 3 for i in range(48)]
@@ -182,7 +184,6 @@ class OutOfTime(Exception):
 def throughput_rung(pkg: str, folder: Path, dev: str, prompts, outputs, cap_s: float, workdir: Path) -> dict:
     """One rung on the workload, by bench/gpu.py's _throughput; a step past cap_s stops it
     (the partial rate _throughput wrote every 2 s is reported)."""
-    from bench import gpu
     engine = importlib.import_module(f"{pkg}.engine")
     t0 = time.perf_counter()
     kw = (dict(max_ctx=1024, slots=64, token_budget=4096, page_size=16, kv_memory=4 * 2**30) if dev == "cuda"
@@ -212,7 +213,6 @@ def throughput_rung(pkg: str, folder: Path, dev: str, prompts, outputs, cap_s: f
 
 
 def throughput_all(pkgs: list[str], args, started: float) -> list[dict]:
-    from bench import gpu
     dev = "cuda" if gpu_present() else "cpu"
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)

@@ -12,11 +12,12 @@ What the handle needs for that, set once here:
   * the library: the libcublas CuPy loaded, found in /proc/self/maps, so that ctypes
     gets the same copy (and the handle belongs to it); the soname otherwise;
   * host pointer mode: alpha and beta are read from host memory when the call is made
-    (recorded as values into a graph);
+    (recorded as values into a graph); set again at every call, since CuPy's own routines
+    share the handle;
   * a workspace of our own (cublasSetWorkspace), allocated before any capture, so cuBLAS
     never allocates one in the middle of a capture;
-  * the stream, set again whenever the current stream changes (eager steps run on
-    CuPy's current stream, a capture on its own stream).
+  * the stream, set to the current one at every call (eager steps run on CuPy's current
+    stream, a capture on its own stream).
 """
 from __future__ import annotations
 
@@ -59,12 +60,10 @@ class Blas:
                                  ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                                  ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                  ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-        self._check(self.lib.cublasSetPointerMode_v2(self.handle, CUBLAS_POINTER_MODE_HOST), "SetPointerMode")
         self.workspace = cupy.empty(WORKSPACE_BYTES, dtype=cupy.uint8)      # kept alive with the handle
         self._check(self.lib.cublasSetWorkspace_v2(self.handle, ctypes.c_void_p(self.workspace.data.ptr),
                                                    ctypes.c_size_t(WORKSPACE_BYTES)), "SetWorkspace")
         self.one, self.zero = ctypes.c_float(1.0), ctypes.c_float(0.0)     # alpha, beta (fp32 compute)
-        self.stream = None
 
     @staticmethod
     def _check(status: int, what: str) -> None:
@@ -75,10 +74,11 @@ class Blas:
              b: int, b_type: int, ldb: int, c: int, c_type: int, ldc: int, accumulate: bool) -> None:
         """C [m, n] = op(A) [m, k] op(B) [k, n] (+ C when accumulate), column-major, fp32 sums;
         a, b, c are device addresses."""
+        # the current stream (a capture's, or the eager one) and host scalars, at every call: CuPy's
+        # own routines share the handle and set both their way
         stream = self.cupy.cuda.get_current_stream().ptr
-        if stream != self.stream:                    # the capture's stream, or back to the eager one
-            self._check(self.lib.cublasSetStream_v2(self.handle, ctypes.c_void_p(stream)), "SetStream")
-            self.stream = stream
+        self._check(self.lib.cublasSetStream_v2(self.handle, ctypes.c_void_p(stream)), "SetStream")
+        self._check(self.lib.cublasSetPointerMode_v2(self.handle, CUBLAS_POINTER_MODE_HOST), "SetPointerMode")
         self._check(self.gemm_ex(self.handle, transa, transb, m, n, k, ctypes.byref(self.one), a, a_type, lda,
                                  b, b_type, ldb, ctypes.byref(self.one if accumulate else self.zero), c, c_type,
                                  ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT), "GemmEx")

@@ -26,8 +26,11 @@ sys.argv = ["python -m stage1_cpu.generate", "--model", sys.argv[2], "--kernels"
             "--prompt", "What is the capital of France?", "--max-tokens", "2"]
 import stage1_cpu.generate
 status = stage1_cpu.generate.main()
-files = {str(Path(m.__file__).resolve().relative_to(root)) for m in list(sys.modules.values())
-         if getattr(m, "__file__", None) and Path(m.__file__).resolve().is_relative_to(root)}
+packages = ("common", "stage1_cpu", "stage2_batched", "stage3_optimized")
+paths = [Path(m.__file__).resolve() for m in list(sys.modules.values()) if getattr(m, "__file__", None)]
+# (the project's own .py files: a virtual environment inside the clone is not the project)
+files = {str(p.relative_to(root)) for p in paths if p.suffix == ".py" and p.is_relative_to(root)
+         and p.relative_to(root).parts[0] in packages}
 print("READING-SET " + json.dumps({"status": status, "files": sorted(files)}))
 """
 
