@@ -31,15 +31,23 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         "int8: everywhere, prefill through the integer GEMM included; fp32: never")
     g.add_argument("--threads", type=int, default=None, metavar="N",
                    help="numba threads (default: all cores)")
+    g.add_argument("--speculative", choices=("ngram",), help="speculative decoding, drafts by prompt lookup: "
+                   "several tokens per step where the text repeats itself (docs/stage1.md, section 15)")
+    g.add_argument("--draft-model", metavar="DIR|GGUF", help="speculative decoding, drafts by a smaller model "
+                   "with the same tokenizer")
+    g.add_argument("--draft-tokens", type=int, metavar="K", help="tokens drafted per step at most (default 6; adapts)")
 
 
 def build_engine(folder: Path, args: argparse.Namespace, progress: bool = True):
     from .engine import LLMEngine   # here, so --help does not wait for numba
     if getattr(args, "slots", None) not in (None, 1) or getattr(args, "token_budget", None) is not None:
         print("note: stage 1 serves one sequence at a time; --slots and --token-budget are ignored", flush=True)
-    return LLMEngine(folder, quant=quant_for(folder, args), group_size=args.group_size, max_ctx=args.max_ctx,
-                     threads=args.threads, progress=progress, kernels=args.kernels,
-                     activations=args.activations)
+    kw = dict(quant=quant_for(folder, args), group_size=args.group_size, max_ctx=args.max_ctx, threads=args.threads,
+              progress=progress, kernels=args.kernels, activations=args.activations)
+    if args.speculative or args.draft_model:       # speculative decoding: its file loads only with its flags
+        from .speculative import SpeculativeEngine
+        return SpeculativeEngine.from_args(folder, args, kw, quant_for)
+    return LLMEngine(folder, **kw)
 
 
 def quant_for(folder: Path, args: argparse.Namespace) -> str:
