@@ -836,6 +836,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "python -m bench figures draws the roofline from it)")
     p.add_argument("--cache-dir", type=Path, default=CACHE, help="where the models are built and kept")
     p.add_argument("--worker-timeout", type=float, default=2400, help="seconds one engine may take in all")
+    p.add_argument("--speculative", action="store_true", help="speculative decoding on real text instead "
+                   "(bench/speculative.py): stage 1 plain, prompt lookup, --draft-model against llama.cpp's lookup")
+    p.add_argument("--model", default=None, help="--speculative: the model (default: the default model's GGUF)")
+    p.add_argument("--draft-model", default=None, help="--speculative: stage 1's draft model (a row of its own)")
+    p.add_argument("--draft-tokens", type=int, default=None, help="--speculative: stage 1's --draft-tokens "
+                   "(default its own), llama.cpp's num_pred_tokens (default 10)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.argv = argv
@@ -868,6 +874,9 @@ def main(argv: list[str] | None = None) -> int:
         worker(json.loads(args.worker))
         return 0
     log = lambda s: print(s, flush=True)  # noqa: E731
+    if args.speculative:
+        from bench.speculative import run   # here: its own benchmark, sharing this command line
+        return run(args, POLICIES[args.omp_wait_policy], log)
     shape = args.shape
     t_start, load_before = time.perf_counter(), load_1min()
     log(check_load("before"))
