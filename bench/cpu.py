@@ -836,12 +836,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "python -m bench figures draws the roofline from it)")
     p.add_argument("--cache-dir", type=Path, default=CACHE, help="where the models are built and kept")
     p.add_argument("--worker-timeout", type=float, default=2400, help="seconds one engine may take in all")
-    p.add_argument("--speculative", action="store_true", help="speculative decoding on real text instead "
-                   "(bench/speculative.py): stage 1 plain, prompt lookup, --draft-model against llama.cpp's lookup")
-    p.add_argument("--model", default=None, help="--speculative: the model (default: the default model's GGUF)")
-    p.add_argument("--draft-model", default=None, help="--speculative: stage 1's draft model (a row of its own)")
-    p.add_argument("--draft-tokens", type=int, default=None, help="--speculative: stage 1's --draft-tokens "
-                   "(default its own), llama.cpp's num_pred_tokens (default 10)")
+    p.add_argument("--speculative", action="store_true", help="bench/speculative.py instead: speculative decoding "
+                   "on real text, stage 1 (plain, ngram, --draft-model) against llama.cpp (plain, prompt lookup)")
+    for name, what in (("model", "the model (default: the default one)"), ("draft-model", "stage 1's draft model"),
+                       ("draft-tokens", "drafts at most (stage 1: default its own; llama.cpp: 10)")):
+        p.add_argument(f"--{name}", type=int if name == "draft-tokens" else str, help=f"--speculative: {what}")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.argv = argv
