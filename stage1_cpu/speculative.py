@@ -209,6 +209,11 @@ class SpeculativeEngine(LLMEngine):
         source = f"draft model {self.draft.engine.folder.name}" if self.draft else "prompt lookup"
         return f"{super().describe_kernels()} · speculative: {source}, up to {self.length.k_max} drafts"
 
+    def reset(self) -> None:
+        super().reset()
+        if self.draft is not None:              # the draft model's cache goes too
+            self.draft.engine.reset()
+
     def speculation(self, request_id: str) -> SpeculationStats | None:
         """A request's stats (the server's usage.speculative_decoding)."""
         return self.stats.get(request_id)

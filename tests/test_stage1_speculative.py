@@ -189,7 +189,7 @@ def naive_rule(p, q, x, rng):
     return False, int(rng.choice(len(p), p=residual / residual.sum()))
 
 
-V_SMALL, RUNS = 8, 2000
+V_SMALL, RUNS = 8, 500
 SAMPLING = dict(temperature=1.0, top_k=5, presence_penalty=0.4)
 
 
@@ -230,7 +230,7 @@ def sample_counts(small_vocab, rule, monkeypatch) -> tuple[np.ndarray, Speculati
 
 @pytest.mark.timeout(900)
 def test_speculative_sampling_keeps_the_distribution_and_the_naive_rule_does_not(small_vocab, monkeypatch):
-    """The first three tokens of 2000 seeded runs, each verify step drafting 2 tokens from a draft
+    """The first three tokens of 500 seeded runs, each verify step drafting 2 tokens from a draft
     model of other weights (q is not one-hot), against the model's exact joint distribution:
     Pearson's chi-square at P_FAIL = 1e-6 (a right rule fails for one seed set in a million).
     The standard rule passes; accepting when a draw from p equals the draft does not."""
