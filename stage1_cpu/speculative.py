@@ -143,7 +143,7 @@ class DraftModel:
         V, Vd = target.config.vocab_size, self.engine.config.vocab_size
         why = f"its vocabulary has {Vd} tokens, the model's {V}" if V != Vd else None
         try:
-            a, b = Tokenizer(target.folder), Tokenizer(self.engine.folder)
+            a, b = (Tokenizer(target.folder), Tokenizer(self.engine.folder)) if why is None else (None, None)
             if why is None and any(a.id_to_token(i) != b.id_to_token(i) for i in range(max(a.vocab_size, b.vocab_size))):
                 why = "its tokenizer gives the same ids to other tokens"
         except TokenizerError:                  # folders of token ids only (no tokenizer.json): the sizes decide

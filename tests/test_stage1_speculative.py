@@ -13,12 +13,13 @@ import itertools
 import json
 import shutil
 import sys
-import time
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
 import pytest
 
+from common.config import ModelConfig
 from common.draft import PromptLookup, SpeculationStats
 from common.engine import Request
 from common.sampling import SamplingParams, apply_penalties
@@ -272,11 +273,16 @@ def test_draft_length_follows_what_pays():
     assert slow.choose(10) == 0
 
 
+def with_tokenizer():
+    """A model with Qwen3's tokenizer, the one the other test files build (made once a session)."""
+    return make_model("qwen3", tokenizer=True)
+
+
 def test_a_draft_model_must_share_the_tokenizer(tmp_path):
     kw = dict(max_ctx=MAX_CTX, progress=False, kernels="plain")
     with pytest.raises(ValueError, match="vocabulary has 8 tokens, the model.s 512.*share the model.s tokenizer"):
         SpeculativeEngine(folder_for("qwen3"), draft=DraftModel(make_model("qwen3", vocab_size=8), **kw), **kw)
-    target = make_model("qwen3", tokenizer=True)
+    target = with_tokenizer()
     swapped = tmp_path / "swapped"
     shutil.copytree(target, swapped)
     tok = json.loads((swapped / "tokenizer.json").read_text())
@@ -284,19 +290,23 @@ def test_a_draft_model_must_share_the_tokenizer(tmp_path):
     a, b = [k for k, v in vocab.items() if v in (300, 301)]
     vocab[a], vocab[b] = vocab[b], vocab[a]                    # two tokens trade ids
     (swapped / "tokenizer.json").write_text(json.dumps(tok))
+    engine = SimpleNamespace(config=ModelConfig.from_folder(target), folder=target)   # what check_matches reads
     with pytest.raises(ValueError, match="same ids to other tokens"):
-        SpeculativeEngine(target, draft=DraftModel(swapped, **kw), **kw)
-    SpeculativeEngine(target, draft=DraftModel(target, **kw), **kw)    # the same tokenizer: fine
+        DraftModel(swapped, **kw).check_matches(engine)
+    DraftModel(target, **kw).check_matches(engine)                    # the same tokenizer: fine
 
 
 def test_the_options_build_it_and_refuse_bad_combinations(capsys):
     from stage1_cpu.generate import main
-    folder = make_model("qwen3", tokenizer=True, initializer_range=0.05)      # its greedy text loops: drafts
+    folder = with_tokenizer()
     args = ["--model", str(folder), "--kernels", "plain", "--prompt", "Say something", "--max-tokens", "40",
             "--ignore-eos", "--temperature", "0"]
     assert main(args + ["--speculative", "ngram"]) == 0
     err = capsys.readouterr().err
-    assert "speculative: prompt lookup" in err and "tokens/step" in err and "% of drafts accepted" in err, err
+    assert "speculative: prompt lookup" in err and "tokens/step" in err, err
+    assert main(args + ["--draft-model", str(folder)]) == 0              # drafts it makes for certain
+    err = capsys.readouterr().err
+    assert f"speculative: draft model {folder.name}" in err and "% of drafts accepted" in err, err
     assert main(args + ["--speculative", "ngram", "--draft-model", str(folder)]) == 2
     assert "choose one" in capsys.readouterr().err
     assert main(args + ["--speculative", "ngram", "--draft-tokens", "0"]) == 2
@@ -309,7 +319,7 @@ def test_chat_and_server_show_the_stats(capsys):
     from common.server import create_app
     from common.tokenizer import Tokenizer
     from test_server import LiveServer
-    folder = make_model("qwen3", tokenizer=True)
+    folder = with_tokenizer()
     tok, template = Tokenizer(folder), ChatTemplate.from_folder(folder)
     engine = SpeculativeEngine(folder, max_ctx=MAX_CTX, progress=False, kernels="plain")
     run_chat(engine, tok, template, SamplingParams(temperature=0.0), max_tokens=20, lines=["Hello there"])

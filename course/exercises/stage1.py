@@ -550,7 +550,7 @@ def _speculate(accept, P: np.ndarray, Q: np.ndarray, n: int, seed: int) -> tuple
 
 def check_acceptance(ws: Workspace) -> None:
     S = ws.module("stage1_cpu/speculative.py")
-    V, N = 4, 12_000
+    V, N = 4, 3_000
     r = _rng(14)
     soft = lambda z: np.exp(z) / np.exp(z).sum(-1, keepdims=True)  # noqa: E731
     P = soft(r.normal(0, 1.2, (V + 1, V)))
