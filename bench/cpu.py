@@ -846,6 +846,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "writes the docs' tables from it, bench figures the roofline)")
     p.add_argument("--cache-dir", type=Path, default=CACHE, help="where the models are built and kept")
     p.add_argument("--worker-timeout", type=float, default=2400, help="seconds one engine may take in all")
+    p.add_argument("--speculative", action="store_true", help="bench/speculative.py instead: speculative decoding "
+                   "on real text, stage 1 (plain, ngram, --draft-model) against llama.cpp (plain, prompt lookup)")
+    for name, what in (("model", "the model (default: the default one)"), ("draft-model", "stage 1's draft model"),
+                       ("draft-tokens", "drafts at most (stage 1: default its own; llama.cpp: 10)")):
+        p.add_argument(f"--{name}", type=int if name == "draft-tokens" else str, help=f"--speculative: {what}")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.argv = argv
@@ -878,6 +883,9 @@ def main(argv: list[str] | None = None) -> int:
         worker(json.loads(args.worker))
         return 0
     log = lambda s: print(s, flush=True)  # noqa: E731
+    if args.speculative:
+        from bench.speculative import run   # here: its own benchmark, sharing this command line
+        return run(args, POLICIES[args.omp_wait_policy], log)
     shape = args.shape
     t_start, load_before = time.perf_counter(), load_1min()
     log(check_load("before"))

@@ -101,8 +101,13 @@ WRONG = [
     ("1.12", "x / params.repetition_penalty, x * params.repetition_penalty",
      "x / params.repetition_penalty, x / params.repetition_penalty", "repetition"),
     ("1.13", "keep_sorted = (cum - probs[order]) < params.top_p", "keep_sorted = cum < params.top_p", "top_p"),
+    ("1.13", "(cum - probs[order]) < params.top_p", "(cum - probs[order]) <= params.top_p", "top_p 0.5"),
     ("1.13", "logits[probs < params.min_p * probs.max()] = -np.inf", "logits[probs < params.min_p] = -np.inf",
      "min_p"),
+    ("1.14", "if rng.random() * q[x] < p[x]:", "if int(rng.choice(len(p), p=p)) == x:", "distribution"),  # naive
+    ("1.14", "if rng.random() * q[x] < p[x]:              # u < p[x] / q[x], without dividing by q[x]\n        return True, x",
+     "y = int(rng.choice(len(p), p=p))\n    return y == x, y", "accepted"),         # exact, but accepts less
+    ("1.14", "rng.choice(len(p), p=residual / residual.sum())", "rng.choice(len(p), p=p)", "distribution"),
     # stages 2 and 3
     ("2.1", "    if (slot < 0) return;                      // a padding token owns no slot\n", "", "slot -1"),
     ("2.2", "seq.block_table.append(page)", "seq.block_table.insert(0, page)", "stay first"),
