@@ -121,6 +121,15 @@ def set_threads(n: int | None) -> int:
     return n
 
 
+def threading_layer() -> str:
+    """numba's threading layer, for the banner: omp, tbb or workqueue (NUMBA_THREADING_LAYER's,
+    else the first that loads). Asking for the thread count starts the threads, if no parallel
+    kernel has yet, and with them the layer."""
+    import numba
+    numba.get_num_threads()
+    return numba.threading_layer()
+
+
 @functools.lru_cache(maxsize=None)
 def _group_locator():
     from numba.core.caching import UserProvidedCacheLocator
