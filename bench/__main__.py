@@ -1,31 +1,35 @@
-"""python -m bench <name> [options]: run one benchmark (see bench/__init__.py)."""
+"""python -m bench <command> [options]: run one benchmark; `python -m bench --help` lists them."""
 from __future__ import annotations
 
 import importlib
 import sys
 
-BENCHMARKS = {
-    "cpu": "bench.cpu",          # stage 1 against llama.cpp, transformers and the roofline
-    "ladder": "bench.ladder",    # the ablation ladder: naive matmul -> threads -> fused -> int4 -> int8 activations
-    "kernels": "bench.kernels",  # the stage-1 matmul kernels on their own
-    "profile": "bench.profile",  # one stage-1 forward pass, op by op
-    "prefill-pair": "bench.prefill_pair",   # prefill, stage 1 against llama.cpp, interleaved: one ratio per round
-    "moe": "bench.moe",          # the MoE benchmark: stage 1 against llama.cpp (qwen3moe) and transformers
-    "gpu": "bench.gpu",          # stages 2 and 3 on a GPU: nano-vllm's workload, batch-1 decode (bench/gpu_check.sh)
-    "lessons": "bench.lessons",  # the stage 2 -> 3 lesson ladder, counted on CPU per rung (docs/lessons/stage3)
-    "figures": "bench.figures",  # the figures of docs/ (docs/figures/*.svg), drawn from saved JSON results
-    "first-answer": "bench.first_answer",   # how often the default model's first answer is right, per sampling setting
+# command -> (module, what it measures); every file of bench/ serves one of these
+COMMANDS = {
+    "cpu": ("bench.cpu", "stage 1 against llama.cpp, transformers and the roofline, on a dense or MoE shape"),
+    "ladder": ("bench.ladder", "the ablation ladder: naive matmul -> threads -> fused -> int4 -> int8 activations"),
+    "profile": ("bench.profile", "one stage-1 forward pass, op by op (and the one-region step against the memory)"),
+    "figures": ("bench.figures", "the figures of docs/ (docs/figures/*.svg), drawn from saved JSON results"),
+    "gpu": ("bench.gpu", "stages 2 and 3 on a GPU: nano-vllm's workload, batch-1 decode (bench/gpu_check.sh)"),
+    "lessons": ("bench.lessons", "the stage 2 -> 3 lesson ladder, counted on CPU per rung (docs/lessons/stage3)"),
 }
 
 
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    return "\n".join(["usage: python -m bench <command> [options]   (--help after a command for its options)", "",
+                      "commands:", *(f"  {name:{width}}  {what}" for name, (_, what) in COMMANDS.items())])
+
+
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHMARKS:
-        if argv and argv[0] not in ("-h", "--help"):
-            print(f"unknown benchmark {argv[0]!r}", file=sys.stderr)
-        print("usage: python -m bench {" + ",".join(BENCHMARKS) + "} [options]   (--help after the name for its options)")
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    if argv[0] not in COMMANDS:
+        print(f"unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
+        return 2
     try:
-        module = importlib.import_module(BENCHMARKS[argv[0]])
+        module = importlib.import_module(COMMANDS[argv[0]][0])
     except ImportError as e:
         print(f"benchmark {argv[0]!r} is not available: {e}", file=sys.stderr)
         return 2

@@ -103,19 +103,15 @@ def machine_description() -> str:
 # ---------------------------------------------------------------- bandwidth
 
 def measure_bandwidth(threads: list[int], mib: int = 1024, repeats: int = 5) -> dict:
-    """Memory bandwidth in GB/s (1e9 bytes/s), the roofline's denominator.
-
-    - read[n]: a numba prange sum over a `mib` MiB float32 array with n threads. Decode
-      streams every weight once per token and writes almost nothing, so a pure read is
-      the right ceiling. Best of `repeats`: the roofline is what the memory *can* do.
-    - copy: numpy copyto of half the array (1 thread), counting read + write bytes,
-      for comparison with published STREAM-like figures.
-    The array is far larger than any cache, so every pass goes to DRAM.
-    """
+    """Memory bandwidth in GB/s (1e9 bytes/s), the roofline's denominator: read[n], a numba
+    prange sum over a `mib` MiB float32 array with n threads. Decode streams every weight once
+    per token and writes almost nothing, so a pure read is the right ceiling. Best of
+    `repeats`: the roofline is what the memory *can* do. The array is far larger than any
+    cache, so every pass goes to DRAM."""
     import numba
     import numpy as np
 
-    read_sum = _read_sum_kernel()
+    read_sum = read_sum_kernel()
     a = np.ones(mib * 2**20 // 4, dtype=np.float32)   # touch every page before timing
     out = {"mib": mib, "read": {}}
     saved = numba.get_num_threads()
@@ -125,10 +121,6 @@ def measure_bandwidth(threads: list[int], mib: int = 1024, repeats: int = 5) -> 
         best = min(_timed(read_sum, a) for _ in range(repeats))
         out["read"][n] = a.nbytes / best / 1e9
     numba.set_num_threads(saved)
-    half = a.size // 2
-    src, dst = a[:half], np.empty(half, dtype=np.float32)
-    best = min(_timed(np.copyto, dst, src) for _ in range(repeats))
-    out["copy"] = 2 * src.nbytes / best / 1e9
     return out
 
 
@@ -138,7 +130,7 @@ def _timed(fn, *args) -> float:
     return time.perf_counter() - t0
 
 
-def _read_sum_kernel():
+def read_sum_kernel():
     """A numba prange sum over a float32 array: each thread reads one contiguous
     slice, vectorised; nothing but loads, so it runs at what the memory delivers."""
     import numba
@@ -189,7 +181,7 @@ def _probe_server(mib: int, repeats: int) -> None:
     import numba
     import numpy as np
 
-    read_sum = _read_sum_kernel()
+    read_sum = read_sum_kernel()
     a = np.ones(mib * 2**20 // 4, dtype=np.float32)
     read_sum(a[:1024])
     print("ready", flush=True)
@@ -197,6 +189,21 @@ def _probe_server(mib: int, repeats: int) -> None:
         numba.set_num_threads(min(int(line), numba.config.NUMBA_NUM_THREADS))
         best = min(_timed(read_sum, a) for _ in range(repeats))
         print(f"{a.nbytes / best / 1e9:.3f}", flush=True)
+
+
+def stage1_bytes(weights, decode: bool = False) -> int:
+    """Bytes of every matrix of a stage-1 Weights (the roofline's numerator): attention, MLPs,
+    routers, shared experts and their gates, the lm_head (the embedding counted once, as the
+    lm_head when tied; norms and biases left out), and every routed expert; with decode=True,
+    what one decode token reads: each MoE layer's routed experts counted for the k of E a token
+    goes to. (Stages 2 and 3 count their own, Weights.nbytes; stage 1's weights.py only loads.)"""
+    cfg = weights.config
+    share = cfg.num_experts_per_tok / cfg.num_experts if decode and cfg.num_experts else 1.0
+    names = ("wqkv", "wo", "w_gate_up", "w_down", "router", "shared_gate")
+    mats = [weights.lm_head] + [getattr(l, n) for l in weights.layers for n in names]
+    mats += [m for l in weights.layers if l.shared_expert for m in (l.shared_expert.e_gate_up, l.shared_expert.e_down)]
+    routed = sum(l.experts_gate_up.nbytes + l.experts_down.nbytes for l in weights.layers if l.experts)
+    return sum(w.nbytes for w in mats if w is not None) + round(routed * share)
 
 
 # ---------------------------------------------------------------- workers
@@ -216,20 +223,6 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def worker_env(omp_wait_policy: str = "PASSIVE", env_extra: dict | None = None) -> tuple[dict, str]:
-    """-> (the environment of a worker process, the repository root to run it in): BENCH_ENV,
-    env_extra, and OMP_WAIT_POLICY as asked ("default": unset, the OpenMP runtime's own choice:
-    libgomp spins a while, then sleeps)."""
-    env = dict(os.environ, **BENCH_ENV, **(env_extra or {}))
-    if omp_wait_policy == "default":
-        env.pop("OMP_WAIT_POLICY", None)
-    else:
-        env["OMP_WAIT_POLICY"] = omp_wait_policy
-    repo_root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = repo_root + os.pathsep + env.get("PYTHONPATH", "")
-    return env, repo_root
-
-
 def run_worker(module: str, spec: dict, timeout: float, log=print, omp_wait_policy: str = "PASSIVE",
                env_extra: dict | None = None) -> dict:
     """Run `python -m module --worker SPEC` in a fresh process and return its JSON result.
@@ -240,7 +233,13 @@ def run_worker(module: str, spec: dict, timeout: float, log=print, omp_wait_poli
     omp_wait_policy: PASSIVE, ACTIVE, or "default" (unset: the OpenMP runtime's own choice);
     env_extra: more variables for this worker alone (e.g. NUMBA_CPU_NAME, LLAMA_CPP_LIB_PATH).
     """
-    env, repo_root = worker_env(omp_wait_policy, env_extra)
+    env = dict(os.environ, **BENCH_ENV, **(env_extra or {}))
+    if omp_wait_policy == "default":        # unset: the OpenMP runtime's own choice (libgomp spins a while)
+        env.pop("OMP_WAIT_POLICY", None)
+    else:
+        env["OMP_WAIT_POLICY"] = omp_wait_policy
+    repo_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = repo_root + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", module, "--worker", json.dumps(spec)]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=repo_root)

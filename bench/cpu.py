@@ -1,34 +1,33 @@
-"""CPU benchmark: stage 1 against llama.cpp and transformers, and against the roofline.
+"""CPU benchmark: stage 1 against llama.cpp and transformers, and against the roofline,
+on a dense Qwen3 shape or a Qwen3-MoE one.
 
-    python -m bench.cpu                      # Qwen3-0.6B shapes, both wait policies (~25 min idle)
-    python -m bench.cpu --quick              # a small model, one thread count, PASSIVE (< 2 min, CI)
-    python -m bench.cpu --threads 2 --formats int8 --runs 5 --out /tmp/bench.md
-    python -m bench.cpu --kernels plain      # stage 1 without its fast path (stage1_cpu/fast/)
-    python -m bench.cpu --cpu-profile avx2   # an AVX-512 host standing in for an AVX2 CPU
+    python -m bench cpu                        # Qwen3-0.6B shapes, both wait policies (~25 min idle)
+    python -m bench cpu --quick                # a small model, one thread count, PASSIVE (< 2 min)
+    python -m bench cpu --shape moe            # Qwen3-30B-A3B's layer shape, 12 layers x 32 experts
+    python -m bench cpu --threads 2 --formats int8 --kernels plain,auto --out /tmp/bench.md
+    python -m bench cpu --cpu-profile avx2     # an AVX-512 host standing in for an AVX2 CPU
 
-What it does, in one run (so every number saw the same machine):
-  1. builds a random-weight model with the real Qwen3-0.6B shapes in bf16 with
-     transformers' save_pretrained, and writes the *same* weights as GGUF files
-     (BF16, Q8_0, Q4_0) for llama.cpp; all cached under ~/.cache/qwen3-stages/bench/;
-  2. checks that llama.cpp reads those GGUF files the way transformers reads the
-     folder (BF16 logits of a few tokens, printed);
-  3. measures the memory bandwidth (the roofline's denominator);
-  4. runs every engine in its own subprocess (peak RSS is then that engine's alone),
-     once per OpenMP wait policy (PASSIVE, and the runtime's default, under which
-     idle threads spin a while): prefill tok/s for a 128- and a 512-token prompt,
-     decode tok/s over 128 greedy tokens with EOS ignored, the median of several
-     runs, at each thread count; each worker reports the instructions it used;
-  5. prints the headline, stage 1 ÷ llama.cpp per format with each engine at its
-     own best policy, then one table per policy, and each decode as a fraction of
-     its roofline = bandwidth ÷ weight bytes one decode token reads.
+In one run, so that every number saw the same machine: it builds a random-weight model of
+the shape with transformers (bf16) and writes the *same* weights as GGUF files (BF16, Q8_0,
+Q4_0; common/gguf_write.py), cached under ~/.cache/qwen3-stages/bench/; measures the memory
+bandwidth; runs every engine in a subprocess of its own (its peak RSS is then its own), once
+per OpenMP wait policy (PASSIVE, and the runtime's default, where idle threads spin a while):
+prefill tok/s per prompt length, the time to the first token of chat-sized prompts, decode
+tok/s of greedy tokens with EOS ignored, medians of warm runs at each thread count; checks
+every engine's logits against transformers fp32; prints the headline (stage 1 ÷ llama.cpp,
+each engine at its own best policy), a table per policy and the napkin maths.
 
-Decode of one sequence reads every weight once per token and does ~2 FLOP per
-weight, so on a CPU it is bound by memory bandwidth: bytes per token *is* the
-speed. The napkin maths is printed with the table and explained in docs/benchmarks.md.
+Decode of one sequence reads every weight it uses once per token and does ~2 FLOP per
+weight, so on a CPU it is bound by memory bandwidth: bytes per token *is* the speed. A MoE
+token reads the attention, the router, its k experts of each layer and the lm_head; the
+experts it skips cost RAM, not bandwidth. The roofline is bandwidth ÷ the weight bytes a
+token reads. A new shape is one line of SHAPES; a new engine, a runner class (generate ->
+tokens, prefill s, decode s) and a branch of make_runner.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -40,19 +39,32 @@ from pathlib import Path
 
 import numpy as np
 
-from common.gguf_write import _byte_level_alphabet  # noqa: F401  (bench/moe.py imports it from here)
 from bench.common import (BandwidthProbe, NeighbourMeter, check_load, cpu_flags, emit_result, fmt_num,
-                          load_1min, machine_description, markdown_table, measure_bandwidth, median, run_worker)
+                          load_1min, machine_description, markdown_table, measure_bandwidth, median,
+                          read_sum_kernel, run_worker, stage1_bytes)
+from common.engine import Request
+from common.gguf_write import write_gguf
+from common.numba_cache import set_threads as set_numba_threads
+from common.sampling import SamplingParams
 
 CACHE = Path(os.environ.get("QWEN3_STAGES_CACHE", Path.home() / ".cache" / "qwen3-stages")) / "bench"
-CHECK_TOKENS = 16      # tokens whose logits every engine must agree on (see the correctness table)
+CHECK_TOKENS = 16          # tokens whose logits every engine must agree on (the correctness table)
 BUILD_VERSION = 1          # bump when the HF model changes, so old caches are rebuilt
-GGUF_VERSION = 2           # bump when the GGUF writing changes (2: Q4_0 files keep token_embd in Q8_0)
+GGUF_VERSION = 3           # bump when the GGUF writing changes (3: common/gguf_write.py writes them)
+MAX_CTX = 1024             # every engine's context
 
 # stage-1 weight format -> the llama.cpp format that stores the same numbers
 LLAMA_FORMAT = {"bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}
-# the issue's targets, checked at 2 threads: (decode ratio, prefill-512 ratio, % of roofline)
-TARGETS = {"bf16": (1.0, 0.8, 0.9), "int8": (1.0, 0.8, 0.9), "int4": (1.0, 0.8, None)}
+# the targets, stage 1 ÷ llama.cpp at 2 threads with each engine at its best policy (decode, prefill
+# per prompt length), and decode's fraction of its roofline; bf16 decode where AVX-512 BF16 exists
+TARGETS = {
+    "dense": {"bf16": {"decode": 1.0, 512: 0.8, "roofline": 0.9},
+              "int8": {"decode": 1.0, 32: 1.0, 128: 1.6, 512: 1.5, "roofline": 0.9},
+              "int4": {"decode": 1.0, 32: 1.0, 128: 1.3, 512: 1.3}},
+    "moe": {"bf16": {"decode": 1.0, 512: 0.8, "roofline": 0.8},
+            "int8": {"decode": 1.0, 512: 0.8, "roofline": 0.8},
+            "int4": {"decode": 1.0, 512: 0.8, "roofline": 0.65}},
+}
 POLICIES = {"both": ["PASSIVE", "default"], "PASSIVE": ["PASSIVE"], "ACTIVE": ["ACTIVE"], "default": ["default"]}
 
 # --cpu-profile avx2: an "AVX2 machine" on an AVX-512 host. numba compiles stage 1 for a
@@ -70,7 +82,10 @@ AVX2_LLAMA_LIB = CACHE.parent / "llama-avx2" / "lib"     # where bench/build_lla
 
 @dataclass
 class Shape:
-    """The architecture numbers of the benchmark model (Qwen3 config.json keys)."""
+    """The architecture numbers of the benchmark model (Qwen3 / Qwen3-MoE config.json keys).
+    num_experts 0: a dense model; else every layer is an MoE layer (decoder_sparse_step 1,
+    no mlp_only_layers) and intermediate_size is only written to the config, as
+    Qwen3-30B-A3B's is."""
     name: str
     num_hidden_layers: int           # L
     hidden_size: int                 # C
@@ -80,150 +95,89 @@ class Shape:
     intermediate_size: int           # F
     vocab_size: int                  # V
     eos_token_id: list[int] = field(default_factory=list)
+    num_experts: int = 0             # E routed experts per layer
+    num_experts_per_tok: int = 0     # k chosen per token (norm_topk_prob: their weights sum to 1)
+    moe_intermediate_size: int = 0   # Fe, one expert's MLP width
+
+    @property
+    def family(self) -> str:
+        return "moe" if self.num_experts else "dense"
+
+    def attention_params(self) -> int:
+        """q, k, v and o of one layer."""
+        C, H, Hkv, D = self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim
+        return C * H * D + 2 * C * Hkv * D + H * D * C
+
+    def expert_params(self) -> int:
+        """gate, up [Fe, C] and down [C, Fe] of one expert."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    def mlp_params(self, experts: int) -> int:
+        """One layer's MLP weights with `experts` experts in it: the dense gate, up and down, or
+        the router [E, C] and that many experts."""
+        if not self.num_experts:
+            return 3 * self.hidden_size * self.intermediate_size
+        return self.num_experts * self.hidden_size + experts * self.expert_params()
 
     def linear_params(self) -> int:
-        """Weights of all matmuls a token goes through, the tied lm_head included."""
-        C, H, Hkv, D, F = (self.hidden_size, self.num_attention_heads, self.num_key_value_heads,
-                           self.head_dim, self.intermediate_size)
-        per_layer = C * H * D + 2 * C * Hkv * D + H * D * C + 3 * C * F   # q, k+v, o, gate+up+down
-        return self.num_hidden_layers * per_layer + self.vocab_size * C   # + lm_head [V, C]
+        """Weights of all matmuls one token goes through, the tied lm_head included (for MoE:
+        the router and the k chosen experts of every layer)."""
+        per_layer = self.attention_params() + self.mlp_params(self.num_experts_per_tok)
+        return self.num_hidden_layers * per_layer + self.vocab_size * self.hidden_size
+
+    def total_params(self) -> int:
+        """Every weight in the file (all E experts; the embedding once: it is tied)."""
+        per_layer = self.attention_params() + self.mlp_params(self.num_experts)
+        return self.num_hidden_layers * per_layer + self.vocab_size * self.hidden_size
 
 
-QWEN3_0_6B = Shape("qwen3-0.6b-shape", 28, 1024, 16, 8, 128, 3072, 151936, [151645, 151643])
-QUICK = Shape("qwen3-quick", 4, 512, 8, 4, 64, 1536, 32000, [31999])
+SHAPES = {
+    "0.6b": Shape("qwen3-0.6b-shape", 28, 1024, 16, 8, 128, 3072, 151936, [151645, 151643]),
+    "quick": Shape("qwen3-quick", 4, 512, 8, 4, 64, 1536, 32000, [31999]),
+    "tiny": Shape("qwen3-tiny", 2, 128, 4, 2, 32, 256, 512, [511]),
+    # 12 layers put the lm_head clearly under a third of the bf16 decode bytes (311 M of 991 M
+    # weights read per token), 2.35 G weights in all: bf16 4.7 GB, what a 24 GiB, 2-core machine
+    # builds and runs; the attention and the experts are Qwen3-30B-A3B's, 32 of its 128 experts
+    "moe": Shape("qwen3-moe-a3b-layers", 12, 2048, 32, 4, 128, 6144, 151936, [151645, 151643], 32, 8, 768),
+    "moe-quick": Shape("qwen3-moe-quick", 4, 512, 8, 2, 64, 1024, 32000, [31999], 16, 4, 256),
+    "moe-tiny": Shape("qwen3-moe-tiny", 2, 128, 4, 2, 32, 256, 512, [511], 8, 2, 64),
+}
 
 
 def build_hf_model(shape: Shape, folder: Path) -> None:
-    """A random-weight Qwen3ForCausalLM in bf16, saved by transformers itself."""
+    """A random-weight Qwen3ForCausalLM (or Qwen3MoeForCausalLM) in bf16, saved by transformers
+    itself. An MoE model is built in bf16 from the start, so the full shape never exists in fp32."""
     import torch
     import transformers as tf
 
     torch.manual_seed(0)
-    config = tf.Qwen3Config(
-        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_hidden_layers,
-        num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_key_value_heads,
-        head_dim=shape.head_dim, max_position_embeddings=40960, rope_theta=1000000.0,
-        rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.02,
-        bos_token_id=None, eos_token_id=shape.eos_token_id)
-    model = tf.Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
+    kw = dict(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+              num_hidden_layers=shape.num_hidden_layers, num_attention_heads=shape.num_attention_heads,
+              num_key_value_heads=shape.num_key_value_heads, head_dim=shape.head_dim,
+              max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+              initializer_range=0.02, bos_token_id=None, eos_token_id=shape.eos_token_id)
+    saved = torch.get_default_dtype()
+    if shape.num_experts:
+        kw.update(num_experts=shape.num_experts, num_experts_per_tok=shape.num_experts_per_tok,
+                  moe_intermediate_size=shape.moe_intermediate_size, norm_topk_prob=True, decoder_sparse_step=1,
+                  mlp_only_layers=[])
+        torch.set_default_dtype(torch.bfloat16)
+    try:
+        config_cls, model_cls = ((tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM) if shape.num_experts
+                                 else (tf.Qwen3Config, tf.Qwen3ForCausalLM))
+        model = model_cls(config_cls(**kw)).to(torch.bfloat16).eval()
+    finally:
+        torch.set_default_dtype(saved)
     model.save_pretrained(folder)
-    gen = {"eos_token_id": shape.eos_token_id, "do_sample": False}
-    (folder / "generation_config.json").write_text(json.dumps(gen))
-
-
-# HF tensor name (after "model.") -> llama.cpp name; convert_hf_to_gguf permutes q/k only
-# for the llama architecture, and llama.cpp runs qwen3 with NEOX (rotate-half) RoPE, which
-# is exactly HF's layout, so the weights are copied in their HF order.
-GGUF_NAMES = {
-    "embed_tokens.weight": "token_embd.weight",
-    "norm.weight": "output_norm.weight",
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-
-
-def gguf_name(hf_name: str) -> str:
-    if hf_name == "lm_head.weight":
-        return "output.weight"
-    rest = hf_name.removeprefix("model.")
-    if rest.startswith("layers."):
-        _, layer, rest = rest.split(".", 2)
-        return f"blk.{layer}.{GGUF_NAMES[rest]}"
-    return GGUF_NAMES[rest]
-
-
-def write_gguf(hf_folder: Path, shape: Shape, qtype_name: str, path: Path) -> None:
-    """The HF folder's weights as a llama.cpp GGUF file (qwen3 architecture).
-
-    Like llama.cpp's convert script: 1-D tensors (norms) stay F32, every matrix is
-    stored in `qtype_name` (BF16, Q8_0 or Q4_0), with one exception in Q4_0 files:
-    the matrix every logit goes through (the tied token_embd, or output) is Q8_0.
-    llama-quantize keeps it finer too (Q6_K, which the gguf package cannot write),
-    and stage 1's int4 keeps it in int8, so both engines read the same kind of bytes.
-    The tokenizer is a minimal gpt2-style vocabulary of V tokens: the benchmark feeds
-    token ids, never text.
-    """
-    import gguf
-    import torch
-    from safetensors import safe_open
-
-    qtype = getattr(gguf.GGMLQuantizationType, qtype_name)
-    ftype = {"BF16": gguf.LlamaFileType.MOSTLY_BF16, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-             "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[qtype_name]
-    cfg = json.loads((hf_folder / "config.json").read_text())
-    tmp = path.with_suffix(".tmp")
-    w = gguf.GGUFWriter(str(tmp), "qwen3")
-    w.add_name(shape.name)
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(shape.hidden_size)
-    w.add_block_count(shape.num_hidden_layers)
-    w.add_feed_forward_length(shape.intermediate_size)
-    w.add_head_count(shape.num_attention_heads)
-    w.add_head_count_kv(shape.num_key_value_heads)
-    w.add_key_length(shape.head_dim)
-    w.add_value_length(shape.head_dim)
-    w.add_rope_freq_base(float(cfg.get("rope_theta", cfg.get("rope_parameters", {}).get("rope_theta"))))
-    w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
-    w.add_vocab_size(shape.vocab_size)
-    w.add_file_type(ftype)
-
-    # tokenizer: 256 byte tokens, one merge ("Ġ t" -> "Ġt"), fillers, the end-of-sequence ids
-    tokens = _byte_level_alphabet() + ["Ġt"]
-    tokens += [f"tok{i}" for i in range(len(tokens), shape.vocab_size)]
-    types = [gguf.TokenType.NORMAL] * shape.vocab_size
-    for eos in shape.eos_token_id:              # end-of-sequence ids are control tokens
-        name = "<|endoftext|>" if eos == shape.eos_token_id[-1] else f"<|special{eos}|>"
-        tokens[eos], types[eos] = name, gguf.TokenType.CONTROL
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(["Ġ t"])
-    w.add_eos_token_id(shape.eos_token_id[0])
-    w.add_bos_token_id(shape.eos_token_id[-1])
-    w.add_add_bos_token(False)
-
-    files = sorted(hf_folder.glob("*.safetensors"))
-    tied = "lm_head.weight" not in {n for f in files for n in safe_open(f, framework="pt").keys()}
-    logits_matrix = "token_embd.weight" if tied else "output.weight"
-    for f in files:
-        with safe_open(f, framework="pt") as st:
-            for name in st.keys():
-                data = st.get_tensor(name).to(torch.float32).numpy()   # [out, in] as HF stores it
-                if data.ndim == 1:
-                    w.add_tensor(gguf_name(name), data)                 # norms: F32
-                    continue
-                t = qtype
-                if qtype_name == "Q4_0" and gguf_name(name) == logits_matrix:
-                    t = gguf.GGMLQuantizationType.Q8_0
-                w.add_tensor(gguf_name(name), gguf.quants.quantize(data, t), raw_dtype=t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    tmp.rename(path)
-
-
-def gguf_weight_bytes(path: Path) -> int:
-    """Bytes of every tensor in a GGUF file: with tied embeddings the lm_head reads
-    all of token_embd each token, so this is what one decode step streams."""
-    import gguf
-    return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": shape.eos_token_id,
+                                                               "do_sample": False}))
 
 
 def prepare_models(shape: Shape, cache: Path, log=print, quants=("BF16", "Q8_0", "Q4_0")) -> dict:
-    """-> {"hf": folder, "BF16": path, "Q8_0": path, "Q4_0": path}, built once and cached;
-    only the GGUF files in `quants` are written (none when llama.cpp is not measured)."""
+    """-> {"hf": folder, "BF16": path, "Q8_0": path, "Q4_0": path}, built once and cached; only
+    the GGUF files in `quants` are written. As llama.cpp's converter does, every matrix is in the
+    file's type except in Q4_0 files the one every logit goes through (the tied token_embd),
+    which is Q8_0, as stage 1's int4 keeps its lm_head in int8."""
     root = cache / f"{shape.name}-v{BUILD_VERSION}"
     hf = root / "hf"
     paths = {"hf": hf, **{q: root / f"{shape.name}-{q}-g{GGUF_VERSION}.gguf" for q in ("BF16", "Q8_0", "Q4_0")}}
@@ -238,9 +192,35 @@ def prepare_models(shape: Shape, cache: Path, log=print, quants=("BF16", "Q8_0",
         if not paths[q].exists():
             t0 = time.perf_counter()
             log(f"writing {paths[q].name} ...")
-            write_gguf(hf, shape, q, paths[q])
+            tmp = paths[q].with_suffix(".tmp")
+            write_gguf(hf, tmp, q, embed_qtype="Q8_0" if q == "Q4_0" else None)
+            tmp.rename(paths[q])
             log(f"  done in {time.perf_counter() - t0:.0f} s")
     return paths
+
+
+def gguf_decode_bytes(path: Path, shape: Shape) -> int:
+    """Bytes of weights one llama.cpp decode token reads from a GGUF file, counted as
+    stage1_bytes(decode=True) counts stage 1's: every matrix (the tied token_embd once, as the
+    lm_head), each stacked expert tensor for k of its E experts; the 1-D norms left out."""
+    import gguf
+    total = 0
+    for t in gguf.GGUFReader(str(path)).tensors:
+        if len(t.shape) >= 2:
+            share = shape.num_experts_per_tok / shape.num_experts if "_exps." in t.name else 1.0
+            total += round(int(t.n_bytes) * share)
+    return total
+
+
+def nominal_stage1_bytes(shape: Shape, fmt: str, group_size: int = 32) -> int:
+    """What stage1_bytes(decode=True) reports for stage 1's formats (stage1_cpu/quant.py) before
+    any engine has run: bf16 2 bytes a weight; int8 a byte and an fp16 scale per group; int4 half a
+    byte and an fp16 scale and minimum per group, with the lm_head in int8; routers in fp32."""
+    per_weight = {"fp32": 4.0, "bf16": 2.0, "int8": 1 + 2 / group_size, "int4": 0.5 + 4 / group_size}[fmt]
+    head = shape.vocab_size * shape.hidden_size
+    routers = shape.num_hidden_layers * shape.num_experts * shape.hidden_size
+    rest = shape.linear_params() - head - routers
+    return int(rest * per_weight + routers * 4 + head * (1 + 2 / group_size if fmt == "int4" else per_weight))
 
 
 # ------------------------------------------------------------------ the engines
@@ -248,29 +228,21 @@ def prepare_models(shape: Shape, cache: Path, log=print, quants=("BF16", "Q8_0",
 class Stage1Runner:
     """Stage 1 through the Engine protocol, exactly as the chat and the server use it."""
 
-    def __init__(self, folder: str, fmt: str, threads: int, max_ctx: int, kernels: str = "auto",
-                 activations: str = "auto"):
+    def __init__(self, folder: str, fmt: str, threads: int, kernels: str, activations: str):
+        # stage 1 is imported here, in its own worker: a worker of another engine never loads its kernels
         from stage1_cpu.engine import LLMEngine
-        self.kernels = kernels
-        quant = {"fp32": "none"}.get(fmt, fmt)
-        self.engine = LLMEngine(folder, quant=quant, threads=threads, max_ctx=max_ctx, progress=False,
-                                kernels=kernels, activations=activations)
+        from stage1_cpu.fast import cpu
+        self.kernels, self.cpu = kernels, cpu
+        self.engine = LLMEngine(folder, quant={"fp32": "none"}.get(fmt, fmt), threads=threads, max_ctx=MAX_CTX,
+                                progress=False, kernels=kernels, activations=activations)
         self.count = 0
 
     def set_threads(self, n: int) -> None:
-        from stage1_cpu import kernels
-        kernels.set_threads(n)                 # numba's thread count is process-wide
-
-    def weight_bytes(self) -> int:
-        """What one decode token reads (for MoE only the routed experts' share; all of it
-        for a dense model): bench/weight_bytes.py."""
-        from bench.weight_bytes import stage1_bytes
-        return stage1_bytes(self.engine.weights, decode=True)
+        set_numba_threads(n)                   # numba's thread count is process-wide
 
     def isa(self) -> str:
-        from stage1_cpu.fast import cpu
-        return (f"--kernels {self.kernels}: {self.engine.describe_kernels()}; numba target {cpu.target_name()}, "
-                f"the fast path's instructions there: {cpu.instructions()}")
+        return (f"--kernels {self.kernels}: {self.engine.describe_kernels()}; numba target {self.cpu.target_name()}, "
+                f"the fast path's instructions there: {self.cpu.instructions()}")
 
     def all_logits(self, ids: list[int]) -> np.ndarray:
         """[T, V]: the first half in one forward (the prefill path), the second half one
@@ -292,8 +264,6 @@ class Stage1Runner:
         max_tokens=1: that step feeds nothing), and decode from the first token's
         event to the (n_decode+1)-th: exactly n_decode feeds and samples.
         """
-        from common.engine import Request
-        from common.sampling import SamplingParams
         self.count += 1
         params = SamplingParams(temperature=0.0, max_tokens=n_decode + 2 if n_decode else 1, ignore_eos=True)
         tokens: list[int] = []
@@ -313,14 +283,13 @@ class LlamaCppRunner:
     """llama.cpp through llama-cpp-python's low-level eval: no sampler chain, the same
     greedy argmax in Python as the other engines, the KV cache cleared per prompt."""
 
-    def __init__(self, path: str, threads: int, max_ctx: int, logits_all: bool = False, mmap: bool = True):
+    def __init__(self, path: str, threads: int, logits_all: bool = False):
         import llama_cpp
         self.llama_cpp = llama_cpp
         batch = 64 if logits_all else 512      # every position's logits: keep that buffer small
-        self.llm = llama_cpp.Llama(model_path=path, n_ctx=64 if logits_all else max_ctx,
-                                   n_batch=batch, n_ubatch=batch,
-                                   n_threads=threads, n_threads_batch=threads,
-                                   logits_all=logits_all, use_mmap=mmap, verbose=False)
+        self.llm = llama_cpp.Llama(model_path=path, n_ctx=64 if logits_all else MAX_CTX, n_batch=batch,
+                                   n_ubatch=batch, n_threads=threads, n_threads_batch=threads,
+                                   logits_all=logits_all, use_mmap=True, verbose=False)
         self.n_vocab = self.llm.n_vocab()
 
     def set_threads(self, n: int) -> None:
@@ -359,7 +328,7 @@ class TransformersRunner:
     computed (logits_to_keep=1), as the other engines do."""
 
     def __init__(self, folder: str, fmt: str, threads: int):
-        import torch
+        import torch                           # here: a worker of another engine never pays torch's RSS
         import transformers as tf
         self.torch = torch
         torch.set_num_threads(threads)
@@ -370,8 +339,7 @@ class TransformersRunner:
         self.torch.set_num_threads(n)
 
     def isa(self) -> str:
-        torch = self.torch
-        return f"torch {torch.__version__}, ATen CPU capability {torch.backends.cpu.get_cpu_capability()}"
+        return f"torch {self.torch.__version__}, ATen CPU capability {self.torch.backends.cpu.get_cpu_capability()}"
 
     def generate(self, prompt, n_decode):
         torch = self.torch
@@ -395,25 +363,26 @@ class TransformersRunner:
 
 
 class ReadOnlyRunner:
-    """The ceiling: a "decode" that only reads, with 2 threads, the bytes a stage-1
-    step must read, and computes nothing: the format's weight bytes, plus stage 1's
-    fp32 KV cache up to the position (the roofline counts weights only, but attention
-    reads the cache too). Measured like every engine, next to the same bandwidth
-    probe, its % roofline is how close *anything* reading those bytes got."""
+    """The ceiling: a "decode" that only reads the bytes a stage-1 step must read and
+    computes nothing: the format's weight bytes, plus stage 1's fp32 KV cache up to the
+    position (the roofline counts weights only, but attention reads the cache too).
+    Measured like every engine, next to the same bandwidth probe, its % roofline is how
+    close *anything* reading those bytes got."""
 
-    def __init__(self, weight_bytes: int, kv_bytes_per_position: int, threads: int, max_ctx: int):
-        from bench.common import _read_sum_kernel
+    def __init__(self, weight_bytes: int, kv_bytes_per_position: int, threads: int):
         import numba
-        self.read_sum = _read_sum_kernel()
+        self.numba = numba
+        self.read_sum = read_sum_kernel()
         self.weights = np.ones(weight_bytes // 4, dtype=np.float32)
-        self.kv = np.ones((max_ctx, kv_bytes_per_position // 4), dtype=np.float32)   # [T, L*2*Hkv*D]
+        self.kv = np.ones((MAX_CTX, kv_bytes_per_position // 4), dtype=np.float32)   # [T, L*2*Hkv*D]
         self.read_sum(self.weights[:1024])
-        self.set_threads = lambda n: numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
         self.set_threads(threads)
 
+    def set_threads(self, n: int) -> None:
+        self.numba.set_num_threads(min(n, self.numba.config.NUMBA_NUM_THREADS))
+
     def isa(self) -> str:
-        from stage1_cpu.fast import cpu
-        return f"a numba sum, target {cpu.target_name()}"
+        return f"a numba sum, target {self.numba.config.CPU_NAME or 'host'}"
 
     def generate(self, prompt, n_decode):
         """Prefill is not modelled (nan); each decode step reads the weights and the
@@ -425,33 +394,46 @@ class ReadOnlyRunner:
         return [0] * (n_decode + 1), float("nan"), time.perf_counter() - t0
 
 
+def make_runner(spec: dict, threads: int, check: bool = False):
+    if spec["engine"] == "stage1":
+        return Stage1Runner(spec["path"], spec["fmt"], threads, spec["kernels"], spec["activations"])
+    if spec["engine"] == "llama.cpp":
+        return LlamaCppRunner(spec["path"], threads, logits_all=check)
+    if spec["engine"] == "read only":
+        return ReadOnlyRunner(spec["weight_bytes"], spec["kv_bytes_per_position"], threads)
+    return TransformersRunner(spec["path"], spec["fmt"], threads)
+
+
 def prompt_ids(vocab: int, length: int, seed: int) -> list[int]:
     """Random token ids; a new prompt per run, so no engine can reuse a cached prefix."""
-    rng = np.random.default_rng(seed)
-    return rng.integers(10, vocab - 300, size=length).tolist()
+    return np.random.default_rng(seed).integers(10, vocab - 300, size=length).tolist()
 
 
 def worker(spec: dict) -> None:
     """Runs in its own process: one engine, one format, every thread count."""
     result = {"cells": {}}
-    vocab = spec["vocab"]
-    n0 = spec["threads"][0]
+    n0, vocab = spec["threads"][0], spec["vocab"]
     try:
         if spec.get("check_ids") and spec["engine"] == "llama.cpp":
             # llama.cpp keeps every position's logits only in a context made for that:
             # check first, then free it, so the two never count twice in the peak RSS
             checker = make_runner(spec, n0, check=True)
-            result["check_file"] = save_check_logits(checker, spec)
+            np.save(spec["check_out"], checker.all_logits(spec["check_ids"]))
             del checker
         t0 = time.perf_counter()
         runner = make_runner(spec, n0)
         result["load_s"] = time.perf_counter() - t0
+        if spec.get("check_ids") and spec["engine"] != "llama.cpp":
+            np.save(spec["check_out"], runner.all_logits(spec["check_ids"]))
+        if spec.get("check_ids"):
+            result["check_file"] = spec["check_out"]
+        if spec.get("check_only"):              # the oracle's logits alone (transformers fp32 on MoE)
+            emit_result(result)
+            return
         try:
             result["isa"] = runner.isa()
         except Exception as e:                  # a report line, never a failed cell
             result["isa"] = f"unknown ({type(e).__name__}: {e})"
-        if spec.get("check_ids") and spec["engine"] != "llama.cpp":
-            result["check_file"] = save_check_logits(runner, spec)
     except Exception as e:                      # a missing package or engine is one cell, not the run
         emit_result({"error": f"{type(e).__name__}: {e}"})
         return
@@ -459,19 +441,16 @@ def worker(spec: dict) -> None:
     # the read bandwidth just before and just after each decode run: this VM's moves
     # within seconds, and the run's roofline is what the memory could do meanwhile
     probe = BandwidthProbe()
-    ttft_lens = spec.get("ttft_lens", [])
-    decode_prompt = spec.get("decode_prompt") or spec["prompt_lens"][0]
+    ttft_lens, decode_prompt = spec["ttft_lens"], spec["decode_prompt"]
     for n in spec["threads"]:
-        if n != spec["threads"][0]:
-            runner = set_threads(runner, spec, n)
+        runner.set_threads(n)
         # warm-up, not counted: every size that is measured below, once (JIT, allocations, the
         # weights' pages, gemm.py's packed copies, llama.cpp's compute buffers for a full batch)
         for p in [*spec["prompt_lens"], *ttft_lens]:
             runner.generate(prompt_ids(vocab, p, seed=1 + p), 0)
         runner.generate(prompt_ids(vocab, decode_prompt, seed=2), spec["decode_tokens"])
         cell = {"prefill": {str(p): [] for p in spec["prompt_lens"]}, "decode": [], "decode_bw": [],
-                "ttft": {str(p): [] for p in ttft_lens}}
-        t_cell = time.perf_counter()
+                "ttft": {str(p): [] for p in ttft_lens}, "runs": spec["runs"]}
         for r in range(spec["runs"]):
             # a fresh random prompt each time, so no engine can reuse a cached prefix
             for p in spec["prompt_lens"]:
@@ -486,91 +465,108 @@ def worker(spec: dict) -> None:
             after = probe.read(n)
             cell["decode"].append(spec["decode_tokens"] / t_decode)
             cell["decode_bw"].append(max(before, after))    # the better one, as for the run's figure
-            # at least min_runs runs for the median, more while the cell is cheap
-            if r + 1 >= spec["min_runs"] and time.perf_counter() - t_cell > spec["cell_seconds"]:
-                break
-        cell["runs"] = r + 1
         result["cells"][str(n)] = cell
-        print(f"{spec['engine']} {spec['fmt']} threads={n}: decode {median(cell['decode']):.1f} tok/s "
-              f"({cell['runs']} runs)", flush=True)
+        print(f"{spec['engine']} {spec['fmt']} threads={n}: decode {median(cell['decode']):.1f} tok/s", flush=True)
     probe.close()
-    if spec["engine"] == "stage1":
-        result["weight_bytes"] = stage1_weight_bytes(runner)
+    if spec["engine"] == "stage1":              # what one decode token reads, as the engine holds it
+        result["weight_bytes"] = stage1_bytes(runner.engine.weights, decode=True)
     emit_result(result)
 
 
-def save_check_logits(runner, spec: dict) -> str:
-    """Logits [T, V] of the check prompt, saved for the parent to compare."""
-    np.save(spec["check_out"], runner.all_logits(spec["check_ids"]))
-    return spec["check_out"]
-
-
-def make_runner(spec: dict, threads: int, check: bool = False):
-    if spec["engine"] == "stage1":
-        return Stage1Runner(spec["path"], spec["fmt"], threads, spec["max_ctx"], spec.get("kernels", "auto"),
-                            spec.get("activations", "auto"))
-    if spec["engine"] == "llama.cpp":
-        return LlamaCppRunner(spec["path"], threads, spec["max_ctx"], logits_all=check,
-                              mmap=spec.get("llama_mmap", "on") == "on")
-    if spec["engine"] == "read only":
-        return ReadOnlyRunner(spec["weight_bytes"], spec["kv_bytes_per_position"], threads, spec["max_ctx"])
-    return TransformersRunner(spec["path"], spec["fmt"], threads)
-
-
-def set_threads(runner, spec: dict, n: int):
-    """Change the thread count in place where the engine allows it, else rebuild it."""
-    if hasattr(runner, "set_threads"):
-        runner.set_threads(n)
-        return runner
-    del runner
-    return make_runner(spec, n)
-
-
-def stage1_weight_bytes(runner) -> int | None:
-    """Weight bytes one stage-1 decode step reads, as the engine counts them; None if
-    it cannot say (the parent then uses the nominal size of the format)."""
-    try:
-        return runner.weight_bytes()
-    except Exception:
-        return None
-
-
-def nominal_stage1_bytes(shape: Shape, fmt: str, group_size: int = 32) -> int:
-    """Bytes per token of stage 1's formats if the engine does not report them
-    (stage1_cpu/quant.py): bf16 2 bytes a weight; int8 one byte plus an fp16 scale
-    per group; int4 half a byte plus an fp16 scale and minimum per group, with the
-    lm_head kept in int8."""
-    int8 = 1 + 2 / group_size
-    lm_head = shape.vocab_size * shape.hidden_size
-    layers = shape.linear_params() - lm_head
-    if fmt == "int4":
-        return int(layers * (0.5 + 4 / group_size) + lm_head * int8)
-    return int(shape.linear_params() * {"bf16": 2.0, "fp32": 4.0, "int8": int8}[fmt])
-
-
-# ------------------------------------------------------------------ the report
+# ------------------------------------------------------------------ the runs
 
 @dataclass
 class Row:
-    engine: str
+    engine: str                      # the report's name: stage1, "stage1 plain", llama.cpp, transformers, read only
     fmt: str
-    weight_bytes: int | None
+    weight_bytes: int | None         # what one decode token reads
     result: dict
     wall_s: float = float("nan")     # what this engine's worker cost, start to finish
 
 
 def table_plans(args) -> list[dict]:
     """Which runs each table makes: one table per wait policy. The first measures
-    everything asked for (every thread count, transformers fp32 and the logits check);
-    the second, in a full run, only the largest thread count and transformers bf16,
-    so that two policies cost ~1.5x one, not 2x (a full run stays under ~40 min)."""
-    plans = []
-    for i, policy in enumerate(POLICIES[args.omp_wait_policy]):
-        first = i == 0
-        threads = args.threads if first or args.quick else [max(args.threads)]
-        hf = (["fp32"] if first else []) + (["bf16"] if "bf16" in args.formats else [])
-        plans.append({"policy": policy, "threads": threads, "check": first, "transformers": hf})
-    return plans
+    everything asked for (every thread count, the logits check); the next ones, in a full
+    run, only the largest thread count, so that two policies cost ~1.5x one, not 2x."""
+    return [{"policy": policy, "threads": args.threads if i == 0 or args.quick else [max(args.threads)],
+             "check": i == 0} for i, policy in enumerate(POLICIES[args.omp_wait_policy])]
+
+
+def stage1_label(kernels: str) -> str:
+    return "stage1" if kernels == "auto" else f"stage1 {kernels}"
+
+
+def jobs_for(args, shape: Shape, paths: dict, plan: dict, tmp: Path) -> list[tuple[str, int | None, dict]]:
+    """One table's workers: (the row's engine name, nominal decode bytes, the worker's spec)."""
+    check_ids = prompt_ids(shape.vocab_size, CHECK_TOKENS, seed=7)
+    check = lambda out: {"check_ids": check_ids, "check_out": str(tmp / out)} if plan["check"] else {}  # noqa: E731
+    hf = str(paths["hf"])
+    jobs = []
+    if "transformers" in args.engines:
+        if plan["check"]:     # the oracle; timed too on a dense shape (at the full MoE shape it costs minutes)
+            jobs.append(("transformers", 4 * shape.linear_params(), dict(
+                engine="transformers", fmt="fp32", path=hf, check_only=bool(shape.num_experts), **check("hf.npy"))))
+        if "bf16" in args.formats:
+            jobs.append(("transformers", 2 * shape.linear_params(), dict(engine="transformers", fmt="bf16", path=hf)))
+    kv = 2 * shape.num_hidden_layers * shape.num_key_value_heads * shape.head_dim * 4   # fp32 K and V per position
+    for fmt in args.formats:
+        nominal = nominal_stage1_bytes(shape, fmt)
+        if "stage1" in args.engines:
+            for kernels in args.kernels:
+                label = stage1_label(kernels)
+                jobs.append((label, nominal, dict(engine="stage1", fmt=fmt, path=hf, kernels=kernels,
+                                                  **check(f"{label}-{fmt}.npy"))))
+        if "llama.cpp" in args.engines:
+            q = LLAMA_FORMAT[fmt]
+            jobs.append(("llama.cpp", gguf_decode_bytes(paths[q], shape) if paths[q].exists() else None,
+                         dict(engine="llama.cpp", fmt=q, path=str(paths[q]), **check(f"llama.cpp-{q}.npy"))))
+        if "stage1" in args.engines and args.read_only:     # the ceiling for stage 1's bytes (ReadOnlyRunner)
+            jobs.append(("read only", nominal, dict(engine="read only", fmt=fmt, path="", weight_bytes=nominal,
+                                                    kv_bytes_per_position=kv)))
+    return jobs
+
+
+def run_table(args, shape: Shape, paths: dict, log, plan: dict) -> tuple[list[Row], dict]:
+    """One table: every worker of the plan under its wait policy, then every engine's
+    logits against transformers fp32's."""
+    base = dict(vocab=shape.vocab_size, threads=plan["threads"], prompt_lens=args.prompt_lens,
+                ttft_lens=args.ttft_lens, decode_prompt=args.decode_prompt, decode_tokens=args.decode_tokens,
+                runs=args.runs, activations=args.activations, kernels="auto")
+    tmp = Path(tempfile.mkdtemp(prefix="bench-cpu-"))
+    rows, reference = [], None
+    for label, nbytes, spec in jobs_for(args, shape, paths, plan, tmp):
+        if spec["engine"] == "llama.cpp" and (args.llama_missing or not llama_cpp_installed()):
+            rows.append(Row(label, spec["fmt"], nbytes, {"error": args.llama_missing or "not installed"}))
+            continue
+        log(f"running {label} {spec['fmt']} (OMP_WAIT_POLICY={plan['policy']}) ...")
+        t0 = time.perf_counter()
+        res = run_worker("bench.cpu", dict(base, **spec), timeout=args.worker_timeout, log=log,
+                         omp_wait_policy=plan["policy"], env_extra=profile_env(args, spec["engine"]))
+        wall = time.perf_counter() - t0
+        log(f"  {label} {spec['fmt']}: {res['error']}" if "error" in res
+            else f"  done in {wall:.0f} s, peak RSS {res['peak_rss_mib']:.0f} MiB")
+        if spec["engine"] == "transformers" and spec["fmt"] == "fp32" and res.get("check_file"):
+            reference = np.load(res["check_file"])
+        if not spec.get("check_only") or "error" in res:
+            rows.append(Row(label, spec["fmt"], res.get("weight_bytes") or nbytes, res, wall))
+    check = {}
+    for row in rows:
+        f = row.result.get("check_file")
+        if reference is not None and f and row.engine != "transformers" and Path(f).exists():
+            check[(row.engine, row.fmt)] = logits_agreement(reference, np.load(f))
+    shutil.rmtree(tmp, ignore_errors=True)
+    return rows, check
+
+
+def logits_agreement(ref: np.ndarray, got: np.ndarray) -> dict:
+    """How close an engine's logits [T, V] are to transformers fp32's on the same weights."""
+    err = np.abs(ref - got).max() / np.abs(ref).max()
+    cos = float(np.mean(np.sum(ref * got, -1) / (np.linalg.norm(ref, axis=-1) * np.linalg.norm(got, axis=-1))))
+    return {"max_rel_err": float(err), "cosine": cos, "top1": float(np.mean(ref.argmax(-1) == got.argmax(-1)))}
+
+
+def llama_cpp_installed() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
 
 
 def profile_env(args, engine: str) -> dict:
@@ -581,35 +577,7 @@ def profile_env(args, engine: str) -> dict:
         return {"NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": HASWELL_FEATURES}
     if engine == "llama.cpp":
         return {"LLAMA_CPP_LIB_PATH": str(args.llama_lib)} if args.llama_lib else {}
-    if engine == "transformers":
-        return {"ATEN_CPU_CAPABILITY": "avx2"}
-    return {}
-
-
-def add_cpu_profile_args(p: argparse.ArgumentParser) -> None:
-    """--cpu-profile and --llama-avx2-lib, which profile_env and choose_llama_lib read (bench cpu,
-    bench prefill-pair)."""
-    p.add_argument("--cpu-profile", default="native", choices=["native", "avx2"],
-                   help="avx2: stand in for an AVX2-only CPU on an AVX-512 host (stage 1 under "
-                        "NUMBA_CPU_NAME=haswell, llama.cpp from bench/build_llama_avx2.sh's build)")
-    p.add_argument("--llama-avx2-lib", type=Path, default=None,
-                   help=f"--cpu-profile avx2: the folder of the AVX2 build's libllama.so (default {AVX2_LLAMA_LIB})")
-
-
-def resolve_cpu_profile(args) -> None:
-    """After parsing (bench cpu, bench moe): args.llama_lib, args.llama_missing and args.llama_line from
-    --cpu-profile (choose_llama_lib's answer under avx2; no library, nothing missing, no line natively)."""
-    args.llama_lib, args.llama_missing, args.llama_line = None, None, ""
-    if args.cpu_profile == "avx2":
-        args.llama_lib, args.llama_missing, args.llama_line = choose_llama_lib(args)
-
-
-def cpu_profile_lines(args) -> list[str]:
-    """The report's line saying what --cpu-profile avx2 ran (none under native)."""
-    if args.cpu_profile != "avx2":
-        return []
-    return ["- --cpu-profile avx2: stage 1 compiled for NUMBA_CPU_NAME=haswell with Haswell's features "
-            "(no AVX-512); transformers with ATEN_CPU_CAPABILITY=avx2; " + args.llama_line]
+    return {"ATEN_CPU_CAPABILITY": "avx2"}                                  # transformers
 
 
 def choose_llama_lib(args) -> tuple[Path | None, str | None, str]:
@@ -625,284 +593,64 @@ def choose_llama_lib(args) -> tuple[Path | None, str | None, str]:
     return None, why, "llama.cpp: " + why
 
 
-def run_all(args, shape: Shape, paths: dict, log, plan: dict) -> tuple[list[Row], dict]:
-    """One table: every engine and format of the plan, under its wait policy."""
-    threads = plan["threads"]
-    base = dict(vocab=shape.vocab_size, max_ctx=1024, threads=threads, prompt_lens=args.prompt_lens,
-                decode_tokens=args.decode_tokens, runs=args.runs, min_runs=args.runs,
-                cell_seconds=args.cell_seconds, kernels=args.kernels, activations=args.activations,
-                ttft_lens=args.ttft_lens,
-                decode_prompt=args.decode_prompt, llama_mmap=args.llama_mmap)
-    tmp = Path(tempfile.mkdtemp(prefix="bench-cpu-"))
-    check_ids = prompt_ids(shape.vocab_size, CHECK_TOKENS, seed=7)
-    check = lambda out: {"check_ids": check_ids, "check_out": str(tmp / out)} if plan["check"] else {}
-    jobs: list[tuple[str, str, str, int | None, dict]] = []
-    if "transformers" in args.engines:
-        for fmt in plan["transformers"]:
-            extra = check("hf.npy") if fmt == "fp32" else {}
-            nbytes = shape.linear_params() * (4 if fmt == "fp32" else 2)
-            jobs.append(("transformers", fmt, str(paths["hf"]), nbytes, extra))
-    for fmt in args.formats:
-        if "stage1" in args.engines:
-            extra = check(f"stage1-{fmt}.npy")
-            jobs.append(("stage1", fmt, str(paths["hf"]), nominal_stage1_bytes(shape, fmt), extra))
-        if "llama.cpp" in args.engines:
-            q = LLAMA_FORMAT[fmt]
-            extra = check(f"llama.cpp-{q}.npy")
-            jobs.append(("llama.cpp", q, str(paths[q]), gguf_weight_bytes(paths[q]), extra))
-        if "stage1" in args.engines:          # the ceiling for stage 1's bytes (ReadOnlyRunner)
-            nbytes = nominal_stage1_bytes(shape, fmt)
-            kv = 2 * shape.num_hidden_layers * shape.num_key_value_heads * shape.head_dim * 4
-            jobs.append(("read only", fmt, "", nbytes, {"weight_bytes": nbytes, "kv_bytes_per_position": kv}))
-
-    rows = []
-    for engine, fmt, path, nbytes, extra in jobs:
-        if engine == "llama.cpp" and not llama_cpp_installed():
-            rows.append(Row(engine, fmt, nbytes, {"error": "not installed"}))
-            continue
-        if engine == "llama.cpp" and args.llama_missing:
-            rows.append(Row(engine, fmt, nbytes, {"error": args.llama_missing}))
-            continue
-        log(f"running {engine} {fmt} (OMP_WAIT_POLICY={plan['policy']}) ...")
-        t0 = time.perf_counter()
-        res = run_worker("bench.cpu", dict(base, engine=engine, fmt=fmt, path=path, **extra),
-                         timeout=args.worker_timeout, log=log, omp_wait_policy=plan["policy"],
-                         env_extra=profile_env(args, engine))
-        wall = time.perf_counter() - t0
-        if "error" in res:
-            log(f"  {engine} {fmt}: {res['error']}")
-        else:
-            log(f"  done in {wall:.0f} s, peak RSS {res['peak_rss_mib']:.0f} MiB")
-        rows.append(Row(engine, fmt, res.get("weight_bytes") or nbytes, res, wall))
-    # every engine's logits for the same CHECK_TOKENS tokens against transformers fp32's
-    check = {}
-    if (tmp / "hf.npy").exists():
-        ref = np.load(tmp / "hf.npy")
-        for row in rows:
-            f = row.result.get("check_file")
-            if f and row.engine != "transformers" and Path(f).exists():
-                check[(row.engine, row.fmt)] = logits_agreement(ref, np.load(f))
-    shutil.rmtree(tmp, ignore_errors=True)
-    return rows, check
-
-
-def logits_agreement(ref: np.ndarray, got: np.ndarray) -> dict:
-    """How close an engine's logits [T, V] are to transformers fp32's on the same weights."""
-    err = np.abs(ref - got).max() / np.abs(ref).max()
-    cos = float(np.mean(np.sum(ref * got, -1) / (np.linalg.norm(ref, axis=-1) * np.linalg.norm(got, axis=-1))))
-    top1 = float(np.mean(ref.argmax(-1) == got.argmax(-1)))
-    return {"max_rel_err": float(err), "cosine": cos, "top1": top1, "tokens": len(ref)}
-
-
-def llama_cpp_installed() -> bool:
-    import importlib.util
-    return importlib.util.find_spec("llama_cpp") is not None
-
-
-def report(args, shape: Shape, tables: list[dict], bw: dict, loads: tuple[float, float, float]) -> str:
-    """The whole result as markdown: machine and instructions, the headline (each engine at
-    its best policy), then per policy one table and its ratios; correctness; napkin maths."""
-    out = [f"## CPU benchmark: {shape.name} ({'quick' if args.quick else 'full'}"
-           + (", AVX2 machine stand-in" if args.cpu_profile == "avx2" else "") + ")", "",
-           f"- machine: {machine_description()}",
-           "- command: `" + " ".join(["python -m bench cpu", *args.argv]) + "`",
-           f"- 1-minute load before {loads[0]:.2f}, after {loads[1]:.2f} (with the benchmark's own threads); "
-           f"other processes used {loads[2]:.2f} cores on average during the run"
-           + ("  **busy: numbers may be low**" if loads[2] > 0.25 else ""),
-           f"- model: {shape.num_hidden_layers} layers, C={shape.hidden_size}, H/Hkv={shape.num_attention_heads}/"
-           f"{shape.num_key_value_heads}, D={shape.head_dim}, F={shape.intermediate_size}, V={shape.vocab_size}, tied "
-           f"embeddings; {shape.linear_params() / 1e6:.0f} M weights read per token",
-           f"- memory bandwidth of the run (numba prange read of {bw['start']['mib']} MiB, best of 5, the better of start / end): "
-           + ", ".join(f"{n} thread{'s' * (n > 1)} {bw['read'][n]:.1f} GB/s "
-                       f"({bw['start']['read'][n]:.1f} / {bw['end']['read'][n]:.1f})" for n in args.threads)
-           + f"; numpy copy (1 thread, read+write) {bw['copy']:.1f} GB/s",
-           "- tables (one per OMP_WAIT_POLICY, every engine in its own subprocess; `default` = the variable "
-           "unset, the OpenMP runtime's choice: libgomp spins a while before it sleeps): "
-           + "; ".join(f"{t['plan']['policy']}: threads {','.join(map(str, t['plan']['threads']))}, "
-                       f"cost {t['wall_s'] / 60:.1f} min, other processes {t['others']:.2f} cores"
-                       + (" **busy**" if t["others"] > 0.25 else "") for t in tables)]
-    out += cpu_profile_lines(args)
-    out.append("- llama.cpp files: the same weights, every matrix in BF16 / Q8_0 / Q4_0, except that the Q4_0 "
-               "file keeps the tied token_embd (the lm_head) in Q8_0, as stage 1's int4 keeps it in int8")
-    out.append(f"- every engine first runs each measured size once, uncounted (every prefill length, every "
-               f"time-to-first-token prompt, a full decode); then medians of {args.runs} warm "
-               f"run{'s' * (args.runs > 1)}; prefill = prompt tokens ÷ time to the first token; decode = "
-               f"{args.decode_tokens} greedy tokens (EOS ignored) after a {args.decode_prompt}-token prompt ÷ their time; "
-               f"llama.cpp with use_mmap {args.llama_mmap}, n_batch = n_ubatch = 512"
-               + ("; --quick: the model fits in the L3 cache, so % roofline can pass 100 %" if args.quick else ""))
-    out += ["", "### instruction sets each engine used", ""]
-    seen = set()
-    for t in tables[:1]:
-        for row in t["rows"]:
-            isa = row.result.get("isa")
-            if isa and (row.engine, isa) not in seen:
-                seen.add((row.engine, isa))
-                out.append(f"- {row.engine} {row.fmt}: {isa}")
-    out += [""] + prefill_headline(args, tables) + headline(args, tables)
-    for t in tables:
-        plan = t["plan"]
-        out += [f"### OMP_WAIT_POLICY={plan['policy']} (this table: {t['wall_s'] / 60:.1f} min, other processes "
-                f"{t['others']:.2f} cores{'  **busy**' if t['others'] > 0.25 else ''})", ""]
-        out += engine_table(args, t["rows"], plan["threads"])
-        out += ratio_table(args, t["rows"], plan["threads"])
-        if plan["check"]:
-            out += correctness(t["check"])
-    out += ["roofline = read bandwidth ÷ weight bytes one decode token reads (stage 1: `bench/weight_bytes.py`), "
-            "with the bandwidth *of that decode run*: the same read, 256 MiB, best of 3, from a process of its own, "
-            "just before and just after each run (the better of the two); `GB/s` is their median and `% roofline` "
-            "the median over the runs of decode ÷ the run's roofline (this VM's bandwidth moves within seconds: "
-            "see docs/benchmarks.md). `read only`: the ceiling — a numba sum over the format's weight bytes plus "
-            "stage 1's fp32 KV cache up to the position, per token, nothing computed.", ""]
-    out += napkin(shape, tables[0]["rows"], bw, args.threads)
-    return "\n".join(out)
-
+# ------------------------------------------------------------------ the report
 
 def best_by_policy(args, tables: list[dict]) -> dict:
-    """(engine, format, threads, metric) -> (best median, the policy that gave it), over every table."""
+    """(engine, format, threads, metric) -> (best median, its policy, its row, its cell), over
+    every table; metric: "decode", a prompt length (prefill tok/s) or "ttftP" (1 / seconds, so
+    that larger is better for every metric)."""
     best = {}
     for t in tables:
         for row in t["rows"]:
             for n, cell in row.result.get("cells", {}).items():
                 values = {"decode": median(cell["decode"])}
                 values.update({p: median(cell["prefill"][str(p)]) for p in args.prompt_lens})
-                # time to first token: seconds, so the best is the smallest (kept as 1 / s to compare alike)
-                values.update({f"ttft{p}": 1 / median(v) for p, v in cell.get("ttft", {}).items() if v})
+                values.update({f"ttft{p}": 1 / median(v) for p, v in cell["ttft"].items() if v})
                 for metric, v in values.items():
                     key = (row.engine, row.fmt, int(n), metric)
                     if v == v and (key not in best or v > best[key][0]):
-                        best[key] = (v, t["plan"]["policy"])
+                        best[key] = (v, t["plan"]["policy"], row, cell)
     return best
 
 
-# issue 28's targets (stage 1 ÷ llama.cpp, 2 threads, each engine at its best policy)
-PREFILL_TARGETS = {"int8": {32: 1.0, 128: 1.6, 512: 1.5, "decode": 1.0},
-                   "int4": {32: 1.0, 128: 1.3, 512: 1.3, "decode": 1.0}}
-
-
-def prefill_headline(args, tables: list[dict]) -> list[str]:
-    """Per format at the largest thread count: every prefill length, decode and the time to first
-    token, stage 1 against llama.cpp, each at its best policy, with the prefill targets."""
+def headline(args, shape: Shape, tables: list[dict]) -> list[str]:
+    """Per format, kernel set and thread count: decode, every prefill length and the time to the
+    first token, stage 1 ÷ llama.cpp with each engine at its own best wait policy (a ratio under
+    one policy alone flatters whichever engine suffers less from it), stage 1's % of its decode
+    roofline, and the targets at 2 threads."""
     best = best_by_policy(args, tables)
-    n = max(n for t in tables for n in t["plan"]["threads"])
-    metrics = [*args.prompt_lens, "decode", *(f"ttft{p}" for p in args.ttft_lens)]
-    rows = []
-    for fmt in args.formats:
-        q = LLAMA_FORMAT[fmt]
-        for m in metrics:
-            s, l = best.get(("stage1", fmt, n, m)), best.get(("llama.cpp", q, n, m))
-            ttft = isinstance(m, str) and m.startswith("ttft")
-            show = (lambda v: f"{1e3 / v:.0f} ms") if ttft else (lambda v: f"{v:.1f} tok/s")
-            what = f"time to first token, {m[4:]}-token prompt" if ttft else (
-                "decode" if m == "decode" else f"prefill {m}")
-            ratio = s[0] / l[0] if s and l else float("nan")
-            target = PREFILL_TARGETS.get(fmt, {}).get(m)
-            verdict = "" if target is None or ratio != ratio else \
-                f"{'met' if ratio >= target else 'NOT met'} (≥{target:.1f}×)"
-            rows.append([fmt, q, what, f"{show(s[0])} ({s[1]})" if s else "–",
-                         f"{show(l[0])} ({l[1]})" if l else "–",
-                         f"{ratio:.2f}×" if ratio == ratio else "–", verdict])
-    return [f"### prefill, decode and time to first token at {n} threads: stage 1 ÷ llama.cpp "
-            f"(--kernels {args.kernels}{_acts(args)}), each engine at its own best wait policy", "",
-            "(speed ratio: for the time to first token llama.cpp's time ÷ stage 1's; the policy in brackets; "
-            f"medians of {args.runs} warm runs after a warm-up of every size)", "",
-            markdown_table(["stage 1", "llama.cpp", "what", "stage 1", "llama.cpp", "ratio", "target"], rows), ""]
-
-
-def _acts(args) -> str:
-    """The --activations asked of stage 1, where it is not the default, for a table's heading."""
-    return "" if args.activations == "auto" else f", --activations {args.activations}"
-
-
-def headline(args, tables: list[dict]) -> list[str]:
-    """stage 1 ÷ llama.cpp per format, decode and the longest prefill, each engine at its own
-    best policy (a ratio under one policy alone flatters whichever engine suffers less from it)."""
-    best = best_by_policy(args, tables)
-    p = max(args.prompt_lens)
-    rows = []
     threads = sorted({n for t in tables for n in t["plan"]["threads"]})
+    metrics = ["decode", *args.prompt_lens, *(f"ttft{p}" for p in args.ttft_lens)]
+    rows = []
     for n in threads:
         for fmt in args.formats:
-            q = LLAMA_FORMAT[fmt]
-            cells = []
-            ratios = {}
-            for metric in ("decode", p):
-                s, l = best.get(("stage1", fmt, n, metric)), best.get(("llama.cpp", q, n, metric))
-                ratios[metric] = s[0] / l[0] if s and l else float("nan")
-                cells += [f"{s[0]:.1f} ({s[1]})" if s else "–", f"{l[0]:.1f} ({l[1]})" if l else "–",
-                          f"{ratios[metric]:.2f}×" if ratios[metric] == ratios[metric] else "–"]
-            verdict = ""
-            if not args.quick and n == 2 and fmt in TARGETS and ratios["decode"] == ratios["decode"]:
-                t_dec, t_pre, _ = TARGETS[fmt]
-                verdict = f"decode {'met' if ratios['decode'] >= t_dec else 'NOT met'} (≥{t_dec:.1f}×)"
-                if ratios[p] == ratios[p]:
-                    verdict += f"; prefill {p} {'met' if ratios[p] >= t_pre else 'NOT met'} (≥{t_pre:.1f}×)"
-            rows.append([fmt, q, n, *cells, verdict])
-    header = ["stage 1", "llama.cpp", "threads", "stage 1 decode tok/s", "llama.cpp decode tok/s", "decode ratio",
-              f"stage 1 prefill {p}", f"llama.cpp prefill {p}", f"prefill {p} ratio", "targets (2 threads)"]
-    return [f"### headline: stage 1 ÷ llama.cpp, each engine at its own best wait policy (--kernels {args.kernels}"
-            f"{_acts(args)})",
-            "", "(the policy that gave each figure in brackets; the bf16 decode target applies where AVX-512 BF16 "
-            "exists, the int8 / int4 ones everywhere)", "", markdown_table(header, rows), ""]
-
-
-def engine_table(args, rows: list[Row], threads: list[int]) -> list[str]:
-    header = ["engine", "format", "threads", "MB/token", *(f"prefill {p} tok/s" for p in args.prompt_lens),
-              "decode tok/s", "GB/s", "roofline tok/s", "% roofline", "runs", "load s", "peak RSS MiB", "wall s"]
-    table = []
-    for n in threads:
-        for row in rows:
-            cell = row.result.get("cells", {}).get(str(n))
-            if cell is None:
-                table.append([row.engine, row.fmt, n, fmt_num(row.weight_bytes / 1e6 if row.weight_bytes else None, 0),
-                              row.result.get("error", "failed")[:60]] + [""] * (len(header) - 5))
-                continue
-            gbs, frac = decode_roofline(cell, row.weight_bytes)
-            table.append([row.engine, row.fmt, n, fmt_num(row.weight_bytes / 1e6, 0),
-                          *(fmt_num(median(cell["prefill"][str(p)])) for p in args.prompt_lens),
-                          fmt_num(median(cell["decode"])), fmt_num(gbs),
-                          fmt_num(gbs * 1e9 / row.weight_bytes if row.weight_bytes else None),
-                          fmt_num(100 * frac, 0) + "%" * (frac == frac), cell["runs"],
-                          fmt_num(row.result.get("load_s")), fmt_num(row.result.get("peak_rss_mib"), 0),
-                          fmt_num(row.wall_s, 0)])
-    return [markdown_table(header, table), ""]
-
-
-def ratio_table(args, rows: list[Row], threads: list[int]) -> list[str]:
-    """stage 1 ÷ llama.cpp under this table's policy, and how close each got to its roofline."""
-    by = {(r.engine, r.fmt): r for r in rows}
-    ratio_rows = []
-    for n in threads:
-        for fmt in args.formats:
-            s, l = by.get(("stage1", fmt)), by.get(("llama.cpp", LLAMA_FORMAT[fmt]))
-            sc = s.result.get("cells", {}).get(str(n)) if s else None
-            lc = l.result.get("cells", {}).get(str(n)) if l else None
-            if not sc or not lc:
-                why = (l.result.get("error") if l and l.result.get("error") else "not measured")[:60]
-                ratio_rows.append([fmt, LLAMA_FORMAT[fmt], n, why] + [""] * (len(args.prompt_lens) + 2))
-                continue
-            r = [median(sc["prefill"][str(p)]) / median(lc["prefill"][str(p)]) for p in args.prompt_lens]
-            rd = median(sc["decode"]) / median(lc["decode"])
-            roof = decode_roofline(sc, s.weight_bytes)[1]
-            ro = by.get(("read only", fmt))
-            rc = ro.result.get("cells", {}).get(str(n)) if ro else None
-            ceiling = decode_roofline(rc, ro.weight_bytes)[1] if rc else float("nan")
-            ratio_rows.append([fmt, LLAMA_FORMAT[fmt], n, *(f"{x:.2f}×" for x in r), f"{rd:.2f}×",
-                               fmt_num(100 * roof, 0) + "%" * (roof == roof),
-                               fmt_num(100 * ceiling, 0) + "%" * (ceiling == ceiling)])
-    rh = ["stage 1", "llama.cpp", "threads", *(f"prefill {p}" for p in args.prompt_lens), "decode",
-          "stage 1 % roofline", "read only % roofline"]
-    return ["stage 1 ÷ llama.cpp under this policy:", "", markdown_table(rh, [r[:len(rh)] for r in ratio_rows]), ""]
-
-
-def correctness(check: dict) -> list[str]:
-    out = [f"#### correctness: logits of {CHECK_TOKENS} tokens against transformers fp32 (same weights)", "",
-           f"(stage 1 computes the first {CHECK_TOKENS // 2} in one forward, as prefill does, and the other "
-           f"{CHECK_TOKENS // 2} one at a time, as decode does: both ways of rounding the activations are in it)", ""]
-    if not check:
-        return out + ["not checked (transformers fp32 did not run)", ""]
-    return out + [markdown_table(["engine", "format", "max abs error / max abs logit", "cosine", "same argmax"],
-                                 [[e, f, f"{c['max_rel_err']:.4f}", f"{c['cosine']:.6f}", f"{c['top1']:.0%}"]
-                                  for (e, f), c in check.items()]), ""]
+            q, targets = LLAMA_FORMAT[fmt], TARGETS[shape.family].get(fmt, {})
+            for label in map(stage1_label, args.kernels):
+                for m in metrics:
+                    s, ll = best.get((label, fmt, n, m)), best.get(("llama.cpp", q, n, m))
+                    ttft = isinstance(m, str) and m.startswith("ttft")
+                    show = (lambda v: f"{1e3 / v:.0f} ms") if ttft else (lambda v: f"{v:.1f} tok/s")  # noqa: E731
+                    what = f"time to first token, {m[4:]}-token prompt" if ttft else (
+                        "decode" if m == "decode" else f"prefill {m}")
+                    ratio = s[0] / ll[0] if s and ll else float("nan")
+                    roof = decode_roofline(s[3], s[2].weight_bytes)[1] if s and m == "decode" else float("nan")
+                    verdict = []
+                    if not args.quick and n == 2:
+                        if m in targets and ratio == ratio:
+                            verdict.append(f"{'met' if ratio >= targets[m] else 'NOT met'} (≥{targets[m]:.1f}×)")
+                        if "roofline" in targets and roof == roof:
+                            verdict.append(f"roofline {'met' if roof >= targets['roofline'] else 'NOT met'} "
+                                           f"(≥{targets['roofline']:.0%})")
+                    rows.append([label, fmt, q, n, what, f"{show(s[0])} ({s[1]})" if s else "–",
+                                 f"{show(ll[0])} ({ll[1]})" if ll else "–",
+                                 f"{ratio:.2f}×" if ratio == ratio else "–",
+                                 fmt_num(100 * roof, 0) + "%" * (roof == roof), "; ".join(verdict)])
+    return ["### headline: stage 1 ÷ llama.cpp, each engine at its own best wait policy"
+            + (f" (--activations {args.activations})" if args.activations != "auto" else ""), "",
+            "(the policy that gave each figure in brackets; `stage1` = --kernels auto, the fast path where this "
+            "CPU has it; for the time to first token the ratio is llama.cpp's time ÷ stage 1's)", "",
+            markdown_table(["stage 1", "format", "llama.cpp", "threads", "what", "stage 1", "llama.cpp", "ratio",
+                            "% roofline", "targets (2 threads)"], rows), ""]
 
 
 def decode_roofline(cell: dict, nbytes: int | None) -> tuple[float, float]:
@@ -914,139 +662,119 @@ def decode_roofline(cell: dict, nbytes: int | None) -> tuple[float, float]:
     return median(bws), median([d * nbytes / (b * 1e9) for d, b in zip(cell["decode"], bws)])
 
 
-def napkin(shape: Shape, rows: list[Row], bw: dict, threads: list[int]) -> list[str]:
-    """Bytes per token per format and the decode speed memory alone allows."""
-    n = max(threads)
+def engine_table(args, rows: list[Row], threads: list[int]) -> list[str]:
+    header = ["engine", "format", "threads", "MB/token", *(f"prefill {p} tok/s" for p in args.prompt_lens),
+              "decode tok/s", "GB/s", "roofline tok/s", "% roofline", "runs", "load s", "peak RSS MiB", "wall s"]
+    table = []
+    for n in threads:
+        for row in rows:
+            mb = fmt_num(row.weight_bytes / 1e6 if row.weight_bytes else None, 0)
+            cell = row.result.get("cells", {}).get(str(n))
+            if cell is None:
+                table.append([row.engine, row.fmt, n, mb, row.result.get("error", "failed")[:60]]
+                             + [""] * (len(header) - 5))
+                continue
+            gbs, frac = decode_roofline(cell, row.weight_bytes)
+            table.append([row.engine, row.fmt, n, mb, *(fmt_num(median(cell["prefill"][str(p)]))
+                                                        for p in args.prompt_lens),
+                          fmt_num(median(cell["decode"])), fmt_num(gbs),
+                          fmt_num(gbs * 1e9 / row.weight_bytes if row.weight_bytes else None),
+                          fmt_num(100 * frac, 0) + "%" * (frac == frac), cell["runs"],
+                          fmt_num(row.result.get("load_s")), fmt_num(row.result.get("peak_rss_mib"), 0),
+                          fmt_num(row.wall_s, 0)])
+    return [markdown_table(header, table), ""]
+
+
+def correctness(check: dict) -> list[str]:
+    out = [f"### correctness: logits of {CHECK_TOKENS} tokens against transformers fp32 (same weights)", "",
+           f"(stage 1 computes the first {CHECK_TOKENS // 2} in one forward, as prefill does, and the other "
+           f"{CHECK_TOKENS // 2} one at a time, as decode does: both ways of rounding the activations are in it)", ""]
+    if not check:
+        return out + ["not checked (transformers fp32 did not run)", ""]
+    return out + [markdown_table(["engine", "format", "max abs error / max abs logit", "cosine", "same argmax"],
+                                 [[e, f, f"{c['max_rel_err']:.4f}", f"{c['cosine']:.6f}", f"{c['top1']:.0%}"]
+                                  for (e, f), c in check.items()]), ""]
+
+
+def napkin(shape: Shape, rows: list[Row], bw: float, n: int, prompt_len: int) -> list[str]:
+    """Bytes per token per format and the decode speed memory alone allows; for MoE, what a
+    token reads against what the file holds, and what grouping prefill tokens per expert saves."""
+    head = shape.vocab_size * shape.hidden_size
     lines = ["### napkin maths", "",
-             f"decode reads every weight once per token: {shape.linear_params() / 1e6:.0f} M weights "
-             f"(lm_head {shape.vocab_size * shape.hidden_size / 1e6:.0f} M of them). "
-             f"At {bw['read'][n]:.1f} GB/s ({n} threads):", ""]
+             f"decode reads every weight it uses once per token: {shape.linear_params() / 1e6:,.0f} M weights "
+             f"(lm_head {head / 1e6:.0f} M of them, {head / shape.linear_params():.0%}). At {bw:.1f} GB/s "
+             f"({n} threads):", ""]
     seen = set()
     for r in rows:
         if r.weight_bytes and (r.engine, r.fmt) not in seen and r.engine != "read only":
             seen.add((r.engine, r.fmt))
-            bpw = r.weight_bytes / shape.linear_params()
-            lines.append(f"- {r.engine} {r.fmt}: {bpw:.4f} bytes/weight → {r.weight_bytes / 1e6:.0f} MB/token "
-                         f"→ at most {bw['read'][n] * 1e9 / r.weight_bytes:.1f} tok/s")
-    return lines + [""]
+            lines.append(f"- {r.engine} {r.fmt}: {r.weight_bytes / shape.linear_params():.4f} bytes/weight → "
+                         f"{r.weight_bytes / 1e6:,.0f} MB/token → at most {bw * 1e9 / r.weight_bytes:.1f} tok/s")
+    if not shape.num_experts:
+        return lines + [""]
+    E, k = shape.num_experts, shape.num_experts_per_tok
+    # prefill grouped per expert: each expert any of the P tokens chose is read once; with routing
+    # spread over the experts a layer uses E (1 - (1 - k/E)^P) of them, instead of P k reads
+    distinct = E * (1 - (1 - k / E) ** prompt_len)
+    return lines + [
+        "", f"The file holds {shape.total_params() / 1e6:,.0f} M weights: the {E - k} experts a token skips per "
+        f"layer cost memory, not bandwidth ({shape.total_params() / shape.linear_params():.1f}x fewer bytes than a "
+        f"dense model of that size). A prefill of {prompt_len} tokens, grouped per expert, reads each of about "
+        f"{distinct:.1f} experts once per layer instead of {prompt_len * k:,} times one: each expert's matmul has "
+        f"~{prompt_len * k / distinct:.0f} rows, compute-bound, no longer a bandwidth-bound matvec.", ""]
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.cpu", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true",
-                   help="a small model (4 layers, C=512, V=32000), one thread count, 2 runs: for CI")
-    p.add_argument("--moe", action="store_true",
-                   help="the MoE benchmark instead (the same as python -m bench moe; its options, "
-                        "see python -m bench moe --help)")
-    p.add_argument("--threads", default=None, help="comma-separated thread counts (default 1,2; quick: 2)")
-    p.add_argument("--formats", default="bf16,int8,int4", help="stage-1 formats: bf16,int8,int4")
-    p.add_argument("--engines", default="stage1,llama.cpp,transformers", help="which engines to run")
-    p.add_argument("--runs", type=int, default=None,
-                   help="warm runs per measurement, after a warm-up of every size; the median is reported (default 3; quick: 2)")
-    p.add_argument("--cell-seconds", type=float, default=None,
-                   help="stop adding runs after the first --runs once one engine/thread count took this long "
-                        "(bench cpu makes exactly --runs runs, so this only matters to bench moe; default 60; quick 15)")
-    p.add_argument("--decode-tokens", type=int, default=128, help="greedy tokens generated for the decode figure")
-    p.add_argument("--prompt-lens", default="32,128,512", help="prompt lengths for prefill tok/s")
-    p.add_argument("--decode-prompt", type=int, default=128, help="the prompt length decode follows")
-    p.add_argument("--ttft-lens", default="37,300",
-                   help="prompt lengths whose time to first token is reported (chat-sized prompts; '' for none)")
-    p.add_argument("--llama-mmap", default="on", choices=["on", "off"],
-                   help="llama.cpp's use_mmap (on: its fastest load here, decode the same; docs/benchmarks.md)")
-    p.add_argument("--out", type=Path, default=None, help="also write the markdown report to this file")
-    p.add_argument("--save", type=Path, default=None,
-                   help="also write the decode results as JSON (docs/figures/stage1_roofline.json: "
-                        "python -m bench figures draws the roofline from it)")
-    p.add_argument("--cache-dir", type=Path, default=CACHE, help="where the models are built and kept")
-    p.add_argument("--worker-timeout", type=float, default=1800, help="seconds one engine may take in all")
-    p.add_argument("--omp-wait-policy", default=None, choices=list(POLICIES),
-                   help="OMP_WAIT_POLICY for every engine: both (a table under PASSIVE, then one under the "
-                        "runtime's default, where idle threads spin a while; the headline takes each engine at "
-                        "its best), PASSIVE, ACTIVE or default. Default: both; --quick: PASSIVE")
-    p.add_argument("--kernels", default="auto", choices=["auto", "plain", "fast"],
-                   help="stage 1's kernels: plain (the portable core) or fast (stage1_cpu/fast/); default auto")
-    p.add_argument("--activations", default="auto", choices=["auto", "int8", "fp32"],
-                   help="stage 1's --activations (default auto; int8: llama.cpp's rounding, prefill on int8 too)")
-    add_cpu_profile_args(p)
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    args.argv = argv
-    cpus = os.cpu_count() or 1
-    args.threads = [int(t) for t in (args.threads or (str(min(2, cpus)) if args.quick else "1,2")).split(",")]
-    args.formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    args.prompt_lens = [int(x) for x in args.prompt_lens.split(",")]
-    args.ttft_lens = [int(x) for x in args.ttft_lens.split(",") if x.strip()]
-    args.runs = args.runs or (2 if args.quick else 3)
-    args.omp_wait_policy = args.omp_wait_policy or ("PASSIVE" if args.quick else "both")
-    resolve_cpu_profile(args)
-    args.cell_seconds = args.cell_seconds or (15 if args.quick else 60)
-    bad = [f for f in args.formats if f not in LLAMA_FORMAT]
-    if bad:
-        p.error(f"unknown format {bad[0]!r}; choose from {', '.join(LLAMA_FORMAT)}")
-    bad = [e for e in args.engines if e not in ("stage1", "llama.cpp", "transformers")]
-    if bad:
-        p.error(f"unknown engine {bad[0]!r}; choose from stage1, llama.cpp, transformers")
-    if any(t < 1 for t in args.threads) or args.runs < 1 or args.decode_tokens < 1:
-        p.error("--threads, --runs and --decode-tokens must be positive")
-    if max([*args.prompt_lens, *args.ttft_lens, args.decode_prompt]) + args.decode_tokens + 1 > 1024:
-        p.error("prompt length + decode tokens must stay under the 1024-token context the engines are given")
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if "--moe" in argv and "--worker" not in argv:            # python -m bench cpu --moe: bench/moe.py
-        from bench import moe
-        return moe.main([a for a in argv if a != "--moe"])
-    args = parse_args(argv)
-    if args.worker:
-        worker(json.loads(args.worker))
-        return 0
-    log = lambda s: print(s, flush=True)
-    shape = QUICK if args.quick else QWEN3_0_6B
-    t_start = time.perf_counter()
-    load_before = load_1min()
-    log(check_load("before"))
-    meter = NeighbourMeter()
-    paths = prepare_models(shape, args.cache_dir, log, [LLAMA_FORMAT[f] for f in args.formats]
-                           if "llama.cpp" in args.engines else [])
-    log("measuring memory bandwidth ...")
-    bw = measure_bandwidth(args.threads, mib=256 if args.quick else 1024)
-    log("  " + ", ".join(f"{n} threads: {bw['read'][n]:.1f} GB/s" for n in args.threads))
-    if not llama_cpp_installed():
-        log("llama-cpp-python is not installed (pip install 'qwen3-stages[bench]'): its columns are skipped")
+def report(args, shape: Shape, tables: list[dict], bw: dict, loads: tuple[float, float, float]) -> str:
+    """The whole result as markdown: machine and instructions, the headline (each engine at
+    its best policy), one table per policy, correctness, napkin maths."""
+    n = max(args.threads)
+    moe = (f", E={shape.num_experts} experts of Fe={shape.moe_intermediate_size}, top-{shape.num_experts_per_tok} "
+           "with norm_topk_prob, every layer MoE" if shape.num_experts else "")
+    out = [f"## CPU benchmark: {shape.name} ({'quick' if args.quick else 'full'}"
+           + (", AVX2 machine stand-in" if args.cpu_profile == "avx2" else "") + ")", "",
+           f"- machine: {machine_description()}",
+           "- command: `" + " ".join(["python -m bench cpu", *args.argv]) + "`",
+           f"- 1-minute load before {loads[0]:.2f}, after {loads[1]:.2f} (with the benchmark's own threads); "
+           f"other processes used {loads[2]:.2f} cores on average during the run"
+           + ("  **busy: numbers may be low**" if loads[2] > 0.25 else ""),
+           f"- model: {shape.num_hidden_layers} layers, C={shape.hidden_size}, H/Hkv={shape.num_attention_heads}/"
+           f"{shape.num_key_value_heads}, D={shape.head_dim}, F={shape.intermediate_size}{moe}, V={shape.vocab_size}, "
+           f"tied embeddings; {shape.linear_params() / 1e6:,.0f} M weights read per decode token",
+           f"- memory bandwidth of the run (numba prange read of {bw['start']['mib']} MiB, best of 5, the better of "
+           "start / end): " + ", ".join(f"{t} thread{'s' * (t > 1)} {bw['read'][t]:.1f} GB/s ({bw['start']['read'][t]:.1f}"
+                                        f" / {bw['end']['read'][t]:.1f})" for t in args.threads),
+           "- tables: one per OMP_WAIT_POLICY (`default` = the variable unset: libgomp spins a while before it "
+           "sleeps), every engine in its own subprocess: " + "; ".join(
+               f"{t['plan']['policy']}: threads {','.join(map(str, t['plan']['threads']))}, cost {t['wall_s'] / 60:.1f} "
+               f"min, other processes {t['others']:.2f} cores" + (" **busy**" if t["others"] > 0.25 else "")
+               for t in tables)]
     if args.cpu_profile == "avx2":
-        log("--cpu-profile avx2: stage 1 under NUMBA_CPU_NAME=haswell; " + args.llama_line)
-    tables = []
-    for plan in table_plans(args):
-        log(f"--- table: OMP_WAIT_POLICY={plan['policy']}, threads {plan['threads']}")
-        t0, table_meter = time.perf_counter(), NeighbourMeter()
-        rows, check = run_all(args, shape, paths, log, plan)
-        tables.append({"plan": plan, "rows": rows, "check": check, "wall_s": time.perf_counter() - t0,
-                       "others": table_meter.cores_used_by_others()})
-        log(f"--- that table took {tables[-1]['wall_s'] / 60:.1f} min")
-    load_after = load_1min()
-    others = meter.cores_used_by_others()
-    log(check_load("after") + " (this counts the benchmark's own threads)")
-    log(f"other processes used {others:.2f} cores on average during the run"
-        + ("  WARNING: speeds may be low (rerun when idle)" if others > 0.25 else ""))
-    # measured again at the end: a neighbour busy at the start lowers one of the two, and
-    # the roofline is what the memory *can* do, so it uses the better of the two
-    end = measure_bandwidth(args.threads, mib=256 if args.quick else 1024)
-    log("bandwidth at the end: " + ", ".join(f"{n} threads: {end['read'][n]:.1f} GB/s" for n in args.threads))
-    bw = {"read": {n: max(bw["read"][n], end["read"][n]) for n in args.threads},
-          "copy": max(bw["copy"], end["copy"]), "start": bw, "end": end}
-    text = report(args, shape, tables, bw, (load_before, load_after, others))
-    text += f"\n(total {time.perf_counter() - t_start:.0f} s)\n"
-    print("\n" + text)
-    if args.out:
-        args.out.write_text(text)
-        log(f"report written to {args.out}")
-    if args.save:
-        save_roofline(args, tables, bw)
-        log(f"results written to {args.save}")
-    return 0
+        out.append("- --cpu-profile avx2: stage 1 compiled for NUMBA_CPU_NAME=haswell with Haswell's features "
+                   "(no AVX-512); transformers with ATEN_CPU_CAPABILITY=avx2; " + args.llama_line)
+    out += ["- llama.cpp files: the same weights, every matrix in BF16 / Q8_0 / Q4_0 (the Q4_0 file keeps the tied "
+            "token_embd in Q8_0, as stage 1's int4 keeps its lm_head in int8), routers in F32; n_batch = n_ubatch = "
+            "512, use_mmap on",
+            f"- every engine first runs each measured size once, uncounted; then medians of {args.runs} warm "
+            f"run{'s' * (args.runs > 1)}; prefill = prompt tokens ÷ time to the first token; decode = "
+            f"{args.decode_tokens} greedy tokens (EOS ignored) after a {args.decode_prompt}-token prompt ÷ their "
+            "time; MB/token = weight bytes one decode token reads (stage 1: bench.common.stage1_bytes; llama.cpp: "
+            "the GGUF's matrices, stacked experts counted for k of E); roofline = the read bandwidth measured just "
+            "before and after each decode run ÷ MB/token; `read only`: a numba sum over stage 1's bytes per token "
+            "plus its KV cache, nothing computed"
+            + ("; --quick: the model fits in the L3 cache, so % roofline can pass 100 %" if args.quick else ""),
+            "", "### instruction sets each engine used", ""]
+    isa = {}
+    for row in tables[0]["rows"]:
+        if row.result.get("isa"):
+            isa.setdefault((row.engine, row.result["isa"]), row.fmt)
+    out += [f"- {engine} {fmt}: {text}" for (engine, text), fmt in isa.items()] + [""]
+    out += headline(args, shape, tables)
+    for t in tables:
+        out += [f"### OMP_WAIT_POLICY={t['plan']['policy']}", ""] + engine_table(args, t["rows"], t["plan"]["threads"])
+        if t["plan"]["check"]:
+            out += correctness(t["check"])
+    out += napkin(shape, tables[0]["rows"], bw["read"][n], n, max(args.prompt_lens))
+    return "\n".join(out)
 
 
 def save_roofline(args, tables, bw) -> None:
@@ -1057,15 +785,125 @@ def save_roofline(args, tables, bw) -> None:
         for n in tab["plan"]["threads"]:
             for row in tab["rows"]:
                 cell = row.result.get("cells", {}).get(str(n))
-                if cell is None or not row.weight_bytes:
-                    continue
-                out.append(dict(policy=tab["plan"]["policy"], threads=n, engine=row.engine, format=row.fmt,
-                                mb_per_token=row.weight_bytes / 1e6, decode_tok_s=float(median(cell["decode"]))))
+                if cell is not None and row.weight_bytes:
+                    out.append(dict(policy=tab["plan"]["policy"], threads=n, engine=row.engine, format=row.fmt,
+                                    mb_per_token=row.weight_bytes / 1e6, decode_tok_s=float(median(cell["decode"]))))
     args.save.parent.mkdir(parents=True, exist_ok=True)
     args.save.write_text(json.dumps(dict(
-        command="python -m bench cpu " + " ".join(sys.argv[1:]), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        machine=machine_description(), bandwidth_gb_s=max(bw["read"].values()),
-        rows=out), indent=1) + "\n")
+        command="python -m bench cpu " + " ".join(args.argv), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        machine=machine_description(), bandwidth_gb_s=max(bw["read"].values()), rows=out), indent=1) + "\n")
+
+
+# ------------------------------------------------------------------ the command line
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench cpu", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=list(SHAPES), default=None,
+                   help="the model: 0.6b (Qwen3-0.6B), moe (Qwen3-30B-A3B's layers, 12 x 32 experts), their small "
+                        "versions quick and moe-quick, or tiny / moe-tiny (seconds: the tests). Default 0.6b; "
+                        "--quick: quick")
+    p.add_argument("--quick", action="store_true",
+                   help="one thread count, 2 runs, PASSIVE only, no read-only rows (and the quick shape)")
+    p.add_argument("--threads", default=None, help="comma-separated thread counts (default 1,2; quick: 2)")
+    p.add_argument("--formats", default="bf16,int8,int4", help="stage-1 formats: bf16,int8,int4")
+    p.add_argument("--engines", default="stage1,llama.cpp,transformers", help="which engines to run")
+    p.add_argument("--kernels", default="auto",
+                   help="stage 1's kernel sets, a row each: auto (the fast path where it runs), plain (the portable "
+                        "core), fast; e.g. auto,plain")
+    p.add_argument("--activations", default="auto", choices=["auto", "int8", "fp32"],
+                   help="stage 1's --activations (int8: llama.cpp's rounding, prefill on int8 too)")
+    p.add_argument("--runs", type=int, default=None, help="warm runs per measurement; the median is reported "
+                                                          "(default 3; quick: 2)")
+    p.add_argument("--decode-tokens", type=int, default=128, help="greedy tokens generated for the decode figure")
+    p.add_argument("--prompt-lens", default="32,128,512", help="prompt lengths for prefill tok/s")
+    p.add_argument("--decode-prompt", type=int, default=128, help="the prompt length decode follows")
+    p.add_argument("--ttft-lens", default="37,300",
+                   help="prompt lengths whose time to first token is reported (chat-sized prompts; '' for none)")
+    p.add_argument("--read-only", default=None, choices=["yes", "no"],
+                   help="the read-only ceiling rows (a numba sum over stage 1's bytes per token); default yes, quick no")
+    p.add_argument("--omp-wait-policy", default=None, choices=list(POLICIES),
+                   help="OMP_WAIT_POLICY for every engine: both (a table under PASSIVE, then one under the "
+                        "runtime's default; the headline takes each engine at its best), PASSIVE, ACTIVE or "
+                        "default. Default: both; --quick: PASSIVE")
+    p.add_argument("--cpu-profile", default="native", choices=["native", "avx2"],
+                   help="avx2: stand in for an AVX2-only CPU on an AVX-512 host (stage 1 under "
+                        "NUMBA_CPU_NAME=haswell, llama.cpp from bench/build_llama_avx2.sh's build)")
+    p.add_argument("--llama-avx2-lib", type=Path, default=None,
+                   help=f"--cpu-profile avx2: the folder of the AVX2 build's libllama.so (default {AVX2_LLAMA_LIB})")
+    p.add_argument("--out", type=Path, default=None, help="also write the markdown report to this file")
+    p.add_argument("--save", type=Path, default=None,
+                   help="also write the decode results as JSON (docs/figures/stage1_roofline.json: "
+                        "python -m bench figures draws the roofline from it)")
+    p.add_argument("--cache-dir", type=Path, default=CACHE, help="where the models are built and kept")
+    p.add_argument("--worker-timeout", type=float, default=2400, help="seconds one engine may take in all")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.argv = argv
+    args.shape = SHAPES[args.shape or ("quick" if args.quick else "0.6b")]
+    split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
+    args.threads = [int(t) for t in split(args.threads or (str(min(2, os.cpu_count() or 1)) if args.quick else "1,2"))]
+    args.formats, args.engines, args.kernels = split(args.formats), split(args.engines), split(args.kernels)
+    args.prompt_lens = [int(x) for x in split(args.prompt_lens)]
+    args.ttft_lens = [int(x) for x in split(args.ttft_lens)]
+    args.runs = args.runs or (2 if args.quick else 3)
+    args.read_only = (args.read_only or ("no" if args.quick else "yes")) == "yes"
+    args.omp_wait_policy = args.omp_wait_policy or ("PASSIVE" if args.quick else "both")
+    for name, given, allowed in (("format", args.formats, LLAMA_FORMAT), ("kernels", args.kernels, ("auto", "plain", "fast")),
+                                 ("engine", args.engines, ("stage1", "llama.cpp", "transformers"))):
+        bad = [g for g in given if g not in allowed]
+        if bad or not given:
+            p.error(f"unknown {name} {', '.join(bad) or '(none given)'}; choose from {', '.join(allowed)}")
+    if any(t < 1 for t in args.threads) or args.runs < 1 or args.decode_tokens < 1 or not args.prompt_lens:
+        p.error("--threads, --runs, --decode-tokens and --prompt-lens must be positive")
+    if max([*args.prompt_lens, *args.ttft_lens, args.decode_prompt]) + args.decode_tokens + 1 > MAX_CTX:
+        p.error(f"prompt length + decode tokens must stay under the {MAX_CTX}-token context the engines are given")
+    args.llama_lib, args.llama_missing, args.llama_line = (choose_llama_lib(args) if args.cpu_profile == "avx2"
+                                                           else (None, None, ""))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.worker:
+        worker(json.loads(args.worker))
+        return 0
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    shape = args.shape
+    t_start, load_before = time.perf_counter(), load_1min()
+    log(check_load("before"))
+    meter = NeighbourMeter()
+    if not llama_cpp_installed() and "llama.cpp" in args.engines:
+        log("llama-cpp-python is not installed (pip install 'qwen3-stages[bench]'): its cells are empty")
+    paths = prepare_models(shape, args.cache_dir, log, [LLAMA_FORMAT[f] for f in args.formats]
+                           if "llama.cpp" in args.engines and llama_cpp_installed() else [])
+    mib = 256 if args.quick else 1024
+    log("measuring memory bandwidth ...")
+    bw = measure_bandwidth(args.threads, mib=mib)
+    if args.cpu_profile == "avx2":
+        log("--cpu-profile avx2: stage 1 under NUMBA_CPU_NAME=haswell; " + args.llama_line)
+    tables = []
+    for plan in table_plans(args):
+        log(f"--- table: OMP_WAIT_POLICY={plan['policy']}, threads {plan['threads']}")
+        t0, table_meter = time.perf_counter(), NeighbourMeter()
+        rows, check = run_table(args, shape, paths, log, plan)
+        tables.append({"plan": plan, "rows": rows, "check": check, "wall_s": time.perf_counter() - t0,
+                       "others": table_meter.cores_used_by_others()})
+    load_after, others = load_1min(), meter.cores_used_by_others()
+    log(check_load("after") + " (this counts the benchmark's own threads)")
+    # measured again at the end: a neighbour busy at the start lowers one of the two, and
+    # the roofline is what the memory *can* do, so it uses the better of the two
+    end = measure_bandwidth(args.threads, mib=mib)
+    bw = {"read": {n: max(bw["read"][n], end["read"][n]) for n in args.threads}, "start": bw, "end": end}
+    text = report(args, shape, tables, bw, (load_before, load_after, others))
+    text += f"\n(total {time.perf_counter() - t_start:.0f} s)\n"
+    print("\n" + text)
+    if args.out:
+        args.out.write_text(text)
+        log(f"report written to {args.out}")
+    if args.save:
+        save_roofline(args, tables, bw)
+        log(f"results written to {args.save}")
+    return 0
 
 
 if __name__ == "__main__":

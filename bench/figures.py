@@ -6,7 +6,8 @@ figure is redrawn in seconds after the benchmark that feeds it:
   stage3_lessons.svg   docs/figures/lessons.json         python -m bench lessons --save ...
   stage1_ladder.svg    docs/figures/stage1_ladder.json   python -m bench ladder --save ...
   stage1_roofline.svg  docs/figures/stage1_roofline.json python -m bench cpu --save ...
-  stage1_prefill_tile.svg docs/figures/stage1_prefill_gemm.json python -m bench.prefill_gemm --save ...
+  stage1_prefill_tile.svg docs/figures/stage1_prefill_gemm.json  (a saved run of a micro-benchmark of
+                       the int8 GEMM's tile and its instructions' peaks: drawn, not measured again)
 
 Every figure's caption (its last line of text) names the command that wrote its data.
 Needs matplotlib (the `test` extra).
@@ -45,26 +46,32 @@ def stage3_lessons(data: dict, out: Path) -> Path:
     rows = data["rows"]
     names = [f"{r['rung']}: {r['name'].split('-', 1)[1]}" for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    y = range(len(rows))
-    a.barh(y, [r["kernels_per_decode_step"] for r in rows], label="kernels", color="#4c72b0")
-    a.barh(y, [r["gemms_per_decode_step"] for r in rows], left=[r["kernels_per_decode_step"] for r in rows],
-           label="GEMMs", color="#dd8452")
-    a.plot([r["host_launches_per_decode_step"] for r in rows], list(y), "k|", markersize=14, label="host launches")
-    a.set_yticks(list(y), names)
+    y = list(range(len(rows)))
+    left = [0] * len(rows)
+    for kind, color in (("launches", "#4c72b0"), ("blas", "#dd8452"), ("allocations", "#8172b3"),
+                        ("elementwise", "#937860"), ("copies", "#da8bc3")):
+        counts = [r["host_calls"][kind] for r in rows]
+        a.barh(y, counts, left=left, label=kind, color=color)
+        left = [x + c for x, c in zip(left, counts)]
+    for i, r in enumerate(rows):
+        a.text(left[i], i, f" {r['host_us'] / 1e3:.2f} ms" + (f" ({r['graph_host_us']:.0f} µs graph)"
+                                                                if r.get("graph_host_us") else ""), va="center", fontsize=7)
+    a.set_yticks(y, names)
     a.invert_yaxis()
-    a.set_xlabel("per decode step")
-    a.set_title("launches per decode step")
-    a.legend(fontsize=8)
+    a.set_xlim(0, max(left) * 1.45)
+    a.set_xlabel("host calls per decode step (predicted host time)")
+    a.set_title("host calls per decode step")
+    a.legend(fontsize=7)
     b.barh(y, [r["weight_bytes_per_token"] / 1e6 for r in rows], label="weights", color="#55a868")
     b.barh(y, [r["kv_bytes_per_token"] / 1e6 for r in rows], left=[r["weight_bytes_per_token"] / 1e6 for r in rows],
            label="KV", color="#c44e52")
-    b.set_yticks(list(y), [""] * len(rows))
+    b.set_yticks(y, [""] * len(rows))
     b.invert_yaxis()
     b.set_xlabel("MB read per decode token")
     b.set_title("bytes per decode token")
     b.legend(fontsize=8)
     w = data.get("workload", {})
-    fig.suptitle(f"Stage 2 → 3, one lesson per rung (counted on the twins; {w.get('num_hidden_layers', '?')} layers, "
+    fig.suptitle(f"Stage 2 → 3, one lesson per rung (counted on a CPU; {w.get('num_hidden_layers', '?')} layers, "
                  f"{w.get('num_attention_heads', '?')}/{w.get('num_key_value_heads', '?')} heads × {w.get('head_dim', '?')})",
                  fontsize=10)
     return _finish(fig, data, out)
@@ -146,10 +153,11 @@ def stage1_prefill_tile(data: dict, out: Path) -> Path:
     a.axis("off")
     a.set_title(f"int8 register tile: {rows8} rows × {toks} tokens per step of k", fontsize=9)
     labels, got, peak = [], [], []
-    from bench.prefill_gemm import pairs_tile
     peaks, act = data["peaks_gmac_s"], data.get("act", "int8")
     pair = peaks.get("maddwd+add", peaks["maddwd"])          # older results measured vpmaddwd alone
-    ceiling = {fmt: pair if pairs_tile(fmt, act) else peaks["maddubs"] for fmt in ("int8", "int4")}
+    # on AVX2 fast/gemm.py runs int8 weights, and int4 ones on int16 activations, on the pairs tile
+    # (vpmaddwd with the vpaddd that accumulates it); int4 on int8 activations on the quads tile (vpmaddubsw)
+    ceiling = {fmt: pair if act == "int16" or fmt == "int8" else peaks["maddubs"] for fmt in ("int8", "int4")}
     ceiling.update({fmt: peaks[kind] for fmt, kind in data.get("ceiling", {}).items()})   # as the run named it
     for fmt, gmac in data.get("tile_alone_gmac_s", {}).items():       # the tile with nothing around it
         labels.append(f"{fmt} tile alone (T=128)")

@@ -1,62 +1,27 @@
 #!/usr/bin/env bash
-# bench/gpu_check.sh — everything the GPU stages need a GPU for, in one run of at most
-# 300 s on one H200, so that a short loan of a GPU machine verifies it all and leaves
-# time for one rerun. Every step has a time cap, and the caps add up:
-#
-#   step            cap (s)  what
-#   probe             15     the interpreter that has CuPy (no pip, no network), the GPU,
-#                            the packages the tests need; none found: stop here, in seconds
-#   kernel tests      55     tests/test_stage*_gpu.py -k "not engine": every CUDA kernel of
-#                            every GPU stage (2 and 3) against its numpy twin (QS_REQUIRE_GPU=1:
-#                            a skip is a failure, and so is a stage none of whose tests passed,
-#                            and a tensor-core prefill that falls back to the plain kernel)
-#   engine tests      30     tests/test_stage*_gpu.py -k engine: the engines on the GPU
-#                            against transformers' greedy tokens (20 s of its 50 went to lessons)
-#   benchmark        100     python -m bench.gpu: the newest stage on nano-vllm's full
-#                            workload first, then every stage and transformers on stated
-#                            subsets and at batch 1, the HBM roofline
-#   stage3 bench      35     python -m bench.gpu_stage3, the stage-3 rows bench.gpu lacks, in
-#                            this order until the time is up: batch 1 with CUDA graphs and
-#                            with --no-cuda-graphs, the 8B shape (4 layers) against the
-#                            roofline, prefill attention TFLOP/s, the prefix-cache hit rate,
-#                            stage 3 on nano-vllm's workload (the same number as bench.gpu's
-#                            full:stage3_optimized, so last). A step left without time says
-#                            "skipped: out of time" in its row (not a failure); its table is
-#                            appended to gpu_bench.md
-#   lessons           30     python -m bench lessons --layers 1 --throughput: the stage 2 -> 3
-#                            lesson ladder (docs/lessons/stage3), launches / bytes / FLOPs counted
-#                            per rung on the twins, then output tok/s per rung on the GPU on a
-#                            reduced nano-vllm workload (32 sequences, lengths 32..128, EOS
-#                            ignored; 4 s per rung, a rung left without time "skipped: out of
-#                            time"), appended to gpu_bench.md (10 s came from the stage3 bench's
-#                            45, 20 s from the engine tests' 50; informational: a timeout is
-#                            reported, not a failure)
-#   sanitizer         25     compute-sanitizer, probed first (10 s; some runtimes refuse
-#                            the device): memcheck on the tests marked `sanitize` (every
-#                            kernel of each stage once, small shapes, CuPy's memory pool off),
-#                            racecheck on the attention ones
-#   pack               5     one junit file, one log archive, the summary
-#   (total           295 of 300)
-#
-# $OUT receives at most 6 files, all small: summary.md, logs.tar.gz, gpu_bench.md,
-# gpu_bench.json, gpu_tests.xml. Everything heavy (the 1.2 GB model, per-step logs and
-# JSON) goes to $QS_WORK (default $TMPDIR/qs-gpu-check), outside $OUT. The summary, the
-# failing tests with their tracebacks trimmed, and the benchmark table are printed to
-# stdout as well. summary.md and logs.tar.gz are rewritten after every step, so a run
-# that is cut short still brings back what it did.
+# bench/gpu_check.sh — everything the GPU stages need a GPU for, in one run of at most 300 s on
+# one H200, so that a short loan of a GPU machine verifies it all and leaves time for a rerun.
+# Each step has a time cap (docs/stage2.md lists them and why), and the caps add up:
+#   probe 10 s          the interpreter with CuPy, the GPU, the packages; none: stop in seconds
+#   kernel tests 25 s   tests/test_stage*_gpu.py -k "not engine", with QS_REQUIRE_GPU=1 (a skip
+#                       fails, so does a stage none of whose tests passed)
+#   engine tests 45 s   tests/test_stage*_gpu.py -k engine (CUDA graphs captured and replayed)
+#   benchmark 130 s     python -m bench gpu (stage 3's targets, host costs per call)
+#   lessons 75 s        python -m bench lessons --layers 1 --throughput (the ladder, timed)
+#   sanitizer 12 s      compute-sanitizer memcheck (`sanitize` tests), racecheck (attention)
+#   pack 3 s            one junit file, one log archive, the summary
+# $OUT receives at most 6 small files (summary.md, logs.tar.gz, gpu_bench.md, gpu_bench.json,
+# gpu_tests.xml, host_costs.json); models and per-step logs stay in $QS_WORK (default
+# $TMPDIR/qs-gpu-check). The failures (trimmed), the summary and the benchmark table go to
+# stdout too; summary.md and logs.tar.gz are rewritten after each step.
 #
 # usage: OUT=DIR bash bench/gpu_check.sh [--dry-run]
-#   PYTHON=...        try this interpreter first
-#   QS_WORK=DIR       the work folder (must not be inside OUT)
-#   QS_CAP_<STEP>=S   override a cap (PROBE, KERNELS, ENGINE, BENCH, BENCH3, LESSONS, SANITIZE, PACK); the
-#                     caps must still add up to at most 300 s
-#   --dry-run         on a CPU: the same steps and plumbing (caps, files, paths, junit,
-#                     failures to stdout, the benchmark driver on a tiny model) with stand-in
-#                     tests, and the kernel step runs stage 3's GPU kernel tests on the emulated
-#                     kernels (QS_GPU_DRY_RUN=1, tests/test_stage3_gpu.py; QS_DRY_STANDINS=1
-#                     leaves them out); caps are stretched by QS_DRY_SCALE (default 4). QS_DRY_FAIL=1
-#                     plants a failing test and a skipped GPU test; QS_DRY_HANG=1 a test
-#                     that outlives its cap (tests/test_gpu_check.py uses both)
+#   PYTHON=...        try this interpreter first;  QS_WORK=DIR  the work folder (not inside OUT)
+#   QS_CAP_<STEP>=S   override a cap (PROBE, KERNELS, ENGINE, BENCH, LESSONS, SANITIZE, PACK)
+#   --dry-run         on a CPU: the same steps and plumbing with stand-in tests
+#                     (tests/gpu_check_dry.py), stage 3's GPU kernel tests on the emulated
+#                     kernels (QS_GPU_DRY_RUN=1; QS_DRY_STANDINS=1 leaves them out) and the
+#                     benchmarks on tiny models; caps stretched by QS_DRY_SCALE (default 5)
 # exit: 0 all passed; 1 a test failed, a step broke or $OUT would not come back whole;
 #       2 no interpreter with CuPy, no GPU, or bad arguments
 set -u -o pipefail
@@ -66,28 +31,27 @@ DRY=0
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY=1 ;;
-        -h|--help) sed -n '2,53p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument $arg (see --help)" >&2; exit 2 ;;
     esac
 done
 
 # ---- caps, folders ------------------------------------------------------------------
 TOTAL=300
-CAP_PROBE=${QS_CAP_PROBE:-15}
-CAP_KERNELS=${QS_CAP_KERNELS:-55}
-CAP_ENGINE=${QS_CAP_ENGINE:-30}
-CAP_BENCH=${QS_CAP_BENCH:-100}
-CAP_BENCH3=${QS_CAP_BENCH3:-35}
-CAP_LESSONS=${QS_CAP_LESSONS:-30}
-CAP_SANITIZE=${QS_CAP_SANITIZE:-25}
-CAP_PACK=${QS_CAP_PACK:-5}
-SUM=$((CAP_PROBE + CAP_KERNELS + CAP_ENGINE + CAP_BENCH + CAP_BENCH3 + CAP_LESSONS + CAP_SANITIZE + CAP_PACK))
+CAP_PROBE=${QS_CAP_PROBE:-10}
+CAP_KERNELS=${QS_CAP_KERNELS:-25}
+CAP_ENGINE=${QS_CAP_ENGINE:-45}
+CAP_BENCH=${QS_CAP_BENCH:-130}
+CAP_LESSONS=${QS_CAP_LESSONS:-75}
+CAP_SANITIZE=${QS_CAP_SANITIZE:-12}
+CAP_PACK=${QS_CAP_PACK:-3}
+SUM=$((CAP_PROBE + CAP_KERNELS + CAP_ENGINE + CAP_BENCH + CAP_LESSONS + CAP_SANITIZE + CAP_PACK))
 if [ "$SUM" -gt "$TOTAL" ]; then
     echo "gpu_check.sh: the step caps add up to $SUM s, more than $TOTAL s" >&2
     exit 2
 fi
 SCALE=1
-[ "$DRY" = 1 ] && SCALE=${QS_DRY_SCALE:-4}
+[ "$DRY" = 1 ] && SCALE=${QS_DRY_SCALE:-5}
 cap() { echo $(( $1 * SCALE )); }
 
 OUT=$(realpath -m "${OUT:-$ROOT/gpu_results}")
@@ -97,9 +61,9 @@ case "$WORK/" in
               exit 2 ;;
 esac
 mkdir -p "$OUT" "$WORK"
-rm -rf "$WORK/logs" "$WORK/bench"/*.log "$WORK/bench"/*.json "$WORK"/*.xml "$WORK/dry" "$WORK/bench3"
+rm -rf "$WORK/logs" "$WORK/bench"/*.log "$WORK/bench"/*.json "$WORK"/*.xml "$WORK/dry"
 mkdir -p "$WORK/logs" "$WORK/bench"
-OUT_FILES="summary.md logs.tar.gz gpu_bench.md gpu_bench.json gpu_tests.xml"
+OUT_FILES="summary.md logs.tar.gz gpu_bench.md gpu_bench.json gpu_tests.xml host_costs.json"
 for f in $OUT_FILES; do rm -f "$OUT/$f"; done
 SUMMARY="$OUT/summary.md"
 LOGS="$WORK/logs"
@@ -218,30 +182,8 @@ KERNEL_TESTS=$GPU_TESTS
 STAGES=$(for d in stage*/cuda; do [ -d "$d" ] && basename "$(dirname "$d")" | cut -d_ -f1; done | tr '\n' ' ')
 PYTEST=("$PY" -m pytest -q -rfE --no-header -p no:cacheprovider -o console_output_style=classic)
 if [ "$DRY" = 1 ]; then
-    # stand-ins: the real conftest (QS_REQUIRE_GPU, time limits) on tests written here
-    mkdir -p "$WORK/dry"
-    cat > "$WORK/dry/test_dry_kernels.py" <<'PYEOF'
-import os, pytest
-def test_kernel_stand_in_passes():
-    assert sum(range(10)) == 45
-if os.environ.get("QS_DRY_FAIL") == "1":
-    def test_kernel_stand_in_fails():
-        values = [1, 2, 3]
-        assert sum(values) == 7, "a planted failure"
-    @pytest.mark.gpu
-    @pytest.mark.skipif(True, reason="CuPy cannot see a GPU (planted)")
-    def test_kernel_stand_in_skips_without_gpu():
-        pass
-PYEOF
-    cat > "$WORK/dry/test_dry_engine.py" <<'PYEOF'
-import os, time
-def test_engine_stand_in_passes():
-    assert "engine".upper() == "ENGINE"
-if os.environ.get("QS_DRY_HANG") == "1":
-    def test_engine_stand_in_hangs():
-        time.sleep(600)
-PYEOF
-    GPU_TESTS="$WORK/dry/test_dry_kernels.py $WORK/dry/test_dry_engine.py"
+    # stand-ins (tests/gpu_check_dry.py) under the real conftest: QS_REQUIRE_GPU, time limits
+    GPU_TESTS="tests/gpu_check_dry.py"
     KERNEL_TESTS=$GPU_TESTS
     STAGES=""
     if [ "${QS_DRY_STANDINS:-0}" != 1 ]; then
@@ -287,76 +229,40 @@ run_tests() {
 REQUIRE_STAGES=$STAGES run_tests kernel_tests "$CAP_KERNELS" $KERNEL_TESTS -k "not engine"
 run_tests engine_tests "$CAP_ENGINE" $GPU_TESTS -k "engine"
 
-# ---- 4. the benchmark -----------------------------------------------------------------
-T=$(cap "$CAP_BENCH")
-BENCH=("$PY" -m bench.gpu --out "$OUT" --workdir "$WORK/bench" --deadline-s "$((T - 8))")
-[ "$DRY" = 1 ] && BENCH+=(--dry-run --cap-scale "$SCALE")
-say "benchmark (at most $T s) ..."
-timeout -k 3 "$((T - 3))" "${BENCH[@]}" > "$LOGS/bench.log" 2>&1
-RC=$?
-case "$RC" in
-    0) result="ok" ;;
-    3) result="ok, but a step ran out of time (see the table)" ;;
-    124|137) result="**timed out** after $T s"; FAILED=1 ;;
-    *) result="**a step failed** (exit $RC; see the table and bench.log)"; FAILED=1 ;;
-esac
-[ -f "$OUT/gpu_bench.md" ] || { result="$result; **no table**"; FAILED=1; }
-row "benchmark" "$CAP_BENCH" "$(elapsed)" "$result"
-say "benchmark: $result"
-pack
+# run_bench NAME CAP LOG CMD... : a benchmark under its cap, one row of the table (exit 3: a
+# step ran out of time, reported in its own row, not a failure)
+run_bench() {
+    local name=$1 capv=$2 log=$3; shift 3
+    local t=$(cap "$capv") rc result
+    say "$name (at most $t s) ..."
+    timeout -k 3 "$((t - 3))" "$@" > "$LOGS/$log" 2>&1
+    rc=$?
+    case "$rc" in
+        0) result="ok" ;;
+        3) result="ok, but a step ran out of time (see the table)" ;;
+        124|137) result="**timed out** after $t s"; FAILED=1 ;;
+        *) result="**a step failed** (exit $rc; see $log)"; FAILED=1 ;;
+    esac
+    [ -f "$OUT/gpu_bench.md" ] || { result="$result; **no table**"; FAILED=1; }
+    row "$name" "$capv" "$(elapsed)" "$result"
+    say "$name: $result"
+    pack
+}
 
-# ---- 4b. the stage-3 rows (bench/gpu_stage3.py) ------------------------------------------
-T=$(cap "$CAP_BENCH3")
-S3_STEPS=bandwidth,s3_b1,s3_b1_eager,model_8b,s3_b1_8b,s3_attn,s3_prefix,s3_ours
-BENCH3=("$PY" -m bench.gpu_stage3 --out "$WORK/bench3" --workdir "$WORK/bench" --deadline-s "$((T - 8))")
-if [ "$DRY" = 1 ]; then
-    # tiny models of its own (the dry run's bench.gpu model has too small a vocabulary)
-    BENCH3+=(--dry-run --steps "model,$S3_STEPS")
-elif [ -f "$WORK/bench/qwen3-0.6b-random/config.json" ]; then
-    BENCH3+=(--model-folder "$WORK/bench/qwen3-0.6b-random" --steps "$S3_STEPS")   # bench.gpu's model
-else
-    BENCH3+=(--steps "model,$S3_STEPS")
-fi
-say "stage-3 benchmark (at most $T s) ..."
-timeout -k 3 "$((T - 3))" "${BENCH3[@]}" > "$LOGS/bench3.log" 2>&1
-RC=$?
-case "$RC" in
-    0) result="ok" ;;
-    3) result="ok, but steps ran out of time (see the table)" ;;
-    124|137) result="**timed out** after $T s"; FAILED=1 ;;
-    *) result="**a step failed** (exit $RC; see the table and bench3.log)"; FAILED=1 ;;
-esac
-if [ -f "$WORK/bench3/gpu_stage3.md" ]; then
-    { echo; cat "$WORK/bench3/gpu_stage3.md"; } >> "$OUT/gpu_bench.md"
-    cp "$WORK/bench3/gpu_stage3.json" "$WORK/bench/gpu_stage3.json" 2>/dev/null   # into logs.tar.gz
-else
-    result="$result; **no table**"; FAILED=1
-fi
-row "stage3_bench" "$CAP_BENCH3" "$(elapsed)" "$result"
-say "stage-3 benchmark: $result"
-pack
-
-# ---- 4c. the lesson ladder: counted on the twins, then tok/s per rung (bench/lessons.py) ----
-# (--throughput uses the GPU when CuPy sees one, bench.gpu's model in $WORK/bench; the dry run:
-# the numpy twins, bench.gpu's tiny model, 3 sequences)
+# ---- 4. the benchmark (bench/gpu.py), 5. the lesson ladder (bench/lessons.py) ---------
+# (the ladder's --throughput runs on the GPU when CuPy sees one, on bench.gpu's model in
+# $WORK/bench; the dry run: the numpy twins, bench.gpu's tiny model, 3 sequences)
+DRY_ARG=()
+[ "$DRY" = 1 ] && DRY_ARG=(--dry-run)
+run_bench benchmark "$CAP_BENCH" bench.log "$PY" -m bench gpu --out "$OUT" --workdir "$WORK/bench" \
+    --deadline-s "$(( $(cap "$CAP_BENCH") - 6 ))" "${DRY_ARG[@]}"
 T=$(cap "$CAP_LESSONS")
-say "lesson ladder (at most $T s) ..."
-timeout -k 2 "$((T - 1))" "$PY" -m bench lessons --layers 1 --save "$WORK/bench/lessons.json" \
-    --throughput --workdir "$WORK/bench" --rung-cap-s "$(cap 4)" --deadline-s "$((T - 3))" \
-    > "$LOGS/lessons.log" 2>&1
-RC=$?
-case "$RC" in
-    0) result="ok"
-       { echo; echo "### Lesson ladder (python -m bench lessons --layers 1 --throughput: counted on the twins, tok/s measured)"; echo
-         grep '^|' "$LOGS/lessons.log"; } >> "$OUT/gpu_bench.md" ;;
-    124|137) result="timed out after $T s (informational, not a failure)" ;;
-    *) result="**failed** (exit $RC; see lessons.log)"; FAILED=1 ;;
-esac
-row "lessons" "$CAP_LESSONS" "$(elapsed)" "$result"
-say "lesson ladder: $result"
-pack
+run_bench lessons "$CAP_LESSONS" lessons.log "$PY" -m bench lessons --layers 1 --save "$WORK/bench/lessons.json" \
+    --throughput --workdir "$WORK/bench" --rung-cap-s "$(cap 7)" --deadline-s "$((T - 5))"
+{ echo; echo "### Lesson ladder (python -m bench lessons --layers 1 --throughput: host calls counted, tok/s measured)"
+  echo; grep '^|' "$LOGS/lessons.log"; } >> "$OUT/gpu_bench.md"
 
-# ---- 5. compute-sanitizer: probe, memcheck, racecheck on attention ----------------------
+# ---- 6. compute-sanitizer: probe, memcheck, racecheck on attention ----------------------
 SAN=${COMPUTE_SANITIZER:-compute-sanitizer}
 T=$(cap "$CAP_SANITIZE")
 SAN_END=$(( $(date +%s) + T ))
@@ -403,7 +309,7 @@ else
 fi
 pack
 
-# ---- 6. pack: one junit file, the logs, the check of $OUT ------------------------------
+# ---- 7. pack: one junit file, the logs, the check of $OUT ------------------------------
 XMLS=$(ls "$WORK"/*.xml 2>/dev/null | tr '\n' ' ')
 if [ -n "$XMLS" ]; then
     totals=$("$PY" bench/gpu_check_report.py junit "$OUT/gpu_tests.xml" $XMLS)

@@ -37,9 +37,11 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before numba starts its threads (bench/common.py)
 
 import argparse
+import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -48,7 +50,9 @@ import numpy as np
 from numba import njit, prange
 
 from bench.common import NeighbourMeter, check_load, machine_description, markdown_table
-from stage1_cpu import kernels, matmul
+from bench.cpu import SHAPES
+from stage1_cpu import fast, kernels, matmul
+from stage1_cpu.fast import cpu
 from stage1_cpu.quant import Weight, _padded
 
 GROUP = 32      # stage 1's default group size (options.py)
@@ -106,52 +110,36 @@ def random_weight(O: int, K: int, fmt: str, rng: np.random.Generator) -> Weight:
 
 # ------------------------------------------------------------------ timing
 
-def time_rung(step, mats: list, C: int, tokens: int, rng: np.random.Generator) -> list[float]:
-    """ms per token of step(w, x) over all matrices: one warm-up token, then `tokens`.
-    Each matrix gets an activation of its own in_features (as a decode step does)."""
-    xs = {K: rng.standard_normal((tokens + 1, K), dtype=np.float32) for K in {w.in_features for w in mats}}
-    times = []
-    for t in range(tokens + 1):
-        t0 = time.perf_counter()
-        for w in mats:
-            step(w, xs[w.in_features][t:t + 1])
-        if t:                                              # token 0 compiles / warms up
-            times.append(1e3 * (time.perf_counter() - t0))
-    return times
-
-
-def time_prefill(mats: list, T: int, reps: int, rng: np.random.Generator) -> list[float]:
-    """ms per prompt token of every matrix's x [T, K] @ W.T: one warm-up pass (compiles,
-    packs), then `reps` timed ones."""
-    xs = {K: rng.standard_normal((T, K), dtype=np.float32) for K in {w.in_features for w in mats}}
+def time_matrices(step, mats: list, T: int, reps: int, rng: np.random.Generator) -> list[float]:
+    """ms per token of step(w, x [T, K]) over all matrices, a new random activation each pass (as
+    each decode token is new): one warm-up pass (compiles, packs), then `reps` timed ones."""
+    xs = {K: rng.standard_normal((reps + 1, T, K), dtype=np.float32) for K in {w.in_features for w in mats}}
     times = []
     for r in range(reps + 1):
         t0 = time.perf_counter()
         for w in mats:
-            w.matmul(xs[w.in_features])
-        if r:
+            step(w, xs[w.in_features][r])
+        if r:                                              # pass 0 compiles / warms up
             times.append(1e3 * (time.perf_counter() - t0) / T)
     return times
 
 
 def run_prefill_ladder(shape, threads: int, T: int, reps: int, log=print) -> list[dict]:
     """Rungs P1-P3 (the module's doc) on the layers' matrices (the lm_head left out)."""
-    from stage1_cpu.fast import as_fast, cpu
-
     rng = np.random.default_rng(1)
     kernels.set_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     int8 = model_matrices(shape, "int8", rng)[:-1]
     rungs = [("plain: dequantize an fp32 tile, BLAS sgemm", "int8", int8)]
     if cpu.INT8:
         rungs.append(("+ int8 activations, integer GEMM with register tiles (fast/gemm.py)", "int8",
-                      [as_fast(w, "fp32", "int8") for w in int8]))
+                      [fast.as_fast(w, "fp32", "int8") for w in int8]))
         rungs.append(("+ int4 weights, the same GEMM (vpmaddubsw, vpdpbusd on VNNI)", "int4",
-                      [as_fast(w, "fp32", "int8") for w in model_matrices(shape, "int4", rng)[:-1]]))
+                      [fast.as_fast(w, "fp32", "int8") for w in model_matrices(shape, "int4", rng)[:-1]]))
     else:
         log("the fast path has no int8 dot product on this target: its prefill rungs are left out")
     rows = []
     for name, fmt, mats in rungs:
-        ms = time_prefill(mats, T, reps, rng)
+        ms = time_matrices(lambda w, x: w.matmul(x), mats, T, reps, rng)
         med = statistics.median(ms)
         macs = sum(w.out_features * w.in_features for w in mats)
         rows.append({"rung": name, "fmt": fmt, "threads": threads, "ms": med, "min": min(ms), "max": max(ms),
@@ -173,8 +161,6 @@ def prefill_report(rows: list[dict], T: int, reps: int) -> str:
 
 
 def run_ladder(shape, threads: int, tokens: int, log=print) -> list[dict]:
-    from stage1_cpu.fast import cpu
-
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
     int8 = model_matrices(shape, "int8", rng)
@@ -192,7 +178,6 @@ def run_ladder(shape, threads: int, tokens: int, log=print) -> list[dict]:
         ("+ int4 weights (matmul.matmul_int4)", "int4", threads, int4, lambda w, x: w.matmul(x)),
     ]
     if cpu.INT8:
-        from stage1_cpu import fast
         fast4 = [fast.as_fast(w, **fast.choose_act(w.fmt, "auto", w.in_features, lm_head=i == len(int4) - 1))
                  for i, w in enumerate(int4)]
         isa = {"vnni": "VNNI", "avx2": "AVX2 vpmaddubsw"}[cpu.INT8]
@@ -205,7 +190,7 @@ def run_ladder(shape, threads: int, tokens: int, log=print) -> list[dict]:
     for name, fmt, n, mats, step in rungs:
         kernels.set_threads(min(n, numba.config.NUMBA_NUM_THREADS))
         nbytes = sum(w.nbytes for w in mats)
-        ms = time_rung(step, mats, shape.hidden_size, tokens, rng)
+        ms = time_matrices(step, mats, 1, tokens, rng)
         med = statistics.median(ms)
         rows.append({"rung": name, "fmt": fmt, "threads": n, "MB": nbytes / 1e6, "ms": med,
                      "min": min(ms), "max": max(ms)})
@@ -214,8 +199,6 @@ def run_ladder(shape, threads: int, tokens: int, log=print) -> list[dict]:
 
 
 def report(rows: list[dict], shape, args, loads: tuple[float, float]) -> str:
-    from stage1_cpu.fast import cpu
-
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     out = [f"### Ablation ladder: {shape.name}, decode matmuls of one token ({when})", "",
            "- command: `" + " ".join(["python -m bench ladder", *args.argv]) + "`",
@@ -256,12 +239,8 @@ def parse_args(argv):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dataclasses import replace
-
-    from bench.cpu import QUICK, QWEN3_0_6B
-
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    shape = QUICK if args.quick else QWEN3_0_6B
+    shape = SHAPES["quick" if args.quick else "0.6b"]
     if args.layers:
         shape = replace(shape, num_hidden_layers=args.layers, name=f"{shape.name}, {args.layers} layers")
     log = lambda s: print(s, flush=True)
@@ -276,7 +255,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.write_text(text)
     if args.save:
-        import json
         args.save.parent.mkdir(parents=True, exist_ok=True)
         args.save.write_text(json.dumps(dict(
             command="python -m bench ladder " + " ".join(args.argv), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

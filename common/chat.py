@@ -38,10 +38,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
+from common.chat_template import ChatTemplate
 from common.engine import Request, TokenEvent
+from common.models import resolve_model
 from common.parsing import StreamParser, prompt_opens_think
 from common.sampling import SamplingParams
 from common.stopping import AnswerText
+from common.tokenizer import Tokenizer
 
 HELP = """\
 Type a message and press Enter. Commands:
@@ -560,11 +563,6 @@ def _load_and_chat(build_engine: Callable, args: argparse.Namespace, describe: C
         return fail(str(e))
     if args.max_tokens is not None and args.max_tokens < 1:
         return fail("--max-tokens must be at least 1")
-
-    # imports here so that `--help` is instant
-    from common.chat_template import ChatTemplate
-    from common.models import resolve_model
-    from common.tokenizer import Tokenizer
 
     try:
         # None -> the default model; fetching and converting it shows its own progress

@@ -28,83 +28,22 @@ import jinja2.ext
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from common.config import gguf_path
+
 
 class ChatTemplateError(ValueError):
     """A chat template that does not compile or fails on the given messages."""
 
 
-# Our own ChatML template with Qwen3's conventions. Each turn is
+# Our own ChatML template (common/chatml.jinja), for a model without one, with Qwen3's
+# conventions. Each turn is
 #   <|im_start|>{role}\n{content}<|im_end|>\n
 # tools go into the system turn as JSON lines inside <tools></tools>; an assistant's
 # tool calls are <tool_call>\n{json}\n</tool_call>; tool results come back as a user
 # turn of <tool_response> blocks. Reasoning is kept only for the assistant turns
 # after the last real user message (the current tool-calling chain), as Qwen3 does;
 # older turns keep just their answer.
-BUILTIN_CHATML = """\
-{%- set has_system = messages and messages[0].role == 'system' %}
-{%- if tools %}
-    {{- '<|im_start|>system\\n' }}
-    {%- if has_system %}{{- messages[0].content + '\\n\\n' }}{%- endif %}
-    {{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n' }}
-    {{- 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}
-    {%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}
-    {{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments '
-        'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n'
-        '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}
-{%- elif has_system %}
-    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
-{%- endif %}
-{#- the last user message that is a real query, not tool results sent as a user turn
-    (none: no turn counts as after it) #}
-{%- set state = namespace(last_query=messages|length - 1) %}
-{%- for m in messages %}
-    {%- if m.role == 'user' and not (m.content is string and m.content.startswith('<tool_response>')
-                                     and m.content.endswith('</tool_response>')) %}
-        {%- set state.last_query = loop.index0 %}
-    {%- endif %}
-{%- endfor %}
-{%- for m in messages %}
-    {%- set content = m.content if m.content is string else '' %}
-    {%- if m.role == 'system' and loop.first %}
-    {%- elif m.role == 'user' or m.role == 'system' %}
-        {{- '<|im_start|>' + m.role + '\\n' + content + '<|im_end|>\\n' }}
-    {%- elif m.role == 'assistant' %}
-        {#- reasoning: an explicit field, or written inline as <think>...</think> #}
-        {%- set reasoning = m.reasoning_content if m.reasoning_content is string else '' %}
-        {%- if '</think>' in content %}
-            {%- if not reasoning %}
-                {%- set reasoning = content.split('</think>')[0].split('<think>')[-1] %}
-            {%- endif %}
-            {%- set content = content.split('</think>')[-1] %}
-        {%- endif %}
-        {%- set reasoning = reasoning.strip('\\n') %}
-        {%- set content = content.lstrip('\\n') %}
-        {{- '<|im_start|>assistant\\n' }}
-        {%- if loop.index0 > state.last_query and (loop.last or reasoning) %}
-            {{- '<think>\\n' + reasoning + '\\n</think>\\n\\n' }}
-        {%- endif %}
-        {{- content }}
-        {%- for call in m.tool_calls or [] %}
-            {%- set fn = call.function if call.function else call %}
-            {%- if content or not loop.first %}{{- '\\n' }}{%- endif %}
-            {{- '<tool_call>\\n{"name": "' + fn.name + '", "arguments": ' }}
-            {{- fn.arguments if fn.arguments is string else (fn.arguments | tojson) }}
-            {{- '}\\n</tool_call>' }}
-        {%- endfor %}
-        {{- '<|im_end|>\\n' }}
-    {%- elif m.role == 'tool' %}
-        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
-        {{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}
-        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
-    {%- else %}
-        {{- raise_exception('unknown message role ' + m.role + '; use system, user, assistant or tool') }}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\\n' }}
-    {%- if enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}
-{%- endif %}
-"""
+BUILTIN_CHATML = (Path(__file__).parent / "chatml.jinja").read_text(encoding="utf-8")
 
 
 # --- the functions and filters transformers gives templates ---
@@ -187,11 +126,10 @@ class ChatTemplate:
         """The model's template: chat_template.jinja, else tokenizer_config.json's
         chat_template (a string, or a list of {name, template}: "default" is used),
         else BUILTIN_CHATML. A GGUF file (or a folder holding one): its tokenizer.chat_template."""
-        from common.gguf import gguf_path, open_gguf
-
         folder = Path(folder)
         g = gguf_path(folder)
         if g is not None:
+            from common.gguf import open_gguf    # GGUF code loads only for a GGUF model
             cfg = open_gguf(g).tokenizer_config()
             text = cfg.get("chat_template")
             if isinstance(text, str) and text.strip():

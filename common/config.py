@@ -12,14 +12,13 @@ Five families share one dataclass:
 
 Real checkpoints use transformers 4.x keys (rope_theta, rope_scaling, num_experts);
 models saved by transformers 5.x use rope_parameters and num_local_experts. Both work.
+A GGUF file's metadata gives the same fields (common/gguf.py, loaded only for a GGUF model).
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import numpy as np
 
 ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
@@ -33,6 +32,20 @@ MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
 
 class ConfigError(ValueError):
     """A config.json this engine cannot run; the message says which key and why."""
+
+
+def gguf_path(path: str | Path) -> Path | None:
+    """The .gguf file `path` stands for: itself, or the one .gguf inside a folder without
+    config.json; None for anything else (a Hugging Face folder). Every reader of a model
+    asks this first, and only a GGUF model loads common/gguf.py."""
+    p = Path(path)
+    if p.is_file() and p.suffix.lower() == ".gguf":
+        return p
+    if p.is_dir() and not (p / "config.json").is_file():
+        files = sorted(p.glob("*.gguf"))
+        if len(files) == 1:
+            return files[0]
+    return None
 
 
 @dataclass(frozen=True)
@@ -124,6 +137,22 @@ class ModelConfig:
                 and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
 
+    def expected_shape(self, key: str) -> tuple[int, ...] | None:
+        """The shape of the loader's tensor `key` (common/loader.py names them; one expert's
+        for e_*) that these numbers imply, for checking what a file holds."""
+        C, D, V = self.hidden_size, self.head_dim, self.vocab_size
+        F, Fe, E = self.intermediate_size, self.moe_intermediate_size, self.num_experts
+        H, Hkv, Fs = self.num_heads, self.num_kv_heads, self.shared_expert_intermediate_size
+        return {
+            "attn_norm": (C,), "mlp_norm": (C,), "final_norm": (C,), "q_norm": (D,), "k_norm": (D,),
+            "wq": (H * D, C), "wk": (Hkv * D, C), "wv": (Hkv * D, C), "wo": (C, H * D),
+            "bq": (H * D,), "bk": (Hkv * D,), "bv": (Hkv * D,),
+            "w_gate": (F, C), "w_up": (F, C), "w_down": (C, F),
+            "router": (E, C), "e_gate": (Fe, C), "e_up": (Fe, C), "e_down": (C, Fe),
+            "s_gate": (Fs, C), "s_up": (Fs, C), "s_down": (C, Fs), "shared_gate": (1, C),
+            "embed": (V, C), "lm_head": (V, C),
+        }.get(key)
+
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
         arch = (d.get("architectures") or [None])[0]
@@ -213,74 +242,13 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_gguf(cls, meta: dict, shapes: dict[str, tuple[int, ...]], eos_ids: list[int]) -> "ModelConfig":
-        """The config of a GGUF file from its `{arch}.*` metadata keys and its tensor table
-        (shapes in GGUF order, fastest dimension first). What the metadata does not say,
-        the tensors do: the vocabulary (token_embd's rows), tied embeddings (no output.weight),
-        q/k/v biases, and which layers are MoE (those with ffn_gate_exps)."""
-        from common.gguf import ARCHITECTURES
-
-        arch = meta.get("general.architecture")
-        family = ARCHITECTURES[arch]
-
-        def need(key: str):
-            if f"{arch}.{key}" not in meta:
-                raise ConfigError(f"the GGUF file has no '{arch}.{key}' key; it is incomplete or not a "
-                                  f"{arch} model")
-            return meta[f"{arch}.{key}"]
-
-        def get(key: str, default=None):
-            return meta.get(f"{arch}.{key}", default)
-
-        if "rope_freqs.weight" in shapes or get("rope.scaling.type", "none") not in ("none", None):
-            raise ConfigError("the GGUF file uses RoPE scaling (rope_freqs / rope.scaling.type), which is not "
-                              "read from GGUF files; use the model's Hugging Face folder")
-        if "token_embd.weight" not in shapes:
-            raise ConfigError("the GGUF file has no token_embd.weight tensor")
-        hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
-        head_dim = int(get("attention.key_length", hidden // heads))
-        if int(get("rope.dimension_count", head_dim)) != head_dim:
-            raise ConfigError(f"partial rotary embedding (rope dimension {get('rope.dimension_count')} < "
-                              f"head dim {head_dim}) is not supported")
-        layers = int(need("block_count"))
-        moe = family in MOE_FAMILIES
-        dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in shapes] if moe else []
-        eps = float(str(np.float32(need("attention.layer_norm_rms_epsilon"))))   # float32 1e-6 -> 1e-06
-        return cls(
-            family=family,
-            vocab_size=int(shapes["token_embd.weight"][-1]),
-            hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length", 0) or 0),
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=int(get("attention.head_count_kv", heads)),
-            head_dim=head_dim,
-            rope_theta=float(get("rope.freq_base", 10000.0)),
-            qkv_bias="blk.0.attn_q.bias" in shapes,
-            rms_norm_eps=eps,
-            tie_word_embeddings="output.weight" not in shapes,
-            max_position_embeddings=int(get("context_length", 32768)),
-            num_experts=int(need("expert_count")) if moe else 0,
-            num_experts_per_tok=int(need("expert_used_count")) if moe else 0,
-            moe_intermediate_size=int(need("expert_feed_forward_length")) if moe else 0,
-            # llama.cpp renormalises the chosen experts' weights for qwen3moe, never for qwen2moe
-            norm_topk_prob=bool(get("expert_weights_norm", family == "qwen3_moe")),
-            mlp_only_layers=dense,
-            shared_expert_intermediate_size=(int(need("expert_shared_feed_forward_length"))
-                                             if family == "qwen2_moe" else 0),
-            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=list(eos_ids),
-        )
-
-    @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelConfig":
         """The config of a model: a Hugging Face folder's config.json (and generation_config.json),
         or a GGUF file's metadata (a .gguf file, or a folder holding one)."""
-        from common.gguf import gguf_path, open_gguf
-
         g = gguf_path(folder)
         if g is not None:
-            cfg = open_gguf(g).model_config()
+            from common.gguf import open_gguf    # GGUF code loads only for a GGUF model
+            cfg = cls(**open_gguf(g).config_fields())
             cls._add_generation_eos(cfg, Path(folder))
             return cfg
         path = Path(folder) / "config.json"

@@ -1,10 +1,14 @@
-"""One-shot generation, for any engine with stage 1's timing fields:
+"""One-shot generation, for any engine of the Engine protocol:
 
-    python -m stage1_cpu.generate --model DIR|NAME --prompt "..."
+    python -m stage1_cpu.generate --model DIR|NAME --prompt "..." [--n N]
 
-Prints tokens as they arrive, then prefill and decode speed. The prompt goes
-through the model's chat template unless --raw is given. The stage's file
-(stage1_cpu/generate.py) hands this its options and engine, as for the chat.
+Prints tokens as they arrive, then the speed: prefill and decode apart for an engine with
+stage 1's timing fields, else output tokens per second and, for an engine with a prefix
+cache, the prompt tokens it found cached. The prompt goes through the model's chat template
+unless --raw is given. --n sends it N times at once (the tokens of the first copy are
+printed): a batching engine runs them together and finds the shared prompt's pages in
+its cache. The stage's file (stage1_cpu/generate.py, stage3_optimized/generate.py) hands
+this its options and engine, as for the chat.
 """
 from __future__ import annotations
 
@@ -21,8 +25,7 @@ from common.tokenizer import Tokenizer
 
 
 def main(build_engine, argv=None, prog: str = "python -m stage1_cpu.generate", add_args=None) -> int:
-    """build_engine(folder, args, progress) -> an engine with the stage-1 timing fields
-    (last_prefill_tokens, ...); add_args(parser) adds the stage's options."""
+    """build_engine(folder, args, progress) -> an engine; add_args(parser) adds the stage's options."""
     ap = argparse.ArgumentParser(prog=prog, description="One-shot generation: the prompt in, tokens out.")
     ap.add_argument("--model", default=None, help="HF model folder or known name (default: smollm2-135m)")
     ap.add_argument("--prompt", required=True, help="the text to continue / the user message")
@@ -41,9 +44,12 @@ def main(build_engine, argv=None, prog: str = "python -m stage1_cpu.generate", a
     ap.add_argument("--frequency-penalty", type=float, default=None)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--ignore-eos", action="store_true")
+    ap.add_argument("--n", type=int, default=1, help="send the prompt N times at once (default 1)")
     args = ap.parse_args(argv)
 
     try:
+        if args.n < 1:
+            raise ValueError("--n must be at least 1")
         folder = resolve_model(args.model)
         tok = Tokenizer(folder)
         if args.raw:
@@ -64,26 +70,37 @@ def main(build_engine, argv=None, prog: str = "python -m stage1_cpu.generate", a
             print("compiling kernels, first run only ...", file=sys.stderr, flush=True)
             print(f"compiled kernels in {engine.warm_up():.1f} s", file=sys.stderr)
         ids = tok.encode(text)
-        engine.add_request(Request("generate", ids, params))
+        for i in range(args.n):
+            engine.add_request(Request(f"generate-{i}", ids, params))
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    answer = AnswerText(tok.detokenizer())     # events -> text, the end-of-turn id left out
+    answer = AnswerText(tok.detokenizer())     # the first copy's events -> text, the end-of-turn id left out
+    n_out, failed = 0, False                   # answer tokens of every copy
     t0 = time.perf_counter()
     while engine.has_work():
         for ev in engine.step():
-            sys.stdout.write(answer.feed(ev))
-            sys.stdout.flush()
+            failed |= ev.finish_reason == "error"
+            n_out += ev.finish_reason not in ("stop", "abort", "error")   # those carry no answer text
+            if ev.request_id == "generate-0":
+                sys.stdout.write(answer.feed(ev))
+                sys.stdout.flush()
     sys.stdout.write("\n")
-    n_out = answer.n_tokens - (answer.finish_reason == "stop")     # the tokens of the answer text
-    if answer.finish_reason == "error":
+    if failed:
         print("error: the engine could not go on (its logits were not finite)", file=sys.stderr)
         return 1
     wall = time.perf_counter() - t0
-    pf = engine.last_prefill_tokens / max(engine.last_prefill_s, 1e-9)
-    dc = engine.last_decode_tokens / max(engine.last_decode_s, 1e-9)
-    print(f"[{len(ids)} prompt tokens, {n_out} generated | prefill {pf:.1f} tok/s, "
-          f"decode {dc:.1f} tok/s, {wall:.2f} s]", file=sys.stderr)
+    if hasattr(engine, "last_prefill_tokens") and args.n == 1:     # stage 1: prefill and decode timed apart
+        pf = engine.last_prefill_tokens / max(engine.last_prefill_s, 1e-9)
+        dc = engine.last_decode_tokens / max(engine.last_decode_s, 1e-9)
+        print(f"[{len(ids)} prompt tokens, {n_out} generated | prefill {pf:.1f} tok/s, "
+              f"decode {dc:.1f} tok/s, {wall:.2f} s]", file=sys.stderr)
+    else:
+        cached = (f" ({sum(engine.num_cached_tokens(f'generate-{i}') for i in range(args.n))} from the prefix "
+                  f"cache)" if hasattr(engine, "num_cached_tokens") else "")
+        steps = f" in {engine.num_steps} steps" if hasattr(engine, "num_steps") else ""
+        print(f"[{args.n} x {len(ids)} prompt tokens{cached}, {n_out} generated{steps} | "
+              f"{n_out / max(wall, 1e-9):.1f} output tok/s, {wall:.2f} s]", file=sys.stderr)
     return 0
 

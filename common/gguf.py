@@ -7,7 +7,7 @@ module reads the header itself (a few dozen lines; the `gguf` package's reader t
 ~25 s over a 150k-token vocabulary, this one a fraction of a second) and maps each
 tensor's bytes when it is read; the `gguf` package dequantizes. It turns the file into what a Hugging Face folder gives the engine:
 
-  ModelConfig        from `{arch}.*` keys (config.ModelConfig.from_gguf)
+  ModelConfig        from `{arch}.*` keys (GGUFFile.config_fields)
   tokenizer          byte-level BPE from tokenizer.ggml.* with the pre-tokenizer
                      that tokenizer.ggml.pre names
   chat template      tokenizer.chat_template
@@ -28,12 +28,16 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from common import gguf_quant
 from common.gguf_convert import (END_OF_TURN_TOKENS, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_USER_DEFINED,
                                  unpermute_rotary_rows)
+
+if TYPE_CHECKING:
+    from common.config import ModelConfig
 
 # GGUF general.architecture -> our family
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen2moe": "qwen2_moe", "qwen3": "qwen3",
@@ -76,19 +80,6 @@ NFC_FIRST = ("qwen2", "deepseek-r1-qwen")   # Qwen's tokenizer.json normalizes t
 
 class GGUFError(ValueError):
     """A GGUF file this engine cannot run; the message names the file and what is wrong."""
-
-
-def gguf_path(path: str | Path) -> Path | None:
-    """The .gguf file `path` stands for: itself, or the one .gguf inside a folder without
-    config.json; None for anything else (a Hugging Face folder)."""
-    p = Path(path)
-    if p.is_file() and p.suffix.lower() == ".gguf":
-        return p
-    if p.is_dir() and not (p / "config.json").is_file():
-        files = sorted(p.glob("*.gguf"))
-        if len(files) == 1:
-            return files[0]
-    return None
 
 
 _OPEN: dict = {}
@@ -236,10 +227,63 @@ class GGUFFile:
         return meta, table, cur.at
 
     # --- config and tokens ---
-    def model_config(self):
-        from common.config import ModelConfig
-        return ModelConfig.from_gguf(self.meta, {n: tuple(int(d) for d in t.shape) for n, t in self.tensors.items()},
-                                     self.eos_ids())
+    def config_fields(self) -> dict:
+        """The fields of common.config.ModelConfig, from the `{arch}.*` metadata keys and the
+        tensor table (shapes in GGUF order, fastest dimension first). What the metadata does
+        not say, the tensors do: the vocabulary (token_embd's rows), tied embeddings (no
+        output.weight), q/k/v biases, and which layers are MoE (those with ffn_gate_exps)."""
+        meta, arch = self.meta, self.arch
+        family = ARCHITECTURES[arch]
+        shapes = {n: tuple(int(d) for d in t.shape) for n, t in self.tensors.items()}
+
+        def need(key: str):
+            if f"{arch}.{key}" not in meta:
+                raise GGUFError(f"the GGUF file has no '{arch}.{key}' key; it is incomplete or not a "
+                                f"{arch} model")
+            return meta[f"{arch}.{key}"]
+
+        def get(key: str, default=None):
+            return meta.get(f"{arch}.{key}", default)
+
+        if "rope_freqs.weight" in shapes or get("rope.scaling.type", "none") not in ("none", None):
+            raise GGUFError("the GGUF file uses RoPE scaling (rope_freqs / rope.scaling.type), which is not "
+                            "read from GGUF files; use the model's Hugging Face folder")
+        if "token_embd.weight" not in shapes:
+            raise GGUFError("the GGUF file has no token_embd.weight tensor")
+        hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+        head_dim = int(get("attention.key_length", hidden // heads))
+        if int(get("rope.dimension_count", head_dim)) != head_dim:
+            raise GGUFError(f"partial rotary embedding (rope dimension {get('rope.dimension_count')} < "
+                            f"head dim {head_dim}) is not supported")
+        layers = int(need("block_count"))
+        moe = arch.endswith("moe")                  # qwen2moe, qwen3moe
+        dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in shapes] if moe else []
+        eps = float(str(np.float32(need("attention.layer_norm_rms_epsilon"))))   # float32 1e-6 -> 1e-06
+        return dict(
+            family=family,
+            vocab_size=int(shapes["token_embd.weight"][-1]),
+            hidden_size=hidden,
+            intermediate_size=int(get("feed_forward_length", 0) or 0),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(get("attention.head_count_kv", heads)),
+            head_dim=head_dim,
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            qkv_bias="blk.0.attn_q.bias" in shapes,
+            rms_norm_eps=eps,
+            tie_word_embeddings="output.weight" not in shapes,
+            max_position_embeddings=int(get("context_length", 32768)),
+            num_experts=int(need("expert_count")) if moe else 0,
+            num_experts_per_tok=int(need("expert_used_count")) if moe else 0,
+            moe_intermediate_size=int(need("expert_feed_forward_length")) if moe else 0,
+            # llama.cpp renormalises the chosen experts' weights for qwen3moe, never for qwen2moe
+            norm_topk_prob=bool(get("expert_weights_norm", family == "qwen3_moe")),
+            mlp_only_layers=dense,
+            shared_expert_intermediate_size=(int(need("expert_shared_feed_forward_length"))
+                                             if family == "qwen2_moe" else 0),
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=self.eos_ids(),
+        )
 
     def eos_ids(self) -> list[int]:
         """The file's eos id first, then the control tokens that end a turn by their text
@@ -261,22 +305,20 @@ class GGUFFile:
         """A `tokenizers.Tokenizer` equal to the byte-level BPE the metadata describes."""
         from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-        from common.tokenizer import TokenizerError
-
         meta = self.meta
         missing = [k for k in ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.merges")
                    if k not in meta]
         if missing:
-            raise TokenizerError(f"{self.path}: the GGUF file has no tokenizer metadata ({', '.join(missing)} "
-                                 "missing); use a file converted with its tokenizer (llama.cpp's "
-                                 "convert_hf_to_gguf.py writes it) or the model's Hugging Face folder")
+            raise GGUFError(f"{self.path}: the GGUF file has no tokenizer metadata ({', '.join(missing)} "
+                            "missing); use a file converted with its tokenizer (llama.cpp's "
+                            "convert_hf_to_gguf.py writes it) or the model's Hugging Face folder")
         if meta["tokenizer.ggml.model"] != "gpt2":
-            raise TokenizerError(f"{self.path}: tokenizer type {meta['tokenizer.ggml.model']!r} is not "
-                                 "supported; only byte-level BPE ('gpt2', as Qwen, Llama 3 and SmolLM use)")
+            raise GGUFError(f"{self.path}: tokenizer type {meta['tokenizer.ggml.model']!r} is not "
+                            "supported; only byte-level BPE ('gpt2', as Qwen, Llama 3 and SmolLM use)")
         pre = meta.get("tokenizer.ggml.pre", "gpt2")
         if pre not in PRE_TOKENIZERS:
-            raise TokenizerError(f"{self.path}: pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; "
-                                 f"supported: {', '.join(PRE_TOKENIZERS)}")
+            raise GGUFError(f"{self.path}: pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; "
+                            f"supported: {', '.join(PRE_TOKENIZERS)}")
         tokens = meta["tokenizer.ggml.tokens"]
         types = meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
         vocab = {t: i for i, t in enumerate(tokens)}
@@ -329,10 +371,10 @@ class GGUFWeightLoader:
                                               # (float32 for F32 / F16 / BF16 tensors)
     """
 
-    def __init__(self, path: str | Path, config=None, keep_quantized: bool = False):
-        self.file = open_gguf(gguf_path(path) or path)
+    def __init__(self, path: str | Path, config: ModelConfig, keep_quantized: bool = False):
+        self.file = open_gguf(path)
         self.folder = self.file.path
-        self.config = config or self.file.model_config()
+        self.config = config
         self.keep_quantized = keep_quantized
         self.describe = self.file.describe
 
@@ -397,8 +439,7 @@ class GGUFWeightLoader:
         return out.reshape(-1, shape[1]) if len(shape) == 2 else out.reshape(shape)
 
     def expected_shape(self, key: str):
-        from common.loader import expected_shape
-        return expected_shape(self.config, key)
+        return self.config.expected_shape(key)
 
     def layer(self, key: str, layer: int, expert: int | None = None, dtype=np.float32):
         name = LAYER_NAMES[key].format(i=layer)

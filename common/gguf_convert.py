@@ -4,8 +4,8 @@ A GGUF file (llama.cpp's format) holds everything a model needs in one file:
 hyper-parameters and the tokenizer as key/value metadata, and the weights as
 (usually quantized) tensors. Every stage reads GGUF files directly (common/gguf.py,
 which uses this file's rotary un-permutation and token constants); this converter
-remains for a float32 Hugging Face folder that other tools can read (bench/gguf_demo.py
-measures the demo this way as it used to run). It unpacks a llama GGUF into:
+remains for a float32 Hugging Face folder that other tools can read. It unpacks a llama
+GGUF into:
 
   config.json             LlamaForCausalLM hyper-parameters
   generation_config.json  the ids that end a turn

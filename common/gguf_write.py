@@ -1,9 +1,9 @@
 """Write a Hugging Face model folder as a GGUF file, the way llama.cpp's convert_hf_to_gguf.py does.
 
 For the tests (files of every supported architecture in F32, F16, Q8_0, Q4_0, Q4_1,
-Q5_0, Q5_1, from tiny random models) and the benchmarks (a Q8_0 file of the
-Qwen3-0.6B shape that stage 1 and llama.cpp both run). The `gguf` package quantizes;
-it cannot write K-quants (llama.cpp's llama-quantize does).
+Q5_0, Q5_1, from tiny random models) and the CPU benchmark (BF16, Q8_0 and Q4_0 files of
+its dense and MoE shapes, which stage 1 and llama.cpp both run). The `gguf` package
+quantizes; it cannot write K-quants (llama.cpp's llama-quantize does).
 
 What the converter does, and this file with it:
   * names: model.layers.3.self_attn.q_proj.weight -> blk.3.attn_q.weight;
@@ -123,7 +123,9 @@ def _tokenizer_metadata(w, folder: Path, cfg: dict, pre: str) -> None:
 
 def write_gguf(folder: str | Path, path: str | Path, qtype: str = "F32", embed_qtype: str | None = None,
                pre: str | None = None, tokenizer: bool = True) -> Path:
-    """The Hugging Face folder `folder` as a GGUF file at `path`; -> path."""
+    """The Hugging Face folder `folder` as a GGUF file at `path`; -> path. Each tensor is
+    spooled to a temporary file as it is converted, and a layer's experts are stacked as soon
+    as the last of them is read, so a large model needs about one layer in memory."""
     import gguf
     from gguf.quants import quantize
 
@@ -134,7 +136,8 @@ def write_gguf(folder: str | Path, path: str | Path, qtype: str = "F32", embed_q
     heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
     kv_heads = cfg.get("num_key_value_heads") or heads
     head_dim = cfg.get("head_dim") or hidden // heads
-    w = gguf.GGUFWriter(str(path), arch)
+    n_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    w = gguf.GGUFWriter(str(path), arch, use_temp_file=True)
     w.add_name(folder.name)
     w.add_context_length(cfg.get("max_position_embeddings", 2048))
     w.add_embedding_length(hidden)
@@ -150,7 +153,7 @@ def write_gguf(folder: str | Path, path: str | Path, qtype: str = "F32", embed_q
     w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
     w.add_vocab_size(cfg["vocab_size"])
     if arch in ("qwen3moe", "qwen2moe"):
-        w.add_expert_count(cfg.get("num_experts", cfg.get("num_local_experts")))
+        w.add_expert_count(n_experts)
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     if arch == "qwen2moe":
@@ -180,7 +183,11 @@ def write_gguf(folder: str | Path, path: str | Path, qtype: str = "F32", embed_q
         _, _, layer, rest = name.split(".", 3)
         m = EXPERT.fullmatch(rest)
         if m:
-            experts.setdefault((int(layer), m.group(2)), {})[int(m.group(1))] = data
+            by_e = experts.setdefault((int(layer), m.group(2)), {})
+            by_e[int(m.group(1))] = data
+            if len(by_e) == n_experts:                                   # the layer's last expert: [E, rows, C]
+                add(f"blk.{layer}.ffn_{m.group(2)}_exps.weight", np.stack([by_e[e] for e in range(n_experts)]), qtype)
+                del experts[(int(layer), m.group(2))]
             continue
         gname = NAMES[rest]
         if arch == "llama" and gname in ("attn_q.weight", "attn_k.weight"):
@@ -189,9 +196,8 @@ def write_gguf(folder: str | Path, path: str | Path, qtype: str = "F32", embed_q
             data = data.reshape(-1)
         kind = "F32" if data.ndim == 1 or gname in KEEP_F32 else qtype
         add(f"blk.{layer}.{gname}", data, kind)
-    for (layer, proj), by_e in sorted(experts.items()):
-        stack = np.stack([by_e[e] for e in range(len(by_e))])          # [E, rows, C]
-        add(f"blk.{layer}.ffn_{proj}_exps.weight", stack, qtype)
+    if experts:
+        raise ValueError(f"{folder}: experts missing from the weights: {sorted(experts)}")
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

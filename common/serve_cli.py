@@ -10,8 +10,14 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
+import uvicorn
+
 from common.api_state import Limits, ServerState
+from common.chat_template import ChatTemplate
+from common.engine_process import EngineProcess
+from common.models import resolve_model
 from common.server import build_app
+from common.tokenizer import Tokenizer
 
 log = logging.getLogger("qwen3-stages.server")
 
@@ -48,12 +54,6 @@ def main(build_engine: Callable[[Path, argparse.Namespace], Any], argv: list[str
     """Parse the command line, bind the socket, load the engine in the background, serve until Ctrl-C.
     build_engine(folder, args) -> Engine is a module-level function (--engine-process imports it in
     the child); add_args(parser) adds the stage's own options."""
-    import uvicorn
-
-    from common.chat_template import ChatTemplate
-    from common.models import resolve_model
-    from common.tokenizer import Tokenizer
-
     parser = argparse.ArgumentParser(prog=prog, description="OpenAI-compatible server (chat, completions, models)")
     add_server_args(parser)
     if add_args:
@@ -90,7 +90,6 @@ def main(build_engine: Callable[[Path, argparse.Namespace], Any], argv: list[str
             # tokenizer and template first: they are quick and fail with the clearest message
             tokenizer, template = Tokenizer(folder), ChatTemplate.from_folder(folder)
             if args.engine_process:
-                from common.engine_process import EngineProcess
                 engine = EngineProcess(build_engine, folder, args)
             else:
                 engine = build_engine(folder, args)

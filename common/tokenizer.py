@@ -20,6 +20,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from common.config import gguf_path
+
 
 class TokenizerError(ValueError):
     """A model folder whose tokenizer cannot be loaded; the message says what to do."""
@@ -51,12 +53,11 @@ def _as_id_list(value) -> list[int]:
 
 class Tokenizer:
     def __init__(self, folder: str | Path):
-        from common.gguf import gguf_path, open_gguf
-
         self.folder = Path(folder)
         g = gguf_path(folder)
         if g is not None:
             # a GGUF file: vocabulary, merges, pre-tokenizer and special tokens from its metadata
+            from common.gguf import open_gguf    # GGUF code loads only for a GGUF model
             f = open_gguf(g)
             self._tok = f.tokenizer()
             tok_cfg = f.tokenizer_config()

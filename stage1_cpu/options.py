@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from common.config import gguf_path
+from common.models import resolve_model
+
 FORMATS = ("none", "bf16", "int8", "int4")
 
 
@@ -41,13 +44,11 @@ def build_engine(folder: Path, args: argparse.Namespace, progress: bool = True):
 
 def quant_for(folder: Path, args: argparse.Namespace) -> str:
     """--quant, or its default: a GGUF file's blocks as stored, a folder's float32."""
-    from common.gguf import gguf_path
     return args.quant or ("stored" if gguf_path(folder) else "none")
 
 
 def describe(args: argparse.Namespace) -> str:
     """A few words for the banner (the engine's describe_kernels() adds which kernels it chose)."""
-    from common.models import resolve_model
     q = args.quant or quant_for(resolve_model(getattr(args, "model", None), progress=False), args)
     quant = {"none": "float32", "stored": "GGUF as stored"}.get(q, q)
     if args.quant in ("int8", "int4") and getattr(args, "activations", "auto") != "auto":

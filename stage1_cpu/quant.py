@@ -19,7 +19,7 @@ FORMATS = ("none", "bf16", "int8", "int4")
 GROUP_SIZES = (32, 64, 128)
 
 # Prefill: ROW_BLOCK rows at a time dequantized to an fp32 tile for BLAS sgemm (docs/stage1.md, section 7)
-PREFILL_MIN_T = 8     # from 8 tokens on, the tile beats reading each row T times (bench/kernels.py)
+PREFILL_MIN_T = 8     # from 8 tokens on, the tile beats reading each row T times (bench profile --tokens T)
 ROW_BLOCK = 1024      # 1024 rows x 1024 fp32 = 4 MB: wide enough for OpenBLAS's threads, still in L3
 QUANT_ROWS = 4096     # rows quantized at a time: bounds the fp32 temporaries (~6 x rows x in x 4 bytes)
 

@@ -1,9 +1,8 @@
-"""Load a model folder into stage 1's layout, quantizing tensor by tensor: each projection
-becomes a quant.Weight the moment it is read, its float32 copy dropped before the next is
-read (peak memory: the quantized model plus one fp32 tensor). q/k/v and gate/up are stacked
-into one matrix each (docs/stage1.md, section 3, says why). And the one place that chooses
-the kernels (choose_kernels): the core alone, or stage1_cpu.fast's FastPath, imported here.
-"""
+"""Load a model folder into stage 1's layout, quantizing tensor by tensor (to_weight): each
+projection becomes a quant.Weight the moment it is read, its float32 copy dropped before the next
+is read (peak memory: the quantized model plus one fp32 tensor). q/k/v and gate/up are stacked
+into one matrix each (docs/stage1.md, section 3, says why). choose_kernels picks the core alone
+or stage1_cpu.fast's FastPath: the one place the core imports the fast path."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -12,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from common.config import ModelConfig
-from common.loader import loading, open_weights, quantize_by_rows, stack
+from common.loader import loading, open_weights, stack
 from .quant import FORMATS, Weight, quantize
 
 KERNELS = ("auto", "plain", "fast")     # --kernels
@@ -76,34 +75,43 @@ def choose_kernels(kernels: str, activations: str, fmt: str):
     return None if why_not else fast.FastPath(fmt, activations)
 
 
+def to_weight(a, fmt: str, group_size: int, fast, lm_head: bool = False) -> Weight:
+    """A matrix from the loader, fp32 [O, K] or a GGUF's int8 / int4 blocks kept as they are (--quant
+    stored, common/gguf_quant.py) -> Weight (the core) or FastWeight (fast: choose_kernels' FastPath)."""
+    kept = getattr(a, "fmt", "none") if fmt == "stored" else fmt
+    return fast.quantize(a, kept, group_size, lm_head) if fast else quantize(a, kept, group_size)
+
+
+def embedding(loader, key: str, fmt: str, group_size: int, fast, block: int = 16384) -> Weight:
+    """The embedding / lm_head [V, C], by far the largest tensor (Qwen3-0.6B: 622 MB in fp32), a block of
+    rows at a time straight from the mapped file, so its fp32 form never exists whole; then stacked."""
+    if fmt == "none":                                  # fp32 is the format itself
+        return to_weight(loader.glob(key), fmt, group_size, fast, lm_head=True)
+    parts = [to_weight(loader.glob(key, rows=slice(r, r + block)), fmt, group_size, fast, lm_head=True)
+             for r in range(0, loader.config.vocab_size, block)]
+    return parts[0] if len(parts) == 1 else stack(parts)
+
+
 def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
                  progress: bool = True, kernels: str = "auto", activations: str = "auto") -> Weights:
     if fmt not in FORMATS + ("stored",):   # stored: a GGUF's blocks as they are (common/gguf_quant.py)
         raise ValueError(f"unknown --quant {fmt!r}; choose one of {', '.join(FORMATS)}")
     fast = choose_kernels(kernels, activations, fmt)  # a wrong --kernels / --activations fails before any reading
-
-    def quantizer(fmt: str, lm_head: bool = False):
-        """A tensor from the loader, fp32 [O, K] or a GGUF's int8 / int4 blocks kept as they are
-        (--quant stored, common/gguf_quant.py) -> Weight (the core) or FastWeight (the fast path)."""
-        def kept(a):
-            return getattr(a, "fmt", "none") if fmt == "stored" else fmt
-        if fast:
-            return lambda a: fast.quantize(a, kept(a), group_size, lm_head)
-        return lambda a: quantize(a, kept(a), group_size)
-
     loader = open_weights(folder, keep_quantized=fmt == "stored")
     cfg = loader.config
-    q = quantizer(fmt)
+
+    def q(a):                     # a matrix of the layers -> a Weight in this model's format
+        return to_weight(a, fmt, group_size, fast)
+
     # The embedding / lm_head, the one matrix every logit goes through, stays int8 when the rest is int4
     # (as llama.cpp's Q4 files keep it at Q8_0), and the fast path rounds its decode activations to int16,
     # not int8: on the default model either flips the first answer token (docs/stage1.md, sections 6, 12).
     embed_fmt = "int8" if fmt == "int4" else fmt
-    head_q = quantizer(embed_fmt, lm_head=True)
     # one step per Weight: wqkv and wo per layer (attn=2), gate_up and down per MLP (mlp=2)
     with loading(cfg, f"loading weights ({fmt})", attn=2, mlp=2, show=progress) as step:
-        embed = step(quantize_by_rows(loader, "embed", head_q, embed_fmt))
+        embed = step(embedding(loader, "embed", embed_fmt, group_size, fast))
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in loader
-        lm_head = embed if tied else step(quantize_by_rows(loader, "lm_head", head_q, embed_fmt))
+        lm_head = embed if tied else step(embedding(loader, "lm_head", embed_fmt, group_size, fast))
         layers = []
         for i in range(cfg.num_layers):
             L = LayerWeights(

@@ -1,56 +1,59 @@
 """Decode steps replayed as CUDA graphs, one graph per batch-size bucket.
 
 Changed from stage 2: a new file; stage 2 launches every kernel of every step from
-Python. A decode step of Qwen3-0.6B launches about 290 kernels and GEMMs
-(model.py's docstring); each costs the host a few microseconds to launch, and a small
+Python. A decode step of Qwen3-0.6B launches about 200 kernels even after the fusions
+(model.py's docstring); each costs the host several microseconds to launch, and a small
 batch's kernels finish faster than the host can issue them, so the GPU waits on
-Python. A CUDA graph records the whole forward pass once and replays it with one
-launch. What a graph records is fixed: the kernels, their launch grids, their
-scalar arguments and every pointer. So:
+Python. A CUDA graph records the whole step once and replays it with one launch.
+What a graph records is fixed: the kernels, their launch grids, their scalar arguments
+and every pointer. So:
 
-  * The inputs live in static buffers (`StaticInputs`), sized for the largest bucket;
-    a step copies its batch into them and the graph reads them where they are. The
-    output (logits [B, V]) is one array the graph writes on every replay.
+  * The step reads its inputs where the last upload put them (buffers.StepInputs: a
+    bucket's fields always land at the same addresses) and writes every intermediate
+    into the model's buffers (buffers.Activations): nothing in the step allocates.
+    The output is the sampled ids (and the logits, for rows the host samples).
+  * The sampling kernel is in the graph, after the forward pass: a replay ends with
+    the next tokens on the device, and the host copies S ids back, not S * V logits.
   * A graph is captured for a batch size B; a step with b sequences replays the graph of
     the smallest bucket >= b (`pick_bucket`), its b rows first and B - b padding rows
     after them (`pad_decode_batch`). A padding row has slot -1, which the KV store
     (qk_norm_rope_store.cu and its twin) skips, so it writes no page; it reads one
     position (context length 1) of page 0, a real page it only reads, so its numbers
-    stay finite; its logits are thrown away.
+    stay finite; its logits and token are thrown away.
   * Host numbers that size a launch are fixed at capture: the decode attention grid is
     sized for the model's whole context (max_ctx) instead of this step's longest; the
     splits past a sequence's context return at once.
-  * Anything that waits for the host cannot be captured, and those steps run eagerly
-    (model.forward as it is): prefill and mixed steps (their shapes change every step),
-    batches larger than the largest bucket, and MoE models, whose router copies its
-    scores to the host to choose the experts (model.moe). Sampling is not in the graph:
-    it reads the logits after the replay (kernels.sample, or the host Sampler for
-    penalties), as in an eager step.
+  * What a graph cannot hold runs eagerly (model.forward as it is): prefill and mixed
+    steps (their shapes change every step), batches larger than the largest bucket,
+    MoE models (the router copies its scores to the host to choose the experts), and
+    Qwen2's q/k/v biases on more than 4 rows (cupy's elementwise add allocates).
+  * The GEMMs are cuBLAS calls made through ctypes (cublas.py): CuPy's own cuBLAS
+    wrapper refuses to run during a capture.
 
-If a capture or a replay fails (an error from CUDA or CuPy), the engine warns, keeps the message in
-`DecodeGraphs.error` (the benchmark reports it) and runs every later step eagerly.
+If a capture or a replay fails (an error from CUDA or CuPy), the engine warns, keeps the
+message in `DecodeGraphs.error` (the benchmark reports it) and runs every later step eagerly.
 
 A bucket's graph is captured the first time a step needs it. That first step runs
-eagerly on the static buffers (the warm-up: every kernel is compiled and cuBLAS has
-its workspace before a capture, where neither may happen), then the capture records
-the same forward pass without running it. Memory the forward pass allocates during a
-capture comes from a pool of this object's own (`cupy.cuda.MemoryPool`, via
-`using_allocator`), which nothing else allocates from: the addresses baked into a
-graph are never handed to another array. The graphs share that pool (only one
-replays at a time, on one stream), and each keeps its logits array referenced.
+eagerly on the same buffers (the warm-up: every kernel is compiled and cuBLAS has chosen
+its algorithm before the capture, where neither may happen), then the capture records
+the same step without running it.
 
 device="cpu" has no graphs: the engine runs every step eagerly. The pure parts (the
 buckets, the padding) are tested on the CPU, and so is the replay logic, with a
-stand-in capture that records the forward pass as a Python call on the same static
-buffers and the same capture-time BatchInfo.
+stand-in capture that records the step as a Python call; the tests' emulated CuPy also
+captures for real: it records the kernel launches and cuBLAS calls of the step and
+refuses, during a capture, what CuPy refuses (tests/cuda_emulator.py).
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 
+from . import kernels
 from .batch import BatchInfo
+from .buffers import SamplingInputs, StepInputs
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -105,116 +108,33 @@ def pad_decode_batch(tokens: np.ndarray, batch: BatchInfo, size: int,
     # exercise 3.5 end
 
 
-# the static inputs, in the order they sit in StaticInputs' one buffer: name -> ints per row
-# (query_start has one more entry; block_tables, last, is max_blocks per row)
-LAYOUT = ("tokens", "positions", "slot_mapping", "token_seq", "context_lens", "logits_rows", "rows",
-          "query_start", "block_tables")
-
-
-@dataclass
-class StaticInputs:
-    """The arrays a captured graph reads, on the model's device, sized for the largest bucket.
-    A bucket of B rows uses the first B rows of each (contiguous slices).
-    They are views of one int32 buffer on the device (`device`), and fill() writes a step's
-    numbers into its host twin (`host`, page-locked on a GPU) and then copies the used part
-    over in one transfer: one DMA per replay instead of one pageable copy per array (each of
-    those stages through a driver buffer and waits for the host). On the CPU, host is device."""
-    tokens: object            # [Bmax] int32
-    positions: object         # [Bmax] int32
-    slot_mapping: object      # [Bmax] int32
-    token_seq: object         # [Bmax] int32
-    block_tables: object      # [Bmax, max_blocks] int32
-    context_lens: object      # [Bmax] int32
-    query_start: object       # [Bmax + 1] int32
-    logits_rows: object       # [Bmax] int32
-    empty: object             # [0] int32 (a decode batch has no prefill tiles)
-    rows: object = None       # [Bmax] int32: the real batch's logits_rows (the rows the caller keeps)
-    device: object = None     # [n] int32: the one buffer the arrays above are views of
-    host: object = None       # [n] int32 numpy: its host twin (page-locked memory on a GPU)
-    host_views: dict = None   # name -> the host twin's view of that array
-    pinned: object = None     # the page-locked allocation behind host (kept alive)
-    copied: object = None     # a CUDA event after the last copy: host may be rewritten once it is done
-
-    @classmethod
-    def allocate(cls, xp, max_batch: int, max_blocks: int) -> "StaticInputs":
-        B = max_batch
-        sizes = {name: B for name in LAYOUT}
-        sizes["query_start"], sizes["block_tables"] = B + 1, B * max_blocks
-        n = sum(sizes.values())
-        device = xp.zeros(n, dtype=np.int32)
-        pinned = None
-        if isinstance(device, np.ndarray):                 # numpy (or a stand-in of a device array)
-            host = device.view(np.ndarray)
-        else:
-            pinned = xp.cuda.alloc_pinned_memory(n * 4)
-            host = np.ndarray(n, np.int32, buffer=pinned)   # (what cupyx.empty_pinned does)
-            host[...] = 0
-        views, host_views, at = {}, {}, 0
-        for name in LAYOUT:
-            views[name], host_views[name] = device[at:at + sizes[name]], host[at:at + sizes[name]]
-            at += sizes[name]
-        views["block_tables"] = views["block_tables"].reshape(B, max_blocks)
-        host_views["block_tables"] = host_views["block_tables"].reshape(B, max_blocks)
-        return cls(**views, empty=xp.zeros(0, dtype=np.int32), device=device, host=host,
-                   host_views=host_views, pinned=pinned)
-
-    def view(self, size: int, max_context: int) -> BatchInfo:
-        """The BatchInfo of a bucket: views of the first `size` rows (what the graph reads)."""
-        return BatchInfo(num_decode=size, positions=self.positions[:size],
-                         slot_mapping=self.slot_mapping[:size], token_seq=self.token_seq[:size],
-                         block_tables=self.block_tables[:size], context_lens=self.context_lens[:size],
-                         query_start=self.query_start[:size + 1], logits_rows=self.logits_rows[:size],
-                         tile_start=self.empty, tile_count=self.empty, max_context=max_context)
-
-    def fill(self, tokens: np.ndarray, batch: BatchInfo, rows: np.ndarray | None = None) -> None:
-        """Copy a padded host batch (pad_decode_batch) into the first rows, and the rows of the
-        logits to keep into `rows`: writes into the host twin, then one copy to the device."""
-        size = len(tokens)
-        if self.copied is not None:
-            self.copied.synchronize()                      # the previous copy has read the host twin
-        h = self.host_views
-        for name, src in [("tokens", tokens), ("positions", batch.positions), ("slot_mapping", batch.slot_mapping),
-                          ("token_seq", batch.token_seq), ("context_lens", batch.context_lens),
-                          ("logits_rows", batch.logits_rows), ("query_start", batch.query_start)]:
-            h[name][:len(src)] = src
-        if rows is not None:
-            h["rows"][:len(rows)] = rows
-        bt = batch.block_tables
-        h["block_tables"][:size, :bt.shape[1]] = bt
-        # the used part: everything before the block tables, and the bucket's rows of them
-        used = int(h["block_tables"].ctypes.data - self.host.ctypes.data) // 4 + size * bt.shape[1]
-        assert bt.shape[1] == h["block_tables"].shape[1], "pad_decode_batch makes the tables max_blocks wide"
-        self._upload(used)
-
-    def _upload(self, n: int) -> None:
-        """host[:n] -> device[:n]: one asynchronous copy from page-locked memory (none on the CPU)."""
-        if self.pinned is None:
-            return
-        import cupy
-        stream = cupy.cuda.get_current_stream()
-        self.device[:n].set(self.host[:n], stream=stream)
-        if self.copied is None:
-            self.copied = cupy.cuda.Event(disable_timing=True)
-        self.copied.record(stream)
+def pad_sampling(sampling: SamplingInputs, size: int) -> SamplingInputs:
+    """The sampling parameters of b rows padded to `size`: the padding rows are greedy."""
+    def pad(a, fill, dtype):                           # [b] -> [size]
+        out = np.full(size, fill, dtype)
+        out[:len(a)] = a
+        return out
+    return SamplingInputs(temperature=pad(sampling.temperature, 0.0, np.float32),
+                          top_k=pad(sampling.top_k, 0, np.int32), top_p=pad(sampling.top_p, 1.0, np.float32),
+                          u=pad(sampling.u, 0.0, np.float32))
 
 
 class CupyCapture:
-    """The real capture: record `fn()` on a non-blocking stream into a cupy.cuda.graph.Graph,
-    with allocations from a private pool. `replay(graph)` launches it on the current stream."""
+    """The real capture: record `fn()` on a non-blocking stream into a cupy.cuda.graph.Graph.
+    `replay(graph)` launches it on the current stream."""
 
     def __init__(self):
-        import cupy
+        import cupy   # here: the module imports without CuPy (device="cpu")
         self.cupy = cupy
         self.stream = cupy.cuda.Stream(non_blocking=True)
-        self.pool = cupy.cuda.MemoryPool()            # only captures allocate from it
 
     def __call__(self, fn):
         cp = self.cupy
-        cp.cuda.get_current_stream().synchronize()    # the warm-up step is done
-        with cp.cuda.using_allocator(self.pool.malloc), self.stream:
-            self.stream.begin_capture()               # relaxed mode (CuPy's default): the pool may cudaMalloc
+        cp.cuda.get_current_stream().synchronize()    # the warm-up step (and its input copy) is done
+        with self.stream:
+            self.stream.begin_capture()
             try:
-                out = fn()
+                fn()
             except BaseException:
                 # end the capture, but raise fn's error: the "capture invalidated" error that
                 # end_capture() gives after a failed launch only hides the cause
@@ -223,25 +143,30 @@ class CupyCapture:
                 except Exception:
                     pass
                 raise
-            graph = self.stream.end_capture()
-        return graph, out
+            return self.stream.end_capture()
 
     def replay(self, graph) -> None:
         graph.launch(stream=self.cupy.cuda.get_current_stream())
 
 
-class DecodeGraphs:
-    """The captured decode steps of one model: `run(tokens, batch)` -> logits [b, V] float32,
-    or None when this step must run eagerly (the caller then calls model.forward)."""
+@dataclass
+class Captured:
+    graph: object         # what the capture returned
+    logits: object        # [B, V] float32: the graph's logits buffer (a view of the model's)
+    tokens: object        # [B] int32: the graph's sampled ids
 
-    def __init__(self, model, max_batch: int, capture=None):
+
+class DecodeGraphs:
+    """The captured decode steps of one model: `run(tokens, batch, sampling)` -> (logits [b, V],
+    next tokens [b]) on the device, for a decode-only batch that `can_run`."""
+
+    def __init__(self, model, inputs: StepInputs, max_batch: int, capture=None):
         self.model = model
-        self.xp = model.xp
+        self.inputs = inputs
         self.buckets = batch_buckets(max_batch)
         self.max_blocks = (model.max_ctx + model.cache.page_size - 1) // model.cache.page_size
-        self.static = StaticInputs.allocate(self.xp, self.buckets[-1], self.max_blocks)
         self.capture = capture if capture is not None else CupyCapture()
-        self.graphs: dict[int, tuple[object, object]] = {}   # bucket -> (graph, its logits [B, V])
+        self.graphs: dict[int, Captured] = {}        # bucket -> its graph and output buffers
         self.num_replays = self.num_eager = 0
         self.error: str | None = None                # why capturing failed (then every step is eager)
 
@@ -252,41 +177,47 @@ class DecodeGraphs:
 
     def can_run(self, batch: BatchInfo) -> bool:
         S = batch.block_tables.shape[0]
-        return (self.error is None and batch.num_decode == S and S <= self.buckets[-1]
-                and batch.max_context <= self.model.max_ctx)
+        size = pick_bucket(self.buckets, S)
+        biased = self.model.w.layers[0].bqkv is not None
+        return (self.error is None and batch.num_decode == S and size is not None
+                and batch.max_context <= self.model.max_ctx
+                and not (biased and size > kernels.GEMV_MAX_ROWS))
 
-    def run(self, tokens: np.ndarray, batch: BatchInfo):
-        """tokens [b] and batch on the host (decode-only, can_run) -> logits [b', V] of
-        batch.logits_rows, on the model's device."""
+    def step(self, tokens, batch: BatchInfo, sampling: SamplingInputs):
+        """The recorded step: the forward pass, then the sampling kernel (device arrays)."""
+        logits = self.model.forward(tokens, batch)
+        ids = kernels.sample(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.u,
+                             out=self.model.buffers.next_tokens[:len(tokens)])
+        return logits, ids
+
+    def run(self, tokens: np.ndarray, batch: BatchInfo, sampling: SamplingInputs):
+        """tokens [b], batch and sampling on the host (decode-only, can_run) -> (logits [b, V],
+        ids [b]) on the model's device: views of buffers the next step overwrites."""
         b = len(tokens)
         size = pick_bucket(self.buckets, b)
         ptokens, pbatch = pad_decode_batch(tokens, batch, size, self.max_blocks, self.model.max_ctx)
-        self.static.fill(ptokens, pbatch, batch.logits_rows)       # one host-to-device copy
-        info = self.static.view(size, self.model.max_ctx)
-        static_tokens = self.static.tokens[:size]
-        rows = self.static.rows[:len(batch.logits_rows)]
+        inputs = self.inputs.upload(ptokens, pbatch, pad_sampling(sampling, size))   # one copy
         if size in self.graphs:
-            graph, logits = self.graphs[size]
+            done = self.graphs[size]
             try:
-                self.capture.replay(graph)
+                self.capture.replay(done.graph)
                 self.num_replays += 1
-                # a copy of the rows asked for: the next replay overwrites the graph's logits
-                return logits[rows]
+                return done.logits[:b], done.tokens[:b]
             except Exception as e:  # (CuPy may instantiate a graph at its first launch)
                 self._give_up(e)
-        # warm-up (or eager from now on): this step on the static buffers; then record it
-        logits = self.model.forward(static_tokens, info)
+        # warm-up (or eager from now on): this step on the same buffers; then record it
+        logits, ids = self.step(*inputs)
         self.num_eager += 1
         if self.error is None:
             try:
-                self.graphs[size] = self.capture(lambda: self.model.forward(static_tokens, info))
+                graph = self.capture(lambda: self.step(*inputs))
+                self.graphs[size] = Captured(graph, logits, ids)
             except Exception as e:  # a CUDA or CuPy error: this engine goes on eagerly, and says why
                 self._give_up(e)
-        return logits[rows]
+        return logits[:b], ids[:b]
 
     def _give_up(self, e: Exception) -> None:
         """A capture or replay failed: keep the reason, drop the graphs, warn once."""
-        import warnings
         self.error = f"{type(e).__name__}: {str(e)[:300]}"
         self.graphs.clear()
         warnings.warn(f"a CUDA graph capture or replay failed ({self.error}); every step runs eagerly now")

@@ -7,17 +7,24 @@ the pages that became full (`block_manager.register`), so the next request with
 the same prefix finds them, and it remembers how many prompt tokens each request
 found cached (`num_cached_tokens(request_id)`, for the server's usage).
 `enable_prefix_caching=False` turns the cache off (every request computes its
-whole prompt, as in stage 2). On the GPU, a step where every sequence decodes one
-token replays a CUDA graph of the forward pass (cuda_graphs.py) instead of launching
-its ~300 kernels one by one; `enforce_eager=True` turns that off, and prefill steps,
+whole prompt, as in stage 2). A step's inputs travel to the device in one copy
+(buffers.StepInputs) and its intermediates live in buffers allocated once
+(buffers.Activations), so a decode step costs the host its kernel launches and two
+copies, nothing more. On the GPU, a step where every sequence decodes one token replays
+a CUDA graph of the forward pass and the sampling (cuda_graphs.py) instead of launching
+its ~200 kernels one by one; `enforce_eager=True` turns that off, and prefill steps,
 MoE models and device="cpu" always run eagerly. One step, as in stage 2:
 
     scheduler.schedule()   which sequences, how many tokens each (budget, slots, pages, cache hits)
-    build_batch()          their tokens packed into one array + a BatchInfo
-    model.forward()        one pass for the whole batch -> logits of the sequences that sample
-                           (or the replay of a captured decode graph)
+    build_batch()          their tokens packed into one array + a BatchInfo, and the
+                           sampling parameters of the sequences that sample
+    inputs.upload()        all of it to the device in one copy
+    model.forward()        one pass for the whole batch -> logits of the sequences that sample,
+    kernels.sample()       then their next tokens, on the device
+                           (or both as the replay of a captured decode graph)
     register full pages    the prefix cache learns what this step computed
-    sampler, per request   the next token, on the host (common/sampling.py)
+    the ids to the host    one copy; requests with penalties sample their logits row on the
+                           host (common/sampling.py)
     finish / free          stop, length or abort: the sequence's pages go back at once
 
 device="cuda" keeps weights and the page pool on the GPU (CuPy) and launches the
@@ -38,6 +45,7 @@ from common.engine import Request, TokenEvent, check_prompt
 from . import kernels
 from .batch import build_batch
 from .block_manager import BlockManager
+from .buffers import SamplingInputs, StepInputs
 from .cuda_graphs import DecodeGraphs
 from .kv_cache import KVCache
 from .model import Model
@@ -81,7 +89,9 @@ class LLMEngine:
         self.weights = load_weights(folder, xp, progress)
         self.page_size = page_size
         num_pages = self._pool_pages(num_pages, kv_memory)
-        self.model = Model(self.weights, max_ctx, num_pages, page_size)
+        self.model = Model(self.weights, max_ctx, num_pages, page_size, max_tokens=token_budget, max_seqs=slots)
+        # every step's inputs in one upload: up to token_budget tokens of up to `slots` sequences
+        self.inputs = StepInputs(xp, token_budget, slots, (max_ctx + page_size - 1) // page_size)
         self.block_manager = BlockManager(num_pages, page_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, slots, token_budget)
         self.eos_ids = set(self.config.eos_token_ids)
@@ -96,7 +106,7 @@ class LLMEngine:
         # decode steps as CUDA graphs, one per batch-size bucket up to `slots` sequences
         self.graphs = None
         if device == "cuda" and not enforce_eager and DecodeGraphs.capturable(self.model):
-            self.graphs = DecodeGraphs(self.model, slots)
+            self.graphs = DecodeGraphs(self.model, self.inputs, slots)
 
     def _pool_pages(self, num_pages: int | None, kv_memory: int | None) -> int:
         """Pages in the pool: given, or what kv_memory bytes hold, or most of the free GPU memory
@@ -182,27 +192,33 @@ class LLMEngine:
         while len(self.cached_tokens) > 4096:
             self.cached_tokens.popitem(last=False)
 
-        # one forward pass for everybody; logits come back only for the sequences that sample
+        # the sequences whose whole prompt is in after this step sample their next token
+        counts = np.diff(batch.query_start).tolist()
+        sampling = [seq for seq, n in zip(seqs, counts) if seq.num_computed + n == len(seq.token_ids)]
+        params = self._sampling_inputs(sampling)
+
+        # one forward pass for everybody, then the sampling kernel: logits and ids on the device
         t0 = time.perf_counter()
-        xp = self.xp
         if self.graphs is not None and self.graphs.can_run(batch):
-            logits = self.graphs.run(tokens, batch)                         # a decode step: one replay
+            logits, ids = self.graphs.run(tokens, batch, params)                 # a decode step: one replay
         else:
-            logits = self.model.forward(xp.asarray(tokens), batch.to(xp))  # [S', V] on the device
+            dev_tokens, dev_batch, dev_params = self.inputs.upload(tokens, batch, params)   # one copy
+            logits = self.model.forward(dev_tokens, dev_batch)                 # [S', V] on the device
+            ids = None
+            if self.device_sampling and any(self._plain(s) for s in sampling):
+                ids = kernels.sample(logits, dev_params.temperature, dev_params.top_k, dev_params.top_p,
+                                     dev_params.u, out=self.model.buffers.next_tokens[:len(sampling)])
         self.num_steps += 1
 
-        sampling = []
-        for seq, n in zip(seqs, np.diff(batch.query_start).tolist()):
+        for seq, n in zip(seqs, counts):
             if n == 1:
                 self.num_decode_tokens += 1
             else:
                 self.num_prefill_tokens += n
             seq.num_computed += n
             self.block_manager.register(seq)             # its newly full pages join the prefix cache
-            if seq.num_computed == len(seq.token_ids):   # all in: its next token is sampled now
-                sampling.append(seq)
         assert len(sampling) == logits.shape[0]
-        chosen = self._sample(sampling, logits)
+        chosen = self._pick(sampling, logits, ids)
         self.forward_s += time.perf_counter() - t0
 
         for seq, token in zip(sampling, chosen):
@@ -224,37 +240,40 @@ class LLMEngine:
             events.append(TokenEvent(seq.id, token, finish))
         return events
 
-    def _sample(self, seqs: list[Sequence], logits) -> list[int]:
-        """The next token of each sequence from its logits row [S', V].
-        Changed from stage 2: requests without penalties or min_p are sampled on the device
-        (kernels.sample: greedy, temperature, top-k, top-p), so S' ids cross to the host
-        instead of S' * V logits. Each request's uniform number comes from its own seeded
-        generator, the one its host Sampler would use: numpy's choice(p=...) draws one
-        uniform and takes the first token whose running sum passes it, which is what the
-        kernel does, so a seed picks the same tokens on both paths (up to fp32 rounding at a
-        boundary). Requests with penalties or min_p copy their row to the host and run
-        their own Sampler (common/sampling.py), as in stage 2. A degenerate row (NaN, +inf,
-        or every logit -inf) gives -1 on either path: step() turns it into an error."""
+    def _plain(self, seq: Sequence) -> bool:
+        """Sampled on the device: no penalties, no min_p (those need the host Sampler)."""
+        p = seq.req.params
+        return (p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+                and not p.min_p)
+
+    def _sampling_inputs(self, seqs: list[Sequence]) -> SamplingInputs:
+        """The sampling kernel's parameters for each sequence that samples (host arrays).
+        Each request's uniform number comes from its own seeded generator, the one its host
+        Sampler would use: numpy's choice(p=...) draws one uniform and takes the first token
+        whose running sum passes it, which is what the kernel does, so a seed picks the same
+        tokens on both paths (up to fp32 rounding at a boundary). Greedy rows, and rows the
+        host samples, draw nothing here: their generators stay where the host path leaves them."""
+        device = [self.device_sampling and self._plain(s) for s in seqs]
+        ps = [s.req.params for s in seqs]
+        u = [s.sampler.rng.random() if d and p.temperature != 0 else 0.0 for s, p, d in zip(seqs, ps, device)]
+        return SamplingInputs(temperature=np.array([p.temperature for p in ps], np.float32),
+                              top_k=np.array([p.top_k for p in ps], np.int32),
+                              top_p=np.array([p.top_p for p in ps], np.float32), u=np.array(u, np.float32))
+
+    def _pick(self, seqs: list[Sequence], logits, ids) -> list[int]:
+        """The next token of each sequence that samples, from the device's ids (one copy of S'
+        ints) or, for requests with penalties or min_p (and every request when
+        device_sampling is off, stage 2's way), from its logits row on the host with its own
+        Sampler (common/sampling.py). A degenerate row (NaN, +inf, or every logit -inf)
+        gives -1 on either path: step() turns it into an error for that request."""
         xp = self.xp
-        plain = [s.req.params.repetition_penalty == 1.0 and not s.req.params.presence_penalty
-                 and not s.req.params.frequency_penalty and not s.req.params.min_p for s in seqs]
-        tokens = [0] * len(seqs)
-        rows = [i for i, p in enumerate(plain) if p]
-        if rows and self.device_sampling:
-            ps = [seqs[i].req.params for i in rows]
-            # greedy rows draw nothing: their generators stay where the host path leaves them
-            u = [0.0 if p.temperature == 0 else seqs[i].sampler.rng.random() for i, p in zip(rows, ps)]
-            f32 = lambda v: xp.asarray(np.array(v, dtype=np.float32))   # noqa: E731
-            ids = kernels.to_host(kernels.sample(
-                logits[xp.asarray(rows)], f32([p.temperature for p in ps]),
-                xp.asarray(np.array([p.top_k for p in ps], dtype=np.int32)), f32([p.top_p for p in ps]), f32(u)))
-            for i, t in zip(rows, ids.tolist()):
-                tokens[i] = int(t)
-        rest = [i for i, p in enumerate(plain) if not (p and self.device_sampling)]
+        device = ids is not None and self.device_sampling
+        tokens = kernels.to_host(ids).tolist() if device else [0] * len(seqs)
+        rest = [i for i, s in enumerate(seqs) if not (device and self._plain(s))]
         if rest:
-            host = kernels.to_host(logits[xp.asarray(rest)])             # [S'', V]
+            host = kernels.to_host(logits[xp.asarray(np.array(rest, np.int32))])   # [S'', V]
             bad = kernels.ops.degenerate_rows(host)                     # as the device path answers them
             for row, i, degenerate in zip(host, rest, bad.tolist()):
                 s = seqs[i]
                 tokens[i] = -1 if degenerate else s.sampler(row, s.prompt_ids, s.output_ids)
-        return tokens
+        return [int(t) for t in tokens]

@@ -1,35 +1,50 @@
 """Launch a CUDA kernel for cupy arrays, run its numpy twin for numpy arrays.
 
-Changed from stage 2: bf16 arrays and fused kernels. A bf16 array is a uint16
-array of its bits on both devices (so the same code runs on CuPy versions with and
-without a bfloat16 dtype, and a kernel's `unsigned short*` takes it as is). The
-GEMM is cuBLAS gemmEx with bf16 inputs and fp32 accumulation (CUBLAS_COMPUTE_32F)
-called through cupy.cuda.cublas, instead of cupy.matmul on float32. The fused
-kernels replace stage 2's rmsnorm + residual_add (add_rmsnorm), rmsnorm + rope +
-store_kvcache (qk_norm_rope_store) and silu_mul (swiglu, which reads the fused
-gate/up GEMM's output). Decode attention is two launches (the GQA-shared split kernel
-and the merge); prefill attention runs on tensor cores (prefill_attention_tc.cu) where
-the head dim allows, with the plain kernel beside it; `sample` picks tokens on the device.
+Changed from stage 2: bf16 arrays, fused kernels, cuBLAS, and no allocation in a step.
+  * A bf16 array is a uint16 array of its bits on both devices (so the same code runs on
+    CuPy versions with and without a bfloat16 dtype, and a kernel's `unsigned short*`
+    takes it as is).
+  * The GEMM is cuBLAS gemmEx with bf16 inputs and fp32 accumulation (CUBLAS_COMPUTE_32F),
+    called through ctypes on CuPy's handle (cublas.py: a call a CUDA graph can record),
+    instead of cupy.matmul on float32. A block's last GEMM adds its fp32 sums into the
+    residual stream itself (beta = 1), so stage 2's residual_add is gone.
+  * A decode batch of at most 4 rows runs its projections as gemv.cu instead, with the
+    RMSNorm in front and the residual add behind fused into the one launch
+    (rmsnorm_linear, linear_add, swiglu_linear_add); bigger batches run rmsnorm.cu,
+    swiglu.cu and cuBLAS, the same arithmetic in more launches.
+  * The fused kernels replace stage 2's rmsnorm + rope + store_kvcache
+    (qk_norm_rope_store) and silu_mul (swiglu, which reads the fused gate/up GEMM's
+    output). Decode attention is two launches (the GQA-shared split kernel and the
+    merge); prefill attention runs on tensor cores (prefill_attention_tc.cu) where the
+    head dim allows, with the plain kernel beside it; `sample` picks tokens on the device.
+  * Every wrapper takes `out=`: the model passes views of buffers allocated once
+    (buffers.py), so a step allocates nothing. Without `out` a wrapper allocates (the
+    tests, the MoE path).
 
-The wrappers make inputs contiguous, allocate the output, choose the launch grid
-the .cu header documents, and pass scalars as numpy scalars of the C type the
-kernel declares (int -> np.int32, float -> np.float32).
+The wrappers check inputs, choose the launch grid the .cu header documents, and pass
+scalars as numpy scalars of the C type the kernel declares (int -> np.int32, float ->
+np.float32). Inputs must already be contiguous arrays of the kernel's dtype: a
+conversion would be a hidden copy (`_bf16`, `_f32`, `_i32` only check).
 """
 from __future__ import annotations
 
 import functools
+import os
+import warnings
 from pathlib import Path
 
 import numpy as np
 
-from . import ops
+from . import cublas, ops
+from .cublas import CUBLAS_OP_N, CUBLAS_OP_T, CUDA_R_16BF, CUDA_R_32F
 
 CUDA_DIR = Path(__file__).resolve().parent / "cuda"
 KERNEL_FILES = {                      # kernel name -> its .cu file under cuda/
     "embedding": "embedding.cu",
-    "add_rmsnorm": "add_rmsnorm.cu",
+    "rmsnorm": "rmsnorm.cu",
     "qk_norm_rope_store": "qk_norm_rope_store.cu",
     "swiglu": "swiglu.cu",
+    "gemv": "gemv.cu",
     "paged_decode_attention": "decode_attention.cu",
     "merge_attention": "decode_attention.cu",
     "prefill_attention": "prefill_attention.cu",
@@ -39,13 +54,9 @@ KERNEL_FILES = {                      # kernel name -> its .cu file under cuda/
 MAX_GRID_Y = 65535                    # a launch's grid.y limit (grid.x goes to 2^31 - 1)
 MAX_HEAD_DIM = 256                    # the attention kernels keep D/32 values per lane in registers
 TC_MAX_HEAD_DIM, TC_WARPS = 128, 4     # the tensor-core prefill: O in registers, 4 heads per block
-
-# cuBLAS / CUDA enums (cublas_api.h, library_types.h): named here so the call reads
-CUDA_R_32F, CUDA_R_16BF = 0, 14
-CUBLAS_COMPUTE_32F = 68
-CUBLAS_GEMM_DEFAULT = -1
-CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
-CUBLAS_POINTER_MODE_HOST = 0
+GEMV_MAX_ROWS = 4                     # gemv.cu's MAX_N: a decode batch of up to 4 sequences
+GEMV_SMEM = 48 * 1024                 # its input rows in shared memory, within the default 48 KB
+GEMV_MAX_BLOCKS = 1024                # its grid; each warp strides over the rows past it
 
 
 @functools.cache
@@ -60,15 +71,22 @@ def _on_gpu(x) -> bool:
     return not isinstance(x, np.ndarray)
 
 
-def _f32(x):
-    import cupy
-    return cupy.ascontiguousarray(x, dtype=cupy.float32)
+def _check(x, dtype, what: str):
+    """x must be a contiguous array of dtype: a wrapper never converts (a conversion is a copy)."""
+    assert x.dtype == dtype and x.flags.c_contiguous, f"{what}: expected a contiguous {np.dtype(dtype)} array"
+    return x
 
 
 def _bf16(x):
-    import cupy
-    assert x.dtype == np.uint16, f"expected bf16 bits (uint16), got {x.dtype}"
-    return cupy.ascontiguousarray(x)
+    return _check(x, np.uint16, "bf16 bits (uint16)")
+
+
+def _f32(x):
+    return _check(x, np.float32, "float32")
+
+
+def _i32(x):
+    return _check(x, np.int32, "int32")
 
 
 def _ptr(x) -> int:
@@ -76,9 +94,22 @@ def _ptr(x) -> int:
     return x.data.ptr
 
 
-def _i32(x):
+def _empty(out, shape, dtype):
+    """out, or a new device array when the caller gave none."""
+    if out is not None:
+        assert tuple(out.shape) == tuple(shape) and out.dtype == dtype, \
+            f"out is {out.dtype} {tuple(out.shape)}, expected {np.dtype(dtype)} {tuple(shape)}"
+        return out
     import cupy
-    return cupy.ascontiguousarray(x, dtype=cupy.int32)
+    return cupy.empty(shape, dtype=dtype)
+
+
+def _into(out, value):
+    """A twin's result, written into out when the caller gave one (device="cpu")."""
+    if out is None:
+        return value
+    out[...] = value
+    return out
 
 
 def to_bf16(x):
@@ -86,87 +117,162 @@ def to_bf16(x):
     if not _on_gpu(x):
         return ops.bf16_bits(x)
     import cupy
-    u = _f32(x).view(cupy.uint32)
+    u = cupy.ascontiguousarray(x, dtype=cupy.float32).view(cupy.uint32)
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(cupy.uint16)
 
 
-def linear(x, w, out_f32: bool = False):
-    """x [N, K] bf16 @ w [M, K] bf16 .T -> [N, M] bf16 (float32 with out_f32), fp32 accumulation.
-    cuBLAS is column-major: the row-major out [N, M] is, to cuBLAS, the column-major
-    out^T [M, N] = W [M, K] . x^T [K, N]; the row-major W [M, K] is to it a K x M matrix,
+# ---- the GEMMs ------------------------------------------------------------------------------
+
+def _gemv_fits(N: int, K: int) -> bool:
+    """gemv.cu takes N <= 4 rows, 16-byte weight rows (K % 8 == 0) and N * K bf16 inputs in
+    its 48 KB of shared memory (the 8B model's MLP input: K = 12,288, two rows)."""
+    return 0 < N <= GEMV_MAX_ROWS and K % 8 == 0 and N * K * 2 <= GEMV_SMEM
+
+
+def _gemv(w, N: int, K: int, *, x=None, norm_in=None, norm_w=None, bias=None, out_bf16=None, out_f32=None,
+          eps: float = 0.0, prologue: int = 0, epilogue: int = 0) -> None:
+    """One gemv.cu launch (its header says what each prologue / epilogue does). The pointers a
+    mode leaves unused get w viewed as their type: never read, never written."""
+    M = w.shape[0]
+    any16, any32 = w, w.view(np.float32)
+    args = (_bf16(x) if x is not None else any16, _f32(norm_in) if norm_in is not None else any32,
+            _bf16(norm_w) if norm_w is not None else any16, _bf16(w), _f32(bias) if bias is not None else any32,
+            out_bf16 if out_bf16 is not None else any16, out_f32 if out_f32 is not None else any32,
+            np.int32(N), np.int32(M), np.int32(K), np.float32(eps), np.int32(prologue), np.int32(epilogue),
+            np.int32(bias is not None))
+    _kernel("gemv")((min((M + 7) // 8, GEMV_MAX_BLOCKS),), (256,), args, shared_mem=N * K * 2)
+
+
+def _gemm(x, w, c, accumulate: bool = False) -> None:
+    """c [N, M] (bf16 or float32) = x [N, K] bf16 @ w [M, K] bf16 .T (+ c when accumulate), by cuBLAS.
+    cuBLAS is column-major: the row-major c [N, M] is, to cuBLAS, the column-major
+    c^T [M, N] = W [M, K] . x^T [K, N]; the row-major W [M, K] is to it a K x M matrix,
     so it is read with op T, and x [N, K] is a K x N matrix read as is."""
-    if not _on_gpu(w):
-        return ops.linear(x, w, out_f32)
-    import cupy
-    from cupy.cuda import cublas
-    x = _bf16(x)
     N, K = x.shape
     M = w.shape[0]
-    out = cupy.empty((N, M), dtype=cupy.float32 if out_f32 else cupy.uint16)
+    c_type = CUDA_R_32F if c.dtype == np.float32 else CUDA_R_16BF
+    cublas.blas().gemm(CUBLAS_OP_T, CUBLAS_OP_N, M, N, K, _ptr(_bf16(w)), CUDA_R_16BF, K,
+                       _ptr(_bf16(x)), CUDA_R_16BF, K, _ptr(c), c_type, M, accumulate)
+
+
+def linear(x, w, out_f32: bool = False, out=None):
+    """x [N, K] bf16 @ w [M, K] bf16 .T -> [N, M] bf16 (float32 with out_f32), fp32 accumulation:
+    gemv.cu for a decode batch, cuBLAS otherwise."""
+    if not _on_gpu(w):
+        return _into(out, ops.linear(x, w, out_f32))
+    N, K = x.shape
+    out = _empty(out, (N, w.shape[0]), np.float32 if out_f32 else np.uint16)
     if N == 0:
         return out
-    handle = cupy.cuda.device.get_cublas_handle()
-    cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
-    cublas.setPointerMode(handle, CUBLAS_POINTER_MODE_HOST)        # alpha and beta are host floats:
-    one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)   # (fp32, the compute type's scalars)
-    cublas.gemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, M, N, K,
-                  one.ctypes.data, _ptr(w), CUDA_R_16BF, K,
-                  _ptr(x), CUDA_R_16BF, K,
-                  zero.ctypes.data, _ptr(out), CUDA_R_32F if out_f32 else CUDA_R_16BF, M,
-                  CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+    if _gemv_fits(N, K):
+        _gemv(w, N, K, x=x, out_bf16=None if out_f32 else out, out_f32=out if out_f32 else None,
+              epilogue=1 if out_f32 else 0)
+    else:
+        _gemm(x, w, out)
     return out
 
 
-def embedding(ids, table):
-    """ids [N] int32, table [V, C] bf16 -> [N, C] bf16"""
+def rmsnorm(residual, w, eps: float, out=None):
+    """residual [N, C] float32, w [C] bf16 -> h [N, C] bf16 = rmsnorm(residual) * w (rmsnorm.cu)."""
+    if not _on_gpu(residual):
+        return _into(out, ops.rmsnorm_bf16(residual, w, eps))
+    N, C = _f32(residual).shape
+    h = _empty(out, (N, C), np.uint16)
+    if N:
+        _kernel("rmsnorm")((N,), (256,), (residual, _bf16(w), h, np.int32(C), np.float32(eps)))
+    return h
+
+
+def rmsnorm_linear(residual, norm_w, eps: float, w, out=None, h=None, bias=None, out_f32: bool = False):
+    """A block's first GEMM with its RMSNorm in front (ops.rmsnorm_linear): residual [N, K]
+    float32 -> rmsnorm(residual) * norm_w @ w.T [N, M] bf16 (+ bias [M] float32 before the
+    rounding; float32 with out_f32). A decode batch: one gemv.cu launch. Else rmsnorm.cu
+    into h [N, K] (scratch), then the GEMM."""
+    if not _on_gpu(w):
+        return _into(out, ops.rmsnorm_linear(residual, norm_w, eps, w, bias, out_f32))
+    N, K = _f32(residual).shape
+    out = _empty(out, (N, w.shape[0]), np.float32 if out_f32 else np.uint16)
+    if N == 0:
+        return out
+    if _gemv_fits(N, K):
+        _gemv(w, N, K, norm_in=residual, norm_w=norm_w, bias=bias, eps=eps, prologue=1,
+              out_bf16=None if out_f32 else out, out_f32=out if out_f32 else None, epilogue=1 if out_f32 else 0)
+        return out
+    h = rmsnorm(residual, norm_w, eps, out=h)
+    if bias is None:
+        return linear(h, w, out_f32, out=out)
+    # Qwen2's q/k/v bias on a big batch: the fp32 GEMM, the bias, one rounding (cupy's
+    # elementwise kernels: a prefill step, where a few extra launches do not show)
+    out[...] = to_bf16(linear(h, w, out_f32=True) + bias)
+    return out
+
+
+def linear_add(x, w, residual):
+    """residual [N, M] float32 += x [N, K] bf16 @ w [M, K] bf16 .T, in place (ops.linear_add):
+    a block's last GEMM adds its fp32 sums into the residual stream (gemv.cu's epilogue 2,
+    or cuBLAS with beta = 1). Returns residual."""
+    if not _on_gpu(w):
+        return ops.linear_add(x, w, residual)
+    N, K = x.shape
+    assert _f32(residual).shape == (N, w.shape[0])
+    if N == 0:
+        return residual
+    if _gemv_fits(N, K):
+        _gemv(w, N, K, x=x, out_f32=residual, epilogue=2)
+    else:
+        _gemm(x, w, residual, accumulate=True)
+    return residual
+
+
+def swiglu_linear_add(gate_up, w, residual, act=None):
+    """residual += swiglu(gate_up) @ w.T (ops.swiglu_linear_add): gate_up [N, 2F] bf16, w [C, F].
+    A decode batch: one gemv.cu launch (SwiGLU as its prologue); else swiglu.cu into act
+    [N, F] (scratch), then the GEMM with beta = 1."""
+    if not _on_gpu(w):
+        return ops.swiglu_linear_add(gate_up, w, residual)
+    N, F = gate_up.shape[0], gate_up.shape[1] // 2
+    if N == 0:
+        return residual
+    if _gemv_fits(N, F):
+        assert _f32(residual).shape == (N, w.shape[0])
+        _gemv(w, N, F, x=gate_up, out_f32=residual, prologue=2, epilogue=2)
+        return residual
+    return linear_add(swiglu(gate_up, out=act), w, residual)
+
+
+# ---- the other kernels ----------------------------------------------------------------------
+
+def embedding(ids, table, out=None):
+    """ids [N] int32, table [V, C] bf16 -> [N, C] float32: the residual stream's first value."""
     if not _on_gpu(table):
-        return ops.embedding(ids, table)
-    import cupy
+        return _into(out, ops.embedding(ids, table))
     N, C = ids.shape[0], table.shape[1]
-    out = cupy.empty((N, C), dtype=cupy.uint16)
+    out = _empty(out, (N, C), np.float32)
     if N:
-        _kernel("embedding")((N,), (128,), (_i32(ids), table, out, np.int32(C)))
+        _kernel("embedding")((N,), (128,), (_i32(ids), _bf16(table), out, np.int32(C)))
     return out
 
 
-def add_rmsnorm(x, residual, w, eps: float):
-    """x [N, C] bf16, residual [N, C] float32 or None (the first block), w [C] bf16
-    -> (h [N, C] bf16, residual + x [N, C] float32). The residual is updated in place."""
-    if not _on_gpu(x):
-        return ops.add_rmsnorm(x, residual, w, eps)
-    import cupy
-    x = _bf16(x)
-    N, C = x.shape
-    first = residual is None
-    residual = cupy.empty((N, C), dtype=cupy.float32) if first else _f32(residual)
-    h = cupy.empty((N, C), dtype=cupy.uint16)
-    if N:
-        _kernel("add_rmsnorm")((N,), (256,), (x, residual, _bf16(w), h, np.int32(C), np.float32(eps),
-                                              np.int32(0 if first else 1)))
-    return h, residual
-
-
-def qk_norm_rope_store(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping,
-                       H: int, Hkv: int, eps: float):
-    """qkv [N, (H + 2 Hkv) D] bf16, norms [D] bf16 or None, cos/sin [N, D/2] float32,
-    pages [NB, P, Hkv, D] bf16 (k, v written at slot_mapping [N]) -> q [N, H, D] bf16"""
+def qk_norm_rope_store(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, slot_mapping,
+                       H: int, Hkv: int, eps: float, out=None):
+    """qkv [N, (H + 2 Hkv) D] bf16, norms [D] bf16 or None, cos/sin [T_max, D/2] float32 (the
+    model's tables), positions [N], pages [NB, P, Hkv, D] bf16 (k, v written at slot_mapping [N])
+    -> q [N, H, D] bf16"""
     if not _on_gpu(qkv):
-        return ops.qk_norm_rope_store(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping,
-                                      H, Hkv, eps)
-    import cupy
-    qkv = _bf16(qkv)
-    N = qkv.shape[0]
+        return _into(out, ops.qk_norm_rope_store(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache,
+                                                 slot_mapping, H, Hkv, eps))
+    N = _bf16(qkv).shape[0]
     D = qkv.shape[1] // (H + 2 * Hkv)
     assert D <= MAX_HEAD_DIM and D % 2 == 0
     assert k_cache.flags.c_contiguous and v_cache.flags.c_contiguous, "the pool must be contiguous"
-    q = cupy.empty((N, H, D), dtype=cupy.uint16)
+    q = _empty(out, (N, H, D), np.uint16)
     has_norm = q_norm is not None
     qn = _bf16(q_norm) if has_norm else q           # any pointer when unused (never read)
     kn = _bf16(k_norm) if has_norm else q
     if N:
         _kernel("qk_norm_rope_store")(
             (N, H + Hkv), (32,),
-            (qkv, qn, kn, _f32(cos), _f32(sin), k_cache, v_cache, _i32(slot_mapping), q,
+            (qkv, qn, kn, _f32(cos), _f32(sin), _i32(positions), k_cache, v_cache, _i32(slot_mapping), q,
              np.int32(H), np.int32(Hkv), np.int32(D), np.float32(eps), np.int32(has_norm)))
     return q
 
@@ -182,32 +288,40 @@ def decode_shared_bytes(D: int) -> int:
     return 2 * DECODE_TILE * D * 2
 
 
+def decode_splits(max_len: int, split_len: int = 0) -> int:
+    """How many splits of split_len (default SPLIT_LEN) positions cover a context of max_len."""
+    split_len = split_len or SPLIT_LEN
+    return (max_len + split_len - 1) // split_len
+
+
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, split_len: int = 0,
-                           max_len: int | None = None):
+                           max_len: int | None = None, out=None, scratch=None):
     """q [S, H, D] bf16 (one query per sequence), pages [NB, P, Hkv, D] bf16,
     block_tables [S, max_blocks], context_lens [S] -> [S, H, D] bf16.
     Two launches: the split kernel (one block per sequence, kv head and split) and the merge.
     split_len: positions per split (default SPLIT_LEN; the tests use small ones).
     max_len: an upper bound of context_lens known on the host (BatchInfo.max_context), which
-    sizes the grid without a device-to-host copy; without it the lengths are read back."""
+    sizes the grid without a device-to-host copy; without it the lengths are read back.
+    scratch: a float32 array of at least S * H * splits * (D + 2) values for the partial
+    results (buffers.py sizes one); without it they are allocated."""
     if not _on_gpu(q):
-        return ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens)
-    import cupy
-    q = _bf16(q)
-    S, H, D = q.shape
+        return _into(out, ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens))
+    S, H, D = _bf16(q).shape
     P, Hkv = k_cache.shape[1], k_cache.shape[2]
     assert D <= MAX_HEAD_DIM, f"head_dim {D} > {MAX_HEAD_DIM} is not supported by the attention kernels"
     assert H // Hkv <= 16, "the decode kernel gives each query head of a group one of 16 warps at most"
-    out = cupy.empty_like(q)
+    out = _empty(out, (S, H, D), np.uint16)
     if S == 0:
         return out
     block_tables, context_lens = _i32(block_tables), _i32(context_lens)
     split_len = split_len or SPLIT_LEN
     if max_len is None:
         max_len = int(context_lens.max())            # one small copy (and a sync) to size the grid
-    splits = (max_len + split_len - 1) // split_len
-    part_out = cupy.empty((S, H, splits, D), dtype=cupy.float32)
-    part_ml = cupy.empty((S, H, splits, 2), dtype=cupy.float32)
+    splits = decode_splits(max_len, split_len)
+    n = S * H * splits
+    scratch = _empty(None, (n * (D + 2),), np.float32) if scratch is None else _f32(scratch)
+    part_out = scratch[:n * D].reshape(S, H, splits, D)          # views: no allocation
+    part_ml = scratch[n * D:n * (D + 2)].reshape(S, H, splits, 2)
     group = H // Hkv
     _kernel("paged_decode_attention")(
         (S * Hkv, splits), (32 * group,),
@@ -221,20 +335,18 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, spli
 
 
 def prefill_attention(q, k_cache, v_cache, block_tables, token_seq, positions,
-                      tile_start=None, tile_count=None, tensor_cores: bool = True):
+                      tile_start=None, tile_count=None, tensor_cores: bool = True, out=None):
     """q [N, H, D] bf16 packed prefill tokens; token n reads the block table row token_seq[n] and
     sees positions 0..positions[n] -> [N, H, D] bf16.
     With the tiles of batch.py and a head dim the WMMA kernel takes (a multiple of 16, <= 128),
     the tensor-core kernel runs (prefill_attention_tc.cu); otherwise, or with
     tensor_cores=False, the plain one (prefill_attention.cu), which it is tested against."""
     if not _on_gpu(q):
-        return ops.prefill_attention(q, k_cache, v_cache, block_tables, token_seq, positions)
-    import cupy
-    q = _bf16(q)
-    N, H, D = q.shape
+        return _into(out, ops.prefill_attention(q, k_cache, v_cache, block_tables, token_seq, positions))
+    N, H, D = _bf16(q).shape
     P, Hkv = k_cache.shape[1], k_cache.shape[2]
     assert D <= MAX_HEAD_DIM, f"head_dim {D} > {MAX_HEAD_DIM} is not supported by the attention kernels"
-    out = cupy.empty_like(q)
+    out = _empty(out, (N, H, D), np.uint16)
     if N == 0:
         return out
     block_tables = _i32(block_tables)
@@ -263,7 +375,6 @@ def _tc_available() -> bool:
     if not, the plain kernel runs (said once), so an old GPU costs speed, not the engine.
     With QS_REQUIRE_GPU=1 (bench/gpu_check.sh) the fallback is an error instead: there the
     check must prove the tensor-core kernel, not pass on the plain one."""
-    import os
     try:
         _kernel("prefill_attention_tc")
         return True
@@ -271,35 +382,30 @@ def _tc_available() -> bool:
         if os.environ.get("QS_REQUIRE_GPU") == "1":
             raise RuntimeError(f"QS_REQUIRE_GPU=1 and the tensor-core prefill kernel does not compile here "
                                f"({type(e).__name__}: {str(e)[:300]})") from e
-        import warnings
         warnings.warn(f"the tensor-core prefill kernel does not compile here ({type(e).__name__}: "
                       f"{str(e)[:200]}); using the plain prefill kernel")
         return False
 
 
-def swiglu(gate_up):
+def swiglu(gate_up, out=None):
     """[N, 2F] bf16 (gate | up) -> silu(gate) * up [N, F] bf16"""
     if not _on_gpu(gate_up):
-        return ops.swiglu(gate_up)
-    import cupy
-    gate_up = _bf16(gate_up)
-    N, F2 = gate_up.shape
-    out = cupy.empty((N, F2 // 2), dtype=cupy.uint16)
+        return _into(out, ops.swiglu(gate_up))
+    N, F2 = _bf16(gate_up).shape
+    out = _empty(out, (N, F2 // 2), np.uint16)
     if N:
         _kernel("swiglu")(((F2 // 2 + 255) // 256, min(N, MAX_GRID_Y)), (256,),
                           (gate_up, out, np.int32(N), np.int32(F2 // 2)))
     return out
 
 
-def sample(logits, temperature, top_k, top_p, u):
+def sample(logits, temperature, top_k, top_p, u, out=None):
     """logits [S, V] float32, per-row temperature, top_k, top_p and uniform u [S]
     -> next tokens [S] int32 (on the device: S ids cross to the host, not S * V logits)."""
     if not _on_gpu(logits):
-        return ops.sample(logits, temperature, top_k, top_p, u)
-    import cupy
-    logits = _f32(logits)
-    S, V = logits.shape
-    tokens = cupy.empty(S, dtype=cupy.int32)
+        return _into(out, ops.sample(logits, temperature, top_k, top_p, u))
+    S, V = _f32(logits).shape
+    tokens = _empty(out, (S,), np.int32)
     if S:
         _kernel("sample")((S,), (256,), (logits, _f32(temperature), _i32(top_k), _f32(top_p), _f32(u),
                                          tokens, np.int32(V)))

@@ -6,14 +6,18 @@ Changed from stage 2: bf16 storage, fp32 arithmetic, and fused kernels.
     of stage 2's fp32, which is what a memory-bound decode step pays for. Each
     twin widens its inputs to fp32, computes in fp32 and rounds its output once
     (round to nearest even), exactly as the kernels do.
+  * The residual stream stays fp32 ([N, C], small next to the weights): rounding it
+    to bf16 after each of 28+ layers is the one rounding that adds up. It starts as
+    the embedding (`embedding` writes fp32 rows), each block reads it through an
+    RMSNorm (`rmsnorm_bf16`) and each block's last GEMM adds its fp32 sums into it
+    (`linear_add`, `swiglu_linear_add`): stage 2's residual_add is gone.
   * Kernels that stage 2 ran one after another on the same rows become one pass:
-    `add_rmsnorm` (residual add + RMSNorm), `qk_norm_rope_store` (q/k RMSNorm,
-    RoPE and the KV-cache store of one token), `swiglu` (the gate and up halves of
-    one fused GEMM). `rmsnorm`, `rope`, `residual_add`, `silu_mul` and
-    `store_kvcache` are what they replace; they stay here as the plain
-    definitions the fused twins are tested against.
-  * The residual stream itself stays fp32 ([N, C], small next to the weights):
-    rounding it to bf16 after each of 28+ layers is the one rounding that adds up.
+    `qk_norm_rope_store` (q/k RMSNorm, RoPE and the KV-cache store of one token),
+    `swiglu` (the gate and up halves of one fused GEMM), and for a small decode batch
+    the GEMM with its neighbours (`rmsnorm_linear`, `linear_add`, `swiglu_linear_add`:
+    gemv.cu). `rmsnorm`, `rope`, `residual_add`, `silu_mul` and `store_kvcache` are
+    what they replace; they stay here as the plain definitions the fused twins are
+    tested against.
 
 stage3_optimized/kernels.py launches the CUDA kernel for cupy arrays and calls the
 twin here for numpy arrays (device="cpu").
@@ -44,8 +48,8 @@ def round_bf16(x) -> np.ndarray:
 
 
 def embedding(ids: np.ndarray, table: np.ndarray) -> np.ndarray:
-    """ids [N] -> rows of table [V, C] bf16 -> [N, C] bf16 (a copy of the bits)."""
-    return table[ids]
+    """ids [N] -> rows of table [V, C] bf16, widened -> [N, C] float32: the residual stream's start."""
+    return f32(table[ids])
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -55,15 +59,10 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return (x / np.sqrt(var + np.float32(eps))).astype(np.float32) * f32(w)
 
 
-def add_rmsnorm(x: np.ndarray, residual: np.ndarray | None, w: np.ndarray, eps: float):
-    """The fused residual add + RMSNorm that opens each block:
-        residual = residual + x        (fp32; the first block starts from x itself)
-        h = rmsnorm(residual) * w      (rounded to bf16: the next GEMM's input)
-    x [N, C] bf16, residual [N, C] float32 or None, w [C] bf16 -> (h [N, C] bf16, residual [N, C] float32).
-    Stage 2 reads the stream twice and writes it twice (residual_add, then rmsnorm);
-    this reads x and the residual once and writes both outputs once."""
-    r = f32(x) if residual is None else residual + f32(x)
-    return bf16_bits(rmsnorm(r, w, eps)), r.astype(np.float32)
+def rmsnorm_bf16(residual: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """The RMSNorm that opens each block (rmsnorm.cu): residual [N, C] float32, w [C] bf16
+    -> h [N, C] bf16, the input of the GEMM that follows (rounded once)."""
+    return bf16_bits(rmsnorm(residual, w, eps))
 
 
 def rope_tables(max_pos: int, head_dim: int, theta: float, scaling=None) -> tuple[np.ndarray, np.ndarray]:
@@ -115,14 +114,15 @@ def store_kvcache(k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np
 
 
 def qk_norm_rope_store(qkv: np.ndarray, q_norm, k_norm, cos: np.ndarray, sin: np.ndarray,
-                       k_cache: np.ndarray, v_cache: np.ndarray, slot_mapping: np.ndarray,
-                       H: int, Hkv: int, eps: float) -> np.ndarray:
+                       positions: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                       slot_mapping: np.ndarray, H: int, Hkv: int, eps: float) -> np.ndarray:
     """Everything between the fused QKV GEMM and attention, in one pass per token:
         q, k, v = split(qkv)                       [N, H, D], [N, Hkv, D], [N, Hkv, D]
         q, k = rmsnorm(q) * q_norm, rmsnorm(k) * k_norm   (per head; qwen3 only: norms None skip it)
         q, k = rope(q), rope(k)                    (each token at its own position's cos/sin row)
         k, v -> their slots in the bf16 page pool  (in place)
-    qkv [N, (H + 2 Hkv) * D] bf16, cos/sin [N, D/2] float32 -> q [N, H, D] bf16.
+    qkv [N, (H + 2 Hkv) * D] bf16, cos/sin [T_max, D/2] float32 (the model's tables),
+    positions [N] -> q [N, H, D] bf16.
     Stage 2 runs rmsnorm, rmsnorm, rope, rope and store: five kernels and five round
     trips of q/k through memory."""
     N = qkv.shape[0]
@@ -131,7 +131,8 @@ def qk_norm_rope_store(qkv: np.ndarray, q_norm, k_norm, cos: np.ndarray, sin: np
     q, k, v = x[:, :H], x[:, H:H + Hkv], x[:, H + Hkv:]
     if q_norm is not None:
         q, k = rmsnorm(q, q_norm, eps), rmsnorm(k, k_norm, eps)
-    q, k = rope(q, cos, sin), rope(k, cos, sin)
+    c, s = cos[positions], sin[positions]                  # [N, D/2] each token's angles
+    q, k = rope(q, c, s), rope(k, c, s)
     store_kvcache(bf16_bits(k), bf16_bits(v), k_cache, v_cache, slot_mapping)
     return bf16_bits(q)
 
@@ -267,6 +268,31 @@ def linear(x: np.ndarray, w: np.ndarray, out_f32: bool = False) -> np.ndarray:
     cuBLAS's, so the two agree to about one bf16 rounding."""
     y = f32(x) @ f32(w).T
     return y.astype(np.float32) if out_f32 else bf16_bits(y)
+
+
+def rmsnorm_linear(residual: np.ndarray, norm_w: np.ndarray, eps: float, w: np.ndarray,
+                   bias: np.ndarray | None = None, out_f32: bool = False) -> np.ndarray:
+    """A block's first GEMM with its RMSNorm in front: h = rmsnorm_bf16(residual) [N, K] bf16,
+    then h @ w.T -> [N, M] bf16, with Qwen2's fp32 bias added before the one rounding, or
+    float32 with out_f32 (the logits). gemv.cu does both in one launch for a decode batch."""
+    y = linear(rmsnorm_bf16(residual, norm_w, eps), w, out_f32=True)
+    if bias is not None:
+        y = y + bias
+    return y if out_f32 else bf16_bits(y)
+
+
+def linear_add(x: np.ndarray, w: np.ndarray, residual: np.ndarray) -> np.ndarray:
+    """A block's last GEMM, added into the residual stream: residual += x @ w.T, the fp32 sums
+    as they are (cuBLAS with beta = 1 into the fp32 stream, or gemv.cu's epilogue).
+    x [N, K] bf16, w [M, K] bf16, residual [N, M] float32, updated in place and returned."""
+    residual += linear(x, w, out_f32=True)
+    return residual
+
+
+def swiglu_linear_add(gate_up: np.ndarray, w: np.ndarray, residual: np.ndarray) -> np.ndarray:
+    """The MLP's down projection of swiglu(gate_up) [N, F] bf16, added into the residual:
+    residual += swiglu(gate_up) @ w.T (in place)."""
+    return linear_add(swiglu(gate_up), w, residual)
 
 
 def sample(logits: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,

@@ -3,8 +3,10 @@
 Changed from stage 2:
   * bf16 instead of float32: every matrix and norm weight is rounded to bf16 once,
     here, and kept as its 16 bits (uint16): half the bytes a decode step reads.
-    `.matmul(x)` is a cuBLAS GEMM with bf16 inputs and fp32 accumulation
-    (kernels.linear), `.rows(ids)` the bf16 embedding gather.
+    `.matmul(x)` is a GEMM with bf16 inputs and fp32 accumulation (kernels.linear), and
+    `.norm_matmul`, `.matmul_add`, `.swiglu_matmul_add` the same GEMM with the RMSNorm in
+    front or the residual add behind (kernels.py); `.rows(ids)` starts the fp32 residual
+    stream from the bf16 embedding.
   * Fused projections: q, k and v are one [(H + 2 Hkv) * D, C] matrix (`wqkv`), gate
     and up one [2F, C] matrix (`w_gate_up`), concatenated along the output rows
     at load time. One GEMM reads h once and launches once instead of three times
@@ -41,14 +43,27 @@ class Weight:
     def shape(self) -> tuple[int, ...]:
         return tuple(self.data.shape)
 
-    def matmul(self, x, out_f32: bool = False):
+    def matmul(self, x, out_f32: bool = False, out=None):
         """x [N, in] bf16 -> x @ W.T [N, out] bf16 (float32 with out_f32: the logits).
         cuBLAS on the GPU reads W transposed, no copy; fp32 accumulation."""
-        return kernels.linear(x, self.data, out_f32)
+        return kernels.linear(x, self.data, out_f32, out=out)
 
-    def rows(self, ids):
-        """The embedding lookup: ids [N] -> rows [N, in] (kernels.embedding)."""
-        return kernels.embedding(ids, self.data)
+    def norm_matmul(self, residual, norm_w, eps: float, out=None, h=None, bias=None, out_f32: bool = False):
+        """A block's first GEMM: rmsnorm(residual [N, in] fp32) * norm_w @ W.T -> [N, out] bf16
+        (+ bias before rounding; float32 with out_f32). h: scratch for the normed rows."""
+        return kernels.rmsnorm_linear(residual, norm_w, eps, self.data, out=out, h=h, bias=bias, out_f32=out_f32)
+
+    def matmul_add(self, x, residual):
+        """A block's last GEMM, added into the residual stream: residual += x @ W.T (fp32)."""
+        return kernels.linear_add(x, self.data, residual)
+
+    def swiglu_matmul_add(self, gate_up, residual, act=None):
+        """The MLP's down projection: residual += swiglu(gate_up) @ W.T. act: scratch [N, in]."""
+        return kernels.swiglu_linear_add(gate_up, self.data, residual, act=act)
+
+    def rows(self, ids, out=None):
+        """The embedding lookup: ids [N] -> rows [N, in] as float32 (kernels.embedding)."""
+        return kernels.embedding(ids, self.data, out=out)
 
 
 @dataclass

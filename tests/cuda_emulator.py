@@ -55,6 +55,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 import types
 from pathlib import Path
@@ -876,18 +877,173 @@ def build(sources: list[Path], build_dir: Path, timeout: int = 600) -> dict[str,
 
 
 # ---------------------------------------------------------------------------
-# a stand-in for CuPy: numpy arrays of a marker type
+# a stand-in for CuPy: numpy arrays of a marker type, a capture that refuses what CuPy's
+# refuses, and a count of the host's calls
 # ---------------------------------------------------------------------------
+#
+# What the stand-in refuses during a stream capture, as CUDA 13 / CuPy 14 do on an H200:
+#   * CuPy's cuBLAS wrapper (cupy.cuda.cublas.*): NotImplementedError("calling cuBLAS API during
+#     stream capture is currently unsupported"), the message seen on the GPU;
+#   * a synchronizing call: .get(), int()/float()/bool() of a device array, Device / Stream /
+#     Event synchronize, cupy.asarray of host data (a copy from pageable memory);
+#   * an allocation (cupy.empty, zeros, ..., and every elementwise op or fancy index, which
+#     allocate their outputs): the stand-in is stricter than CuPy here (CuPy allocates from
+#     its pool and the graph keeps the address, which the pool may hand out again), and
+#     the engines allocate nothing in a captured step.
+# A capture records the step's kernel launches and cuBLAS calls (through ctypes, cublas.py);
+# a replay runs them again with the arguments they were recorded with, as a CUDA graph does.
+#
+# The counts (`HostCalls`) are what each call costs the host on a GPU: bench/lessons.py prices
+# them with the per-call costs measured there (bench/host_costs.json).
+
+class CaptureError(RuntimeError):
+    """What CUDA says of a call that a stream capture cannot hold (cudaErrorStreamCaptureUnsupported)."""
+
+
+CUBLAS_IN_CAPTURE = "calling cuBLAS API during stream capture is currently unsupported"
+
+
+class HostCalls:
+    """How many calls of each kind the host made (the price list's keys), and the bytes its
+    copies brought back from the device (not priced: a count of what crossed)."""
+    KINDS = ("launches", "blas", "allocations", "elementwise", "copies", "syncs", "graph_launches")
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        for k in self.KINDS:
+            setattr(self, k, 0)
+        self.bytes_to_host = 0
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.KINDS}
+
+
+class _State:
+    """The stand-in device's state: the current stream, the capture in progress, the counts."""
+
+    def __init__(self):
+        self.calls = HostCalls()
+        self.capture = None                  # the list a capture records into, or None
+        self.stream = None                   # the current stream (None: the null stream)
+        self.execute = True                  # False: kernels and GEMMs are counted, not run
+
+    def refuse(self, what: str) -> None:
+        if self.capture is not None:
+            raise CaptureError(f"{what} is not permitted while a stream is capturing "
+                               f"(cudaErrorStreamCaptureUnsupported)")
+
+
+STATE = _State()
+
+
+def _fancy(key) -> bool:
+    """An index that gathers (arrays, lists, booleans) rather than slicing a view."""
+    keys = key if isinstance(key, tuple) else (key,)
+    return any(isinstance(k, (np.ndarray, list)) for k in keys)
+
 
 class Dev(np.ndarray):
-    """A 'device array' of the stand-in CuPy: a numpy array that kernels.py must treat as cupy."""
+    """A 'device array' of the stand-in CuPy: a numpy array that kernels.py must treat as cupy.
+    Views (slices, reshape, view) cost nothing; what would run a kernel, copy or wait on a GPU
+    is counted, and refused during a capture."""
 
     def get(self) -> np.ndarray:
+        STATE.refuse("a device-to-host copy (.get)")
+        STATE.calls.copies += 1
+        STATE.calls.syncs += 1
+        STATE.calls.bytes_to_host += self.nbytes
         return np.array(self, copy=True).view(np.ndarray)
+
+    def set(self, host, stream=None) -> None:
+        STATE.refuse("a host-to-device copy (.set)")
+        STATE.calls.copies += 1
+        np.ndarray.__setitem__(self, Ellipsis, host)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        STATE.refuse(f"an elementwise kernel ({ufunc.__name__}, and its output's allocation)")
+        if ufunc is np.matmul:
+            STATE.calls.blas += 1
+        else:
+            STATE.calls.elementwise += 1
+        if "out" not in kwargs:
+            STATE.calls.allocations += 1
+        args = [np.asarray(x).view(np.ndarray) if isinstance(x, Dev) else x for x in inputs]
+        if "out" in kwargs:
+            kwargs["out"] = tuple(o.view(np.ndarray) if isinstance(o, Dev) else o for o in kwargs["out"])
+        result = getattr(ufunc, method)(*args, **kwargs)
+        if "out" in kwargs:
+            return inputs[0] if method == "at" else kwargs["out"][0].view(Dev)
+        return np.asarray(result).view(Dev)          # a reduction too: a 0-d device array, as in CuPy
+
+    def __getitem__(self, key):
+        if _fancy(key):
+            STATE.refuse("a gather (fancy indexing allocates its output)")
+            STATE.calls.elementwise += 1
+            STATE.calls.allocations += 1
+        return super().__getitem__(key)
+
+    def __setitem__(self, key, value):
+        STATE.refuse("an assignment into a device array (a copy kernel)")
+        STATE.calls.elementwise += 1
+        if isinstance(value, np.ndarray) and not isinstance(value, Dev):
+            STATE.calls.copies += 1                   # host data: a copy first
+        super().__setitem__(key, value)
+
+    def _sync(self, what: str):
+        STATE.refuse(what)
+        STATE.calls.copies += 1
+        STATE.calls.syncs += 1
+
+    def __int__(self):
+        self._sync("int() of a device array")
+        return int(self.view(np.ndarray))
+
+    def __float__(self):
+        self._sync("float() of a device array")
+        return float(self.view(np.ndarray))
+
+    def __bool__(self):
+        self._sync("bool() of a device array")
+        return bool(self.view(np.ndarray))
+
+    def __index__(self):
+        self._sync("a device array used as an index")
+        return int(self.view(np.ndarray))
+
+    def item(self, *args):
+        self._sync(".item()")
+        return self.view(np.ndarray).item(*args)
+
+    def tolist(self):
+        self._sync(".tolist()")
+        return self.view(np.ndarray).tolist()
+
+    def copy(self, order="C"):
+        STATE.refuse("a device copy (it allocates)")
+        STATE.calls.allocations += 1
+        STATE.calls.elementwise += 1
+        return np.array(self.view(np.ndarray), copy=True, order=order).view(Dev)
+
+    def astype(self, dtype, *args, **kwargs):
+        if np.dtype(dtype) == self.dtype and kwargs.get("copy", True) is False:
+            return self
+        STATE.refuse("astype (it allocates)")
+        STATE.calls.allocations += 1
+        STATE.calls.elementwise += 1
+        return self.view(np.ndarray).astype(dtype, *args, **kwargs).view(Dev)
 
 
 def dev(a) -> Dev:
+    """A device copy of host data, made by the test (not counted)."""
     return np.ascontiguousarray(a).copy().view(Dev)
+
+
+def _alloc(array: np.ndarray, what: str) -> Dev:
+    STATE.refuse(f"{what} (an allocation)")
+    STATE.calls.allocations += 1
+    return array.view(Dev)
 
 
 class _Pool:
@@ -903,16 +1059,263 @@ class _Pool:
         return 0
 
 
+class Stream:
+    """cupy.cuda.Stream: `with stream:` makes it current; begin_capture / end_capture record."""
+    _ptrs = itertools.count(1)
+
+    def __init__(self, non_blocking: bool = False, null: bool = False):
+        self.ptr = 0 if null else next(Stream._ptrs)
+        self._outer = []
+
+    def __enter__(self):
+        self._outer.append(STATE.stream)
+        STATE.stream = self
+        return self
+
+    def __exit__(self, *exc):
+        STATE.stream = self._outer.pop()
+        return False
+
+    def synchronize(self) -> None:
+        STATE.refuse("Stream.synchronize")
+        STATE.calls.syncs += 1
+
+    def begin_capture(self, mode=None) -> None:
+        if STATE.capture is not None:
+            raise CaptureError("a capture is already in progress")
+        STATE.capture = []
+
+    def end_capture(self) -> "Graph":
+        if STATE.capture is None:
+            raise CaptureError("end_capture without begin_capture")
+        recorded, STATE.capture = STATE.capture, None
+        return Graph(recorded)
+
+
+NULL_STREAM = Stream(null=True)
+
+
+class Graph:
+    """A captured graph: its recorded calls, run again (with the recorded arguments) per launch."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def launch(self, stream=None) -> None:
+        STATE.refuse("a graph launch inside a capture")
+        STATE.calls.graph_launches += 1
+        if STATE.execute:
+            for call in self.calls:
+                call()
+
+
+class Event:
+    def __init__(self, disable_timing: bool = False, **_):
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        STATE.refuse("Event.synchronize")
+        STATE.calls.syncs += 1
+
+
+def _recorded(run, count: str):
+    """Run a device call now, or record it into the capture in progress; count it either way."""
+    setattr(STATE.calls, count, getattr(STATE.calls, count) + 1)
+    if STATE.capture is not None:
+        STATE.capture.append(run)
+    elif STATE.execute:
+        run()
+
+
+class Launcher:
+    """What cupy.RawModule(...).get_function(name) returns, on the stand-in: a kernel call is
+    counted, recorded during a capture (with its arguments as they are now: a graph keeps
+    pointers and scalars), and run by the emulator otherwise (or not at all when counting)."""
+
+    def __init__(self, kernel=None, name: str = "kernel"):
+        self.kernel, self.name = kernel, name
+
+    @property
+    def max_dynamic_shared_size_bytes(self):
+        return self.kernel.max_dynamic_shared_size_bytes if self.kernel is not None else 48 * 1024
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, value):
+        if self.kernel is not None:
+            self.kernel.max_dynamic_shared_size_bytes = value
+
+    def __call__(self, grid, block, args, shared_mem: int = 0, **kw):
+        kernel = self.kernel
+        args = tuple(args)
+        _recorded(lambda: kernel(grid, block, args, shared_mem=shared_mem) if kernel is not None else None,
+                  "launches")
+
+
+def _matrix(ptr: int, dtype: int, ld: int, rows: int, cols: int) -> np.ndarray:
+    """A column-major rows x cols matrix at ptr with leading dimension ld, as a writable numpy
+    view (dtype: cuBLAS's CUDA_R_32F = 0 or CUDA_R_16BF = 14, the latter as uint16 bits)."""
+    ctype, nptype = {0: (ctypes.c_float, np.float32), 14: (ctypes.c_uint16, np.uint16)}[dtype]
+    buf = np.ctypeslib.as_array((ctype * (ld * cols)).from_address(ptr)).view(nptype)
+    return buf.reshape(cols, ld)[:, :rows].T
+
+
+def _widen(m: np.ndarray) -> np.ndarray:
+    return (m.astype(np.uint32) << 16).view(np.float32) if m.dtype == np.uint16 else m.astype(np.float32)
+
+
+def _narrow(y: np.ndarray, dtype) -> np.ndarray:
+    if dtype != np.uint16:
+        return y.astype(np.float32)
+    u = np.ascontiguousarray(y, dtype=np.float32).view(np.uint32)     # round to nearest even
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def gemm_ex(transa, transb, m, n, k, alpha: float, a_ptr, a_type, lda, b_ptr, b_type, ldb, beta: float,
+            c_ptr, c_type, ldc) -> None:
+    """cublasGemmEx as cuBLAS reads it: C [m, n] = alpha op(A) [m, k] op(B) [k, n] + beta C,
+    column-major, fp32 products and sums."""
+    a = _matrix(a_ptr, a_type, lda, *((k, m) if transa == 1 else (m, k)))
+    b = _matrix(b_ptr, b_type, ldb, *((n, k) if transb == 1 else (k, n)))
+    a, b = (a.T if transa == 1 else a), (b.T if transb == 1 else b)
+    c = _matrix(c_ptr, c_type, ldc, m, n)
+    y = np.float32(alpha) * (_widen(np.ascontiguousarray(a)) @ _widen(np.ascontiguousarray(b)))
+    if beta:
+        y = y + np.float32(beta) * _widen(c)
+    c[...] = _narrow(y, c.dtype)
+
+
+class FakeBlas:
+    """stage3_optimized.cublas.Blas on the stand-in: the ctypes cublasGemmEx path, which a
+    capture may record (as on the GPU)."""
+
+    def gemm(self, transa, transb, m, n, k, a, a_type, lda, b, b_type, ldb, c, c_type, ldc, accumulate) -> None:
+        _recorded(lambda: gemm_ex(transa, transb, m, n, k, 1.0, a, a_type, lda, b, b_type, ldb,
+                                  1.0 if accumulate else 0.0, c, c_type, ldc), "blas")
+
+
+def _wrapper_blas(name: str):
+    """CuPy's own cuBLAS wrapper (cupy.cuda.cublas): refuses to run during a capture."""
+    def call(*args):
+        if STATE.capture is not None:
+            raise NotImplementedError(CUBLAS_IN_CAPTURE)
+        if name == "gemmEx":
+            (handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc,
+             compute, algo) = args
+            STATE.calls.blas += 1
+            if STATE.execute:
+                gemm_ex(transa, transb, m, n, k, ctypes.c_float.from_address(alpha).value, A, Atype, lda, B, Btype,
+                        ldb, ctypes.c_float.from_address(beta).value, C, Ctype, ldc)
+    return call
+
+
 def fake_cupy() -> types.ModuleType:
+    """The stand-in `cupy` module (and `cupy.cuda`): see the section's comment."""
     cp = types.ModuleType("cupy")
-    as_dev = lambda a: a.view(Dev) if isinstance(a, np.ndarray) else np.asarray(a).view(Dev)  # noqa: E731
-    cp.asarray = lambda a, dtype=None: as_dev(np.array(a, dtype=dtype, copy=True))
-    cp.ascontiguousarray = lambda a, dtype=None: as_dev(np.ascontiguousarray(a, dtype=dtype))
-    cp.empty = lambda shape, dtype=np.float32: as_dev(np.empty(shape, dtype))
-    cp.zeros = lambda shape, dtype=np.float32: as_dev(np.zeros(shape, dtype))
-    cp.empty_like = lambda a, dtype=None: as_dev(np.empty_like(np.asarray(a), dtype=dtype))
-    cp.zeros_like = lambda a, dtype=None: as_dev(np.zeros_like(np.asarray(a), dtype=dtype))
-    cp.argmax = lambda a, axis=None: as_dev(np.asarray(np.argmax(np.asarray(a), axis=axis)))
-    cp.float32, cp.int32, cp.int64 = np.float32, np.int32, np.int64
+
+    def as_dev(a, dtype=None, what="cupy.asarray of host data"):
+        if isinstance(a, Dev) and (dtype is None or np.dtype(dtype) == a.dtype):
+            return a                                               # already there: CuPy returns it
+        if isinstance(a, Dev):
+            return a.astype(dtype)
+        STATE.refuse(what)
+        STATE.calls.copies += 1
+        STATE.calls.allocations += 1
+        return np.array(a, dtype=dtype, copy=True).view(Dev)
+
+    def contiguous(a, dtype=None):
+        if isinstance(a, Dev) and a.flags.c_contiguous and (dtype is None or np.dtype(dtype) == a.dtype):
+            return a
+        if isinstance(a, Dev):
+            STATE.refuse("a contiguous copy (it allocates)")
+            STATE.calls.allocations += 1
+            STATE.calls.elementwise += 1
+            return np.ascontiguousarray(a.view(np.ndarray), dtype=dtype).view(Dev)
+        return as_dev(np.ascontiguousarray(a, dtype=dtype))
+
+    cp.asarray = as_dev
+    cp.array = lambda a, dtype=None, copy=True: (a.copy() if isinstance(a, Dev) else as_dev(a, dtype))
+    cp.ascontiguousarray = contiguous
+    # CuPy zero-fills with a memset; the stand-in counts the allocation (and zero-fills even
+    # `empty`, so that a kernel that is counted, not run, leaves defined values behind)
+    cp.empty = lambda shape, dtype=np.float32: _alloc(np.zeros(shape, dtype), "cupy.empty")
+    cp.zeros = lambda shape, dtype=np.float32: _alloc(np.zeros(shape, dtype), "cupy.zeros")
+    cp.full = lambda shape, value, dtype=None: _alloc(np.full(shape, value, dtype), "cupy.full")
+    cp.empty_like = lambda a, dtype=None: _alloc(np.zeros_like(np.asarray(a), dtype=dtype), "cupy.empty_like")
+    cp.zeros_like = lambda a, dtype=None: _alloc(np.zeros_like(np.asarray(a), dtype=dtype), "cupy.zeros_like")
+    cp.arange = lambda *a, dtype=None: _alloc(np.arange(*a, dtype=dtype), "cupy.arange")
+    cp.argmax = lambda a, axis=None: _alloc(np.asarray(np.argmax(np.asarray(a), axis=axis)), "cupy.argmax")
+    cp.asnumpy = lambda a: a.get() if isinstance(a, Dev) else np.asarray(a)
+    cp.exp, cp.matmul = np.exp, np.matmul
+    cp.float32, cp.int32, cp.int64, cp.uint16, cp.uint32, cp.uint8 = (np.float32, np.int32, np.int64, np.uint16,
+                                                                      np.uint32, np.uint8)
     cp.get_default_memory_pool = lambda: _Pool()
+
+    cuda = types.ModuleType("cupy.cuda")
+    cublas = types.ModuleType("cupy.cuda.cublas")
+    for name in ("gemmEx", "setStream", "setPointerMode", "sgemm", "sgemmEx"):
+        setattr(cublas, name, _wrapper_blas(name))
+    cuda.cublas = cublas
+    cuda.device = types.SimpleNamespace(get_cublas_handle=lambda: 0)
+    cuda.runtime = types.SimpleNamespace(getDeviceCount=lambda: 1)
+
+    class Device:
+        def __init__(self, index: int = 0):
+            self.mem_info = (64 * 2**30, 80 * 2**30)
+
+        def synchronize(self):
+            STATE.refuse("Device.synchronize")
+            STATE.calls.syncs += 1
+
+    cuda.Device = Device
+    cuda.Stream, cuda.Event = Stream, Event
+    cuda.get_current_stream = lambda: STATE.stream or NULL_STREAM
+    cuda.alloc_pinned_memory = lambda nbytes: bytearray(nbytes)
+    cp.cuda = cuda
     return cp
+
+
+class FakeCuda:
+    """The stand-in installed for one test (or one counted run): `install` puts it in place."""
+
+    def __init__(self, cp: types.ModuleType):
+        self.cupy = cp
+        self.calls = STATE.calls
+
+    @staticmethod
+    def dev(a) -> Dev:
+        return dev(a)
+
+
+def install(monkeypatch, kernels_module, emulated: dict | None, execute: bool = True) -> FakeCuda:
+    """A stage's kernels.py on the stand-in CuPy: `cupy` in sys.modules, `_on_gpu` true for Dev
+    arrays, every kernel through a Launcher (the emulated kernel, or none when `emulated` is
+    None: counted, not run), device addresses from numpy, and the ctypes cuBLAS of stage 3
+    (cublas.blas) as FakeBlas where the module has it. execute=False counts calls without
+    running kernels or GEMMs (bench/lessons.py's count of a step's host calls)."""
+    cp = fake_cupy()
+    STATE.calls.reset()
+    STATE.capture, STATE.stream = None, None
+    monkeypatch.setattr(STATE, "execute", execute)
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cp.cuda)
+    monkeypatch.setitem(NP_POINTEES, "unsigned short", np.uint16)
+    monkeypatch.setattr(kernels_module, "_on_gpu", lambda x: isinstance(x, Dev))
+    launchers = {}
+
+    def kernel(name):
+        if name not in launchers:
+            launchers[name] = Launcher(emulated[name] if emulated is not None else None, name)
+        return launchers[name]
+    monkeypatch.setattr(kernels_module, "_kernel", kernel)
+    if hasattr(kernels_module, "_ptr"):
+        monkeypatch.setattr(kernels_module, "_ptr", lambda x: x.ctypes.data)
+    if hasattr(kernels_module, "to_host"):              # (it tells the devices apart by np.ndarray)
+        monkeypatch.setattr(kernels_module, "to_host", lambda x: x.get() if isinstance(x, Dev) else x)
+    blas_module = getattr(kernels_module, "cublas", None)
+    if blas_module is not None and hasattr(blas_module, "blas"):
+        fake = FakeBlas()
+        monkeypatch.setattr(blas_module, "blas", lambda: fake)
+    return FakeCuda(cp)

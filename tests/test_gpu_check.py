@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
-OUT_NAMES = {"summary.md", "logs.tar.gz", "gpu_bench.md", "gpu_bench.json", "gpu_tests.xml"}
+OUT_NAMES = {"summary.md", "logs.tar.gz", "gpu_bench.md", "gpu_bench.json", "gpu_tests.xml", "host_costs.json"}
 
 
 @pytest.fixture(scope="module")
@@ -51,72 +51,73 @@ def test_dry_run_passes_and_brings_back_at_most_six_small_files(tmp_path, work):
     r = run(out, work, "--dry-run", COMPUTE_SANITIZER=fake_sanitizer(tmp_path, refuses=False))
     assert r.returncode == 0, r.stdout + r.stderr
     files = {p.name for p in out.iterdir()}
-    assert files == OUT_NAMES and all(p.is_file() for p in out.iterdir())
+    assert files == OUT_NAMES - {"host_costs.json"} and all(p.is_file() for p in out.iterdir())   # (costs: a GPU)
     assert all(p.stat().st_size < 2**20 for p in out.iterdir())
     summary = (out / "summary.md").read_text()
-    assert "Result: PASS" in summary and "Caps add up to 295 s of 300" in summary
-    for step in ("probe", "kernel_tests", "engine_tests", "benchmark", "stage3_bench", "lessons", "sanitizer", "pack"):
-        assert f"| {step} |" in summary
-    assert "| stage3_bench | 35 |" in summary
-    # the lesson ladder is informational: on a loaded machine it may run out of its time
-    lessons_row = next(l for l in summary.splitlines() if l.startswith("| lessons | 30 |"))
-    assert lessons_row.endswith("| ok |") or "timed out" in lessons_row, lessons_row
-    if lessons_row.endswith("| ok |"):                # and its tok/s column: the rungs on the twins
-        ladder = (out / "gpu_bench.md").read_text().split("### Lesson ladder")[1]
-        assert "| output tok/s (cpu) |" in ladder
-        for line in [l for l in ladder.splitlines() if l.startswith("| ")][2:10]:
-            tok_s = line.rstrip(" |").rsplit("| ", 1)[1]
-            assert tok_s.startswith("—") or float(tok_s.split()[0]) > 0, line
+    assert "Result: PASS" in summary and "Caps add up to 300 s of 300" in summary
+    for step, cap in (("probe", 10), ("kernel_tests", 25), ("engine_tests", 45), ("benchmark", 130),
+                      ("lessons", 75), ("sanitizer", 12), ("pack", 3)):
+        assert f"| {step} | {cap} |" in summary, step
+    # the lesson ladder: every rung's host calls, and its tok/s on the twins
+    lessons_row = next(l for l in summary.splitlines() if l.startswith("| lessons |"))
+    assert lessons_row.endswith("| ok |"), lessons_row
+    ladder = (out / "gpu_bench.md").read_text().split("### Lesson ladder")[1]
+    assert "| output tok/s (cpu) |" in ladder and "| host µs (eager) |" in ladder
+    rows = [l for l in ladder.splitlines() if l.startswith("| ")][1:]          # (the header first)
+    assert len(rows) == 9
+    for line in rows:
+        tok_s = line.rstrip(" |").rsplit("| ", 1)[1]
+        assert float(tok_s.split()[0]) > 0, line
     # the kernel step ran stage 3's GPU kernel tests on the emulated kernels, besides the stand-in
     kernel_row = next(l for l in summary.splitlines() if l.startswith("| kernel_tests |"))
     passed = int(kernel_row.split("|")[4].split()[0])
     assert passed >= 20 and " 0 failed, 0 errors" in kernel_row, kernel_row
-    assert "| engine_tests | 30 |" in summary and "1 passed, 0 failed" in summary
+    assert "1 passed, 0 failed" in next(l for l in summary.splitlines() if l.startswith("| engine_tests |"))
     assert "memcheck: clean (1 tests); racecheck: clean (1 tests);" in summary
-    # stdout: the summary and the benchmark table
-    from bench.gpu import gpu_stages          # the newest GPU stage runs the full workload
-    assert "Result: PASS" in r.stdout and f"| throughput, 4 seqs (output tok/s) | {gpu_stages()[0]} |" in r.stdout
-    # the stage-3 rows follow bench.gpu's table, every step of them run on the twins
+    # stdout: the summary and the benchmark table, every row of it run on the twins
+    assert "Result: PASS" in r.stdout and "# Stage 3 on CPU (--dry-run)" in r.stdout
     bench = (out / "gpu_bench.md").read_text()
-    assert "# Stage 3 GPU benchmark" in bench and "# Stage 3 GPU benchmark" in r.stdout
-    for row in ("batch-1 decode, 0.6B shape", "--no-cuda-graphs", "8B shape, 4 layers", "prefill attention",
-                "prefix cache, shared system prompt", "throughput, 4 seqs"):
-        line = next(l for l in bench.split("# Stage 3 GPU benchmark")[1].splitlines() if row in l)
-        assert line.rstrip().endswith("ok |") and "| — |" not in line, line
+    for row in ("batch-1 decode, CUDA graphs", "the same, eager", "transformers, static cache", "8B shape, 4 layers",
+                "nano-vllm workload, 4 seqs", "prefill attention, tensor cores"):
+        line = next(l for l in bench.splitlines() if row in l)
+        assert line.split("|")[2].strip() != "—" and "not run" not in line, line
+    # the host-time profile: cProfile's table of the functions with the most own time
+    profile = bench.split("Host time of 10 eager decode steps")[1].split("```")[1].splitlines()
+    assert "tottime" in profile[1] and sum(".py:" in line for line in profile) >= 5, profile
     # the heavy things are in the work folder, the logs in the archive
-    assert (work / "bench" / "tiny-random" / "config.json").is_file()
+    assert (work / "bench" / "tiny-qwen3-0.6b-random" / "config.json").is_file()
     with tarfile.open(out / "logs.tar.gz") as tar:
         names = set(tar.getnames())
-    assert {"logs/kernel_tests.log", "logs/engine_tests.log", "logs/bench.log", "logs/bench3.log",
-            "logs/summary.md", "bench/gpu_stage3.json"} <= names
-    assert not any("tiny-random" in n for n in names)
+    assert {"logs/kernel_tests.log", "logs/engine_tests.log", "logs/bench.log", "logs/lessons.log",
+            "logs/summary.md", "bench/b1.json", "bench/lessons.json"} <= names
+    assert not any("tiny-qwen3" in n for n in names)
     junit = (out / "gpu_tests.xml").read_text()
     assert "test_kernel_stand_in_passes" in junit and "test_engine_stand_in_passes" in junit
     for name in ("test_prefill_tensor_cores_equal_the_plain_kernel_and_the_twin", "test_decode_attention_with_splits_of_8",
                  "test_sample_equals_twin_with_temperature_top_k_and_top_p", "test_bf16_linear_equals_twin",
-                 "for_the_sanitizer"):
+                 "test_gemv_projections_equal_twins", "for_the_sanitizer"):
         assert name in junit, name
 
 
 def test_dry_run_reports_failures_gpu_skips_and_timeouts(tmp_path, work):
     out = tmp_path / "out"
     r = run(out, work, "--dry-run", QS_DRY_FAIL="1", QS_DRY_HANG="1", QS_DRY_STANDINS="1", QS_CAP_ENGINE="5",
-            QS_CAP_BENCH="5", QS_CAP_BENCH3="5", COMPUTE_SANITIZER=fake_sanitizer(tmp_path, refuses=True))
+            QS_CAP_BENCH="5", QS_CAP_LESSONS="5", COMPUTE_SANITIZER=fake_sanitizer(tmp_path, refuses=True))
     assert r.returncode == 1, r.stdout + r.stderr
     summary = (out / "summary.md").read_text()
     assert "Result: FAIL" in summary
     assert "**1 passed, 1 failed, 1 errors" in summary          # the skipped GPU test is an error
-    assert "| engine_tests | 5 |" in summary and "**timed out** after 20 s" in summary
+    assert "| engine_tests | 5 |" in summary and "**timed out** after 25 s" in summary
     assert "compute-sanitizer refuses this machine (========= Error: Device not supported)" in summary
     # the failing test's traceback and the skip's reason reach stdout
-    assert "--- FAILURE: ::test_kernel_stand_in_fails" in r.stdout and "a planted failure" in r.stdout
+    assert "gpu_check_dry::test_kernel_stand_in_fails" in r.stdout and "a planted failure" in r.stdout
     assert "QS_REQUIRE_GPU=1 and this GPU test skipped" in r.stdout
     assert len(list(out.iterdir())) <= 6
 
 
 def test_caps_that_do_not_add_up_are_refused(tmp_path, work):
     r = run(tmp_path / "out", work, "--dry-run", QS_CAP_BENCH="200", timeout=30)
-    assert r.returncode == 2 and "add up to 395 s, more than 300 s" in r.stderr
+    assert r.returncode == 2 and "add up to 370 s, more than 300 s" in r.stderr
 
 
 def test_a_work_folder_inside_out_is_refused(tmp_path):
@@ -140,14 +141,12 @@ def test_without_cupy_it_fails_in_seconds_with_a_message(tmp_path, work):
     assert "no interpreter with cupy found" in (out / "summary.md").read_text()
 
 
-def test_bench_caps_add_up_and_the_newest_stage_runs_the_full_workload_first():
-    from bench.gpu import gpu_stages, plan
-    assert "stage2_batched" in gpu_stages()
-    for stages in (["stage2_batched"], ["stage3_optimized", "stage2_batched"]):
-        steps = plan(130, stages)
-        assert list(steps)[:2] == ["setup", f"full:{stages[0]}"]
-        assert sum(steps.values()) <= 130
-        assert {f"small:{s}" for s in stages} | {"small:hf"} <= set(steps)
+def test_bench_caps_add_up_within_the_deadline_and_serve_gets_the_rest():
+    from bench.gpu import CAPS, plan
+    steps = plan(150)
+    assert list(steps) == list(CAPS) and list(steps)[0] == "setup"
+    assert sum(steps.values()) <= 150 and steps["serve"] >= CAPS["serve"]
+    assert plan(400)["serve"] == 400 - 5 - sum(v for k, v in CAPS.items() if k != "serve")
 
 
 def test_bench_gpu_step_skipped_for_lack_of_time_is_not_a_failure():

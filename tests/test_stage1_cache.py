@@ -1,7 +1,7 @@
-"""numba's disk cache after an edit (common/numba_cache.py): a kernel that inlines a
-function from another file is recompiled when that file changes (numba alone runs
-stale machine code then), and the warm-up mark follows the kernel files' contents,
-not those of files without kernels."""
+"""numba's disk cache after an edit: a kernel that inlines a function from another file
+is recompiled when that file changes (common/numba_stamps.py; numba alone runs stale
+machine code then), and the warm-up mark follows the kernel files' contents, not those
+of files without kernels (common/numba_cache.py)."""
 from __future__ import annotations
 
 import os
@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 HELPER = "from numba import njit\n\n@njit(inline='always')\ndef value():\n    return {}\n"
 KERNEL = ("{setup}from numba import njit\nfrom helper import value\n\n"
           "@njit(cache=True)\ndef kernel():\n    return value() * 10\n\nprint(kernel())\n")
-DEPEND = ("import sys\nsys.path.insert(0, {root!r})\nfrom pathlib import Path\nfrom common import numba_cache\n"
-          "here = Path(__file__).parent\nnumba_cache.depend([here / 'kernel.py'], on=[here / 'helper.py'])\n")
+DEPEND = ("import sys\nsys.path.insert(0, {root!r})\nfrom pathlib import Path\nfrom common import numba_stamps\n"
+          "here = Path(__file__).parent\nnumba_stamps.depend([here / 'kernel.py'], on=[here / 'helper.py'])\n")
 
 
 def run_kernel(folder: Path, cache: Path) -> str:
@@ -56,7 +56,7 @@ def test_warm_mark_follows_the_kernel_files_only(tmp_path):
 
 def test_stage1_keys_each_path_on_the_files_it_compiles():
     import stage1_cpu
-    from common import numba_cache
+    from common import numba_stamps
     from stage1_cpu import fast
     from stage1_cpu.fast import decode_step  # noqa: F401  (its kernels are defined, so stamped)
     names = {p.name for p in stage1_cpu.KERNEL_FILES}
@@ -66,7 +66,7 @@ def test_stage1_keys_each_path_on_the_files_it_compiles():
     assert {"decode_step.py", "simd.py", "kernels.py", "plan.py", "blocks.py"} <= {p.name for p in fast.FILES}
     def group(name):
         return {p.name if p.parent.name == "stage1_cpu" else "fast/" + p.name
-                for p in numba_cache._GROUPS[str((ROOT / "stage1_cpu/fast" / name).resolve())]}
+                for p in numba_stamps._GROUPS[str((ROOT / "stage1_cpu/fast" / name).resolve())]}
     # the one-region step's halves call each other through a function pointer, so each is
     # stamped with the files it inlines: an RMSNorm edit recompiles the worker, not the matrix
     # phases; an int8 matmul edit the matrix phases, not the worker
@@ -77,7 +77,7 @@ def test_stage1_keys_each_path_on_the_files_it_compiles():
     # the rest of fast/ keeps the stamp of every stage-1 kernel file
     assert {p.name for p in stage1_cpu.KERNEL_FILES} <= group("attention.py")
     # the core's own files keep numba's per-file stamp
-    assert str((ROOT / "stage1_cpu/kernels.py").resolve()) not in numba_cache._GROUPS
+    assert str((ROOT / "stage1_cpu/kernels.py").resolve()) not in numba_stamps._GROUPS
 
 
 def test_warm_up_runs_once_per_mark_and_forgets_the_cache(tmp_path):

@@ -101,50 +101,13 @@ def emulated(tmp_path_factory):
     return emu.build(sources, build / "build")
 
 
-def _matrix(ptr: int, dtype: int, ld: int, rows: int, cols: int) -> np.ndarray:
-    """A column-major rows x cols matrix at ptr with leading dimension ld, as a writable numpy view."""
-    ctype, nptype = (ctypes.c_uint16, np.uint16) if dtype == kernels.CUDA_R_16BF else (ctypes.c_float, np.float32)
-    assert dtype in (kernels.CUDA_R_16BF, kernels.CUDA_R_32F)
-    buf = np.ctypeslib.as_array((ctype * (ld * cols)).from_address(ptr)).view(nptype)
-    return buf.reshape(cols, ld)[:, :rows].T
-
-
-def fake_gemm_ex(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc,
-                 compute, algo):
-    """cublasGemmEx as cuBLAS reads it: C [m, n] = alpha op(A) [m, k] op(B) [k, n] + beta C, column-major."""
-    assert compute == kernels.CUBLAS_COMPUTE_32F and Atype == Btype == kernels.CUDA_R_16BF
-    assert ctypes.c_float.from_address(alpha).value == 1.0 and ctypes.c_float.from_address(beta).value == 0.0
-    a = _matrix(A, Atype, lda, *((k, m) if transa == kernels.CUBLAS_OP_T else (m, k)))
-    b = _matrix(B, Btype, ldb, *((n, k) if transb == kernels.CUBLAS_OP_T else (k, n)))
-    a = a.T if transa == kernels.CUBLAS_OP_T else a
-    b = b.T if transb == kernels.CUBLAS_OP_T else b
-    y = f32(np.ascontiguousarray(a)) @ f32(np.ascontiguousarray(b))       # [m, n] fp32 sums
-    c = _matrix(C, Ctype, ldc, m, n)
-    c[...] = bf16_bits(y) if Ctype == kernels.CUDA_R_16BF else y
-
-
 @pytest.fixture
 def gpu(emulated, monkeypatch):
-    """kernels.py with the stand-in CuPy (and cuBLAS) and the emulated kernels."""
-    cp = emu.fake_cupy()
-    cp.uint16, cp.uint32 = np.uint16, np.uint32
-    cp.exp = np.exp                                   # the shared expert's sigmoid gate (keeps Dev)
-    cublas = types.ModuleType("cupy.cuda.cublas")
-    cublas.gemmEx = fake_gemm_ex
-    cublas.setStream = lambda handle, stream: None
-    cublas.setPointerMode = lambda handle, mode: None
-    cuda = types.ModuleType("cupy.cuda")
-    cuda.cublas = cublas
-    cuda.device = types.SimpleNamespace(get_cublas_handle=lambda: 0)
-    cuda.get_current_stream = lambda: types.SimpleNamespace(ptr=0)
-    cp.cuda = cuda
-    monkeypatch.setitem(sys.modules, "cupy", cp)
-    monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
-    monkeypatch.setitem(emu.NP_POINTEES, "unsigned short", np.uint16)
-    monkeypatch.setattr(kernels, "_on_gpu", lambda x: isinstance(x, emu.Dev))
-    monkeypatch.setattr(kernels, "_kernel", lambda name: emulated[name])
-    monkeypatch.setattr(kernels, "_ptr", lambda x: x.ctypes.data)
-    return emu.dev
+    """kernels.py on the emulator's stand-in CuPy (and cuBLAS through ctypes) with the emulated
+    kernels: -> dev(numpy) -> device array. gemv.cu's grid is capped at 4 blocks here (each
+    warp strides over more rows): the emulator starts 256 OS threads per block."""
+    monkeypatch.setattr(kernels, "GEMV_MAX_BLOCKS", 4)
+    return emu.install(monkeypatch, kernels, emulated).dev
 
 
 def assert_bf16_close(got, expect, min_exact=0.9):
@@ -167,32 +130,25 @@ def test_every_kernel_is_emulated(emulated):
     assert set(emulated) == set(kernels.KERNEL_FILES)
 
 
-def test_embedding_copies_bf16_rows(gpu):
+def test_embedding_starts_the_fp32_residual_stream(gpu):
     rng = np.random.default_rng(0)
-    for C in (96, 33):                                    # even: word copies; odd: one value per thread
+    for C in (96, 33):                                    # even: word reads; odd: one value per thread
         table = bf16_random(rng, (50, C))
         ids = rng.integers(0, 50, size=7).astype(np.int32)
-        np.testing.assert_array_equal(kernels.embedding(gpu(ids), gpu(table)).get(), ops.embedding(ids, table))
+        got = kernels.embedding(gpu(ids), gpu(table)).get()
+        assert got.dtype == np.float32 and np.abs(got).max() > 0
+        np.testing.assert_array_equal(got, ops.embedding(ids, table))
 
 
 @pytest.mark.parametrize("N,C", [(1, 96), (3, 300), (5, 1024)])
-def test_add_rmsnorm_equals_twin(gpu, N, C):
+def test_rmsnorm_equals_twin(gpu, N, C):
     rng = np.random.default_rng(C)
-    x = bf16_random(rng, (N, C), 3.0)
     residual = rng.standard_normal((N, C)).astype(np.float32) * 5
     w = bf16_random(rng, (C,))
-    # the first block: no residual yet
-    h0, r0 = kernels.add_rmsnorm(gpu(x), None, gpu(w), 1e-6)
-    eh0, er0 = ops.add_rmsnorm(x, None, w, 1e-6)
-    np.testing.assert_array_equal(r0.get(), er0)
-    assert_bf16_close(h0.get(), eh0)
-    # a later block: residual + x, updated in place
     dev_res = gpu(residual)
-    h1, r1 = kernels.add_rmsnorm(gpu(x), dev_res, gpu(w), 1e-6)
-    eh1, er1 = ops.add_rmsnorm(x, residual, w, 1e-6)
-    np.testing.assert_array_equal(r1.get(), er1)
-    np.testing.assert_array_equal(dev_res.get(), er1)          # in place
-    assert_bf16_close(h1.get(), eh1)
+    h = kernels.rmsnorm(dev_res, gpu(w), 1e-6)
+    assert_bf16_close(h.get(), ops.rmsnorm_bf16(residual, w, 1e-6))
+    np.testing.assert_array_equal(dev_res.get(), residual)    # the stream is read, not written
 
 
 @pytest.mark.parametrize("H,Hkv,D,norm", [(4, 2, 32, True), (2, 1, 48, True), (16, 8, 128, True),
@@ -209,9 +165,10 @@ def test_qk_norm_rope_store_equals_twin(gpu, H, Hkv, D, norm):
     pool = lambda: np.zeros((2, NB, P, Hkv, D), np.uint16)     # noqa: E731  [L, NB, P, Hkv, D]
     dk, dv = gpu(pool()), gpu(pool())
     ek, ev = pool(), pool()
+    pos = pos.astype(np.int32)
     q = kernels.qk_norm_rope_store(gpu(qkv), None if qn is None else gpu(qn), None if kn is None else gpu(kn),
-                                   gpu(cos[pos]), gpu(sin[pos]), dk[1], dv[1], gpu(slots), H, Hkv, 1e-6)
-    eq = ops.qk_norm_rope_store(qkv, qn, kn, cos[pos], sin[pos], ek[1], ev[1], slots, H, Hkv, 1e-6)
+                                   gpu(cos), gpu(sin), gpu(pos), dk[1], dv[1], gpu(slots), H, Hkv, 1e-6)
+    eq = ops.qk_norm_rope_store(qkv, qn, kn, cos, sin, pos, ek[1], ev[1], slots, H, Hkv, 1e-6)
     assert_bf16_close(q.get(), eq)
     assert_bf16_close(dk.get()[1].reshape(-1), ek[1].reshape(-1), min_exact=0.5)   # most slots stay 0
     np.testing.assert_array_equal(dv.get(), ev)                # V rows are copied bit for bit
@@ -226,11 +183,108 @@ def test_swiglu_equals_twin(gpu):
 
 
 def test_linear_reads_the_weight_transposed_like_cublas(gpu):
+    """Five rows: the cuBLAS path (gemv.cu takes at most four), through ctypes (cublas.py)."""
     rng = np.random.default_rng(2)
     x, w = bf16_random(rng, (5, 96)), bf16_random(rng, (40, 96))
     assert_bf16_close(kernels.linear(gpu(x), gpu(w)).get(), ops.linear(x, w), min_exact=1.0)
     np.testing.assert_allclose(kernels.linear(gpu(x), gpu(w), out_f32=True).get(), ops.linear(x, w, True),
                                rtol=1e-5)
+
+
+def _count_launches(fn):
+    """fn() -> (its result, the kernel launches and cuBLAS calls it made)."""
+    before = emu.STATE.calls.as_dict()
+    out = fn()
+    after = emu.STATE.calls.as_dict()
+    return out, after["launches"] - before["launches"], after["blas"] - before["blas"]
+
+
+# gemv.cu's shapes: one to four rows (a decode batch), K a multiple of 8 but not of the
+# 32 * 8 * UNROLL a warp reads per pass, M not a multiple of the 8 rows of a block, and
+# more rows than the grid's blocks x 8 warps (the grid capped at 2 blocks: each warp strides)
+GEMV_CASES = [(1, 96, 40, 8), (2, 1024, 13, 8), (3, 264, 1, 8), (4, 3072, 24, 8), (1, 64, 37, 2)]
+
+
+def check_gemv(dev, N, K, M, counted=None, kernels=kernels, ops=ops):
+    """A decode batch's projections against their twins: plain (bf16 and fp32 out), with the
+    RMSNorm in front (+ a bias), and with the residual add behind (after a plain input and
+    after SwiGLU). counted(run) -> the run's result, after checking it launched one kernel.
+    kernels, ops: a lesson rung's modules (tests/test_stage3_lessons.py), stage 3's by default."""
+    rng = np.random.default_rng(N * K + M)
+    x, w = bf16_random(rng, (N, K)), bf16_random(rng, (M, K), 0.5)
+    residual = rng.standard_normal((N, K)).astype(np.float32) * 4
+    norm_w, bias = bf16_random(rng, (K,)), rng.standard_normal(M).astype(np.float32)
+    gate_up = bf16_random(rng, (N, 2 * K), 2.0)
+    stream = rng.standard_normal((N, M)).astype(np.float32)
+    close = lambda got, expect: np.testing.assert_allclose(got, expect, rtol=1e-4,   # noqa: E731
+                                                           atol=1e-4 * np.abs(expect).max())
+    cases = [
+        (lambda: kernels.linear(dev(x), dev(w)).get(), ops.linear(x, w), "bf16"),
+        (lambda: kernels.linear(dev(x), dev(w), out_f32=True).get(), ops.linear(x, w, True), "f32"),
+        (lambda: kernels.rmsnorm_linear(dev(residual), dev(norm_w), 1e-6, dev(w)).get(),
+         ops.rmsnorm_linear(residual, norm_w, 1e-6, w), "bf16"),
+        (lambda: kernels.rmsnorm_linear(dev(residual), dev(norm_w), 1e-6, dev(w), bias=dev(bias)).get(),
+         ops.rmsnorm_linear(residual, norm_w, 1e-6, w, bias), "bf16"),
+        (lambda: kernels.linear_add(dev(x), dev(w), dev(stream)).get(), ops.linear_add(x, w, stream.copy()), "f32"),
+        (lambda: kernels.swiglu_linear_add(dev(gate_up), dev(w), dev(stream)).get(),
+         ops.swiglu_linear_add(gate_up, w, stream.copy()), "f32"),
+    ]
+    for run, expect, kind in cases:
+        got = counted(run) if counted else run()
+        if kind == "bf16":
+            assert_bf16_close(got, expect, min_exact=0.8)
+        else:
+            close(got, expect)
+
+
+def check_gemv_prologues(dev, kernels=kernels):
+    """The fused RMSNorm (prologue 1) gives bit for bit what rmsnorm.cu then a plain gemv.cu
+    give, and the fused SwiGLU what swiglu.cu then gemv.cu give: the same bits go into the same
+    sums. A prologue that rounds or sums in another order fails this, not just the tolerance."""
+    rng = np.random.default_rng(7)
+    N, K, M = 3, 1024, 20
+    w = dev(bf16_random(rng, (M, K)))
+    residual, norm_w = dev(rng.standard_normal((N, K)).astype(np.float32) * 3), dev(bf16_random(rng, (K,)))
+    fused = kernels.rmsnorm_linear(residual, norm_w, 1e-6, w).get()
+    plain = kernels.linear(kernels.rmsnorm(residual, norm_w, 1e-6), w).get()
+    np.testing.assert_array_equal(fused, plain)
+    gate_up = dev(bf16_random(rng, (N, 2 * K), 3.0))
+    stream = rng.standard_normal((N, M)).astype(np.float32)
+    fused = kernels.swiglu_linear_add(gate_up, w, dev(stream)).get()
+    plain = kernels.linear_add(kernels.swiglu(gate_up), w, dev(stream)).get()
+    np.testing.assert_array_equal(fused, plain)
+
+
+@pytest.mark.parametrize("N,K,M,blocks", GEMV_CASES)
+def test_gemv_projections_equal_twins_in_one_launch(gpu, monkeypatch, N, K, M, blocks):
+    """Each projection of a decode batch: one gemv.cu launch, no cuBLAS call, the twin's values."""
+    monkeypatch.setattr(kernels, "GEMV_MAX_BLOCKS", blocks)
+
+    def counted(run):
+        got, launches, blas = _count_launches(run)
+        assert (launches, blas) == (1, 0)
+        return got
+    check_gemv(gpu, N, K, M, counted)
+
+
+def test_gemv_prologues_feed_the_sums_the_bits_of_the_unfused_kernels(gpu):
+    check_gemv_prologues(gpu)
+
+
+def test_big_batches_take_the_unfused_path_with_the_same_arithmetic(gpu):
+    """Five rows: rmsnorm.cu + cuBLAS, swiglu.cu + cuBLAS with beta = 1: the twins' values."""
+    rng = np.random.default_rng(8)
+    N, K, M = 5, 64, 24
+    w, norm_w = bf16_random(rng, (M, K)), bf16_random(rng, (K,))
+    residual = rng.standard_normal((N, K)).astype(np.float32)
+    got, launches, blas = _count_launches(lambda: kernels.rmsnorm_linear(gpu(residual), gpu(norm_w), 1e-6,
+                                                                          gpu(w)).get())
+    assert (launches, blas) == (1, 1)
+    assert_bf16_close(got, ops.rmsnorm_linear(residual, norm_w, 1e-6, w), min_exact=0.8)
+    gate_up, stream = bf16_random(rng, (N, 2 * K)), rng.standard_normal((N, M)).astype(np.float32)
+    got, launches, blas = _count_launches(lambda: kernels.swiglu_linear_add(gpu(gate_up), gpu(w), gpu(stream)).get())
+    assert (launches, blas) == (1, 1)
+    np.testing.assert_allclose(got, ops.swiglu_linear_add(gate_up, w, stream.copy()), rtol=1e-4, atol=1e-4)
 
 
 # decode attention at awkward shapes: one position, lengths off the page, one KV head,
@@ -373,43 +427,113 @@ def test_engine_on_emulated_kernels_equals_engine_on_twins(gpu, monkeypatch, fam
     assert got == expect and all(len(t) == 3 for t in got.values())
 
 
-def test_decode_graph_layout_on_emulated_kernels_gives_the_eager_twins_tokens(gpu, monkeypatch):
-    """The CUDA-graph path (cuda_graphs.py) through kernels.py's launches: padded buckets,
-    static block tables as wide as max_ctx, the decode grid sized for max_ctx (with splits of
-    8 positions, most of a short context's splits are empty), padding rows with slot -1 and
-    context 1. The capture is test_stage3_cuda_graphs.CallCapture (a replay reruns the
-    forward pass on the same static buffers); the tokens must be those of the eager twins."""
-    from common.engine import Request
-    from common.sampling import SamplingParams
-    from models import make_model
+def _graph_engine(folder, device, graphs, monkeypatch=None, **kw):
+    """An engine with device="cuda" on the stand-in (graphs: DecodeGraphs with the real
+    CupyCapture, on the stand-in's recording stream), or device="cpu"."""
     from stage3_optimized import engine as engine_module
     from stage3_optimized.cuda_graphs import DecodeGraphs
-    from test_stage3_cuda_graphs import CallCapture
+    if device == "cuda":
+        monkeypatch.setattr(engine_module, "array_module", lambda device: sys.modules["cupy"])
+    args = dict(max_ctx=48, slots=5, token_budget=32, page_size=4, num_pages=40, device=device, progress=False,
+                enforce_eager=True)
+    args.update(kw)
+    eng = engine_module.LLMEngine(folder, **args)
+    if graphs:
+        eng.graphs = DecodeGraphs(eng.model, eng.inputs, args["slots"])   # buckets 1, 2, 4, 5
+    return eng
 
+
+def _drive(eng, prompts, lengths, params=None):
+    from common.engine import Request
+    from common.sampling import SamplingParams
+    for i, (p, n) in enumerate(zip(prompts, lengths)):
+        eng.add_request(Request(str(i), p, params or SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)))
+    out = {str(i): [] for i in range(len(prompts))}
+    while eng.has_work():
+        for ev in eng.step():
+            out[ev.request_id].append(ev.token_id)
+    return out
+
+
+def test_decode_graphs_capture_on_the_emulated_cupy_and_give_the_eager_twins_tokens(gpu, monkeypatch):
+    """The CUDA-graph path for real on the stand-in: CupyCapture records each bucket's step (the
+    forward pass's kernel launches and ctypes cuBLAS calls, then the sampling kernel) without
+    running it, and a replay runs the recorded launches again on the emulated kernels, with
+    the pointers and scalars of the capture. The stand-in refuses in a capture what CuPy
+    refuses (its cuBLAS wrapper, a sync, an allocation), so a step that did any of those
+    would fail here. Padded buckets, block tables as wide as max_ctx, the decode grid sized
+    for max_ctx (splits of 8 positions: most of a short context's splits are empty), padding
+    rows with slot -1: the tokens must be those of the eager twins."""
+    from models import make_model
     folder = make_model("qwen3")
     prompts, lengths = [list(range(40, 50)), [5, 9, 3], [300, 301, 302, 303]], [5, 2, 4]
-
-    def run(device, graphs):
-        eng = engine_module.LLMEngine(folder, max_ctx=48, slots=5, token_budget=32, page_size=4,
-                                      num_pages=40, device=device, progress=False, enforce_eager=True)
-        if graphs:
-            eng.graphs = DecodeGraphs(eng.model, 5, capture=CallCapture())   # buckets 1, 2, 4, 5
-        for i, (p, n) in enumerate(zip(prompts, lengths)):
-            eng.add_request(Request(str(i), p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)))
-        out = {str(i): [] for i in range(len(prompts))}
-        while eng.has_work():
-            for ev in eng.step():
-                out[ev.request_id].append(ev.token_id)
-        return out, eng
-
-    expect, _ = run("cpu", False)
-    monkeypatch.setattr(engine_module, "array_module", lambda device: sys.modules["cupy"])
+    expect = _drive(_graph_engine(folder, "cpu", False), prompts, lengths)
     monkeypatch.setattr(kernels, "SPLIT_LEN", 8)
-    got, eng = run("cuda", True)
-    assert isinstance(eng.graphs.static.block_tables, emu.Dev) and eng.graphs.static.block_tables.shape == (5, 12)
+    eng = _graph_engine(folder, "cuda", True, monkeypatch)
+    got = _drive(eng, prompts, lengths)
+    assert eng.graphs.error is None, eng.graphs.error
     # 3 sequences ride in the bucket of 4 (one padding row), then 2 and 1
     assert eng.graphs.num_replays > 0 and sorted(eng.graphs.graphs) == [1, 2, 4]
+    assert emu.STATE.calls.graph_launches == eng.graphs.num_replays
     assert got == expect and [len(got[str(i)]) for i in range(3)] == lengths
+
+
+@pytest.mark.parametrize("planted", ["cupy_cublas_wrapper", "synchronize", "allocation", "host_copy"])
+def test_a_refused_call_planted_in_the_captured_step_fails_the_capture(gpu, monkeypatch, planted):
+    """Each call CuPy (or CUDA) refuses during a capture, planted in the decode step: the capture
+    fails with that call's own error, the engine says why (DecodeGraphs.error) and goes on
+    eagerly with the right tokens. This is the class of bug the first GPU run found (CuPy's
+    cuBLAS wrapper inside the graph): the stand-in must not be kinder than CuPy."""
+    from models import make_model
+    from stage3_optimized.model import Model
+    folder = make_model("qwen3")
+    prompts, lengths = [[5, 9, 3]], [4]
+    expect = _drive(_graph_engine(folder, "cpu", False), prompts, lengths)
+    cp = sys.modules["cupy"]
+    plant = {"cupy_cublas_wrapper": lambda: cp.cuda.cublas.setStream(0, cp.cuda.get_current_stream().ptr),
+             "synchronize": lambda: cp.cuda.Device().synchronize(),
+             "allocation": lambda: cp.empty(4, cp.float32),
+             "host_copy": lambda: cp.asarray(np.ones(4, np.float32))}[planted]
+    real = Model.forward
+
+    def forward(self, tokens, batch, all_logits=False):
+        plant()
+        return real(self, tokens, batch, all_logits)
+    eng = _graph_engine(folder, "cuda", True, monkeypatch)
+    monkeypatch.setattr(Model, "forward", forward)
+    with pytest.warns(UserWarning, match="CUDA graph capture or replay failed"):
+        got = _drive(eng, prompts, lengths)
+    message = {"cupy_cublas_wrapper": "calling cuBLAS API during stream capture is currently unsupported"}
+    assert eng.graphs.error is not None and eng.graphs.num_replays == 0
+    assert message.get(planted, "not permitted while a stream is capturing") in eng.graphs.error
+    assert got == expect
+
+
+def test_a_graph_decode_step_makes_one_replay_two_copies_and_no_allocation(gpu, monkeypatch):
+    """The host's calls in one decode step of two sequences, counted by the stand-in: eagerly,
+    one input copy, the forward pass's launches (gemv.cu for every projection: no cuBLAS call),
+    the sampling kernel, the ids copied back, and no allocation; as a graph replay, the same
+    two copies and one graph launch, no kernel launched from the host."""
+    from models import make_model
+    folder = make_model("qwen3")
+    eng = _graph_engine(folder, "cuda", True, monkeypatch)
+    L = eng.config.num_layers
+    from common.engine import Request
+    from common.sampling import SamplingParams
+    for i, p in enumerate([[5, 9, 3], [40, 41]]):
+        eng.add_request(Request(str(i), p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)))
+    eng.step()                                                   # the prefill
+    counts = []
+    for _ in range(3):                                           # warm-up + capture, then two replays
+        before = emu.STATE.calls.as_dict()
+        eng.step()
+        counts.append({k: v - before[k] for k, v in emu.STATE.calls.as_dict().items()})
+    warm, replay = counts[0], counts[2]
+    per_layer = 7                                                # 4 gemv, rope/store, split, merge
+    assert warm["launches"] == 2 * (L * per_layer + 3)           # + embedding, lm_head, sample; eager, then captured
+    assert warm["blas"] == 0 and warm["allocations"] == 0 and warm["elementwise"] == 0
+    assert replay == dict(launches=0, blas=0, allocations=0, elementwise=0, copies=2, syncs=2, graph_launches=1)
+    assert eng.graphs.num_replays == 2
 
 
 def _wide_step(points: np.ndarray, near: float, width: float = 2e-3) -> float:
@@ -589,15 +713,20 @@ def test_engine_reports_a_degenerate_logits_row_as_an_error_for_that_request_onl
         eng = LLMEngine(folder, max_ctx=48, slots=4, token_budget=32, page_size=4, num_pages=40, device="cpu",
                         progress=False, enforce_eager=True)
         if poison:
-            real = eng._sample
+            real_inputs, real_forward, step_seqs = eng._sampling_inputs, eng.model.forward, []
 
-            def poisoned(seqs, logits):
-                logits = np.array(logits, copy=True)
-                for i, s in enumerate(seqs):
-                    if s.id.startswith("bad"):
+            def inputs(seqs):
+                step_seqs[:] = seqs                          # this step's sampling rows, in order
+                return real_inputs(seqs)
+
+            def forward(tokens, batch, all_logits=False):
+                logits = real_forward(tokens, batch, all_logits)
+                for i, seq in enumerate(step_seqs):
+                    if seq.id.startswith("bad"):
                         logits[i] = np.nan
-                return real(seqs, logits)
-            monkeypatch.setattr(eng, "_sample", poisoned)
+                return logits
+            monkeypatch.setattr(eng, "_sampling_inputs", inputs)
+            monkeypatch.setattr(eng.model, "forward", forward)
         params = {"ok": SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                   "bad": SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                   "bad_host": SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, repetition_penalty=1.1)}
@@ -619,7 +748,6 @@ def test_engine_reports_a_degenerate_logits_row_as_an_error_for_that_request_onl
 def test_failed_capture_keeps_the_first_error_not_end_captures():
     """A launch fails inside the capture; end_capture() then raises "capture invalidated".
     DecodeGraphs.error must name the launch's error (v1 kept end_capture's)."""
-    import contextlib
     import types
     from stage3_optimized.cuda_graphs import CupyCapture
 
@@ -638,39 +766,37 @@ def test_failed_capture_keeps_the_first_error_not_end_captures():
 
     cap = CupyCapture.__new__(CupyCapture)
     cap.cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
-        get_current_stream=lambda: types.SimpleNamespace(synchronize=lambda: None),
-        using_allocator=lambda malloc: contextlib.nullcontext()))
-    cap.stream, cap.pool = Stream(), types.SimpleNamespace(malloc=None)
+        get_current_stream=lambda: types.SimpleNamespace(synchronize=lambda: None)))
+    cap.stream = Stream()
 
-    def forward():
+    def step():
         raise ValueError("cuLaunchKernel: too many resources requested for launch (the cause)")
 
     with pytest.raises(ValueError, match="the cause"):
-        cap(forward)
+        cap(step)
 
 
-def test_graph_replay_stages_its_inputs_in_one_buffer_and_one_copy(monkeypatch):
-    """The static inputs are views of one buffer, and a replay's fill makes one upload of it
-    (the copy from page-locked memory on a GPU; nothing to copy on the CPU)."""
+def test_every_step_sends_its_inputs_in_one_copy_at_addresses_fixed_by_their_sizes(gpu, monkeypatch):
+    """StepInputs: each step (eager prefill, eager decode, graph decode) makes exactly one
+    host-to-device copy, and two uploads with the same sizes put every field at the same
+    address (what a graph's recorded pointers rely on)."""
+    from models import make_model
+    from stage3_optimized.batch import build_batch
+    from stage3_optimized.buffers import StepInputs
+    copies = []
+    real = StepInputs._copy
+    monkeypatch.setattr(StepInputs, "_copy", lambda self, n: (copies.append(n), real(self, n))[1])
+    eng = _graph_engine(make_model("qwen3"), "cuda", True, monkeypatch, slots=3)
+    out = _drive(eng, [[5, 9, 3], [6, 9, 3, 4], [7, 2]], [4, 4, 4])
+    assert all(len(t) == 4 for t in out.values())
+    assert len(copies) == eng.num_steps and all(0 < n <= eng.inputs.host.size for n in copies)
+    # the same sizes, other values: the same addresses
     from common.engine import Request
     from common.sampling import SamplingParams
-    from models import make_model
-    from stage3_optimized.cuda_graphs import LAYOUT, DecodeGraphs, StaticInputs
-    from stage3_optimized.engine import LLMEngine
-    from test_stage3_cuda_graphs import CallCapture
-
-    uploads = []
-    monkeypatch.setattr(StaticInputs, "_upload", lambda self, n: uploads.append(n))
-    eng = LLMEngine(make_model("qwen3"), max_ctx=32, slots=3, token_budget=32, page_size=4, num_pages=30,
-                    device="cpu", progress=False, enforce_eager=True)
-    eng.graphs = DecodeGraphs(eng.model, 3, capture=CallCapture())
-    st = eng.graphs.static
-    for name in LAYOUT:
-        assert np.shares_memory(getattr(st, name), st.device), name
-    for i in range(3):
-        eng.add_request(Request(str(i), [5 + i, 9, 3], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)))
-    while eng.has_work():
-        eng.step()
-    runs = eng.graphs.num_replays + eng.graphs.num_eager
-    assert eng.graphs.num_replays > 0 and len(uploads) == runs
-    assert all(0 < n <= st.device.size for n in uploads)
+    eng.add_request(Request("x", [5, 9, 3], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)))
+    sched = eng.scheduler.schedule()
+    _, tokens, batch = build_batch(sched.seqs, sched.num_tokens, eng.page_size)
+    a = eng.inputs.upload(tokens, batch)
+    b = eng.inputs.upload(tokens + 1, batch)
+    assert a[0].ctypes.data == b[0].ctypes.data and a[1].block_tables.ctypes.data == b[1].block_tables.ctypes.data
+    assert (b[0].get() == tokens + 1).all()

@@ -6,7 +6,7 @@ real row's logits, a static buffer that a step forgets to refill, a logits array
 later replay overwrites. CallCapture stands in for CupyCapture: "capturing" keeps the
 call, and a replay runs it again with the very same static buffers and the very same
 capture-time BatchInfo (its host numbers fixed, as a graph fixes them), writing into the
-output array the capture returned, as a graph writes its output buffer.
+model's buffers, as a graph does.
 """
 from __future__ import annotations
 
@@ -24,19 +24,19 @@ from stage3_optimized.sequence import Sequence
 
 
 class CallCapture:
-    """The stand-in capture: (graph, its output array); replay refills that array in place."""
+    """The stand-in capture: the "graph" is the step itself, not run at capture (as a capture
+    runs nothing); a replay calls it again, and it writes into the model's buffers, where a
+    graph writes. (tests/test_stage3_cuda_emulated.py captures for real, on the emulated CuPy.)"""
 
     def __init__(self):
         self.captured = 0
 
     def __call__(self, fn):
         self.captured += 1
-        out = np.full_like(fn(), np.nan)        # a graph's output holds nothing until its first replay
-        return (fn, out), out
+        return fn
 
     def replay(self, graph) -> None:
-        fn, out = graph
-        out[...] = fn()
+        graph()
 
 
 def engine(folder, graphs: bool, **kw):
@@ -45,7 +45,7 @@ def engine(folder, graphs: bool, **kw):
     eng = LLMEngine(folder, **args)
     assert eng.graphs is None                   # device="cpu": eager unless a test puts graphs in
     if graphs:
-        eng.graphs = DecodeGraphs(eng.model, args["slots"], capture=CallCapture())
+        eng.graphs = DecodeGraphs(eng.model, eng.inputs, args["slots"], capture=CallCapture())
     return eng
 
 
@@ -104,9 +104,9 @@ def test_padding_rows_write_no_slot_and_read_one_position():
 
 
 def test_padded_decode_step_writes_no_page_and_keeps_the_real_rows_logits():
-    """One decode step of three sequences, once as it is and once padded to a bucket of 8
-    and run on the static-buffer layout: the KV pools come out bit-identical (the padding
-    rows wrote nothing) and the real rows' logits agree."""
+    """One decode step of three sequences, once as it is and once padded to a bucket of 6 (the
+    engine's slots) and run on the graph's layout: the KV pools come out bit-identical (the
+    padding rows wrote nothing) and the real rows' logits agree."""
     folder = make_model("qwen3")
     seqs, tokens, batch = decode_batch()
     a, b = engine(folder, False), engine(folder, False)
@@ -114,9 +114,9 @@ def test_padded_decode_step_writes_no_page_and_keeps_the_real_rows_logits():
         rng = np.random.default_rng(0)
         for pool in (eng.model.cache.k_pool, eng.model.cache.v_pool):
             pool[...] = rng.integers(0x3c00, 0x3f80, size=pool.shape, dtype=np.uint16)   # bf16 in [2^-7, 1)
-    plain = a.model.forward(tokens, batch)                     # [3, V]
-    ptok, pb = pad_decode_batch(tokens, batch, 8, max_blocks=16, max_context=64)
-    padded = b.model.forward(ptok, pb)                         # [8, V]
+    plain = a.model.forward(tokens, batch).copy()              # [3, V]
+    ptok, pb = pad_decode_batch(tokens, batch, 6, max_blocks=16, max_context=64)
+    padded = b.model.forward(ptok, pb).copy()                  # [6, V]
     assert np.isfinite(padded).all() and np.abs(plain).max() > 1
     np.testing.assert_allclose(padded[:3], plain, rtol=0, atol=1e-3 * np.abs(plain).max())
     assert (padded[:3].argmax(-1) == plain.argmax(-1)).all()
@@ -183,7 +183,7 @@ def test_a_failed_capture_or_replay_leaves_the_engine_eager_with_the_reason(capt
     prompts = [list(range(40, 53)), [5, 9, 3]]
     expect = run(engine(folder, False), prompts, 6)
     eng = engine(folder, False)
-    eng.graphs = DecodeGraphs(eng.model, 6, capture=capture())
+    eng.graphs = DecodeGraphs(eng.model, eng.inputs, 6, capture=capture())
     with pytest.warns(UserWarning, match="CUDA graph capture or replay failed"):
         got = run(eng, prompts, 6)
     assert got == expect and all(len(t) == 6 for t in got.values())

@@ -1,4 +1,4 @@
-"""The stage 2 -> stage 3 lesson series (docs/lessons/stage3/*.patch, docs/lessons/series.py).
+"""The stage 2 -> stage 3 lesson series (docs/lessons/stage3/*.patch, course/series.py).
 
 1. stage2_batched/ plus every patch, in order, equals stage3_optimized/ byte for byte; a
    patch that no longer applies, or a stage 3 that no longer matches, is reported by name.
@@ -29,7 +29,7 @@ from common.sampling import SamplingParams
 from models import load_hf, make_model
 
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("qs_lesson_series", ROOT / "docs" / "lessons" / "series.py")
+_spec = importlib.util.spec_from_file_location("qs_lesson_series", ROOT / "course" / "series.py")
 series = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(series)
 
@@ -202,25 +202,8 @@ def _gpu(kernels, emulated, monkeypatch):
     """The rung's kernels.py on the stand-in CuPy, cuBLAS and the emulated kernels (as in
     tests/test_stage3_cuda_emulated.py's `gpu` fixture)."""
     import cuda_emulator as emu
-    from test_stage3_cuda_emulated import fake_gemm_ex
-    cp = emu.fake_cupy()
-    cp.uint16, cp.uint32 = np.uint16, np.uint32
-    cublas = types.ModuleType("cupy.cuda.cublas")
-    cublas.gemmEx = fake_gemm_ex
-    cublas.setStream = lambda handle, stream: None
-    cublas.setPointerMode = lambda handle, mode: None
-    cuda = types.ModuleType("cupy.cuda")
-    cuda.cublas = cublas
-    cuda.device = types.SimpleNamespace(get_cublas_handle=lambda: 0)
-    cuda.get_current_stream = lambda: types.SimpleNamespace(ptr=0)
-    cp.cuda = cuda
-    monkeypatch.setitem(sys.modules, "cupy", cp)
-    monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
-    monkeypatch.setitem(emu.NP_POINTEES, "unsigned short", np.uint16)
-    monkeypatch.setattr(kernels, "_on_gpu", lambda x: isinstance(x, emu.Dev))
-    monkeypatch.setattr(kernels, "_kernel", lambda name: emulated[name])
-    monkeypatch.setattr(kernels, "_ptr", lambda x: x.ctypes.data)
-    return emu.dev
+    monkeypatch.setattr(kernels, "GEMV_MAX_BLOCKS", 4, raising=False)   # the emulator: 256 threads a block
+    return emu.install(monkeypatch, kernels, emulated).dev
 
 
 def _case(name, K, ops, dev, emulated):
@@ -239,17 +222,29 @@ def _case(name, K, ops, dev, emulated):
         eh, er = ops.add_rmsnorm(x, res.copy(), w, 1e-6)
         np.testing.assert_array_equal(r.get(), er)
         assert_bf16_close(h.get(), eh)
+    elif name == "rmsnorm":
+        res, w = rng.standard_normal((3, 96)).astype(np.float32) * 3, rnd(96)
+        assert_bf16_close(K.rmsnorm(dev(res), dev(w), 1e-6).get(), ops.rmsnorm_bf16(res, w, 1e-6))
+    elif name == "gemv":
+        from test_stage3_cuda_emulated import check_gemv, check_gemv_prologues
+        check_gemv(dev, 2, 264, 13, kernels=K, ops=ops)
+        check_gemv_prologues(dev, kernels=K)
     elif name == "qk_norm_rope_store":
         H, Hkv, D, N, NB, P = 4, 2, 32, 5, 4, 4
         qkv, qn, kn = rnd(N, (H + 2 * Hkv) * D, s=2.0), rnd(D), rnd(D)
-        pos = rng.integers(0, 100, N)
+        pos = rng.integers(0, 100, N).astype(np.int32)
         cos, sin = ops.rope_tables(128, D, 1e6)
         slots = rng.permutation(NB * P)[:N].astype(np.int32)
         dk, dv = dev(np.zeros((NB, P, Hkv, D), np.uint16)), dev(np.zeros((NB, P, Hkv, D), np.uint16))
         ek, ev = np.zeros((NB, P, Hkv, D), np.uint16), np.zeros((NB, P, Hkv, D), np.uint16)
-        q = K.qk_norm_rope_store(dev(qkv), dev(qn), dev(kn), dev(cos[pos]), dev(sin[pos]), dk, dv, dev(slots),
-                                 H, Hkv, 1e-6)
-        eq = ops.qk_norm_rope_store(qkv, qn, kn, cos[pos], sin[pos], ek, ev, slots, H, Hkv, 1e-6)
+        if "positions" in K.qk_norm_rope_store.__code__.co_varnames:      # v2: the whole tables and positions
+            q = K.qk_norm_rope_store(dev(qkv), dev(qn), dev(kn), dev(cos), dev(sin), dev(pos), dk, dv, dev(slots),
+                                     H, Hkv, 1e-6)
+            eq = ops.qk_norm_rope_store(qkv, qn, kn, cos, sin, pos, ek, ev, slots, H, Hkv, 1e-6)
+        else:                                                          # v1: each token's own rows
+            q = K.qk_norm_rope_store(dev(qkv), dev(qn), dev(kn), dev(cos[pos]), dev(sin[pos]), dk, dv, dev(slots),
+                                     H, Hkv, 1e-6)
+            eq = ops.qk_norm_rope_store(qkv, qn, kn, cos[pos], sin[pos], ek, ev, slots, H, Hkv, 1e-6)
         assert_bf16_close(q.get(), eq)
         assert_bf16_close(dk.get().reshape(-1), ek.reshape(-1), min_exact=0.5)
         np.testing.assert_array_equal(dv.get(), ev)
@@ -323,26 +318,38 @@ def test_each_rungs_new_kernels_equal_its_twins_in_the_emulator(rungs, packages,
 
 # ---- the counted ladder and the figures ----
 
-def test_bench_lessons_counts_18_launches_per_stage2_layer_then_9_then_10(tmp_path, monkeypatch):
-    """The counts docs/stage3.md quotes: per dense decode layer 7 GEMMs + 11 kernels in stage 2,
-    4 GEMMs + 5 kernels with bf16 and the fused kernels, 4 + 6 with the split decode attention and
-    its merge; the KV bytes halve with bf16 and halve again when read once per GQA group of 2;
-    the weight bytes halve; the prefix cache computes fewer prefill tokens."""
+def test_bench_lessons_counts_each_rungs_host_calls_bytes_and_flops(tmp_path, monkeypatch):
+    """The counts docs/stage3.md quotes, for one layer (+ the step's fixed calls): stage 2
+    launches 11 kernels and 7 GEMMs per dense decode layer; bf16 and the fused kernels 5 + 4;
+    the split decode attention and its merge 6 + 4; the lean step 7 kernels (gemv.cu for all
+    four projections), no cuBLAS call, no allocation, one copy in and one out; a graph replay
+    launches nothing from the host. The KV bytes halve with bf16 and halve again when read
+    once per GQA group of 2; the weight bytes halve; the prefix cache computes fewer prefill
+    tokens; the tensor cores predict a faster prefill attention; device sampling brings S ids
+    back instead of S x V logits; each rung's predicted host time is the counts x the prices."""
     import json
     from bench import lessons
     monkeypatch.setattr(sys, "argv", ["lessons", "--layers", "1", "--save", str(tmp_path / "l.json")])
     assert lessons.main() == 0
     rows = json.loads((tmp_path / "l.json").read_text())["rows"]
-    assert len(rows) == len(series.patches()) + 1
-    r0, r1, r2, r3 = rows[0], rows[1], rows[2], rows[3]          # stage 2, prefix cache, bf16 + fused, GQA split
-    assert (r0["gemms_per_decode_step"], r0["kernels_per_decode_step"]) == (7 + 1, 11 + 2)
-    assert (r2["gemms_per_decode_step"], r2["kernels_per_decode_step"]) == (4 + 1, 5 + 2)
-    assert (r3["gemms_per_decode_step"], r3["kernels_per_decode_step"]) == (4 + 1, 6 + 2)
+    assert [r["name"] for r in rows] == ["00-stage2"] + [p.stem for p in series.patches()]
+    calls = lambda r: (r["host_calls"]["launches"], r["host_calls"]["blas"])   # noqa: E731
+    r0, r1, r2, r3, r4, r5, r6, r7 = rows[:8]
+    assert calls(r0) == (11 + 2, 7 + 1) and calls(r2) == (5 + 2, 4 + 1) and calls(r3) == (6 + 2, 4 + 1)
+    assert calls(r6) == (7 + 3, 0)                                  # + embedding, lm_head gemv, sample
+    assert r6["host_calls"]["allocations"] == 0 and r6["host_calls"]["copies"] == 2
+    assert r5["host_calls"]["allocations"] > 0 and r5["host_calls"]["copies"] > 2
+    g = r7["graph_host_calls"]
+    assert (g["launches"], g["blas"], g["allocations"], g["graph_launches"], g["copies"]) == (0, 0, 0, 1, 2)
+    assert r7["graph_host_us"] < r7["host_us"] <= r5["host_us"] and "graph_host_us" not in r5
     assert r0["kv_bytes_per_token"] == 2 * r2["kv_bytes_per_token"] == 4 * r3["kv_bytes_per_token"] > 0
     assert r0["weight_bytes_per_token"] == 2 * r2["weight_bytes_per_token"]
     assert r1["prefill_tokens_computed"] < r0["prefill_tokens_computed"]
-    assert rows[-1]["host_launches_per_decode_step"] < r2["host_launches_per_decode_step"]   # CUDA graphs
-    assert rows[-1]["predicted_decode_step_us"] < r0["predicted_decode_step_us"]
+    assert r4["predicted_prefill_attention_us"] < r3["predicted_prefill_attention_us"]
+    V, S = lessons.WORKLOAD["vocab_size"], 4
+    assert r4["host_calls"]["bytes_to_host"] >= S * V * 4 > r5["host_calls"]["bytes_to_host"]
+    for r in rows:
+        assert r["host_us"] == lessons.host_us(r["host_calls"]) > 0
 
 
 def test_bench_lessons_throughput_runs_every_rung_to_the_requested_tokens_on_cpu(packages, tmp_path):
@@ -355,10 +362,10 @@ def test_bench_lessons_throughput_runs_every_rung_to_the_requested_tokens_on_cpu
     pkgs = ["stage2_batched"] + [p.__name__ for p in packages.values()] + ["stage3_optimized"]
     assert len(pkgs) == len(series.patches()) + 1
     args = argparse.Namespace(workdir=str(tmp_path), model_folder=None, seqs=3, min_len=4, max_len=12,
-                              rung_cap_s=30.0, deadline_s=600.0)
-    requested = sum(gpu.workload(3, min_len=4, max_len=12)[1])
+                              min_out=4, max_out=12, rung_cap_s=30.0, deadline_s=600.0)
+    requested = sum(gpu.workload(3, seed=1, min_len=4, max_len=12)[1])
     rows = lessons.throughput_all(pkgs, args, time.perf_counter())
-    assert (tmp_path / "tiny-random" / "config.json").is_file()      # bench.gpu's setup wrote the model
+    assert (tmp_path / "tiny-qwen3-0.6b-random" / "config.json").is_file()   # bench.gpu's model
     for pkg, r in zip(pkgs, rows):
         assert r["status"] == "ok" and r["device"] == "cpu", (pkg, r)
         assert r["output_tokens"] == r["expected_tokens"] == r["requested_tokens"] == requested > 0, (pkg, r)

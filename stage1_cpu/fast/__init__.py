@@ -20,35 +20,39 @@ names an instruction is compiled only where it exists; where none does (an
 ARM64 core without dotprod, NUMBA_CPU_NAME=generic), the fast path is the one-region step on
 fp32 activations, bit for bit the core's result.
 
-The core never imports this package: stage1_cpu/weights.py (choose_kernels) does,
-lazily, when --kernels is fast (or auto), and keeps a FastPath in Weights.fast.
+The core imports this package in one place, stage1_cpu/weights.py's choose_kernels, and
+only when --kernels is fast (or auto): with plain nothing of it is loaded, let alone
+compiled. It keeps the FastPath in Weights.fast; nothing here imports the core's
+weights.py or model.py at run time (plan.py names Weights as a type only).
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from common import numba_cache
+from common import numba_stamps
 
 from .. import KERNEL_FILES
 from ..quant import Weight
 
 # The one-region step inlines the core's row bodies and this package's kernels: every
-# function cached from here is stamped with all of those files (common/numba_cache.py).
+# function cached from here is stamped with all of those files (common/numba_stamps.py).
 HERE = Path(__file__).parent
 FILES = sorted(HERE.glob("*.py"))
-numba_cache.depend(FILES, on=KERNEL_FILES)
+numba_stamps.depend(FILES, on=KERNEL_FILES)
 # Finer stamps where they save a restart: the step's matrix phases (matvec.py) and its worker
 # (decode_step.py) call each other through a function pointer, so each is stamped with the
 # files it inlines only, and fast/kernels.py with the matmul files: an edit to RMSNorm or
 # attention recompiles the worker, one to a matmul kernel recompiles matvec.py and kernels.py.
 _CORE = HERE.parent
-numba_cache.depend([HERE / "matvec.py"], on=[_CORE / "matmul.py", HERE / "blocks.py", HERE / "kernels.py",
+numba_stamps.depend([HERE / "matvec.py"], on=[_CORE / "matmul.py", HERE / "blocks.py", HERE / "kernels.py",
                                              HERE / "simd.py", HERE / "sync.py", HERE / "cpu.py"])
-numba_cache.depend([HERE / "kernels.py"], on=[_CORE / "matmul.py", HERE / "simd.py", HERE / "cpu.py"])
-numba_cache.depend([HERE / "decode_step.py"], on=[_CORE / "norms.py", _CORE / "kernels.py", HERE / "sync.py"])
+numba_stamps.depend([HERE / "kernels.py"], on=[_CORE / "matmul.py", HERE / "simd.py", HERE / "cpu.py"])
+numba_stamps.depend([HERE / "decode_step.py"], on=[_CORE / "norms.py", _CORE / "kernels.py", HERE / "sync.py"])
 
 from . import cpu  # noqa: E402  (after depend: numba stamps each kernel when it is defined)
+from .attention import KERNELS  # noqa: E402
+from .decode_step import KINDS, DecodeStep, kinds  # noqa: E402
 from .weight import FastWeight, as_fast, check_act, fast_quantize  # noqa: E402, F401
 
 ACTIVATIONS = ("auto", "int8", "fp32")
@@ -83,12 +87,10 @@ class FastPath:
     def kernels(self):
         """The per-op kernels Model.forward calls: the core's, with prefill attention
         through BLAS (attention.py)."""
-        from .attention import KERNELS
         return KERNELS
 
     def decode_step(self, model):
         """The one-region decode step of this model (decode_step.py)."""
-        from .decode_step import DecodeStep
         return DecodeStep(model)
 
     def files(self) -> list[Path]:
@@ -99,7 +101,6 @@ class FastPath:
         """The row bodies the one-region step compiles for this model, whether its attention
         has q/k norms (decode_step.ops; MoE is in the mark already) and the prefill roundings,
         for the warm-up mark (a model with other kinds compiles other code)."""
-        from .decode_step import KINDS, kinds
         mats = list(_matrices(weights)) + [w for lw in weights.layers for w in (lw.router, lw.shared_gate) if w]
         body = [k for k, on in zip(KINDS, kinds(mats)) if on]        # all of them under QS_FAST_ALL_KINDS=1
         body += ["qk"] if any(getattr(lw, "q_norm", None) is not None for lw in weights.layers) else []

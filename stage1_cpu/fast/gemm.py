@@ -36,7 +36,7 @@ The micro-kernel (_tile) keeps RB x 8 rows x TT tokens (RB8 x TT8, RB4 x TT4) of
 registers (AVX2 has 16 ymm registers, AVX-512 32: RB x TT int32 accumulators, RB x TT float
 ones, RB weight vectors and the broadcasts): each weight vector loaded serves TT
 tokens, each broadcast serves RB x 8 rows. With 32 registers the pairs tile is 32 rows x 4
-tokens: 16 independent int32 accumulators, where 16 x 4 has 8 (bench.prefill_gemm's peak needs
+tokens: 16 independent int32 accumulators, where 16 x 4 has 8 (the instruction's measured peak needs
 12 a thread); the float ones, touched once per group, may wait in memory. Per group the int32 lanes (a whole
 group's, gs <= 256: |sum| <= 128 x 2 x 127 x 32767 < 2^31) are converted to float
 and multiply-added with the group's scale product:

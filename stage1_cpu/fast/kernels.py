@@ -10,7 +10,7 @@ to bf16 and run a vdpbf16ps GEMM instead of fp32 tiles through BLAS.
 
 These kernels call simd.py's intrinsics, so they are compiled only on a CPU that
 has those instructions: stage1_cpu/fast/__init__.py decides, in Python, before
-anything here is compiled, and the core never imports this package.
+anything here is compiled, and the core imports this package only for --kernels fast / auto.
 Each has a numpy twin: fast/weight.py (FastWeight.matmul_ref, quantize_activations).
 """
 

@@ -6,7 +6,7 @@ row_int8, row_int4; fast/blocks.py: rows_bf16; for rounded activations fast/kern
 rows_int8_q16, rows_int4_q8), so the step's results are bit for bit the core's.
 
 _matvec is a file of its own because numba stamps a cached function with the file that
-defines it, and common/numba_cache.py widens that stamp to the files it inlines: here
+defines it, and common/numba_stamps.py widens that stamp to the files it inlines: here
 the matmul files, not the norms or attention (fast/__init__.py). decode_step.py's worker
 calls it through a function pointer (decode_step.Pointer), so an edit to a matmul kernel
 recompiles this and not the worker, and an edit to RMSNorm the worker and not this.

@@ -19,11 +19,14 @@ in model.py needs its twin here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..quant import Weight
-from ..weights import Weights
+
+if TYPE_CHECKING:                  # a type only: stage1_cpu/weights.py imports this package (choose_kernels)
+    from ..weights import Weights
 
 
 @dataclass(frozen=True, eq=False)

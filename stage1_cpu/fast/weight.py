@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import blocks, cpu
+from . import blocks, cpu, gemm
 from . import kernels as fk
 from . import simd
 from ..quant import PREFILL_MIN_T, Weight, bf16_bits_to_f32, f32_to_bf16_bits, quantize
@@ -109,7 +109,6 @@ class FastWeight(Weight):
         tiles on 64 rows at a time, repacked by each thread as it takes them (no copy of the
         weights is kept). Group sizes that are not a multiple of 32, or past 256 (a group's
         int32 sum), take the core's tile + sgemm."""
-        from . import gemm                                               # compiled on first prefill
         if self.group_size % gemm.CHUNK or self.group_size > 256:
             return super().matmul(x)
         return gemm.gemm(self, x, self.prefill_act)

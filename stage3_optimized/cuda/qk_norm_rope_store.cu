@@ -2,7 +2,7 @@
 //
 // Computes:    for token n, with q, k, v = the H, Hkv, Hkv heads of D values in qkv[n]:
 //                q head h:   x = q[h] (fp32);  if has_norm: x = x / rms(x) * q_norm
-//                            q_out[n, h] = bf16(rope(x, cos[n], sin[n]))
+//                            q_out[n, h] = bf16(rope(x, cos[p], sin[p])),  p = positions[n]
 //                k head g:   the same with k_norm, then k_cache[slot] [g] = bf16(rope(x))
 //                            and v_cache[slot][g] = v[g]   (bits copied), slot = slot_mapping[n] >= 0
 //              rope is rotate-half: pair (i, i + D/2) turns by the angle of position n's row.
@@ -11,7 +11,8 @@
 //              (i, i + D/2) for i = j, j + 32, ... < D/2, so the per-head RMS is one warp
 //              sum and each rotation pair sits in one lane's registers.
 // Shapes:      qkv: [N, (H + 2 Hkv) * D] bf16 (uint16 bits); q_norm, k_norm: [D] bf16;
-//              cos, sin: [N, D/2] float32 (each token's own row); k_cache, v_cache: [NB, P, Hkv, D]
+//              cos, sin: [T_max, D/2] float32 (the model's tables; token n reads row positions[n]);
+//              positions: [N] int32; k_cache, v_cache: [NB, P, Hkv, D]
 //              bf16 (one layer, [NB * P] slots); slot_mapping: [N] int32; q_out: [N, H, D] bf16; D <= 256
 //
 // Launches: stage 2 ran rmsnorm(q), rmsnorm(k), rope(q), rope(k), store_kvcache: five kernels,
@@ -20,6 +21,9 @@
 // Version history
 //   stage 2: rmsnorm.cu, rope.cu, store_kvcache.cu, fp32.
 //   v1 (stage 3): fused, bf16, one warp per head.
+//   v2: the kernel reads each token's cos/sin row from the whole tables by its position,
+//       instead of rows gathered on the host side's behalf (two gathers and two arrays
+//       fewer per step).
 
 #define MAX_PAIRS 4                      // (D / 2) / 32 pairs per lane for D <= 256
 
@@ -39,8 +43,9 @@ __device__ __forceinline__ float warp_sum(float x)
 extern "C" __global__ void qk_norm_rope_store(const unsigned short* __restrict__ qkv,     // [N, (H+2Hkv)*D]
                                               const unsigned short* __restrict__ q_norm,  // [D]
                                               const unsigned short* __restrict__ k_norm,  // [D]
-                                              const float* __restrict__ cos,              // [N, D/2]
-                                              const float* __restrict__ sin,              // [N, D/2]
+                                              const float* __restrict__ cos,              // [T_max, D/2]
+                                              const float* __restrict__ sin,              // [T_max, D/2]
+                                              const int* __restrict__ positions,          // [N]
                                               unsigned short* __restrict__ k_cache,       // [NB, P, Hkv, D]
                                               unsigned short* __restrict__ v_cache,       // [NB, P, Hkv, D]
                                               const int* __restrict__ slot_mapping,       // [N]
@@ -71,8 +76,8 @@ extern "C" __global__ void qk_norm_rope_store(const unsigned short* __restrict__
     if (slot < 0) return;                                // a padding token owns no slot
     unsigned short* dst = is_q ? q_out + ((size_t)n * H + head) * D
                                : k_cache + ((size_t)slot * Hkv + (head - H)) * D;
-    const float* c = cos + (size_t)n * half;
-    const float* s = sin + (size_t)n * half;
+    const float* c = cos + (size_t)positions[n] * half;   // this token's angles
+    const float* s = sin + (size_t)positions[n] * half;
 #pragma unroll
     for (int r = 0; r < MAX_PAIRS; r++) {
         const int i = lane + 32 * r;

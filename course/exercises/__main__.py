@@ -1,4 +1,4 @@
-"""python -m common.exercises list | start ID DIR | check ID DIR  (docs/exercises.md)."""
+"""python -m course.exercises list | start ID DIR | check ID DIR  (docs/exercises.md)."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +12,7 @@ from .base import Workspace, run_check, start
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m common.exercises",
+    ap = argparse.ArgumentParser(prog="python -m course.exercises",
                                  description="Exercises: rewrite a marked region of the reference code, "
                                              "then check it (docs/exercises.md).")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -51,17 +51,17 @@ def main(argv: list[str] | None = None) -> int:
         if others:
             print("(also copied, to read or change: " + ", ".join(others) + ")")
         print("then check it with")
-        print(f"    python -m common.exercises check {ex.id} {_shown(args.dir)}")
+        print(f"    python -m course.exercises check {ex.id} {_shown(args.dir)}")
         return 0
 
     # check
     if not args.dir.is_dir():
         print(f"error: {args.dir} is not a folder; make it with "
-              f"`python -m common.exercises start {ex.id} {_shown(args.dir)}`", file=sys.stderr)
+              f"`python -m course.exercises start {ex.id} {_shown(args.dir)}`", file=sys.stderr)
         return 2
     if not (args.dir / ex.file).is_file():
         print(f"error: {args.dir / ex.file} is missing; was {args.dir} made by "
-              f"`python -m common.exercises start {ex.id} ...`?", file=sys.stderr)
+              f"`python -m course.exercises start {ex.id} ...`?", file=sys.stderr)
         return 2
     print(f"checking exercise {ex.id} ({ex.title}) in {args.dir} ...", flush=True)
     # numba's performance notes (a stub's prange loop that cannot run in parallel) are not

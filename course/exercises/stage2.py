@@ -23,6 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
+from common.engine import Request
+from common.sampling import SamplingParams
+from stage2_batched import ops, scheduler
+
 from .base import REPO, CheckFailed, Exercise, Workspace, assert_close, assert_equal, require
 
 
@@ -64,7 +68,7 @@ def build(ws: Workspace, rel: str, prefix: str = "") -> dict:
     emu = emulator()
     src = ws.path(rel)
     if not src.is_file():
-        raise CheckFailed(f"{src} is missing: make the workspace with `python -m common.exercises start`")
+        raise CheckFailed(f"{src} is missing: make the workspace with `python -m course.exercises start`")
     # a new folder per build: a library loaded once stays loaded under its path (dlopen), so a
     # second build of an edited file in one process must not reuse the first one's path
     builds = ws.root / ".emulator-build"
@@ -122,7 +126,6 @@ def paged(rng, lens, Hkv: int, D: int, P: int, spare: int = 3):
 # ---------------------------------------------------------------------------
 
 def check_store_kvcache(ws: Workspace) -> None:
-    from stage2_batched import ops
     kernel = build(ws, "stage2_batched/cuda/store_kvcache.cu")["store_kvcache"]
     rng = np.random.default_rng(21)
     # (N tokens, Hkv, D, NB, P): a row shorter than the block of 128 threads, and one longer (300)
@@ -165,8 +168,6 @@ def check_store_kvcache(ws: Workspace) -> None:
 # ---------------------------------------------------------------------------
 
 def _seq(mod, name: str, n: int, arrival: int = 0):
-    from common.engine import Request
-    from common.sampling import SamplingParams
     return mod.Sequence.from_request(Request(name, list(range(10, 10 + n)), SamplingParams(max_tokens=4)), arrival)
 
 
@@ -277,8 +278,6 @@ SELF_CASE = dict(num_pages=6, page_size=4, slots=3, token_budget=16, arrivals=[(
 def _simulate(sched_mod, case: dict, max_steps: int = 80) -> list[dict]:
     """Run a scheduler as the engine does (feed the scheduled tokens, sample one token once a
     sequence is all in, finish it after its tokens) -> one record per step."""
-    from common.engine import Request
-    from common.sampling import SamplingParams
     bm = sched_mod.BlockManager(case["num_pages"], case["page_size"])
     sch = sched_mod.Scheduler(bm, case["slots"], case["token_budget"])
     want_tokens, log, arrival = {}, [], 0
@@ -315,7 +314,6 @@ def _describe(rec: dict) -> str:
 
 
 def check_scheduler(ws: Workspace) -> None:
-    from stage2_batched import scheduler as reference
     mine = ws.module("stage2_batched/scheduler.py")
     for name, case, what in (("the token budget", BUDGET_CASE, "a 20-token prompt is prefilled in chunks of "
                               "what the budget leaves after the decodes"),
@@ -325,7 +323,7 @@ def check_scheduler(ws: Workspace) -> None:
                              ("preempting itself", SELF_CASE, "once the sequence that needs the pages has "
                               "preempted itself, nothing more is preempted for it: the older sequences are already "
                               "in this step's batch")):
-        want, got = _simulate(reference, case), _simulate(mine, case)
+        want, got = _simulate(scheduler, case), _simulate(mine, case)
         setting = (f"{case['num_pages']} pages of {case['page_size']}, slots {case['slots']}, token budget "
                    f"{case['token_budget']}, arrivals (step, id, prompt, tokens) {case['arrivals']}")
         for step, (w, g) in enumerate(zip(want, got)):
@@ -347,7 +345,6 @@ def check_scheduler(ws: Workspace) -> None:
 # ---------------------------------------------------------------------------
 
 def check_decode_attention(ws: Workspace) -> None:
-    from stage2_batched import ops
     kernel = build(ws, "stage2_batched/cuda/decode_attention.cu")["paged_decode_attention"]
     rng = np.random.default_rng(25)
     # (H, Hkv, D, P, context lengths): GQA 2 -> 1 with contexts shorter than the 4 warps, on a

@@ -6,12 +6,12 @@ the first k lessons) and the last one gives stage3_optimized/ byte for byte. Eac
 starts with a header (what it changes, what it saves, its docs/stage3.md section) that
 `git apply` skips: it reads from the first `diff --git` line.
 
-    python docs/lessons/series.py check            # do the patches still give stage3_optimized/?
-    python docs/lessons/series.py unpack DIR       # DIR/00-stage2, DIR/01-prefix-cache, ... (the rungs)
-    python docs/lessons/series.py packages DIR     # the same as packages DIR/rung00 ... DIR/rung06, so
+    python course/series.py check            # do the patches still give stage3_optimized/?
+    python course/series.py unpack DIR       # DIR/00-stage2, DIR/01-prefix-cache, ... (the rungs)
+    python course/series.py packages DIR     # the same as packages DIR/rung00 ... DIR/rung08, so
                                                    # PYTHONPATH=$PWD:DIR python -m rung02.chat --device cpu
-    python docs/lessons/series.py pack DIR         # rewrite the patches from edited rung trees
-    python docs/lessons/series.py rebase           # after an edit to stage 3: the last patch absorbs it
+    python course/series.py pack DIR               # rewrite the patches from edited rung trees
+    python course/series.py rebase                 # after an edit to stage 3: the last patch absorbs it
 
 After an edit to stage3_optimized/, `check` fails (tests/test_stage3_lessons.py runs it)
 and names the patch. Two ways to bring the series up to date:
@@ -34,7 +34,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 SERIES = ROOT / "docs" / "lessons" / "stage3"
 STAGE2 = ROOT / "stage2_batched"
 STAGE3 = ROOT / "stage3_optimized"
@@ -128,7 +128,7 @@ def check(series: Path = SERIES, stage2: Path = STAGE2, stage3: Path = STAGE3) -
         bad = tree_differences(rungs[-1], stage3)
         if bad:
             raise RuntimeError(f"stage 2 + every patch differs from {stage3.name}/ in {bad}; the last "
-                               f"patch, {rungs[-1].name}.patch, no longer matches (see docs/lessons/series.py: rebase)")
+                               f"patch, {rungs[-1].name}.patch, no longer matches (see course/series.py: rebase)")
 
 
 def pack(rung_dir: Path, series: Path = SERIES) -> list[Path]:
@@ -175,7 +175,7 @@ def rebase(series: Path = SERIES, stage2: Path = STAGE2, stage3: Path = STAGE3) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python docs/lessons/series.py", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python course/series.py", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("check", help="stage 2 + every patch == stage3_optimized/ ?")
     u = sub.add_parser("unpack", help="write the rung trees into DIR")

@@ -1,8 +1,8 @@
 """Exercises: marked regions of the reference code that a student rewrites and checks.
 
-    python -m common.exercises list
-    python -m common.exercises start 1.1 ~/ex1.1
-    python -m common.exercises check 1.1 ~/ex1.1
+    python -m course.exercises list
+    python -m course.exercises start 1.1 ~/ex1.1
+    python -m course.exercises check 1.1 ~/ex1.1
 
 EXERCISES holds every exercise in course order (stage 1, then 2, then 3); docs/exercises.md
 lists them with what to read first, the shapes, a hint and what each check compares.
@@ -28,4 +28,4 @@ def get(ex_id: str) -> Exercise:
         if e.id == ex_id:
             return e
     raise KeyError(f"no exercise {ex_id!r}; the exercises are {', '.join(_ids)} "
-                   "(python -m common.exercises list)")
+                   "(python -m course.exercises list)")

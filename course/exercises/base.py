@@ -223,7 +223,7 @@ class Workspace:
         """Import the workspace copy of the repo-relative .py file rel (it must exist)."""
         if not self.path(rel).is_file():
             raise CheckFailed(f"{self.path(rel)} is missing: make the folder with "
-                              f"`python -m common.exercises start ID {self.root}`")
+                              f"`python -m course.exercises start ID {self.root}`")
         parts = Path(rel).with_suffix("").parts
         self._package(parts[:-1])
         importlib.invalidate_caches()            # files written a moment ago must be seen
@@ -298,7 +298,7 @@ def run_check(ex: Exercise, ws: Workspace) -> Outcome:
     t0 = time.perf_counter()
     if not ws.path(ex.file).is_file():
         return Outcome(False, f"{ws.path(ex.file)} is missing: make the workspace with "
-                              f"`python -m common.exercises start {ex.id} {ws.root}`", 0.0)
+                              f"`python -m course.exercises start {ex.id} {ws.root}`", 0.0)
     try:
         ex.check(ws)
     except CheckFailed as e:

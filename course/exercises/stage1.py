@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from common.config import ModelConfig
+from common.engine import Request
+from common.sampling import SamplingParams
+from stage1_cpu import ops, quant
+
 from .base import CheckFailed, Exercise, Workspace, assert_close, assert_equal, require
 
 
@@ -20,7 +25,6 @@ def _rng(seed: int = 0) -> np.random.Generator:
 # ---------------------------------------------------------------------------
 
 def check_rmsnorm(ws: Workspace) -> None:
-    from stage1_cpu import ops
     K = ws.module("stage1_cpu/norms.py")
     r = _rng(1)
     cases = [
@@ -43,7 +47,6 @@ def check_rmsnorm(ws: Workspace) -> None:
 # ---------------------------------------------------------------------------
 
 def check_rope(ws: Workspace) -> None:
-    from stage1_cpu import ops
     K = ws.module("stage1_cpu/kernels.py")
     r = _rng(2)
     for name, T, H, D, theta, p0 in (("positions 0..4, D = 16", 5, 3, 16, 1e4, 0),
@@ -83,7 +86,6 @@ def _attention_cases(large_first: bool):
 
 
 def _check_attention(ws: Workspace, large_first: bool) -> None:
-    from stage1_cpu import ops
     K = ws.module("stage1_cpu/kernels.py")
     r = _rng(3)
     for name, T, H, Hkv, D, start, scale in _attention_cases(large_first):
@@ -160,9 +162,6 @@ def _toy_folder() -> str:
 
 def check_kv_reuse(ws: Workspace) -> None:
     import types
-    from common.config import ModelConfig
-    from common.engine import Request
-    from common.sampling import SamplingParams
     E = ws.module("stage1_cpu/engine.py")
     folder = _toy_folder()
     cfg = ModelConfig.from_folder(folder)
@@ -212,7 +211,6 @@ def check_kv_reuse(ws: Workspace) -> None:
 # ---------------------------------------------------------------------------
 
 def check_route(ws: Workspace) -> None:
-    from stage1_cpu import ops
     K = ws.module("stage1_cpu/kernels.py")
     r = _rng(6)
     ties = np.round(r.normal(0, 1, (4, 16)) * 2) / 2                     # many equal logits
@@ -370,7 +368,6 @@ def check_quantize_int4(ws: Workspace) -> None:
 
 
 def _matvec_case(fmt: str, seed: int):
-    from stage1_cpu import quant
     r = _rng(seed)
     O, K, gs = 37, 100, 32                              # 100 inputs: groups padded with zeros
     w = r.normal(0, 0.2, (O, K)).astype(np.float32)

@@ -19,6 +19,10 @@ import ast
 
 import numpy as np
 
+from common.engine import Request
+from common.sampling import SamplingParams
+from stage3_optimized import cuda_graphs, ops
+
 from .base import REPO, CheckFailed, Exercise, Workspace, assert_close, assert_equal, require
 from .stage2 import build, dev, emulator, launches, paged
 
@@ -27,10 +31,9 @@ def _bf16_close(name: str, got, want, axes_names, hint: str = "", min_exact: flo
                 rtol: float = 2 ** -7, atol_of_scale: float = 1e-3) -> None:
     """Two bf16 bit arrays: within rtol (2 bf16 steps) + atol_of_scale x max |want|, and at least
     min_exact of them bit-identical (a kernel that computes something merely similar is not)."""
-    from stage3_optimized.ops import f32
     got, want = np.asarray(got).view(np.ndarray), np.asarray(want).view(np.ndarray)
-    scale = float(np.abs(f32(want)).max())
-    assert_close(name, f32(got), f32(want), atol=atol_of_scale * scale, rtol=rtol, axes_names=axes_names, hint=hint)
+    scale = float(np.abs(ops.f32(want)).max())
+    assert_close(name, ops.f32(got), ops.f32(want), atol=atol_of_scale * scale, rtol=rtol, axes_names=axes_names, hint=hint)
     exact = float(np.mean(got == want))
     require(exact >= min_exact, f"{name}: every value is close, but only {exact:.0%} are the same bf16 bits as the "
                                 f"twin's (expected at least {min_exact:.0%}): compute in fp32 and round once at the "
@@ -69,8 +72,6 @@ def fragment_shim() -> str:
 
 def _filled(mod, bm, name: str, ids: list[int], arrival: int):
     """A sequence with ids, its pages allocated, computed and registered in the prefix cache."""
-    from common.engine import Request
-    from common.sampling import SamplingParams
     seq = mod.Sequence.from_request(Request(name, list(ids), SamplingParams(max_tokens=4)), arrival)
     bm.allocate(seq, len(ids))
     seq.num_computed = len(ids)
@@ -79,8 +80,6 @@ def _filled(mod, bm, name: str, ids: list[int], arrival: int):
 
 
 def _probe(mod, name: str, ids: list[int]):
-    from common.engine import Request
-    from common.sampling import SamplingParams
     return mod.Sequence.from_request(Request(name, list(ids), SamplingParams(max_tokens=4)), 9)
 
 
@@ -133,7 +132,6 @@ def check_prefix_key(ws: Workspace) -> None:
 # ---------------------------------------------------------------------------
 
 def check_split_merge(ws: Workspace) -> None:
-    from stage3_optimized import ops
     kernels = build(ws, "stage3_optimized/cuda/decode_attention.cu")
     merge = kernels["merge_attention"]
     rng = np.random.default_rng(32)
@@ -168,7 +166,6 @@ def check_split_merge(ws: Workspace) -> None:
 # ---------------------------------------------------------------------------
 
 def check_tc_tile(ws: Workspace) -> None:
-    from stage3_optimized import ops
     kernel = build(ws, "stage3_optimized/cuda/prefill_attention_tc.cu", prefix=fragment_shim())["prefill_attention_tc"]
     rng = np.random.default_rng(33)
     WARPS = 4
@@ -208,28 +205,24 @@ def check_tc_tile(ws: Workspace) -> None:
 
 
 # ---------------------------------------------------------------------------
-# 3.4 fused add + RMSNorm (add_rmsnorm.cu)
+# 3.4 RMSNorm of the residual stream (rmsnorm.cu)
 # ---------------------------------------------------------------------------
 
-def check_add_rmsnorm(ws: Workspace) -> None:
-    from stage3_optimized import ops
-    kernel = build(ws, "stage3_optimized/cuda/add_rmsnorm.cu")["add_rmsnorm"]
+def check_rmsnorm(ws: Workspace) -> None:
+    kernel = build(ws, "stage3_optimized/cuda/rmsnorm.cu")["rmsnorm"]
     rng = np.random.default_rng(34)
     for N, C in [(3, 300), (2, 96)]:                       # C over the block of 256 threads, and under it
-        x = ops.bf16_bits(rng.standard_normal((N, C)).astype(np.float32) * 3)
         w = ops.bf16_bits(rng.standard_normal(C).astype(np.float32))
         residual = (rng.standard_normal((N, C)) * 5).astype(np.float32)
-        for first in (True, False):
-            what = (f"add_rmsnorm (N = {N}, C = {C}, {'the first block: has_residual = 0, residual holds garbage' if first else 'has_residual = 1'})")
-            res = dev(np.full((N, C), np.nan, np.float32) if first else residual.copy())
-            h = dev(np.zeros((N, C), np.uint16))
-            with _Bf16Pointers(), launches("add_rmsnorm"):
-                kernel((N,), (256,), (dev(x), res, dev(w), h, np.int32(C), np.float32(1e-6), np.int32(0 if first else 1)))
-            want_h, want_r = ops.add_rmsnorm(x, None if first else residual.copy(), w, 1e-6)
-            assert_equal(f"{what}: the new residual (written in place)", res.get(), want_r, ("row", "channel"),
-                         hint="residual = residual + x in fp32, or x alone when has_residual = 0")
-            _bf16_close(f"{what}: h", h.get(), want_h, ("row", "channel"),
-                        hint="h = bf16(r / sqrt(mean(r^2) + eps) * w), the mean over all C values of the row")
+        what = f"rmsnorm (N = {N}, C = {C})"
+        res = dev(residual.copy())
+        h = dev(np.zeros((N, C), np.uint16))
+        with _Bf16Pointers(), launches("rmsnorm"):
+            kernel((N,), (256,), (res, dev(w), h, np.int32(C), np.float32(1e-6)))
+        assert_equal(f"{what}: the residual stream (read, never written)", res.get(), residual, ("row", "channel"),
+                     hint="the kernel reads the residual and writes only h")
+        _bf16_close(f"{what}: h", h.get(), ops.rmsnorm_bf16(residual, w, 1e-6), ("row", "channel"),
+                    hint="h = bf16(r / sqrt(mean(r^2) + eps) * w), the mean over all C values of the row")
 
 
 # ---------------------------------------------------------------------------
@@ -268,16 +261,15 @@ def _decode_batch(BatchInfo, rng, b: int, P: int):
 
 
 def check_graph_padding(ws: Workspace) -> None:
-    from stage3_optimized import cuda_graphs as reference
     mod = ws.module("stage3_optimized/cuda_graphs.py")
     P, max_blocks, max_ctx = 4, 9, 36
     for b, size in [(3, 4), (5, 8), (1, 1), (16, 16)]:
         seed = 35 + b
         tokens, batch = _decode_batch(mod.BatchInfo, np.random.default_rng(seed), b, P)
-        tokens_r, batch_r = _decode_batch(reference.BatchInfo, np.random.default_rng(seed), b, P)
+        tokens_r, batch_r = _decode_batch(cuda_graphs.BatchInfo, np.random.default_rng(seed), b, P)
         what = f"pad_decode_batch({b} sequences -> the bucket of {size}, max_blocks {max_blocks}, max_context {max_ctx})"
         got = mod.pad_decode_batch(tokens, batch, size, max_blocks, max_ctx)
-        want = reference.pad_decode_batch(tokens_r, batch_r, size, max_blocks, max_ctx)
+        want = cuda_graphs.pad_decode_batch(tokens_r, batch_r, size, max_blocks, max_ctx)
         require(isinstance(got, tuple) and len(got) == 2, f"{what}: returns (tokens [size], BatchInfo), got {type(got)}")
         gt, gb = got
         assert_equal(f"{what}: tokens", gt, want[0], ("row",), hint=PAD_HINTS["tokens"])
@@ -305,8 +297,8 @@ EXERCISES: list[Exercise] = [
     Exercise(id="3.3", title="the online-softmax tile of the tensor-core prefill",
              section="docs/stage3.md#5-prefill-attention-on-tensor-cores-flashattention-2-style",
              difficulty="hard", file="stage3_optimized/cuda/prefill_attention_tc.cu", check=check_tc_tile),
-    Exercise(id="3.4", title="fused residual add + RMSNorm", section="docs/stage3.md#3-fused-projections-and-fused-kernels",
-             difficulty="medium", file="stage3_optimized/cuda/add_rmsnorm.cu", check=check_add_rmsnorm),
-    Exercise(id="3.5", title="CUDA-graph batch padding", section="docs/stage3.md#7-decode-steps-as-cuda-graphs",
+    Exercise(id="3.4", title="RMSNorm of the residual stream", section="docs/stage3.md#7-a-decode-step-the-host-can-afford",
+             difficulty="medium", file="stage3_optimized/cuda/rmsnorm.cu", check=check_rmsnorm),
+    Exercise(id="3.5", title="CUDA-graph batch padding", section="docs/stage3.md#8-decode-steps-as-cuda-graphs",
              difficulty="easy", file="stage3_optimized/cuda_graphs.py", check=check_graph_padding),
 ]

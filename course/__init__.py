@@ -1,0 +1,7 @@
+"""The course's tooling: the exercise checks (course/exercises/) and the stage 2 -> 3
+lesson series (course/series.py).
+
+It stands above the stages, beside bench/ and tests/: an exercise check compares a
+student's copy with a stage's own code, so it imports the stages, and nothing in
+common/ or in a stage imports it (docs/exercises.md, "Where the checks live").
+"""

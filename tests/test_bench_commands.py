@@ -1,0 +1,113 @@
+"""Every `python -m bench` command runs end to end on a tiny model and prints the rows it
+promises, and every file of bench/ serves a command that `python -m bench --help` lists.
+
+(bench gpu and bench lessons have theirs beside the GPU work: tests/test_gpu_check.py,
+tests/test_stage3_lessons.py; bench profile's, op by op, is tests/test_bench_profile.py.)
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.timeout(1200)          # cold numba compiles in the workers (the fast path: --kernels auto)
+
+
+def bench(*args: str, timeout: float = 800) -> str:
+    out = subprocess.run([sys.executable, "-m", "bench", *args], cwd=ROOT, capture_output=True, text=True,
+                         timeout=timeout, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.returncode == 0, f"exit {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out.stdout
+
+
+def table(text: str, first_header: str) -> list[list[str]]:
+    """The rows of the markdown table whose header starts with `first_header`, as cells."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {first_header} "))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip("|").split("|")])
+    return rows
+
+
+def test_help_lists_every_command_and_every_bench_file_serves_one():
+    from bench.__main__ import COMMANDS
+    text = bench("--help")
+    for name, (_, what) in COMMANDS.items():
+        assert re.search(rf"^  {name}\s+{re.escape(what)}$", text, re.M), name
+    # reachable: the commands' modules, what they import from bench/, and the files they name
+    files = {p.name for p in (ROOT / "bench").iterdir() if p.is_file() and p.suffix in (".py", ".sh")}
+    seen, todo = {"__init__.py", "__main__.py"}, [module.split(".")[1] + ".py" for module, _ in COMMANDS.values()]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        text = (ROOT / "bench" / name).read_text()
+        named = {f for f in files if f in text}
+        if name.endswith(".py"):
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("bench"):
+                    parts = node.module.split(".")[1:] + [a.name for a in node.names]
+                    named |= {f"{p}.py" for p in parts if f"{p}.py" in files}
+        todo += sorted(named - seen)
+    assert files - seen == set(), "bench files no listed command reaches"
+
+
+@pytest.mark.parametrize("shape,engines,kernels", [("tiny", "stage1", "plain,auto"),
+                                                    ("moe-tiny", "stage1,transformers", "plain")])
+def test_cpu_measures_every_engine_and_prints_its_tables(tmp_path, shape, engines, kernels):
+    out = bench("cpu", "--shape", shape, "--quick", "--threads", "1", "--formats", "int8", "--engines", engines,
+                "--kernels", kernels, "--runs", "1", "--prompt-lens", "8,24", "--ttft-lens", "12",
+                "--decode-prompt", "8", "--decode-tokens", "4", "--read-only", "yes", "--cache-dir", str(tmp_path),
+                "--out", str(tmp_path / "report.md"))
+    assert (tmp_path / "report.md").read_text().strip() in out
+    labels = ["stage1" if k == "auto" else f"stage1 {k}" for k in kernels.split(",")]
+    headline = table(out, "stage 1")
+    whats = ["decode", "prefill 8", "prefill 24", "time to first token, 12-token prompt"]
+    assert [(r[0], r[4]) for r in headline] == [(label, w) for label in labels for w in whats]
+    assert all(re.fullmatch(r"[\d.]+ (tok/s|ms) \(PASSIVE\)", r[5]) for r in headline), out
+    engines_table = table(out, "engine")
+    assert [(r[0], r[1]) for r in engines_table] == (
+        [("transformers", "fp32")] * (shape == "tiny" and "transformers" in engines)
+        + [(label, "int8") for label in labels] + [("read only", "int8")])
+    for row in engines_table:
+        decode = float(row[6].replace(",", ""))
+        assert decode > 0 and row[10] == "1", row                  # decode tok/s, runs
+    if "transformers" in engines:                                  # the oracle: checked, not timed
+        check = {(r[0], r[1]): r for r in table(out.split("### correctness")[1], "engine")}
+        assert float(check[("stage1 plain", "int8")][3]) > 0.99      # cosine of the logits
+    else:
+        assert "not checked (transformers fp32 did not run)" in out
+    assert ("grouped per expert" in out) == (shape == "moe-tiny")      # the MoE napkin maths
+
+
+def test_ladder_prints_each_rung_decode_and_prefill(tmp_path):
+    out = bench("ladder", "--quick", "--layers", "1", "--tokens", "2", "--prefill-tokens", "16",
+                "--save", str(tmp_path / "ladder.json"))
+    rungs = table(out, "rung")
+    assert [r[0] for r in rungs[:4]] == ["1", "2", "3", "4"] and rungs[0][2] == "int8" and rungs[3][2] == "int4"
+    assert all(float(r[5]) > 0 for r in rungs)                      # ms/token
+    prefill = table(out.split("Prefill ladder")[1], "rung")
+    assert prefill[0][0] == "P1" and float(prefill[0][4]) > 0
+    saved = json.loads((tmp_path / "ladder.json").read_text())
+    assert len(saved["rows"]) == len(rungs) and saved["command"].startswith("python -m bench ladder")
+
+
+def test_figures_draws_every_figure_from_saved_results(tmp_path):
+    from bench.figures import DRAW, FIGURES
+    results = tmp_path / "results"
+    shutil.copytree(FIGURES, results, ignore=shutil.ignore_patterns("*.svg", "*.png"))
+    out = bench("figures", "--results", str(results), "--out", str(tmp_path / "out"))
+    assert out.split() == [str(tmp_path / "out" / f"{name}.svg") for name in DRAW]
+    assert all((tmp_path / "out" / f"{name}.svg").read_text().lstrip().startswith("<?xml") for name in DRAW)
