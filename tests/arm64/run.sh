@@ -91,7 +91,7 @@ install_pkgs() {   # install_pkgs NAME PACKAGES [PIP OPTIONS]: once per package 
     if [ "$(cat "$stamp" 2>/dev/null)" != "$pkgs" ]; then
         log "pip install for aarch64 into $ROOT/opt/site: $pkgs"
         # shellcheck disable=SC2086
-        timeout 900 "${PYTHON:-python3}" -m pip install -q --disable-pip-version-check --target "$ROOT/opt/site" \
+        timeout 900 "${PYTHON:-python3}" -m pip install -q --disable-pip-version-check --root-user-action=ignore --target "$ROOT/opt/site" \
             --upgrade --only-binary=:all: --python-version 3.11 --implementation cp --abi cp311 \
             --platform manylinux_2_28_aarch64 --platform manylinux_2_17_aarch64 --platform manylinux2014_aarch64 \
             "$@" $pkgs || die "pip install for aarch64 failed (is the Python package index reachable?)"
