@@ -99,3 +99,12 @@ def set_threads(n: int | None) -> int:
         )
     numba.set_num_threads(n)
     return n
+
+
+def threading_layer() -> str:
+    """numba's threading layer, for the banner: omp, tbb or workqueue (NUMBA_THREADING_LAYER's,
+    else the first that loads). Asking for the thread count starts the threads, if no parallel
+    kernel has yet, and with them the layer."""
+    import numba
+    numba.get_num_threads()
+    return numba.threading_layer()

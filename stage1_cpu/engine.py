@@ -80,7 +80,7 @@ class LLMEngine(numba_cache.WarmUp):       # warm_up(), kernels_cold(): common/n
     def describe_kernels(self) -> str:
         """Which kernels multiply the weights, for the banner."""
         w = self.weights
-        kernels = w.fast.describe(w) if w.fast else "plain kernels"
+        kernels = (w.fast.describe(w) if w.fast else "plain kernels") + f" · {numba_cache.threading_layer()} threads"
         return f"{w.source} · {kernels}" if w.source else kernels
 
     def warm_key(self) -> tuple | None:

@@ -134,7 +134,7 @@ def _decode_perplexity(folder, ids, fmt, activations):
     return float(np.exp(np.mean(nll)))
 
 
-@pytest.mark.skipif(not cpu.INT8, reason="no int8 dot product here (AVX-512 VNNI / AVX-VNNI vpdpbusd, or AVX2 vpmaddubsw)")
+@pytest.mark.skipif(not cpu.INT8, reason="no int8 dot product here (VNNI, AVX2 or ARM dotprod)")
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_int8_activations_cost_under_one_percent_of_perplexity(folder, fmt):
     # Measured on the first 200 tokens: int8 weights 21.641 (fp32 activations) -> 21.753 with

@@ -20,7 +20,7 @@ from stage1_cpu.fast import cpu
 from stage1_cpu.fast.weight import fast_quantize
 from stage1_cpu.quant import Weight, quantize
 
-NO_INT8_DOT = "this CPU (or NUMBA_CPU_NAME) has no int8 dot product: neither AVX-512 VNNI / AVX-VNNI (vpdpbusd) nor AVX2 (vpmaddubsw)"
+NO_INT8_DOT = "this CPU (or NUMBA_CPU_NAME) has no int8 dot product: neither AVX-512 VNNI / AVX-VNNI (vpdpbusd), AVX2 (vpmaddubsw) nor ARM dotprod (sdot)"
 NO_BF16 = "this CPU (or NUMBA_CPU_NAME) has no AVX-512 BF16 (vdpbf16ps)"
 
 RTOL = 1e-5  # fp32, different summation order

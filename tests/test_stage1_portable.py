@@ -83,3 +83,17 @@ def test_two_turn_chat_on_the_default_model_on_a_generic_cpu(generic_env):
     answers = [a for a in out.stdout.splitlines() if a.strip()]
     assert "Paris" in answers[0], out.stdout
     assert any("Paris" in a for a in answers[1:]), out.stdout
+
+
+def test_windows_runs_the_plain_kernels(monkeypatch):
+    """The one-region step naps with the C library's usleep (fast/sync.py), which Windows lacks:
+    where os.name is not "posix", --kernels auto takes the core's kernels and --kernels fast says why."""
+    from types import SimpleNamespace
+
+    from stage1_cpu import fast
+    from stage1_cpu.weights import choose_kernels
+    assert choose_kernels("auto", "auto", "int8") is not None         # here, on POSIX: the fast path
+    monkeypatch.setattr(fast, "os", SimpleNamespace(name="nt"))
+    assert choose_kernels("auto", "auto", "int8") is None
+    with pytest.raises(ValueError, match="usleep"):
+        choose_kernels("fast", "auto", "int8")

@@ -21,7 +21,7 @@ from stage1_cpu.fast import AUTO_GEMM_PREFILL, choose_act, cpu
 from stage1_cpu.fast import kernels as fk
 from stage1_cpu.fast.weight import as_fast, fast_quantize
 
-NEEDS_INT8 = pytest.mark.skipif(not cpu.INT8, reason="no int8 dot product on this target (VNNI or AVX2)")
+NEEDS_INT8 = pytest.mark.skipif(not cpu.INT8, reason="no int8 dot product on this target (VNNI, AVX2 or ARM dotprod)")
 EPS = 2.0 ** -23
 
 
@@ -117,7 +117,8 @@ def test_only_prefill_int8_takes_the_gemm(rng):
     assert choose_act("int8", "int8", K)["prefill_act"] == "int8"
     assert choose_act("int4", "int8", K)["prefill_act"] == "int8"
     for fmt in ("int8", "int4"):                               # auto: both, on int16 activations
-        assert choose_act(fmt, "auto", K)["prefill_act"] == ("int16" if fmt in AUTO_GEMM_PREFILL else "fp32")
+        assert choose_act(fmt, "auto", K)["prefill_act"] == ("int16" if fmt in AUTO_GEMM_PREFILL and cpu.INT16_GEMM
+                                                             else "fp32")     # ARM64: sgemm (cpu.INT16_GEMM)
     assert AUTO_GEMM_PREFILL == ("int8", "int4")
     assert choose_act("bf16", "auto", K)["prefill_act"] == ("bf16" if cpu.BF16 else "fp32")
 

@@ -27,7 +27,7 @@ from stage1_cpu.fast import cpu, simd
 from stage1_cpu.fast import kernels
 
 pytestmark = pytest.mark.skipif(not cpu.INT8, reason="the CPU (or NUMBA_CPU_NAME) has no int8 dot product: "
-                                "neither AVX-512 VNNI / AVX-VNNI (vpdpbusd) nor AVX2 (vpmaddubsw)")
+                                "neither AVX-512 VNNI / AVX-VNNI (vpdpbusd), AVX2 (vpmaddubsw) nor ARM dotprod (sdot)")
 
 RTOL = 1e-5
 

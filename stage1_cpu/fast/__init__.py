@@ -15,9 +15,9 @@ lesson (docs/stage1.md, "The fast path"):
     matvec.py             its matrix phases
 
 cpu.py decides, in Python and before anything is compiled, which instructions
-exist on the target (cpu.INT8: "vnni" | "avx2" | None; cpu.BF16). A kernel that
+exist on the target (cpu.INT8: "vnni" | "avx2" | "sdot" | None; cpu.BF16). A kernel that
 names an instruction is compiled only where it exists; where none does (an
-ARM64 laptop, NUMBA_CPU_NAME=generic), the fast path is the one-region step on
+ARM64 core without dotprod, NUMBA_CPU_NAME=generic), the fast path is the one-region step on
 fp32 activations, bit for bit the core's result.
 
 The core imports this package in one place, stage1_cpu/weights.py's choose_kernels, and
@@ -114,7 +114,7 @@ class FastPath:
 def choose_act(fmt: str, activations: str, in_features: int, lm_head: bool = False) -> dict:
     """How a FastWeight rounds its activations: --activations auto rounds them where the
     CPU has an instruction that pays for it: to int8 at int8 / int4 decode (cpu.INT8; the
-    int8 lm_head's to int16), to int16 at int8 / int4 prefill (the integer GEMM, cpu.INT8),
+    int8 lm_head's to int16), to int16 at int8 / int4 prefill (the integer GEMM, cpu.INT16_GEMM),
     to bf16 at bf16 prefill (cpu.BF16); int8 rounds the lm_head's and the int8 / int4
     prefill's to int8; fp32 never rounds.
     -> fast_quantize()'s keyword arguments {"decode_act": ..., "prefill_act": ...}."""
@@ -129,8 +129,8 @@ def choose_act(fmt: str, activations: str, in_features: int, lm_head: bool = Fal
             act["decode_act"] = "int16"
     if fmt in ("int8", "int4") and activations == "int8":
         act["prefill_act"] = "int8"                 # gemm.py's integer GEMM (check_act refuses it without cpu.INT8)
-    elif cpu.INT8 and fmt in AUTO_GEMM_PREFILL:
-        act["prefill_act"] = "int16"                # the same GEMM on int16 activations (ahead of bf16's, too)
+    elif cpu.INT16_GEMM and fmt in AUTO_GEMM_PREFILL:
+        act["prefill_act"] = "int16"                # the same GEMM on int16 activations (ahead of bf16's, too; x86)
     elif cpu.BF16 and (fmt != "bf16" or in_features % 2 == 0):
         act["prefill_act"] = "bf16"
     return act
@@ -143,7 +143,7 @@ def describe(weights) -> str:
     what = [f"{'/'.join(acts)} decode activations" if acts else "fp32 activations"]
     if pre:
         what.append(f"{'/'.join(pre)} prefill")
-    isa = {"vnni": "VNNI", "avx2": "AVX2", None: "no int8 dot instruction"}[cpu.INT8]
+    isa = {"vnni": "VNNI", "avx2": "AVX2", "sdot": "ARM sdot", None: "no int8 dot instruction"}[cpu.INT8]
     return f"fast kernels ({', '.join(what)}; {isa}{', AVX-512 BF16' if cpu.BF16 else ''})"
 
 

@@ -11,9 +11,14 @@ kernel that needs one is only compiled when the answer is not None.
                    instruction per 32 int8 (16 int16) multiply-adds into int32
            "avx2": vpmaddubsw + vpmaddwd, the same sums in two instructions
                    (what llama.cpp uses on AVX2 CPUs)
-           None:   no integer dot product (generic x86-64, ARM64): the core's
-                   float kernels
+           "sdot": ARM64 with the dotprod feature (Apple M1 on, Graviton 2 on,
+                   Raspberry Pi 5): sdot, 16 int8 multiply-adds into 4 int32
+           None:   no integer dot product (generic x86-64, an ARM64 core without
+                   dotprod such as the Cortex-A53 / A72): the core's float kernels
     BF16   True where vdpbf16ps exists (AVX-512 BF16): the bf16 prefill GEMM
+    INT16_GEMM  True where the int16 prefill GEMM pays (x86: vpmaddwd multiplies 16 int16
+           pairs, twice the fp32 FMA's lanes); ARM64 has no int16 dot product (smlal
+           does 4 multiply-adds, fmla's rate), so there prefill stays on BLAS sgemm
 
 QS_FAST_ISA=avx2 or =none lowers the choice (to measure or test the AVX2 code on a
 VNNI machine); it never raises it above what the target has.
@@ -35,7 +40,10 @@ def target_features() -> set[str]:
     if numba_config.CPU_FEATURES is not None:
         flat = numba_config.CPU_FEATURES
     else:
-        flat = llvm.get_host_cpu_features().flatten()
+        try:
+            flat = llvm.get_host_cpu_features().flatten()
+        except RuntimeError:            # LLVM cannot tell on this OS: numba compiles for no extra feature
+            flat = ""
     return {f[1:] for f in flat.split(",") if f.startswith("+")}
 
 
@@ -48,6 +56,8 @@ def _choose_int8(features: set[str]) -> str | None:
         choice = "vnni"
     elif "avx2" in features:
         choice = "avx2"
+    elif "dotprod" in features and ARM64:
+        choice = "sdot"
     else:
         choice = None
     lower = os.environ.get("QS_FAST_ISA", "").lower()
@@ -60,7 +70,9 @@ def _choose_int8(features: set[str]) -> str | None:
 
 FEATURES = target_features()
 X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
-INT8 = _choose_int8(FEATURES) if X86 else None
+ARM64 = platform.machine().lower() in ("aarch64", "arm64")
+INT8 = _choose_int8(FEATURES) if X86 or ARM64 else None
+INT16_GEMM = INT8 in ("vnni", "avx2")
 BF16 = X86 and {"avx512bf16", "avx512f"} <= FEATURES and os.environ.get("QS_FAST_ISA", "").lower() in ("", "vnni")
 
 
@@ -71,6 +83,8 @@ def instructions() -> str:
         parts.append("int8 dot: vpdpbusd/vpdpwssd (VNNI)")
     elif INT8 == "avx2":
         parts.append("int8 dot: vpmaddubsw+vpmaddwd (AVX2)")
+    elif INT8 == "sdot":
+        parts.append("int8 dot: sdot (ARM dotprod)")
     else:
         parts.append("no int8 dot instruction")
     if BF16:

@@ -47,7 +47,7 @@ and multiply-added with the group's scale product:
     tile_int8     pairs x int16 (or int8 activations widened)        int8 weights
     tile_int4_16  pairs x int16, plus the minimum                    int4 weights, act int16
     tile_int4     quads x int8, plus the minimum                     int4 weights, act int8
-    tile_int8_q8  quads (q + 128) x int8, from -128 sum(xq)          int8 weights, act int8, VNNI
+    tile_int8_q8  quads (q + 128) x int8, from -128 sum(xq)          int8 weights, act int8, VNNI / sdot
 
 quads on AVX2: nibble x int8 pair sums (<= 2 x 15 x 127) add up in int16 over one chunk
 of 32 values (8 steps), then one vpmaddwd by ones widens them into the group's int32.
@@ -60,6 +60,10 @@ become q + 128 in the repack, their group's sums starting from -128 sum(xq)
 (tile_int8_q8): (q + 128) . xq - 128 sum(xq) = q . xq, exactly. On AVX2 int8
 weights meet int8 activations widened to int16 (vpmaddubsw's pair sums would
 saturate at 255 x 127 x 2), so there int8 activations gain nothing over int16.
+On ARM64 (cpu.INT8 "sdot") the quads run on sdot, signed bytes by signed bytes: int8
+weights go in as they are (BIAS 0: no flip, the sums start from 0). ARM has no int16 dot
+product, so --activations auto keeps prefill on sgemm there (cpu.INT16_GEMM), and only
+--activations int8 reaches this GEMM.
 None of it is compiled where cpu.INT8 is None: weight.py never calls it there.
 The numpy twin: gemm_ref below.
 """
@@ -78,9 +82,11 @@ from . import kernels as fk
 from .sync import SLOT, claim
 
 VNNI = simd.VNNI              # vpdpwssd / vpdpbusd: the multiply-add and its accumulate in one instruction
+SDOT = simd.SDOT              # ARM: sdot for the quads (signed x signed: int8 weights stay q, no correction)
+BIAS = 0 if SDOT else 128     # tile_int8_q8's weights are q + BIAS, its sums start from -BIAS sum(xq)
 REGISTERS = 32 if "avx512vl" in cpu.FEATURES else 16    # ymm registers (AVX-512VL adds ymm16..31)
 RB8, TT8 = (4, 4) if REGISTERS == 32 else (2, 4)       # pairs: 8-row vectors x tokens per tile
-RB4, TT4 = (2, 4) if VNNI else (2, 2)   # quads: on AVX2 their int16 accumulators need registers too
+RB4, TT4 = (2, 4) if VNNI or SDOT else (2, 2)   # quads: on AVX2 their int16 accumulators need registers too
 BLOCK_RB = 8                  # 8-row vectors a thread takes at a time (64 rows x Kp bytes: in L2)
 TOKEN_BLOCK = 48              # tokens per pass over a row block (48 x Kp activations: in L2 beside it)
 CHUNK = 32                    # values per unrolled run of steps (quads: the int16 accumulators' limit)
@@ -115,7 +121,7 @@ def _tile(context, builder, sig, args, quads, minimum, bias=False):
     vpdpwssd); minimum, the m xsum term; bias (tile_int8_q8, VNNI): the weights are q + 128, and each
     group's int32 sums start from xsum's int32 -128 sum(xq), its correction."""
     RB, TT = (RB4, TT4) if quads else (RB8, TT8)
-    direct = VNNI or not quads          # the int32 sums accumulate in the instruction (or vpmaddwd + vpaddd)
+    direct = VNNI or SDOT or not quads  # the int32 sums accumulate in the instruction (or vpmaddwd + vpaddd)
     (wp_, woff, x_, xoff, Kp, sp_, soff, xs_, xsoff, G, gs, mp_, xsum_, out_, ooff, ostride, n_rb, n_tok) = [
         context.cast(builder, a, t, types.int64) if isinstance(t, types.Integer) else a
         for a, t in zip(args, sig.args)]
@@ -136,8 +142,9 @@ def _tile(context, builder, sig, args, quads, minimum, bias=False):
     xsps = [builder.gep(_ptr(context, builder, ty[7], xs_, F32, xsoff), [builder.mul(t, G)]) for t in toks]
     xsumps = [builder.gep(_ptr(context, builder, ty[12], xsum_, I32 if bias else F32, xsoff), [builder.mul(t, G)])
               for t in toks]
-    maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", INTS8, [SHORTS16, SHORTS16])
-    maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", SHORTS16, [BYTES32, BYTES32])
+    if not direct:                      # AVX2 quads only
+        maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", INTS8, [SHORTS16, SHORTS16])
+        maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", SHORTS16, [BYTES32, BYTES32])
     fma = _fn(builder, "llvm.fma.v8f32", FLOATS8, [FLOATS8] * 3)
     ones = ir.Constant(SHORTS16, [1] * 16)
     facc = [[cgutils.alloca_once_value(builder, ir.Constant(FLOATS8, None)) for _ in range(TT)] for _ in range(RB)]
@@ -172,7 +179,7 @@ def _tile(context, builder, sig, args, quads, minimum, bias=False):
                 bc = [builder.bitcast(_splat(builder, v, INTS8), BYTES32 if quads else SHORTS16) for v in bc]
                 for t in range(TT):
                     for r in range(RB):
-                        if quads and VNNI:      # 8 rows x 4 unsigned bytes . the token's 4 int8 values
+                        if quads and direct:    # 8 rows x 4 bytes . the token's 4 int8 values (sdot: 2 halves)
                             acc[r][t] = simd._vpdpbusd(builder, ws[r], bc[t], acc[r][t])
                         elif quads:             # AVX2: pairs of those products into int16 lanes
                             acc[r][t] = builder.add(acc[r][t], builder.call(maddubs, [ws[r], bc[t]]))
@@ -246,7 +253,7 @@ tile_int8.__doc__ = "int8 weights (pairs layout), x int16. " + _SIG_DOC
 tile_int4.__doc__ = "int4 weights (quads layout), x int8, plus m[r, g] xsum[t, g]. " + _SIG_DOC
 tile_int4_16.__doc__ = "int4 weights (pairs layout), x int16, plus m[r, g] xsum[t, g]. " + _SIG_DOC
 tile_int8_q8.__doc__ = ("int8 weights as q + 128 (quads layout), x int8, xsum int32 -128 sum(xq) per token and "
-                        "group (VNNI only). " + _SIG_DOC)
+                        "group (VNNI; on ARM sdot, BIAS 0: q itself, xsum 0). " + _SIG_DOC)
 
 
 def _transpose(builder, a):
@@ -457,11 +464,11 @@ def gemm_int8(x16, xs, q16, s, out, workers):
 
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
 def gemm_int8_q8(xq, xs, xcorr, b32, s, out, workers):
-    """gemm_int8 on int8 activations with vpdpbusd (VNNI only): xq [T, G, gs] int8, xs [T, G] f32, xcorr
-    [T, G] int32 = -128 sum(xq); b32 [O, Kp/4] the stored int8 weights 4 at a time as uint32, s [O, G] fp16
-    bits -> out [T, 8 ceil(O / 8)]. vpdpbusd multiplies unsigned bytes by signed ones: the weights become
-    q + 128 in the repack, and (q + 128) . xq - 128 sum(xq) = q . xq exactly, in int32."""
-    _gemm_int8(block_int8_q8, xq, xs, xcorr, b32, s, 0x80808080, out, workers)
+    """gemm_int8 on int8 activations with vpdpbusd (VNNI) or sdot (ARM): xq [T, G, gs] int8, xs [T, G] f32,
+    xcorr [T, G] int32 = -BIAS sum(xq); b32 [O, Kp/4] the stored int8 weights 4 at a time as uint32, s [O, G]
+    fp16 bits -> out [T, 8 ceil(O / 8)]. vpdpbusd multiplies unsigned bytes by signed ones: the weights become
+    q + 128 in the repack, and (q + 128) . xq - 128 sum(xq) = q . xq exactly, in int32 (sdot: BIAS 0, q itself)."""
+    _gemm_int8(block_int8_q8, xq, xs, xcorr, b32, s, 0x80808080 if BIAS else 0, out, workers)
 
 
 @njit(inline="always", fastmath=FAST, error_model="numpy")
@@ -526,7 +533,7 @@ def round_prompt16(x3):
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
 def round_prompt8(x3):
     """kernels.quantize_activations for a prompt's tokens on all threads -> xq int8, xs, xsum, and xcorr
-    [T, G] int32 = -128 sum(xq) (gemm_int8_q8's correction)."""
+    [T, G] int32 = -BIAS sum(xq) (gemm_int8_q8's correction)."""
     T, G, gs = x3.shape
     xq, xa = np.empty((T, G, gs), dtype=np.int8), np.empty((T, G, gs), dtype=np.uint8)
     xs, xsum = np.empty((T, G), dtype=np.float32), np.empty((T, G), dtype=np.float32)
@@ -537,7 +544,7 @@ def round_prompt8(x3):
             total = np.int32(0)
             for j in range(gs):
                 total += xq[t, g, j]
-            xcorr[t, g] = -128 * total
+            xcorr[t, g] = -BIAS * total
     return xq, xs, xsum, xcorr
 
 
@@ -560,7 +567,7 @@ def gemm(w, x: np.ndarray, act: str = "int8") -> np.ndarray:
             gemm_int4_16(x16, xs, xsum, data.view(np.uint16), scales, mins, out, workers)
     else:
         xq, xs, xsum, xcorr = round_prompt8(x3)
-        if w.fmt == "int8" and VNNI:
+        if w.fmt == "int8" and (VNNI or SDOT):
             gemm_int8_q8(xq, xs, xcorr, data.view(np.uint32), scales, out, workers)
         elif w.fmt == "int8":
             gemm_int8(xq.astype(np.int16), xs, data.view(np.int16), scales, out, workers)

@@ -37,6 +37,13 @@ Which instructions, decided by cpu.py (cpu.INT8) before anything here is compile
           the kernels pass |xq| (<= 127) against q * sign(xq) (|.| <= 127) or
           against nibbles (<= 15), never the VNNI rows kernel's q + 128 trick,
           whose 255 * 127 * 2 would saturate (dot_int8_rows).
+  "sdot"  ARM64 with dotprod: two sdot per 32 bytes (NEON registers are 128 bits:
+          16 signed x signed bytes into 4 int32 lanes each), the lanes in the
+          same order as vpdpbusd's, so every kernel below keeps its shape. Both
+          sides signed: int8 weights meet xq as they are (no sign or + 128 trick),
+          nibbles (0..15) too. int16 pairs (the lm_head's activations) have no ARM
+          dot instruction: the products are widened to int32 and added in pairs
+          (smull / smlal and addp), the same sums.
   None    nothing here is compiled; the fast path keeps the core's float kernels.
 A kernel that names an instruction the target lacks does not run slowly: LLVM
 aborts the process ("Cannot select ... VPDPWSSD"). Hence the choice is made in
@@ -76,12 +83,15 @@ from . import cpu
 # these intrinsics are only ever compiled where cpu.INT8 (or cpu.BF16) says they exist.
 VNNI = cpu.INT8 == "vnni"     # vpdpbusd / vpdpwssd on 256-bit registers
 AVX2 = cpu.INT8 == "avx2"     # the same sums by vpmaddubsw / vpmaddwd
+SDOT = cpu.INT8 == "sdot"     # ARM64: sdot on two 128-bit halves
 BF16 = cpu.BF16               # vdpbf16ps on 512-bit registers
 
 I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 BYTES32 = ir.VectorType(I8, 32)       # one 256-bit register of bytes
 INTS8 = ir.VectorType(I32, 8)         # ... of int32 lanes
 FLOATS8 = ir.VectorType(F32, 8)       # ... of float32 lanes
+BYTES16 = ir.VectorType(I8, 16)       # one 128-bit (NEON) register of bytes
+INTS4 = ir.VectorType(I32, 4)         # ... of int32 lanes
 SHORTS16 = ir.VectorType(I16, 16)     # ... of int16 lanes
 
 
@@ -128,8 +138,16 @@ def _vpdpbusd(builder, unsigned, signed, acc=None):
     (added to acc's lanes if given). VNNI: one vpdpbusd. AVX2: vpmaddubsw adds pairs
     of products into 16 int16 lanes (saturating: callers keep |pair sum| <= 2 * 255 * 127
     out of it, i.e. they pass |x| <= 127 against |w| <= 127, or nibbles), then
-    vpmaddwd by ones adds pairs of those into int32: the same sums, exactly."""
+    vpmaddwd by ones adds pairs of those into int32: the same sums, exactly. ARM: two
+    sdot, one per 16-byte half, whose bytes are signed on both sides: there `unsigned`
+    holds values below 128 (nibbles) or the signed activations themselves."""
     zero = ir.Constant(INTS8, None)
+    if SDOT:
+        fn = _declare(builder, "llvm.aarch64.neon.sdot.v4i32.v16i8", INTS4, [INTS4, BYTES16, BYTES16])
+        acc = zero if acc is None else acc
+        half = [_half_of(builder, v, h) for v in (acc, unsigned, signed) for h in (0, 1)]
+        lo, hi = (builder.call(fn, half[h::2]) for h in (0, 1))
+        return builder.shuffle_vector(lo, hi, ir.Constant(INTS8, list(range(8))))
     if VNNI:
         fn = _declare(builder, "llvm.x86.avx512.vpdpbusd.256", INTS8, [INTS8, INTS8, INTS8])
         return builder.call(fn, [zero if acc is None else acc,
@@ -140,10 +158,22 @@ def _vpdpbusd(builder, unsigned, signed, acc=None):
     return quads if acc is None else builder.add(acc, quads)
 
 
+def _half_of(builder, v, h):
+    """Half h (0: low, 1: high) of a 256-bit vector, as a 128-bit one (one NEON register)."""
+    n = v.type.count // 2
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, n), list(range(h * n, h * n + n))))
+
+
 def _vpdpwssd(builder, acc, a, b):
     """16 int16 . 16 int16 -> 8 int32 lanes, each the sum of 2 products (added to acc's
     lanes if given; acc None: from zero). VNNI: vpdpwssd; AVX2: vpmaddwd, then an add."""
     a, b = builder.bitcast(a, SHORTS16), builder.bitcast(b, SHORTS16)
+    if SDOT:                            # no int16 dot on ARM: widen, multiply, add adjacent pairs
+        wide = ir.VectorType(I32, 16)
+        prod = builder.mul(builder.sext(a, wide), builder.sext(b, wide))
+        dot = builder.add(*(builder.shuffle_vector(prod, prod, ir.Constant(INTS8, list(range(j, 16, 2))))
+                            for j in (0, 1)))
+        return dot if acc is None else builder.add(acc, dot)
     if VNNI:
         fn = _declare(builder, "llvm.x86.avx512.vpdpwssd.256", INTS8, [INTS8, INTS8, INTS8])
         return builder.call(fn, [ir.Constant(INTS8, None) if acc is None else acc,
@@ -216,11 +246,14 @@ def dot_int8_row(typingctx, q, qoff, xq, xa, xoff, s, soff, xs, xsoff, n_groups,
         ap = builder.gep(_base(context, builder, ty[3], xa_, I8), [xoff_])
         sp = builder.gep(_base(context, builder, ty[5], s_, I16), [soff_])
         xsp = builder.gep(_base(context, builder, ty[7], xs_, F32), [xsoff_])
-        psign = _declare(builder, "llvm.x86.avx2.psign.b", BYTES32, [BYTES32, BYTES32])
+        psign = None if SDOT else _declare(builder, "llvm.x86.avx2.psign.b", BYTES32, [BYTES32, BYTES32])
         shift = _log2_per_group(builder, gs_)                     # chunks per group = 1 << shift
 
         def chunk(k):
             at = builder.mul(k, ir.Constant(I64, 32))
+            if SDOT:                                                # signed x signed: q . xq as they are
+                return (_vpdpbusd(builder, _load32(builder, xp, at), _load32(builder, qp, at)),
+                        _scale(builder, sp, xsp, builder.lshr(k, shift)))
             w = builder.call(psign, [_load32(builder, qp, at), _load32(builder, xp, at)])
             # |xq| unsigned, q * sign(xq) signed
             return _vpdpbusd(builder, _load32(builder, ap, at), w), _scale(builder, sp, xsp, builder.lshr(k, shift))
@@ -505,6 +538,15 @@ def dot_int8_rows(typingctx, q, qoff, row_stride, xq, xa, xoff, s, soff, xs, xso
         xp = builder.gep(_base(context, builder, signature.args[3], xq_, I8), [xoff_])
         bias = ir.Constant(BYTES32, [128] * 32)
         zero = ir.Constant(INTS8, None)
+        if SDOT:
+            # ARM: sdot multiplies signed bytes by signed bytes, q . xq as they are (no trick, no correction)
+            def group_dots(g, start, chunks):
+                return _fold_chunks(builder, chunks, start, [zero] * ROWS, lambda at, dots: [
+                    _vpdpbusd(builder, _load32(builder, xp, at), _load32(builder, qp, at), d)
+                    for qp, d in zip(qps, dots)])
+
+            store(_emit_rows(builder, qps, sps, xsp, n_groups_, gs_, ahead, group_dots, len(signature.args[-1])))
+            return context.get_dummy_value()
         if not VNNI:
             # AVX2: vpmaddubsw saturates at 2 * 255 * 127, so no (q + 128) trick: |xq| against
             # q * sign(xq) (vpsignb per row), as dot_int8_row does; both stay within 127

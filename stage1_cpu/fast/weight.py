@@ -160,13 +160,14 @@ def check_act(decode_act: str, prefill_act: str, fmt: str, K: int) -> None:
     here = f"here: {cpu.INT8 or 'none'}"
     if decode_act == "int8" and not (fmt in ("int8", "int4") and cpu.INT8):
         raise ValueError(f"int8 activations are not available for {fmt} weights on this CPU: they need "
-                         f"int8 / int4 weights and an int8 dot product (VNNI or AVX2; {here}); use fp32")
+                         f"int8 / int4 weights and an int8 dot product (VNNI, AVX2 or ARM dotprod; {here}); use fp32")
     if decode_act == "int16" and not (fmt == "int8" and cpu.INT8):
         raise ValueError(f"int16 activations are not available for {fmt} weights on this CPU: they need "
-                         f"int8 weights and an int8 dot product (VNNI or AVX2; {here}); use fp32")
+                         f"int8 weights and an int8 dot product (VNNI, AVX2 or ARM dotprod; {here}); use fp32")
     if prefill_act in ("int8", "int16") and not (fmt in ("int8", "int4") and cpu.INT8):   # the integer GEMM
         raise ValueError(f"{prefill_act} prefill activations are not available for {fmt} weights on this CPU: they "
-                         f"need int8 / int4 weights and an int8 dot product (VNNI or AVX2; {here}); use fp32")
+                         f"need int8 / int4 weights and an int8 dot product (VNNI, AVX2 or ARM dotprod; {here}); "
+                         "use fp32")
     if prefill_act == "bf16" and not (cpu.BF16 and (fmt in ("int8", "int4") or (fmt == "bf16" and K % 2 == 0))):
         raise ValueError(f"bf16 activations are not available for {fmt} weights [*, {K}] on this CPU: "
                          f"they need bf16 / int8 / int4 weights, an even in_features (bf16) and "

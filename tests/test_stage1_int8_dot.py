@@ -1,0 +1,148 @@
+"""The fast path's int8 dot-product instructions, checked on the CPU that runs the tests.
+
+- cpu.py's choice: from numba's target features alone, and never an instruction the
+  target lacks (x86: VNNI, AVX2; ARM64: sdot with dotprod; else none);
+- the compiled kernels contain the chosen instruction (numba's inspect_asm): a kernel
+  that silently fell back to scalar or float code fails here, and the core's float
+  kernel, which never names it, shows the check can tell;
+- the kernels equal the integer definition bit for bit: weights and activations that
+  sit exactly on their int8 / int4 grids (scales 1, activation scales 1) make every
+  output an integer below 2^24, which fp32 holds exactly whatever the order of the sums.
+  A lane dropped, a wrong sign or a saturated pair sum changes the bits.
+
+Under qemu (tests/arm64/run.sh) the ARM64 path runs with and without dotprod.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+
+from stage1_cpu import matmul, quant
+from stage1_cpu.fast import cpu, simd
+from stage1_cpu.fast import kernels as fk
+from stage1_cpu.fast.weight import as_fast
+
+NEEDS_INT8 = pytest.mark.skipif(not cpu.INT8, reason="no int8 dot product on this target (VNNI, AVX2 or dotprod)")
+# the instruction each choice multiplies bytes with, as the disassembly names it
+MNEMONIC = {"vnni": "vpdpbusd", "avx2": "vpmaddubsw", "sdot": "sdot"}
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(50)
+
+
+def test_choice_follows_the_target_features(monkeypatch):
+    monkeypatch.delenv("QS_FAST_ISA", raising=False)
+    monkeypatch.setattr(cpu, "ARM64", True)
+    assert cpu._choose_int8({"neon", "dotprod", "i8mm"}) == "sdot"
+    assert cpu._choose_int8({"neon", "fp-armv8"}) is None          # a Cortex-A53 / A72: the float kernels
+    monkeypatch.setenv("QS_FAST_ISA", "none")
+    assert cpu._choose_int8({"neon", "dotprod"}) is None           # lowered, never raised
+    monkeypatch.delenv("QS_FAST_ISA")
+    monkeypatch.setattr(cpu, "ARM64", False)
+    assert cpu._choose_int8({"dotprod"}) is None                   # an ARM feature name means nothing on x86
+    assert cpu._choose_int8({"avx2"}) == "avx2"
+    assert cpu._choose_int8({"avx2", "avx512vnni", "avx512vl"}) == "vnni"
+
+
+def test_this_target_gets_what_its_features_allow():
+    expected = cpu._choose_int8(cpu.FEATURES) if (cpu.X86 or cpu.ARM64) else None
+    assert cpu.INT8 == expected
+    assert cpu.INT16_GEMM == (cpu.INT8 in ("vnni", "avx2"))       # ARM64 prefill stays on sgemm under auto
+    if cpu.INT8 == "sdot":
+        assert "dotprod" in cpu.FEATURES and "sdot" in cpu.instructions()
+    if cpu.INT8 is None:
+        assert "no int8 dot instruction" in cpu.instructions()
+
+
+def _on_grid(rng, fmt, O, K, gs):
+    """A Weight whose stored values are W itself: int8 q in -127..127 with a 127 in every group
+    (scale 1), int4 nibbles 0..15 with a 0 and a 15 in every group (scale 1, minimum 0)."""
+    G = -(-K // gs)
+    if fmt == "int8":
+        w = rng.integers(-127, 128, (O, G * gs))
+        w[:, ::gs] = 127
+    else:
+        w = rng.integers(0, 16, (O, G * gs))
+        w[:, ::gs], w[:, 1::gs] = 15, 0
+    w = w[:, :K].astype(np.float32)
+    W = quant.quantize(w, fmt, gs)
+    np.testing.assert_array_equal(W.dequantize(), w)               # the grid is exact: scales 1, minima 0
+    return W, w
+
+
+def _activations(rng, T, K, gs, qmax):
+    """Integers in -qmax..qmax with a qmax in every group: the rounding keeps them as they are (scale 1).
+    int16: the other values stay within 127, so that a row's products sum below 2^24."""
+    x = rng.integers(-min(qmax, 127), min(qmax, 127) + 1, (T, K))
+    x[:, ::gs] = qmax
+    return x.astype(np.float32)
+
+
+def _exact(x, w):
+    """x @ w.T in int64, as float32 (exact: every sum of |products| stays below 2^24)."""
+    xi, wi = x.astype(np.int64), w.astype(np.int64)
+    assert (np.abs(xi) @ np.abs(wi).T).max() < 2 ** 24
+    return (xi @ wi.T).astype(np.float32)
+
+
+@NEEDS_INT8
+@pytest.mark.parametrize("fmt,act", [("int8", "int8"), ("int4", "int8"), ("int8", "int16")])
+@pytest.mark.parametrize("gs", [32, 128])
+@pytest.mark.parametrize("O,K", [(37, 200), (64, 1000)])        # row tails (4-row calls), group tails, 8-group blocks
+def test_decode_kernels_equal_the_integer_definition_bit_for_bit(rng, fmt, act, gs, O, K):
+    K = K if act == "int8" else 2 * gs - 5                        # int16: two groups stay below 2^24
+    W, w = _on_grid(rng, fmt, O, K, gs)
+    x = _activations(rng, 3, K, gs, 127 if act == "int8" else 32767)
+    got = as_fast(W, decode_act=act).matmul(x)                     # T = 3 < PREFILL_MIN_T: the decode kernels
+    np.testing.assert_array_equal(got, _exact(x, w))
+
+
+@NEEDS_INT8
+@pytest.mark.parametrize("fmt,act", [("int8", "int8"), ("int4", "int8"), ("int8", "int16"), ("int4", "int16")])
+@pytest.mark.parametrize("gs", [32, 128])
+def test_prefill_gemm_equals_the_integer_definition_bit_for_bit(rng, fmt, act, gs):
+    K = 400 if act == "int8" else 2 * gs - 5
+    W, w = _on_grid(rng, fmt, 70, K, gs)                           # 70 rows: a partial 8-row vector
+    x = _activations(rng, quant.PREFILL_MIN_T + 11, K, gs, 127 if act == "int8" else 32767)
+    got = as_fast(W, prefill_act=act).matmul(x)                    # T >= PREFILL_MIN_T: gemm.py
+    np.testing.assert_array_equal(got, _exact(x, w))
+
+
+def _asm(kernel) -> str:
+    """The machine code of kernel, for the first signature it was called with, compiled afresh from
+    its source (a function loaded from numba's disk cache keeps no assembly), serially: prange's
+    body holds the same instructions, and a parallel compile takes minutes under emulation."""
+    options = {k: v for k, v in kernel.targetoptions.items() if k not in ("nopython", "parallel")}
+    sig = kernel.signatures[0]
+    fresh = numba.njit(**options)(kernel.py_func)
+    fresh.compile(sig)
+    return fresh.inspect_asm(sig)
+
+
+@NEEDS_INT8
+def test_compiled_kernels_contain_the_chosen_instruction(rng):
+    mnemonic = MNEMONIC[cpu.INT8]
+    for fmt in ("int8", "int4"):                                    # compile each kernel by running it
+        W, _ = _on_grid(rng, fmt, 16, 64, 32)
+        x = _activations(rng, quant.PREFILL_MIN_T, 64, 32, 127)
+        as_fast(W, decode_act="int8", prefill_act="int8").matmul(x[:1])
+        as_fast(W, decode_act="int8", prefill_act="int8").matmul(x)
+    from stage1_cpu.fast import gemm
+    kernels = {"matmul_int8_q8": fk.matmul_int8_q8, "matmul_int4_q8": fk.matmul_int4_q8,
+               "gemm_int4": gemm.gemm_int4}
+    kernels.update({"gemm_int8_q8": gemm.gemm_int8_q8} if cpu.INT8 in ("vnni", "sdot") else {})
+    for name, kernel in kernels.items():
+        assert kernel.signatures, f"{name} was not compiled"
+        assert mnemonic in _asm(kernel), f"{name}: no {mnemonic} in its machine code"
+    # the check can tell: the core's int8 kernel (int8 weights to float, float multiply-adds) has none
+    W, _ = _on_grid(rng, "int8", 16, 64, 32)
+    W.matmul(x[:1])
+    assert matmul.matmul_int8.signatures and mnemonic not in _asm(matmul.matmul_int8)
+
+
+def test_threading_layer_is_named_before_any_parallel_kernel():
+    from common.numba_cache import threading_layer
+    assert threading_layer() == numba.threading_layer() in ("omp", "tbb", "workqueue")
