@@ -33,7 +33,8 @@ from serve_load import Server, drive, ours, rss_mib, soak, soak_ok, tiny  # noqa
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS, DOC = ROOT / "docs" / "figures", ROOT / "docs" / "server.md"
-WORDS = "the a of time light stone quick green model token seven under city water paper music".split()   # one token each, ids < 8,192 (tiny())
+# synthetic prompts: each word with its leading space one token below 8,192, so that tiny() takes them too
+WORDS = "the a of time light house quick green model token seven under city water paper music".split()
 
 
 def summary(recs: list[dict], wall: float) -> dict:
@@ -59,7 +60,7 @@ def body(prompt: dict, model: str = "m", ignore_eos: bool = True) -> dict:
 
 def measure(cmd: list[str], prompts: list[dict], levels: list[int], policy: str) -> dict:
     """One server under one OpenMP policy: started, warmed up (2 requests), the prompts at each concurrency."""
-    server = Server(cmd, policy, "/v1/models")
+    server = Server(cmd, policy, "/v1/models" if cmd[0] == "llama_cpp.server" else "/healthz")   # ours: loaded
     try:
         asyncio.run(drive(server.url, [(body(p), 0) for p in prompts[:2]]))
         runs = {str(c): summary(*asyncio.run(drive(server.url, [(body(p), 0) for p in prompts], c))) for c in levels}
@@ -141,8 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         return DOC.write_text(docs_text(DOC.read_text())) and print(f"wrote {DOC}") or 0
     res = meta("python -m bench serve " + " ".join(sys.argv[1:] if argv is None else argv))
     rng, (lo, hi), levels = random.Random(0), map(int, args.prompt_words.split(",")), args.concurrency.split(",")
-    prompts = json.loads(args.prompts.read_text()) if args.prompts else [{"prompt": " ".join(rng.choices(
-        WORDS, k=rng.randint(lo, hi))), "max_tokens": args.max_tokens} for _ in range(args.requests or 32)]
+    prompts = json.loads(args.prompts.read_text()) if args.prompts else [{"prompt": "".join(
+        " " + w for w in rng.choices(WORDS, k=rng.randint(lo, hi))), "max_tokens": args.max_tokens}
+        for _ in range(args.requests or 32)]
     if args.url:                                 # any server: vLLM's, llama.cpp's, ours already running
         jobs = [(body(p, args.model, ignore_eos=False), 0) for p in prompts]
         res["rows"] = [dict(server=args.url, clients=c, **summary(*asyncio.run(drive(args.url, jobs, int(c),

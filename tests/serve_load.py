@@ -33,7 +33,8 @@ async def one(client: httpx.AsyncClient, body: dict | bytes, leave_after: int = 
     """One streamed /v1/completions request -> its text, TTFT and the gaps between text chunks (s), tokens (the
     usage chunk's count, else text chunks), HTTP status, and error: None, "left" (after leave_after text chunks),
     "HTTP 4xx", an error event's type, a cut stream or an httpx error, with when it came ("after", s)."""
-    rec, t0, last = dict(error=None, text="", itl=[], n=0, chunks=0, ttft=None, status=None), time.perf_counter(), 0
+    t0, last = time.perf_counter(), 0
+    rec = dict(error=None, text="", itl=[], n=0, chunks=0, ttft=None, status=None, start=t0)
     try:
         async with client.stream("POST", "/v1/completions", **(
                 {"content": body} if isinstance(body, bytes) else {"json": body})) as r:
