@@ -27,6 +27,7 @@ tokens, prefill s, decode s) and a branch of make_runner.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -69,13 +70,16 @@ POLICIES = {"both": ["PASSIVE", "default"], "PASSIVE": ["PASSIVE"], "ACTIVE": ["
 
 # --cpu-profile avx2: an "AVX2 machine" on an AVX-512 host. numba compiles stage 1 for a
 # Haswell (no AVX-512, no VNNI; the fast path then picks its AVX2 int8 dot product), llama.cpp
-# loads a second build made without AVX-512 (bench/build_llama_avx2.sh), torch caps its kernels
+# loads a second build made without AVX-512 (AVX2_BUILD, by hand), torch caps its kernels
 # at AVX2. The feature list is LLVM's names for what a Haswell has (a CPU name alone would leave
 # stage1_cpu/fast/cpu.py assuming no features at all).
 HASWELL_FEATURES = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fsgsbase,+fxsr,+invpcid,+lzcnt,"
                     "+mmx,+movbe,+pclmul,+popcnt,+rdrnd,+sahf,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,"
                     "+xsave,+xsaveopt")
-AVX2_LLAMA_LIB = CACHE.parent / "llama-avx2" / "lib"     # where bench/build_llama_avx2.sh puts it
+AVX2_LLAMA_LIB = CACHE.parent / "llama-avx2" / "llama_cpp" / "lib"     # where AVX2_BUILD puts it
+# the installed version of llama-cpp-python (its bindings must match the library), built for a Haswell
+AVX2_BUILD = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" pip install --no-deps '
+              '--no-binary llama-cpp-python --target ~/.cache/qwen3-stages/llama-avx2 llama-cpp-python==VERSION')
 
 
 # ------------------------------------------------------------------ the model
@@ -589,7 +593,7 @@ def choose_llama_lib(args) -> tuple[Path | None, str | None, str]:
     if args.llama_avx2_lib is None and "avx512f" not in cpu_flags()[1]:
         return None, None, ("llama.cpp: the installed build (this host has no AVX-512, so its native build "
                             "already is an AVX2 build)")
-    why = f"no AVX2 build of llama.cpp in {lib}: run bench/build_llama_avx2.sh"
+    why = f"no AVX2 build of llama.cpp in {lib}: build one (10-20 min) with {AVX2_BUILD}"
     return None, why, "llama.cpp: " + why
 
 
@@ -777,21 +781,27 @@ def report(args, shape: Shape, tables: list[dict], bw: dict, loads: tuple[float,
     return "\n".join(out)
 
 
-def save_roofline(args, tables, bw) -> None:
-    """--save: per table, every engine's decode tok/s and MB/token, and the read bandwidth
-    (the schema bench/figures.py reads)."""
-    out = []
-    for tab in tables:
-        for n in tab["plan"]["threads"]:
-            for row in tab["rows"]:
-                cell = row.result.get("cells", {}).get(str(n))
-                if cell is not None and row.weight_bytes:
-                    out.append(dict(policy=tab["plan"]["policy"], threads=n, engine=row.engine, format=row.fmt,
-                                    mb_per_token=row.weight_bytes / 1e6, decode_tok_s=float(median(cell["decode"]))))
+def save_results(args, shape: Shape, tables: list[dict], bw: dict, others: float) -> None:
+    """--save: the run as JSON, which `bench report` writes the docs' tables from and `bench figures`
+    the roofline: machine, SIMD flags, --cpu-profile, date, command, versions, each engine's decode
+    at its best policy and the largest thread count (`rows`) and its best median over the policies
+    per thread count and metric (`best`; ttftP in seconds)."""
+    found = best_by_policy(args, tables)
+    rows = [dict(policy=pol, threads=n, engine=e, format=f, mb_per_token=row.weight_bytes / 1e6, decode_tok_s=v)
+            for (e, f, n, m), (v, pol, row, _) in found.items()
+            if m == "decode" and n == max(args.threads) and row.weight_bytes]
+    best = [dict(engine=e, format=f, threads=n, metric=str(m), policy=pol, value=1 / v if str(m).startswith("ttft") else v)
+            for (e, f, n, m), (v, pol, _, _) in found.items()]
+    versions = {pkg: importlib.metadata.version(pkg) for pkg, module in (("llama-cpp-python", "llama_cpp"), ("numba", "numba"),
+                ("torch", "torch"), ("transformers", "transformers")) if importlib.util.find_spec(module)}
     args.save.parent.mkdir(parents=True, exist_ok=True)
     args.save.write_text(json.dumps(dict(
         command="python -m bench cpu " + " ".join(args.argv), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        machine=machine_description(), bandwidth_gb_s=max(bw["read"].values()), rows=out), indent=1) + "\n")
+        machine=machine_description(), cpu_flags=sorted(f for f in cpu_flags()[1] if f.startswith(("avx", "fma", "f16c"))),
+        cpu_profile=args.cpu_profile, shape=shape.name, quick=args.quick, threads=args.threads,
+        others_cores=round(others, 2), versions=versions, bandwidth_gb_s=max(bw["read"].values()), rows=rows, best=best,
+        isa=sorted({f"{r.engine} {r.fmt}: {r.result['isa']}" for r in tables[0]["rows"] if r.result.get("isa")})),
+        indent=1) + "\n")
 
 
 # ------------------------------------------------------------------ the command line
@@ -827,15 +837,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "default. Default: both; --quick: PASSIVE")
     p.add_argument("--cpu-profile", default="native", choices=["native", "avx2"],
                    help="avx2: stand in for an AVX2-only CPU on an AVX-512 host (stage 1 under "
-                        "NUMBA_CPU_NAME=haswell, llama.cpp from bench/build_llama_avx2.sh's build)")
+                        "NUMBA_CPU_NAME=haswell, llama.cpp built for AVX2 as docs/benchmarks.md says)")
     p.add_argument("--llama-avx2-lib", type=Path, default=None,
                    help=f"--cpu-profile avx2: the folder of the AVX2 build's libllama.so (default {AVX2_LLAMA_LIB})")
     p.add_argument("--out", type=Path, default=None, help="also write the markdown report to this file")
     p.add_argument("--save", type=Path, default=None,
-                   help="also write the decode results as JSON (docs/figures/stage1_roofline.json: "
-                        "python -m bench figures draws the roofline from it)")
+                   help="also write the results as JSON (docs/results/cpu-CLASS.json: python -m bench report "
+                        "writes the docs' tables from it, bench figures the roofline)")
     p.add_argument("--cache-dir", type=Path, default=CACHE, help="where the models are built and kept")
     p.add_argument("--worker-timeout", type=float, default=2400, help="seconds one engine may take in all")
+    p.add_argument("--speculative", action="store_true", help="bench/speculative.py instead: speculative decoding "
+                   "on real text, stage 1 (plain, ngram, --draft-model) against llama.cpp (plain, prompt lookup)")
+    for name, what in (("model", "the model (default: the default one)"), ("draft-model", "stage 1's draft model"),
+                       ("draft-tokens", "drafts at most (stage 1: default its own; llama.cpp: 10)")):
+        p.add_argument(f"--{name}", type=int if name == "draft-tokens" else str, help=f"--speculative: {what}")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.argv = argv
@@ -868,6 +883,9 @@ def main(argv: list[str] | None = None) -> int:
         worker(json.loads(args.worker))
         return 0
     log = lambda s: print(s, flush=True)  # noqa: E731
+    if args.speculative:
+        from bench.speculative import run   # here: its own benchmark, sharing this command line
+        return run(args, POLICIES[args.omp_wait_policy], log)
     shape = args.shape
     t_start, load_before = time.perf_counter(), load_1min()
     log(check_load("before"))
@@ -901,7 +919,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(text)
         log(f"report written to {args.out}")
     if args.save:
-        save_roofline(args, tables, bw)
+        save_results(args, shape, tables, bw, others)
         log(f"results written to {args.save}")
     return 0
 

@@ -169,6 +169,7 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: dict | None = None     # {"cached_tokens": N}, from an engine with a prefix cache
+    speculative_decoding: dict | None = None      # an extension: drafts made and accepted (stage 1 --speculative)
 
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"

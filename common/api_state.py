@@ -198,6 +198,9 @@ class Generation:
         cached = getattr(self.state.loop.engine, "num_cached_tokens", None)   # an engine with a prefix cache
         if cached is not None:
             usage.prompt_tokens_details = {"cached_tokens": sum(cached(c.id) for c in firsts.values())}
+        spec = getattr(self.state.loop.engine, "speculation", None)         # an engine with speculative decoding
+        if spec is not None and (runs := [s for s in map(spec, (c.id for c in self.choices)) if s is not None]):
+            usage.speculative_decoding = sum(runs[1:], runs[0]).usage()
         return usage
 
     async def run_to_end(self, request: Request, on_text: Callable = lambda c, text: None) -> None:

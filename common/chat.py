@@ -70,6 +70,7 @@ class TurnStats:
     ttft: float                  # seconds from add_request to the first token: the prefill
     decode_time: float           # seconds from the first token to the last
     finish_reason: str           # "stop" | "length" | "abort" | "error"
+    speculation: str | None = None   # speculative decoding: "2.6 tokens/step, 61 % of drafts accepted"
 
     def line(self) -> str:
         """One line for after the answer: sizes, then prefill and decode speed."""
@@ -82,6 +83,8 @@ class TurnStats:
         if self.generated_tokens > 1:
             # the first token came out of the prefill step; decode made the other n-1
             parts.append(f"decode {(self.generated_tokens - 1) / max(self.decode_time, 1e-9):.1f} tok/s")
+        if self.speculation:
+            parts.append(self.speculation)
         if self.finish_reason != "stop":
             reasons = {"abort": "stopped", "length": "cut at the token limit",
                        "error": "ended by an engine error (its logits were not finite)"}
@@ -89,9 +92,13 @@ class TurnStats:
         return " · ".join(parts)
 
 
-def _cached_tokens(engine, prompt_tokens: int) -> int | None:
-    """How many prompt tokens the engine took from its cache for the last request,
-    if it says (stage 1 reports the tokens it prefilled: `last_prefill_tokens`)."""
+def _cached_tokens(engine, prompt_tokens: int, request_id: str) -> int | None:
+    """How many prompt tokens the engine took from its cache for this request, if it says:
+    an engine with a prefix cache counts them (stage 3 and every rung from lesson 01 on:
+    `num_cached_tokens(request_id)`); stage 1 reports the tokens it prefilled
+    (`last_prefill_tokens`), and the rest were in its cache."""
+    if callable(getattr(engine, "num_cached_tokens", None)):
+        return engine.num_cached_tokens(request_id)
     computed = getattr(engine, "last_prefill_tokens", None)
     return max(prompt_tokens - computed, 0) if isinstance(computed, int) else None
 
@@ -379,9 +386,10 @@ class Chat:
 
         t_first = t_first or t_end
         n_prompt = len(req.prompt_ids)
-        stats = TurnStats(prompt_tokens=n_prompt, cached_tokens=_cached_tokens(self.engine, n_prompt),
+        spec = getattr(self.engine, "last_speculation", None)      # an engine with speculative decoding
+        stats = TurnStats(prompt_tokens=n_prompt, cached_tokens=_cached_tokens(self.engine, n_prompt, req.id),
                           generated_tokens=n_generated, ttft=t_first - t0, decode_time=t_end - t_first,
-                          finish_reason=finish)
+                          finish_reason=finish, speculation=spec.line() if spec else None)
         note = None
         used = n_prompt + n_generated
         if finish == "length" and used >= self.engine.max_ctx:

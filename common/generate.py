@@ -91,11 +91,13 @@ def main(build_engine, argv=None, prog: str = "python -m stage1_cpu.generate", a
         print("error: the engine could not go on (its logits were not finite)", file=sys.stderr)
         return 1
     wall = time.perf_counter() - t0
+    spec = getattr(engine, "last_speculation", None)        # an engine with speculative decoding
     if hasattr(engine, "last_prefill_tokens") and args.n == 1:     # stage 1: prefill and decode timed apart
         pf = engine.last_prefill_tokens / max(engine.last_prefill_s, 1e-9)
         dc = engine.last_decode_tokens / max(engine.last_decode_s, 1e-9)
         print(f"[{len(ids)} prompt tokens, {n_out} generated | prefill {pf:.1f} tok/s, "
-              f"decode {dc:.1f} tok/s, {wall:.2f} s]", file=sys.stderr)
+              f"decode {dc:.1f} tok/s" + (f", {spec.line()}" if spec else "") + f", {wall:.2f} s]",
+              file=sys.stderr)
     else:
         cached = (f" ({sum(engine.num_cached_tokens(f'generate-{i}') for i in range(args.n))} from the prefix "
                   f"cache)" if hasattr(engine, "num_cached_tokens") else "")

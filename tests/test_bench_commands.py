@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from bench import report
+
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(1200)          # cold numba compiles in the workers (the fast path: --kernels auto)
 
@@ -70,7 +72,7 @@ def test_cpu_measures_every_engine_and_prints_its_tables(tmp_path, shape, engine
     out = bench("cpu", "--shape", shape, "--quick", "--threads", "1", "--formats", "int8", "--engines", engines,
                 "--kernels", kernels, "--runs", "1", "--prompt-lens", "8,24", "--ttft-lens", "12",
                 "--decode-prompt", "8", "--decode-tokens", "4", "--read-only", "yes", "--cache-dir", str(tmp_path),
-                "--out", str(tmp_path / "report.md"))
+                "--out", str(tmp_path / "report.md"), "--save", str(tmp_path / "docs" / "results" / "cpu-x.json"))
     assert (tmp_path / "report.md").read_text().strip() in out
     labels = ["stage1" if k == "auto" else f"stage1 {k}" for k in kernels.split(",")]
     headline = table(out, "stage 1")
@@ -90,6 +92,13 @@ def test_cpu_measures_every_engine_and_prints_its_tables(tmp_path, shape, engine
     else:
         assert "not checked (transformers fp32 did not run)" in out
     assert ("grouped per expert" in out) == (shape == "moe-tiny")      # the MoE napkin maths
+    # --save: what `bench report` writes the docs' tables from, the same figures as the headline's
+    saved = json.loads((tmp_path / "docs" / "results" / "cpu-x.json").read_text())
+    assert saved["command"].startswith("python -m bench cpu --shape") and saved["threads"] == [1]
+    assert {"machine", "date", "cpu_flags", "versions", "isa", "rows"} <= set(saved) and saved["isa"]
+    full = table(report.cpu_full(tmp_path), "stage 1")
+    for label, row in zip(labels, [r for r in headline if r[4] == "decode"]):
+        assert [r[3] for r in full if r[0] == label and r[2] == "decode tok/s"] == [row[5].replace(" tok/s", "")]
 
 
 def test_ladder_prints_each_rung_decode_and_prefill(tmp_path):

@@ -92,7 +92,7 @@ def test_avx2_profile_sets_haswell_for_stage1_and_the_lib_for_llama(tmp_path):
     assert bench_cpu.profile_env(args, "transformers") == {"ATEN_CPU_CAPABILITY": "avx2"}
     assert bench_cpu.profile_env(bench_cpu.parse_args([]), "stage1") == {}
     missing = bench_cpu.parse_args(["--cpu-profile", "avx2", "--llama-avx2-lib", str(tmp_path / "nope")])
-    assert missing.llama_missing and "build_llama_avx2.sh" in missing.llama_missing
+    assert missing.llama_missing and "-DGGML_AVX2=ON" in missing.llama_missing
 
 
 def test_each_worker_gets_the_profile_the_activations_and_its_kernel_set(tmp_path, monkeypatch):
@@ -122,7 +122,7 @@ def test_each_worker_gets_the_profile_the_activations_and_its_kernel_set(tmp_pat
     args = bench_cpu.parse_args(argv + [str(tmp_path / "nope")])
     rows, _ = bench_cpu.run_table(args, args.shape, paths, lambda s: None, plan)
     assert [engine for engine, _, _, _ in seen] == ["stage1", "stage1"]
-    assert "build_llama_avx2.sh" in next(r.result["error"] for r in rows if r.engine == "llama.cpp")
+    assert "-DGGML_AVX2=ON" in next(r.result["error"] for r in rows if r.engine == "llama.cpp")
 
 
 def test_decode_bytes_count_the_k_chosen_experts_of_a_moe_token():

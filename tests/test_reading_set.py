@@ -3,8 +3,8 @@
 The reading set (tests/reading_set.py) is every project file plain stage 1 imports to run a
 safetensors folder: it stays under 3,000 lines, it holds none of the code that loads only
 where it is used (GGUF, the default-model fetcher, numba's widened cache stamps, the fast
-path), and docs/stage1.md's reading list names exactly its files. The core itself,
-stage1_cpu/*.py, stays within 1,500 lines.
+path, speculative decoding), and docs/stage1.md's reading list names exactly its files. The
+core itself, stage1_cpu/*.py but the speculative decoding its flags load, stays within 1,500 lines.
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from reading_set import BOUND, ROOT, reading_set
 
 # what a safetensors folder with --kernels plain must not load: each behind the boundary where it is used
 NOT_READ = ("common/gguf.py", "common/gguf_convert.py", "common/gguf_quant.py", "common/gguf_write.py",
-            "common/fetch.py", "common/numba_stamps.py", "stage1_cpu/fast/")
+            "common/fetch.py", "common/numba_stamps.py", "stage1_cpu/fast/", "stage1_cpu/speculative.py",
+            "common/draft.py")
 
 
 @pytest.fixture(scope="module")
@@ -42,5 +43,6 @@ def test_docs_reading_list_is_the_reading_set(files):
 
 
 def test_the_core_stays_within_1500_lines():
-    core = {p.name: len(p.read_text().splitlines()) for p in (ROOT / "stage1_cpu").glob("*.py")}
+    core = {p.name: len(p.read_text().splitlines()) for p in (ROOT / "stage1_cpu").glob("*.py")
+            if p.name != "speculative.py"}       # loaded only by --speculative / --draft-model, as fast/ by its kernels
     assert 1000 < sum(core.values()) <= 1500, core

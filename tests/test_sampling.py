@@ -52,6 +52,18 @@ def test_min_p_drops_tokens_below_the_threshold():
     assert picked <= allowed and len(picked) >= 2
 
 
+def test_top_p_drops_a_token_whose_preceding_mass_equals_top_p():
+    """Four equal logits: each token has probability 1/4 exactly (in float64 too), so the mass
+    before the k-th one is exactly (k - 1) / 4. A token stays while the mass before it is *below*
+    top_p, so at top_p = 0.5 the third token, whose preceding mass is 0.5, goes (`<=` keeps it)."""
+    logits = np.zeros(4, dtype=np.float32)
+    for top_p, kept in ((0.25, 1), (0.5, 2), (0.75, 3), (0.7500001, 4)):
+        out = filter_logits(logits, SamplingParams(temperature=1.0, top_p=top_p))
+        assert np.isfinite(out).sum() == kept, (top_p, out)
+    sampler = Sampler(SamplingParams(temperature=1.0, top_p=0.5, seed=5))
+    assert {sampler(logits, [], []) for _ in range(200)} == {0, 1}      # ties: the first in id order stay
+
+
 def test_filters_mark_excluded_tokens_minus_inf():
     out = filter_logits(LOGITS, SamplingParams(temperature=0.5, top_k=3))
     assert np.isfinite(out).sum() == 3

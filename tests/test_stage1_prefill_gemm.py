@@ -113,7 +113,7 @@ def test_only_prefill_int8_takes_the_gemm(rng):
     assert choose_act("int8", "fp32", K)["prefill_act"] == "fp32"
     assert choose_act("int4", "fp32", K)["prefill_act"] == "fp32"
     # where AVX-512 BF16 exists too, the integer GEMM ranks ahead of the bf16 one for int8 / int4 weights
-    # (docs/benchmarks.md, "Where AVX-512 BF16 exists too"); bf16 weights keep theirs
+    # (docs/stage1.md, section 14, "What did not pay off"); bf16 weights keep theirs
     assert choose_act("int8", "int8", K)["prefill_act"] == "int8"
     assert choose_act("int4", "int8", K)["prefill_act"] == "int8"
     for fmt in ("int8", "int4"):                               # auto: both, on int16 activations

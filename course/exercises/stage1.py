@@ -472,6 +472,8 @@ def check_filters(ws: Workspace) -> None:
                          ("top_k 3 with ties at the 3rd value (all tied tokens stay)", ties, dict(top_k=3)),
                          ("top_p 0.8", logits, dict(top_p=0.8)),
                          ("top_p 0.76: the token whose mass crosses it stays", halves, dict(top_p=0.76)),
+                         ("top_p 0.5 over four equal tokens: the third's preceding mass is 0.5 exactly, it goes",
+                          np.zeros(4, dtype=np.float32), dict(top_p=0.5)),
                          ("min_p 0.1 at temperature 1.5", logits, dict(temperature=1.5, min_p=0.1)),
                          ("top_k 10, top_p 0.9, min_p 0.05", logits, dict(top_k=10, top_p=0.9, min_p=0.05)),
                          ("top_k 100 (more than the vocabulary: no effect)", logits, dict(top_k=100))):
@@ -488,6 +490,85 @@ def check_filters(ws: Workspace) -> None:
                               f"{int(kept_want.sum())} tokens should stay, {int(kept_got.sum())} did")
         assert_close(f"filter_logits, {name}: the kept logits", np.where(kept_want, got, 0), np.where(kept_want, want, 0),
                      atol=1e-5, rtol=1e-5, axes_names=("token id",), hint="kept logits are logits / temperature")
+
+
+# ---------------------------------------------------------------------------
+# 1.14 the acceptance rule of speculative sampling (stage1_cpu/speculative.py)
+# ---------------------------------------------------------------------------
+
+P_FAIL = 1e-6       # a right answer fails a chi-square case for one seed in a million (the seeds are fixed)
+
+
+def chi_square_p(counts: np.ndarray, expected: np.ndarray) -> tuple[float, int]:
+    """Pearson's chi-square test of counts [cells] against the distribution expected [cells]:
+    each cell expected 5 times or more on its own, the rarer ones pooled (into the smallest cell
+    when the pool itself is expected under 5 times) -> (p-value, degrees of freedom)."""
+    import torch    # here, as in tiny_model: only the checks that count draws need its incomplete gamma
+    counts, e = np.asarray(counts, dtype=np.float64).ravel(), counts.sum() * np.asarray(expected).ravel()
+    big, rare = e >= 5, (e < 5) & (e > 0)
+    obs, exp = list(counts[big]), list(e[big])
+    if e[rare].sum() >= 5:
+        obs, exp = obs + [counts[rare].sum()], exp + [e[rare].sum()]
+    elif rare.any():
+        j = int(np.argmin(exp))
+        obs[j], exp[j] = obs[j] + counts[rare].sum(), exp[j] + e[rare].sum()
+    x = float(sum((o - m) ** 2 / m for o, m in zip(obs, exp)))
+    df = len(obs) - 1
+    sf = torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(x / 2, dtype=torch.float64))
+    return float(sf), df
+
+
+def _speculate(accept, P: np.ndarray, Q: np.ndarray, n: int, seed: int) -> tuple[np.ndarray, int]:
+    """n runs of speculative sampling on a toy model over V tokens whose next-token distribution
+    depends on the previous token only: P [V+1, V] the model's (row V: after the prompt), Q the
+    draft's. Each run drafts 3 tokens from Q's chain, checks them in order with accept(p, q, x, rng),
+    and after a rejection draws plainly from P -> (counts of the first 3 tokens [V, V, V], how many
+    runs kept their first draft)."""
+    V, r = P.shape[1], _rng(seed)
+    draw = lambda rows, u: (u[:, None] > np.cumsum(rows, -1)[:, :-1]).sum(-1)  # noqa: E731  (inverse cdf)
+    drafts = [draw(Q[np.full(n, V)], r.random(n))]
+    for _ in range(2):                          # every run's 3 drafts at once, each from q after the last
+        drafts.append(draw(Q[drafts[-1]], r.random(n)))
+    counts, kept_first = np.zeros((V, V, V), dtype=np.int64), 0
+    for run in range(n):
+        out, prev = [], V
+        for x in (int(d[run]) for d in drafts):
+            ok, y = accept(P[prev].copy(), Q[prev].copy(), x, r)
+            require(0 <= int(y) < V and (not ok or int(y) == x),
+                    f"accept_draft returned ({ok!r}, {y!r}) for draft {x}: (True, x) or (False, a token id in 0..{V - 1})")
+            kept_first += bool(ok) and not out
+            out.append(int(y))
+            prev = int(y)
+            if not ok:
+                break
+        while len(out) < 3:                     # the next steps: plain draws from the model
+            out.append(int(draw(P[prev][None], r.random(1))[0]))
+            prev = out[-1]
+        counts[tuple(out)] += 1
+    return counts, kept_first
+
+
+def check_acceptance(ws: Workspace) -> None:
+    S = ws.module("stage1_cpu/speculative.py")
+    V, N = 4, 3_000
+    r = _rng(14)
+    soft = lambda z: np.exp(z) / np.exp(z).sum(-1, keepdims=True)  # noqa: E731
+    P = soft(r.normal(0, 1.2, (V + 1, V)))
+    for name, Q, seed in (("a draft drawn from another model's distribution q", soft(r.normal(0, 1.2, (V + 1, V))), 15),
+                          ("a draft picked without chance (q one-hot, as prompt lookup's)",
+                           np.eye(V)[r.integers(0, V, V + 1)], 16)):
+        counts, kept = _speculate(S.accept_draft, P, Q, N, seed)
+        joint = P[V][:, None, None] * P[:V][:, :, None] * P[:V][None, :, :]     # p(a) p(b | a) p(c | b)
+        p_value, df = chi_square_p(counts, joint)
+        require(p_value > P_FAIL, f"{name}: the first three tokens of {N} runs do not follow the model's distribution "
+                                  f"(chi-square p = {p_value:.1e} over {df + 1} cells): keep a draft x with probability "
+                                  "min(1, p[x] / q[x]), and replace a rejected one by a draw from max(0, p - q), "
+                                  "normalised")
+        want = np.minimum(P[V], Q[V]).sum()                     # the rule's acceptance: sum min(p, q)
+        got, sd = kept / N, np.sqrt(want * (1 - want) / N)
+        require(abs(got - want) < 5.3 * sd + 1e-12,
+                f"{name}: the tokens follow the model's distribution, but {got:.1%} of first drafts were accepted "
+                f"where min(1, p[x] / q[x]) accepts {want:.1%}: accept by that probability, not by another test")
 
 
 S1 = "docs/stage1.md"
@@ -521,4 +602,6 @@ EXERCISES: list[Exercise] = [
              check=check_penalties),
     Exercise("1.13", "top-k, top-p and min-p filters", SAMPLING, "medium", "common/sampling.py",
              check=check_filters),
+    Exercise("1.14", "the acceptance rule of speculative sampling", f"{S1}#15-speculativepy-several-tokens-per-step",
+             "medium", "stage1_cpu/speculative.py", check=check_acceptance),
 ]

@@ -21,7 +21,7 @@ Why not BLAS everywhere: one layer of a 512-token prefill is 64 small GEMMs thro
 BLAS (8 KV heads x 4 query blocks x 2), each a start of BLAS's own threads, which take
 turns with numba's on the same cores, with the softmax on one thread in between; with
 K = D = 128 inside, the scores' product ran at about a fifth of the FMA's peak
-(docs/benchmarks.md, "Attention in register tiles").
+(docs/stage1.md, section 14).
 """
 import math
 from types import SimpleNamespace

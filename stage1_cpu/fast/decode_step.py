@@ -54,7 +54,7 @@ through a function pointer (Pointer), not linked into its caller. numba links a
 called function's code into its caller and LLVM optimizes and emits it again there;
 the parallel region's body is a function of its own too, so linked, _matvec's code
 went through LLVM four times and the step took about 49 s of a cold start, through
-pointers once each, about 18 s (docs/benchmarks.md, "Restarts after an edit"). The
+pointers once each, well under half of that (docs/stage1.md, section 13). The
 pointers also let each be cached with its own files: an edit to RMSNorm recompiles
 _worker, one to an int8 matmul kernel _matvec.
 """

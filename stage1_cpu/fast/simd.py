@@ -302,8 +302,7 @@ def dot_int8_row_i16(typingctx, q, qoff, x16, xoff, s, soff, xs, xsoff, n_groups
 # - int4 (dot_int4_rows): the same, on nibbles (gs / 2 bytes a group), and the
 #   minimum's term sum_g m[g] xsum[g] of 8 groups is one vcvtph2ps and one
 #   multiply-add per row, next to the scales (one row per call, with that term
-#   a scalar loop, kept int4 decode compute-bound: docs/benchmarks.md, "int4
-#   four rows at a time");
+#   a scalar loop, kept int4 decode compute-bound);
 # - a group of gs > 32 weights is summed in int32 (vpdpbusd accumulates) and
 #   converted to float once per group;
 # - each row has two float accumulators (even and odd groups), whose 8 lanes

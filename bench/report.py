@@ -1,0 +1,152 @@
+"""python -m bench report [--check]: the results tables of README.md and docs/, written from saved JSON.
+
+A table sits in its document between `<!-- report: NAME -->` and `<!-- /report -->`; what is
+between them is this program's. NAME: cpu (stage 1 ÷ llama.cpp per CPU class: int8, int4,
+decode, prefill 128 / 512), cpu-full (every metric of each saved CPU run), ladder / prefill
+(the ablation ladder's rungs), lessons (the stage 2 -> 3 ladder, counted), lines (each `path`
+(N) in the block given its line count again, to 2 digits). CPU runs: docs/results/cpu-*.json
+(`bench cpu --save`), the rest docs/figures/*.json. --check writes nothing, exits 1 naming each stale table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from bench import lessons
+from bench.common import markdown_table
+from bench.cpu import LLAMA_FORMAT
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCK = re.compile(r"(<!-- report: ([\w-]+) -->\n)(.*?)(<!-- /report -->)", re.S)
+NOT_MEASURED = ("Not measured on this machine yet: run `python -m bench cpu --threads 2 --formats bf16,int8,int4 --save "
+                "docs/results/cpu-avx512.json` (the AVX2 class: `--cpu-profile avx2`, cpu-avx2.json), then `python -m bench report`.\n")
+METRICS = {"decode": "decode", "128": "prefill 128", "512": "prefill 512"}     # the README's columns
+
+
+def cpu_runs(root: Path) -> list[dict]:
+    """The saved CPU runs, each with its CPU class, AVX2 first."""
+    runs = [json.loads(p.read_text()) for p in sorted((root / "docs" / "results").glob("cpu-*.json"))]
+    for run in runs:
+        flags = set(run["cpu_flags"])
+        extra = ", ".join(n for f, n in (("avx512_vnni", "VNNI"), ("avx512_bf16", "BF16")) if f in flags)
+        run["class"] = ("AVX2" + (" (AVX-512 host as stand-in)" if "avx512f" in flags else "")
+                        if run["cpu_profile"] == "avx2" or "avx512f" not in flags else f"AVX-512 ({extra or 'F'})")
+        run["class"] = "no AVX2" if "avx2" not in flags else run["class"]
+    return sorted(runs, key=lambda r: ("AVX-512" in r["class"], r["class"]))
+
+
+def best(run: dict, engine: str) -> dict:
+    """(format, metric) -> (tok/s, or seconds for ttftP; its policy) at the run's largest thread count."""
+    return {(b["format"], b["metric"]): (b["value"], b["policy"]) for b in run["best"]
+            if b["engine"] == engine and b["threads"] == max(run["threads"])}
+
+
+def caption(run: dict) -> str:
+    busy = f"; **busy**: other processes used {run['others_cores']:.2f} cores" if run["others_cores"] > 0.25 else ""
+    shape = f"; the {run['shape']} shape, not Qwen3-0.6B's" if run["shape"] != "qwen3-0.6b-shape" else ""
+    return (f"- {run['class']}: {run['machine']}; {(n := max(run['threads']))} thread{'s' * (n > 1)}; {run['date']}; "
+            f"llama-cpp-python {run['versions'].get('llama-cpp-python', 'not installed')}{shape}{busy}; `{run['command']}`")
+
+
+def ratio(s: tuple | None, ll: tuple | None, ttft: bool = False, short: bool = False) -> str:
+    """stage 1 ÷ llama.cpp (for a time to the first token, llama.cpp's time ÷ stage 1's)."""
+    if not s or not ll:
+        return "–"
+    r = (ll[0] / s[0]) if ttft else (s[0] / ll[0])
+    return f"**{r:.2f}×** ({s[0]:.1f} / {ll[0]:.1f} tok/s)" if short else f"{r:.2f}×"
+
+
+def cpu_table(root: Path) -> str:
+    runs, rows = cpu_runs(root), []
+    for run in runs:
+        s1, ll = best(run, "stage1"), best(run, "llama.cpp")
+        rows += [[run["class"], f"{fmt} ÷ {LLAMA_FORMAT[fmt]}", *(ratio(s1.get((fmt, m)), ll.get((LLAMA_FORMAT[fmt], m)),
+                                                                        short=True) for m in METRICS)]
+                 for fmt in ("int8", "int4") if any((fmt, m) in s1 for m in METRICS)]
+    return (markdown_table(["CPU", "stage 1 ÷ llama.cpp", *METRICS.values()], rows) + "\n\n"
+            + "\n".join(map(caption, runs)) + "\n") if rows else NOT_MEASURED
+
+
+def cpu_full(root: Path) -> str:
+    out = []
+    for run in cpu_runs(root):
+        ll, rows = best(run, "llama.cpp"), []
+        for label in sorted({b["engine"] for b in run["best"] if b["engine"].startswith("stage1")}):
+            s1 = best(run, label)
+            for fmt, q in LLAMA_FORMAT.items():
+                for m in sorted({m for f, m in s1 if f == fmt}, key=lambda m: (m[0] == "t", m != "decode", len(m), m)):
+                    t = m.startswith("ttft")
+                    show = lambda v: (f"{v[0] * 1e3:.0f} ms" if t else f"{v[0]:.1f}") + f" ({v[1]})" if v else "–"  # noqa: E731
+                    what = f"first token, {m[4:]}-token prompt" if t else "decode tok/s" if m == "decode" else f"prefill {m} tok/s"
+                    rows.append([label, f"{fmt} / {q}", what, show(s1[(fmt, m)]), show(ll.get((q, m))),
+                                 ratio(s1[(fmt, m)], ll.get((q, m)), ttft=t)])
+        out += [caption(run), "", markdown_table(["stage 1", "formats", "what", "stage 1", "llama.cpp", "ratio"], rows), ""]
+    return "\n".join(out) if out else cpu_table(root)
+
+
+def ladder(root: Path, key: str = "rows") -> str:
+    """The ablation ladder's decode rungs or (key "prefill") its prefill rungs, each against the first."""
+    d = json.loads((root / "docs" / "figures" / "stage1_ladder.json").read_text())
+    r, ms = d.get(key) or [], "ms_per_token" if key == "rows" else "ms_per_prompt_token"
+    if not r:
+        return f"The saved ladder has no {key} rungs yet: `python -m bench ladder --save docs/figures/stage1_ladder.json`.\n"
+    rows = [[x["rung"], x["what"], x["weights"], x["threads"], f"{x[ms]:.3g}",
+             f"{r[i - 1][ms] / x[ms]:.2f}×" if i else "", f"{r[0][ms] / x[ms]:.1f}×"] for i, x in enumerate(r)]
+    return (markdown_table(["rung", "what", "weights", "threads", ms.replace("_", " "), "× previous", "× first"], rows)
+            + f"\n\n- {d['machine']}; {d['date']}; `{d['command']}`\n")
+
+
+def counted(root: Path) -> str:
+    d = json.loads((root / "docs" / "figures" / "lessons.json").read_text())
+    return lessons.table(d["rows"], lessons.DOCS_COLUMNS) + f"\n\n- `{d['command']}`, {d['date']}\n"
+
+
+def lines(root: Path, body: str) -> str:
+    """The block with every `path` (N) (a file or a glob) given its line count again."""
+    def count(m: re.Match) -> str:
+        n = sum(len(p.read_text().splitlines()) for p in root.glob(m.group(1)) if p.is_file())
+        if not n:
+            raise FileNotFoundError(f"{m.group(1)} names no file of the repository")
+        return f"`{m.group(1)}` ({round(n, 2 - len(str(n))):,})"          # 2 digits: an edit seldom moves it
+    return re.sub(r"`([\w./*-]+)` \(([\d,]+)\)", count, body)
+
+
+TABLES = {"cpu": cpu_table, "cpu-full": cpu_full, "ladder": ladder, "lessons": counted,
+          "prefill": lambda root: ladder(root, "prefill")}
+
+
+def rewrite(text: str, root: Path = ROOT, changed: list | None = None) -> str:
+    """`text` with every report block as report writes it; the names of those that change go to `changed`."""
+    def block(m: re.Match) -> str:
+        name = m.group(2)
+        body = lines(root, m.group(3)) if name == "lines" else TABLES[name](root)     # KeyError: no such table
+        if body != m.group(3) and changed is not None:
+            changed.append(name)
+        return m.group(1) + body + m.group(4)
+    return BLOCK.sub(block, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench report", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a table differs from the JSON")
+    ap.add_argument("--root", type=Path, default=ROOT, help="the repository whose docs to write (default: this one)")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    stale = []
+    for path in [args.root / "README.md", *sorted((args.root / "docs").glob("*.md"))]:
+        text, changed = path.read_text(), []
+        new = rewrite(text, args.root, changed)
+        stale += [f"{path.relative_to(args.root)} ({name})" for name in changed]
+        if changed and not args.check:
+            path.write_text(new)
+    if args.check and stale:
+        print(f"these tables differ from the saved results (bench report rewrites them): {', '.join(stale)}", file=sys.stderr)
+        return 1
+    print(f"rewrote {', '.join(stale)}" if stale else "every table is up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

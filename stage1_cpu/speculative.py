@@ -1,0 +1,313 @@
+"""Speculative decoding: one stream, several tokens a step (docs/stage1.md, section 15).
+
+Loaded only with --speculative ngram or --draft-model (options.build_engine): a reader of the
+core never needs it. SpeculativeEngine is the stage-1 LLMEngine with its decode step changed:
+
+    1. draft    a proposer guesses the next k tokens: common/draft.py's prompt lookup, or a
+                DraftModel (a smaller model with the same tokenizer and a KV cache of its own)
+    2. verify   the last token and its k drafts go through Model.forward as one step of
+                T = k+1 tokens (all_logits): row i is the distribution after draft i. Decode on
+                a CPU is bound by memory, and this step reads the weights once, as one token does
+    3. accept   the drafts in order, by the rule that keeps the output exactly what plain decoding
+                would make (greedy: token for token; sampling: the same distribution); the first
+                rejected draft is replaced by a draw that corrects for it, and when all k pass,
+                row k gives one token more
+    4. cut      the cache and cached_ids keep what was accepted; the rejected drafts' K/V stay
+                past the cache's end, where attention never reads and the next step writes
+
+So one forward makes 1 to k+1 tokens. How many to draft (DraftLength) follows what pays: fewer
+after rejections, more after acceptances, none while drafts cost more than they bring.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from common.draft import PromptLookup, SpeculationStats
+from common.engine import TokenEvent
+from common.models import resolve_model
+from common.sampling import SamplingParams, apply_penalties, filter_logits
+from common.tokenizer import Tokenizer, TokenizerError
+
+from .engine import LLMEngine
+
+if TYPE_CHECKING:
+    from .engine import _Running
+
+# --draft-tokens' default: a verify step of T = k+1 <= 7 tokens stays on the decode kernels
+# (T < quant.PREFILL_MIN_T: each weight row read once for all T tokens, the activations rounded
+# as decode rounds them), so it costs the bytes of one token and the compute of T (section 15)
+DRAFT_TOKENS = 6
+KEEP_STATS = 4096          # finished requests whose stats the server can still ask for
+
+
+def probs(logits: np.ndarray, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> np.ndarray:
+    """The distribution plain sampling draws from (common/sampling.py: penalties, temperature,
+    top-k / top-p / min-p, softmax) [V] float64."""
+    x = filter_logits(apply_penalties(logits, params, prompt_ids, output_ids), params).astype(np.float64)
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def accept_draft(p: np.ndarray, q: np.ndarray, x: int, rng: np.random.Generator) -> tuple[bool, int]:
+    """The speculative sampling rule for one drafted token x, drawn from q [V], against the model's
+    distribution p [V] at that position -> (accepted, the token to emit).
+
+    Keep x with probability min(1, p[x] / q[x]); otherwise emit a draw from max(0, p - q),
+    normalised. A token t then comes out with probability
+        q[t] min(1, p[t] / q[t])  +  P(reject) (p[t] - q[t])+ / sum (p - q)+  =  min(p[t], q[t]) + (p[t] - q[t])+  =  p[t]
+    since P(reject) = 1 - sum min(p, q) = sum (p - q)+: exactly plain sampling's distribution."""
+    # exercise 1.14 begin
+    if rng.random() * q[x] < p[x]:              # u < p[x] / q[x], without dividing by q[x]
+        return True, x
+    residual = np.maximum(p - q, 0.0)           # where the model wants more than the draft offered
+    return False, int(rng.choice(len(p), p=residual / residual.sum()))
+    # exercise 1.14 end
+
+
+class DraftLength:
+    """How many tokens to draft next: the k that makes the most tokens per second, from running
+    estimates updated every step:
+        a       the chance that a draft is accepted; drafts are checked in order, so k drafts make
+                1 + a + a^2 + ... + a^k tokens (the last one the replacement or the bonus token)
+        cost    seconds of a verify step of T = k+1 tokens, and of drafting one token
+    k = 0 is plain decoding: one token per step at the cost of T = 1. A T that has not run yet is
+    assumed to cost what the napkin says (one token's bytes: about T = 1's time) until it has."""
+
+    PRIOR = (1.5, 0.5)          # a = 0.75 before any draft is checked: try drafting
+    KEEP = 0.8                  # each step keeps 80 % of the acceptance counts: a window of ~5 steps
+
+    def __init__(self, k_max: int):
+        self.k_max = k_max
+        self.acc, self.rej = self.PRIOR
+        self.cost: dict[int, float] = {}        # T -> seconds of a forward of T tokens (running mean)
+        self.draft_cost = 0.0                   # seconds to draft one token (running mean)
+
+    @property
+    def rate(self) -> float:
+        return self.acc / (self.acc + self.rej)
+
+    def choose(self, room: int) -> int:
+        """The k to draft, at most k_max and room."""
+        ks = range(0, max(0, min(self.k_max, room)) + 1)
+        if not self.cost:
+            return ks[-1]                       # nothing measured yet
+        T0 = min(self.cost)                     # the napkin's scale, from the smallest T measured
+        base, a = self.cost[T0] / self.napkin(T0), min(self.rate, 0.999)
+
+        def speed(k):                           # expected tokens per second with k drafts
+            seconds = self.cost.get(k + 1, base * self.napkin(k + 1)) + k * self.draft_cost
+            return (1 - a ** (k + 1)) / (1 - a) / seconds
+        return max(ks, key=speed)
+
+    @staticmethod
+    def napkin(T: int) -> float:
+        """A forward of T tokens against one of 1, before it is measured: the same bytes, a little
+        more compute per token (optimistic, so that each T gets tried once)."""
+        return 1 + 0.05 * (T - 1)
+
+    def update(self, T: int, verify_s: float, drafted: int, accepted: int, draft_s: float) -> None:
+        """One step: a forward of T tokens took verify_s, after drafting `drafted` tokens in draft_s,
+        of which `accepted` were kept."""
+        self.cost[T] = verify_s if T not in self.cost else 0.7 * self.cost[T] + 0.3 * verify_s
+        if drafted:
+            self.draft_cost = 0.7 * self.draft_cost + 0.3 * draft_s / drafted
+            self.acc = self.KEEP * self.acc + accepted
+            self.rej = self.KEEP * self.rej + (accepted < drafted)
+        else:                                   # not drafting: drift back to the prior, to try again later
+            self.acc += 0.05 * (self.PRIOR[0] - self.acc)
+            self.rej += 0.05 * (self.PRIOR[1] - self.rej)
+
+    def observe(self, hit: bool) -> None:
+        """A draft that was not verified, checked against the token made anyway (prompt lookup
+        costs nothing to ask): its acceptance, had it been drafted."""
+        self.acc = self.KEEP * self.acc + hit
+        self.rej = self.KEEP * self.rej + (not hit)
+
+
+class DraftModel:
+    """A smaller model with the target's tokenizer, drafting k tokens one decode step at a time:
+    an LLMEngine of its own (weights, Model, KV cache, cached_ids) driven directly. Each call first
+    brings its cache up to the context, re-using the longest common prefix as LLMEngine._start does
+    between requests: that drops what the target rejected last step, and feeds what it made."""
+
+    def __init__(self, folder: str | Path, **kw):
+        self.engine = LLMEngine(folder, **kw)
+
+    def check_matches(self, target: LLMEngine) -> None:
+        """A clear error unless the draft speaks the target's token ids."""
+        V, Vd = target.config.vocab_size, self.engine.config.vocab_size
+        why = f"its vocabulary has {Vd} tokens, the model's {V}" if V != Vd else None
+        try:
+            a, b = (Tokenizer(target.folder), Tokenizer(self.engine.folder)) if why is None else (None, None)
+            if why is None and any(a.id_to_token(i) != b.id_to_token(i) for i in range(max(a.vocab_size, b.vocab_size))):
+                why = "its tokenizer gives the same ids to other tokens"
+        except TokenizerError:                  # folders of token ids only (no tokenizer.json): the sizes decide
+            pass
+        if why:
+            raise ValueError(f"--draft-model {self.engine.folder} cannot draft for {target.folder}: {why}. A draft "
+                             "model must share the model's tokenizer (e.g. a smaller model of the same family)")
+
+    def propose(self, prompt: list[int], output: list[int], k: int, params: SamplingParams,
+                rng: np.random.Generator) -> tuple[list[int], np.ndarray | None]:
+        """-> (k drafted tokens, the distributions q [k, V] they were drawn from, or None where each
+        is the argmax: at temperature 0 the drafts are greedy, else drawn with the request's sampling)."""
+        e, ids = self.engine, prompt + output
+        n = 0
+        limit = min(len(e.cached_ids), len(ids) - 1)
+        while n < limit and e.cached_ids[n] == ids[n]:
+            n += 1
+        del e.cached_ids[n:]
+        for i in range(n, len(ids), e.prefill_chunk):     # what the draft has not seen, a chunk at a time
+            logits = e._feed(ids[i:i + e.prefill_chunk])
+        drafts, qs = [], []
+        for i in range(k):
+            if params.temperature == 0.0:
+                x = int(np.argmax(apply_penalties(logits, params, prompt, output + drafts)))
+            else:
+                qs.append(probs(logits, params, prompt, output + drafts))
+                x = int(rng.choice(len(qs[-1]), p=qs[-1]))
+            drafts.append(x)
+            if i + 1 < k:
+                logits = e._feed([x])
+        return drafts, np.array(qs) if qs else None
+
+
+class SpeculativeEngine(LLMEngine):
+    """LLMEngine, its decode step verifying drafts (the module's docstring)."""
+
+    def __init__(self, folder: str | Path, draft: DraftModel | None = None, draft_tokens: int | None = None, **kw):
+        super().__init__(folder, **kw)
+        k = DRAFT_TOKENS if draft_tokens is None else draft_tokens
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"--draft-tokens must be a positive integer, got {k!r}")
+        if draft is not None:
+            draft.check_matches(self)
+        self.draft, self.lookup = draft, PromptLookup()
+        self.length = DraftLength(k)
+        self.stats: OrderedDict[str, SpeculationStats] = OrderedDict()   # by request id, the last KEEP_STATS
+        self.last_speculation: SpeculationStats | None = None
+        self.more: list[TokenEvent] = []
+
+    @classmethod
+    def from_args(cls, folder: Path, args, kw: dict, quant_for) -> "SpeculativeEngine":
+        """options.build_engine's: --speculative, --draft-model (in the format quant_for(folder,
+        args) gives it), --draft-tokens, and LLMEngine's options kw, which the draft model shares."""
+        if args.speculative and args.draft_model:
+            raise ValueError("--speculative ngram and --draft-model are two draft sources: choose one")
+        draft = None
+        if args.draft_model:
+            path = resolve_model(args.draft_model)
+            draft = DraftModel(path, **dict(kw, quant=quant_for(path, args)))
+        return cls(folder, draft=draft, draft_tokens=args.draft_tokens, **kw)
+
+    def describe_kernels(self) -> str:
+        source = f"draft model {self.draft.engine.folder.name}" if self.draft else "prompt lookup"
+        return f"{super().describe_kernels()} · speculative: {source}, up to {self.length.k_max} drafts"
+
+    def reset(self) -> None:
+        super().reset()
+        if self.draft is not None:              # the draft model's cache goes too
+            self.draft.engine.reset()
+
+    def speculation(self, request_id: str) -> SpeculationStats | None:
+        """A request's stats (the server's usage.speculative_decoding)."""
+        return self.stats.get(request_id)
+
+    # ---- the decode step ----
+    def step(self) -> list[TokenEvent]:
+        self.more = []
+        events = super().step()                 # prefill, then _decode below: its first event ...
+        return events + self.more               # ... and the other tokens its verify step made
+
+    def _start(self, req) -> None:
+        super()._start(req)
+        self.last_speculation = self.stats[req.id] = SpeculationStats()
+        while len(self.stats) > KEEP_STATS:
+            self.stats.popitem(last=False)
+        # the draft model's own draws (temperature > 0), apart from the request's generator
+        self.draft_rng = np.random.default_rng(None if req.params.seed is None else [req.params.seed, 1])
+
+    def _decode(self, r: _Running) -> TokenEvent:
+        """The first token comes from the prefill's logits, as in LLMEngine; each later step feeds
+        the last token with its drafts and makes one token or more."""
+        if not r.output_ids:
+            events = self._emit(r, [r.sampler(r.logits, r.req.prompt_ids, r.output_ids)])
+        else:
+            t0 = time.perf_counter()
+            events = self._verify(r)
+            self.last_decode_s += time.perf_counter() - t0
+            self.last_decode_tokens += len(events)
+        self.more = events[1:]
+        return events[0]
+
+    def _verify(self, r: _Running) -> list[TokenEvent]:
+        prompt, out, params = r.req.prompt_ids, r.output_ids, r.req.params
+        # the drafts must fit the context and the token limit (a step without drafts needs neither)
+        k = self.length.choose(min(self.max_ctx - len(self.cached_ids) - 2, params.max_tokens - len(out) - 1))
+        t0 = time.perf_counter()
+        q = None
+        if k == 0:
+            drafts = []
+        elif self.draft is not None:
+            drafts, q = self.draft.propose(prompt, out, k, params, self.draft_rng)
+        else:
+            drafts = self.lookup.propose(prompt + out, k)
+        t1 = time.perf_counter()
+
+        # 2. one forward: the last token (made last step, not fed yet) and the drafts, [T, V]
+        tokens = [out[-1]] + drafts
+        logits = self.model.forward(np.asarray(tokens, dtype=np.int64), len(self.cached_ids), all_logits=bool(drafts))
+        self.cached_ids.extend(tokens)
+        logits = logits.reshape(len(tokens), -1)
+        t2 = time.perf_counter()
+
+        # 3. row i decides draft i (None: row k, after all k drafts, makes the bonus token)
+        made: list[int] = []
+        for i, x in enumerate(drafts + [None]):
+            if q is None or x is None:
+                # plain decoding's own draw from row i (greedy: the argmax). Against a draft picked
+                # without chance (q one-hot at x) this *is* the rule: the draw equals x with probability
+                # p[x] = min(1, p[x] / q[x]), and a draw that is not x follows max(0, p - q) normalised,
+                # p without x. It also draws what plain decoding draws: the same seed, the same tokens
+                y = r.sampler(logits[i], prompt, out + made)
+                accepted = y == x
+            else:
+                accepted, y = accept_draft(probs(logits[i], params, prompt, out + made), q[i], x, r.sampler.rng)
+            made.append(y)
+            if not accepted:
+                break
+        if not drafts and self.draft is None:   # would prompt lookup have guessed it? It costs nothing to ask
+            guess = self.lookup.propose(prompt + out, 1)
+            if guess:
+                self.length.observe(guess[0] == made[0])
+        events = self._emit(r, made)
+
+        # 4. the cache keeps what plain decoding would have fed: the prompt and every token but the
+        # last (out is r.output_ids, the new tokens in it now)
+        del self.cached_ids[len(prompt) + len(out) - 1:]
+        s = self.last_speculation
+        s.steps, s.tokens, s.drafted, s.accepted = s.steps + 1, s.tokens + len(events), s.drafted + len(drafts), \
+            s.accepted + len(made) - 1
+        self.length.update(len(tokens), t2 - t1, len(drafts), len(made) - 1, t1 - t0)
+        return events
+
+    def _emit(self, r: _Running, tokens: list[int]) -> list[TokenEvent]:
+        """The tokens as events, each ended as LLMEngine._decode ends one; none after the first that ends it."""
+        p, events = r.req.params, []
+        for token in tokens:
+            r.output_ids.append(token)
+            finish = None
+            if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+                finish = "stop"
+            elif len(r.output_ids) >= p.max_tokens or len(r.req.prompt_ids) + len(r.output_ids) >= self.max_ctx:
+                finish = "length"
+            events.append(TokenEvent(r.req.id, token, finish))
+            if finish:
+                self.running = None
+                break
+        return events
