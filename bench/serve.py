@@ -1,7 +1,7 @@
 """python -m bench serve: streamed load on OpenAI-compatible servers, as vLLM's serving benchmark measures it
 (a fixed concurrency or a Poisson rate -> requests/s, output tok/s, TTFT p50/p90/p99, TPOT p50/p99, ITL p99,
-errors by kind, the server's peak RSS), and a soak of our batching servers. Saves JSON; --docs writes the
-tables of docs/server.md from the saved JSON.
+errors by kind, the server's peak RSS), and a soak of our batching servers. Saves JSON (docs/figures/serve_*.json;
+`python -m bench report` writes docs/server.md's tables from it).
 
   --url URL [--model NAME]  one running server, at each --concurrency (or --rate)
   (default)                 stage 1's server and llama_cpp.server on one GGUF file, then stages 2 and 3 on their
@@ -25,14 +25,15 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import machine_description, markdown_table
+from bench.common import machine_description
+from bench.report import SERVE, serve_table
 from common.models import resolve_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from serve_load import Server, drive, ours, rss_mib, soak, soak_ok, tiny  # noqa: E402  (tests/: client, soak)
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS, DOC = ROOT / "docs" / "figures", ROOT / "docs" / "server.md"
+RESULTS = ROOT / "docs" / "figures"
 # synthetic prompts: each word with its leading space one token below 8,192, so that tiny() takes them too
 WORDS = "the a of time light house quick green model token seven under city water paper music".split()
 
@@ -83,38 +84,6 @@ def serving_rows(servers: dict[str, list[dict]], levels: list[int]) -> list[dict
         k: ratio(best(s1, c, k), best(ll, c, k), k) for k in FIGURES}) for c in (levels if s1 and ll else [])]
 
 
-# ---------------------------------------------------------------- the tables of docs/server.md
-TABLES = {"serving": ("serve_compare.json", "python -m bench serve"),
-          "soak": ("serve_soak.json", "python -m bench serve --soak"),
-          "drills": ("serve_drills.json", "QS_DRILLS=20 python -m pytest tests/test_serve_faults.py -k drills")}
-
-
-def cell(x) -> str:
-    if isinstance(x, dict):                 # errors by kind
-        return ", ".join(f"{k}: {n}" for k, n in x.items()) or "0"
-    return "–" if x is None else {True: "yes", False: "NO"}[x] if isinstance(x, bool) else \
-        f"{x:,.{2 if abs(x) < 10 else 1 if abs(x) < 100 else 0}f}" if isinstance(x, float) else str(x)
-
-
-def table(res: dict) -> str:
-    """A saved result's rows (their keys the columns), then its note, the machine, the load, the date, the command."""
-    rows, cols = res["rows"], [k for k, v in res["rows"][0].items() if not isinstance(v, list)]
-    return markdown_table(cols, [[cell(r.get(k)) for k in cols] for r in rows]) + "".join(
-        f"\n\n{res[k]}" for k in ("note",) if k in res) + (
-        f"\n\n{res['machine']}; 1-minute load {res['load_1min']:.1f} before; {res['date']}; `{res['command']}`")
-
-
-def docs_text(text: str, results: Path = RESULTS) -> str:
-    """docs/server.md with each table between its markers written from its JSON (a placeholder without it)."""
-    for name, (src, cmd) in TABLES.items():
-        head, end = f"<!-- bench serve: {name} -->\n", "<!-- end -->"
-        i = text.index(head) + len(head)
-        body = table(json.loads((results / src).read_text())) if (results / src).is_file() else \
-            f"(not measured yet: `{cmd}` saves docs/figures/{src}; `python -m bench serve --docs` writes it here)"
-        text = text[:i] + body + "\n" + text[text.index(end, i):]
-    return text
-
-
 def meta(command: str) -> dict:
     return dict(machine=machine_description(), date=time.strftime("%Y-%m-%d"), command=command,
                 load_1min=os.getloadavg()[0], threads=os.cpu_count())
@@ -134,12 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     add("--max-tokens", type=int, default=64, help="synthetic prompts: tokens asked for (default %(default)s)")
     add("--omp-wait-policy", default="PASSIVE,default", help="each server under each (default %(default)s)")
     add("--soak", action="store_true", help="the soak of stages 2 and 3 (above)")
-    add("--docs", action="store_true", help="write docs/server.md's tables from the saved JSON, run nothing")
     add("--save", type=Path, help="where the JSON goes (default docs/figures/serve_compare.json or serve_soak.json; "
         "with --url: printed only)")
     args = ap.parse_args(argv)
-    if args.docs:
-        return DOC.write_text(docs_text(DOC.read_text())) and print(f"wrote {DOC}") or 0
     res = meta("python -m bench serve " + " ".join(sys.argv[1:] if argv is None else argv))
     rng, (lo, hi), levels = random.Random(0), map(int, args.prompt_words.split(",")), args.concurrency.split(",")
     prompts = json.loads(args.prompts.read_text()) if args.prompts else [{"prompt": "".join(
@@ -168,12 +134,12 @@ def main(argv: list[str] | None = None) -> int:
         res["runs"] = {name: [measure(cmd, prompts, [int(c) for c in levels], policy) for policy in
                               args.omp_wait_policy.split(",")] for name, cmd in servers.items()}
         res |= dict(gguf=str(gguf), peer_version=llama_cpp.__version__, rows=serving_rows(res["runs"], levels))
-    print(table(res))
+    print(serve_table(res))
     if args.url and not args.save:
         return 0
-    save = args.save or RESULTS / TABLES["soak" if args.soak else "serving"][0]
+    save = args.save or RESULTS / SERVE["serve-soak" if args.soak else "serve-compare"][0]
     save.write_text(json.dumps(res, indent=1) + "\n")
-    print(f"saved {save}; `python -m bench serve --docs` writes docs/server.md from it")
+    print(f"saved {save}; `python -m bench report` writes docs/server.md's table from it")
     return 0 if not args.soak or all(map(soak_ok, res["rows"])) else 1
 
 

@@ -7,7 +7,8 @@
   * crash drills: the engine child of --engine-process SIGKILLed mid-prefill, mid-stream and idle: the request in
     flight gets an error event within 1 s, /healthz says restarting then ok, the next answer is right, no zombie
     and no leaked descriptor; then the whole server killed mid-stream: the client's stream ends, no hang.
-    QS_DRILLS=20 runs 20 drills and saves their times to docs/figures/serve_drills.json (bench serve --docs);
+    QS_DRILLS=20 runs 20 drills and saves their times to docs/figures/serve_drills.json (`python -m bench
+    report` writes docs/server.md's table);
   * bench serve's figures and tables, on made-up records.
 """
 from __future__ import annotations
@@ -180,8 +181,3 @@ def test_serving_rows_take_each_figure_at_its_best_policy_and_ratios_favour_the_
                                      "llama.cpp": [run("PASSIVE", 25.0, 400.0), run("default", 20.0, 300.0)]}, ["1"])
     assert rows[0]["out_tok_s"] == 50.0 and rows[0]["ttft_p50"] == 100.0      # the best of each, not one policy's
     assert rows[2]["out_tok_s"] == 2.0 and rows[2]["ttft_p50"] == 3.0         # 50 / 25; 300 ms / 100 ms
-
-
-def test_docs_server_md_tables_are_what_bench_serve_writes():
-    text = (ROOT / "docs" / "server.md").read_text()
-    assert bench_serve.docs_text(text) == text, "run `python -m bench serve --docs` (docs/server.md's tables)"
