@@ -12,6 +12,7 @@ COMMANDS = {
     "report": ("bench.report", "the results tables of README.md and docs/, written from saved JSON (--check)"),
     "figures": ("bench.figures", "the figures of docs/ (docs/figures/*.svg), drawn from saved JSON results"),
     "gpu": ("bench.gpu", "stages 2 and 3 on a GPU: nano-vllm's workload, batch-1 decode (bench/gpu_check.sh)"),
+    "serve": ("bench.serve", "an OpenAI server under streamed load (TTFT, TPOT, ITL), stage 1 against llama.cpp's"),
     "lessons": ("bench.lessons", "the stage 2 -> 3 lesson ladder, counted on CPU per rung (docs/lessons/stage3)"),
 }
 

@@ -114,8 +114,37 @@ def lines(root: Path, body: str) -> str:
     return re.sub(r"`([\w./*-]+)` \(([\d,]+)\)", count, body)
 
 
+# bench serve's tables (docs/server.md): NAME -> its JSON in docs/figures, the command that saves it
+SERVE = {"serve-compare": ("serve_compare.json", "python -m bench serve"),
+         "serve-soak": ("serve_soak.json", "python -m bench serve --soak"),
+         "serve-drills": ("serve_drills.json", "QS_DRILLS=20 python -m pytest tests/test_serve_faults.py -k drills")}
+
+
+def cell(x) -> str:
+    if isinstance(x, dict):                 # errors by kind
+        return ", ".join(f"{k}: {n}" for k, n in x.items()) or "0"
+    return "–" if x is None else {True: "yes", False: "NO"}[x] if isinstance(x, bool) else \
+        f"{x:,.{2 if abs(x) < 10 else 1 if abs(x) < 100 else 0}f}" if isinstance(x, float) else str(x)
+
+
+def serve_table(res: dict) -> str:
+    """A bench serve result's rows (their keys the columns), its note, the machine, the load, the date, the command."""
+    rows, cols = res["rows"], [k for k, v in res["rows"][0].items() if not isinstance(v, list)]
+    return markdown_table(cols, [[cell(r.get(k)) for k in cols] for r in rows]) + "".join(
+        f"\n\n{res[k]}" for k in ("note",) if k in res) + (
+        f"\n\n{res['machine']}; 1-minute load {res['load_1min']:.1f} before; {res['date']}; `{res['command']}`")
+
+
+def serve(root: Path, name: str) -> str:
+    src, cmd = SERVE[name]
+    path = root / "docs" / "figures" / src
+    return serve_table(json.loads(path.read_text())) + "\n" if path.is_file() else \
+        f"Not measured yet: `{cmd}` saves docs/figures/{src}, then `python -m bench report`.\n"
+
+
 TABLES = {"cpu": cpu_table, "cpu-full": cpu_full, "ladder": ladder, "lessons": counted,
-          "prefill": lambda root: ladder(root, "prefill")}
+          "prefill": lambda root: ladder(root, "prefill"),
+          **{name: lambda root, name=name: serve(root, name) for name in SERVE}}
 
 
 def rewrite(text: str, root: Path = ROOT, changed: list | None = None) -> str:

@@ -545,6 +545,10 @@ def main(build_engine: Callable, argv: list[str] | None = None, prog: str | None
     add_args(parser) adds the stage's options; describe(args) -> a few words for the banner.
     """
     args = build_parser(prog, add_args).parse_args(argv)
+    if sys.stdin.isatty():
+        # At a terminal, Ctrl-C must reach the chat even when it started with SIGINT ignored: a
+        # shell's background job and a CI runner may start it so, and Python keeps what it inherits.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return _load_and_chat(build_engine, args, describe)
     except KeyboardInterrupt:      # Ctrl-C while loading: leave without a traceback

@@ -90,8 +90,7 @@ class EngineProcess:
         with self.lock, suppress(OSError):
             self.conn.send(("stop", None))
         self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
+        self.proc.kill()                      # (a child that has exited is not signalled)
 
     def _read(self) -> None:
         """The reader thread: each event to its request's sink, until the pipe closes (the child died). Then what

@@ -35,7 +35,9 @@ def build_app(state: ServerState) -> FastAPI:
         if state.loop is None:
             body = {"status": "error", "error": state.load_error} if state.load_error else {"status": "loading"}
             return JSONResponse(body, status_code=503)
-        body, loop = {"status": "ok", "model": state.model_name}, state.loop
+        body, loop = {"status": "ok", "model": state.model_name, "idle": state.loop.idle()}, state.loop
+        if hasattr(e := loop.engine, "num_free_pages"):   # a paged KV cache in this process: a soak checks its pages
+            body.update(kv_pages=e.num_total_pages(), kv_pages_free=e.num_free_pages(), preemptions=e.num_preemptions)
         if hasattr(loop, "restarts"):            # an engine in a child process (--engine-process)
             body["engine_restarts"] = loop.restarts
             if not loop.up:

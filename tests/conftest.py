@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 SLOW_FILES = {
     "test_quant_quality.py": 1200, "test_default_model.py": 1200, "test_families.py": 1200,
     "test_gguf_engines.py": 1200,
-    "test_chat.py": 900, "test_server.py": 900, "test_stage2_serve.py": 900,
+    "test_chat.py": 900, "test_server.py": 900, "test_stage2_serve.py": 900, "test_serve_faults.py": 900,
     "test_stage2_cuda_emulated.py": 900, "test_cuda_compile.py": 600,
     "test_stage2_gpu.py": 600, "test_stage3_gpu.py": 600, "test_gpu_check.py": 900,
 }
