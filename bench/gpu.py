@@ -1,29 +1,21 @@
 """python -m bench gpu [--out DIR] [--deadline-s S] [--dry-run]: stage 3 on one GPU, against its
 targets, transformers and the HBM roofline, in one run that fits its deadline.
 
-Each step runs in its own subprocess with its own time cap (a crash or a timeout loses one
-row, never the table); the caps add up to --deadline-s and a step left without time says
-"skipped: out of time". In run order:
+Each step runs in a subprocess of its own under its own cap (a crash or a timeout loses one
+row, never the table; a step left without time says "skipped: out of time"):
 
-  setup    the Qwen3-0.6B-shaped random model (bf16 safetensors, made on the GPU), the HBM
-           bandwidth (a 2 GiB device-to-device copy), and the host's cost per call of each kind
-           bench/lessons.py counts (kernel launch, cuBLAS call, allocation, elementwise op,
-           copy, sync, graph launch), saved as host_costs.json beside the table: the next
-           bench/host_costs.json
-  b1       stage 3, one sequence (128 prompt tokens, 256 new, the median of 3 runs): decode
-           tok/s with CUDA graphs and eagerly, and the host time of one eager decode step
-           (its calls enqueued on an idle GPU, no wait), against what bench/lessons.py predicts
-  gemv     gemv.cu against cuBLAS at the 0.6B decode shapes (1 and 4 rows): us and GB/s
+  setup    the Qwen3-0.6B-shaped random model, the HBM bandwidth, and the host's cost per
+           call of each kind bench/lessons.py counts (the next bench/host_costs.json)
+  b1       one sequence (128 prompt tokens, 256 new, median of 3): decode tok/s with CUDA
+           graphs and eagerly, and the host time of one eager step, with its profile
+  gemv     gemv.cu against cuBLAS at the 0.6B decode shapes (1 and 4 rows)
   hf       transformers' batch-1 decode on the same model, bf16, static cache (the peer)
-  b1_8b    a Qwen3-8B-shaped model with 4 of its 36 layers: batch-1 decode against its roofline
-  attn     prefill attention alone, 4 x 2,048 tokens of 0.6B's heads: TFLOP/s, tensor cores
-           and the plain kernel
-  serve    stage 3 on nano-vllm's workload (256 sequences, lengths 100..1024, EOS ignored,
-           greedy): output tok/s; then a shared system prompt (1,000 tokens, 63 questions of
-           100): the prefix cache's hit rate and tok/s
+  b1_8b    a Qwen3-8B-shaped model with 4 of its 36 layers, against its roofline
+  attn     prefill attention alone, 4 x 2,048 tokens: tensor cores and the plain kernel
+  serve    nano-vllm's workload (256 sequences, lengths 100..1024, greedy), then a shared
+           system prompt: the prefix cache's hit rate and tok/s
 
-The targets (docs/stage3.md says why each is expected) are in the table's third column.
---dry-run runs every step on a CPU with tiny models and the numpy twins: the plumbing only.
+docs/stage3.md says why each target is expected. --dry-run: tiny models on the numpy twins.
 """
 from __future__ import annotations
 

@@ -63,7 +63,7 @@ pack() {                                     # the logs, small: never the model
         2>/dev/null || true
 }
 stop() { pack; cat "$SUMMARY"; exit 2; }     # the probe failed: nothing else can run
-report() { "$PY" bench/gpu_check_report.py "$@"; }
+report() { "$PY" tests/gpu_check_report.py "$@"; }   # junit counts, merges, failures
 
 { echo "# GPU check, $(date -u '+%Y-%m-%d %H:%M UTC')$( [ "$DRY" = 1 ] && echo ' — DRY RUN on the CPU (stand-in tests)')"
   echo

@@ -4,12 +4,9 @@
     python -m bench ladder --quick             # 4 small layers (seconds; CI)
     python -m bench ladder --threads 2 --tokens 7 --out /tmp/ladder.md
 
-The teaching CPU engines we learn from show their speed as a ladder: start from the
-naive program and add one idea per rung. This is that ladder on stage 1's own
-kernels, for the matrix-vector products of one decode token: every projection of
-every layer (q/k/v and gate/up stacked, as stage 1 stores them) and the lm_head.
-Those products are ~95 % of a decode step's time, so ms per token here is
-almost the engine's decode step (attention, norms and sampling are left out).
+Start from the naive program and add one idea per rung, on stage 1's own kernels, for
+the matrix-vector products of one decode token (every projection of every layer, q/k/v and
+gate/up stacked as stage 1 stores them, and the lm_head): ~95 % of a decode step's time.
 
     rung 1  one thread; each matrix dequantized to fp32, then multiplied (int8 weights)
     rung 2  the same, with prange threads

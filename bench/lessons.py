@@ -2,41 +2,28 @@
 
 Each rung of the lesson series (stage 2 plus the first k patches of docs/lessons/stage3/,
 built by course/series.py as a package of its own) is counted on the CPU, on a random Qwen3
-model with Qwen3-0.6B's depth and attention shape (28 layers, 16 query heads, 8 KV heads,
-head dim 128) and a small hidden size, MLP and vocabulary (128, 384, 1024): the counts of
-launches, KV bytes and attention FLOPs are 0.6B's. Request A (64 prompt tokens) is
-prefilled, three requests sharing its first 48 tokens are prefilled in one step, then one
-decode step of the four sequences is counted. Two runs per rung:
+with Qwen3-0.6B's depth and attention shape and a small hidden size, MLP and vocabulary:
+request A (64 prompt tokens) is prefilled, three requests sharing its first 48 tokens are
+prefilled in one step, then one decode step of the four is counted, twice per rung:
 
-  * on the numpy twins (device="cpu"): the prefill tokens the two prefill steps computed
-    (the prefix cache skips shared pages), their attention FLOPs (4 x visible positions x
-    H x D per token), and the K/V bytes the decode step reads (times the GQA group where
-    the kernel reads each row once per query head, as stage 2's does);
-  * on the tests' stand-in CuPy (tests/cuda_emulator.py; kernels counted, not run): the
-    host's calls in that decode step, by kind (kernel launches, cuBLAS calls, allocations,
-    elementwise ops, copies, syncs, graph launches), priced with the per-call costs
-    measured on the GPU machine (bench/host_costs.json) into a predicted host time. A rung
-    with CUDA graphs is counted twice: eagerly and as a graph replay (its decode step
-    after the capture).
+  * on the numpy twins: the prefill tokens computed (the prefix cache skips shared pages),
+    their attention FLOPs, and the K/V bytes the decode step reads;
+  * on the tests' stand-in CuPy (tests/cuda_emulator.py): the host's calls in that decode
+    step by kind, priced with the per-call costs measured on the GPU machine
+    (bench/host_costs.json) into a predicted host time; a rung with CUDA graphs eagerly
+    and as a graph replay.
 
-The predicted decode step is the larger of the host time and the GPU time (the weights'
-and the K/V bytes at HBM_BPS, plus KERNEL_GAP_S per kernel): docs/stage3.md's napkin maths.
-
---throughput adds the measured column: output tok/s per rung on a GPU (if CuPy sees one;
-else a dry run on the numpy twins with bench/gpu.py's tiny model): every rung on the same
-workload of --seqs requests (prompts and outputs uniform in --min-len..--max-len and
---min-out..--max-out, random ids, EOS ignored, all at once), bench/gpu.py's model and
-_throughput(). Prompts of a few hundred tokens give prefill attention (rung 04) and the
-K/V reads of decode (rung 03) their weight, and 32 sequences sampling each step the logits'
-copy to the host (rung 05). Each rung has --rung-cap-s seconds (a rung cut there reports
-the rate of the tokens it produced, marked partial) and all of it ends by --deadline-s.
+The predicted decode step is the larger of the host time and the GPU time (the bytes at
+HBM_BPS, plus KERNEL_GAP_S per kernel): docs/stage3.md's napkin maths. --throughput adds
+output tok/s per rung, measured on a GPU (else on the numpy twins with bench/gpu.py's tiny
+model): --seqs requests of random ids, all at once, each rung under --rung-cap-s (a rung
+cut there reports its rate so far, marked partial), all of it within --deadline-s.
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import importlib
-import importlib.util
 import json
 import shutil
 import sys
@@ -49,6 +36,7 @@ import pytest
 from bench import gpu
 from common.engine import Request
 from common.sampling import SamplingParams
+from course import series
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -63,13 +51,6 @@ COSTS = json.loads((Path(__file__).with_name("host_costs.json")).read_text())
 WORKLOAD = dict(num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                 hidden_size=128, intermediate_size=384, vocab_size=1024)
 ENGINE = dict(max_ctx=256, slots=8, token_budget=512, page_size=16, num_pages=64, progress=False)
-
-
-def series():
-    spec = importlib.util.spec_from_file_location("qs_lesson_series", ROOT / "course" / "series.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def host_us(calls: dict) -> float:
@@ -295,7 +276,7 @@ def main() -> int:
     folder = make_model("qwen3", **dict(WORKLOAD, num_hidden_layers=args.layers))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        rungs = series().unpack(Path(tmp) / "rungs")
+        rungs = series.unpack(Path(tmp) / "rungs")
         sys.path.insert(0, str(Path(tmp) / "pkgs"))
         for k, rung in enumerate(rungs):
             pkg = f"qs_bench_rung{k:02d}"

@@ -4,18 +4,13 @@
     OMP_WAIT_POLICY=PASSIVE python -m bench profile --quant bf16 --tokens 512           # prefill
     OMP_WAIT_POLICY=PASSIVE python -m bench profile --kernels plain --activations fp32  # the core's kernels
 
-Uses the benchmark's Qwen3-0.6B-shape model (bench cpu's, built into ~/.cache/qwen3-stages/bench
-on first use; pass --model for any other folder). It first prints what starting an empty
-parallel region costs (tens of microseconds when idle threads sleep, under PASSIVE: what the
-one-region step saves once per op). Every matmul (by shape: its GB/s is the matrix's bytes ÷
-its time) and every op of stage1_cpu/kernels.py is wrapped in a timer, then --steps forward
-passes run after a warm-up: T=1 at positions 128, 129, ... (decode) or T tokens from position
-0 (prefill). "python" is what is left: the forward pass's own Python, array slicing and
-allocation. The wrappers cost ~1 us per call.
-A decode step of a dense model normally runs in one parallel region
-(stage1_cpu/fast/decode_step.py), which has no ops to wrap: it is first timed whole,
-alternating token by token with the per-op path (which computes the same logits),
-then the per-op path is timed op by op.
+On bench cpu's Qwen3-0.6B-shape model (or --model): first what an empty parallel region
+costs (what the one-region step saves once per op), then --steps forward passes after a
+warm-up, every matmul (with its GB/s) and every op of stage1_cpu/kernels.py wrapped in a
+timer (~1 us a call); "python" is the rest: the forward pass's own Python, slicing and
+allocation. A dense decode step normally runs in one parallel region
+(stage1_cpu/fast/decode_step.py), which has no ops to wrap: it is timed whole, alternating
+token by token with the per-op path (the same logits), then the per-op path op by op.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ A table sits in its document between `<!-- report: NAME -->` and `<!-- /report -
 between them is this program's. NAME: cpu (stage 1 ÷ llama.cpp per CPU class: int8, int4,
 decode, prefill 128 / 512), cpu-full (every metric of each saved CPU run), ladder / prefill
 (the ablation ladder's rungs), lessons (the stage 2 -> 3 ladder, counted), lines (each `path`
-(N) in the block given its line count again, to 2 digits). CPU runs: docs/results/cpu-*.json
+(N) in the block given its line count again, to 2 digits), speculative (bench cpu --speculative). CPU runs: docs/results/cpu-*.json
 (`bench cpu --save`), the rest docs/figures/*.json. --check writes nothing, exits 1 naming each stale table.
 """
 from __future__ import annotations
@@ -142,8 +142,27 @@ def serve(root: Path, name: str) -> str:
         f"Not measured yet: `{cmd}` saves docs/figures/{src}, then `python -m bench report`.\n"
 
 
+def speculative(root: Path) -> str:
+    """bench cpu --speculative's rows: each engine and drafting mode per prompt, its output tok/s, its
+    speed-up over the same engine's plain decoding, tokens per forward pass, drafts accepted."""
+    path = root / "docs" / "figures" / "stage1_speculative.json"
+    if not path.is_file():
+        return ("Not measured yet: `python -m bench cpu --speculative --save docs/figures/stage1_speculative.json`, "
+                "then `python -m bench figures` and `python -m bench report`.\n")
+    data = json.loads(path.read_text())
+    rows = sorted((r for r in data["rows"] if "seconds" in r), key=lambda r: (r["task"], r["prompt"], r["engine"], r["mode"]))
+    speed = {(r["engine"], r["mode"], r["task"], r["prompt"]): r["tokens"] / r["seconds"] for r in rows}
+    body = [[r["engine"], r["mode"], f"{r['task']} #{r['prompt']}", f"{speed[k]:.1f}",
+             f"{speed[k] / speed[(k[0], 'plain', *k[2:])]:.2f}x" if (k[0], "plain", *k[2:]) in speed else "–",
+             f"{r['tokens'] / max(r['steps'], 1):.2f}", f"{r['accepted'] / r['drafted']:.0%}" if r["drafted"] else "–"]
+            for r in rows for k in [(r["engine"], r["mode"], r["task"], r["prompt"])]]
+    head = ["engine", "drafts", "prompt", "output tok/s", "speed-up", "tokens/step", "drafts accepted"]
+    return ("![Speculative decoding](figures/stage1_speculative.svg)\n\n" + markdown_table(head, body) +
+            f"\n\n{data['model']}, {data['threads']} threads, {data['peer']}; {data['machine']}; {data['date']}\n")
+
+
 TABLES = {"cpu": cpu_table, "cpu-full": cpu_full, "ladder": ladder, "lessons": counted,
-          "prefill": lambda root: ladder(root, "prefill"),
+          "prefill": lambda root: ladder(root, "prefill"), "speculative": speculative,
           **{name: lambda root, name=name: serve(root, name) for name in SERVE}}
 
 

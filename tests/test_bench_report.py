@@ -3,10 +3,13 @@
 The benchmark's numbers come from subprocess workers; what decides which runs are made
 and which figure the headline quotes is plain Python, checked here on made-up results.
 """
+import json
+
 import numpy as np
 import pytest
 
 from bench import cpu as bench_cpu
+from bench import report
 
 
 def _cell(decode: float, p128: float, p512: float, ttft37: float = 0.5) -> dict:
@@ -162,3 +165,21 @@ def test_ladder_matrices_have_the_model_shapes(fmt):
         (s.num_attention_heads + 2 * s.num_key_value_heads) * s.head_dim, s.hidden_size)
     assert mats[-1].fmt == "int8" and mats[-1].out_features == s.vocab_size
     assert {m.fmt for m in mats[:-1]} == {fmt}
+
+
+def test_speculative_table_measures_each_engine_against_its_own_plain_decoding(tmp_path):
+    """bench report's speculative table: output tok/s, the speed-up over the same engine's plain
+    run of the same prompt, tokens per forward pass and drafts accepted, from a saved run."""
+    (tmp_path / "docs" / "figures").mkdir(parents=True)
+    row = lambda engine, mode, seconds, steps, drafted, accepted: dict(  # noqa: E731
+        engine=engine, mode=mode, task="code rewrite", prompt=0, tokens=64, seconds=seconds, steps=steps,
+        drafted=drafted, accepted=accepted)
+    saved = dict(model="m.gguf", threads=2, peer="llama-cpp-python 0", machine="cpu", date="d",
+                 rows=[row("stage1", "plain", 2.0, 64, 0, 0), row("stage1", "ngram", 0.8, 20, 60, 45),
+                       row("llama.cpp", "plain", 1.0, 64, 0, 0), row("llama.cpp", "lookup", 1.5, 30, 50, 20)])
+    (tmp_path / "docs" / "figures" / "stage1_speculative.json").write_text(json.dumps(saved))
+    cells = {tuple(c.strip() for c in line.strip("|").split("|"))[:2]: [c.strip() for c in line.strip("|").split("|")][3:]
+             for line in report.speculative(tmp_path).splitlines() if line.startswith("| ")}
+    assert cells[("stage1", "ngram")] == ["80.0", "2.50x", "3.20", "75%"]        # 80 tok/s over stage 1's own 32
+    assert cells[("llama.cpp", "lookup")] == ["42.7", "0.67x", "2.13", "40%"]    # over llama.cpp's own 64
+    assert cells[("stage1", "plain")] == ["32.0", "1.00x", "1.00", "–"]

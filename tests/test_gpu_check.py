@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+import gpu_check_report as report      # tests/: the junit helpers of bench/gpu_check.sh
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
 OUT_NAMES = {"summary.md", "logs.tar.gz", "gpu_bench.md", "gpu_bench.json", "gpu_tests.xml", "host_costs.json"}
@@ -163,7 +165,6 @@ def test_bench_gpu_step_skipped_for_lack_of_time_is_not_a_failure():
 
 def test_report_names_a_stage_none_of_whose_gpu_tests_passed(tmp_path):
     """The kernel step fails when a stage's GPU test file passed nothing (all skipped, or absent)."""
-    from bench import gpu_check_report as report   # a package import: bench/ on sys.path would shadow common/
     xml = tmp_path / "k.xml"
     xml.write_text('<testsuites><testsuite>'
                    '<testcase classname="tests.test_stage2_gpu" name="a"/>'

@@ -1,15 +1,15 @@
 """Helpers of bench/gpu_check.sh, standard library only (they run under whichever
 interpreter the script found, or under python3 when none has CuPy).
 
-  python bench/gpu_check_report.py junit OUT.xml IN.xml...   merge pytest's junit files
+  python tests/gpu_check_report.py junit OUT.xml IN.xml...   merge pytest's junit files
                                                                into one; prints totals
-  python bench/gpu_check_report.py failures IN.xml [LINES]     the failing tests, each with
+  python tests/gpu_check_report.py failures IN.xml [LINES]     the failing tests, each with
                                                                the last LINES lines of its traceback
-  python bench/gpu_check_report.py counts IN.xml               "passed failed errors skipped"
-  python bench/gpu_check_report.py stages IN.xml STAGE...      the stages (test_STAGE_gpu.py, e.g.
+  python tests/gpu_check_report.py counts IN.xml               "passed failed errors skipped"
+  python tests/gpu_check_report.py stages IN.xml STAGE...      the stages (test_STAGE_gpu.py, e.g.
                                                                stage2, stage3) none of whose tests
                                                                passed; empty when each had one
-  python bench/gpu_check_report.py check-out DIR MAX           DIR holds at most MAX plain files,
+  python tests/gpu_check_report.py check-out DIR MAX           DIR holds at most MAX plain files,
                                                                no folders, names the device tool
                                                                brings back; exit 1 otherwise
 """
