@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
+import importlib.util
 import json
 import shutil
 import sys
@@ -36,7 +37,6 @@ import pytest
 from bench import gpu
 from common.engine import Request
 from common.sampling import SamplingParams
-from course import series
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -51,6 +51,14 @@ COSTS = json.loads((Path(__file__).with_name("host_costs.json")).read_text())
 WORKLOAD = dict(num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                 hidden_size=128, intermediate_size=384, vocab_size=1024)
 ENGINE = dict(max_ctx=256, slots=8, token_budget=512, page_size=16, num_pages=64, progress=False)
+
+
+def series():
+    """course/series.py, read as a file (bench/ and course/ stand side by side: neither imports the other)."""
+    spec = importlib.util.spec_from_file_location("qs_lesson_series", ROOT / "course" / "series.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def host_us(calls: dict) -> float:
@@ -276,7 +284,7 @@ def main() -> int:
     folder = make_model("qwen3", **dict(WORKLOAD, num_hidden_layers=args.layers))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        rungs = series.unpack(Path(tmp) / "rungs")
+        rungs = series().unpack(Path(tmp) / "rungs")
         sys.path.insert(0, str(Path(tmp) / "pkgs"))
         for k, rung in enumerate(rungs):
             pkg = f"qs_bench_rung{k:02d}"
