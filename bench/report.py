@@ -143,20 +143,22 @@ def serve(root: Path, name: str) -> str:
 
 
 def speculative(root: Path) -> str:
-    """bench cpu --speculative's rows: each engine and drafting mode per prompt, its output tok/s, its
-    speed-up over the same engine's plain decoding, tokens per forward pass, drafts accepted."""
+    """bench cpu --speculative's rows: each engine and drafting mode per task (its prompts together), its
+    output tok/s, its speed-up over the same engine's plain decoding, tokens per forward pass, drafts accepted."""
     path = root / "docs" / "figures" / "stage1_speculative.json"
     if not path.is_file():
         return ("Not measured yet: `python -m bench cpu --speculative --save docs/figures/stage1_speculative.json`, "
                 "then `python -m bench figures` and `python -m bench report`.\n")
-    data = json.loads(path.read_text())
-    rows = sorted((r for r in data["rows"] if "seconds" in r), key=lambda r: (r["task"], r["prompt"], r["engine"], r["mode"]))
-    speed = {(r["engine"], r["mode"], r["task"], r["prompt"]): r["tokens"] / r["seconds"] for r in rows}
-    body = [[r["engine"], r["mode"], f"{r['task']} #{r['prompt']}", f"{speed[k]:.1f}",
-             f"{speed[k] / speed[(k[0], 'plain', *k[2:])]:.2f}x" if (k[0], "plain", *k[2:]) in speed else "–",
-             f"{r['tokens'] / max(r['steps'], 1):.2f}", f"{r['accepted'] / r['drafted']:.0%}" if r["drafted"] else "–"]
-            for r in rows for k in [(r["engine"], r["mode"], r["task"], r["prompt"])]]
-    head = ["engine", "drafts", "prompt", "output tok/s", "speed-up", "tokens/step", "drafts accepted"]
+    data, total = json.loads(path.read_text()), {}
+    for r in (r for r in data["rows"] if "seconds" in r):     # a task's prompts summed: its tokens over its seconds
+        t = total.setdefault((r["task"], r["engine"], r["mode"]), dict(tokens=0, seconds=0.0, steps=0, drafted=0, accepted=0))
+        for k in t:
+            t[k] += r[k]
+    speed = {k: t["tokens"] / t["seconds"] for k, t in total.items()}
+    body = [[e, m, task, f"{speed[k]:.1f}", f"{speed[k] / speed[(task, e, 'plain')]:.2f}x" if (task, e, "plain") in speed
+             else "–", f"{t['tokens'] / max(t['steps'], 1):.2f}", f"{t['accepted'] / t['drafted']:.0%}" if t["drafted"] else "–"]
+            for k, t in sorted(total.items()) for task, e, m in [k]]
+    head = ["engine", "drafts", "task", "output tok/s", "speed-up", "tokens/step", "drafts accepted"]
     return ("![Speculative decoding](figures/stage1_speculative.svg)\n\n" + markdown_table(head, body) +
             f"\n\n{data['model']}, {data['threads']} threads, {data['peer']}; {data['machine']}; {data['date']}\n")
 

@@ -389,7 +389,7 @@ def test_figures_draw_from_small_saved_results(tmp_path):
     (res / "stage1_ladder.json").write_text(json.dumps(small))
     out = figures.draw_all(res, tmp_path / "out")
     assert [p.name for p in out] == ["stage3_lessons.svg", "stage1_ladder.svg", "stage1_roofline.svg",
-                                   "stage1_prefill_tile.svg"]
+                                   "stage1_prefill_tile.svg", "stage1_speculative.svg"]
     for p in out:
         text = p.read_text()
         assert text.lstrip().startswith("<?xml") and "<svg" in text and len(text) > 3000, p.name
