@@ -4,8 +4,9 @@ A table sits in its document between `<!-- report: NAME -->` and `<!-- /report -
 between them is this program's. NAME: cpu (stage 1 ÷ llama.cpp per CPU class: int8, int4,
 decode, prefill 128 / 512), cpu-full (every metric of each saved CPU run), ladder / prefill
 (the ablation ladder's rungs), lessons (the stage 2 -> 3 ladder, counted), lines (each `path`
-(N) in the block given its line count again, to 2 digits), speculative (bench cpu --speculative). CPU runs: docs/results/cpu-*.json
-(`bench cpu --save`), the rest docs/figures/*.json. --check writes nothing, exits 1 naming each stale table.
+(N) in the block given its line count again, to 2 digits), speculative (bench cpu --speculative,
+per task). CPU runs: docs/results/cpu-*.json (`bench cpu --save`), the rest docs/figures/*.json.
+--check writes nothing, exits 1 naming each stale table.
 """
 from __future__ import annotations
 
