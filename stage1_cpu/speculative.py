@@ -76,7 +76,10 @@ class DraftLength:
                 1 + a + a^2 + ... + a^k tokens (the last one the replacement or the bonus token)
         cost    seconds of a verify step of T = k+1 tokens, and of drafting one token
     k = 0 is plain decoding: one token per step at the cost of T = 1. A T that has not run yet is
-    assumed to cost what the napkin says (one token's bytes: about T = 1's time) until it has."""
+    assumed to cost what the napkin says (one token's bytes: about T = 1's time) until it has. A T's
+    first forward is a warm-up (compiling, first-touch pages) and is not counted: counted, it would
+    make that T look slow for good, since a T that looks slow is not chosen and so never re-timed.
+    Each request starts from the prior acceptance: what was accepted depends on the text."""
 
     PRIOR = (1.5, 0.5)          # a = 0.75 before any draft is checked: try drafting
     KEEP = 0.8                  # each step keeps 80 % of the acceptance counts: a window of ~5 steps
@@ -85,7 +88,11 @@ class DraftLength:
         self.k_max = k_max
         self.acc, self.rej = self.PRIOR
         self.cost: dict[int, float] = {}        # T -> seconds of a forward of T tokens (running mean)
+        self.warm: set[int] = set()             # the Ts that have run once
         self.draft_cost = 0.0                   # seconds to draft one token (running mean)
+
+    def new_request(self) -> None:
+        self.acc, self.rej = self.PRIOR
 
     @property
     def rate(self) -> float:
@@ -113,7 +120,10 @@ class DraftLength:
     def update(self, T: int, verify_s: float, drafted: int, accepted: int, draft_s: float) -> None:
         """One step: a forward of T tokens took verify_s, after drafting `drafted` tokens in draft_s,
         of which `accepted` were kept."""
-        self.cost[T] = verify_s if T not in self.cost else 0.7 * self.cost[T] + 0.3 * verify_s
+        if T not in self.warm:
+            self.warm.add(T)
+        else:
+            self.cost[T] = verify_s if T not in self.cost else 0.7 * self.cost[T] + 0.3 * verify_s
         if drafted:
             self.draft_cost = 0.7 * self.draft_cost + 0.3 * draft_s / drafted
             self.acc = self.KEEP * self.acc + accepted
@@ -227,6 +237,7 @@ class SpeculativeEngine(LLMEngine):
     def _start(self, req) -> None:
         super()._start(req)
         self.last_speculation = self.stats[req.id] = SpeculationStats()
+        self.length.new_request()
         while len(self.stats) > KEEP_STATS:
             self.stats.popitem(last=False)
         # the draft model's own draws (temperature > 0), apart from the request's generator
