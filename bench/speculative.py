@@ -22,8 +22,11 @@ def stage1_run(engine, ids: list[int], n: int) -> dict:
     t0, out = time.perf_counter(), []
     while engine.has_work():
         out += [e.token_id for e in engine.step() if e.token_id >= 0]
+    seconds = time.perf_counter() - t0
     s = getattr(engine, "last_speculation", None) or SpeculationStats(steps=n - 1)   # plain: a forward per token
-    return dict(seconds=time.perf_counter() - t0, tokens=out, steps=s.steps + 1, drafted=s.drafted, accepted=s.accepted)
+    verify_ms = {T: round(c * 1e3, 2) for T, c in sorted(engine.length.cost.items())} if hasattr(engine, "length") else {}
+    return dict(seconds=seconds, tokens=out, steps=s.steps + 1, drafted=s.drafted, accepted=s.accepted,
+                verify_ms=verify_ms)         # the drafter's estimate of a forward of T tokens (why it drafts k)
 
 
 def make_engine(spec: dict):
