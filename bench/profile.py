@@ -3,6 +3,7 @@
     OMP_WAIT_POLICY=PASSIVE python -m bench profile --quant int4 --threads 2            # decode
     OMP_WAIT_POLICY=PASSIVE python -m bench profile --quant bf16 --tokens 512           # prefill
     OMP_WAIT_POLICY=PASSIVE python -m bench profile --kernels plain --activations fp32  # the core's kernels
+    python -m bench profile --quant int4 --tokens 512 --save docs/figures/stage1_prefill_profile.json
 
 On bench cpu's Qwen3-0.6B-shape model (or --model): first what an empty parallel region
 costs (what the one-region step saves once per op), then --steps forward passes after a
@@ -11,11 +12,16 @@ timer (~1 us a call); "python" is the rest: the forward pass's own Python, slici
 allocation. A dense decode step normally runs in one parallel region
 (stage1_cpu/fast/decode_step.py), which has no ops to wrap: it is timed whole, alternating
 token by token with the per-op path (the same logits), then the per-op path op by op.
+A prefill on the fast path splits each matmul into the rounding of the activations and the
+integer GEMM (repack and tiles), whose multiply-adds per second are shown against the peak
+of the instruction its tile issues (saved by bench's micro-benchmark, stage1_prefill_gemm.json).
+--save adds the pass to a JSON file (one entry per format and T), which `bench report` reads.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import time
 import types
@@ -25,8 +31,10 @@ import numba
 import numpy as np
 from numba import prange
 
+from bench.common import machine_description
 from bench.cpu import CACHE, SHAPES, prepare_models
 from stage1_cpu import kernels, quant
+from stage1_cpu.fast import gemm
 from stage1_cpu.engine import LLMEngine
 
 
@@ -60,6 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=1, help="tokens per forward pass: 1 = decode")
     ap.add_argument("--steps", type=int, default=20, help="forward passes timed (after a warm-up)")
+    ap.add_argument("--save", type=Path, default=None, help="add this pass to a JSON file (bench report reads it)")
     args = ap.parse_args(argv)
 
     folder = Path(args.model) if args.model else prepare_models(SHAPES["0.6b"], CACHE, quants=())["hf"]
@@ -70,22 +79,26 @@ def main(argv: list[str] | None = None) -> None:
     spent: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()
 
-    inside = [False]               # a timed call inside a timed call (FastWeight -> Weight.matmul) counts once
+    children, active = [0.0], set()   # each label gets its own time less that of the timed calls it
+    #                                    makes (a matmul less its GEMM); a call inside one of its own
+    #                                    label (FastWeight.matmul -> Weight.matmul) is part of it
 
     def timed(label_of, fn):
         def wrapper(*a, **k):
-            if inside[0]:
+            label = label_of(*a)
+            if label in active:
                 return fn(*a, **k)
-            inside[0] = True
+            outer, children[0] = children[0], 0.0
+            active.add(label)
             t0 = time.perf_counter()
             try:
-                result = fn(*a, **k)
+                return fn(*a, **k)
             finally:
-                inside[0] = False
-            label = label_of(*a)
-            spent[label] += time.perf_counter() - t0
-            calls[label] += 1
-            return result
+                took = time.perf_counter() - t0
+                active.discard(label)
+                spent[label] += took - children[0]
+                calls[label] += 1
+                children[0] = outer + took
         return wrapper
 
     nbytes = {}                    # a matmul's label -> the bytes of its matrix
@@ -123,6 +136,16 @@ def main(argv: list[str] | None = None) -> None:
     for cls in classes:
         if "matmul" in vars(cls):
             cls.matmul = timed(lambda w, x: matmul_label(w), cls.matmul)
+    # the fast prefill's two halves: rounding the activations, then the GEMM (repack and tiles)
+    for name in ("round_prompt16", "round_prompt8"):
+        setattr(gemm, name, timed(lambda *a: "round activations", getattr(gemm, name)))
+    macs = {}                      # a GEMM's label -> its multiply-adds
+    for name in ("gemm_int8", "gemm_int8_q8", "gemm_int4", "gemm_int4_16"):
+        def gemm_label(x, *a, n=name):
+            label = f"{n} [{a[-2].shape[1]}, {x.shape[1] * x.shape[2]}]"
+            macs[label] = x.shape[0] * a[-2].shape[1] * x.shape[1] * x.shape[2]
+            return label
+        setattr(gemm, name, timed(gemm_label, getattr(gemm, name)))
     # every op of the namespace forward() calls (the fast path's replaces attention), and the
     # plain kernels' module, which the fast ones fall back to
     ops = ("rmsnorm", "rope", "attention", "silu_mul", "route", "mix", "gated_add")
@@ -162,15 +185,47 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  one region / per op: {np.median(versus['per op']) / np.median(versus['one region']):.2f}x")
         print("the same step op by op (model.forward's kernels, one parallel region each):")
     print(f"one forward pass of {T} token{'s' * (T > 1)}: {total * 1e3:.2f} ms (mean of {args.steps})")
-    accounted = 0.0
+    peaks = instruction_peaks()
+    accounted, rows = 0.0, []
     for label, seconds in sorted(spent.items(), key=lambda kv: -kv[1]):
         per_step = seconds / args.steps
         accounted += per_step
         each = seconds / calls[label]
-        rate = f", {nbytes[label] / each / 1e9:5.1f} GB/s" if label in nbytes else ""
-        print(f"  {label:28s} {per_step * 1e3:8.2f} ms  {calls[label] // args.steps:4d} calls, "
-              f"{each * 1e6:8.0f} us each{rate}")
+        row = dict(what=label, ms=per_step * 1e3, calls=calls[label] // args.steps)
+        if label in macs:                                # a GEMM: its multiply-adds against its instruction's
+            row["gmac_s"] = macs[label] / each / 1e9
+            kind = PEAK_OF[(label.split()[0], bool(gemm.VNNI))]
+            row["of_peak"] = row["gmac_s"] / peaks[kind] if kind in peaks else None
+            rate = f", {row['gmac_s']:5.1f} G MAC/s" + (f" ({row['of_peak']:.0%} of {kind}'s peak)" * bool(row["of_peak"]))
+        else:
+            rate = f", {nbytes[label] / each / 1e9:5.1f} GB/s" if label in nbytes and T < quant.PREFILL_MIN_T else ""
+        rows.append(row)
+        print(f"  {label:28s} {per_step * 1e3:8.2f} ms  {row['calls']:4d} calls, {each * 1e6:8.0f} us each{rate}")
     print(f"  {'python':28s} {(total - accounted) * 1e3:8.2f} ms")
+    if args.save:
+        saved = json.loads(args.save.read_text()) if args.save.is_file() else {}
+        if saved.get("machine") != machine_description():
+            saved = dict(machine=machine_description(), passes=[])      # another machine's passes go
+        saved["passes"] = [x for x in saved["passes"] if (x["quant"], x["tokens"]) != (args.quant, T)] + [dict(
+            quant=args.quant, tokens=T, activations=args.activations, threads=args.threads, ms=total * 1e3,
+            policy=os.environ.get("OMP_WAIT_POLICY", "default"), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            rows=rows + [dict(what="python", ms=(total - accounted) * 1e3, calls=0)])]
+        args.save.write_text(json.dumps(saved, indent=1) + "\n")
+        print(f"added to {args.save}")
+
+
+# a GEMM kernel and whether the CPU has VNNI -> the instruction its tile issues per multiply-add step
+PEAK_OF = {("gemm_int8", False): "maddwd+add", ("gemm_int4_16", False): "maddwd+add", ("gemm_int4", False): "maddubs",
+           ("gemm_int8", True): "dpwssd", ("gemm_int4_16", True): "dpwssd", ("gemm_int4", True): "dpbusd",
+           ("gemm_int8_q8", True): "dpbusd"}
+
+
+def instruction_peaks() -> dict:
+    """G MAC/s of each instruction on all threads, from the saved micro-benchmark run when it was this
+    machine's (docs/figures/stage1_prefill_gemm.json: independent chains of one instruction per thread)."""
+    path = Path(__file__).resolve().parent.parent / "docs" / "figures" / "stage1_prefill_gemm.json"
+    saved = json.loads(path.read_text()) if path.is_file() else {}
+    return saved.get("peaks_gmac_s", {}) if saved.get("machine") == machine_description() else {}
 
 
 if __name__ == "__main__":

@@ -3,9 +3,9 @@
 A table sits in its document between `<!-- report: NAME -->` and `<!-- /report -->`; what is
 between them is this program's. NAME: cpu (stage 1 ÷ llama.cpp per CPU class: int8, int4,
 decode, prefill 128 / 512), cpu-full (every metric of each saved CPU run), ladder / prefill
-(the ablation ladder's rungs), lessons (the stage 2 -> 3 ladder, counted), lines (each `path`
-(N) in the block given its line count again, to 2 digits), speculative (bench cpu --speculative,
-per task). CPU runs: docs/results/cpu-*.json (`bench cpu --save`), the rest docs/figures/*.json.
+(the ablation ladder's rungs), prefill-profile (bench profile --save: where a prefill's time
+goes), lessons (the stage 2 -> 3 ladder, counted), lines (each `path` (N) in the block given
+its line count again, to 2 digits), speculative (bench cpu --speculative, per task). CPU runs: docs/results/cpu-*.json (`bench cpu --save`), the rest docs/figures/*.json.
 --check writes nothing, exits 1 naming each stale table.
 """
 from __future__ import annotations
@@ -170,7 +170,28 @@ def speculative(root: Path) -> str:
             f"\n\n{data['model']}, {data['threads']} threads, {data['peer']}; {data['machine']}; {data['date']}\n")
 
 
-TABLES = {"cpu": cpu_table, "cpu-full": cpu_full, "ladder": ladder, "lessons": counted,
+def prefill_profile(root: Path) -> str:
+    """bench profile --save's passes: where a prefill's time goes (GEMM, rounding, attention, the rest) and
+    each GEMM's multiply-adds per second against the peak of the instruction its tile issues."""
+    path = root / "docs" / "figures" / "stage1_prefill_profile.json"
+    if not path.is_file():
+        return "Not measured yet: `python -m bench profile --quant int8 --tokens 512 --save " \
+               "docs/figures/stage1_prefill_profile.json` (and int4, 128), then `python -m bench report`.\n"
+    d, body = json.loads(path.read_text()), []
+    for p in sorted(d["passes"], key=lambda p: (p["quant"], p["tokens"])):
+        part = lambda *keys: sum(r["ms"] for r in p["rows"] if r["what"].startswith(keys)) / p["ms"]  # noqa: E731
+        gemms = [r for r in p["rows"] if "gmac_s" in r]
+        rate = lambda r: f"{r['gmac_s']:.0f}" + (f" ({r['of_peak']:.0%})" if r.get("of_peak") else "")  # noqa: E731
+        body.append([p["quant"], p["tokens"], f"{p['tokens'] / p['ms'] * 1e3:.0f}", f"{part('gemm'):.0%}",
+                     f"{part('round'):.0%}", f"{part('attention'):.0%}", f"{part('matmul'):.0%}",
+                     f"{1 - part('gemm', 'round', 'attention', 'matmul'):.0%}",
+                     ", ".join(f"{r['what'].split(' ', 1)[1]}: {rate(r)}" for r in gemms)])
+    head = ["weights", "T", "tok/s", "GEMM", "rounding", "attention", "matmul glue", "rest", "G MAC/s per GEMM [O, K] (of peak)"]
+    return markdown_table(head, body) + f"\n\n- {d['machine']}; {p['threads']} threads, OMP_WAIT_POLICY " \
+        f"{p['policy']}; {p['date']}; `python -m bench profile --quant Q --tokens T --save …`\n"
+
+
+TABLES = {"cpu": cpu_table, "prefill-profile": prefill_profile, "cpu-full": cpu_full, "ladder": ladder, "lessons": counted,
           "prefill": lambda root: ladder(root, "prefill"), "speculative": speculative,
           **{name: lambda root, name=name: serve(root, name) for name in SERVE}}
 

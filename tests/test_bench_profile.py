@@ -3,6 +3,7 @@ fast one (whose matmuls are FastWeight's and whose attention is fast/attention.p
 module functions of stage1_cpu/kernels.py that the plain path calls)."""
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -14,11 +15,13 @@ from models import make_model
 # attention falls back to kernels.attention below 16 queries, FastWeight.matmul to Weight.matmul
 @pytest.mark.parametrize("kernels,tokens,activations", [("plain", 32, "auto"), ("fast", 32, "auto"),
                                                         ("fast", 8, "fp32")])
-def test_profile_times_every_op_of_a_prefill_once(kernels, tokens, activations, capsys):
-    from bench import profile
+def test_profile_times_every_op_of_a_prefill_once(kernels, tokens, activations, capsys, tmp_path):
+    from bench import profile, report
     folder = make_model("qwen3")          # 2 layers, 4 / 2 heads of 32, hidden 96, MLP 160, vocab 512
+    saved = tmp_path / "docs" / "figures" / "stage1_prefill_profile.json"
+    saved.parent.mkdir(parents=True)
     profile.main(["--model", str(folder), "--quant", "int8", "--kernels", kernels, "--activations", activations,
-                  "--tokens", str(tokens), "--steps", "2"])
+                  "--tokens", str(tokens), "--steps", "2", "--save", str(saved)])
     out = capsys.readouterr().out
     total = float(re.search(rf"one forward pass of {tokens} tokens: ([\d.]+) ms", out).group(1))
     rows = {m.group(1).strip(): (float(m.group(2)), int(m.group(3)))
@@ -26,10 +29,28 @@ def test_profile_times_every_op_of_a_prefill_once(kernels, tokens, activations, 
     calls = {label: n for label, (_, n) in rows.items()}
     # per forward pass: per layer qkv, o, gate_up, down, then the lm_head (one position);
     # RMSNorm before attention, on q, on k, before the MLP, and the final one
-    assert calls == {"matmul [256, 96]": 2, "matmul [96, 128]": 2, "matmul [320, 96]": 2, "matmul [96, 160]": 2,
-                     "matmul [512, 96]": 1, "attention": 2, "rmsnorm": 9, "rope": 4, "silu_mul": 2}, out
+    expected = {"matmul [256, 96]": 2, "matmul [96, 128]": 2, "matmul [320, 96]": 2, "matmul [96, 160]": 2,
+                "matmul [512, 96]": 1, "attention": 2, "rmsnorm": 9, "rope": 4, "silu_mul": 2}
+    if (kernels, activations) == ("fast", "auto"):      # the integer GEMM, and the rounding before it, apart
+        expected |= {"round activations": 8, "gemm_int8 [256, 96]": 2, "gemm_int8 [96, 128]": 2,
+                     "gemm_int8 [320, 96]": 2, "gemm_int8 [96, 160]": 2}
+    assert calls == expected, out
     # every op really timed, and the timed calls do not overlap: what is left for Python (the
     # forward's time less the ops') is not negative (a fallback timed again inside its caller would
     # count its time twice)
     python = float(re.search(r"^  python\s+(-?[\d.]+) ms", out, re.M).group(1))
     assert all(ms > 0 for ms, _ in rows.values()) and 0 <= python < total, out
+
+    # the saved pass: the same rows; bench report's shares are those rows over the pass's time
+    # (a GEMM's share counted twice, or its multiply-adds miscounted, changes the table)
+    pass_ = json.loads(saved.read_text())["passes"][0]
+    assert (pass_["quant"], pass_["tokens"]) == ("int8", tokens)
+    assert {r["what"]: r["calls"] for r in pass_["rows"] if r["what"] != "python"} == expected
+    assert sum(r["ms"] for r in pass_["rows"]) == pytest.approx(pass_["ms"])
+    table = report.prefill_profile(tmp_path)
+    share = sum(r["ms"] for r in pass_["rows"] if r["what"].startswith("gemm")) / pass_["ms"]
+    assert f"| {tokens} " in table and f"| {share:.0%} " in table, table
+    for r in pass_["rows"]:
+        if "gmac_s" in r:                             # T x O x K multiply-adds per call, over its time
+            O, K = map(int, re.findall(r"\d+", r["what"].split(" ", 1)[1]))
+            assert r["gmac_s"] == pytest.approx(tokens * O * K * r["calls"] / r["ms"] / 1e6, rel=1e-6)
