@@ -32,6 +32,7 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -597,6 +598,35 @@ def choose_llama_lib(args) -> tuple[Path | None, str | None, str]:
     return None, why, "llama.cpp: " + why
 
 
+def ik_llama_bench(args, paths: dict, log) -> list[dict]:
+    """--ik-bench BIN: ik_llama.cpp, built by hand from its sources, as a yardstick (nothing of it is in
+    this repository): its llama-bench on the same GGUF files, prefill at --prompt-lens and decode of
+    --decode-tokens from an empty context, each at its best of both wait policies and of its run-time
+    repack (-rtr 0/1). -> `best` entries as save_results writes them, engine "ik_llama.cpp"."""
+    best: dict = {}
+    for q in [LLAMA_FORMAT[f] for f in args.formats if paths.get(LLAMA_FORMAT[f], Path()).exists()]:
+        for policy in POLICIES[args.omp_wait_policy]:
+            for rtr in (0, 1):
+                cmd = [str(args.ik_bench), "-m", str(paths[q]), "-p", ",".join(map(str, args.prompt_lens)), "-n",
+                       str(args.decode_tokens), "-t", str(max(args.threads)), "-r", str(args.runs), "-rtr", str(rtr),
+                       "-o", "json"]
+                env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+                env.update({} if policy == "default" else {"OMP_WAIT_POLICY": policy})
+                done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.worker_timeout)
+                if done.returncode:
+                    log(f"ik_llama.cpp {q} failed: {done.stderr.strip()[-300:]}")
+                    continue
+                for t in json.loads(done.stdout):
+                    metric = str(t["n_prompt"]) if t["n_prompt"] else "decode"
+                    key = (q, metric)
+                    if t["avg_ts"] > best.get(key, {}).get("value", 0):
+                        best[key] = dict(engine="ik_llama.cpp", format=q, threads=max(args.threads), metric=metric,
+                                         policy=f"{policy}, -rtr {rtr}", value=t["avg_ts"])
+                log(f"ik_llama.cpp {q} ({policy}, -rtr {rtr}): " + ", ".join(
+                    f"{k[1]} {v['value']:.1f}" for k, v in best.items() if k[0] == q))
+    return list(best.values())
+
+
 # ------------------------------------------------------------------ the report
 
 def best_by_policy(args, tables: list[dict]) -> dict:
@@ -781,7 +811,7 @@ def report(args, shape: Shape, tables: list[dict], bw: dict, loads: tuple[float,
     return "\n".join(out)
 
 
-def save_results(args, shape: Shape, tables: list[dict], bw: dict, others: float) -> None:
+def save_results(args, shape: Shape, tables: list[dict], bw: dict, others: float, ik: list[dict]) -> None:
     """--save: the run as JSON, which `bench report` writes the docs' tables from and `bench figures`
     the roofline: machine, SIMD flags, --cpu-profile, date, command, versions, each engine's decode
     at its best policy and the largest thread count (`rows`) and its best median over the policies
@@ -791,7 +821,7 @@ def save_results(args, shape: Shape, tables: list[dict], bw: dict, others: float
             for (e, f, n, m), (v, pol, row, _) in found.items()
             if m == "decode" and n == max(args.threads) and row.weight_bytes]
     best = [dict(engine=e, format=f, threads=n, metric=str(m), policy=pol, value=1 / v if str(m).startswith("ttft") else v)
-            for (e, f, n, m), (v, pol, _, _) in found.items()]
+            for (e, f, n, m), (v, pol, _, _) in found.items()] + ik
     versions = {pkg: importlib.metadata.version(pkg) for pkg, module in (("llama-cpp-python", "llama_cpp"), ("numba", "numba"),
                 ("torch", "torch"), ("transformers", "transformers")) if importlib.util.find_spec(module)}
     args.save.parent.mkdir(parents=True, exist_ok=True)
@@ -840,6 +870,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "NUMBA_CPU_NAME=haswell, llama.cpp built for AVX2 as docs/benchmarks.md says)")
     p.add_argument("--llama-avx2-lib", type=Path, default=None,
                    help=f"--cpu-profile avx2: the folder of the AVX2 build's libllama.so (default {AVX2_LLAMA_LIB})")
+    p.add_argument("--ik-bench", type=Path, default=None, help="ik_llama.cpp's llama-bench, built by hand: "
+                   "its prefill and decode on the same GGUF files, saved as a column beside llama.cpp's")
     p.add_argument("--out", type=Path, default=None, help="also write the markdown report to this file")
     p.add_argument("--save", type=Path, default=None,
                    help="also write the results as JSON (docs/results/cpu-CLASS.json: python -m bench report "
@@ -893,7 +925,7 @@ def main(argv: list[str] | None = None) -> int:
     if not llama_cpp_installed() and "llama.cpp" in args.engines:
         log("llama-cpp-python is not installed (pip install 'qwen3-stages[bench]'): its cells are empty")
     paths = prepare_models(shape, args.cache_dir, log, [LLAMA_FORMAT[f] for f in args.formats]
-                           if "llama.cpp" in args.engines and llama_cpp_installed() else [])
+                           if "llama.cpp" in args.engines and llama_cpp_installed() or args.ik_bench else [])
     mib = 256 if args.quick else 1024
     log("measuring memory bandwidth ...")
     bw = measure_bandwidth(args.threads, mib=mib)
@@ -906,6 +938,7 @@ def main(argv: list[str] | None = None) -> int:
         rows, check = run_table(args, shape, paths, log, plan)
         tables.append({"plan": plan, "rows": rows, "check": check, "wall_s": time.perf_counter() - t0,
                        "others": table_meter.cores_used_by_others()})
+    ik = ik_llama_bench(args, paths, log) if args.ik_bench else []
     load_after, others = load_1min(), meter.cores_used_by_others()
     log(check_load("after") + " (this counts the benchmark's own threads)")
     # measured again at the end: a neighbour busy at the start lowers one of the two, and
@@ -919,7 +952,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(text)
         log(f"report written to {args.out}")
     if args.save:
-        save_results(args, shape, tables, bw, others)
+        save_results(args, shape, tables, bw, others, ik)
         log(f"results written to {args.save}")
     return 0
 

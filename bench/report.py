@@ -74,7 +74,7 @@ def cpu_table(root: Path) -> str:
 def cpu_full(root: Path) -> str:
     out = []
     for run in cpu_runs(root):
-        ll, rows = best(run, "llama.cpp"), []
+        ll, ik, rows = best(run, "llama.cpp"), best(run, "ik_llama.cpp"), []
         for label in sorted({b["engine"] for b in run["best"] if b["engine"].startswith("stage1")}):
             s1 = best(run, label)
             for fmt, q in LLAMA_FORMAT.items():
@@ -83,8 +83,10 @@ def cpu_full(root: Path) -> str:
                     show = lambda v: (f"{v[0] * 1e3:.0f} ms" if t else f"{v[0]:.1f}") + f" ({v[1]})" if v else "–"  # noqa: E731
                     what = f"first token, {m[4:]}-token prompt" if t else "decode tok/s" if m == "decode" else f"prefill {m} tok/s"
                     rows.append([label, f"{fmt} / {q}", what, show(s1[(fmt, m)]), show(ll.get((q, m))),
-                                 ratio(s1[(fmt, m)], ll.get((q, m)), ttft=t)])
-        out += [caption(run), "", markdown_table(["stage 1", "formats", "what", "stage 1", "llama.cpp", "ratio"], rows), ""]
+                                 ratio(s1[(fmt, m)], ll.get((q, m)), ttft=t)]
+                                + [show(ik.get((q, m))), ratio(s1[(fmt, m)], ik.get((q, m)))] * bool(ik))
+        head = ["stage 1", "formats", "what", "stage 1", "llama.cpp", "ratio"] + ["ik_llama.cpp", "÷ ik"] * bool(ik)
+        out += [caption(run), "", markdown_table(head, rows), ""]
     return "\n".join(out) if out else cpu_table(root)
 
 

@@ -121,3 +121,34 @@ def test_figures_draws_every_figure_from_saved_results(tmp_path):
     names = [*DRAW, "stage1_speculative"]          # (the speculative figure: once its JSON is saved, as it is)
     assert out.split() == [str(tmp_path / "out" / f"{name}.svg") for name in names]
     assert all((tmp_path / "out" / f"{name}.svg").read_text().lstrip().startswith("<?xml") for name in names)
+
+
+def test_ik_llama_bench_is_read_at_its_best_policy_and_repack(tmp_path):
+    """--ik-bench: llama-bench's JSON read per test (n_prompt 0 is decode), the best of the wait policies and
+    -rtr kept with its label, and bench report's full table gains the ik_llama.cpp column. A stand-in
+    llama-bench prints what the real one prints (the fields read: n_prompt, n_gen, avg_ts)."""
+    from types import SimpleNamespace
+
+    from bench import cpu
+    fake = tmp_path / "llama-bench"
+    fake.write_text(f"#!{sys.executable}\nimport json, os, sys\na = sys.argv\nrtr = int(a[a.index('-rtr') + 1])\n"
+                    "passive = os.environ.get('OMP_WAIT_POLICY') == 'PASSIVE'\n"
+                    "print(json.dumps([dict(n_prompt=int(p), n_gen=0, avg_ts=100.0 + 50 * rtr) for p in "
+                    "a[a.index('-p') + 1].split(',')] + [dict(n_prompt=0, n_gen=16, avg_ts=30.0 + 5 * passive)]))\n")
+    fake.chmod(0o755)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"")
+    args = SimpleNamespace(ik_bench=fake, formats=["int8"], omp_wait_policy="both", prompt_lens=[8, 24],
+                           decode_tokens=16, threads=[1, 2], runs=1, worker_timeout=60)
+    got = {b["metric"]: (b["value"], b["policy"]) for b in cpu.ik_llama_bench(args, {"Q8_0": gguf}, lambda s: None)}
+    assert got == {"8": (150.0, "PASSIVE, -rtr 1"), "24": (150.0, "PASSIVE, -rtr 1"), "decode": (35.0, "PASSIVE, -rtr 0")}
+    run = dict(command="c", date="d", machine="m", cpu_flags=["avx2"], cpu_profile="native", shape="qwen3-0.6b-shape",
+               threads=[2], others_cores=0, versions={}, best=[
+                   dict(engine="stage1", format="int8", threads=2, metric="8", policy="PASSIVE", value=300.0),
+                   *(dict(b, format="Q8_0", threads=2, engine="ik_llama.cpp") for b in
+                     cpu.ik_llama_bench(args, {"Q8_0": gguf}, lambda s: None))])
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    (tmp_path / "docs" / "results" / "cpu-x.json").write_text(json.dumps(run))
+    rows = table(report.cpu_full(tmp_path), "stage 1")
+    assert rows == [["stage1", "int8 / Q8_0", "prefill 8 tok/s", "300.0 (PASSIVE)", "–", "–",
+                     "150.0 (PASSIVE, -rtr 1)", "2.00×"]], rows
