@@ -106,7 +106,7 @@ def test_ladder_prints_each_rung_decode_and_prefill(tmp_path):
                 "--save", str(tmp_path / "ladder.json"))
     rungs = table(out, "rung")
     assert [r[0] for r in rungs[:4]] == ["1", "2", "3", "4"] and rungs[0][2] == "int8" and rungs[3][2] == "int4"
-    assert all(float(r[5]) > 0 for r in rungs)                      # ms/token
+    assert all(float(r[4]) > 0 and float(r[5]) > 0 for r in rungs)          # ms per token, GB/s
     prefill = table(out.split("Prefill ladder")[1], "rung")
     assert prefill[0][0] == "P1" and float(prefill[0][4]) > 0
     saved = json.loads((tmp_path / "ladder.json").read_text())
