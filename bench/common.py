@@ -6,6 +6,7 @@ pay torch's few hundred MB of RSS.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -104,30 +105,15 @@ def machine_description() -> str:
 
 def measure_bandwidth(threads: list[int], mib: int = 1024, repeats: int = 5) -> dict:
     """Memory bandwidth in GB/s (1e9 bytes/s), the roofline's denominator: read[n], a numba
-    prange sum over a `mib` MiB float32 array with n threads. Decode streams every weight once
-    per token and writes almost nothing, so a pure read is the right ceiling. Best of
-    `repeats`: the roofline is what the memory *can* do. The array is far larger than any
-    cache, so every pass goes to DRAM."""
-    import numba
-    import numpy as np
-
-    read_sum = read_sum_kernel()
-    a = np.ones(mib * 2**20 // 4, dtype=np.float32)   # touch every page before timing
-    out = {"mib": mib, "read": {}}
-    saved = numba.get_num_threads()
-    for n in threads:
-        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
-        read_sum(a[:1024])                              # compile outside the timing
-        best = min(_timed(read_sum, a) for _ in range(repeats))
-        out["read"][n] = a.nbytes / best / 1e9
-    numba.set_num_threads(saved)
-    return out
-
-
-def _timed(fn, *args) -> float:
-    t0 = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - t0
+    prange sum over a `mib` MiB float32 array with n threads, best of `repeats` (the roofline
+    is what the memory *can* do), by a BandwidthProbe. Decode streams every weight once per
+    token and writes almost nothing, so a pure read is the right ceiling; the array is far
+    larger than any cache, so every pass goes to DRAM."""
+    probe = BandwidthProbe(mib, repeats)
+    try:
+        return {"mib": mib, "read": {n: probe.read(n) for n in threads}}
+    finally:
+        probe.close()
 
 
 def read_sum_kernel():
@@ -183,11 +169,15 @@ def _probe_server(mib: int, repeats: int) -> None:
 
     read_sum = read_sum_kernel()
     a = np.ones(mib * 2**20 // 4, dtype=np.float32)
-    read_sum(a[:1024])
+    read_sum(a[:1024])                              # compile before timing (np.ones touched every page)
     print("ready", flush=True)
     for line in sys.stdin:
         numba.set_num_threads(min(int(line), numba.config.NUMBA_NUM_THREADS))
-        best = min(_timed(read_sum, a) for _ in range(repeats))
+        best = 1e9
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            read_sum(a)
+            best = min(best, time.perf_counter() - t0)
         print(f"{a.nbytes / best / 1e9:.3f}", flush=True)
 
 
@@ -263,7 +253,26 @@ def emit_result(result: dict) -> None:
     print(RESULT_TAG + json.dumps(result), flush=True)
 
 
-# ---------------------------------------------------------------- tables
+# ---------------------------------------------------------------- options and results
+
+def items(kind=str, allowed=()):
+    """An argparse type: a comma-separated list ("1,2"; "" for none) of `kind`, each one of
+    `allowed` (and at least one) where that is given."""
+    def parse(text: str) -> list:
+        got = [kind(x.strip()) for x in text.split(",") if x.strip()]
+        if allowed and (not got or set(got) - set(allowed)):
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(allowed)}")
+        return got
+    return parse
+
+
+def save_json(path: Path, command: str, **fields) -> None:
+    """A benchmark's saved run, which `bench report` and `bench figures` read: the command that
+    made it, the date (UTC), the machine, then the benchmark's own fields."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(command=command, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                    machine=machine_description(), **fields), indent=1) + "\n")
+
 
 def fmt_num(x: float | None, digits: int = 1) -> str:
     if x is None or x != x:          # None or nan: the cell was not measured

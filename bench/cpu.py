@@ -4,18 +4,16 @@ on a dense Qwen3 shape or a Qwen3-MoE one.
     python -m bench cpu                        # Qwen3-0.6B shapes, both wait policies (~25 min idle)
     python -m bench cpu --quick                # a small model, one thread count, PASSIVE (< 2 min)
     python -m bench cpu --shape moe            # Qwen3-30B-A3B's layer shape, 12 layers x 32 experts
-    python -m bench cpu --threads 2 --formats int8 --kernels plain,auto --out /tmp/bench.md
+    python -m bench cpu --threads 2 --formats int8 --kernels plain,auto --save /tmp/cpu.json
     python -m bench cpu --cpu-profile avx2     # an AVX-512 host standing in for an AVX2 CPU
 
-In one run, so that every number saw the same machine: it builds a random-weight model of
-the shape with transformers (bf16) and writes the *same* weights as GGUF files (BF16, Q8_0,
-Q4_0; common/gguf_write.py), cached under ~/.cache/qwen3-stages/bench/; measures the memory
-bandwidth; runs every engine in a subprocess of its own (its peak RSS is then its own), once
-per OpenMP wait policy (PASSIVE, and the runtime's default, where idle threads spin a while):
-prefill tok/s per prompt length, the time to the first token of chat-sized prompts, decode
-tok/s of greedy tokens with EOS ignored, medians of warm runs at each thread count; checks
-every engine's logits against transformers fp32; prints the headline (stage 1 ÷ llama.cpp,
-each engine at its own best policy), a table per policy and the napkin maths.
+In one run, so that every number saw the same machine: a random-weight model of the shape
+(built once with transformers, and the same weights as GGUF files for llama.cpp), the memory
+bandwidth, then every engine in a subprocess of its own, once per OpenMP wait policy: prefill
+tok/s, the time to the first token, decode tok/s, and its logits against transformers fp32.
+It prints stage 1 ÷ llama.cpp and every engine's figures, each engine at its own best policy,
+with the napkin maths (bytes per token, GB/s, % of the roofline); docs/benchmarks.md says how
+each figure is measured.
 
 Decode of one sequence reads every weight it uses once per token and does ~2 FLOP per
 weight, so on a CPU it is bound by memory bandwidth: bytes per token *is* the speed. A MoE
@@ -42,8 +40,8 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import (BandwidthProbe, NeighbourMeter, check_load, cpu_flags, emit_result, fmt_num,
-                          load_1min, machine_description, markdown_table, measure_bandwidth, median,
-                          read_sum_kernel, run_worker, stage1_bytes)
+                          items, load_1min, machine_description, markdown_table, measure_bandwidth, median,
+                          read_sum_kernel, run_worker, save_json, stage1_bytes)
 from common.engine import Request
 from common.gguf_write import write_gguf
 from common.numba_cache import set_threads as set_numba_threads
@@ -60,12 +58,12 @@ LLAMA_FORMAT = {"bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}
 # the targets, stage 1 ÷ llama.cpp at 2 threads with each engine at its best policy (decode, prefill
 # per prompt length), and decode's fraction of its roofline; bf16 decode where AVX-512 BF16 exists
 TARGETS = {
-    "dense": {"bf16": {"decode": 1.0, 512: 0.8, "roofline": 0.9},
-              "int8": {"decode": 1.0, 32: 1.0, 128: 1.6, 512: 1.5, "roofline": 0.9},
-              "int4": {"decode": 1.0, 32: 1.0, 128: 1.3, 512: 1.3}},
-    "moe": {"bf16": {"decode": 1.0, 512: 0.8, "roofline": 0.8},
-            "int8": {"decode": 1.0, 512: 0.8, "roofline": 0.8},
-            "int4": {"decode": 1.0, 512: 0.8, "roofline": 0.65}},
+    "dense": {"bf16": {"decode": 1.0, "512": 0.8, "roofline": 0.9},
+              "int8": {"decode": 1.0, "32": 1.0, "128": 1.6, "512": 1.5, "roofline": 0.9},
+              "int4": {"decode": 1.0, "32": 1.0, "128": 1.3, "512": 1.3}},
+    "moe": {"bf16": {"decode": 1.0, "512": 0.8, "roofline": 0.8},
+            "int8": {"decode": 1.0, "512": 0.8, "roofline": 0.8},
+            "int4": {"decode": 1.0, "512": 0.8, "roofline": 0.65}},
 }
 POLICIES = {"both": ["PASSIVE", "default"], "PASSIVE": ["PASSIVE"], "ACTIVE": ["ACTIVE"], "default": ["default"]}
 
@@ -104,36 +102,14 @@ class Shape:
     num_experts_per_tok: int = 0     # k chosen per token (norm_topk_prob: their weights sum to 1)
     moe_intermediate_size: int = 0   # Fe, one expert's MLP width
 
-    @property
-    def family(self) -> str:
-        return "moe" if self.num_experts else "dense"
-
-    def attention_params(self) -> int:
-        """q, k, v and o of one layer."""
-        C, H, Hkv, D = self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim
-        return C * H * D + 2 * C * Hkv * D + H * D * C
-
-    def expert_params(self) -> int:
-        """gate, up [Fe, C] and down [C, Fe] of one expert."""
-        return 3 * self.hidden_size * self.moe_intermediate_size
-
-    def mlp_params(self, experts: int) -> int:
-        """One layer's MLP weights with `experts` experts in it: the dense gate, up and down, or
-        the router [E, C] and that many experts."""
-        if not self.num_experts:
-            return 3 * self.hidden_size * self.intermediate_size
-        return self.num_experts * self.hidden_size + experts * self.expert_params()
-
     def linear_params(self) -> int:
-        """Weights of all matmuls one token goes through, the tied lm_head included (for MoE:
-        the router and the k chosen experts of every layer)."""
-        per_layer = self.attention_params() + self.mlp_params(self.num_experts_per_tok)
-        return self.num_hidden_layers * per_layer + self.vocab_size * self.hidden_size
-
-    def total_params(self) -> int:
-        """Every weight in the file (all E experts; the embedding once: it is tied)."""
-        per_layer = self.attention_params() + self.mlp_params(self.num_experts)
-        return self.num_hidden_layers * per_layer + self.vocab_size * self.hidden_size
+        """Weights of all matmuls one token goes through, the tied lm_head included: per layer
+        q, k, v and o, then the dense gate, up and down, or (MoE) the router [E, C] and the k
+        chosen experts' gate, up [Fe, C] and down [C, Fe]."""
+        C, H, Hkv, D = self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim
+        mlp = (self.num_experts * C + self.num_experts_per_tok * 3 * C * self.moe_intermediate_size
+               if self.num_experts else 3 * C * self.intermediate_size)
+        return self.num_hidden_layers * (2 * C * H * D + 2 * C * Hkv * D + mlp) + self.vocab_size * C
 
 
 SHAPES = {
@@ -486,7 +462,6 @@ class Row:
     fmt: str
     weight_bytes: int | None         # what one decode token reads
     result: dict
-    wall_s: float = float("nan")     # what this engine's worker cost, start to finish
 
 
 def table_plans(args) -> list[dict]:
@@ -553,7 +528,7 @@ def run_table(args, shape: Shape, paths: dict, log, plan: dict) -> tuple[list[Ro
         if spec["engine"] == "transformers" and spec["fmt"] == "fp32" and res.get("check_file"):
             reference = np.load(res["check_file"])
         if not spec.get("check_only") or "error" in res:
-            rows.append(Row(label, spec["fmt"], res.get("weight_bytes") or nbytes, res, wall))
+            rows.append(Row(label, spec["fmt"], res.get("weight_bytes") or nbytes, res))
     check = {}
     for row in rows:
         f = row.result.get("check_file")
@@ -647,168 +622,128 @@ def best_by_policy(args, tables: list[dict]) -> dict:
     return best
 
 
-def headline(args, shape: Shape, tables: list[dict]) -> list[str]:
-    """Per format, kernel set and thread count: decode, every prefill length and the time to the
-    first token, stage 1 ÷ llama.cpp with each engine at its own best wait policy (a ratio under
-    one policy alone flatters whichever engine suffers less from it), stage 1's % of its decode
-    roofline, and the targets at 2 threads."""
-    best = best_by_policy(args, tables)
-    threads = sorted({n for t in tables for n in t["plan"]["threads"]})
-    metrics = ["decode", *args.prompt_lens, *(f"ttft{p}" for p in args.ttft_lens)]
-    rows = []
-    for n in threads:
-        for fmt in args.formats:
-            q, targets = LLAMA_FORMAT[fmt], TARGETS[shape.family].get(fmt, {})
-            for label in map(stage1_label, args.kernels):
-                for m in metrics:
-                    s, ll = best.get((label, fmt, n, m)), best.get(("llama.cpp", q, n, m))
-                    ttft = isinstance(m, str) and m.startswith("ttft")
-                    show = (lambda v: f"{1e3 / v:.0f} ms") if ttft else (lambda v: f"{v:.1f} tok/s")  # noqa: E731
-                    what = f"time to first token, {m[4:]}-token prompt" if ttft else (
-                        "decode" if m == "decode" else f"prefill {m}")
-                    ratio = s[0] / ll[0] if s and ll else float("nan")
-                    roof = decode_roofline(s[3], s[2].weight_bytes)[1] if s and m == "decode" else float("nan")
-                    verdict = []
-                    if not args.quick and n == 2:
-                        if m in targets and ratio == ratio:
-                            verdict.append(f"{'met' if ratio >= targets[m] else 'NOT met'} (≥{targets[m]:.1f}×)")
-                        if "roofline" in targets and roof == roof:
-                            verdict.append(f"roofline {'met' if roof >= targets['roofline'] else 'NOT met'} "
-                                           f"(≥{targets['roofline']:.0%})")
-                    rows.append([label, fmt, q, n, what, f"{show(s[0])} ({s[1]})" if s else "–",
-                                 f"{show(ll[0])} ({ll[1]})" if ll else "–",
-                                 f"{ratio:.2f}×" if ratio == ratio else "–",
-                                 fmt_num(100 * roof, 0) + "%" * (roof == roof), "; ".join(verdict)])
-    return ["### headline: stage 1 ÷ llama.cpp, each engine at its own best wait policy"
-            + (f" (--activations {args.activations})" if args.activations != "auto" else ""), "",
-            "(the policy that gave each figure in brackets; `stage1` = --kernels auto, the fast path where this "
-            "CPU has it; for the time to first token the ratio is llama.cpp's time ÷ stage 1's)", "",
-            markdown_table(["stage 1", "format", "llama.cpp", "threads", "what", "stage 1", "llama.cpp", "ratio",
-                            "% roofline", "targets (2 threads)"], rows), ""]
+def saved_best(best: dict) -> list[dict]:
+    """best_by_policy's figures as --save writes them: the time to the first token in seconds."""
+    return [dict(engine=e, format=f, threads=n, metric=str(m), policy=pol,
+                 value=1 / v if str(m).startswith("ttft") else v) for (e, f, n, m), (v, pol, _, _) in best.items()]
 
 
-def decode_roofline(cell: dict, nbytes: int | None) -> tuple[float, float]:
-    """(median read GB/s next to the decode runs, median over the runs of decode
-    tok/s ÷ that run's roofline tok/s); nan where not measured."""
+def at_threads(best: list[dict], n: int) -> dict:
+    """A run's saved `best` at n threads -> {(engine, format, metric): (value, policy)}."""
+    return {(b["engine"], b["format"], b["metric"]): (b["value"], b["policy"]) for b in best if b["threads"] == n}
+
+
+def comparison(got: dict, verdict=None) -> str:
+    """Stage 1 ÷ llama.cpp, a row per stage-1 kernel set, format and metric, each engine's figure
+    with the wait policy that gave it (a ratio under one policy alone flatters whichever engine
+    suffers less from it); for the time to the first token, llama.cpp's time ÷ stage 1's.
+    got: at_threads(...); verdict(label, format, metric, ratio): a last column, where given.
+    The run's summary prints it, and `bench report` writes the docs' table with it."""
+    rows, has_ik = [], any(e == "ik_llama.cpp" for e, _, _ in got)
+    for label in sorted({e for e, _, _ in got if e.startswith("stage1")}):
+        for fmt, q in LLAMA_FORMAT.items():
+            for m in sorted({m for e, f, m in got if (e, f) == (label, fmt)},
+                            key=lambda m: (m[0] == "t", m != "decode", len(m), m)):
+                s, ll, ttft = got[(label, fmt, m)], got.get(("llama.cpp", q, m)), m.startswith("ttft")
+                show = lambda v: (f"{v[0] * 1e3:.0f} ms" if ttft else f"{v[0]:.1f}") + f" ({v[1]})" if v else "–"  # noqa: E731
+                ratio = (ll[0] / s[0] if ttft else s[0] / ll[0]) if ll else None
+                what = (f"first token, {m[4:]}-token prompt" if ttft else "decode tok/s" if m == "decode"
+                        else f"prefill {m} tok/s")
+                ik = got.get(("ik_llama.cpp", q, m))
+                rows.append([label, f"{fmt} / {q}", what, show(s), show(ll), "–" if ratio is None else f"{ratio:.2f}×"]
+                            + [show(ik), f"{s[0] / ik[0]:.2f}×" if ik and not ttft else "–"] * has_ik
+                            + ([verdict(label, fmt, m, ratio)] if verdict else []))
+    header = ["stage 1", "formats", "what", "stage 1", "llama.cpp", "ratio"] + ["ik_llama.cpp", "÷ ik"] * has_ik
+    return markdown_table(header + ["target"] * bool(verdict), rows)
+
+
+def decode_roofline(cell: dict, nbytes: int | None) -> float:
+    """The median over the runs of decode tok/s ÷ that run's roofline tok/s (the bandwidth
+    measured next to it ÷ the bytes a token reads); nan where not measured."""
     bws = cell.get("decode_bw") or []
     if not bws or not nbytes:
-        return float("nan"), float("nan")
-    return median(bws), median([d * nbytes / (b * 1e9) for d, b in zip(cell["decode"], bws)])
+        return float("nan")
+    return median([d * nbytes / (b * 1e9) for d, b in zip(cell["decode"], bws)])
 
 
-def engine_table(args, rows: list[Row], threads: list[int]) -> list[str]:
-    header = ["engine", "format", "threads", "MB/token", *(f"prefill {p} tok/s" for p in args.prompt_lens),
-              "decode tok/s", "GB/s", "roofline tok/s", "% roofline", "runs", "load s", "peak RSS MiB", "wall s"]
-    table = []
-    for n in threads:
-        for row in rows:
-            mb = fmt_num(row.weight_bytes / 1e6 if row.weight_bytes else None, 0)
-            cell = row.result.get("cells", {}).get(str(n))
-            if cell is None:
-                table.append([row.engine, row.fmt, n, mb, row.result.get("error", "failed")[:60]]
-                             + [""] * (len(header) - 5))
-                continue
-            gbs, frac = decode_roofline(cell, row.weight_bytes)
-            table.append([row.engine, row.fmt, n, mb, *(fmt_num(median(cell["prefill"][str(p)]))
-                                                        for p in args.prompt_lens),
-                          fmt_num(median(cell["decode"])), fmt_num(gbs),
-                          fmt_num(gbs * 1e9 / row.weight_bytes if row.weight_bytes else None),
-                          fmt_num(100 * frac, 0) + "%" * (frac == frac), cell["runs"],
-                          fmt_num(row.result.get("load_s")), fmt_num(row.result.get("peak_rss_mib"), 0),
-                          fmt_num(row.wall_s, 0)])
-    return [markdown_table(header, table), ""]
+def engine_table(args, best: dict, check: dict, n: int) -> str:
+    """Every engine at n threads, each figure its best median over the wait policies: weight bytes
+    a decode token reads, decode tok/s, the GB/s that makes and its % of the roofline, prefill
+    tok/s and the time to the first token per prompt length, peak RSS, and the logits against
+    transformers fp32's (max abs error / max abs logit, cosine, same argmax)."""
+    rows = []
+    for (e, f, k, m), (v, _, row, cell) in best.items():
+        if (k, m) == (n, "decode"):
+            get = lambda metric: best.get((e, f, n, metric), [float("nan")])[0]  # noqa: E731
+            c, mb = check.get((e, f)), row.weight_bytes / 1e6 if row.weight_bytes else None
+            rows.append([e, f, fmt_num(mb, 0), fmt_num(v), fmt_num(mb and v * mb / 1e3),
+                         fmt_num(100 * decode_roofline(cell, row.weight_bytes), 0),
+                         *(fmt_num(get(p)) for p in args.prompt_lens), *(fmt_num(1e3 / get(f"ttft{p}"), 0)
+                                                                         for p in args.ttft_lens),
+                         fmt_num(row.result.get("peak_rss_mib"), 0),
+                         f"{c['max_rel_err']:.4f} / {c['cosine']:.6f} / {c['top1']:.0%}" if c else "–"])
+    return markdown_table(["engine", "format", "MB/token", "decode tok/s", "GB/s", "% roofline",
+                           *(f"prefill {p} tok/s" for p in args.prompt_lens),
+                           *(f"first token {p} ms" for p in args.ttft_lens), "peak RSS MiB",
+                           f"logits of {CHECK_TOKENS} tokens vs fp32"], rows)
 
 
-def correctness(check: dict) -> list[str]:
-    out = [f"### correctness: logits of {CHECK_TOKENS} tokens against transformers fp32 (same weights)", "",
-           f"(stage 1 computes the first {CHECK_TOKENS // 2} in one forward, as prefill does, and the other "
-           f"{CHECK_TOKENS // 2} one at a time, as decode does: both ways of rounding the activations are in it)", ""]
-    if not check:
-        return out + ["not checked (transformers fp32 did not run)", ""]
-    return out + [markdown_table(["engine", "format", "max abs error / max abs logit", "cosine", "same argmax"],
-                                 [[e, f, f"{c['max_rel_err']:.4f}", f"{c['cosine']:.6f}", f"{c['top1']:.0%}"]
-                                  for (e, f), c in check.items()]), ""]
-
-
-def napkin(shape: Shape, rows: list[Row], bw: float, n: int, prompt_len: int) -> list[str]:
-    """Bytes per token per format and the decode speed memory alone allows; for MoE, what a
-    token reads against what the file holds, and what grouping prefill tokens per expert saves."""
-    head = shape.vocab_size * shape.hidden_size
-    lines = ["### napkin maths", "",
-             f"decode reads every weight it uses once per token: {shape.linear_params() / 1e6:,.0f} M weights "
-             f"(lm_head {head / 1e6:.0f} M of them, {head / shape.linear_params():.0%}). At {bw:.1f} GB/s "
-             f"({n} threads):", ""]
-    seen = set()
-    for r in rows:
-        if r.weight_bytes and (r.engine, r.fmt) not in seen and r.engine != "read only":
-            seen.add((r.engine, r.fmt))
-            lines.append(f"- {r.engine} {r.fmt}: {r.weight_bytes / shape.linear_params():.4f} bytes/weight → "
-                         f"{r.weight_bytes / 1e6:,.0f} MB/token → at most {bw * 1e9 / r.weight_bytes:.1f} tok/s")
-    if not shape.num_experts:
-        return lines + [""]
-    E, k = shape.num_experts, shape.num_experts_per_tok
-    # prefill grouped per expert: each expert any of the P tokens chose is read once; with routing
-    # spread over the experts a layer uses E (1 - (1 - k/E)^P) of them, instead of P k reads
-    distinct = E * (1 - (1 - k / E) ** prompt_len)
-    return lines + [
-        "", f"The file holds {shape.total_params() / 1e6:,.0f} M weights: the {E - k} experts a token skips per "
-        f"layer cost memory, not bandwidth ({shape.total_params() / shape.linear_params():.1f}x fewer bytes than a "
-        f"dense model of that size). A prefill of {prompt_len} tokens, grouped per expert, reads each of about "
-        f"{distinct:.1f} experts once per layer instead of {prompt_len * k:,} times one: each expert's matmul has "
-        f"~{prompt_len * k / distinct:.0f} rows, compute-bound, no longer a bandwidth-bound matvec.", ""]
-
-
-def report(args, shape: Shape, tables: list[dict], bw: dict, loads: tuple[float, float, float]) -> str:
-    """The whole result as markdown: machine and instructions, the headline (each engine at
-    its best policy), one table per policy, correctness, napkin maths."""
-    n = max(args.threads)
-    moe = (f", E={shape.num_experts} experts of Fe={shape.moe_intermediate_size}, top-{shape.num_experts_per_tok} "
-           "with norm_topk_prob, every layer MoE" if shape.num_experts else "")
-    out = [f"## CPU benchmark: {shape.name} ({'quick' if args.quick else 'full'}"
-           + (", AVX2 machine stand-in" if args.cpu_profile == "avx2" else "") + ")", "",
-           f"- machine: {machine_description()}",
-           "- command: `" + " ".join(["python -m bench cpu", *args.argv]) + "`",
-           f"- 1-minute load before {loads[0]:.2f}, after {loads[1]:.2f} (with the benchmark's own threads); "
-           f"other processes used {loads[2]:.2f} cores on average during the run"
-           + ("  **busy: numbers may be low**" if loads[2] > 0.25 else ""),
+def report(args, shape: Shape, tables: list[dict], bw: dict, loads: tuple[float, float, float],
+           ik: list[dict]) -> str:
+    """The run as markdown: where it ran and what each engine ran on, then per thread count stage
+    1 ÷ llama.cpp and every engine's figures, each engine at its best wait policy. The logits
+    are checked as docs/benchmarks.md says (stage 1: the first half of the tokens in one forward,
+    as prefill does, the rest one at a time, as decode does)."""
+    busy = lambda cores: " **busy: numbers may be low**" if cores > 0.25 else ""  # noqa: E731
+    moe = (f", E={shape.num_experts} experts of Fe={shape.moe_intermediate_size}, top-{shape.num_experts_per_tok}"
+           if shape.num_experts else "")
+    out = [f"## CPU benchmark: {shape.name}" + (" (AVX2 machine stand-in)" if args.cpu_profile == "avx2" else ""), "",
+           f"- machine: {machine_description()}", "- command: `" + " ".join(["python -m bench cpu", *args.argv]) + "`",
+           f"- 1-minute load before {loads[0]:.2f}, after {loads[1]:.2f} (with the benchmark's own threads); other "
+           f"processes used {loads[2]:.2f} cores on average{busy(loads[2])}; per OMP_WAIT_POLICY: " + "; ".join(
+               f"{t['plan']['policy']} {t['wall_s'] / 60:.1f} min, others {t['others']:.2f} cores{busy(t['others'])}"
+               for t in tables),
            f"- model: {shape.num_hidden_layers} layers, C={shape.hidden_size}, H/Hkv={shape.num_attention_heads}/"
-           f"{shape.num_key_value_heads}, D={shape.head_dim}, F={shape.intermediate_size}{moe}, V={shape.vocab_size}, "
-           f"tied embeddings; {shape.linear_params() / 1e6:,.0f} M weights read per decode token",
-           f"- memory bandwidth of the run (numba prange read of {bw['start']['mib']} MiB, best of 5, the better of "
-           "start / end): " + ", ".join(f"{t} thread{'s' * (t > 1)} {bw['read'][t]:.1f} GB/s ({bw['start']['read'][t]:.1f}"
-                                        f" / {bw['end']['read'][t]:.1f})" for t in args.threads),
-           "- tables: one per OMP_WAIT_POLICY (`default` = the variable unset: libgomp spins a while before it "
-           "sleeps), every engine in its own subprocess: " + "; ".join(
-               f"{t['plan']['policy']}: threads {','.join(map(str, t['plan']['threads']))}, cost {t['wall_s'] / 60:.1f} "
-               f"min, other processes {t['others']:.2f} cores" + (" **busy**" if t["others"] > 0.25 else "")
-               for t in tables)]
+           f"{shape.num_key_value_heads}, D={shape.head_dim}, F={shape.intermediate_size}{moe}, V={shape.vocab_size}; "
+           f"{shape.linear_params() / 1e6:,.0f} M weights read per decode token",
+           "- read bandwidth, the better of start / end: " + ", ".join(
+               f"{t} thread{'s' * (t > 1)} {bw['read'][t]:.1f} GB/s ({bw['start']['read'][t]:.1f} / "
+               f"{bw['end']['read'][t]:.1f})" for t in args.threads)]
     if args.cpu_profile == "avx2":
-        out.append("- --cpu-profile avx2: stage 1 compiled for NUMBA_CPU_NAME=haswell with Haswell's features "
-                   "(no AVX-512); transformers with ATEN_CPU_CAPABILITY=avx2; " + args.llama_line)
-    out += ["- llama.cpp files: the same weights, every matrix in BF16 / Q8_0 / Q4_0 (the Q4_0 file keeps the tied "
-            "token_embd in Q8_0, as stage 1's int4 keeps its lm_head in int8), routers in F32; n_batch = n_ubatch = "
-            "512, use_mmap on",
-            f"- every engine first runs each measured size once, uncounted; then medians of {args.runs} warm "
-            f"run{'s' * (args.runs > 1)}; prefill = prompt tokens ÷ time to the first token; decode = "
-            f"{args.decode_tokens} greedy tokens (EOS ignored) after a {args.decode_prompt}-token prompt ÷ their "
-            "time; MB/token = weight bytes one decode token reads (stage 1: bench.common.stage1_bytes; llama.cpp: "
-            "the GGUF's matrices, stacked experts counted for k of E); roofline = the read bandwidth measured just "
-            "before and after each decode run ÷ MB/token; `read only`: a numba sum over stage 1's bytes per token "
-            "plus its KV cache, nothing computed"
-            + ("; --quick: the model fits in the L3 cache, so % roofline can pass 100 %" if args.quick else ""),
-            "", "### instruction sets each engine used", ""]
-    isa = {}
-    for row in tables[0]["rows"]:
-        if row.result.get("isa"):
-            isa.setdefault((row.engine, row.result["isa"]), row.fmt)
-    out += [f"- {engine} {fmt}: {text}" for (engine, text), fmt in isa.items()] + [""]
-    out += headline(args, shape, tables)
-    for t in tables:
-        out += [f"### OMP_WAIT_POLICY={t['plan']['policy']}", ""] + engine_table(args, t["rows"], t["plan"]["threads"])
-        if t["plan"]["check"]:
-            out += correctness(t["check"])
-    out += napkin(shape, tables[0]["rows"], bw["read"][n], n, max(args.prompt_lens))
-    return "\n".join(out)
+        out.append("- --cpu-profile avx2: stage 1 for NUMBA_CPU_NAME=haswell, transformers with "
+                   "ATEN_CPU_CAPABILITY=avx2; " + args.llama_line)
+    rows = [row for t in tables for row in t["rows"]]
+    out += sorted({f"- {r.engine} {r.fmt}: {r.result['isa']}" for r in tables[0]["rows"] if r.result.get("isa")})
+    out += sorted({f"- {r.engine} {r.fmt}: **{r.result['error']}**" for r in rows if "error" in r.result})
+    best, check = best_by_policy(args, tables), tables[0]["check"]
+    out += headline(args, shape, best, ik)
+    for n in sorted({n for t in tables for n in t["plan"]["threads"]}):
+        out += [f"### every engine at {n} thread{'s' * (n > 1)}, each figure at its best wait policy", "",
+                engine_table(args, best, check, n), ""]
+    return "\n".join(out + ["logits not checked (transformers fp32 did not run)"] * (not check)) + "\n"
+
+
+def headline(args, shape: Shape, best: dict, ik: tuple = ()) -> list[str]:
+    """Per thread count, stage 1 ÷ llama.cpp (comparison) from best_by_policy's figures, and at 2
+    threads of a full run whether stage 1 meets its TARGETS, decode's roofline included."""
+    goals = TARGETS["moe" if shape.num_experts else "dense"]
+
+    def verdict(label: str, fmt: str, m: str, ratio: float | None) -> str:
+        goal, got = goals.get(fmt, {}), []
+        if m in goal and ratio is not None:
+            got.append(f"{'met' if ratio >= goal[m] else 'NOT met'} (≥{goal[m]:.1f}×)")
+        if m == "decode" and "roofline" in goal and (label, fmt, 2, m) in best:
+            _, _, row, cell = best[(label, fmt, 2, m)]
+            roof = decode_roofline(cell, row.weight_bytes)
+            if roof == roof:
+                got.append(f"roofline {'met' if roof >= goal['roofline'] else 'NOT met'} (≥{goal['roofline']:.0%})")
+        return "; ".join(got)
+    out = []
+    for n in sorted({k[2] for k in best}):
+        out += ["", f"### {n} thread{'s' * (n > 1)}: stage 1 ÷ llama.cpp, each engine at its own best wait policy"
+                + (f" (--activations {args.activations})" if args.activations != "auto" else ""), "",
+                comparison(at_threads(saved_best(best) + list(ik), n), verdict if n == 2 and not args.quick else None), ""]
+    return out
 
 
 def save_results(args, shape: Shape, tables: list[dict], bw: dict, others: float, ik: list[dict]) -> None:
@@ -820,18 +755,14 @@ def save_results(args, shape: Shape, tables: list[dict], bw: dict, others: float
     rows = [dict(policy=pol, threads=n, engine=e, format=f, mb_per_token=row.weight_bytes / 1e6, decode_tok_s=v)
             for (e, f, n, m), (v, pol, row, _) in found.items()
             if m == "decode" and n == max(args.threads) and row.weight_bytes]
-    best = [dict(engine=e, format=f, threads=n, metric=str(m), policy=pol, value=1 / v if str(m).startswith("ttft") else v)
-            for (e, f, n, m), (v, pol, _, _) in found.items()] + ik
     versions = {pkg: importlib.metadata.version(pkg) for pkg, module in (("llama-cpp-python", "llama_cpp"), ("numba", "numba"),
                 ("torch", "torch"), ("transformers", "transformers")) if importlib.util.find_spec(module)}
-    args.save.parent.mkdir(parents=True, exist_ok=True)
-    args.save.write_text(json.dumps(dict(
-        command="python -m bench cpu " + " ".join(args.argv), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        machine=machine_description(), cpu_flags=sorted(f for f in cpu_flags()[1] if f.startswith(("avx", "fma", "f16c"))),
-        cpu_profile=args.cpu_profile, shape=shape.name, quick=args.quick, threads=args.threads,
-        others_cores=round(others, 2), versions=versions, bandwidth_gb_s=max(bw["read"].values()), rows=rows, best=best,
-        isa=sorted({f"{r.engine} {r.fmt}: {r.result['isa']}" for r in tables[0]["rows"] if r.result.get("isa")})),
-        indent=1) + "\n")
+    save_json(args.save, "python -m bench cpu " + " ".join(args.argv),
+              cpu_flags=sorted(f for f in cpu_flags()[1] if f.startswith(("avx", "fma", "f16c"))),
+              cpu_profile=args.cpu_profile, shape=shape.name, quick=args.quick, threads=args.threads,
+              others_cores=round(others, 2), versions=versions, bandwidth_gb_s=max(bw["read"].values()), rows=rows,
+              best=saved_best(found) + ik, isa=sorted({f"{r.engine} {r.fmt}: {r.result['isa']}" for r in tables[0]["rows"]
+                                     if r.result.get("isa")}))
 
 
 # ------------------------------------------------------------------ the command line
@@ -844,10 +775,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "--quick: quick")
     p.add_argument("--quick", action="store_true",
                    help="one thread count, 2 runs, PASSIVE only, no read-only rows (and the quick shape)")
-    p.add_argument("--threads", default=None, help="comma-separated thread counts (default 1,2; quick: 2)")
-    p.add_argument("--formats", default="bf16,int8,int4", help="stage-1 formats: bf16,int8,int4")
-    p.add_argument("--engines", default="stage1,llama.cpp,transformers", help="which engines to run")
-    p.add_argument("--kernels", default="auto",
+    p.add_argument("--threads", type=items(int), help="comma-separated thread counts (default 1,2; quick: 2)")
+    p.add_argument("--formats", type=items(allowed=tuple(LLAMA_FORMAT)), default="bf16,int8,int4",
+                   help="stage-1 formats: bf16,int8,int4")
+    p.add_argument("--engines", type=items(allowed=("stage1", "llama.cpp", "transformers")),
+                   default="stage1,llama.cpp,transformers", help="which engines to run")
+    p.add_argument("--kernels", type=items(allowed=("auto", "plain", "fast")), default="auto",
                    help="stage 1's kernel sets, a row each: auto (the fast path where it runs), plain (the portable "
                         "core), fast; e.g. auto,plain")
     p.add_argument("--activations", default="auto", choices=["auto", "int8", "fp32"],
@@ -855,9 +788,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=None, help="warm runs per measurement; the median is reported "
                                                           "(default 3; quick: 2)")
     p.add_argument("--decode-tokens", type=int, default=128, help="greedy tokens generated for the decode figure")
-    p.add_argument("--prompt-lens", default="32,128,512", help="prompt lengths for prefill tok/s")
+    p.add_argument("--prompt-lens", type=items(int), default="32,128,512", help="prompt lengths for prefill tok/s")
     p.add_argument("--decode-prompt", type=int, default=128, help="the prompt length decode follows")
-    p.add_argument("--ttft-lens", default="37,300",
+    p.add_argument("--ttft-lens", type=items(int), default="37,300",
                    help="prompt lengths whose time to first token is reported (chat-sized prompts; '' for none)")
     p.add_argument("--read-only", default=None, choices=["yes", "no"],
                    help="the read-only ceiling rows (a numba sum over stage 1's bytes per token); default yes, quick no")
@@ -872,7 +805,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help=f"--cpu-profile avx2: the folder of the AVX2 build's libllama.so (default {AVX2_LLAMA_LIB})")
     p.add_argument("--ik-bench", type=Path, default=None, help="ik_llama.cpp's llama-bench, built by hand: "
                    "its prefill and decode on the same GGUF files, saved as a column beside llama.cpp's")
-    p.add_argument("--out", type=Path, default=None, help="also write the markdown report to this file")
+    p.add_argument("--out", type=Path, default=None, help="also write the markdown summary to this file")
     p.add_argument("--save", type=Path, default=None,
                    help="also write the results as JSON (docs/results/cpu-CLASS.json: python -m bench report "
                         "writes the docs' tables from it, bench figures the roofline)")
@@ -887,19 +820,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.argv = argv
     args.shape = SHAPES[args.shape or ("quick" if args.quick else "0.6b")]
-    split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
-    args.threads = [int(t) for t in split(args.threads or (str(min(2, os.cpu_count() or 1)) if args.quick else "1,2"))]
-    args.formats, args.engines, args.kernels = split(args.formats), split(args.engines), split(args.kernels)
-    args.prompt_lens = [int(x) for x in split(args.prompt_lens)]
-    args.ttft_lens = [int(x) for x in split(args.ttft_lens)]
+    args.threads = args.threads or ([min(2, os.cpu_count() or 1)] if args.quick else [1, 2])
     args.runs = args.runs or (2 if args.quick else 3)
     args.read_only = (args.read_only or ("no" if args.quick else "yes")) == "yes"
     args.omp_wait_policy = args.omp_wait_policy or ("PASSIVE" if args.quick else "both")
-    for name, given, allowed in (("format", args.formats, LLAMA_FORMAT), ("kernels", args.kernels, ("auto", "plain", "fast")),
-                                 ("engine", args.engines, ("stage1", "llama.cpp", "transformers"))):
-        bad = [g for g in given if g not in allowed]
-        if bad or not given:
-            p.error(f"unknown {name} {', '.join(bad) or '(none given)'}; choose from {', '.join(allowed)}")
     if any(t < 1 for t in args.threads) or args.runs < 1 or args.decode_tokens < 1 or not args.prompt_lens:
         p.error("--threads, --runs, --decode-tokens and --prompt-lens must be positive")
     if max([*args.prompt_lens, *args.ttft_lens, args.decode_prompt]) + args.decode_tokens + 1 > MAX_CTX:
@@ -945,12 +869,11 @@ def main(argv: list[str] | None = None) -> int:
     # the roofline is what the memory *can* do, so it uses the better of the two
     end = measure_bandwidth(args.threads, mib=mib)
     bw = {"read": {n: max(bw["read"][n], end["read"][n]) for n in args.threads}, "start": bw, "end": end}
-    text = report(args, shape, tables, bw, (load_before, load_after, others))
+    text = report(args, shape, tables, bw, (load_before, load_after, others), ik)
     text += f"\n(total {time.perf_counter() - t_start:.0f} s)\n"
     print("\n" + text)
     if args.out:
         args.out.write_text(text)
-        log(f"report written to {args.out}")
     if args.save:
         save_results(args, shape, tables, bw, others, ik)
         log(f"results written to {args.save}")

@@ -79,6 +79,23 @@ def _sync(dev: str) -> None:
         cupy.cuda.Device().synchronize()
 
 
+def _per_call(f, dev: str, n: int = 1, rounds: int = 5, wait: bool = True) -> list[float]:
+    """Seconds per call of f, a figure per round of n calls, each round started on an idle device
+    after one call that is not timed; wait: until the device has finished them (the device's
+    time), else only until the host has enqueued them (the host's)."""
+    f()
+    times = []
+    for _ in range(rounds):
+        _sync(dev)
+        t = time.perf_counter()
+        for _ in range(n):
+            f()
+        if wait:
+            _sync(dev)
+        times.append((time.perf_counter() - t) / n)
+    return times
+
+
 def _model(args, config: dict, name: str) -> Path:
     """A random-weight model folder (bf16 safetensors, initialised on the GPU), reused if there."""
     import torch
@@ -175,18 +192,7 @@ def host_costs() -> dict:
     """Host microseconds per call of each kind bench/lessons.py counts: the best of 5 rounds of
     N calls enqueued on an idle GPU (fewer than its queue holds, so the host never waits)."""
     import cupy
-
-    def us(f, n=200):
-        f()
-        best = 1e9
-        for _ in range(5):
-            cupy.cuda.Device().synchronize()
-            t = time.perf_counter()
-            for _ in range(n):
-                f()
-            best = min(best, (time.perf_counter() - t) / n * 1e6)
-        cupy.cuda.Device().synchronize()
-        return round(best, 2)
+    us = lambda f, n=200: round(min(_per_call(f, "cuda", n, wait=False)) * 1e6, 2)  # noqa: E731
     rng = np.random.default_rng(0)
     w = cupy.asarray(bf16_bits(rng.standard_normal((1024, 1024)).astype(np.float32)))
     x1, x8 = (cupy.asarray(bf16_bits(rng.standard_normal((n, 1024)).astype(np.float32))) for n in (1, 8))
@@ -235,17 +241,13 @@ def _eager_host_ms(args, eng, prompt) -> float:
     eng.step()
     sched = eng.scheduler.schedule()
     seqs, tokens, batch = build_batch(sched.seqs, sched.num_tokens, eng.page_size)
-    params, best = eng._sampling_inputs(seqs), 1e9
+    params = eng._sampling_inputs(seqs)
 
     def enqueue():
         dt, db, dp = eng.inputs.upload(tokens, batch, params)
         logits = eng.model.forward(dt, db)
         kernels.sample(logits, dp.temperature, dp.top_k, dp.top_p, dp.u, out=eng.model.buffers.next_tokens[:1])
-    for _ in range(5):
-        _sync(_dev(args))
-        t = time.perf_counter()
-        enqueue()
-        best = min(best, time.perf_counter() - t)
+    best = min(_per_call(enqueue, _dev(args), wait=False))
     # where that host time goes: cProfile over 10 steps, the top functions by their own time
     prof = cProfile.Profile()
     for _ in range(10):
@@ -274,17 +276,9 @@ def step_gemv(args) -> dict:
             runs = {"gemv": lambda: kernels.linear(x, w, out=o)}
             if not args.dry_run:
                 runs["cublas"] = lambda: kernels._gemm(x, w, o)
-            row = {}
-            for label, f in runs.items():
-                f()
-                _sync(_dev(args))
-                t = time.perf_counter()
-                for _ in range(50):
-                    f()
-                _sync(_dev(args))
-                s = (time.perf_counter() - t) / 50
-                row[label] = {"us": round(s * 1e6, 2), "gbps": round(M * K * 2 / s / 1e9, 0)}
-            out[f"{name} N={N}"] = row
+            times = {label: _per_call(f, _dev(args), 50, rounds=1)[0] for label, f in runs.items()}
+            out[f"{name} N={N}"] = {label: {"us": round(s * 1e6, 2), "gbps": round(M * K * 2 / s / 1e9, 0)}
+                                    for label, s in times.items()}
     return out
 
 
@@ -336,14 +330,8 @@ def step_attn(args) -> dict:
     arrays = [xp.asarray(a) for a in (q, k, v, tables, token_seq, positions, tile_start, tile_count)]
     flops, out = 4 * D * H * S * (T * (T + 1) // 2), {}           # QK^T and PV over the causal triangle
     for name, tc in (("tensor_cores", True), ("plain", False)):
-        times = []
-        for _ in range(6):
-            _sync(_dev(args))
-            t0 = time.perf_counter()
-            kernels.prefill_attention(*arrays, tensor_cores=tc)
-            _sync(_dev(args))
-            times.append(time.perf_counter() - t0)
-        out[name] = {"tflops": flops / sorted(times[1:])[2] / 1e12}
+        times = _per_call(lambda: kernels.prefill_attention(*arrays, tensor_cores=tc), _dev(args))
+        out[name] = {"tflops": flops / sorted(times)[2] / 1e12}
     return out
 
 

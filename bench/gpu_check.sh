@@ -33,10 +33,7 @@ CAP_PROBE=${QS_CAP_PROBE:-10} CAP_KERNELS=${QS_CAP_KERNELS:-25} CAP_ENGINE=${QS_
 CAP_BENCH=${QS_CAP_BENCH:-130} CAP_LESSONS=${QS_CAP_LESSONS:-75} CAP_SANITIZE=${QS_CAP_SANITIZE:-12}
 CAP_PACK=${QS_CAP_PACK:-3}
 SUM=$((CAP_PROBE + CAP_KERNELS + CAP_ENGINE + CAP_BENCH + CAP_LESSONS + CAP_SANITIZE + CAP_PACK))
-if [ "$SUM" -gt "$TOTAL" ]; then
-    echo "gpu_check.sh: the step caps add up to $SUM s, more than $TOTAL s" >&2
-    exit 2
-fi
+[ "$SUM" -le "$TOTAL" ] || { echo "gpu_check.sh: the step caps add up to $SUM s, more than $TOTAL s" >&2; exit 2; }
 SCALE=1
 [ "$DRY" = 1 ] && SCALE=${QS_DRY_SCALE:-5}
 cap() { echo $(( $1 * SCALE )); }
@@ -64,6 +61,7 @@ pack() {                                     # the logs, small: never the model
 }
 stop() { pack; cat "$SUMMARY"; exit 2; }     # the probe failed: nothing else can run
 report() { "$PY" tests/gpu_check_report.py "$@"; }   # junit counts, merges, failures
+finish() { row "$1" "$2" "$(elapsed)" "$3"; say "$1: $3"; pack; }   # finish STEP CAP RESULT: its row, its line
 
 { echo "# GPU check, $(date -u '+%Y-%m-%d %H:%M UTC')$( [ "$DRY" = 1 ] && echo ' — DRY RUN on the CPU (stand-in tests)')"
   echo
@@ -155,17 +153,22 @@ if [ "$DRY" = 1 ]; then
 fi
 say "GPU test files: $GPU_TESTS"
 
-# run_tests NAME CAP PYTEST-ARGS... : one pytest run under its cap, one row of the table
-run_tests() {
-    local name=$1 capv=$2; shift 2
-    local t=$(cap "$capv") xml="$WORK/$name.xml" rc result missing=""
+# run_step NAME CAP KIND LOG CMD... : one step under its cap, one row of the table. KIND tests:
+# pytest with CMD as its arguments, its junit counts the result (and REQUIRE_STAGES: the stages
+# that must pass a test); KIND bench: a benchmark (exit 3: a step ran out of time, reported in
+# its own row, not a failure) that must leave its table in $OUT
+run_step() {
+    local name=$1 capv=$2 kind=$3 log=$4; shift 4
+    local t=$(cap "$capv") xml="$WORK/$name.xml" cmd=("$@") rc result missing=""
+    [ "$kind" = tests ] && cmd=("${PYTEST[@]}" "$@" --junitxml="$xml")
     say "$name (at most $t s) ..."
-    timeout -k 3 "$((t - 3))" "${PYTEST[@]}" "$@" --junitxml="$xml" > "$LOGS/$name.log" 2>&1
+    timeout -k 3 "$((t - 3))" "${cmd[@]}" > "$LOGS/$log" 2>&1
     rc=$?
     if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
-        result="**timed out** after $t s (last line: $(tail -1 "$LOGS/$name.log" | cut -c1-120))"
+        result="**timed out** after $t s"
+        [ "$kind" = tests ] && result="$result (last line: $(tail -1 "$LOGS/$log" | cut -c1-120))"
         FAILED=1
-    else
+    elif [ "$kind" = tests ]; then
         read -r np nf ne ns < <(report counts "$xml")
         result="$np passed, $nf failed, $ne errors, $ns skipped (pytest exit $rc)"
         [ -n "${REQUIRE_STAGES:-}" ] && missing=$(report stages "$xml" $REQUIRE_STAGES)
@@ -174,46 +177,31 @@ run_tests() {
             [ -n "$missing" ] && result="$result — no test of $missing passed"
             FAILED=1
         fi
+    else
+        case "$rc" in
+            0) result="ok" ;;
+            3) result="ok, but a step ran out of time (see the table)" ;;
+            *) result="**a step failed** (exit $rc; see $log)"; FAILED=1 ;;
+        esac
     fi
-    row "$name" "$capv" "$(elapsed)" "$result"
-    say "$name: $result"
-    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then tail -15 "$LOGS/$name.log"; echo; fi
-    pack
+    if [ "$kind" = bench ] && [ ! -f "$OUT/gpu_bench.md" ]; then result="$result; **no table**"; FAILED=1; fi
+    finish "$name" "$capv" "$result"
+    if [ "$kind" = tests ] && { [ "$rc" = 124 ] || [ "$rc" = 137 ]; }; then tail -15 "$LOGS/$log"; echo; fi
 }
 
 # ---- 2. kernel tests, 3. engine tests -------------------------------------------------
-REQUIRE_STAGES=$STAGES run_tests kernel_tests "$CAP_KERNELS" $KERNEL_TESTS -k "not engine"
-run_tests engine_tests "$CAP_ENGINE" $GPU_TESTS -k "engine"
-
-# run_bench NAME CAP LOG CMD... : a benchmark under its cap, one row of the table (exit 3: a
-# step ran out of time, reported in its own row, not a failure)
-run_bench() {
-    local name=$1 capv=$2 log=$3; shift 3
-    local t=$(cap "$capv") rc result
-    say "$name (at most $t s) ..."
-    timeout -k 3 "$((t - 3))" "$@" > "$LOGS/$log" 2>&1
-    rc=$?
-    case "$rc" in
-        0) result="ok" ;;
-        3) result="ok, but a step ran out of time (see the table)" ;;
-        124|137) result="**timed out** after $t s"; FAILED=1 ;;
-        *) result="**a step failed** (exit $rc; see $log)"; FAILED=1 ;;
-    esac
-    [ -f "$OUT/gpu_bench.md" ] || { result="$result; **no table**"; FAILED=1; }
-    row "$name" "$capv" "$(elapsed)" "$result"
-    say "$name: $result"
-    pack
-}
+REQUIRE_STAGES=$STAGES run_step kernel_tests "$CAP_KERNELS" tests kernel_tests.log $KERNEL_TESTS -k "not engine"
+run_step engine_tests "$CAP_ENGINE" tests engine_tests.log $GPU_TESTS -k "engine"
 
 # ---- 4. the benchmark (bench/gpu.py), 5. the lesson ladder (bench/lessons.py) ---------
 # (the ladder's --throughput runs on the GPU when CuPy sees one, on bench.gpu's model in
 # $WORK/bench; the dry run: the numpy twins, bench.gpu's tiny model, 3 sequences)
 DRY_ARG=()
 [ "$DRY" = 1 ] && DRY_ARG=(--dry-run)
-run_bench benchmark "$CAP_BENCH" bench.log "$PY" -m bench gpu --out "$OUT" --workdir "$WORK/bench" \
+run_step benchmark "$CAP_BENCH" bench bench.log "$PY" -m bench gpu --out "$OUT" --workdir "$WORK/bench" \
     --deadline-s "$(( $(cap "$CAP_BENCH") - 6 ))" "${DRY_ARG[@]}"
 T=$(cap "$CAP_LESSONS")
-run_bench lessons "$CAP_LESSONS" lessons.log "$PY" -m bench lessons --layers 1 --save "$WORK/bench/lessons.json" \
+run_step lessons "$CAP_LESSONS" bench lessons.log "$PY" -m bench lessons --layers 1 --save "$WORK/bench/lessons.json" \
     --throughput --workdir "$WORK/bench" --rung-cap-s "$(cap 7)" --deadline-s "$((T - 5))"
 { echo; echo "### Lesson ladder (python -m bench lessons --layers 1 --throughput: host calls counted, tok/s measured)"
   echo; grep '^|' "$LOGS/lessons.log"; } >> "$OUT/gpu_bench.md"
@@ -251,9 +239,7 @@ else
         esac
     done
 fi
-row "sanitizer" "$CAP_SANITIZE" "$(elapsed)" "${results# }"
-say "sanitizer: ${results# }"
-pack
+finish sanitizer "$CAP_SANITIZE" "${results# }"
 
 # ---- 7. pack: one junit file, the logs, the check of $OUT ------------------------------
 XMLS=$(ls "$WORK"/*.xml 2>/dev/null | tr '\n' ' ')

@@ -34,19 +34,17 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before numba starts its threads (bench/common.py)
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from dataclasses import replace
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numba
 import numpy as np
 from numba import njit, prange
 
-from bench.common import NeighbourMeter, check_load, machine_description, markdown_table
+from bench.common import NeighbourMeter, check_load, machine_description, markdown_table, save_json
 from bench.cpu import SHAPES
 from stage1_cpu import fast, kernels, matmul
 from stage1_cpu.fast import cpu
@@ -121,10 +119,25 @@ def time_matrices(step, mats: list, T: int, reps: int, rng: np.random.Generator)
     return times
 
 
-def run_prefill_ladder(shape, threads: int, T: int, reps: int, log=print) -> list[dict]:
+def time_rungs(rungs: list, T: int, reps: int, rng: np.random.Generator, log=print) -> list[dict]:
+    """Each rung (name, weights, threads, matrices, step) timed by time_matrices -> a row of the
+    saved JSON: the median ms per token (T=1: decode) or per prompt token, and the weight bytes
+    and multiply-adds of one pass over the matrices (for GB/s and GMAC/s)."""
+    rows, key = [], "ms_per_token" if T == 1 else "ms_per_prompt_token"
+    for i, (name, fmt, n, mats, step) in enumerate(rungs):
+        kernels.set_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+        ms = time_matrices(step, mats, T, reps, rng)
+        rows.append({"rung": i + 1 if T == 1 else f"P{i + 1}", "what": name, "weights": fmt, "threads": n,
+                     "mb_per_token": sum(w.nbytes for w in mats) / 1e6, key: statistics.median(ms),
+                     "macs": sum(w.out_features * w.in_features for w in mats)})
+        log(f"  {name}: {rows[-1][key]:.3f} ms per {'token' if T == 1 else 'prompt token'} (min {min(ms):.3f}, "
+            f"max {max(ms):.3f})")
+    return rows
+
+
+def prefill_rungs(shape, threads: int, log=print) -> list:
     """Rungs P1-P3 (the module's doc) on the layers' matrices (the lm_head left out)."""
     rng = np.random.default_rng(1)
-    kernels.set_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     int8 = model_matrices(shape, "int8", rng)[:-1]
     rungs = [("plain: dequantize an fp32 tile, BLAS sgemm", "int8", int8)]
     if cpu.INT8:
@@ -134,30 +147,11 @@ def run_prefill_ladder(shape, threads: int, T: int, reps: int, log=print) -> lis
                       [fast.as_fast(w, "fp32", "int8") for w in model_matrices(shape, "int4", rng)[:-1]]))
     else:
         log("the fast path has no int8 dot product on this target: its prefill rungs are left out")
-    rows = []
-    for name, fmt, mats in rungs:
-        ms = time_matrices(lambda w, x: w.matmul(x), mats, T, reps, rng)
-        med = statistics.median(ms)
-        macs = sum(w.out_features * w.in_features for w in mats)
-        rows.append({"rung": name, "fmt": fmt, "threads": threads, "ms": med, "min": min(ms), "max": max(ms),
-                     "gmacs": macs / (med * 1e6)})
-        log(f"  {name}: {med:.3f} ms/prompt token (min {min(ms):.3f}, max {max(ms):.3f})")
-    return rows
+    return [(name, fmt, threads, mats, lambda w, x: w.matmul(x)) for name, fmt, mats in rungs]
 
 
-def prefill_report(rows: list[dict], T: int, reps: int) -> str:
-    table = []
-    for i, r in enumerate(rows):
-        step = rows[i - 1]["ms"] / r["ms"] if i else 1.0
-        table.append([f"P{i + 1}", r["rung"], r["fmt"], str(r["threads"]), f"{r['ms']:.3f}", f"{r['gmacs']:.1f}",
-                      f"{step:.2f}×"])
-    return "\n".join([f"Prefill ladder: a {T}-token prompt through every layer's matrices (no lm_head), "
-                      f"median of {reps} after one warm-up", "",
-                      markdown_table(["rung", "what", "weights", "threads", "ms/prompt token", "GMAC/s",
-                                      "× previous"], table)]) + "\n"
-
-
-def run_ladder(shape, threads: int, tokens: int, log=print) -> list[dict]:
+def decode_rungs(shape, threads: int, log=print) -> list:
+    """Rungs 1-5 (the module's doc) on every matrix of one decode token."""
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
     int8 = model_matrices(shape, "int8", rng)
@@ -182,39 +176,18 @@ def run_ladder(shape, threads: int, tokens: int, log=print) -> list[dict]:
                       lambda w, x: w.matmul(x)))
     else:
         log("the fast path has no int8 dot product on this target: its rung is left out")
-
-    rows = []
-    for name, fmt, n, mats, step in rungs:
-        kernels.set_threads(min(n, numba.config.NUMBA_NUM_THREADS))
-        nbytes = sum(w.nbytes for w in mats)
-        ms = time_matrices(step, mats, 1, tokens, rng)
-        med = statistics.median(ms)
-        rows.append({"rung": name, "fmt": fmt, "threads": n, "MB": nbytes / 1e6, "ms": med,
-                     "min": min(ms), "max": max(ms)})
-        log(f"  {name}: {med:.1f} ms/token (min {min(ms):.1f}, max {max(ms):.1f})")
-    return rows
+    return rungs
 
 
-def report(rows: list[dict], shape, args, loads: tuple[float, float]) -> str:
-    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    out = [f"### Ablation ladder: {shape.name}, decode matmuls of one token ({when})", "",
-           "- command: `" + " ".join(["python -m bench ladder", *args.argv]) + "`",
-           f"- machine: {machine_description()}; numba target {cpu.target_name()} ({cpu.instructions()})",
-           f"- OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}; 1-minute load before "
-           f"{loads[0]:.2f}; other processes used {loads[1]:.2f} cores on average during the run"
-           + ("  **busy: numbers may be low**" if loads[1] > 0.25 else ""),
-           f"- {shape.num_hidden_layers} layers × (wqkv, wo, w_gate_up, w_down) + lm_head "
-           f"[{shape.vocab_size}, {shape.hidden_size}], group size {GROUP}; median of {args.tokens} tokens "
-           "after one warm-up; GB/s = weight bytes ÷ time (rungs 1-2 also write and re-read an fp32 copy)", ""]
-    base = rows[0]["ms"]
-    table = []
-    for i, r in enumerate(rows):
-        step = rows[i - 1]["ms"] / r["ms"] if i else 1.0
-        table.append([str(i + 1), r["rung"], r["fmt"], str(r["threads"]), f"{r['MB']:,.0f}",
-                      f"{r['ms']:,.1f}", f"{r['MB'] / r['ms']:.1f}", f"{step:.2f}×", f"{base / r['ms']:.1f}×"])
-    out.append(markdown_table(["rung", "what", "weights", "threads", "MB/token", "ms/token", "GB/s",
-                               "× previous", "× rung 1"], table))
-    return "\n".join(out) + "\n"
+def table(rows: list[dict], ms: str, rate: str) -> str:
+    """Rungs, each against the one before and the first: ms, and GB/s of weights (decode; rungs
+    1-2 also write and re-read an fp32 copy) or GMAC/s (prefill)."""
+    def speed(r: dict) -> float:
+        return r["mb_per_token"] / r[ms] if rate == "GB/s" else r["macs"] / (r[ms] * 1e6)
+    return markdown_table(["rung", "what", "weights", "threads", ms.replace("_", " "), rate, "× previous", "× first"],
+                          [[str(r["rung"]), r["what"], r["weights"], str(r["threads"]), f"{r[ms]:.4g}",
+                            f"{speed(r):.1f}", f"{rows[i - 1][ms] / r[ms]:.2f}×" if i else "",
+                            f"{rows[0][ms] / r[ms]:.1f}×"] for i, r in enumerate(rows)])
 
 
 def parse_args(argv):
@@ -224,7 +197,7 @@ def parse_args(argv):
     p.add_argument("--threads", type=int, default=None, help="threads of rungs 2+ (default: all, at most 2)")
     p.add_argument("--tokens", type=int, default=5, help="timed tokens per rung (the median is reported)")
     p.add_argument("--prefill-tokens", type=int, default=128, help="prompt length of the prefill rungs (0: none)")
-    p.add_argument("--out", type=Path, default=None, help="also write the markdown table to this file")
+    p.add_argument("--out", type=Path, default=None, help="also write the markdown tables to this file")
     p.add_argument("--save", type=Path, default=None,
                    help="also write the rows as JSON (docs/figures/stage1_ladder.json: python -m bench figures)")
     args = p.parse_args(argv)
@@ -240,26 +213,33 @@ def main(argv: list[str] | None = None) -> int:
     shape = SHAPES["quick" if args.quick else "0.6b"]
     if args.layers:
         shape = replace(shape, num_hidden_layers=args.layers, name=f"{shape.name}, {args.layers} layers")
-    log = lambda s: print(s, flush=True)
+    log = lambda s: print(s, flush=True)  # noqa: E731
     log(check_load("before"))
     load0, meter = os.getloadavg()[0], NeighbourMeter()
-    rows = run_ladder(shape, args.threads, args.tokens, log)
-    prefill = run_prefill_ladder(shape, args.threads, args.prefill_tokens, 3, log) if args.prefill_tokens else []
-    text = report(rows, shape, args, (load0, meter.cores_used_by_others()))
-    if prefill:
-        text += "\n" + prefill_report(prefill, args.prefill_tokens, 3)
+    rows = time_rungs(decode_rungs(shape, args.threads, log), 1, args.tokens, np.random.default_rng(0), log)
+    T = args.prefill_tokens
+    prefill = time_rungs(prefill_rungs(shape, args.threads, log), T, 3, np.random.default_rng(1), log) if T else []
+    others = meter.cores_used_by_others()
+    text = "\n".join([
+        f"### Ablation ladder: {shape.name}, decode matmuls of one token", "",
+        "- command: `" + " ".join(["python -m bench ladder", *args.argv]) + "`",
+        f"- machine: {machine_description()}; numba target {cpu.target_name()} ({cpu.instructions()})",
+        f"- OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}; 1-minute load before {load0:.2f}; other "
+        f"processes used {others:.2f} cores on average" + ("  **busy: numbers may be low**" if others > 0.25 else ""),
+        f"- {shape.num_hidden_layers} layers × (wqkv, wo, w_gate_up, w_down) + lm_head [{shape.vocab_size}, "
+        f"{shape.hidden_size}], group size {GROUP}; median of {args.tokens} tokens after one warm-up", "",
+        table(rows, "ms_per_token", "GB/s"), ""] + ([
+        f"Prefill ladder: a {T}-token prompt through every layer's matrices (no lm_head), median of 3 after one "
+        "warm-up", "", table(prefill, "ms_per_prompt_token", "GMAC/s"), ""] if prefill else []))
     print("\n" + text)
     if args.out:
         args.out.write_text(text)
-    if args.save:
-        args.save.parent.mkdir(parents=True, exist_ok=True)
-        args.save.write_text(json.dumps(dict(
-            command="python -m bench ladder " + " ".join(args.argv), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            machine=machine_description(),
-            rows=[dict(rung=i + 1, what=r["rung"], weights=r["fmt"], threads=r["threads"], mb_per_token=r["MB"],
-                       ms_per_token=r["ms"]) for i, r in enumerate(rows)],
-            prefill=[dict(rung=f"P{i + 1}", what=r["rung"], weights=r["fmt"], threads=r["threads"],
-                          ms_per_prompt_token=r["ms"]) for i, r in enumerate(prefill)]), indent=1) + "\n")
+    if args.save:                      # (a rung's MACs, and a prefill rung's bytes, are for the table only)
+        save_json(args.save, "python -m bench ladder " + " ".join(args.argv),
+                  rows=[{k: r[k] for k in ("rung", "what", "weights", "threads", "mb_per_token", "ms_per_token")}
+                        for r in rows],
+                  prefill=[{k: r[k] for k in ("rung", "what", "weights", "threads", "ms_per_prompt_token")}
+                           for r in prefill])
     return 0
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from bench import lessons
 from bench.common import markdown_table
-from bench.cpu import LLAMA_FORMAT
+from bench.cpu import at_threads, comparison
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = re.compile(r"(<!-- report: ([\w-]+) -->\n)(.*?)(<!-- /report -->)", re.S)
@@ -39,12 +39,6 @@ def cpu_runs(root: Path) -> list[dict]:
     return sorted(runs, key=lambda r: ("AVX-512" in r["class"], r["class"]))
 
 
-def best(run: dict, engine: str) -> dict:
-    """(format, metric) -> (tok/s, or seconds for ttftP; its policy) at the run's largest thread count."""
-    return {(b["format"], b["metric"]): (b["value"], b["policy"]) for b in run["best"]
-            if b["engine"] == engine and b["threads"] == max(run["threads"])}
-
-
 def caption(run: dict) -> str:
     busy = f"; **busy**: other processes used {run['others_cores']:.2f} cores" if run["others_cores"] > 0.25 else ""
     shape = f"; the {run['shape']} shape, not Qwen3-0.6B's" if run["shape"] != "qwen3-0.6b-shape" else ""
@@ -52,41 +46,23 @@ def caption(run: dict) -> str:
             f"llama-cpp-python {run['versions'].get('llama-cpp-python', 'not installed')}{shape}{busy}; `{run['command']}`")
 
 
-def ratio(s: tuple | None, ll: tuple | None, ttft: bool = False, short: bool = False) -> str:
-    """stage 1 ÷ llama.cpp (for a time to the first token, llama.cpp's time ÷ stage 1's)."""
-    if not s or not ll:
-        return "–"
-    r = (ll[0] / s[0]) if ttft else (s[0] / ll[0])
-    return f"**{r:.2f}×** ({s[0]:.1f} / {ll[0]:.1f} tok/s)" if short else f"{r:.2f}×"
-
-
 def cpu_table(root: Path) -> str:
+    """Stage 1 ÷ llama.cpp per CPU class, int8 and int4, at each run's largest thread count."""
     runs, rows = cpu_runs(root), []
     for run in runs:
-        s1, ll = best(run, "stage1"), best(run, "llama.cpp")
-        rows += [[run["class"], f"{fmt} ÷ {LLAMA_FORMAT[fmt]}", *(ratio(s1.get((fmt, m)), ll.get((LLAMA_FORMAT[fmt], m)),
-                                                                        short=True) for m in METRICS)]
-                 for fmt in ("int8", "int4") if any((fmt, m) in s1 for m in METRICS)]
+        got = at_threads(run["best"], max(run["threads"]))
+        for fmt, q in (("int8", "Q8_0"), ("int4", "Q4_0")):
+            pairs = [(got.get(("stage1", fmt, m)), got.get(("llama.cpp", q, m))) for m in METRICS]
+            if any(s for s, _ in pairs):
+                rows.append([run["class"], f"{fmt} ÷ {q}", *(f"**{s[0] / ll[0]:.2f}×** ({s[0]:.1f} / {ll[0]:.1f} tok/s)"
+                                                             if s and ll else "–" for s, ll in pairs)])
     return (markdown_table(["CPU", "stage 1 ÷ llama.cpp", *METRICS.values()], rows) + "\n\n"
             + "\n".join(map(caption, runs)) + "\n") if rows else NOT_MEASURED
 
 
 def cpu_full(root: Path) -> str:
-    out = []
-    for run in cpu_runs(root):
-        ll, ik, rows = best(run, "llama.cpp"), best(run, "ik_llama.cpp"), []
-        for label in sorted({b["engine"] for b in run["best"] if b["engine"].startswith("stage1")}):
-            s1 = best(run, label)
-            for fmt, q in LLAMA_FORMAT.items():
-                for m in sorted({m for f, m in s1 if f == fmt}, key=lambda m: (m[0] == "t", m != "decode", len(m), m)):
-                    t = m.startswith("ttft")
-                    show = lambda v: (f"{v[0] * 1e3:.0f} ms" if t else f"{v[0]:.1f}") + f" ({v[1]})" if v else "–"  # noqa: E731
-                    what = f"first token, {m[4:]}-token prompt" if t else "decode tok/s" if m == "decode" else f"prefill {m} tok/s"
-                    rows.append([label, f"{fmt} / {q}", what, show(s1[(fmt, m)]), show(ll.get((q, m))),
-                                 ratio(s1[(fmt, m)], ll.get((q, m)), ttft=t)]
-                                + [show(ik.get((q, m))), ratio(s1[(fmt, m)], ik.get((q, m)))] * bool(ik))
-        head = ["stage 1", "formats", "what", "stage 1", "llama.cpp", "ratio"] + ["ik_llama.cpp", "÷ ik"] * bool(ik)
-        out += [caption(run), "", markdown_table(head, rows), ""]
+    out = [line for run in cpu_runs(root)
+           for line in (caption(run), "", comparison(at_threads(run["best"], max(run["threads"]))), "")]
     return "\n".join(out) if out else cpu_table(root)
 
 

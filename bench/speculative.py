@@ -9,7 +9,7 @@ import time
 from itertools import islice
 from pathlib import Path
 
-from bench.common import check_load, emit_result, machine_description, run_worker
+from bench.common import check_load, emit_result, run_worker, save_json
 from common.config import gguf_path
 from common.draft import SpeculationStats
 from common.engine import Request
@@ -103,11 +103,9 @@ def run(args, policies: list[str], log=print) -> int:
             f"{r['tokens'] / r['seconds']:6.1f} tok/s, {r['tokens'] / max(r['steps'], 1):.2f} tokens/step "
             f"({r['policy']}), first {r['same_as_plain']} tokens as stage 1 plain")))
     if args.save:
-        args.save.write_text(json.dumps(dict(
-            command="python -m bench cpu " + " ".join(args.argv), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            machine=machine_description(), threads=max(args.threads), model=model.name, rows=rows,
-            peer=next((f"llama-cpp-python {d.version}" for d in importlib.metadata.distributions(name="llama-cpp-python")),
-                      "no llama-cpp-python")), indent=1) + "\n")
+        save_json(args.save, "python -m bench cpu " + " ".join(args.argv), threads=max(args.threads), model=model.name,
+                  rows=rows, peer=next((f"llama-cpp-python {d.version}" for d in
+                                        importlib.metadata.distributions(name="llama-cpp-python")), "no llama-cpp-python"))
         log(f"results written to {args.save}")
     return 0
 

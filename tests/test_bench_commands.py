@@ -75,30 +75,26 @@ def test_cpu_measures_every_engine_and_prints_its_tables(tmp_path, shape, engine
                 "--out", str(tmp_path / "report.md"), "--save", str(tmp_path / "docs" / "results" / "cpu-x.json"))
     assert (tmp_path / "report.md").read_text().strip() in out
     labels = ["stage1" if k == "auto" else f"stage1 {k}" for k in kernels.split(",")]
-    headline = table(out, "stage 1")
-    whats = ["decode", "prefill 8", "prefill 24", "time to first token, 12-token prompt"]
-    assert [(r[0], r[4]) for r in headline] == [(label, w) for label in labels for w in whats]
-    assert all(re.fullmatch(r"[\d.]+ (tok/s|ms) \(PASSIVE\)", r[5]) for r in headline), out
+    headline = table(out, "stage 1")                               # stage 1 ÷ llama.cpp (none here: its cells "–")
+    whats = ["decode tok/s", "prefill 8 tok/s", "prefill 24 tok/s", "first token, 12-token prompt"]
+    assert [(r[0], r[2]) for r in headline] == [(label, w) for label in sorted(labels) for w in whats]
+    assert all(re.fullmatch(r"[\d.]+( ms)? \(PASSIVE\)", r[3]) and r[4] == "–" for r in headline), out
     engines_table = table(out, "engine")
     assert [(r[0], r[1]) for r in engines_table] == (
         [("transformers", "fp32")] * (shape == "tiny" and "transformers" in engines)
         + [(label, "int8") for label in labels] + [("read only", "int8")])
     for row in engines_table:
-        decode = float(row[6].replace(",", ""))
-        assert decode > 0 and row[10] == "1", row                  # decode tok/s, runs
+        assert float(row[3].replace(",", "")) > 0 and float(row[4]) > 0, row           # decode tok/s, GB/s
     if "transformers" in engines:                                  # the oracle: checked, not timed
-        check = {(r[0], r[1]): r for r in table(out.split("### correctness")[1], "engine")}
-        assert float(check[("stage1 plain", "int8")][3]) > 0.99      # cosine of the logits
+        check = {(r[0], r[1]): r[-1] for r in engines_table}
+        assert float(check[("stage1 plain", "int8")].split(" / ")[1]) > 0.99      # cosine of the logits
     else:
-        assert "not checked (transformers fp32 did not run)" in out
-    assert ("grouped per expert" in out) == (shape == "moe-tiny")      # the MoE napkin maths
+        assert "logits not checked (transformers fp32 did not run)" in out
     # --save: what `bench report` writes the docs' tables from, the same figures as the headline's
     saved = json.loads((tmp_path / "docs" / "results" / "cpu-x.json").read_text())
     assert saved["command"].startswith("python -m bench cpu --shape") and saved["threads"] == [1]
     assert {"machine", "date", "cpu_flags", "versions", "isa", "rows"} <= set(saved) and saved["isa"]
-    full = table(report.cpu_full(tmp_path), "stage 1")
-    for label, row in zip(labels, [r for r in headline if r[4] == "decode"]):
-        assert [r[3] for r in full if r[0] == label and r[2] == "decode tok/s"] == [row[5].replace(" tok/s", "")]
+    assert table(report.cpu_full(tmp_path), "stage 1") == headline
 
 
 def test_ladder_prints_each_rung_decode_and_prefill(tmp_path):
@@ -106,7 +102,7 @@ def test_ladder_prints_each_rung_decode_and_prefill(tmp_path):
                 "--save", str(tmp_path / "ladder.json"))
     rungs = table(out, "rung")
     assert [r[0] for r in rungs[:4]] == ["1", "2", "3", "4"] and rungs[0][2] == "int8" and rungs[3][2] == "int4"
-    assert all(float(r[5]) > 0 for r in rungs)                      # ms/token
+    assert all(float(r[4]) > 0 and float(r[5]) > 0 for r in rungs)          # ms per token, GB/s
     prefill = table(out.split("Prefill ladder")[1], "rung")
     assert prefill[0][0] == "P1" and float(prefill[0][4]) > 0
     saved = json.loads((tmp_path / "ladder.json").read_text())
