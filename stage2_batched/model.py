@@ -73,7 +73,7 @@ class Scratch:
 def scratch_widths(cfg) -> dict[str, tuple[int, ...]]:
     """One token's row of each buffer the layer loop writes, by the name model.py uses."""
     H, Hkv, D, C = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
-    widths = dict(x=(C,), x_mid=(C,),              # the residual stream, before and after the attention add
+    widths = dict(x=(C,), x_mid=(C,),              # the residual stream entering a layer; after its attention add
                   h=(C,), y=(C,),                  # a block's normed input; what it adds to the stream
                   q=(H * D,), k=(Hkv * D,), v=(Hkv * D,),            # the projections
                   q_normed=(H, D), k_normed=(Hkv, D), q_rot=(H, D), k_rot=(Hkv, D), att=(H, D))
