@@ -21,10 +21,15 @@ its numpy twin on numpy arrays.
                                                          plus a gated shared expert: qwen2_moe)
     logits = rmsnorm(x) @ lm_head.T                     [S', V] for the last position of each sequence
 
+Every kernel and GEMM of the layer loop writes into a buffer of the step's Scratch
+(`out=b.h`, ...), kept from step to step, instead of a new array per op.
+
 Weight names follow Hugging Face's (wq is q_proj, ...); the rename table is in
 common/loader.py.
 """
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -34,6 +39,50 @@ from .kv_cache import KVCache
 from .weights import LayerWeights, Weights
 
 
+class Scratch:
+    """The buffers the layer loop writes its intermediates into, kept from step to step.
+
+    A kernel or GEMM that allocates its own output costs the host a `cupy.empty` on every
+    call (2.3 us on an H200, bench/host_costs.json), 18 times per layer. Here each output
+    has a named buffer [rows, *width] (the residual stream, h, q, ...), rows the most
+    tokens any step has had so far: a bigger step replaces it once, a smaller one uses
+    its first rows. take(N) makes those views once per batch size, so a run of decode
+    steps of the same batch reuses the same arrays and allocates nothing.
+
+    A buffer holds one value at a time, overwritten by the next layer's: two values alive
+    at once get two names, and so does a kernel's output and its input (the .cu files
+    declare their pointers __restrict__). The logits are not in here: they outlive the
+    step (the caller samples from them), so lm_head's GEMM makes a new array."""
+
+    def __init__(self, xp, widths: dict[str, tuple[int, ...]]):
+        self.xp, self.widths = xp, widths          # name -> one token's row shape
+        self.memory = {}                           # name -> [rows, *width] float32
+        self.n, self.views = None, None
+
+    def take(self, n: int) -> SimpleNamespace:
+        """The buffers of a step of n tokens: b.h [n, C], b.q [n, H*D], ..."""
+        if n != self.n:
+            for name, width in self.widths.items():
+                if name not in self.memory or len(self.memory[name]) < n:
+                    self.memory[name] = self.xp.empty((n, *width), np.float32)
+            self.n = n
+            self.views = SimpleNamespace(**{name: m[:n] for name, m in self.memory.items()})
+        return self.views
+
+
+def scratch_widths(cfg) -> dict[str, tuple[int, ...]]:
+    """One token's row of each buffer the layer loop writes, by the name model.py uses."""
+    H, Hkv, D, C = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+    widths = dict(x=(C,), x_mid=(C,),              # the residual stream entering a layer; after its attention add
+                  h=(C,), y=(C,),                  # a block's normed input; what it adds to the stream
+                  q=(H * D,), k=(Hkv * D,), v=(Hkv * D,),            # the projections
+                  q_normed=(H, D), k_normed=(Hkv, D), q_rot=(H, D), k_rot=(Hkv, D), att=(H, D))
+    if not all(cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
+        F = cfg.intermediate_size                  # a dense MLP's gate, up and silu(gate) * up
+        widths.update(gate=(F,), up=(F,), act=(F,))
+    return widths
+
+
 class Model:
     def __init__(self, weights: Weights, max_ctx: int, num_pages: int, page_size: int):
         self.w = weights
@@ -41,6 +90,7 @@ class Model:
         self.max_ctx = max_ctx
         self.xp = xp = weights.xp
         self.cache = KVCache(cfg, num_pages, page_size, xp)
+        self.scratch = Scratch(xp, scratch_widths(cfg))
         # CUDA kernels on cupy arrays, their numpy twins on numpy arrays
         self.k = kernels
         cos, sin = ops.rope_tables(max_ctx, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)   # [T_max, D/2]
@@ -58,60 +108,66 @@ class Model:
         # each token rotates by its own position: gather one table row per token
         cos = self.cos[batch.positions]                        # [N, D/2]
         sin = self.sin[batch.positions]
+        b = self.scratch.take(N)                               # this step's buffers, [N, ...] each
 
         # token embedding: one row per token (the embedding gather kernel)
-        x = w.embed.rows(tokens)                               # [N, C]
+        x = w.embed.rows(tokens, out=b.x)                      # [N, C]
 
         for layer, lw in enumerate(w.layers):
             # ---- attention block ----
-            h = K.rmsnorm(x, lw.attn_norm, eps)                # [N, C]
-            q, k, v = lw.wq.matmul(h), lw.wk.matmul(h), lw.wv.matmul(h)   # [N, H*D], [N, Hkv*D] x 2
+            h = K.rmsnorm(x, lw.attn_norm, eps, out=b.h)       # [N, C]
+            q, k, v = lw.wq.matmul(h, out=b.q), lw.wk.matmul(h, out=b.k), lw.wv.matmul(h, out=b.v)
             if lw.bq is not None:
-                # Qwen2: q, k and v have biases (one broadcast add each, cupy's own elementwise kernel)
-                q, k, v = q + lw.bq, k + lw.bk, v + lw.bv
+                # Qwen2: q, k and v have biases (one broadcast add each, cupy's own elementwise
+                # kernel, in place: the buffer already holds q)
+                q += lw.bq
+                k += lw.bk
+                v += lw.bv
             q = q.reshape(N, H, D)                             # [N, H, D]
             k = k.reshape(N, Hkv, D)                           # [N, Hkv, D]
             v = v.reshape(N, Hkv, D)                           # [N, Hkv, D]
             if cfg.qk_norm:
                 # Qwen3: RMSNorm over each head's D values, before RoPE, keeps q.k well scaled
-                q = K.rmsnorm(q, lw.q_norm, eps)
-                k = K.rmsnorm(k, lw.k_norm, eps)
-            q = K.rope(q, cos, sin)                            # rotate each pair by its position's angle
-            k = K.rope(k, cos, sin)
+                q = K.rmsnorm(q, lw.q_norm, eps, out=b.q_normed)
+                k = K.rmsnorm(k, lw.k_norm, eps, out=b.k_normed)
+            q = K.rope(q, cos, sin, out=b.q_rot)               # rotate each pair by its position's angle
+            k = K.rope(k, cos, sin, out=b.k_rot)
             self.cache.store(layer, k, v, batch.slot_mapping)  # the new positions join their pages ...
-            att = self.attention(q, layer, batch)              # ... and every query attends over its pages
-            x = K.residual_add(x, lw.wo.matmul(att.reshape(N, H * D)))   # [N, C] residual
+            att = self.attention(q, layer, batch, out=b.att)   # ... and every query attends over its pages
+            x = K.residual_add(x, lw.wo.matmul(att.reshape(N, H * D), out=b.y), out=b.x_mid)   # [N, C] residual
 
             # ---- MLP block ----
-            h = K.rmsnorm(x, lw.mlp_norm, eps)                 # [N, C]
+            h = K.rmsnorm(x, lw.mlp_norm, eps, out=b.h)        # [N, C]
             if lw.experts:
-                x = K.residual_add(x, self.moe(h, lw))
+                x = K.residual_add(x, self.moe(h, lw), out=b.x)
             else:
                 # SwiGLU: down(silu(gate(h)) * up(h))
-                x = K.residual_add(x, lw.w_down.matmul(K.silu_mul(lw.w_gate.matmul(h), lw.w_up.matmul(h))))
+                act = K.silu_mul(lw.w_gate.matmul(h, out=b.gate), lw.w_up.matmul(h, out=b.up), out=b.act)
+                x = K.residual_add(x, lw.w_down.matmul(act, out=b.y), out=b.x)
 
-        # only the last position of each sequence that samples needs logits
-        if not all_logits:
+        # only the last position of each sequence that samples needs logits (a decode step
+        # samples every row: nothing to gather)
+        if not all_logits and len(batch.logits_rows) < N:
             x = x[batch.logits_rows]                           # [S', C]
-        x = K.rmsnorm(x, w.final_norm, eps)
-        logits = w.lm_head.matmul(x)                           # [N or S', V]
+        x = K.rmsnorm(x, w.final_norm, eps, out=b.h[:len(x)])
+        logits = w.lm_head.matmul(x)                           # [N or S', V] a new array: it outlives the step
         return logits
 
-    def attention(self, q, layer: int, batch: BatchInfo):
-        """Each query over its own sequence's pages. q [N, H, D] -> [N, H, D].
+    def attention(self, q, layer: int, batch: BatchInfo, out):
+        """Each query over its own sequence's pages. q [N, H, D] -> out [N, H, D].
         The batch starts with num_decode sequences of one query each (decode kernel:
         the whole context is visible), then the prefill chunks (causal within the chunk,
-        earlier chunks read from the pages like any other position)."""
+        earlier chunks read from the pages like any other position). Each kernel writes
+        its rows of out."""
         K, d = self.k, batch.num_decode
         keys, values = self.cache.keys(layer), self.cache.values(layer)
-        att = self.xp.empty_like(q)
         if d:
-            att[:d] = K.paged_decode_attention(q[:d], keys, values,
-                                               batch.block_tables[:d], batch.context_lens[:d])
+            K.paged_decode_attention(q[:d], keys, values, batch.block_tables[:d], batch.context_lens[:d],
+                                     out=out[:d])
         if d < q.shape[0]:
-            att[d:] = K.prefill_attention(q[d:], keys, values, batch.block_tables,
-                                          batch.token_seq[d:], batch.positions[d:])
-        return att
+            K.prefill_attention(q[d:], keys, values, batch.block_tables, batch.token_seq[d:],
+                                batch.positions[d:], out=out[d:])
+        return out
 
     def moe(self, h, lw: LayerWeights):
         """Qwen3-MoE: each token goes to its top-k experts, weighted by the router.

@@ -4,7 +4,8 @@ Changed from stage 1: no quantization (fp32 in this stage, stage 3 goes bf16);
 each tensor is read from the memory-mapped file and copied to the device (a
 cupy array on "cuda", the numpy array itself on "cpu"). `Weight` keeps stage 1's
 two methods, so the model's lines stay the same: `.matmul(x)` is one cuBLAS GEMM
-(x @ W.T, cupy.matmul) and `.rows(ids)` is the embedding gather kernel.
+(x @ W.T, cupy.matmul) and `.rows(ids)` is the embedding gather kernel; both write
+into the `out=` buffer they are given (model.py's Scratch).
 """
 from __future__ import annotations
 
@@ -33,13 +34,14 @@ class Weight:
     def shape(self) -> tuple[int, ...]:
         return tuple(self.data.shape)
 
-    def matmul(self, x):
-        """x [N, in] -> x @ W.T [N, out] (cuBLAS on the GPU reads W transposed, no copy)."""
-        return x @ self.data.T
+    def matmul(self, x, out=None):
+        """x [N, in] -> x @ W.T [N, out] (cuBLAS on the GPU reads W transposed, no copy),
+        into out when given, else a new array."""
+        return kernels.matmul(x, self.data.T, out)
 
-    def rows(self, ids):
+    def rows(self, ids, out=None):
         """The embedding lookup: ids [N] -> rows [N, in] (kernels.embedding)."""
-        return kernels.embedding(ids, self.data)
+        return kernels.embedding(ids, self.data, out)
 
 
 @dataclass

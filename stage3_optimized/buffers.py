@@ -1,11 +1,13 @@
 """Every array a step writes, allocated once: the activations, and the inputs' one upload.
 
-Changed from stage 2: a new file. Stage 2 allocates each kernel's output as it runs and
-copies each of a step's ten BatchInfo arrays to the device on its own. On a GPU each of
-those is a call the host pays for (a `cupy.empty` about 2 us, a copy from pageable memory
-more, measured on an H200: bench/host_costs.json), and a decode step of Qwen3-0.6B made
-about 340 allocations. A decode step of one sequence computes in about a third of a
-millisecond on that GPU, so the host, not the GPU, set its pace. Here:
+Changed from stage 2: a new file. Stage 2 writes its layer loop's outputs into fp32
+buffers kept from step to step (model.Scratch), but the bf16 and fused kernels of lessons
+2-5 allocate each output as they run, and every rung copies each of a step's ten BatchInfo
+arrays to the device on its own. On a GPU each of those is a call the host pays for (a
+`cupy.empty` about 2 us, a copy from pageable memory more, measured on an H200:
+bench/host_costs.json), and a decode step of Qwen3-0.6B made about 340 allocations. A
+decode step of one sequence computes in about a third of a millisecond on that GPU, so
+the host, not the GPU, set its pace. Here:
 
   * `Activations`: one buffer per intermediate of the forward pass (the residual stream,
     the QKV output, q, attention's output, the MLP's, the logits, ...), sized for the

@@ -31,8 +31,10 @@ import numpy as np
 import pytest
 
 import cuda_emulator as emu
+from bench import lessons
 from cuda_emulator import Dev, EmulatorError, dev, fake_cupy
 from cuda_sources import cu_files, cu_id
+from models import make_model
 from stage2_batched import kernels, ops
 from test_stage2_kernels import paged
 
@@ -195,6 +197,21 @@ def test_engine_on_emulated_kernels_equals_engine_on_twins(gpu, monkeypatch):
     got, eng = run("cuda")
     assert isinstance(eng.model.cache.k_pool, Dev) and isinstance(eng.weights.embed.data, Dev)
     assert got == expect and all(len(t) == 2 for t in got.values())
+
+
+def test_a_decode_step_allocates_once_per_step_not_once_per_op():
+    """The host's calls in one decode step of four sequences (bench lessons' workload and
+    model shape, counted on the stand-in CuPy, kernels not run), at 1 and 3 layers. Every
+    kernel and GEMM of a layer writes into the model's Scratch, so a layer adds 11 launches
+    and 7 GEMMs and no allocation. The step's 14 are its own: 8 uploads (token ids and 7
+    BatchInfo arrays), the context check's max, the two RoPE gathers, the logits, and the
+    sampled rows' index and gather."""
+    one, three = (lessons.host_counts("stage2_batched", make_model("qwen3", **dict(lessons.WORKLOAD,
+                                                                                   num_hidden_layers=L)),
+                                      graphs=False) for L in (1, 3))
+    assert one["allocations"] == three["allocations"] == 14
+    assert three["launches"] - one["launches"] == 2 * 11 and three["blas"] - one["blas"] == 2 * 7
+    assert three["elementwise"] == one["elementwise"] == 4     # the max, the two gathers, the rows' gather
 
 
 def test_engine_sizes_its_kv_pool_from_what_cupys_pool_holds():

@@ -1,7 +1,8 @@
 """Stage 2 reads as a diff of stage 1 (docs/stage2.md, "The lesson in one diff"): the
 functions stage 2 does not claim to change are stage 1's, compared as parsed code, and
-the layer loop of model.forward is stage 1's with T renamed N, except for the lines
-docs/stage2.md lists as changed."""
+the layer loop of model.forward is stage 1's with T renamed N and each call's output
+buffer (`out=b.NAME`, the step's Scratch) set aside, except for the lines docs/stage2.md
+lists as changed."""
 from __future__ import annotations
 
 import ast
@@ -35,13 +36,13 @@ CLAIMED = {
 
 def layer_loop(path: Path) -> list[str]:
     """The code lines of the `for layer, lw in enumerate(w.layers)` loop in Model.forward,
-    comments and indentation dropped."""
+    comments, indentation and output buffers (`, out=b.h`) dropped."""
     tree = ast.parse(path.read_text())
     model = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Model")
     forward = next(n for n in model.body if isinstance(n, ast.FunctionDef) and n.name == "forward")
     loop = next(n for n in ast.walk(forward) if isinstance(n, ast.For))
     lines = path.read_text().split("\n")[loop.lineno - 1:loop.end_lineno]
-    code = [re.sub(r"\s+#.*$", "", ln).strip() for ln in lines]
+    code = [re.sub(r", out=b\.\w+", "", re.sub(r"\s+#.*$", "", ln)).strip() for ln in lines]
     return [c for c in code if c and not c.startswith("#")]
 
 

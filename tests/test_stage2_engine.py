@@ -177,7 +177,9 @@ def test_other_families_equal_transformers(family):
 
 def test_all_logits_of_a_packed_batch_equal_transformers():
     """The forward pass itself: two sequences' prompts in one packed batch, logits of
-    every position close to transformers' (relative error)."""
+    every position close to transformers' (relative error). The logits are the caller's:
+    they still hold after a second forward pass of as many tokens (which reuses every
+    buffer of the model's Scratch) has run."""
     from models import hf_logits
     from stage2_batched.batch import build_batch
     from stage2_batched.sequence import Sequence
@@ -189,11 +191,16 @@ def test_all_logits_of_a_packed_batch_equal_transformers():
         eng.block_manager.allocate(s, len(s.token_ids))
     ordered, tokens, batch = build_batch(seqs, [len(p) for p in prompts], 16)
     logits = eng.model.forward(tokens, batch, all_logits=True)         # [N, V]
-    for i, p in enumerate(prompts):
-        a, b = batch.query_start[i], batch.query_start[i + 1]
+    # a second step of the same N tokens: another prompt, in pages of its own
+    other = Sequence.from_request(Request("other", make_prompts((63,), seed=4)[0], greedy(1)), 2)
+    eng.block_manager.allocate(other, 63)
+    _, other_tokens, other_batch = build_batch([other], [63], 16)
+    other_logits = eng.model.forward(other_tokens, other_batch, all_logits=True)
+    for (p, rows), got in [((p, slice(batch.query_start[i], batch.query_start[i + 1])), logits)
+                           for i, p in enumerate(prompts)] + [((other.token_ids, slice(None)), other_logits)]:
         ref = hf_logits(folder, p)
-        err = np.abs(logits[a:b] - ref).max() / np.abs(ref).max()
-        assert err < 1e-4, f"sequence {i}: relative error {err}"
+        err = np.abs(got[rows] - ref).max() / np.abs(ref).max()
+        assert err < 1e-4, f"prompt of {len(p)} tokens: relative error {err}"
 
 
 def test_stop_tokens_and_max_ctx_end_requests():
