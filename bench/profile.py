@@ -133,85 +133,95 @@ def main(argv: list[str] | None = None) -> None:
         cls = todo.pop()
         classes.append(cls)
         todo += cls.__subclasses__()
+    originals = []                 # (owner, name, what it was): put back when the profile ends
+
+    def wrap(owner, name: str, label_of) -> None:
+        originals.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, timed(label_of, getattr(owner, name)))
+
     for cls in classes:
         if "matmul" in vars(cls):
-            cls.matmul = timed(lambda w, x: matmul_label(w), cls.matmul)
+            wrap(cls, "matmul", lambda w, x: matmul_label(w))
     # the fast prefill's two halves: rounding the activations, then the GEMM (repack and tiles)
     for name in ("round_prompt16", "round_prompt8"):
-        setattr(gemm, name, timed(lambda *a: "round activations", getattr(gemm, name)))
+        wrap(gemm, name, lambda *a: "round activations")
     macs = {}                      # a GEMM's label -> its multiply-adds
     for name in ("gemm_int8", "gemm_int8_q8", "gemm_int4", "gemm_int4_16"):
         def gemm_label(x, *a, n=name):
             label = f"{n} [{a[-2].shape[1]}, {x.shape[1] * x.shape[2]}]"
             macs[label] = x.shape[0] * a[-2].shape[1] * x.shape[1] * x.shape[2]
             return label
-        setattr(gemm, name, timed(gemm_label, getattr(gemm, name)))
+        wrap(gemm, name, gemm_label)
     # every op of the namespace forward() calls (the fast path's replaces attention), and the
     # plain kernels' module, which the fast ones fall back to
     ops = ("rmsnorm", "rope", "attention", "silu_mul", "route", "mix", "gated_add")
     for name in ops:
-        setattr(kernels, name, timed(lambda *a, n=name: n, getattr(kernels, name)))
+        wrap(kernels, name, lambda *a, n=name: n)
     if model.k is not kernels:
         model.k = types.SimpleNamespace(**{n: timed(lambda *a, n=n: n, getattr(model.k, n)) for n in ops})
 
-    pos = 128
+    try:
+        pos = 128
 
-    def step():
-        nonlocal pos
-        if T == 1:
-            model.forward(np.array([5]), pos)
-            pos += 1
-        else:
-            model.forward(ids, 0)
+        def step():
+            nonlocal pos
+            if T == 1:
+                model.forward(np.array([5]), pos)
+                pos += 1
+            else:
+                model.forward(ids, 0)
 
-    for _ in range(3):
-        step()                                           # warm-up: compilation, allocation
-    spent.clear()
-    calls.clear()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    total = (time.perf_counter() - t0) / args.steps
+        for _ in range(3):
+            step()                                           # warm-up: compilation, allocation
+        spent.clear()
+        calls.clear()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        total = (time.perf_counter() - t0) / args.steps
 
-    print(f"stage 1, {folder.name}, --quant {args.quant} --activations {args.activations}, "
-          f"{args.threads} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}; an empty "
-          f"parallel region costs {parallel_start_cost() * 1e6:.1f} us (median, numba threading layer "
-          f"{numba.threading_layer()})")
-    if versus is not None:
-        print(f"decode step, alternating the two paths token by token ({args.steps} each):")
-        for name, ts in versus.items():
-            print(f"  {name:10s}  median {np.median(ts) * 1e3:7.2f} ms  {1 / np.median(ts):6.1f} tok/s"
-                  f"   (best {min(ts) * 1e3:.2f} ms)")
-        print(f"  one region / per op: {np.median(versus['per op']) / np.median(versus['one region']):.2f}x")
-        print("the same step op by op (model.forward's kernels, one parallel region each):")
-    print(f"one forward pass of {T} token{'s' * (T > 1)}: {total * 1e3:.2f} ms (mean of {args.steps})")
-    peaks = instruction_peaks()
-    accounted, rows = 0.0, []
-    for label, seconds in sorted(spent.items(), key=lambda kv: -kv[1]):
-        per_step = seconds / args.steps
-        accounted += per_step
-        each = seconds / calls[label]
-        row = dict(what=label, ms=per_step * 1e3, calls=calls[label] // args.steps)
-        if label in macs:                                # a GEMM: its multiply-adds against its instruction's
-            row["gmac_s"] = macs[label] / each / 1e9
-            kind = PEAK_OF[(label.split()[0], bool(gemm.VNNI))]
-            row["of_peak"] = row["gmac_s"] / peaks[kind] if kind in peaks else None
-            rate = f", {row['gmac_s']:5.1f} G MAC/s" + (f" ({row['of_peak']:.0%} of {kind}'s peak)" * bool(row["of_peak"]))
-        else:
-            rate = f", {nbytes[label] / each / 1e9:5.1f} GB/s" if label in nbytes and T < quant.PREFILL_MIN_T else ""
-        rows.append(row)
-        print(f"  {label:28s} {per_step * 1e3:8.2f} ms  {row['calls']:4d} calls, {each * 1e6:8.0f} us each{rate}")
-    print(f"  {'python':28s} {(total - accounted) * 1e3:8.2f} ms")
-    if args.save:
-        saved = json.loads(args.save.read_text()) if args.save.is_file() else {}
-        if saved.get("machine") != machine_description():
-            saved = dict(machine=machine_description(), passes=[])      # another machine's passes go
-        saved["passes"] = [x for x in saved["passes"] if (x["quant"], x["tokens"]) != (args.quant, T)] + [dict(
-            quant=args.quant, tokens=T, activations=args.activations, threads=args.threads, ms=total * 1e3,
-            policy=os.environ.get("OMP_WAIT_POLICY", "default"), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            rows=rows + [dict(what="python", ms=(total - accounted) * 1e3, calls=0)])]
-        args.save.write_text(json.dumps(saved, indent=1) + "\n")
-        print(f"added to {args.save}")
+        print(f"stage 1, {folder.name}, --quant {args.quant} --activations {args.activations}, "
+              f"{args.threads} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}; an empty "
+              f"parallel region costs {parallel_start_cost() * 1e6:.1f} us (median, numba threading layer "
+              f"{numba.threading_layer()})")
+        if versus is not None:
+            print(f"decode step, alternating the two paths token by token ({args.steps} each):")
+            for name, ts in versus.items():
+                print(f"  {name:10s}  median {np.median(ts) * 1e3:7.2f} ms  {1 / np.median(ts):6.1f} tok/s"
+                      f"   (best {min(ts) * 1e3:.2f} ms)")
+            print(f"  one region / per op: {np.median(versus['per op']) / np.median(versus['one region']):.2f}x")
+            print("the same step op by op (model.forward's kernels, one parallel region each):")
+        print(f"one forward pass of {T} token{'s' * (T > 1)}: {total * 1e3:.2f} ms (mean of {args.steps})")
+        peaks = instruction_peaks()
+        accounted, rows = 0.0, []
+        for label, seconds in sorted(spent.items(), key=lambda kv: -kv[1]):
+            per_step = seconds / args.steps
+            accounted += per_step
+            each = seconds / calls[label]
+            row = dict(what=label, ms=per_step * 1e3, calls=calls[label] // args.steps)
+            if label in macs:                                # a GEMM: its multiply-adds against its instruction's
+                row["gmac_s"] = macs[label] / each / 1e9
+                kind = PEAK_OF[(label.split()[0], bool(gemm.VNNI))]
+                row["of_peak"] = row["gmac_s"] / peaks[kind] if kind in peaks else None
+                rate = f", {row['gmac_s']:5.1f} G MAC/s" + (f" ({row['of_peak']:.0%} of {kind}'s peak)" * bool(row["of_peak"]))
+            else:
+                rate = f", {nbytes[label] / each / 1e9:5.1f} GB/s" if label in nbytes and T < quant.PREFILL_MIN_T else ""
+            rows.append(row)
+            print(f"  {label:28s} {per_step * 1e3:8.2f} ms  {row['calls']:4d} calls, {each * 1e6:8.0f} us each{rate}")
+        print(f"  {'python':28s} {(total - accounted) * 1e3:8.2f} ms")
+        if args.save:
+            saved = json.loads(args.save.read_text()) if args.save.is_file() else {}
+            if saved.get("machine") != machine_description():
+                saved = dict(machine=machine_description(), passes=[])      # another machine's passes go
+            saved["passes"] = [x for x in saved["passes"] if (x["quant"], x["tokens"]) != (args.quant, T)] + [dict(
+                quant=args.quant, tokens=T, activations=args.activations, threads=args.threads, ms=total * 1e3,
+                policy=os.environ.get("OMP_WAIT_POLICY", "default"), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                rows=rows + [dict(what="python", ms=(total - accounted) * 1e3, calls=0)])]
+            args.save.write_text(json.dumps(saved, indent=1) + "\n")
+            print(f"added to {args.save}")
+    finally:                       # the modules as they were, for whatever runs next in this process
+        for owner, name, fn in reversed(originals):
+            setattr(owner, name, fn)
 
 
 # a GEMM kernel and whether the CPU has VNNI -> the instruction its tile issues per multiply-add step
