@@ -41,7 +41,7 @@ import numpy as np
 
 from bench.common import (BandwidthProbe, NeighbourMeter, check_load, cpu_flags, emit_result, fmt_num,
                           items, load_1min, machine_description, markdown_table, measure_bandwidth, median,
-                          read_sum_kernel, run_worker, save_json, stage1_bytes)
+                          run_worker, save_json, stage1_bytes)
 from common.engine import Request
 from common.gguf_write import write_gguf
 from common.numba_cache import set_threads as set_numba_threads
@@ -343,45 +343,11 @@ class TransformersRunner:
         return out.logits[0].float().numpy()
 
 
-class ReadOnlyRunner:
-    """The ceiling: a "decode" that only reads the bytes a stage-1 step must read and
-    computes nothing: the format's weight bytes, plus stage 1's fp32 KV cache up to the
-    position (the roofline counts weights only, but attention reads the cache too).
-    Measured like every engine, next to the same bandwidth probe, its % roofline is how
-    close *anything* reading those bytes got."""
-
-    def __init__(self, weight_bytes: int, kv_bytes_per_position: int, threads: int):
-        import numba
-        self.numba = numba
-        self.read_sum = read_sum_kernel()
-        self.weights = np.ones(weight_bytes // 4, dtype=np.float32)
-        self.kv = np.ones((MAX_CTX, kv_bytes_per_position // 4), dtype=np.float32)   # [T, L*2*Hkv*D]
-        self.read_sum(self.weights[:1024])
-        self.set_threads(threads)
-
-    def set_threads(self, n: int) -> None:
-        self.numba.set_num_threads(min(n, self.numba.config.NUMBA_NUM_THREADS))
-
-    def isa(self) -> str:
-        return f"a numba sum, target {self.numba.config.CPU_NAME or 'host'}"
-
-    def generate(self, prompt, n_decode):
-        """Prefill is not modelled (nan); each decode step reads the weights and the
-        cache's first len(prompt) + i positions."""
-        t0 = time.perf_counter()
-        for i in range(n_decode):
-            self.read_sum(self.weights)
-            self.read_sum(self.kv[:len(prompt) + i].reshape(-1))
-        return [0] * (n_decode + 1), float("nan"), time.perf_counter() - t0
-
-
 def make_runner(spec: dict, threads: int, check: bool = False):
     if spec["engine"] == "stage1":
         return Stage1Runner(spec["path"], spec["fmt"], threads, spec["kernels"], spec["activations"])
     if spec["engine"] == "llama.cpp":
         return LlamaCppRunner(spec["path"], threads, logits_all=check)
-    if spec["engine"] == "read only":
-        return ReadOnlyRunner(spec["weight_bytes"], spec["kv_bytes_per_position"], threads)
     return TransformersRunner(spec["path"], spec["fmt"], threads)
 
 
@@ -458,7 +424,7 @@ def worker(spec: dict) -> None:
 
 @dataclass
 class Row:
-    engine: str                      # the report's name: stage1, "stage1 plain", llama.cpp, transformers, read only
+    engine: str                      # the report's name: stage1, "stage1 plain", llama.cpp, transformers
     fmt: str
     weight_bytes: int | None         # what one decode token reads
     result: dict
@@ -488,7 +454,6 @@ def jobs_for(args, shape: Shape, paths: dict, plan: dict, tmp: Path) -> list[tup
                 engine="transformers", fmt="fp32", path=hf, check_only=bool(shape.num_experts), **check("hf.npy"))))
         if "bf16" in args.formats:
             jobs.append(("transformers", 2 * shape.linear_params(), dict(engine="transformers", fmt="bf16", path=hf)))
-    kv = 2 * shape.num_hidden_layers * shape.num_key_value_heads * shape.head_dim * 4   # fp32 K and V per position
     for fmt in args.formats:
         nominal = nominal_stage1_bytes(shape, fmt)
         if "stage1" in args.engines:
@@ -500,9 +465,6 @@ def jobs_for(args, shape: Shape, paths: dict, plan: dict, tmp: Path) -> list[tup
             q = LLAMA_FORMAT[fmt]
             jobs.append(("llama.cpp", gguf_decode_bytes(paths[q], shape) if paths[q].exists() else None,
                          dict(engine="llama.cpp", fmt=q, path=str(paths[q]), **check(f"llama.cpp-{q}.npy"))))
-        if "stage1" in args.engines and args.read_only:     # the ceiling for stage 1's bytes (ReadOnlyRunner)
-            jobs.append(("read only", nominal, dict(engine="read only", fmt=fmt, path="", weight_bytes=nominal,
-                                                    kv_bytes_per_position=kv)))
     return jobs
 
 
@@ -553,7 +515,7 @@ def profile_env(args, engine: str) -> dict:
     """The variables that make a worker an "AVX2 machine" under --cpu-profile avx2."""
     if args.cpu_profile != "avx2":
         return {}
-    if engine in ("stage1", "read only"):
+    if engine == "stage1":
         return {"NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": HASWELL_FEATURES}
     if engine == "llama.cpp":
         return {"LLAMA_CPP_LIB_PATH": str(args.llama_lib)} if args.llama_lib else {}
@@ -774,7 +736,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "versions quick and moe-quick, or tiny / moe-tiny (seconds: the tests). Default 0.6b; "
                         "--quick: quick")
     p.add_argument("--quick", action="store_true",
-                   help="one thread count, 2 runs, PASSIVE only, no read-only rows (and the quick shape)")
+                   help="one thread count, 2 runs, PASSIVE only (and the quick shape)")
     p.add_argument("--threads", type=items(int), help="comma-separated thread counts (default 1,2; quick: 2)")
     p.add_argument("--formats", type=items(allowed=tuple(LLAMA_FORMAT)), default="bf16,int8,int4",
                    help="stage-1 formats: bf16,int8,int4")
@@ -792,8 +754,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--decode-prompt", type=int, default=128, help="the prompt length decode follows")
     p.add_argument("--ttft-lens", type=items(int), default="37,300",
                    help="prompt lengths whose time to first token is reported (chat-sized prompts; '' for none)")
-    p.add_argument("--read-only", default=None, choices=["yes", "no"],
-                   help="the read-only ceiling rows (a numba sum over stage 1's bytes per token); default yes, quick no")
     p.add_argument("--omp-wait-policy", default=None, choices=list(POLICIES),
                    help="OMP_WAIT_POLICY for every engine: both (a table under PASSIVE, then one under the "
                         "runtime's default; the headline takes each engine at its best), PASSIVE, ACTIVE or "
@@ -822,7 +782,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.shape = SHAPES[args.shape or ("quick" if args.quick else "0.6b")]
     args.threads = args.threads or ([min(2, os.cpu_count() or 1)] if args.quick else [1, 2])
     args.runs = args.runs or (2 if args.quick else 3)
-    args.read_only = (args.read_only or ("no" if args.quick else "yes")) == "yes"
     args.omp_wait_policy = args.omp_wait_policy or ("PASSIVE" if args.quick else "both")
     if any(t < 1 for t in args.threads) or args.runs < 1 or args.decode_tokens < 1 or not args.prompt_lens:
         p.error("--threads, --runs, --decode-tokens and --prompt-lens must be positive")

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from bench import cpu as bench_cpu
+from bench import figures
 from bench import report
 
 
@@ -185,3 +186,19 @@ def test_speculative_table_measures_each_engine_against_its_own_plain_decoding(t
     assert cells[("stage1", "ngram")] == ["80.0", "2.50x", "3.20", "75%"]        # 80 tok/s over stage 1's own 32
     assert cells[("llama.cpp", "lookup")] == ["42.7", "0.67x", "2.13", "40%"]    # over llama.cpp's own 64
     assert cells[("stage1", "plain")] == ["32.0", "1.00x", "1.00", "–"]
+
+
+def test_older_saved_runs_with_read_only_rows_read_as_without_them(tmp_path):
+    """Saved runs from before the read-only ceiling went carry "read only" rows in `rows` and `best`:
+    bench report's CPU tables and the roofline figure read past them, as if they were not there."""
+    saved = json.loads((report.ROOT / "docs" / "results" / "cpu-avx2.json").read_text())
+    old = dict(saved, rows=saved["rows"] + [dict(saved["rows"][0], engine="read only", mb_per_token=9e3)],
+               best=saved["best"] + [dict(b, engine="read only", value=99.0) for b in saved["best"]])
+    for name, run in (("new", saved), ("old", old)):
+        (tmp_path / name / "docs" / "results").mkdir(parents=True)
+        (tmp_path / name / "docs" / "results" / "cpu-avx2.json").write_text(json.dumps(run))
+    for table in (report.cpu_table, report.cpu_full):
+        assert table(tmp_path / "old") == table(tmp_path / "new") and "stage1" in table(tmp_path / "new")
+    drawn = [figures.stage1_roofline(run, tmp_path / name / "roofline.svg").read_text()
+             for name, run in (("new", saved), ("old", old))]
+    assert drawn[0] == drawn[1] and "stage1" in drawn[0]
