@@ -55,16 +55,6 @@ MAX_CTX = 1024             # every engine's context
 
 # stage-1 weight format -> the llama.cpp format that stores the same numbers
 LLAMA_FORMAT = {"bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}
-# the targets, stage 1 ÷ llama.cpp at 2 threads with each engine at its best policy (decode, prefill
-# per prompt length), and decode's fraction of its roofline; bf16 decode where AVX-512 BF16 exists
-TARGETS = {
-    "dense": {"bf16": {"decode": 1.0, "512": 0.8, "roofline": 0.9},
-              "int8": {"decode": 1.0, "32": 1.0, "128": 1.6, "512": 1.5, "roofline": 0.9},
-              "int4": {"decode": 1.0, "32": 1.0, "128": 1.3, "512": 1.3}},
-    "moe": {"bf16": {"decode": 1.0, "512": 0.8, "roofline": 0.8},
-            "int8": {"decode": 1.0, "512": 0.8, "roofline": 0.8},
-            "int4": {"decode": 1.0, "512": 0.8, "roofline": 0.65}},
-}
 POLICIES = {"both": ["PASSIVE", "default"], "PASSIVE": ["PASSIVE"], "ACTIVE": ["ACTIVE"], "default": ["default"]}
 
 # --cpu-profile avx2: an "AVX2 machine" on an AVX-512 host. numba compiles stage 1 for a
@@ -595,12 +585,11 @@ def at_threads(best: list[dict], n: int) -> dict:
     return {(b["engine"], b["format"], b["metric"]): (b["value"], b["policy"]) for b in best if b["threads"] == n}
 
 
-def comparison(got: dict, verdict=None) -> str:
+def comparison(got: dict) -> str:
     """Stage 1 ÷ llama.cpp, a row per stage-1 kernel set, format and metric, each engine's figure
     with the wait policy that gave it (a ratio under one policy alone flatters whichever engine
     suffers less from it); for the time to the first token, llama.cpp's time ÷ stage 1's.
-    got: at_threads(...); verdict(label, format, metric, ratio): a last column, where given.
-    The run's summary prints it, and `bench report` writes the docs' table with it."""
+    got: at_threads(...). The run's summary prints it, and `bench report` writes the docs' table with it."""
     rows, has_ik = [], any(e == "ik_llama.cpp" for e, _, _ in got)
     for label in sorted({e for e, _, _ in got if e.startswith("stage1")}):
         for fmt, q in LLAMA_FORMAT.items():
@@ -613,10 +602,9 @@ def comparison(got: dict, verdict=None) -> str:
                         else f"prefill {m} tok/s")
                 ik = got.get(("ik_llama.cpp", q, m))
                 rows.append([label, f"{fmt} / {q}", what, show(s), show(ll), "–" if ratio is None else f"{ratio:.2f}×"]
-                            + [show(ik), f"{s[0] / ik[0]:.2f}×" if ik and not ttft else "–"] * has_ik
-                            + ([verdict(label, fmt, m, ratio)] if verdict else []))
+                            + [show(ik), f"{s[0] / ik[0]:.2f}×" if ik and not ttft else "–"] * has_ik)
     header = ["stage 1", "formats", "what", "stage 1", "llama.cpp", "ratio"] + ["ik_llama.cpp", "÷ ik"] * has_ik
-    return markdown_table(header + ["target"] * bool(verdict), rows)
+    return markdown_table(header, rows)
 
 
 def decode_roofline(cell: dict, nbytes: int | None) -> float:
@@ -678,33 +666,20 @@ def report(args, shape: Shape, tables: list[dict], bw: dict, loads: tuple[float,
     out += sorted({f"- {r.engine} {r.fmt}: {r.result['isa']}" for r in tables[0]["rows"] if r.result.get("isa")})
     out += sorted({f"- {r.engine} {r.fmt}: **{r.result['error']}**" for r in rows if "error" in r.result})
     best, check = best_by_policy(args, tables), tables[0]["check"]
-    out += headline(args, shape, best, ik)
+    out += headline(args, best, ik)
     for n in sorted({n for t in tables for n in t["plan"]["threads"]}):
         out += [f"### every engine at {n} thread{'s' * (n > 1)}, each figure at its best wait policy", "",
                 engine_table(args, best, check, n), ""]
     return "\n".join(out + ["logits not checked (transformers fp32 did not run)"] * (not check)) + "\n"
 
 
-def headline(args, shape: Shape, best: dict, ik: tuple = ()) -> list[str]:
-    """Per thread count, stage 1 ÷ llama.cpp (comparison) from best_by_policy's figures, and at 2
-    threads of a full run whether stage 1 meets its TARGETS, decode's roofline included."""
-    goals = TARGETS["moe" if shape.num_experts else "dense"]
-
-    def verdict(label: str, fmt: str, m: str, ratio: float | None) -> str:
-        goal, got = goals.get(fmt, {}), []
-        if m in goal and ratio is not None:
-            got.append(f"{'met' if ratio >= goal[m] else 'NOT met'} (≥{goal[m]:.1f}×)")
-        if m == "decode" and "roofline" in goal and (label, fmt, 2, m) in best:
-            _, _, row, cell = best[(label, fmt, 2, m)]
-            roof = decode_roofline(cell, row.weight_bytes)
-            if roof == roof:
-                got.append(f"roofline {'met' if roof >= goal['roofline'] else 'NOT met'} (≥{goal['roofline']:.0%})")
-        return "; ".join(got)
+def headline(args, best: dict, ik: tuple = ()) -> list[str]:
+    """Per thread count, stage 1 ÷ llama.cpp (comparison) from best_by_policy's figures."""
     out = []
     for n in sorted({k[2] for k in best}):
         out += ["", f"### {n} thread{'s' * (n > 1)}: stage 1 ÷ llama.cpp, each engine at its own best wait policy"
                 + (f" (--activations {args.activations})" if args.activations != "auto" else ""), "",
-                comparison(at_threads(saved_best(best) + list(ik), n), verdict if n == 2 and not args.quick else None), ""]
+                comparison(at_threads(saved_best(best) + list(ik), n)), ""]
     return out
 
 
