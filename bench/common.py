@@ -116,21 +116,6 @@ def measure_bandwidth(threads: list[int], mib: int = 1024, repeats: int = 5) -> 
         probe.close()
 
 
-def read_sum_kernel():
-    """A numba prange sum over a float32 array: each thread reads one contiguous
-    slice, vectorised; nothing but loads, so it runs at what the memory delivers."""
-    import numba
-
-    @numba.njit(parallel=True, fastmath=True, cache=False)
-    def read_sum(a):
-        s = 0.0
-        for i in numba.prange(a.shape[0]):
-            s += a[i]
-        return s
-
-    return read_sum
-
-
 class BandwidthProbe:
     """The read bandwidth *right now*, from a process of its own.
 
@@ -167,7 +152,15 @@ def _probe_server(mib: int, repeats: int) -> None:
     import numba
     import numpy as np
 
-    read_sum = read_sum_kernel()
+    @numba.njit(parallel=True, fastmath=True, cache=False)
+    def read_sum(a):
+        """A prange sum: each thread reads one contiguous slice, vectorised; nothing but
+        loads, so it runs at what the memory delivers."""
+        s = 0.0
+        for i in numba.prange(a.shape[0]):
+            s += a[i]
+        return s
+
     a = np.ones(mib * 2**20 // 4, dtype=np.float32)
     read_sum(a[:1024])                              # compile before timing (np.ones touched every page)
     print("ready", flush=True)

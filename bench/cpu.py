@@ -41,7 +41,7 @@ import numpy as np
 
 from bench.common import (BandwidthProbe, NeighbourMeter, check_load, cpu_flags, emit_result, fmt_num,
                           items, load_1min, machine_description, markdown_table, measure_bandwidth, median,
-                          read_sum_kernel, run_worker, save_json, stage1_bytes)
+                          run_worker, save_json, stage1_bytes)
 from common.engine import Request
 from common.gguf_write import write_gguf
 from common.numba_cache import set_threads as set_numba_threads
@@ -55,16 +55,6 @@ MAX_CTX = 1024             # every engine's context
 
 # stage-1 weight format -> the llama.cpp format that stores the same numbers
 LLAMA_FORMAT = {"bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}
-# the targets, stage 1 ÷ llama.cpp at 2 threads with each engine at its best policy (decode, prefill
-# per prompt length), and decode's fraction of its roofline; bf16 decode where AVX-512 BF16 exists
-TARGETS = {
-    "dense": {"bf16": {"decode": 1.0, "512": 0.8, "roofline": 0.9},
-              "int8": {"decode": 1.0, "32": 1.0, "128": 1.6, "512": 1.5, "roofline": 0.9},
-              "int4": {"decode": 1.0, "32": 1.0, "128": 1.3, "512": 1.3}},
-    "moe": {"bf16": {"decode": 1.0, "512": 0.8, "roofline": 0.8},
-            "int8": {"decode": 1.0, "512": 0.8, "roofline": 0.8},
-            "int4": {"decode": 1.0, "512": 0.8, "roofline": 0.65}},
-}
 POLICIES = {"both": ["PASSIVE", "default"], "PASSIVE": ["PASSIVE"], "ACTIVE": ["ACTIVE"], "default": ["default"]}
 
 # --cpu-profile avx2: an "AVX2 machine" on an AVX-512 host. numba compiles stage 1 for a
@@ -343,45 +333,11 @@ class TransformersRunner:
         return out.logits[0].float().numpy()
 
 
-class ReadOnlyRunner:
-    """The ceiling: a "decode" that only reads the bytes a stage-1 step must read and
-    computes nothing: the format's weight bytes, plus stage 1's fp32 KV cache up to the
-    position (the roofline counts weights only, but attention reads the cache too).
-    Measured like every engine, next to the same bandwidth probe, its % roofline is how
-    close *anything* reading those bytes got."""
-
-    def __init__(self, weight_bytes: int, kv_bytes_per_position: int, threads: int):
-        import numba
-        self.numba = numba
-        self.read_sum = read_sum_kernel()
-        self.weights = np.ones(weight_bytes // 4, dtype=np.float32)
-        self.kv = np.ones((MAX_CTX, kv_bytes_per_position // 4), dtype=np.float32)   # [T, L*2*Hkv*D]
-        self.read_sum(self.weights[:1024])
-        self.set_threads(threads)
-
-    def set_threads(self, n: int) -> None:
-        self.numba.set_num_threads(min(n, self.numba.config.NUMBA_NUM_THREADS))
-
-    def isa(self) -> str:
-        return f"a numba sum, target {self.numba.config.CPU_NAME or 'host'}"
-
-    def generate(self, prompt, n_decode):
-        """Prefill is not modelled (nan); each decode step reads the weights and the
-        cache's first len(prompt) + i positions."""
-        t0 = time.perf_counter()
-        for i in range(n_decode):
-            self.read_sum(self.weights)
-            self.read_sum(self.kv[:len(prompt) + i].reshape(-1))
-        return [0] * (n_decode + 1), float("nan"), time.perf_counter() - t0
-
-
 def make_runner(spec: dict, threads: int, check: bool = False):
     if spec["engine"] == "stage1":
         return Stage1Runner(spec["path"], spec["fmt"], threads, spec["kernels"], spec["activations"])
     if spec["engine"] == "llama.cpp":
         return LlamaCppRunner(spec["path"], threads, logits_all=check)
-    if spec["engine"] == "read only":
-        return ReadOnlyRunner(spec["weight_bytes"], spec["kv_bytes_per_position"], threads)
     return TransformersRunner(spec["path"], spec["fmt"], threads)
 
 
@@ -458,7 +414,7 @@ def worker(spec: dict) -> None:
 
 @dataclass
 class Row:
-    engine: str                      # the report's name: stage1, "stage1 plain", llama.cpp, transformers, read only
+    engine: str                      # the report's name: stage1, "stage1 plain", llama.cpp, transformers
     fmt: str
     weight_bytes: int | None         # what one decode token reads
     result: dict
@@ -488,7 +444,6 @@ def jobs_for(args, shape: Shape, paths: dict, plan: dict, tmp: Path) -> list[tup
                 engine="transformers", fmt="fp32", path=hf, check_only=bool(shape.num_experts), **check("hf.npy"))))
         if "bf16" in args.formats:
             jobs.append(("transformers", 2 * shape.linear_params(), dict(engine="transformers", fmt="bf16", path=hf)))
-    kv = 2 * shape.num_hidden_layers * shape.num_key_value_heads * shape.head_dim * 4   # fp32 K and V per position
     for fmt in args.formats:
         nominal = nominal_stage1_bytes(shape, fmt)
         if "stage1" in args.engines:
@@ -500,9 +455,6 @@ def jobs_for(args, shape: Shape, paths: dict, plan: dict, tmp: Path) -> list[tup
             q = LLAMA_FORMAT[fmt]
             jobs.append(("llama.cpp", gguf_decode_bytes(paths[q], shape) if paths[q].exists() else None,
                          dict(engine="llama.cpp", fmt=q, path=str(paths[q]), **check(f"llama.cpp-{q}.npy"))))
-        if "stage1" in args.engines and args.read_only:     # the ceiling for stage 1's bytes (ReadOnlyRunner)
-            jobs.append(("read only", nominal, dict(engine="read only", fmt=fmt, path="", weight_bytes=nominal,
-                                                    kv_bytes_per_position=kv)))
     return jobs
 
 
@@ -553,7 +505,7 @@ def profile_env(args, engine: str) -> dict:
     """The variables that make a worker an "AVX2 machine" under --cpu-profile avx2."""
     if args.cpu_profile != "avx2":
         return {}
-    if engine in ("stage1", "read only"):
+    if engine == "stage1":
         return {"NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": HASWELL_FEATURES}
     if engine == "llama.cpp":
         return {"LLAMA_CPP_LIB_PATH": str(args.llama_lib)} if args.llama_lib else {}
@@ -633,12 +585,11 @@ def at_threads(best: list[dict], n: int) -> dict:
     return {(b["engine"], b["format"], b["metric"]): (b["value"], b["policy"]) for b in best if b["threads"] == n}
 
 
-def comparison(got: dict, verdict=None) -> str:
+def comparison(got: dict) -> str:
     """Stage 1 ÷ llama.cpp, a row per stage-1 kernel set, format and metric, each engine's figure
     with the wait policy that gave it (a ratio under one policy alone flatters whichever engine
     suffers less from it); for the time to the first token, llama.cpp's time ÷ stage 1's.
-    got: at_threads(...); verdict(label, format, metric, ratio): a last column, where given.
-    The run's summary prints it, and `bench report` writes the docs' table with it."""
+    got: at_threads(...). The run's summary prints it, and `bench report` writes the docs' table with it."""
     rows, has_ik = [], any(e == "ik_llama.cpp" for e, _, _ in got)
     for label in sorted({e for e, _, _ in got if e.startswith("stage1")}):
         for fmt, q in LLAMA_FORMAT.items():
@@ -651,10 +602,9 @@ def comparison(got: dict, verdict=None) -> str:
                         else f"prefill {m} tok/s")
                 ik = got.get(("ik_llama.cpp", q, m))
                 rows.append([label, f"{fmt} / {q}", what, show(s), show(ll), "–" if ratio is None else f"{ratio:.2f}×"]
-                            + [show(ik), f"{s[0] / ik[0]:.2f}×" if ik and not ttft else "–"] * has_ik
-                            + ([verdict(label, fmt, m, ratio)] if verdict else []))
+                            + [show(ik), f"{s[0] / ik[0]:.2f}×" if ik and not ttft else "–"] * has_ik)
     header = ["stage 1", "formats", "what", "stage 1", "llama.cpp", "ratio"] + ["ik_llama.cpp", "÷ ik"] * has_ik
-    return markdown_table(header + ["target"] * bool(verdict), rows)
+    return markdown_table(header, rows)
 
 
 def decode_roofline(cell: dict, nbytes: int | None) -> float:
@@ -716,33 +666,20 @@ def report(args, shape: Shape, tables: list[dict], bw: dict, loads: tuple[float,
     out += sorted({f"- {r.engine} {r.fmt}: {r.result['isa']}" for r in tables[0]["rows"] if r.result.get("isa")})
     out += sorted({f"- {r.engine} {r.fmt}: **{r.result['error']}**" for r in rows if "error" in r.result})
     best, check = best_by_policy(args, tables), tables[0]["check"]
-    out += headline(args, shape, best, ik)
+    out += headline(args, best, ik)
     for n in sorted({n for t in tables for n in t["plan"]["threads"]}):
         out += [f"### every engine at {n} thread{'s' * (n > 1)}, each figure at its best wait policy", "",
                 engine_table(args, best, check, n), ""]
     return "\n".join(out + ["logits not checked (transformers fp32 did not run)"] * (not check)) + "\n"
 
 
-def headline(args, shape: Shape, best: dict, ik: tuple = ()) -> list[str]:
-    """Per thread count, stage 1 ÷ llama.cpp (comparison) from best_by_policy's figures, and at 2
-    threads of a full run whether stage 1 meets its TARGETS, decode's roofline included."""
-    goals = TARGETS["moe" if shape.num_experts else "dense"]
-
-    def verdict(label: str, fmt: str, m: str, ratio: float | None) -> str:
-        goal, got = goals.get(fmt, {}), []
-        if m in goal and ratio is not None:
-            got.append(f"{'met' if ratio >= goal[m] else 'NOT met'} (≥{goal[m]:.1f}×)")
-        if m == "decode" and "roofline" in goal and (label, fmt, 2, m) in best:
-            _, _, row, cell = best[(label, fmt, 2, m)]
-            roof = decode_roofline(cell, row.weight_bytes)
-            if roof == roof:
-                got.append(f"roofline {'met' if roof >= goal['roofline'] else 'NOT met'} (≥{goal['roofline']:.0%})")
-        return "; ".join(got)
+def headline(args, best: dict, ik: tuple = ()) -> list[str]:
+    """Per thread count, stage 1 ÷ llama.cpp (comparison) from best_by_policy's figures."""
     out = []
     for n in sorted({k[2] for k in best}):
         out += ["", f"### {n} thread{'s' * (n > 1)}: stage 1 ÷ llama.cpp, each engine at its own best wait policy"
                 + (f" (--activations {args.activations})" if args.activations != "auto" else ""), "",
-                comparison(at_threads(saved_best(best) + list(ik), n), verdict if n == 2 and not args.quick else None), ""]
+                comparison(at_threads(saved_best(best) + list(ik), n)), ""]
     return out
 
 
@@ -774,7 +711,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "versions quick and moe-quick, or tiny / moe-tiny (seconds: the tests). Default 0.6b; "
                         "--quick: quick")
     p.add_argument("--quick", action="store_true",
-                   help="one thread count, 2 runs, PASSIVE only, no read-only rows (and the quick shape)")
+                   help="one thread count, 2 runs, PASSIVE only (and the quick shape)")
     p.add_argument("--threads", type=items(int), help="comma-separated thread counts (default 1,2; quick: 2)")
     p.add_argument("--formats", type=items(allowed=tuple(LLAMA_FORMAT)), default="bf16,int8,int4",
                    help="stage-1 formats: bf16,int8,int4")
@@ -792,8 +729,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--decode-prompt", type=int, default=128, help="the prompt length decode follows")
     p.add_argument("--ttft-lens", type=items(int), default="37,300",
                    help="prompt lengths whose time to first token is reported (chat-sized prompts; '' for none)")
-    p.add_argument("--read-only", default=None, choices=["yes", "no"],
-                   help="the read-only ceiling rows (a numba sum over stage 1's bytes per token); default yes, quick no")
     p.add_argument("--omp-wait-policy", default=None, choices=list(POLICIES),
                    help="OMP_WAIT_POLICY for every engine: both (a table under PASSIVE, then one under the "
                         "runtime's default; the headline takes each engine at its best), PASSIVE, ACTIVE or "
@@ -822,7 +757,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.shape = SHAPES[args.shape or ("quick" if args.quick else "0.6b")]
     args.threads = args.threads or ([min(2, os.cpu_count() or 1)] if args.quick else [1, 2])
     args.runs = args.runs or (2 if args.quick else 3)
-    args.read_only = (args.read_only or ("no" if args.quick else "yes")) == "yes"
     args.omp_wait_policy = args.omp_wait_policy or ("PASSIVE" if args.quick else "both")
     if any(t < 1 for t in args.threads) or args.runs < 1 or args.decode_tokens < 1 or not args.prompt_lens:
         p.error("--threads, --runs, --decode-tokens and --prompt-lens must be positive")

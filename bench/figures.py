@@ -96,13 +96,14 @@ def stage1_ladder(data: dict, out: Path) -> Path:
 
 def stage1_roofline(data: dict, out: Path) -> Path:
     plt = _plt()
-    rows = data["rows"]
+    engines = {"stage1": ("o", "#4c72b0"), "llama.cpp": ("s", "#dd8452")}
+    rows = [r for r in data["rows"] if r["engine"] in engines]      # only they set the axes (not "read only" rows)
     bw = data["bandwidth_gb_s"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     mbs = [r["mb_per_token"] for r in rows]
     xs = [min(mbs) * 0.8, max(mbs) * 1.2]
     ax.plot(xs, [bw * 1e3 / x for x in xs], "k--", lw=1, label=f"roofline: {bw:.1f} GB/s ÷ bytes per token")
-    for engine, marker, color in [("stage1", "o", "#4c72b0"), ("llama.cpp", "s", "#dd8452")]:
+    for engine, (marker, color) in engines.items():
         pts = [r for r in rows if r["engine"] == engine]
         ax.scatter([r["mb_per_token"] for r in pts], [r["decode_tok_s"] for r in pts], marker=marker, color=color,
                    label=engine, zorder=3)

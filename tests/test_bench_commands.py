@@ -71,7 +71,7 @@ def test_help_lists_every_command_and_every_bench_file_serves_one():
 def test_cpu_measures_every_engine_and_prints_its_tables(tmp_path, shape, engines, kernels):
     out = bench("cpu", "--shape", shape, "--quick", "--threads", "1", "--formats", "int8", "--engines", engines,
                 "--kernels", kernels, "--runs", "1", "--prompt-lens", "8,24", "--ttft-lens", "12",
-                "--decode-prompt", "8", "--decode-tokens", "4", "--read-only", "yes", "--cache-dir", str(tmp_path),
+                "--decode-prompt", "8", "--decode-tokens", "4", "--cache-dir", str(tmp_path),
                 "--out", str(tmp_path / "report.md"), "--save", str(tmp_path / "docs" / "results" / "cpu-x.json"))
     assert (tmp_path / "report.md").read_text().strip() in out
     labels = ["stage1" if k == "auto" else f"stage1 {k}" for k in kernels.split(",")]
@@ -82,7 +82,7 @@ def test_cpu_measures_every_engine_and_prints_its_tables(tmp_path, shape, engine
     engines_table = table(out, "engine")
     assert [(r[0], r[1]) for r in engines_table] == (
         [("transformers", "fp32")] * (shape == "tiny" and "transformers" in engines)
-        + [(label, "int8") for label in labels] + [("read only", "int8")])
+        + [(label, "int8") for label in labels])
     for row in engines_table:
         assert float(row[3].replace(",", "")) > 0 and float(row[4]) > 0, row           # decode tok/s, GB/s
     if "transformers" in engines:                                  # the oracle: checked, not timed

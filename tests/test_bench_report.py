@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from bench import cpu as bench_cpu
+from bench import figures
 from bench import report
 
 
@@ -39,9 +40,12 @@ def _tables(args, stage1_passive, llama_passive, stage1_default, llama_default, 
                                         bench_cpu.Row("llama.cpp", "Q8_0", 1, {"cells": {"2": llama_default}})]}]
 
 
-def _headline_rows(args, tables, shape="0.6b") -> dict[str, str]:
+def _headline_rows(args, tables) -> dict[str, str]:
     best = bench_cpu.best_by_policy(args, tables)
-    text = "\n".join(bench_cpu.headline(args, bench_cpu.SHAPES[shape], best))
+    text = "\n".join(bench_cpu.headline(args, best))
+    header = next(line for line in text.splitlines() if line.startswith("| stage 1"))
+    assert [c.strip() for c in header.strip("|").split("|")] == ["stage 1", "formats", "what", "stage 1", "llama.cpp",
+                                                                "ratio"]           # no target column
     return {line.split("|")[3].strip(): line for line in text.splitlines() if line.startswith("| stage1")}
 
 
@@ -54,35 +58,35 @@ def test_headline_takes_each_engine_at_its_own_best_policy():
     assert best[("llama.cpp", "Q8_0", 2, "decode")][:2] == (32.0, "default")
     assert best[("llama.cpp", "Q8_0", 2, 512)][:2] == (250.0, "default")
     rows = _headline_rows(args, tables)
-    assert "1.25×" in rows["decode tok/s"] and "met (≥1.0×)" in rows["decode tok/s"]      # 40 PASSIVE / 32 default
-    assert "0.80×" in rows["prefill 512 tok/s"] and "NOT met (≥1.5×)" in rows["prefill 512 tok/s"]   # 200 / 250
+    assert "40.0 (PASSIVE)" in rows["decode tok/s"] and "32.0 (default)" in rows["decode tok/s"]
+    assert "1.25×" in rows["decode tok/s"]                                           # 40 PASSIVE / 32 default
+    assert "0.80×" in rows["prefill 512 tok/s"]                                      # 200 / 250
 
 
-def test_headline_ranks_time_to_first_token_by_the_smaller_time_and_checks_targets():
-    """TTFT: the smaller time wins, the ratio is llama.cpp's time / stage 1's; the prefill targets
-    of the int8 GEMM (128: >= 1.6x, 512: >= 1.5x) are read off the best-policy figures."""
+def test_headline_ranks_time_to_first_token_by_the_smaller_time():
+    """TTFT: the smaller time wins, the ratio is llama.cpp's time / stage 1's; the prefill and
+    decode ratios are read off the best-policy figures."""
     args = bench_cpu.parse_args(["--threads", "2", "--formats", "int8"])
     rows = _headline_rows(args, _tables(args, _cell(40.0, 170.0, 200.0, ttft37=0.25), _cell(20.0, 100.0, 150.0, ttft37=0.6),
                                         _cell(38.0, 110.0, 190.0, ttft37=0.4), _cell(32.0, 80.0, 100.0, ttft37=0.5)))
     first = rows["first token, 37-token prompt"]
     assert "250 ms (PASSIVE)" in first and "500 ms (default)" in first and "2.00×" in first    # 0.5 s / 0.25 s
-    assert "1.70×" in rows["prefill 128 tok/s"] and "met (≥1.6×)" in rows["prefill 128 tok/s"]
-    assert "1.33×" in rows["prefill 512 tok/s"] and "NOT met (≥1.5×)" in rows["prefill 512 tok/s"]
-    assert "1.25×" in rows["decode tok/s"] and "met (≥1.0×)" in rows["decode tok/s"]
+    assert "1.70×" in rows["prefill 128 tok/s"]                                      # 170 PASSIVE / 100 PASSIVE
+    assert "1.33×" in rows["prefill 512 tok/s"]                                      # 200 / 150
+    assert "1.25×" in rows["decode tok/s"]
 
 
-def test_moe_headline_checks_the_moe_targets_per_kernel_set_and_the_roofline():
-    """On a MoE shape: one row per kernel set, the MoE targets (prefill 512 >= 0.8x) and decode's
-    fraction of its roofline (int8 >= 80 %): 30 tok/s x 1 GB a token at 40 GB/s is 75 %."""
+def test_moe_headline_has_a_row_per_kernel_set_and_the_engine_table_its_roofline():
+    """On a MoE shape: one row per kernel set, and decode's fraction of its roofline in the engine
+    table: 30 tok/s x 1 GB a token at 40 GB/s is 75 %."""
     args = bench_cpu.parse_args(["--shape", "moe", "--threads", "2", "--formats", "int8", "--kernels", "plain"])
     stage1 = dict(_cell(30.0, 100.0, 90.0), decode_bw=[40.0])
     tables = _tables(args, stage1, _cell(20.0, 90.0, 100.0), stage1, _cell(20.0, 90.0, 100.0), label="stage1 plain")
     for t in tables:
         t["rows"][0].weight_bytes = 10**9
-    rows = _headline_rows(args, tables, "moe")
+    rows = _headline_rows(args, tables)
     assert set(rows) >= {"decode tok/s", "prefill 512 tok/s"} and rows["decode tok/s"].startswith("| stage1 plain")
-    assert "1.50×" in rows["decode tok/s"] and "roofline NOT met (≥80%)" in rows["decode tok/s"]
-    assert "0.90×" in rows["prefill 512 tok/s"] and "met (≥0.8×)" in rows["prefill 512 tok/s"]
+    assert "1.50×" in rows["decode tok/s"] and "0.90×" in rows["prefill 512 tok/s"]
     table = bench_cpu.engine_table(args, bench_cpu.best_by_policy(args, tables), {}, 2)   # and its % roofline
     assert [c.strip() for c in table.splitlines()[2].split("|")][1:7] == ["stage1 plain", "int8", "1,000", "30.0",
                                                                           "30.0", "75"]
@@ -185,3 +189,19 @@ def test_speculative_table_measures_each_engine_against_its_own_plain_decoding(t
     assert cells[("stage1", "ngram")] == ["80.0", "2.50x", "3.20", "75%"]        # 80 tok/s over stage 1's own 32
     assert cells[("llama.cpp", "lookup")] == ["42.7", "0.67x", "2.13", "40%"]    # over llama.cpp's own 64
     assert cells[("stage1", "plain")] == ["32.0", "1.00x", "1.00", "–"]
+
+
+def test_older_saved_runs_with_read_only_rows_read_as_without_them(tmp_path):
+    """Saved runs from before the read-only ceiling went carry "read only" rows in `rows` and `best`:
+    bench report's CPU tables and the roofline figure read past them, as if they were not there."""
+    saved = json.loads((report.ROOT / "docs" / "results" / "cpu-avx2.json").read_text())
+    old = dict(saved, rows=saved["rows"] + [dict(saved["rows"][0], engine="read only", mb_per_token=9e3)],
+               best=saved["best"] + [dict(b, engine="read only", value=99.0) for b in saved["best"]])
+    for name, run in (("new", saved), ("old", old)):
+        (tmp_path / name / "docs" / "results").mkdir(parents=True)
+        (tmp_path / name / "docs" / "results" / "cpu-avx2.json").write_text(json.dumps(run))
+    for table in (report.cpu_table, report.cpu_full):
+        assert table(tmp_path / "old") == table(tmp_path / "new") and "stage1" in table(tmp_path / "new")
+    drawn = [figures.stage1_roofline(run, tmp_path / name / "roofline.svg").read_text()
+             for name, run in (("new", saved), ("old", old))]
+    assert drawn[0] == drawn[1] and "stage1" in drawn[0]
