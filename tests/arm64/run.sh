@@ -16,6 +16,7 @@
 #                                    transformers' greedy tokens (computed on this machine), on
 #                                    the last CPU
 #   QS_ARM64_CPUS=max tests/arm64/run.sh      one CPU only
+#   QS_ARM64_TESTS="tests/test_stage1_int8_dot.py" tests/arm64/run.sh     these tests, then the chat
 #
 # Needs root (debootstrap, chroot, binfmt_misc) and the Debian and Python package indexes. The
 # root lives outside the repository, in $QS_ARM64_ROOT (default /var/tmp/qs-arm64-root), and is
@@ -191,6 +192,7 @@ TESTS=(
     "$M::test_quantized_engine_computes_exactly_its_numpy_twin[14-int8-int8-int8 int8]"
     tests/test_stage1_portable.py::test_plain_kernels_on_a_generic_cpu_equal_transformers
 )
+[ -n "${QS_ARM64_TESTS:-}" ] && read -ra TESTS <<< "$QS_ARM64_TESTS"     # a subset, for a quicker run
 
 if [ "$SMOKE" -eq 0 ]; then   # the default model, fetched and converted on this machine (the chat's)
     rm -rf "$ROOT/tmp/qs-default-model"
