@@ -8,7 +8,7 @@ import sys
 COMMANDS = {
     "cpu": ("bench.cpu", "stage 1 against llama.cpp, transformers and the roofline, on a dense or MoE shape"),
     "ladder": ("bench.ladder", "the ablation ladder: naive matmul -> threads -> fused -> int4 -> int8 activations"),
-    "profile": ("bench.profile", "one stage-1 forward pass, op by op (and the one-region step against the memory)"),
+    "profile": ("bench.profile", "one stage-1 forward pass, op by op; a prefill's GEMM against its instruction's peak"),
     "report": ("bench.report", "the results tables of README.md and docs/, written from saved JSON (--check)"),
     "figures": ("bench.figures", "the figures of docs/ (docs/figures/*.svg), drawn from saved JSON results"),
     "gpu": ("bench.gpu", "stages 2 and 3 on a GPU: nano-vllm's workload, batch-1 decode (bench/gpu_check.sh)"),
