@@ -206,6 +206,17 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def policy_env(omp_wait_policy: str, extra: dict | None = None) -> dict:
+    """This process's environment for a benchmark's child under an OpenMP wait policy: PASSIVE,
+    ACTIVE, or "default" (unset: the OpenMP runtime's own choice, libgomp spins a while)."""
+    env = dict(os.environ, **BENCH_ENV, **(extra or {}))
+    if omp_wait_policy == "default":
+        env.pop("OMP_WAIT_POLICY", None)
+    else:
+        env["OMP_WAIT_POLICY"] = omp_wait_policy
+    return env
+
+
 def run_worker(module: str, spec: dict, timeout: float, log=print, omp_wait_policy: str = "PASSIVE",
                env_extra: dict | None = None) -> dict:
     """Run `python -m module --worker SPEC` in a fresh process and return its JSON result.
@@ -216,11 +227,7 @@ def run_worker(module: str, spec: dict, timeout: float, log=print, omp_wait_poli
     omp_wait_policy: PASSIVE, ACTIVE, or "default" (unset: the OpenMP runtime's own choice);
     env_extra: more variables for this worker alone (e.g. NUMBA_CPU_NAME, LLAMA_CPP_LIB_PATH).
     """
-    env = dict(os.environ, **BENCH_ENV, **(env_extra or {}))
-    if omp_wait_policy == "default":        # unset: the OpenMP runtime's own choice (libgomp spins a while)
-        env.pop("OMP_WAIT_POLICY", None)
-    else:
-        env["OMP_WAIT_POLICY"] = omp_wait_policy
+    env = policy_env(omp_wait_policy, env_extra)
     repo_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = repo_root + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", module, "--worker", json.dumps(spec)]

@@ -41,7 +41,7 @@ import numpy as np
 
 from bench.common import (BandwidthProbe, NeighbourMeter, check_load, cpu_flags, emit_result, fmt_num,
                           items, load_1min, machine_description, markdown_table, measure_bandwidth, median,
-                          run_worker, save_json, stage1_bytes)
+                          policy_env, run_worker, save_json, stage1_bytes)
 from common.engine import Request
 from common.gguf_write import write_gguf
 from common.numba_cache import set_threads as set_numba_threads
@@ -537,9 +537,8 @@ def ik_llama_bench(args, paths: dict, log) -> list[dict]:
                 cmd = [str(args.ik_bench), "-m", str(paths[q]), "-p", ",".join(map(str, args.prompt_lens)), "-n",
                        str(args.decode_tokens), "-t", str(max(args.threads)), "-r", str(args.runs), "-rtr", str(rtr),
                        "-o", "json"]
-                env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-                env.update({} if policy == "default" else {"OMP_WAIT_POLICY": policy})
-                done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.worker_timeout)
+                done = subprocess.run(cmd, env=policy_env(policy), capture_output=True, text=True,
+                                      timeout=args.worker_timeout)
                 if done.returncode:
                     log(f"ik_llama.cpp {q} failed: {done.stderr.strip()[-300:]}")
                     continue

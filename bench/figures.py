@@ -230,9 +230,9 @@ def draw_all(results: Path = FIGURES, out: Path = FIGURES, fmt: str = "svg") -> 
             raise FileNotFoundError(f"{path} is missing: run the command in bench/figures.py's docstring")
         data = json.loads(path.read_text())
         profile = results / "stage1_prefill_profile.json"        # the tile figure's GEMMs, once profiled here
-        if name == "stage1_prefill_tile" and profile.is_file() and \
-                json.loads(profile.read_text())["machine"] == data["machine"]:
-            passes = json.loads(profile.read_text())["passes"]
+        profile = json.loads(profile.read_text()) if name == "stage1_prefill_tile" and profile.is_file() else {}
+        if profile and profile["machine"] == data["machine"]:
+            passes = profile["passes"]
             data = dict(data, passes=passes, command="python -m bench profile --tokens T --save "
                         "docs/figures/stage1_prefill_profile.json (peaks: " + data["command"] + ")",
                         date=max(p["date"] for p in passes))

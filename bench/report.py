@@ -5,7 +5,8 @@ between them is this program's. NAME: cpu (stage 1 ÷ llama.cpp per CPU class: i
 decode, prefill 128 / 512), cpu-full (every metric of each saved CPU run), ladder / prefill
 (the ablation ladder's rungs), prefill-profile (bench profile --save: where a prefill's time
 goes), lessons (the stage 2 -> 3 ladder, counted), lines (each `path` (N) in the block given
-its line count again, to 2 digits), speculative (bench cpu --speculative, per task). CPU runs: docs/results/cpu-*.json (`bench cpu --save`), the rest docs/figures/*.json.
+its line count again, to 2 digits), speculative (bench cpu --speculative, per task). CPU runs:
+docs/results/cpu-*.json (`bench cpu --save`), the rest docs/figures/*.json.
 --check writes nothing, exits 1 naming each stale table.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from bench import lessons
 from bench.common import markdown_table
-from bench.cpu import at_threads, comparison
+from bench.cpu import LLAMA_FORMAT, at_threads, comparison
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = re.compile(r"(<!-- report: ([\w-]+) -->\n)(.*?)(<!-- /report -->)", re.S)
@@ -51,7 +52,7 @@ def cpu_table(root: Path) -> str:
     runs, rows = cpu_runs(root), []
     for run in runs:
         got = at_threads(run["best"], max(run["threads"]))
-        for fmt, q in (("int8", "Q8_0"), ("int4", "Q4_0")):
+        for fmt, q in ((f, LLAMA_FORMAT[f]) for f in ("int8", "int4")):
             pairs = [(got.get(("stage1", fmt, m)), got.get(("llama.cpp", q, m))) for m in METRICS]
             if any(s for s, _ in pairs):
                 rows.append([run["class"], f"{fmt} ÷ {q}", *(f"**{s[0] / ll[0]:.2f}×** ({s[0]:.1f} / {ll[0]:.1f} tok/s)"
