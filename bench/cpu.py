@@ -1,16 +1,16 @@
-"""CPU benchmark: stage 1 against llama.cpp and transformers, and against the roofline,
-on a dense Qwen3 shape or a Qwen3-MoE one.
+"""CPU benchmark: stage 1 against llama.cpp and the roofline, every engine's logits against
+transformers', on a dense Qwen3 shape or a Qwen3-MoE one.
 
     python -m bench cpu                        # Qwen3-0.6B shapes, both wait policies (~25 min idle)
     python -m bench cpu --quick                # a small model, one thread count, PASSIVE (< 2 min)
     python -m bench cpu --shape moe            # Qwen3-30B-A3B's layer shape, 12 layers x 32 experts
     python -m bench cpu --threads 2 --formats int8 --kernels plain,auto --save /tmp/cpu.json
-    python -m bench cpu --cpu-profile avx2     # an AVX-512 host standing in for an AVX2 CPU
 
 In one run, so that every number saw the same machine: a random-weight model of the shape
 (built once with transformers, and the same weights as GGUF files for llama.cpp), the memory
 bandwidth, then every engine in a subprocess of its own, once per OpenMP wait policy: prefill
-tok/s, the time to the first token, decode tok/s, and its logits against transformers fp32.
+tok/s, the time to the first token, decode tok/s, and its logits against transformers fp32 (the
+oracle, not timed).
 It prints stage 1 ÷ llama.cpp and every engine's figures, each engine at its own best policy,
 with the napkin maths (bytes per token, GB/s, % of the roofline); docs/benchmarks.md says how
 each figure is measured.
@@ -55,20 +55,11 @@ MAX_CTX = 1024             # every engine's context
 
 # stage-1 weight format -> the llama.cpp format that stores the same numbers
 LLAMA_FORMAT = {"bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}
+# an AVX-512 host standing in for an AVX2 CPU: the workers inherit NUMBA_CPU_NAME=haswell (with
+# NUMBA_CPU_FEATURES) and LLAMA_CPP_LIB_PATH from the caller (docs/benchmarks.md)
+STAND_IN = os.environ.get("NUMBA_CPU_NAME") == "haswell"
 POLICIES = {"both": ["PASSIVE", "default"], "PASSIVE": ["PASSIVE"], "ACTIVE": ["ACTIVE"], "default": ["default"]}
 
-# --cpu-profile avx2: an "AVX2 machine" on an AVX-512 host. numba compiles stage 1 for a
-# Haswell (no AVX-512, no VNNI; the fast path then picks its AVX2 int8 dot product), llama.cpp
-# loads a second build made without AVX-512 (AVX2_BUILD, by hand), torch caps its kernels
-# at AVX2. The feature list is LLVM's names for what a Haswell has (a CPU name alone would leave
-# stage1_cpu/fast/cpu.py assuming no features at all).
-HASWELL_FEATURES = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fsgsbase,+fxsr,+invpcid,+lzcnt,"
-                    "+mmx,+movbe,+pclmul,+popcnt,+rdrnd,+sahf,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,"
-                    "+xsave,+xsaveopt")
-AVX2_LLAMA_LIB = CACHE.parent / "llama-avx2" / "llama_cpp" / "lib"     # where AVX2_BUILD puts it
-# the installed version of llama-cpp-python (its bindings must match the library), built for a Haswell
-AVX2_BUILD = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" pip install --no-deps '
-              '--no-binary llama-cpp-python --target ~/.cache/qwen3-stages/llama-avx2 llama-cpp-python==VERSION')
 
 
 # ------------------------------------------------------------------ the model
@@ -295,37 +286,13 @@ class LlamaCppRunner:
 
 
 class TransformersRunner:
-    """transformers on CPU with its KV cache; only the last position's logits are
-    computed (logits_to_keep=1), as the other engines do."""
+    """transformers fp32 on CPU: the oracle every engine's logits are checked against."""
 
-    def __init__(self, folder: str, fmt: str, threads: int):
+    def __init__(self, folder: str):
         import torch                           # here: a worker of another engine never pays torch's RSS
         import transformers as tf
         self.torch = torch
-        torch.set_num_threads(threads)
-        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[fmt]
-        self.model = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-
-    def set_threads(self, n: int) -> None:
-        self.torch.set_num_threads(n)
-
-    def isa(self) -> str:
-        return f"torch {self.torch.__version__}, ATen CPU capability {self.torch.backends.cpu.get_cpu_capability()}"
-
-    def generate(self, prompt, n_decode):
-        torch = self.torch
-        with torch.inference_mode():
-            t0 = time.perf_counter()
-            out = self.model(input_ids=torch.tensor([list(prompt)]), use_cache=True, logits_to_keep=1)
-            tokens = [int(out.logits[0, -1].argmax())]
-            t_first = time.perf_counter()
-            cache = out.past_key_values
-            for _ in range(n_decode):
-                out = self.model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache,
-                                 use_cache=True, logits_to_keep=1)
-                cache = out.past_key_values
-                tokens.append(int(out.logits[0, -1].argmax()))
-        return tokens, t_first - t0, time.perf_counter() - t_first
+        self.model = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
     def all_logits(self, ids):
         with self.torch.inference_mode():
@@ -338,7 +305,7 @@ def make_runner(spec: dict, threads: int, check: bool = False):
         return Stage1Runner(spec["path"], spec["fmt"], threads, spec["kernels"], spec["activations"])
     if spec["engine"] == "llama.cpp":
         return LlamaCppRunner(spec["path"], threads, logits_all=check)
-    return TransformersRunner(spec["path"], spec["fmt"], threads)
+    return TransformersRunner(spec["path"])
 
 
 def prompt_ids(vocab: int, length: int, seed: int) -> list[int]:
@@ -364,7 +331,7 @@ def worker(spec: dict) -> None:
             np.save(spec["check_out"], runner.all_logits(spec["check_ids"]))
         if spec.get("check_ids"):
             result["check_file"] = spec["check_out"]
-        if spec.get("check_only"):              # the oracle's logits alone (transformers fp32 on MoE)
+        if spec["engine"] == "transformers":    # the oracle: its logits alone
             emit_result(result)
             return
         try:
@@ -414,7 +381,7 @@ def worker(spec: dict) -> None:
 
 @dataclass
 class Row:
-    engine: str                      # the report's name: stage1, "stage1 plain", llama.cpp, transformers
+    engine: str                      # the report's name: stage1, "stage1 plain", llama.cpp
     fmt: str
     weight_bytes: int | None         # what one decode token reads
     result: dict
@@ -438,12 +405,8 @@ def jobs_for(args, shape: Shape, paths: dict, plan: dict, tmp: Path) -> list[tup
     check = lambda out: {"check_ids": check_ids, "check_out": str(tmp / out)} if plan["check"] else {}  # noqa: E731
     hf = str(paths["hf"])
     jobs = []
-    if "transformers" in args.engines:
-        if plan["check"]:     # the oracle; timed too on a dense shape (at the full MoE shape it costs minutes)
-            jobs.append(("transformers", 4 * shape.linear_params(), dict(
-                engine="transformers", fmt="fp32", path=hf, check_only=bool(shape.num_experts), **check("hf.npy"))))
-        if "bf16" in args.formats:
-            jobs.append(("transformers", 2 * shape.linear_params(), dict(engine="transformers", fmt="bf16", path=hf)))
+    if "transformers" in args.engines and plan["check"]:           # the oracle, not timed
+        jobs.append(("transformers", None, dict(engine="transformers", fmt="fp32", path=hf, **check("hf.npy"))))
     for fmt in args.formats:
         nominal = nominal_stage1_bytes(shape, fmt)
         if "stage1" in args.engines:
@@ -467,24 +430,24 @@ def run_table(args, shape: Shape, paths: dict, log, plan: dict) -> tuple[list[Ro
     tmp = Path(tempfile.mkdtemp(prefix="bench-cpu-"))
     rows, reference = [], None
     for label, nbytes, spec in jobs_for(args, shape, paths, plan, tmp):
-        if spec["engine"] == "llama.cpp" and (args.llama_missing or not llama_cpp_installed()):
-            rows.append(Row(label, spec["fmt"], nbytes, {"error": args.llama_missing or "not installed"}))
+        if spec["engine"] == "llama.cpp" and not llama_cpp_installed():
+            rows.append(Row(label, spec["fmt"], nbytes, {"error": "not installed"}))
             continue
         log(f"running {label} {spec['fmt']} (OMP_WAIT_POLICY={plan['policy']}) ...")
         t0 = time.perf_counter()
         res = run_worker("bench.cpu", dict(base, **spec), timeout=args.worker_timeout, log=log,
-                         omp_wait_policy=plan["policy"], env_extra=profile_env(args, spec["engine"]))
+                         omp_wait_policy=plan["policy"])
         wall = time.perf_counter() - t0
         log(f"  {label} {spec['fmt']}: {res['error']}" if "error" in res
             else f"  done in {wall:.0f} s, peak RSS {res['peak_rss_mib']:.0f} MiB")
-        if spec["engine"] == "transformers" and spec["fmt"] == "fp32" and res.get("check_file"):
+        if spec["engine"] == "transformers" and res.get("check_file"):
             reference = np.load(res["check_file"])
-        if not spec.get("check_only") or "error" in res:
+        if spec["engine"] != "transformers" or "error" in res:
             rows.append(Row(label, spec["fmt"], res.get("weight_bytes") or nbytes, res))
     check = {}
     for row in rows:
         f = row.result.get("check_file")
-        if reference is not None and f and row.engine != "transformers" and Path(f).exists():
+        if reference is not None and f and Path(f).exists():
             check[(row.engine, row.fmt)] = logits_agreement(reference, np.load(f))
     shutil.rmtree(tmp, ignore_errors=True)
     return rows, check
@@ -499,30 +462,6 @@ def logits_agreement(ref: np.ndarray, got: np.ndarray) -> dict:
 
 def llama_cpp_installed() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
-
-
-def profile_env(args, engine: str) -> dict:
-    """The variables that make a worker an "AVX2 machine" under --cpu-profile avx2."""
-    if args.cpu_profile != "avx2":
-        return {}
-    if engine == "stage1":
-        return {"NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": HASWELL_FEATURES}
-    if engine == "llama.cpp":
-        return {"LLAMA_CPP_LIB_PATH": str(args.llama_lib)} if args.llama_lib else {}
-    return {"ATEN_CPU_CAPABILITY": "avx2"}                                  # transformers
-
-
-def choose_llama_lib(args) -> tuple[Path | None, str | None, str]:
-    """--cpu-profile avx2: (LLAMA_CPP_LIB_PATH or None for the installed build, why llama.cpp
-    cannot run as an AVX2 build (or None), a line for the report)."""
-    lib = args.llama_avx2_lib or AVX2_LLAMA_LIB
-    if (lib / "libllama.so").exists() or (lib / "libllama.dylib").exists():
-        return lib, None, f"llama.cpp: the AVX2 build in {lib} (LLAMA_CPP_LIB_PATH)"
-    if args.llama_avx2_lib is None and "avx512f" not in cpu_flags()[1]:
-        return None, None, ("llama.cpp: the installed build (this host has no AVX-512, so its native build "
-                            "already is an AVX2 build)")
-    why = f"no AVX2 build of llama.cpp in {lib}: build one (10-20 min) with {AVX2_BUILD}"
-    return None, why, "llama.cpp: " + why
 
 
 def ik_llama_bench(args, paths: dict, log) -> list[dict]:
@@ -646,7 +585,7 @@ def report(args, shape: Shape, tables: list[dict], bw: dict, loads: tuple[float,
     busy = lambda cores: " **busy: numbers may be low**" if cores > 0.25 else ""  # noqa: E731
     moe = (f", E={shape.num_experts} experts of Fe={shape.moe_intermediate_size}, top-{shape.num_experts_per_tok}"
            if shape.num_experts else "")
-    out = [f"## CPU benchmark: {shape.name}" + (" (AVX2 machine stand-in)" if args.cpu_profile == "avx2" else ""), "",
+    out = [f"## CPU benchmark: {shape.name}" + (" (AVX2 machine stand-in)" if STAND_IN else ""), "",
            f"- machine: {machine_description()}", "- command: `" + " ".join(["python -m bench cpu", *args.argv]) + "`",
            f"- 1-minute load before {loads[0]:.2f}, after {loads[1]:.2f} (with the benchmark's own threads); other "
            f"processes used {loads[2]:.2f} cores on average{busy(loads[2])}; per OMP_WAIT_POLICY: " + "; ".join(
@@ -658,9 +597,6 @@ def report(args, shape: Shape, tables: list[dict], bw: dict, loads: tuple[float,
            "- read bandwidth, the better of start / end: " + ", ".join(
                f"{t} thread{'s' * (t > 1)} {bw['read'][t]:.1f} GB/s ({bw['start']['read'][t]:.1f} / "
                f"{bw['end']['read'][t]:.1f})" for t in args.threads)]
-    if args.cpu_profile == "avx2":
-        out.append("- --cpu-profile avx2: stage 1 for NUMBA_CPU_NAME=haswell, transformers with "
-                   "ATEN_CPU_CAPABILITY=avx2; " + args.llama_line)
     rows = [row for t in tables for row in t["rows"]]
     out += sorted({f"- {r.engine} {r.fmt}: {r.result['isa']}" for r in tables[0]["rows"] if r.result.get("isa")})
     out += sorted({f"- {r.engine} {r.fmt}: **{r.result['error']}**" for r in rows if "error" in r.result})
@@ -684,7 +620,7 @@ def headline(args, best: dict, ik: tuple = ()) -> list[str]:
 
 def save_results(args, shape: Shape, tables: list[dict], bw: dict, others: float, ik: list[dict]) -> None:
     """--save: the run as JSON, which `bench report` writes the docs' tables from and `bench figures`
-    the roofline: machine, SIMD flags, --cpu-profile, date, command, versions, each engine's decode
+    the roofline: machine, SIMD flags, whether it stood in for a Haswell, date, command, versions, each engine's decode
     at its best policy and the largest thread count (`rows`) and its best median over the policies
     per thread count and metric (`best`; ttftP in seconds)."""
     found = best_by_policy(args, tables)
@@ -695,7 +631,7 @@ def save_results(args, shape: Shape, tables: list[dict], bw: dict, others: float
                 ("torch", "torch"), ("transformers", "transformers")) if importlib.util.find_spec(module)}
     save_json(args.save, "python -m bench cpu " + " ".join(args.argv),
               cpu_flags=sorted(f for f in cpu_flags()[1] if f.startswith(("avx", "fma", "f16c"))),
-              cpu_profile=args.cpu_profile, shape=shape.name, quick=args.quick, threads=args.threads,
+              cpu_profile="avx2" if STAND_IN else "native", shape=shape.name, quick=args.quick, threads=args.threads,
               others_cores=round(others, 2), versions=versions, bandwidth_gb_s=max(bw["read"].values()), rows=rows,
               best=saved_best(found) + ik, isa=sorted({f"{r.engine} {r.fmt}: {r.result['isa']}" for r in tables[0]["rows"]
                                      if r.result.get("isa")}))
@@ -732,11 +668,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="OMP_WAIT_POLICY for every engine: both (a table under PASSIVE, then one under the "
                         "runtime's default; the headline takes each engine at its best), PASSIVE, ACTIVE or "
                         "default. Default: both; --quick: PASSIVE")
-    p.add_argument("--cpu-profile", default="native", choices=["native", "avx2"],
-                   help="avx2: stand in for an AVX2-only CPU on an AVX-512 host (stage 1 under "
-                        "NUMBA_CPU_NAME=haswell, llama.cpp built for AVX2 as docs/benchmarks.md says)")
-    p.add_argument("--llama-avx2-lib", type=Path, default=None,
-                   help=f"--cpu-profile avx2: the folder of the AVX2 build's libllama.so (default {AVX2_LLAMA_LIB})")
     p.add_argument("--ik-bench", type=Path, default=None, help="ik_llama.cpp's llama-bench, built by hand: "
                    "its prefill and decode on the same GGUF files, saved as a column beside llama.cpp's")
     p.add_argument("--out", type=Path, default=None, help="also write the markdown summary to this file")
@@ -761,8 +692,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--threads, --runs, --decode-tokens and --prompt-lens must be positive")
     if max([*args.prompt_lens, *args.ttft_lens, args.decode_prompt]) + args.decode_tokens + 1 > MAX_CTX:
         p.error(f"prompt length + decode tokens must stay under the {MAX_CTX}-token context the engines are given")
-    args.llama_lib, args.llama_missing, args.llama_line = (choose_llama_lib(args) if args.cpu_profile == "avx2"
-                                                           else (None, None, ""))
     return args
 
 
@@ -786,8 +715,6 @@ def main(argv: list[str] | None = None) -> int:
     mib = 256 if args.quick else 1024
     log("measuring memory bandwidth ...")
     bw = measure_bandwidth(args.threads, mib=mib)
-    if args.cpu_profile == "avx2":
-        log("--cpu-profile avx2: stage 1 under NUMBA_CPU_NAME=haswell; " + args.llama_line)
     tables = []
     for plan in table_plans(args):
         log(f"--- table: OMP_WAIT_POLICY={plan['policy']}, threads {plan['threads']}")

@@ -6,8 +6,9 @@ figure is redrawn in seconds after the benchmark that feeds it:
   stage3_lessons.svg   docs/figures/lessons.json         python -m bench lessons --save ...
   stage1_ladder.svg    docs/figures/stage1_ladder.json   python -m bench ladder --save ...
   stage1_roofline.svg  docs/figures/stage1_roofline.json python -m bench cpu --save ...
-  stage1_prefill_tile.svg docs/figures/stage1_prefill_gemm.json  (a saved run of a micro-benchmark of
-                       the int8 GEMM's tile and its instructions' peaks: drawn, not measured again)
+  stage1_prefill_tile.svg docs/figures/stage1_prefill_profile.json  python -m bench profile --tokens T --save ...
+                       (with the tile's shape and the instructions' peaks of a saved micro-benchmark run,
+                       docs/figures/stage1_prefill_gemm.json: drawn, not measured again)
 
 Every figure's caption (its last line of text) names the command that wrote its data.
 Needs matplotlib (the `test` extra).
@@ -126,9 +127,8 @@ def stage1_roofline(data: dict, out: Path) -> Path:
 
 
 def stage1_prefill_tile(data: dict, out: Path) -> Path:
-    """Left: the int8 GEMM's register tile (fast/gemm.py) on the repacked layout; right: the
-    G MAC/s each tile alone, the GEMM and sgemm reached against their instructions' measured peaks
-    (the pairs tiles' ceiling is vpmaddwd with the vpaddd that accumulates it, where measured)."""
+    """Left: the int8 GEMM's register tile (fast/gemm.py) on the repacked layout; right: the G MAC/s
+    of a prefill's GEMMs (bench profile) against the measured peaks of the instructions they issue."""
     plt = _plt()
     from matplotlib.patches import Patch, Rectangle
     rows8, toks = data["tile"]["int8"]
@@ -154,40 +154,23 @@ def stage1_prefill_tile(data: dict, out: Path) -> Path:
     a.axis("off")
     a.set_title(f"int8 register tile: {rows8} rows × {toks} tokens per step of k", fontsize=9)
     labels, got, peak = [], [], []
-    peaks, act = data["peaks_gmac_s"], data.get("act", "int8")
-    pair = peaks.get("maddwd+add", peaks["maddwd"])          # older results measured vpmaddwd alone
-    # on AVX2 fast/gemm.py runs int8 weights, and int4 ones on int16 activations, on the pairs tile
-    # (vpmaddwd with the vpaddd that accumulates it); int4 on int8 activations on the quads tile (vpmaddubsw)
-    ceiling = {fmt: pair if act == "int16" or fmt == "int8" else peaks["maddubs"] for fmt in ("int8", "int4")}
-    ceiling.update({fmt: peaks[kind] for fmt, kind in data.get("ceiling", {}).items()})   # as the run named it
-    for p in sorted(data.get("passes", []), key=lambda p: (p["quant"], p["tokens"])):  # bench profile --save's
-        gemms = [r for r in p["rows"] if r.get("of_peak")]                               # GEMMs, where saved
+    for p in sorted(data["passes"], key=lambda p: (p["quant"], p["tokens"])):     # bench profile --save's passes
+        gemms = [r for r in p["rows"] if r.get("of_peak")]                       # its GEMMs, each against its peak
         labels.append(f"{p['quant']} integer GEMM T={p['tokens']}")
         got.append(sum(r["gmac_s"] for r in gemms) / len(gemms))
         peak.append(sum(r["gmac_s"] / r["of_peak"] for r in gemms) / len(gemms))
-    for fmt, gmac in {} if labels else data.get("tile_alone_gmac_s", {}).items():   # else the micro-benchmark's
-        labels.append(f"{fmt} tile alone (T=128)")
-        got.append(gmac)
-        peak.append(ceiling[fmt])
-    for r in [] if data.get("passes") else data["rows"]:
-        fmt = r["format"]
-        labels += [f"{fmt} sgemm T={r['tokens']}", f"{fmt} integer GEMM T={r['tokens']}"]
-        got += [r["sgemm_gmac_s"], r["int8_gemm_gmac_s"]]
-        peak += [peaks["fma"], ceiling[fmt]]
     y = range(len(labels))
     b.barh(y, peak, color="0.85")
-    b.barh(y, got, color=["#dd8452" if "sgemm" in s else "#55a868" if "alone" in s else "#4c72b0" for s in labels])
+    b.barh(y, got, color="#4c72b0")
     for i in y:
         b.text(got[i], i, f" {got[i]:.0f} ({100 * got[i] / peak[i]:.0f} %)", va="center", fontsize=7)
     b.set_yticks(list(y), labels, fontsize=7)
     b.invert_yaxis()
-    b.set_xlabel(f"G multiply-adds / s, {data.get('threads', '?')} threads, gs {data.get('group_size', '?')}")
-    b.set_title(f"one layer's matmuls (Qwen3-0.6B){', their mean' * bool(data.get('passes'))}, {act} activations",
-                fontsize=9)
+    b.set_xlabel(f"G multiply-adds / s, {data['passes'][0]['threads']} threads")
+    b.set_title("one forward pass's GEMMs (Qwen3-0.6B), their mean", fontsize=9)
     b.legend(handles=[Patch(color=c, label=n) for c, n in (("0.85", "peak of its instruction (micro-benchmark)"),
-                      ("#55a868", "tile alone"), ("#4c72b0", "integer GEMM"), ("#dd8452", "sgemm"))
-                      if c == "0.85" or any(n in s for s in labels)],
-             fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=4)
+                                                          ("#4c72b0", "integer GEMM"))],
+             fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
     return _finish(fig, data, out)
 
 
@@ -229,10 +212,8 @@ def draw_all(results: Path = FIGURES, out: Path = FIGURES, fmt: str = "svg") -> 
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing: run the command in bench/figures.py's docstring")
         data = json.loads(path.read_text())
-        profile = results / "stage1_prefill_profile.json"        # the tile figure's GEMMs, once profiled here
-        profile = json.loads(profile.read_text()) if name == "stage1_prefill_tile" and profile.is_file() else {}
-        if profile and profile["machine"] == data["machine"]:
-            passes = profile["passes"]
+        if name == "stage1_prefill_tile":                        # the bars: bench profile's GEMMs
+            passes = json.loads((results / "stage1_prefill_profile.json").read_text())["passes"]
             data = dict(data, passes=passes, command="python -m bench profile --tokens T --save "
                         "docs/figures/stage1_prefill_profile.json (peaks: " + data["command"] + ")",
                         date=max(p["date"] for p in passes))

@@ -208,10 +208,8 @@ def throughput_all(pkgs: list[str], args, started: float) -> list[dict]:
     folder = Path(args.model_folder) if args.model_folder else gpu._model(
         argparse.Namespace(workdir=str(workdir), dry_run=dev == "cpu"), gpu.TINY if dev == "cpu" else gpu.QWEN3_06B,
         "qwen3-0.6b-random")
-    if dev == "cuda":
-        seqs, lens, outs = args.seqs or 32, (args.min_len or 384, args.max_len or 640), (args.min_out or 32, args.max_out or 96)
-    else:
-        seqs, lens, outs = args.seqs or 3, (args.min_len or 4, args.max_len or 12), (args.min_out or 4, args.max_out or 12)
+    # sequences, prompt lengths, output lengths: a GPU's, or the CPU dry run's
+    seqs, lens, outs = (args.seqs or 32, (384, 640), (32, 96)) if dev == "cuda" else (args.seqs or 3, (4, 12), (4, 12))
     prompts, _ = gpu.workload(seqs, min_len=lens[0], max_len=lens[1])
     _, outputs = gpu.workload(seqs, seed=1, min_len=outs[0], max_len=outs[1])
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
@@ -271,9 +269,8 @@ def main() -> int:
                     help="also measure output tok/s per rung (a GPU if CuPy sees one, else a CPU dry run)")
     ap.add_argument("--workdir", default=None, help="--throughput: where bench.gpu's model folder is (re)used")
     ap.add_argument("--model-folder", default=None, help="--throughput: this model instead of bench.gpu's")
-    ap.add_argument("--seqs", type=int, default=None, help="--throughput: sequences (default 32 on a GPU, 3 on CPU)")
-    for name, gpu_v, cpu_v in (("min-len", 384, 4), ("max-len", 640, 12), ("min-out", 32, 4), ("max-out", 96, 12)):
-        ap.add_argument(f"--{name}", type=int, default=None, help=f"--throughput: default {gpu_v} (CPU {cpu_v})")
+    ap.add_argument("--seqs", type=int, default=None, help="--throughput: sequences (default 32 on a GPU, 3 on CPU; "
+                    "prompts of 384..640 tokens and outputs of 32..96, on CPU 4..12 and 4..12)")
     ap.add_argument("--rung-cap-s", type=float, default=20.0, help="--throughput: seconds per rung")
     ap.add_argument("--deadline-s", type=float, default=600.0,
                     help="--throughput: the whole run ends by then; rungs left without their cap are skipped")

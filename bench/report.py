@@ -24,7 +24,7 @@ from bench.cpu import LLAMA_FORMAT, at_threads, comparison
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = re.compile(r"(<!-- report: ([\w-]+) -->\n)(.*?)(<!-- /report -->)", re.S)
 NOT_MEASURED = ("Not measured on this machine yet: run `python -m bench cpu --threads 2 --formats bf16,int8,int4 --save "
-                "docs/results/cpu-avx512.json` (the AVX2 class: `--cpu-profile avx2`, cpu-avx2.json), then `python -m bench report`.\n")
+                "docs/results/cpu-avx512.json` (an AVX2 CPU: cpu-avx2.json), then `python -m bench report`.\n")
 METRICS = {"decode": "decode", "128": "prefill 128", "512": "prefill 512"}     # the README's columns
 
 

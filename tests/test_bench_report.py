@@ -92,47 +92,28 @@ def test_moe_headline_has_a_row_per_kernel_set_and_the_engine_table_its_roofline
                                                                           "30.0", "75"]
 
 
-def test_avx2_profile_sets_haswell_for_stage1_and_the_lib_for_llama(tmp_path):
-    (tmp_path / "libllama.so").write_bytes(b"")
-    args = bench_cpu.parse_args(["--cpu-profile", "avx2", "--llama-avx2-lib", str(tmp_path)])
-    env = bench_cpu.profile_env(args, "stage1")
-    assert env["NUMBA_CPU_NAME"] == "haswell"
-    assert "+avx2" in env["NUMBA_CPU_FEATURES"].split(",") and "avx512" not in env["NUMBA_CPU_FEATURES"]
-    assert bench_cpu.profile_env(args, "llama.cpp") == {"LLAMA_CPP_LIB_PATH": str(tmp_path)}
-    assert bench_cpu.profile_env(args, "transformers") == {"ATEN_CPU_CAPABILITY": "avx2"}
-    assert bench_cpu.profile_env(bench_cpu.parse_args([]), "stage1") == {}
-    missing = bench_cpu.parse_args(["--cpu-profile", "avx2", "--llama-avx2-lib", str(tmp_path / "nope")])
-    assert missing.llama_missing and "-DGGML_AVX2=ON" in missing.llama_missing
-
-
-def test_each_worker_gets_the_profile_the_activations_and_its_kernel_set(tmp_path, monkeypatch):
-    """--cpu-profile avx2 --activations int8 --kernels auto,plain: stage 1's workers (one per kernel set)
-    get haswell and int8, llama.cpp's the AVX2 build; without that build llama.cpp's cell says why and no
-    worker starts for it."""
-    (tmp_path / "libllama.so").write_bytes(b"")
+def test_each_worker_gets_the_activations_and_its_kernel_set(tmp_path, monkeypatch):
+    """--activations int8 --kernels auto,plain: stage 1's workers (one per kernel set) get int8; without
+    llama-cpp-python llama.cpp's cell says so and no worker starts for it."""
     seen = []
 
-    def fake_worker(module, spec, timeout, log, omp_wait_policy, env_extra=None):
-        seen.append((spec["engine"], spec["kernels"], spec["activations"], env_extra or {}))
+    def fake_worker(module, spec, timeout, log, omp_wait_policy):
+        seen.append((spec["engine"], spec["kernels"], spec["activations"]))
         return {"error": "not run here"}
     monkeypatch.setattr(bench_cpu, "run_worker", fake_worker)
     monkeypatch.setattr(bench_cpu, "llama_cpp_installed", lambda: True)
     plan = {"policy": "PASSIVE", "threads": [2], "check": False}
     paths = {"hf": tmp_path, "Q8_0": tmp_path / "q8.gguf"}
-    argv = ["--shape", "moe-quick", "--quick", "--engines", "stage1,llama.cpp", "--formats", "int8", "--kernels",
-            "auto,plain", "--cpu-profile", "avx2", "--activations", "int8", "--llama-avx2-lib"]
-    args = bench_cpu.parse_args(argv + [str(tmp_path)])
+    args = bench_cpu.parse_args(["--shape", "moe-quick", "--quick", "--engines", "stage1,llama.cpp", "--formats",
+                                 "int8", "--kernels", "auto,plain", "--activations", "int8"])
     rows, _ = bench_cpu.run_table(args, args.shape, paths, lambda s: None, plan)
-    assert [(e, k, a) for e, k, a, _ in seen] == [("stage1", "auto", "int8"), ("stage1", "plain", "int8"),
-                                                  ("llama.cpp", "auto", "int8")]
-    assert all(env["NUMBA_CPU_NAME"] == "haswell" for e, _, _, env in seen if e == "stage1")
-    assert seen[-1][3] == {"LLAMA_CPP_LIB_PATH": str(tmp_path)}
+    assert seen == [("stage1", "auto", "int8"), ("stage1", "plain", "int8"), ("llama.cpp", "auto", "int8")]
     assert [r.engine for r in rows] == ["stage1", "stage1 plain", "llama.cpp"]
     seen.clear()
-    args = bench_cpu.parse_args(argv + [str(tmp_path / "nope")])
+    monkeypatch.setattr(bench_cpu, "llama_cpp_installed", lambda: False)
     rows, _ = bench_cpu.run_table(args, args.shape, paths, lambda s: None, plan)
-    assert [engine for engine, _, _, _ in seen] == ["stage1", "stage1"]
-    assert "-DGGML_AVX2=ON" in next(r.result["error"] for r in rows if r.engine == "llama.cpp")
+    assert [engine for engine, _, _ in seen] == ["stage1", "stage1"]
+    assert next(r.result["error"] for r in rows if r.engine == "llama.cpp") == "not installed"
 
 
 def test_decode_bytes_count_the_k_chosen_experts_of_a_moe_token():
