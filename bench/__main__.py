@@ -6,7 +6,7 @@ import sys
 
 # command -> (module, what it measures); every file of bench/ serves one of these
 COMMANDS = {
-    "cpu": ("bench.cpu", "stage 1 against llama.cpp, transformers and the roofline, on a dense or MoE shape"),
+    "cpu": ("bench.cpu", "stage 1 against llama.cpp and the roofline, logits against transformers, dense or MoE"),
     "ladder": ("bench.ladder", "the ablation ladder: naive matmul -> threads -> fused -> int4 -> int8 activations"),
     "profile": ("bench.profile", "one stage-1 forward pass, op by op; a prefill's GEMM against its instruction's peak"),
     "report": ("bench.report", "the results tables of README.md and docs/, written from saved JSON (--check)"),

@@ -66,6 +66,13 @@ def test_help_lists_every_command_and_every_bench_file_serves_one():
     assert files - seen == set(), "bench files no listed command reaches"
 
 
+def test_bench_stays_within_its_line_budget():
+    """bench/ is a tool of a few commands: `wc -l bench/*` within the 3,500 lines that the serving and
+    speculative benchmarks were given on top of the rest (docs/benchmarks.md)."""
+    total = sum(len(p.read_bytes().splitlines()) for p in (ROOT / "bench").iterdir() if p.is_file())
+    assert total <= 3500, f"bench/ is {total} lines"
+
+
 @pytest.mark.parametrize("shape,engines,kernels", [("tiny", "stage1", "plain,auto"),
                                                     ("moe-tiny", "stage1,transformers", "plain")])
 def test_cpu_measures_every_engine_and_prints_its_tables(tmp_path, shape, engines, kernels):
