@@ -6,9 +6,8 @@ figure is redrawn in seconds after the benchmark that feeds it:
   stage3_lessons.svg   docs/figures/lessons.json         python -m bench lessons --save ...
   stage1_ladder.svg    docs/figures/stage1_ladder.json   python -m bench ladder --save ...
   stage1_roofline.svg  docs/figures/stage1_roofline.json python -m bench cpu --save ...
-  stage1_prefill_tile.svg docs/figures/stage1_prefill_profile.json  python -m bench profile --tokens T --save ...
-                       (with the tile's shape and the instructions' peaks of a saved micro-benchmark run,
-                       docs/figures/stage1_prefill_gemm.json: drawn, not measured again)
+  stage1_prefill_tile.svg docs/figures/stage1_prefill_profile.json  python -m bench profile --peaks --save ...,
+                       then python -m bench profile --quant Q --tokens T --save ... per format and length
 
 Every figure's caption (its last line of text) names the command that wrote its data.
 Needs matplotlib (the `test` extra).
@@ -131,7 +130,7 @@ def stage1_prefill_tile(data: dict, out: Path) -> Path:
     of a prefill's GEMMs (bench profile) against the measured peaks of the instructions they issue."""
     plt = _plt()
     from matplotlib.patches import Patch, Rectangle
-    rows8, toks = data["tile"]["int8"]
+    rows8, toks = data["tile"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.4), gridspec_kw={"width_ratios": [1.1, 1]})
     nv = rows8 // 8
     for t in range(toks):                                   # the broadcasts: 2 int16 of one token, all lanes
@@ -201,7 +200,7 @@ def stage1_speculative(data: dict, out: Path) -> Path:
 
 DRAW = {"stage3_lessons": ("lessons.json", stage3_lessons), "stage1_ladder": ("stage1_ladder.json", stage1_ladder),
         "stage1_roofline": ("stage1_roofline.json", stage1_roofline),
-        "stage1_prefill_tile": ("stage1_prefill_gemm.json", stage1_prefill_tile)}
+        "stage1_prefill_tile": ("stage1_prefill_profile.json", stage1_prefill_tile)}
 
 
 def draw_all(results: Path = FIGURES, out: Path = FIGURES, fmt: str = "svg") -> list[Path]:
@@ -212,11 +211,9 @@ def draw_all(results: Path = FIGURES, out: Path = FIGURES, fmt: str = "svg") -> 
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing: run the command in bench/figures.py's docstring")
         data = json.loads(path.read_text())
-        if name == "stage1_prefill_tile":                        # the bars: bench profile's GEMMs
-            passes = json.loads((results / "stage1_prefill_profile.json").read_text())["passes"]
-            data = dict(data, passes=passes, command="python -m bench profile --tokens T --save "
-                        "docs/figures/stage1_prefill_profile.json (peaks: " + data["command"] + ")",
-                        date=max(p["date"] for p in passes))
+        if name == "stage1_prefill_tile":                        # one file, written by two commands
+            data = dict(data, date=max(p["date"] for p in data["passes"]),
+                        command="python -m bench profile --peaks, then --quant Q --tokens T (--save " + src + ")")
         done.append(fn(data, out / f"{name}.{fmt}"))
     if (results / "stage1_speculative.json").is_file():      # once a quiet machine has measured it
         done.append(stage1_speculative(json.loads((results / "stage1_speculative.json").read_text()),

@@ -3,6 +3,7 @@
     OMP_WAIT_POLICY=PASSIVE python -m bench profile --quant int4 --threads 2            # decode
     OMP_WAIT_POLICY=PASSIVE python -m bench profile --quant bf16 --tokens 512           # prefill
     OMP_WAIT_POLICY=PASSIVE python -m bench profile --kernels plain --activations fp32  # the core's kernels
+    python -m bench profile --peaks --save docs/figures/stage1_prefill_profile.json       # the peaks first
     python -m bench profile --quant int4 --tokens 512 --save docs/figures/stage1_prefill_profile.json
 
 On bench cpu's Qwen3-0.6B-shape model (or --model): first what an empty parallel region
@@ -14,7 +15,7 @@ allocation. A dense decode step normally runs in one parallel region
 token by token with the per-op path (the same logits), then the per-op path op by op.
 A prefill on the fast path splits each matmul into the rounding of the activations and the
 integer GEMM (repack and tiles), whose multiply-adds per second are shown against the peak
-of the instruction its tile issues (saved by bench's micro-benchmark, stage1_prefill_gemm.json).
+of the instruction its tile issues (`--peaks` measures them, and `--peaks --save` keeps them).
 --save adds the pass to a JSON file (one entry per format and T), which `bench report` reads.
 """
 from __future__ import annotations
@@ -29,13 +30,18 @@ from pathlib import Path
 
 import numba
 import numpy as np
+from llvmlite import ir
 from numba import prange
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from bench.common import machine_description
 from bench.cpu import CACHE, SHAPES, prepare_models
 from stage1_cpu import kernels, quant
-from stage1_cpu.fast import gemm
 from stage1_cpu.engine import LLMEngine
+from stage1_cpu.fast import cpu, gemm, simd
+
+SAVED = Path(__file__).resolve().parent.parent / "docs" / "figures" / "stage1_prefill_profile.json"
 
 
 @numba.njit(parallel=True, cache=True)
@@ -69,7 +75,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=1, help="tokens per forward pass: 1 = decode")
     ap.add_argument("--steps", type=int, default=20, help="forward passes timed (after a warm-up)")
     ap.add_argument("--save", type=Path, default=None, help="add this pass to a JSON file (bench report reads it)")
+    ap.add_argument("--peaks", action="store_true", help="instead: measure the G MAC/s of the instructions the "
+                    "GEMM's tiles issue (--save keeps them for this machine's passes, which show each GEMM against them)")
     args = ap.parse_args(argv)
+    if args.peaks:
+        numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
+        peaks = measure_peaks(numba.get_num_threads())
+        print(f"{machine_description()}, {numba.get_num_threads()} threads: "
+              + ", ".join(f"{k} {v:.1f} G MAC/s" for k, v in peaks.items()))
+        if args.save:
+            saved = json.loads(args.save.read_text()) if args.save.is_file() else {}
+            if saved.get("machine") != machine_description():
+                saved = dict(machine=machine_description(), passes=[])
+            saved.update(peaks_gmac_s=peaks, tile=[8 * gemm.RB8, gemm.TT8], peaks_date=time.strftime("%Y-%m-%d"))
+            args.save.write_text(json.dumps(saved, indent=1) + "\n")
+        return
 
     folder = Path(args.model) if args.model else prepare_models(SHAPES["0.6b"], CACHE, quants=())["hf"]
     engine = LLMEngine(folder, quant=args.quant, threads=args.threads, max_ctx=2048, progress=False,
@@ -192,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  one region / per op: {np.median(versus['per op']) / np.median(versus['one region']):.2f}x")
             print("the same step op by op (model.forward's kernels, one parallel region each):")
         print(f"one forward pass of {T} token{'s' * (T > 1)}: {total * 1e3:.2f} ms (mean of {args.steps})")
-        peaks = instruction_peaks()
+        peaks = instruction_peaks(args.save or SAVED)
         accounted, rows = 0.0, []
         for label, seconds in sorted(spent.items(), key=lambda kv: -kv[1]):
             per_step = seconds / args.steps
@@ -203,7 +223,8 @@ def main(argv: list[str] | None = None) -> None:
                 row["gmac_s"] = macs[label] / each / 1e9
                 kind = PEAK_OF[(label.split()[0], bool(gemm.VNNI))]
                 row["of_peak"] = row["gmac_s"] / peaks[kind] if kind in peaks else None
-                rate = f", {row['gmac_s']:5.1f} G MAC/s" + (f" ({row['of_peak']:.0%} of {kind}'s peak)" * bool(row["of_peak"]))
+                rate = f", {row['gmac_s']:5.1f} G MAC/s" + (f" ({row['of_peak']:.0%} of {kind}'s peak)"
+                                                            if row["of_peak"] else " (no peaks: --peaks --save)")
             else:
                 rate = f", {nbytes[label] / each / 1e9:5.1f} GB/s" if label in nbytes and T < quant.PREFILL_MIN_T else ""
             rows.append(row)
@@ -230,10 +251,87 @@ PEAK_OF = {("gemm_int8", False): "maddwd+add", ("gemm_int4_16", False): "maddwd+
            ("gemm_int8_q8", True): "dpbusd"}
 
 
-def instruction_peaks() -> dict:
-    """G MAC/s of each instruction on all threads, from the saved micro-benchmark run when it was this
-    machine's (docs/figures/stage1_prefill_gemm.json: independent chains of one instruction per thread)."""
-    path = Path(__file__).resolve().parent.parent / "docs" / "figures" / "stage1_prefill_gemm.json"
+# independent accumulators a thread: with 16 registers (AVX2) 8 of them and the shared vector w, so
+# that none waits in memory; with 32, 12, more than vpdpbusd's latency x its rate
+CHAINS = 12 if gemm.REGISTERS == 32 else 8
+
+
+def _peak_codegen(quads: bool):
+    """The body of _peak_pairs / _peak_quads: n steps, each CHAINS multiply-adds, chain c's on vector
+    (step + c) % 64 of a (32 bytes each, in L1) and a fixed one w (a[64]), into its accumulator, by the
+    instruction the GEMM's tile issues: pairs, vpmaddwd + vpaddd (vpdpwssd on VNNI); quads, vpmaddubsw
+    + vpaddw (vpdpbusd on VNNI). The sums go to out [CHAINS x 8] int32, so none is optimised away."""
+    def codegen(context, builder, sig, args):
+        a, n, out = args
+        ap = builder.bitcast(context.make_array(sig.args[0])(context, builder, a).data, simd.BYTES32.as_pointer())
+        op = builder.bitcast(context.make_array(sig.args[2])(context, builder, out).data, simd.INTS8.as_pointer())
+        acc_ty = simd.SHORTS16 if quads and not simd.VNNI else simd.INTS8
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(acc_ty, None)) for _ in range(CHAINS)]
+        w = builder.load(builder.gep(ap, [ir.Constant(simd.I64, 64)]), align=1)
+        maddubs = simd._declare(builder, "llvm.x86.avx2.pmadd.ub.sw", simd.SHORTS16, [simd.BYTES32] * 2)
+        with cgutils.for_range(builder, context.cast(builder, n, sig.args[1], numba.types.int64)) as loop:
+            for c, acc in enumerate(accs):
+                at = builder.and_(builder.add(loop.index, ir.Constant(simd.I64, c)), ir.Constant(simd.I64, 63))
+                x = builder.load(builder.gep(ap, [at]), align=1)
+                old = builder.load(acc)
+                if quads and not simd.VNNI:
+                    new = builder.add(old, builder.call(maddubs, [x, w]))
+                else:
+                    new = simd._vpdpbusd(builder, x, w, old) if quads else simd._vpdpwssd(builder, old, x, w)
+                builder.store(new, acc)
+        for c, acc in enumerate(accs):
+            builder.store(builder.bitcast(builder.load(acc), simd.INTS8), builder.gep(op, [ir.Constant(simd.I64, c)]),
+                          align=4)
+        return context.get_dummy_value()
+    return codegen
+
+
+@intrinsic
+def _peak_pairs(typingctx, a, n, out):
+    return numba.types.void(a, n, out), _peak_codegen(quads=False)
+
+
+@intrinsic
+def _peak_quads(typingctx, a, n, out):
+    return numba.types.void(a, n, out), _peak_codegen(quads=True)
+
+
+@numba.njit(parallel=True)
+def _peaks_pairs(a, n, out):
+    for w in prange(out.shape[0]):
+        _peak_pairs(a, n, out[w])
+
+
+@numba.njit(parallel=True)
+def _peaks_quads(a, n, out):
+    for w in prange(out.shape[0]):
+        _peak_quads(a, n, out[w])
+
+
+def measure_peaks(threads: int, steps: int = 20_000_000) -> dict:
+    """G multiply-adds per second of the instructions the GEMM's tiles issue, on all threads at once:
+    CHAINS independent chains a thread, best of 5 -> {name: G MAC/s}, the names PEAK_OF gives them.
+    x86 with an int8 dot product only (cpu.INT8 "avx2" or "vnni")."""
+    if cpu.INT8 not in ("avx2", "vnni"):
+        raise SystemExit(f"bench profile --peaks: x86 with AVX2 only (this CPU's int8 dot product: {cpu.INT8})")
+    a = np.random.default_rng(0).integers(0, 100, size=65 * 32, dtype=np.int8)
+    out = np.zeros((threads, CHAINS * 8), dtype=np.int32)
+    peaks = {}
+    for name, run, macs in (("dpwssd" if gemm.VNNI else "maddwd+add", _peaks_pairs, 16),
+                            ("dpbusd" if gemm.VNNI else "maddubs", _peaks_quads, 32)):
+        run(a, 1000, out)                                    # compiles
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            run(a, steps, out)
+            best = min(best, time.perf_counter() - t0)
+        peaks[name] = threads * steps * CHAINS * macs / best / 1e9
+    return peaks
+
+
+def instruction_peaks(path: Path = SAVED) -> dict:
+    """G MAC/s of each instruction on all threads, as `--peaks --save` measured them on this machine
+    (nothing from another machine's)."""
     saved = json.loads(path.read_text()) if path.is_file() else {}
     return saved.get("peaks_gmac_s", {}) if saved.get("machine") == machine_description() else {}
 

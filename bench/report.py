@@ -153,7 +153,7 @@ def prefill_profile(root: Path) -> str:
     """bench profile --save's passes: where a prefill's time goes (GEMM, rounding, attention, the rest) and
     each GEMM's multiply-adds per second against the peak of the instruction its tile issues."""
     path = root / "docs" / "figures" / "stage1_prefill_profile.json"
-    if not path.is_file():
+    if not path.is_file() or not json.loads(path.read_text())["passes"]:
         return "Not measured yet: `python -m bench profile --quant int8 --tokens 512 --save " \
                "docs/figures/stage1_prefill_profile.json` (and int4, 128), then `python -m bench report`.\n"
     d, body = json.loads(path.read_text()), []

@@ -59,3 +59,25 @@ def test_profile_times_every_op_of_a_prefill_once(kernels, tokens, activations, 
         if "gmac_s" in r:                             # T x O x K multiply-adds per call, over its time
             O, K = map(int, re.findall(r"\d+", r["what"].split(" ", 1)[1]))
             assert r["gmac_s"] == pytest.approx(tokens * O * K * r["calls"] / r["ms"] / 1e6, rel=1e-6)
+
+
+def test_peaks_are_what_each_gemm_is_measured_against(tmp_path, capsys):
+    """--peaks --save, then a prefill pass into the same file: the pass keeps the peaks, and each GEMM's
+    "of peak" is its G MAC/s over the peak of the instruction its tile issues. The quads' instruction
+    does 32 multiply-adds to the pairs' 16 (both x86 at one or two an issue cycle), so its peak is
+    well above theirs: a swapped label or a wrong count of multiply-adds fails here."""
+    from bench import profile
+    from stage1_cpu.fast import cpu, gemm
+    if cpu.INT8 not in ("avx2", "vnni"):
+        pytest.skip(f"--peaks times x86's int8 dot products; this CPU's: {cpu.INT8}")
+    saved = tmp_path / "profile.json"
+    profile.main(["--peaks", "--threads", "1", "--save", str(saved)])
+    peaks = json.loads(saved.read_text())["peaks_gmac_s"]
+    pairs, quads = ("dpwssd", "dpbusd") if gemm.VNNI else ("maddwd+add", "maddubs")
+    assert set(peaks) == {pairs, quads} and 1 < peaks[pairs] < 1000 and peaks[quads] > 1.3 * peaks[pairs], peaks
+    profile.main(["--model", str(make_model("qwen3")), "--quant", "int8", "--kernels", "fast", "--tokens", "32",
+                  "--steps", "2", "--threads", "1", "--save", str(saved)])
+    done = json.loads(saved.read_text())
+    gemms = [r for r in done["passes"][0]["rows"] if "gmac_s" in r]
+    assert done["peaks_gmac_s"] == peaks and len(gemms) == 4
+    assert all(r["of_peak"] == pytest.approx(r["gmac_s"] / peaks[pairs]) and r["of_peak"] < 1 for r in gemms)
