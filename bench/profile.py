@@ -84,9 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{machine_description()}, {numba.get_num_threads()} threads: "
               + ", ".join(f"{k} {v:.1f} G MAC/s" for k, v in peaks.items()))
         if args.save:
-            saved = json.loads(args.save.read_text()) if args.save.is_file() else {}
-            if saved.get("machine") != machine_description():
-                saved = dict(machine=machine_description(), passes=[])
+            saved = this_machines(args.save)
             saved.update(peaks_gmac_s=peaks, tile=[8 * gemm.RB8, gemm.TT8], peaks_date=time.strftime("%Y-%m-%d"))
             args.save.write_text(json.dumps(saved, indent=1) + "\n")
         return
@@ -231,9 +229,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  {label:28s} {per_step * 1e3:8.2f} ms  {row['calls']:4d} calls, {each * 1e6:8.0f} us each{rate}")
         print(f"  {'python':28s} {(total - accounted) * 1e3:8.2f} ms")
         if args.save:
-            saved = json.loads(args.save.read_text()) if args.save.is_file() else {}
-            if saved.get("machine") != machine_description():
-                saved = dict(machine=machine_description(), passes=[])      # another machine's passes go
+            saved = this_machines(args.save)
             saved["passes"] = [x for x in saved["passes"] if (x["quant"], x["tokens"]) != (args.quant, T)] + [dict(
                 quant=args.quant, tokens=T, activations=args.activations, threads=args.threads, ms=total * 1e3,
                 policy=os.environ.get("OMP_WAIT_POLICY", "default"), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -296,16 +292,16 @@ def _peak_quads(typingctx, a, n, out):
     return numba.types.void(a, n, out), _peak_codegen(quads=True)
 
 
-@numba.njit(parallel=True)
-def _peaks_pairs(a, n, out):
-    for w in prange(out.shape[0]):
-        _peak_pairs(a, n, out[w])
+def _on_every_thread(peak):
+    """peak (_peak_pairs or _peak_quads) on each of out's rows, one thread a row."""
+    @numba.njit(parallel=True)
+    def run(a, n, out):
+        for w in prange(out.shape[0]):
+            peak(a, n, out[w])
+    return run
 
 
-@numba.njit(parallel=True)
-def _peaks_quads(a, n, out):
-    for w in prange(out.shape[0]):
-        _peak_quads(a, n, out[w])
+_peaks_pairs, _peaks_quads = _on_every_thread(_peak_pairs), _on_every_thread(_peak_quads)
 
 
 def measure_peaks(threads: int, steps: int = 20_000_000) -> dict:
@@ -317,8 +313,9 @@ def measure_peaks(threads: int, steps: int = 20_000_000) -> dict:
     a = np.random.default_rng(0).integers(0, 100, size=65 * 32, dtype=np.int8)
     out = np.zeros((threads, CHAINS * 8), dtype=np.int32)
     peaks = {}
-    for name, run, macs in (("dpwssd" if gemm.VNNI else "maddwd+add", _peaks_pairs, 16),
-                            ("dpbusd" if gemm.VNNI else "maddubs", _peaks_quads, 32)):
+    vnni = bool(gemm.VNNI)                                   # the pairs tile's instruction, then the quads'
+    for name, run, macs in ((PEAK_OF[("gemm_int8", vnni)], _peaks_pairs, 16),
+                            (PEAK_OF[("gemm_int4", vnni)], _peaks_quads, 32)):
         run(a, 1000, out)                                    # compiles
         best = float("inf")
         for _ in range(5):
@@ -329,11 +326,15 @@ def measure_peaks(threads: int, steps: int = 20_000_000) -> dict:
     return peaks
 
 
-def instruction_peaks(path: Path = SAVED) -> dict:
-    """G MAC/s of each instruction on all threads, as `--peaks --save` measured them on this machine
-    (nothing from another machine's)."""
+def this_machines(path: Path) -> dict:
+    """The saved passes and peaks of `path` where this machine wrote them; another machine's go."""
     saved = json.loads(path.read_text()) if path.is_file() else {}
-    return saved.get("peaks_gmac_s", {}) if saved.get("machine") == machine_description() else {}
+    return saved if saved.get("machine") == machine_description() else dict(machine=machine_description(), passes=[])
+
+
+def instruction_peaks(path: Path = SAVED) -> dict:
+    """G MAC/s of each instruction on all threads, as `--peaks --save` measured them on this machine."""
+    return this_machines(path).get("peaks_gmac_s", {})
 
 
 if __name__ == "__main__":

@@ -153,10 +153,10 @@ def prefill_profile(root: Path) -> str:
     """bench profile --save's passes: where a prefill's time goes (GEMM, rounding, attention, the rest) and
     each GEMM's multiply-adds per second against the peak of the instruction its tile issues."""
     path = root / "docs" / "figures" / "stage1_prefill_profile.json"
-    if not path.is_file() or not json.loads(path.read_text())["passes"]:
+    d, body = json.loads(path.read_text()) if path.is_file() else {"passes": []}, []
+    if not d["passes"]:
         return "Not measured yet: `python -m bench profile --quant int8 --tokens 512 --save " \
                "docs/figures/stage1_prefill_profile.json` (and int4, 128), then `python -m bench report`.\n"
-    d, body = json.loads(path.read_text()), []
     for p in sorted(d["passes"], key=lambda p: (p["quant"], p["tokens"])):
         part = lambda *keys: sum(r["ms"] for r in p["rows"] if r["what"].startswith(keys)) / p["ms"]  # noqa: E731
         gemms = [r for r in p["rows"] if "gmac_s" in r]
