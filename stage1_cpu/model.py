@@ -23,7 +23,7 @@ import numpy as np
 
 from . import kernels, ops
 from .kv_cache import KVCache
-from .quant import Weight
+from .quant import PREFILL_MIN_T, Weight
 from .weights import LayerWeights, Weights
 
 
@@ -52,8 +52,9 @@ class Model:
                              "raise --max-ctx")
         # token embedding: dequantize only the T rows we need
         x = w.embed.rows(np.asarray(tokens, dtype=np.int64))   # [T, C]
-        if T == 1 and self.decode_step and not all_logits:
-            return self.decode_step.step(x[0], start_pos)      # [V]: all of the below, in one region
+        step = self.decode_step
+        if step and T <= step.max_tokens and (all_logits or T < PREFILL_MIN_T):
+            return step.step(x, start_pos, all_logits)         # all of the below, in one region
         cos = self.cos[start_pos:start_pos + T]                # [T, D/2] the new positions' angles
         sin = self.sin[start_pos:start_pos + T]
 
