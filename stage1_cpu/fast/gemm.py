@@ -137,19 +137,22 @@ def gemm(w, x: np.ndarray, act: str = "int8") -> np.ndarray:
 
 
 def gemm_ref(xq, xs, xsum, w) -> np.ndarray:
-    """The numpy twin of gemm_int8 / gemm_int4 / gemm_int4_16, in float64: the integer dot products
-    exactly, then the fp32 scales. w: a quant.Weight (int8 / int4); xq, xs, xsum from
-    kernels.quantize_activations, or x16, xs from quantize_activations16 with xsum = xs sum(x16))."""
+    """The numpy twin of gemm_tiled (and of the decode tiles), in float64: the integer dot products
+    exactly, then the fp32 scales. w: a quant.Weight or FastWeight (int8 / int4), in tiles or not;
+    xq, xs, xsum from kernels.quantize_activations, or x16, xs, xsum from quantize_activations16."""
     T, G, gs = xq.shape
     O = w.out_features
-    s = w.scales.view(np.float16).astype(np.float64)                        # [O, G]
+    data, scales, mins = w.data, w.scales, w.mins
+    if getattr(w, "tiled", False):
+        data, scales, mins = tiles.untile(data, scales, mins, O, w.seg, G * gs, w.fmt == "int4")
+    s = scales.view(np.float16).astype(np.float64).reshape(O, G)            # [O, G]
     if w.fmt == "int8":
-        q = w.data.astype(np.int64)                                          # [O, G, gs]
+        q = data.astype(np.int64).reshape(O, G, gs)                          # [O, G, gs]
     else:
-        b = w.data
+        b = data.reshape(O, G // 2, gs)
         q = np.stack([b & 15, b >> 4], axis=2).reshape(O, G, gs).astype(np.int64)
     dots = np.einsum("ogj,tgj->tog", q, xq.astype(np.int64))                 # [T, O, G], exact integers
     out = (dots * (s[None] * xs.astype(np.float32)[:, None, :].astype(np.float64))).sum(-1)
     if w.fmt == "int4":
-        out += xsum.astype(np.float64) @ w.mins.view(np.float16).astype(np.float64).T
+        out += xsum.astype(np.float64) @ mins.view(np.float16).astype(np.float64).reshape(O, G).T
     return out

@@ -186,39 +186,6 @@ def _bf16_bits(u):
     return (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
-def bf16_pairs_int8(q, s, w2):
-    """q [R, G, gs] int8, s [R, G] fp16 bits -> w2 [R, G*gs/2] uint32: the
-    dequantized rows q * s as bf16 pairs (rounded to nearest even)."""
-    R, G, gs = q.shape
-    for r in prange(R):
-        for g in range(G):
-            sc = f16_to_f32(s[r, g])
-            for j in range(0, gs, 2):
-                lo = _bf16_bits(_f32_bits(np.float32(q[r, g, j]) * sc))
-                hi = _bf16_bits(_f32_bits(np.float32(q[r, g, j + 1]) * sc))
-                w2[r, (g * gs + j) // 2] = lo | (hi << np.uint32(16))
-
-
-@njit(parallel=True, cache=True, error_model="numpy")
-def bf16_pairs_int4(q, s, m, w2):
-    """q [R, G/2, gs] uint8 (matmul_int4's layout), s, m [R, G] fp16 bits ->
-    w2 [R, G*gs/2] uint32: the dequantized rows nibble * s + m as bf16 pairs."""
-    R, P, gs = q.shape
-    for r in prange(R):
-        for p in range(P):
-            for half in range(2):                   # group 2p: low nibbles, 2p+1: high
-                g = 2 * p + half
-                sc = f16_to_f32(s[r, g])
-                mn = f16_to_f32(m[r, g])
-                for j in range(0, gs, 2):
-                    a = (q[r, p, j] >> (4 * half)) & 15
-                    b = (q[r, p, j + 1] >> (4 * half)) & 15
-                    lo = _bf16_bits(_f32_bits(np.float32(a) * sc + mn))
-                    hi = _bf16_bits(_f32_bits(np.float32(b) * sc + mn))
-                    w2[r, (g * gs + j) // 2] = lo | (hi << np.uint32(16))
-
-
 @intrinsic
 def _f32_bits(typingctx, x):
     """float32 -> its 32 bits as uint32."""

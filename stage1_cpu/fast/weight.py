@@ -166,12 +166,13 @@ def fast_quantize(w: np.ndarray, fmt: str, group_size: int = 32,
                   decode_act: str = "fp32", prefill_act: str = "fp32") -> FastWeight:
     """quant.quantize, then the activation rounding asked for (checked against this CPU)."""
     check_act(decode_act, prefill_act, fmt, w.in_features if isinstance(w, Weight) else np.shape(w)[-1])
-    return as_fast(quantize(w, fmt, group_size), decode_act, prefill_act)
+    return as_fast(quantize(w, fmt, group_size), decode_act, prefill_act)   # (checked before quantizing)
 
 
 def as_fast(w: Weight, decode_act: str = "fp32", prefill_act: str = "fp32") -> FastWeight:
     """The same weights as a FastWeight: int8 / int4 ones whose activations are rounded go into
     8-row tiles (a copy, made once: tiles.py), any other the same arrays (no copy)."""
+    check_act(decode_act, prefill_act, w.fmt, w.in_features)
     fields = {f.name: getattr(w, f.name) for f in dataclasses.fields(Weight)}
     if w.fmt in ("int8", "int4") and decode_act != "fp32":
         fields["data"], fields["scales"], fields["mins"] = tiles.to_tiles(w.data, w.scales, w.mins,
