@@ -243,6 +243,19 @@ def test_sampling_defaults_come_from_generation_config_and_requests_override_the
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.max_tokens) == (0.5, 0.25, 1.1, 3)
 
 
+def test_max_tokens_not_given_is_generation_configs_max_new_tokens_else_the_room(client, scripted,
+                                                                                 monkeypatch):
+    state = scripted.app.state.server
+    client.chat.completions.create(model="scripted", messages=user("hello"))
+    room = state.max_ctx - len(scripted.engine.requests[-1].prompt_ids)
+    assert scripted.engine.requests[-1].params.max_tokens == room       # no max_new_tokens: all the room
+    monkeypatch.setitem(state.sampling_defaults, "max_tokens", 4)      # as generation_defaults reads it
+    r = client.chat.completions.create(model="scripted", messages=user("hello"), seed=3)
+    assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "length"
+    client.chat.completions.create(model="scripted", messages=user("hello"), max_tokens=2)
+    assert scripted.engine.requests[-1].params.max_tokens == 2          # the request's own wins
+
+
 def test_n_choices_use_seeds_seed_plus_i(client, scripted):
     r = client.chat.completions.create(model="scripted", messages=user("hello"), seed=40, n=3, max_tokens=200)
     assert [c.index for c in r.choices] == [0, 1, 2]
