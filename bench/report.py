@@ -189,7 +189,7 @@ def rewrite(text: str, root: Path = ROOT, changed: list | None = None) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench report", description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a table differs from the JSON")
-    ap.add_argument("--root", type=Path, default=ROOT, help="the repository whose docs to write (default: this one)")
+    ap.add_argument("--root", type=Path, default=ROOT, help="whose docs (default %(default)s)")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     stale = []
     for path in [args.root / "README.md", *sorted((args.root / "docs").glob("*.md"))]:
