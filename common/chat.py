@@ -632,9 +632,10 @@ def _load_and_chat(build_engine: Callable, args: argparse.Namespace, describe: C
             engine = build_engine(folder, args)
     except (OSError, ValueError, RuntimeError, MemoryError) as e:
         return fail(str(e))
-    if hasattr(engine, "describe_kernels"):          # which kernels / instructions the engine chose
-        label = " · ".join(x for x in (label, engine.describe_kernels()) if x)
-    banner = " · ".join(x for x in (folder.name, label, f"context {engine.max_ctx} tokens") if x)
+    # the model, the stage's words, the context, then which kernels / instructions the engine chose
+    kernels = engine.describe_kernels() if hasattr(engine, "describe_kernels") else ""
+    context = f"context {engine.max_ctx} tokens"
+    banner = " · ".join(x for x in (folder.name, label, context, kernels) if x)
     if not interactive:     # a log line: one line, however long (soft_wrap: rich breaks none)
         err.print(f"loaded {banner} in {time.perf_counter() - t0:.1f} s", markup=False,
                   highlight=False, soft_wrap=True)

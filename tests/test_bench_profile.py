@@ -52,7 +52,7 @@ def test_profile_times_every_op_of_a_prefill_once(kernels, tokens, activations, 
     # microsecond prints as 0.00 ms
     ms = {r["what"]: r["ms"] for r in pass_["rows"]}
     assert all(ms[label] > 0 for label in expected) and 0 <= ms["python"] < pass_["ms"], out
-    assert pass_["ms"] == pytest.approx(total, abs=0.005)            # the printed total, to its 2 decimals
+    assert pass_["ms"] == pytest.approx(total, abs=0.005)      # the printed total, to 2 decimals
     assert sum(r["ms"] for r in pass_["rows"]) == pytest.approx(pass_["ms"])
     table = report.prefill_profile(tmp_path)
     share = sum(r["ms"] for r in pass_["rows"] if r["what"].startswith("gemm")) / pass_["ms"]

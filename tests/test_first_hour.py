@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("common", "stage1_cpu", "stage2_batched", "stage3_optimized", "bench", "course")
 
 
-# ----------------------------------------------------------------------------- --help shows defaults
+# ------------------------------------------------------------------------ --help shows defaults
 
 def entry_points() -> list[list[str]]:
     """Every command a user runs: each module whose `__main__` block calls its main()
@@ -85,7 +85,7 @@ def options_without_their_default(parser: argparse.ArgumentParser) -> list[str]:
     return missing
 
 
-@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")    # runpy, bench.__main__
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")    # runpy: bench
 def test_every_option_with_a_default_shows_it_in_help(monkeypatch):
     commands = entry_points()
     names = {" ".join(c) for c in commands}

@@ -248,8 +248,8 @@ def test_max_tokens_not_given_is_generation_configs_max_new_tokens_else_the_room
     state = scripted.app.state.server
     client.chat.completions.create(model="scripted", messages=user("hello"))
     room = state.max_ctx - len(scripted.engine.requests[-1].prompt_ids)
-    assert scripted.engine.requests[-1].params.max_tokens == room       # no max_new_tokens: all the room
-    monkeypatch.setitem(state.sampling_defaults, "max_tokens", 4)      # as generation_defaults reads it
+    assert scripted.engine.requests[-1].params.max_tokens == room     # no max_new_tokens: the room
+    monkeypatch.setitem(state.sampling_defaults, "max_tokens", 4)    # as generation_defaults has it
     r = client.chat.completions.create(model="scripted", messages=user("hello"), seed=3)
     assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "length"
     client.chat.completions.create(model="scripted", messages=user("hello"), max_tokens=2)
