@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -91,7 +92,10 @@ def lines(root: Path, body: str) -> str:
         if not n:
             raise FileNotFoundError(f"{m.group(1)} names no file of the repository")
         return f"`{m.group(1)}` ({round(n, 2 - len(str(n))):,})"          # 2 digits: an edit seldom moves it
-    return re.sub(r"`([\w./*-]+)` \(([\d,]+)\)", count, body)
+    body = re.sub(r"`([\w./*-]+)` \(([\d,]+)\)", count, body)
+    course_map = [sys.executable, "-m", "course.exercises", "map-column"]    # its exercises column
+    return subprocess.run(course_map, input=body, cwd=root, capture_output=True, text=True,
+                          check=True).stdout if "| exercises |" in body else body
 
 
 # bench serve's tables (docs/server.md): NAME -> its JSON in docs/figures, the command that saves it
