@@ -454,9 +454,9 @@ def run_chat(engine, tokenizer, template, params: SamplingParams | None = None, 
                 thinking=thinking, show_prompt=show_prompt, max_tokens=max_tokens)
     if banner and not plain:
         ui.banner("\n".join(fit_lines(banner.split(" · "))))
-        ui.notice(f"Sampling: {describe_sampling(chat.params)}"
-                  + (f"; answers of at most {max_tokens} tokens." if max_tokens else ".")
-                  + "\nType a message, /help for commands, Ctrl-D to leave.")
+        sampling = f"Sampling: {describe_sampling(chat.params)}" + (
+            f"; answers of at most {max_tokens} tokens." if max_tokens else ".")
+        ui.notice("\n".join(fit_lines([sampling, "/help for commands, Ctrl-D to leave."], sep=" ")))
     source = _read_plain(lines if lines is not None else sys.stdin) if plain else _read_tty()
     for line in source:
         if not chat.handle(line):
@@ -481,14 +481,14 @@ def _warm_up(engine, console, interactive: bool) -> None:
                       style="dim", markup=False, highlight=False)
 
 
-def fit_lines(parts: list[str], width: int = BANNER_WIDTH) -> list[str]:
-    """Parts joined by " · " into lines of at most `width` characters, a new line where the
+def fit_lines(parts: list[str], width: int = BANNER_WIDTH, sep: str = " · ") -> list[str]:
+    """Parts joined by `sep` into lines of at most `width` characters, a new line where the
     next part would pass it (a part longer than the width gets a line of its own): a terminal
     then never breaks a line in the middle of a part."""
     lines: list[str] = []
     for part in parts:
-        if lines and len(lines[-1]) + len(" · ") + len(part) <= width:
-            lines[-1] += " · " + part
+        if lines and len(lines[-1]) + len(sep) + len(part) <= width:
+            lines[-1] += sep + part
         else:
             lines.append(part)
     return lines

@@ -31,8 +31,8 @@ CONFIG = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size
               intermediate_size=384, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1000000.0,
               hidden_act="silu", tie_word_embeddings=True, attention_bias=False, torch_dtype="float32")
-# the chat's answer length (generation_config.json's max_new_tokens): random weights draw the
-# end-of-turn token about once in 512 tokens, so an answer would otherwise run to the context's end
+# the chat's answer length (generation_config.json's max_new_tokens): random weights seldom draw
+# the end-of-turn token, so an answer would otherwise run to the context's end
 MAX_NEW_TOKENS = 32
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]       # control tokens (skipped when decoding)
 MARKERS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]

@@ -9,7 +9,12 @@
 from __future__ import annotations
 
 import argparse
+import io
+import os
+import re
 import runpy
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("common", "stage1_cpu", "stage2_batched", "stage3_optimized", "bench", "course")
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 # ------------------------------------------------------------------------ --help shows defaults
@@ -109,3 +115,92 @@ def test_the_help_check_catches_an_option_that_hides_its_default():
     sub.add_argument("--quiet-default", type=float, default=0.5)
     assert [m.split(" (")[0] for m in options_without_their_default(ap)] == [
         "demo --hidden", "demo run --quiet-default"]
+
+
+# ------------------------------------------------------------- the docs' tiny-model commands
+
+QUESTIONS = ("What is the capital of France?", "Repeat the city you just named.")
+STATS = r"(\d+) prompt tokens(?: \((\d+) cached\))? · (\d+) generated"
+
+
+def doc_commands() -> dict[str, str]:
+    """The tiny-model commands as README.md, the course's map (docs/README.md) and the lesson
+    series' README write them: the model, stage 3's chat, the rungs as packages, rung 01's chat."""
+    readme = (ROOT / "README.md").read_text()
+    course_map = (ROOT / "docs" / "README.md").read_text()
+    lessons = (ROOT / "docs" / "lessons" / "README.md").read_text()
+    find = lambda pattern, text: re.findall(pattern, text, re.M)  # noqa: E731
+    found = {"tiny": find(r"^python -m common\.tiny_model \S+$", readme),
+             "stage 3 chat": find(r"^python -m stage3_optimized\.chat --model .*$", readme),
+             "rungs": find(r"`(python course/series\.py packages \S+)`", course_map)
+             + find(r"^(python course/series\.py packages \S+)", lessons),
+             "rung 01 chat": find(r"`(PYTHONPATH=\S+ python -m rung01\.chat [^`]*)`", course_map)
+             + find(r"^PYTHONPATH=\S+ python -m rung01\.chat .*$", lessons)}
+    for what, cmds in found.items():
+        assert cmds and len(set(cmds)) == 1, f"the docs write {what} as {cmds}: one way, please"
+    return {what: cmds[0] for what, cmds in found.items()}
+
+
+def chat_twice(command: str, env: dict) -> tuple[str, list[tuple[int, int | None, int]]]:
+    """Two questions in a terminal 80 columns wide -> (the screen, each turn's (prompt tokens,
+    cached tokens or None, generated tokens)); a turn that does not fit the context fails."""
+    import pexpect
+    words = shlex.split(command)
+    child = pexpect.spawn(sys.executable, words[words.index("python") + 1:], cwd=str(ROOT), env=env,
+                          encoding="utf-8", timeout=120, dimensions=(50, 80))
+    child.logfile_read, turns = io.StringIO(), []
+    try:
+        child.expect("Ctrl-D to leave")
+        child.expect_exact("> ")
+        for question in QUESTIONS:
+            child.sendline(question)
+            if child.expect([STATS, "the context holds"]) == 1:
+                break                                           # the turn did not fit
+            turns.append(tuple(int(g) if g else None for g in child.match.groups()))
+            child.expect_exact("> ")
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    screen = ANSI.sub("", child.logfile_read.getvalue())
+    assert len(turns) == 2 and child.exitstatus == 0, f"{command}: turn 2 did not fit:\n{screen}"
+    return screen, turns
+
+
+def check_turns(command: str, screen: str, turns: list) -> None:
+    """The first answer stops at the cap the banner states (so both turns fit the context);
+    the second turn shows the prompt tokens found in the cache."""
+    cap = re.search(r"answers of at most (\d+) tokens", screen)
+    assert cap, f"{command}: the banner states no answer cap, and a random model runs to the " \
+                f"context's end:\n{screen[:2000]}"
+    (_, c1, g1), (p2, c2, g2) = turns
+    assert c1 is None and g1 <= int(cap.group(1)) and g2 <= int(cap.group(1)), (command, turns)
+    assert c2 is not None and 0 < c2 < p2, f"{command}: turn 2 found no cached tokens: " \
+                                           f"{turns}"
+
+
+def test_the_readmes_tiny_model_commands_chat_twice_and_the_second_turn_finds_its_cache(tmp_path):
+    """README.md's tiny model and stage-3 chat, the map's rungs and rung 01's chat, run as the
+    docs write them (their /tmp folders moved into tmp_path), each chat asked two questions in
+    an 80-column terminal: the second turn's stats show the prompt tokens the prefix cache
+    held. A random model seldom ends an answer by itself: without an answer cap its first
+    answer fills the 4096-token context and the second turn does not fit."""
+    pytest.importorskip("pexpect")
+    cmds = doc_commands()
+    moved = {"/tmp/tiny": str(tmp_path / "tiny"), "/tmp/rungs": str(tmp_path / "rungs"),
+             "$PWD": str(ROOT)}
+    for what in cmds:
+        for old, new in moved.items():
+            cmds[what] = cmds[what].replace(old, new)
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(ROOT), TERM="xterm-256color")
+    for what in ("tiny", "rungs"):
+        words = shlex.split(cmds[what])
+        r = subprocess.run([sys.executable, *words[1:]], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, f"{cmds[what]}: {r.stderr}"
+    screen, turns = chat_twice(cmds["stage 3 chat"], env)
+    assert "tiny · stage 3 optimized · cpu · bf16 · prefix cache · context 4096 tokens" in screen
+    check_turns(cmds["stage 3 chat"], screen, turns)
+    rung_path = shlex.split(cmds["rung 01 chat"])[0].split("=", 1)[1]
+    rung_env = dict(env, PYTHONPATH=rung_path)
+    check_turns(cmds["rung 01 chat"], *chat_twice(cmds["rung 01 chat"], rung_env))
