@@ -918,7 +918,7 @@ def test_stage1_serve_command_health_and_api_key(tiny_qwen3):
         statuses = set()
         deadline = time.time() + 120
         while True:
-            s = httpx.get(url + "/healthz").status_code
+            s = httpx.get(url + "/healthz", timeout=60).status_code
             statuses.add(s)
             if s == 200:
                 break
