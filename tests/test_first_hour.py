@@ -4,7 +4,8 @@
     each `bench` command, `course/series.py`) that has a default says it in `--help`;
   * the README's and the map's tiny-model commands run end to end on CPU with a scripted
     two-turn conversation in a terminal: the tiny model is written, each chat answers twice,
-    and the second turn shows the prompt tokens it found cached, as the docs promise.
+    and the second turn shows the prompt tokens it found cached, as the docs promise;
+  * one-shot generation names its model and says when the token limit cut the answer.
 """
 from __future__ import annotations
 
@@ -204,3 +205,20 @@ def test_the_readmes_tiny_model_commands_chat_twice_and_the_second_turn_finds_it
     rung_path = shlex.split(cmds["rung 01 chat"])[0].split("=", 1)[1]
     rung_env = dict(env, PYTHONPATH=rung_path)
     check_turns(cmds["rung 01 chat"], *chat_twice(cmds["rung 01 chat"], rung_env))
+
+
+def test_generate_names_the_model_and_says_when_the_token_limit_cut_the_answer(tmp_path):
+    """The banner starts with the model's name; an answer cut by --max-tokens, or by the model's
+    own max_new_tokens when --max-tokens is not given, says so on its stats line."""
+    from common.tiny_model import MAX_NEW_TOKENS, write_tiny_model
+    folder = write_tiny_model(tmp_path / "tiny")
+    base = [sys.executable, "-m", "stage3_optimized.generate", "--model", str(folder),
+            "--device", "cpu", "--prompt", "Hello", "--temperature", "0"]
+    for extra, n in (([], MAX_NEW_TOKENS), (["--max-tokens", "3"], 3)):
+        r = subprocess.run(base + extra, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        assert r.returncode == 0, r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert lines[0].startswith("[tiny"), r.stderr
+        assert f", {n} generated in {n} steps" in lines[-1], r.stderr
+        assert lines[-1].endswith(f"cut at the token limit ({n})]"), r.stderr
