@@ -222,3 +222,21 @@ def test_generate_names_the_model_and_says_when_the_token_limit_cut_the_answer(t
         assert lines[0].startswith("[tiny"), r.stderr
         assert f", {n} generated in {n} steps" in lines[-1], r.stderr
         assert lines[-1].endswith(f"cut at the token limit ({n})]"), r.stderr
+
+
+def test_the_readme_shows_the_chat_as_it_prints_in_80_columns():
+    """The banner breaks between its parts into lines of at most 80 columns, and README.md's
+    session shows those very lines: the banner, the sampling line, each stats line."""
+    from common.chat import BANNER_WIDTH, fit_lines
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("$ python -m stage1_cpu.chat\n", 1)[1].split("```")[0]
+    lines = block.splitlines()
+    sampling = next(i for i, line in enumerate(lines) if line.startswith("Sampling:"))
+    banner = lines[:sampling]
+    assert BANNER_WIDTH == 80 and all(len(line) <= 80 for line in lines), lines
+    assert fit_lines(" · ".join(banner).split(" · ")) == banner and len(banner) > 1
+    assert banner[0].startswith("smollm2-135m · stage 1 CPU") and "context 4096 tokens" in banner[0]
+    stats = [i for i, line in enumerate(lines) if " prompt tokens" in line]
+    for i in stats:                                  # a stats line and its continuation, re-packed
+        parts = " · ".join(lines[i:i + 2]).split(" · ")
+        assert fit_lines(parts) == lines[i:i + 2], lines[i:i + 2]
