@@ -1,12 +1,7 @@
-"""One-shot generation, for any engine of the Engine protocol, as the chat is one (common/chat.py):
-
-    python -m stage1_cpu.generate --model DIR|NAME --prompt "..." [--n N]
-
-The prompt goes through the model's chat template unless --raw is given; the tokens print as they
-arrive, then the speed (stage 1: prefill and decode apart; else output tokens per second and the
-prompt tokens found in a prefix cache) and whether --max-tokens cut the answer. --n sends the
-prompt N times at once (the first copy's tokens are printed): a batching engine runs them together.
-"""
+"""One-shot generation for any Engine: `python -m stage1_cpu.generate --model DIR|NAME --prompt
+"..." [--n N]` prints the tokens as they arrive (the prompt through the chat template unless --raw),
+then the speed (stage 1: prefill and decode apart; else output tok/s and the prompt tokens a prefix
+cache held) and whether the token limit cut the answer. --n sends the prompt N times at once."""
 from __future__ import annotations
 
 import argparse
@@ -21,8 +16,8 @@ from common.stopping import AnswerText
 from common.tokenizer import Tokenizer
 
 
-def main(build_engine, argv=None, prog: str = "python -m stage1_cpu.generate", add_args=None) -> int:
-    """build_engine(folder, args, progress) -> an engine; add_args(parser) adds the stage's options."""
+def parser(prog: str, add_args=None) -> argparse.ArgumentParser:
+    """The command line; add_args(parser) adds the stage's options."""
     ap = argparse.ArgumentParser(prog=prog, description="One-shot generation: the prompt in, tokens out.")
     ap.add_argument("--model", default=None, help="HF model folder or known name (default: smollm2-135m)")
     ap.add_argument("--prompt", required=True, help="the text to continue / the user message")
@@ -43,7 +38,12 @@ def main(build_engine, argv=None, prog: str = "python -m stage1_cpu.generate", a
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-turn token")
     ap.add_argument("--n", type=int, default=1, help="send the prompt N times at once (default 1)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(build_engine, argv=None, prog="python -m stage1_cpu.generate", add_args=None) -> int:
+    """build_engine(folder, args, progress) -> an engine; add_args as parser's."""
+    args = parser(prog, add_args).parse_args(argv)
 
     try:
         if args.n < 1:
