@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
               + ", ".join(f"{k} {v:.1f} G MAC/s" for k, v in peaks.items()))
         if args.save:
             saved = this_machines(args.save)
-            rb, tt = tiles.SHAPES[("q16", 4)]                       # prefill's tile: int16 activations
+            rb, tt = tiles.SHAPES[("int8.q16", 4)]                       # prefill's tile: int16 activations
             saved.update(peaks_gmac_s=peaks, tile=[8 * rb, tt], peaks_date=time.strftime("%Y-%m-%d"))
             args.save.write_text(json.dumps(saved, indent=1) + "\n")
         return

@@ -45,9 +45,9 @@ numba_stamps.depend(FILES, on=KERNEL_FILES)
 # files it inlines only, and fast/kernels.py with the matmul files: an edit to RMSNorm or
 # attention recompiles the worker, one to a matmul kernel recompiles matvec.py and kernels.py.
 _CORE = HERE.parent
-numba_stamps.depend([HERE / "matvec.py"], on=[_CORE / "matmul.py", HERE / "blocks.py", HERE / "kernels.py",
-                                             HERE / "simd.py", HERE / "sync.py", HERE / "cpu.py"])
-numba_stamps.depend([HERE / "kernels.py"], on=[_CORE / "matmul.py", HERE / "simd.py", HERE / "cpu.py"])
+_MATMUL = [_CORE / "matmul.py", HERE / "blocks.py", HERE / "tiles.py", HERE / "simd.py", HERE / "cpu.py"]
+numba_stamps.depend([HERE / "matvec.py"], on=_MATMUL + [HERE / "kernels.py", HERE / "sync.py"])
+numba_stamps.depend([HERE / "kernels.py"], on=_MATMUL)
 numba_stamps.depend([HERE / "decode_step.py"], on=[_CORE / "norms.py", _CORE / "kernels.py", HERE / "sync.py"])
 
 from . import cpu  # noqa: E402  (after depend: numba stamps each kernel when it is defined)

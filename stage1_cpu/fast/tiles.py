@@ -58,9 +58,13 @@ ROWS = 8                      # rows in one vector: 8 lanes of int32
 CHUNK = 32                    # values per unrolled run of steps (AVX2 int4: its int16 sums' limit)
 VNNI, SDOT = simd.VNNI, simd.SDOT
 REGISTERS = 32 if "avx512vl" in cpu.FEATURES or cpu.ARM64 else 16
-# (RB, TT) per kind and token count: int32 accumulators RB x TT (x 2 for q16) within the registers
-SHAPES = {("q8", 1): (8, 1), ("q8", 4): (4, 4) if REGISTERS == 32 else (2, 4),
-          ("q16", 1): (4, 1), ("q16", 4): (2, 4) if REGISTERS == 32 else (1, 4)}
+# (RB, TT) per kind and token count: int32 accumulators RB x TT (x 2 for q16, x 2 for int4's pair of
+# groups) within the registers, with room for the weights and the broadcasts
+SHAPES = {("int8.q8", 1): (8, 1), ("int8.q8", 4): (4, 4) if REGISTERS == 32 else (2, 4),
+          ("int4.q8", 1): (8, 1) if REGISTERS == 32 else (4, 1),
+          ("int4.q8", 4): (2, 4) if REGISTERS == 32 else (1, 4),
+          ("int8.q16", 1): (4, 1), ("int8.q16", 4): (2, 4) if REGISTERS == 32 else (1, 4),
+          ("int4.q16", 1): (2, 1), ("int4.q16", 4): (1, 4)}
 
 I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 BYTES32, BYTES16 = ir.VectorType(I8, 32), ir.VectorType(I8, 16)
@@ -206,93 +210,108 @@ def _tile_codegen(int4: bool, q16: bool, RB: int, TT: int):
         psign = _fn(builder, "llvm.x86.avx2.psign.b", BYTES32, [BYTES32, BYTES32])
         ones = ir.Constant(SHORTS16, [1] * 16)
         n_acc = 2 if q16 else 1                                             # q16: rows 0-3 and 4-7 apart
+        H = 2 if int4 else 1            # groups a pass over the bytes serves: int4's pair, low and high nibbles
         facc = [[cgutils.alloca_once_value(builder, ir.Constant(FLOATS8, None)) for _ in range(TT)]
                 for _ in range(RB)]
-        iacc = [[[cgutils.alloca_once(builder, INTS8) for _ in range(n_acc)] for _ in range(TT)]
-                for _ in range(RB)]
+        iacc = [[[[cgutils.alloca_once(builder, INTS8) for _ in range(n_acc)] for _ in range(TT)]
+                 for _ in range(RB)] for _ in range(H)]
         avx2_int8_q8 = not (VNNI or SDOT) and not q16 and not int4         # |x| by q sign(x)
         avx2_int4_q8 = not (VNNI or SDOT) and not q16 and int4             # int16 sums over a chunk
         bias = VNNI and not q16 and not int4                                # q ^ 0x80, from -128 sum(x)
         low4, four = ir.Constant(BYTES32, [15] * 32), ir.Constant(BYTES32, [4] * 32)
         flip = ir.Constant(BYTES32, [-128] * 32)
 
-        with cgutils.for_range(builder, G) as gl:
-            g = gl.index
-            for r in range(RB):                     # each group's int32 sums start from zero (or -128 sum(x))
-                for t in range(TT):
-                    start = _splat(builder, builder.load(builder.gep(xcps[t], [g])), 8) if bias else \
-                        ir.Constant(INTS8, None)
-                    for a in iacc[r][t]:
-                        builder.store(start, a)
-            odd = builder.trunc(g, ir.IntType(1))
-            gw = builder.mul(builder.lshr(g, c(1)) if int4 else g, builder.mul(gs, c(ROWS)))   # the group's bytes
-            gx = builder.mul(g, gs)
-            with cgutils.for_range(builder, builder.udiv(gs, c(CHUNK))) as cl:
-                cw = builder.add(gw, builder.mul(cl.index, c(CHUNK * ROWS)))
-                cx = builder.add(gx, builder.mul(cl.index, c(CHUNK)))
-                acc = [[[builder.load(a) for a in iacc[r][t]] for t in range(TT)] for r in range(RB)]
-                acc16 = [[ir.Constant(SHORTS16, None) for t in range(TT)] for r in range(RB)]
-                for j in range(CHUNK // 4):         # a step: 4 values of 8 rows, one 32-byte vector
-                    ws = [builder.load(builder.bitcast(builder.gep(p, [builder.add(cw, c(32 * j))]),
-                                                       BYTES32.as_pointer()), align=1) for p in wps]
-                    if int4:                        # this group's nibbles of the pair's bytes
-                        ws = [builder.select(odd, builder.and_(builder.lshr(w, four), low4), builder.and_(w, low4))
-                              for w in ws]
-                    elif bias:
-                        ws = [builder.xor(w, flip) for w in ws]
-                    if q16:                         # rows 0-3 and 4-7 as 16 int16 each
-                        ext = builder.zext if int4 else builder.sext
-                        halves = [[ext(builder.shuffle_vector(w, w, ir.Constant(ir.VectorType(I32, 16),
-                                                                                 list(range(h, h + 16)))), SHORTS16)
-                                   for h in (0, 16)] for w in ws]
-                        xv = [builder.load(builder.bitcast(builder.gep(p, [builder.add(cx, c(4 * j))]),
-                                                           I64.as_pointer()), align=2) for p in xps]
-                        xb = [builder.bitcast(_splat(builder, v, 4), SHORTS16) for v in xv]
-                    else:
-                        xv = [builder.load(builder.bitcast(builder.gep(p, [builder.add(cx, c(4 * j))]),
-                                                           I32.as_pointer()), align=1) for p in xps]
-                        xb = [builder.bitcast(_splat(builder, v, 8), BYTES32) for v in xv]
-                    for t in range(TT):
-                        if avx2_int8_q8:
-                            xa = builder.call(psign, [xb[t], xb[t]])        # |x| (x sign(x))
-                        for r in range(RB):
-                            a = acc[r][t]
-                            if q16:
-                                a[0] = simd._vpdpwssd(builder, a[0], halves[r][0], xb[t])
-                                a[1] = simd._vpdpwssd(builder, a[1], halves[r][1], xb[t])
-                            elif avx2_int8_q8:
-                                pairs = builder.call(maddubs, [xa, builder.call(psign, [ws[r], xb[t]])])
-                                a[0] = builder.add(a[0], builder.call(maddwd, [pairs, ones]))
-                            elif avx2_int4_q8:
-                                acc16[r][t] = builder.add(acc16[r][t], builder.call(maddubs, [ws[r], xb[t]]))
-                            else:
-                                a[0] = simd._vpdpbusd(builder, ws[r], xb[t], a[0])
-                for r in range(RB):
-                    for t in range(TT):
-                        if avx2_int4_q8:
-                            acc[r][t][0] = builder.add(acc[r][t][0], builder.call(maddwd, [acc16[r][t], ones]))
-                        for a, slot in zip(acc[r][t], iacc[r][t]):
-                            builder.store(a, slot)
-            # the group's epilogue: 8 rows' exact int32 sums to fp32, times s xs (and + m xsum)
-            svs = [simd._halves8(builder, p, builder.mul(g, c(ROWS))) for p in sps]
+        def dots(acc, acc16, ws, xb):
+            """One step of every accumulator: the RB weight vectors ws by the TT tokens' broadcasts xb."""
+            if q16:                             # rows 0-3 and 4-7 as 16 int16 each
+                ext = builder.zext if int4 else builder.sext
+                halves = [[ext(builder.shuffle_vector(w, w, ir.Constant(ir.VectorType(I32, 16),
+                                                                         list(range(h, h + 16)))), SHORTS16)
+                           for h in (0, 16)] for w in ws]
             for t in range(TT):
-                xsb = _splat(builder, builder.load(builder.gep(xsps[t], [g])), 8)
+                if avx2_int8_q8:
+                    xa = builder.call(psign, [xb[t], xb[t]])        # |x| (x sign(x))
                 for r in range(RB):
-                    if q16:                     # lanes (r0a r0b r1a r1b r2a r2b r3a r3b) (r4a ...): pair them
-                        lo, hi = (builder.load(a) for a in iacc[r][t])
-                        idx = lambda k: ir.Constant(ir.VectorType(I32, 8), list(range(k, 16, 2)))  # noqa: E731
-                        dot = builder.add(builder.shuffle_vector(lo, hi, idx(0)), builder.shuffle_vector(lo, hi, idx(1)))
+                    a = acc[r][t]
+                    if q16:
+                        a[0] = simd._vpdpwssd(builder, a[0], halves[r][0], xb[t])
+                        a[1] = simd._vpdpwssd(builder, a[1], halves[r][1], xb[t])
+                    elif avx2_int8_q8:
+                        pairs = builder.call(maddubs, [xa, builder.call(psign, [ws[r], xb[t]])])
+                        a[0] = builder.add(a[0], builder.call(maddwd, [pairs, ones]))
+                    elif avx2_int4_q8:
+                        acc16[r][t] = builder.add(acc16[r][t], builder.call(maddubs, [ws[r], xb[t]]))
                     else:
-                        dot = builder.load(iacc[r][t][0])
-                    scale = builder.fmul(svs[r], xsb)
-                    builder.store(builder.call(fma, [builder.sitofp(dot, FLOATS8), scale, builder.load(facc[r][t])]),
-                                  facc[r][t])
-            if int4:                            # the minimum: m[r, g] xsum[t, g], 8 rows per FMA
-                for r in range(RB):
-                    mv = simd._halves8(builder, mps[r], builder.mul(g, c(ROWS)))
+                        a[0] = simd._vpdpbusd(builder, ws[r], xb[t], a[0])
+
+        # one unit a loop turn: a group (int8), or a pair of groups in the same bytes (int4)
+        with cgutils.for_range(builder, builder.udiv(G, c(H))) as ul:
+            u = ul.index
+            for h in range(H):
+                g = builder.add(builder.mul(u, c(H)), c(h))
+                for r in range(RB):                 # each group's int32 sums start from zero (or -128 sum(x))
                     for t in range(TT):
-                        xm = _splat(builder, builder.load(builder.gep(xsumps[t], [g])), 8)
-                        builder.store(builder.call(fma, [mv, xm, builder.load(facc[r][t])]), facc[r][t])
+                        start = _splat(builder, builder.load(builder.gep(xcps[t], [g])), 8) if bias else \
+                            ir.Constant(INTS8, None)
+                        for a in iacc[h][r][t]:
+                            builder.store(start, a)
+            uw = builder.mul(u, builder.mul(gs, c(ROWS)))                  # the unit's bytes in a block
+            with cgutils.for_range(builder, builder.udiv(gs, c(CHUNK))) as cl:
+                cw = builder.add(uw, builder.mul(cl.index, c(CHUNK * ROWS)))
+                acc = [[[[builder.load(a) for a in iacc[h][r][t]] for t in range(TT)] for r in range(RB)]
+                       for h in range(H)]
+                acc16 = [[[ir.Constant(SHORTS16, None) for t in range(TT)] for r in range(RB)] for h in range(H)]
+                for j in range(CHUNK // 4):         # a step: 4 values of 8 rows, one 32-byte vector
+                    raw = [builder.load(builder.bitcast(builder.gep(p, [builder.add(cw, c(32 * j))]),
+                                                        BYTES32.as_pointer()), align=1) for p in wps]
+                    for h in range(H):
+                        if int4:                    # group 2u + h: the low nibbles, then the high ones
+                            ws = [builder.and_(builder.lshr(w, four) if h else w, low4) for w in raw]
+                        else:
+                            ws = [builder.xor(w, flip) for w in raw] if bias else raw
+                        g = builder.add(builder.mul(u, c(H)), c(h))
+                        cx = builder.add(builder.mul(g, gs), builder.add(builder.mul(cl.index, c(CHUNK)), c(4 * j)))
+                        if q16:                     # the token's 4 int16 values as pairs, in every lane
+                            xv = [builder.load(builder.bitcast(builder.gep(p, [cx]), I64.as_pointer()), align=2)
+                                  for p in xps]
+                            xb = [builder.bitcast(_splat(builder, v, 4), SHORTS16) for v in xv]
+                        else:                       # its 4 int8 values, in every lane
+                            xv = [builder.load(builder.bitcast(builder.gep(p, [cx]), I32.as_pointer()), align=1)
+                                  for p in xps]
+                            xb = [builder.bitcast(_splat(builder, v, 8), BYTES32) for v in xv]
+                        dots(acc[h], acc16[h], ws, xb)
+                for h in range(H):
+                    for r in range(RB):
+                        for t in range(TT):
+                            if avx2_int4_q8:
+                                acc[h][r][t][0] = builder.add(acc[h][r][t][0],
+                                                              builder.call(maddwd, [acc16[h][r][t], ones]))
+                            for a, slot in zip(acc[h][r][t], iacc[h][r][t]):
+                                builder.store(a, slot)
+            for h in range(H):
+                # group g's epilogue, in the order of g: 8 rows' exact int32 sums to fp32, times s xs
+                # (int4: then + m xsum)
+                g = builder.add(builder.mul(u, c(H)), c(h))
+                svs = [simd._halves8(builder, p, builder.mul(g, c(ROWS))) for p in sps]
+                for t in range(TT):
+                    xsb = _splat(builder, builder.load(builder.gep(xsps[t], [g])), 8)
+                    for r in range(RB):
+                        if q16:                 # lanes (r0a r0b r1a r1b r2a r2b r3a r3b) (r4a ...): pair them
+                            lo, hi = (builder.load(a) for a in iacc[h][r][t])
+                            idx = lambda k: ir.Constant(ir.VectorType(I32, 8), list(range(k, 16, 2)))  # noqa: E731
+                            dot = builder.add(builder.shuffle_vector(lo, hi, idx(0)),
+                                              builder.shuffle_vector(lo, hi, idx(1)))
+                        else:
+                            dot = builder.load(iacc[h][r][t][0])
+                        scale = builder.fmul(svs[r], xsb)
+                        builder.store(builder.call(fma, [builder.sitofp(dot, FLOATS8), scale,
+                                                         builder.load(facc[r][t])]), facc[r][t])
+                if int4:                        # the minimum: m[r, g] xsum[t, g], 8 rows per FMA
+                    for r in range(RB):
+                        mv = simd._halves8(builder, mps[r], builder.mul(g, c(ROWS)))
+                        for t in range(TT):
+                            xm = _splat(builder, builder.load(builder.gep(xsumps[t], [g])), 8)
+                            builder.store(builder.call(fma, [mv, xm, builder.load(facc[r][t])]), facc[r][t])
         obase = _ptr(context, builder, ty[14], out_, F32, ooff)
         for t in range(TT):
             for r in range(RB):
@@ -316,7 +335,7 @@ _TILE_DOC = """{what}: out[ooff + t ostride + 8 i + l] = row l of block i, token
 
 
 def _make_tile(int4: bool, q16: bool, TT: int):
-    RB = SHAPES[("q16" if q16 else "q8", TT)][0]
+    RB = SHAPES[(f"{'int4' if int4 else 'int8'}.{'q16' if q16 else 'q8'}", TT)][0]
 
     def tile(typingctx, w, woff, x, xoff, Kp, s, soff, xs, xsoff, G, gs, m, xcorr, xsum, out, ooff, ostride,
              n_rb, n_tok):
@@ -328,14 +347,14 @@ def _make_tile(int4: bool, q16: bool, TT: int):
     return intrinsic(tile), RB
 
 
-tile_int8_q8_1, RB8_1 = _make_tile(False, False, 1)
-tile_int8_q8_4, RB8_4 = _make_tile(False, False, 4)
-tile_int8_q16_1, RB16_1 = _make_tile(False, True, 1)
-tile_int8_q16_4, RB16_4 = _make_tile(False, True, 4)
-tile_int4_q8_1, _ = _make_tile(True, False, 1)
-tile_int4_q8_4, _ = _make_tile(True, False, 4)
-tile_int4_q16_1, _ = _make_tile(True, True, 1)
-tile_int4_q16_4, _ = _make_tile(True, True, 4)
+tile_int8_q8_1, RB88_1 = _make_tile(False, False, 1)
+tile_int8_q8_4, RB88_4 = _make_tile(False, False, 4)
+tile_int8_q16_1, RB816_1 = _make_tile(False, True, 1)
+tile_int8_q16_4, RB816_4 = _make_tile(False, True, 4)
+tile_int4_q8_1, RB48_1 = _make_tile(True, False, 1)
+tile_int4_q8_4, RB48_4 = _make_tile(True, False, 4)
+tile_int4_q16_1, RB416_1 = _make_tile(True, True, 1)
+tile_int4_q16_4, RB416_4 = _make_tile(True, True, 4)
 
 
 def _blocks(tile1, RB1, tile4, RB4):
@@ -357,8 +376,8 @@ def _blocks(tile1, RB1, tile4, RB4):
     return blocks
 
 
-blocks_int8_q8 = _blocks(tile_int8_q8_1, RB8_1, tile_int8_q8_4, RB8_4)
-blocks_int8_q16 = _blocks(tile_int8_q16_1, RB16_1, tile_int8_q16_4, RB16_4)
-blocks_int4_q8 = _blocks(tile_int4_q8_1, RB8_1, tile_int4_q8_4, RB8_4)
-blocks_int4_q16 = _blocks(tile_int4_q16_1, RB16_1, tile_int4_q16_4, RB16_4)
+blocks_int8_q8 = _blocks(tile_int8_q8_1, RB88_1, tile_int8_q8_4, RB88_4)
+blocks_int8_q16 = _blocks(tile_int8_q16_1, RB816_1, tile_int8_q16_4, RB816_4)
+blocks_int4_q8 = _blocks(tile_int4_q8_1, RB48_1, tile_int4_q8_4, RB48_4)
+blocks_int4_q16 = _blocks(tile_int4_q16_1, RB416_1, tile_int4_q16_4, RB416_4)
 BIAS = 128 if VNNI else 0       # xcorr = -BIAS sum(xq): the int8 x int8 tiles' sums start from it (VNNI)

@@ -50,7 +50,7 @@ from ..quant import PREFILL_MIN_T, Weight, bf16_bits_to_f32, f32_to_bf16_bits, q
 BF16_ROWS = 8192    # rows of an int8 / int4 matrix turned into bf16 at a time (prefill_act="bf16")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)       # Weight's short repr, not every array
 class FastWeight(Weight):
     decode_act: str = "fp32"            # T < PREFILL_MIN_T: fp32 | int8 (int8 / int4 weights) | int16 (int8)
     prefill_act: str = "fp32"           # T >= PREFILL_MIN_T: fp32 | bf16 (bf16 / int8 / int4) | int8 | int16
