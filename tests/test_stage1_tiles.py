@@ -91,8 +91,9 @@ def check(out, t, rtol=RTOL):
 def run_tiles(x, xs, xcorr, xsum, data, scales, mins, out, ooff, ostride, v0, v1, T, k8_8, k8_16, k4_8, k4_16):
     """kernels.tile_rows on one thread: blocks v0..v1, T tokens, into out (flat)."""
     G = scales.shape[1]
-    fk.tile_rows(x.reshape(-1), xs.reshape(-1), xcorr.reshape(-1), xsum.reshape(-1), data, scales, mins, G,
-                 x.shape[1] // G, out, ooff, ostride, v0, v1, T, k8_8, k8_16, k4_8, k4_16)
+    fk.tile_rows(x.reshape(-1), 0, xs.reshape(-1), xcorr.reshape(-1), xsum.reshape(-1), 0, data.reshape(-1),
+                 data.size // data.shape[0], scales.reshape(-1), mins.reshape(-1), G, x.shape[1] // G, out, ooff,
+                 ostride, v0, v1, T, k8_8, k8_16, k4_8, k4_16)
 
 
 def kind_flags(fmt, act):

@@ -78,6 +78,7 @@ def gemm_tiled(x, xs, xcorr, xsum, data, scales, mins, out, workers, k8_8, k8_16
     V, G = scales.shape[0], scales.shape[1]
     gs = Kp // G
     xf, xsf, xcf, xsumf, of = x.reshape(-1), xs.reshape(-1), xcorr.reshape(-1), xsum.reshape(-1), out.reshape(-1)
+    w, s, m, wblock = data.reshape(-1), scales.reshape(-1), mins.reshape(-1), data.size // V
     n_blocks = -(-V // BLOCK_V)
     claims = np.zeros(2 * SLOT, dtype=np.int64)     # sync.counters(1): one phase, the blocks
     for _ in prange(workers):
@@ -87,9 +88,9 @@ def gemm_tiled(x, xs, xcorr, xsum, data, scales, mins, out, workers, k8_8, k8_16
             prefetch_blocks(data, BLOCK_V * nxt, BLOCK_V * (nxt + 1))    # while this one multiplies
             v0, v1 = BLOCK_V * blk, min(V, BLOCK_V * (blk + 1))
             for t0 in range(0, T, TOKEN_BLOCK):
-                fk.tile_rows(xf[t0 * Kp:], xsf[t0 * G:], xcf[t0 * G:], xsumf[t0 * G:], data, scales, mins, G, gs,
-                             of, t0 * out.shape[1] + tiles.ROWS * v0, out.shape[1], v0, v1,
-                             min(TOKEN_BLOCK, T - t0), k8_8, k8_16, k4_8, k4_16)
+                fk.tile_rows(xf, t0 * Kp, xsf, xcf, xsumf, t0 * G, w, wblock, s, m, G, gs, of,
+                             t0 * out.shape[1] + tiles.ROWS * v0, out.shape[1], v0, v1, min(TOKEN_BLOCK, T - t0),
+                             k8_8, k8_16, k4_8, k4_16)
             blk = nxt
 
 

@@ -118,22 +118,25 @@ def quantize_activations16(x3):
 
 
 @_inline
-def tile_rows(x, xs, xcorr, xsum, data, scales, mins, G, gs, out, ooff, ostride, v0, v1, T,
+def tile_rows(x, xoff, xs, xcorr, xsum, xsoff, w, wblock, s, m, G, gs, out, ooff, ostride, v0, v1, T,
               k8_8, k8_16, k4_8, k4_16):
-    """Blocks v0..v1 (8 rows each) of a tiled matrix by T tokens' rounded activations (flat) ->
-    out[ooff + t ostride + 8 (v - v0) + l]. k*: the one kind this matrix is (weights . activations:
-    int8 . int8, int8 . int16, int4 . int8, int4 . int16) True, the others None (compiled out)."""
-    wblock = data.size // data.shape[0]
-    w, s, m = data.reshape(-1), scales.reshape(-1), mins.reshape(-1)
+    """Blocks v0..v1 (8 rows each) of a tiled matrix (w, s, m flat: wblock bytes a block) by T tokens'
+    rounded activations (flat, from xoff and xsoff) -> out[ooff + t ostride + 8 (v - v0) + l].
+    k*: the one kind this matrix is (weights . activations: int8 . int8, int8 . int16, int4 . int8,
+    int4 . int16) True, the others None (compiled out)."""
     Kp = G * gs
     if k8_8 is not None:
-        tiles.blocks_int8_q8(w, wblock, x, Kp, s, xs, xcorr, xsum, m, G, gs, out, ooff, ostride, v0, v1, T)
+        tiles.blocks_int8_q8(w, wblock, x, xoff, Kp, s, xs, xcorr, xsum, xsoff, m, G, gs, out, ooff, ostride,
+                             v0, v1, T)
     elif k8_16 is not None:
-        tiles.blocks_int8_q16(w, wblock, x, Kp, s, xs, xcorr, xsum, m, G, gs, out, ooff, ostride, v0, v1, T)
+        tiles.blocks_int8_q16(w, wblock, x, xoff, Kp, s, xs, xcorr, xsum, xsoff, m, G, gs, out, ooff, ostride,
+                              v0, v1, T)
     elif k4_8 is not None:
-        tiles.blocks_int4_q8(w, wblock, x, Kp, s, xs, xcorr, xsum, m, G, gs, out, ooff, ostride, v0, v1, T)
+        tiles.blocks_int4_q8(w, wblock, x, xoff, Kp, s, xs, xcorr, xsum, xsoff, m, G, gs, out, ooff, ostride,
+                             v0, v1, T)
     elif k4_16 is not None:
-        tiles.blocks_int4_q16(w, wblock, x, Kp, s, xs, xcorr, xsum, m, G, gs, out, ooff, ostride, v0, v1, T)
+        tiles.blocks_int4_q16(w, wblock, x, xoff, Kp, s, xs, xcorr, xsum, xsoff, m, G, gs, out, ooff, ostride,
+                              v0, v1, T)
 
 
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
@@ -149,9 +152,10 @@ def matmul_tiled(x, xs, xcorr, xsum, data, scales, mins, out, workers, k8_8, k8_
     per = min(-(-V // (4 * workers)), max(1, DECODE_BLOCK_BYTES // wblock))
     per = -(-per // 8) * 8                          # whole tiles of every shape (RB divides 8)
     xf, xsf, xcf, xsumf, of = x.reshape(-1), xs.reshape(-1), xcorr.reshape(-1), xsum.reshape(-1), out.reshape(-1)
+    w, s, m = data.reshape(-1), scales.reshape(-1), mins.reshape(-1)
     for c in prange(-(-V // per)):
         v0 = c * per
-        tile_rows(xf, xsf, xcf, xsumf, data, scales, mins, G, gs, of, ROWS * v0, out.shape[1], v0,
+        tile_rows(xf, 0, xsf, xcf, xsumf, 0, w, wblock, s, m, G, gs, of, ROWS * v0, out.shape[1], v0,
                   min(V, v0 + per), T, k8_8, k8_16, k4_8, k4_16)
 
 

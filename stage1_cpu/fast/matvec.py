@@ -145,7 +145,7 @@ def _matvec(m, data, scales, mins, x, segs, n, bias, out, counts, phase, workers
         elif act == A_INT16:
             fk.quantize_token16(x3, t, x16, xs, xsum)
     # the weight in the shape its kernel indexes (an empty stand-in for the other formats)
-    tiled = data.reshape(V, -1) if seg else np.empty((0, 1), dtype=np.uint8)
+    wblock = data.size // V if seg else 0
     wf = data.view(np.float32).reshape(O, Kp) if fmt == NONE else np.empty((0, 0), dtype=np.float32)
     wb = data.view(np.uint16).reshape(O, Kp) if fmt == BF16 else np.empty((0, 0), dtype=np.uint16)
     q8 = data.view(np.int8).reshape(O, G, gs) if fmt == INT8 and not seg else np.empty((0, 0, 0), np.int8)
@@ -175,18 +175,18 @@ def _matvec(m, data, scales, mins, x, segs, n, bias, out, counts, phase, workers
                 tb = (w0 // seg) * nbs                           # the segment's first block in the tiles
                 for c0 in range(lb0, lb1, CHUNK):
                     c1 = min(lb1, c0 + CHUNK)
-                    xa, xsa, xca, xma = x8[xr * Kp:], xsf[xr * G:], xcf[xr * G:], xsumf[xr * G:]
+                    xo, xso = xr * Kp, xr * G                    # the segment's first token's activations
                     if fmt == INT8 and act == A_INT8:           # one call per kind, the others None:
                         if k_q8 is not None:                     # each compiled only where it is used
-                            fk.tile_rows(xa, xsa, xca, xma, tiled, scales, mins, G, gs, scratch, 0,
-                                         CHUNK * ROWS, tb + c0, tb + c1, nt, k_q8, None, None, None)
+                            fk.tile_rows(x8, xo, xsf, xcf, xsumf, xso, data, wblock, scales, mins, G, gs,
+                                         scratch, 0, CHUNK * ROWS, tb + c0, tb + c1, nt, k_q8, None, None, None)
                     elif fmt == INT8:
                         if k_q16 is not None:
-                            fk.tile_rows(x16f[xr * Kp:], xsa, xca, xma, tiled, scales, mins, G, gs, scratch, 0,
-                                         CHUNK * ROWS, tb + c0, tb + c1, nt, None, k_q16, None, None)
+                            fk.tile_rows(x16f, xo, xsf, xcf, xsumf, xso, data, wblock, scales, mins, G, gs,
+                                         scratch, 0, CHUNK * ROWS, tb + c0, tb + c1, nt, None, k_q16, None, None)
                     elif k_q4 is not None:
-                        fk.tile_rows(xa, xsa, xca, xma, tiled, scales, mins, G, gs, scratch, 0,
-                                     CHUNK * ROWS, tb + c0, tb + c1, nt, None, None, k_q4, None)
+                        fk.tile_rows(x8, xo, xsf, xcf, xsumf, xso, data, wblock, scales, mins, G, gs,
+                                     scratch, 0, CHUNK * ROWS, tb + c0, tb + c1, nt, None, None, k_q4, None)
                     for j in range(nt):
                         for r in range(ROWS * c0, min(n, ROWS * c1)):
                             out[(o0 + j) * n + r] = scratch[j * CHUNK * ROWS + r - ROWS * c0]

@@ -360,19 +360,22 @@ tile_int4_q16_4, RB416_4 = _make_tile(True, True, 4)
 def _blocks(tile1, RB1, tile4, RB4):
     """The loops around one kind's tiles: blocks v0..v1 of a tiled matrix by T tokens."""
     @njit(inline="always", fastmath=FAST, error_model="numpy")
-    def blocks(w, wblock, x, Kp, s, xs, xcorr, xsum, m, G, gs, out, ooff, ostride, v0, v1, T):
+    def blocks(w, wblock, x, xoff, Kp, s, xs, xcorr, xsum, xsoff, m, G, gs, out, ooff, ostride, v0, v1, T):
         """out[ooff + t ostride + 8 (v - v0) + l] = row l of block v . token t, for v0 <= v < v1, t < T:
         one token in tiles of RB1 blocks, more in tiles of RB4 blocks by 4 tokens (each block's bytes
-        read from memory once: the tiles after the first find them in L1 or L2)."""
+        read from memory once: the tiles after the first find them in L1 or L2). Flat arrays and
+        offsets, no views: a view of an array the threads share costs an atomic count on one
+        cache line that every thread writes."""
         if T == 1:
             for v in range(v0, v1, RB1):
-                tile1(w, v * wblock, x, 0, Kp, s, v * G * ROWS, xs, 0, G, gs, m, xcorr, xsum, out,
+                tile1(w, v * wblock, x, xoff, Kp, s, v * G * ROWS, xs, xsoff, G, gs, m, xcorr, xsum, out,
                       ooff + ROWS * (v - v0), ostride, min(RB1, v1 - v), 1)
         else:
             for v in range(v0, v1, RB4):
                 for t in range(0, T, 4):
-                    tile4(w, v * wblock, x, t * Kp, Kp, s, v * G * ROWS, xs, t * G, G, gs, m, xcorr, xsum,
-                          out, ooff + t * ostride + ROWS * (v - v0), ostride, min(RB4, v1 - v), min(4, T - t))
+                    tile4(w, v * wblock, x, xoff + t * Kp, Kp, s, v * G * ROWS, xs, xsoff + t * G, G, gs, m,
+                          xcorr, xsum, out, ooff + t * ostride + ROWS * (v - v0), ostride, min(RB4, v1 - v),
+                          min(4, T - t))
     return blocks
 
 
