@@ -1,4 +1,4 @@
-"""A whole decode step (one token, all layers, the logits) in one parallel region.
+"""A whole decode step (one token or a few, all layers, the logits) in one parallel region.
 
 Changed from the core (stage1_cpu/model.py): Model.forward calls one numba kernel
 per op: for one token of Qwen3-0.6B that is 113 parallel regions (4 matmuls per
@@ -33,20 +33,29 @@ Every op is the same inlined body the per-op kernels run, in the same order on
 the same values: the core's (stage1_cpu/norms.py: rmsnorm_row; kernels.py: rope_head,
 attention_item, silu_mul_row, route_row, mix_row, gated_add_row; matmul.py:
 row_f32, row_int8, row_int4) and the fast path's (fast/blocks.py: rows_bf16; for
-rounded activations fast/kernels.py: rows_int8_q8, rows_int8_q16, rows_int4_q8,
-quantize_token). So the logits and the KV cache are bit for bit those of
+rounded activations fast/kernels.py: quantize_token and tile_rows, tiles.py's
+register tiles). So the logits and the KV cache are bit for bit those of
 Model.forward with the same weights: with fp32 activations those of the plain
 path (bf16 weights: of FastWeight.matmul, which runs blocks.py's rows too), with
 rounded ones those of FastWeight.matmul (tests/test_stage1_decode_step.py
 checks both, for every weight format, dense and MoE).
 
-Which row bodies the matrix phases may inline is chosen in Python from cpu.INT8
-(the `if` around _rows_q8 in matvec.py): where the CPU has no integer dot product
-the fast kernels are never named, so numba never hands their instructions to LLVM
-(a runtime branch would not do: both sides are compiled, and on an AVX2-only CPU
-LLVM aborts with "Cannot select ... VPDPWSSD"). Of those, the step compiles only
-the bodies its model's weights use (kinds(): a None argument drops its branch
-before numba compiles it), so a cold start compiles one or two formats, not all.
+Several tokens at once. A step takes up to MAX_TOKENS tokens: the last token made and
+the drafts that follow it (speculative decoding's verify step, docs/stage1.md section
+15). Every buffer has a row per token; private phases loop over the rows; a matrix
+phase multiplies each weight it reads by every token (the tiles keep a weight vector in
+a register for up to 4 tokens), so T tokens cost the bytes of one; attention stores the
+T tokens' keys and values first and then lets token t see positions up to pos + t,
+causal within the step. Each token's result is the float operations of a one-token
+step, in the same order: a step of T tokens equals T steps of one, bit for bit.
+
+Which bodies the matrix phases may inline: where the CPU has no integer dot product no
+weight has rounded activations (weight.check_act), so the tiles' arguments are None and
+numba never compiles them, let alone hands their instructions to LLVM (a runtime branch
+would not do: both sides are compiled, and on an AVX2-only CPU LLVM aborts with "Cannot
+select ... VPDPWSSD"). Of the rest, the step compiles only the bodies its model's weights
+use (kinds(): a None argument drops its branch before numba compiles it), so a cold start
+compiles one or two formats, not all.
 
 What compiling costs: the step is three compiled functions, _decode (the parallel
 region) calling _worker (the program) calling matvec._matvec (a matrix phase), each

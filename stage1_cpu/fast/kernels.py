@@ -4,9 +4,10 @@ Changed from the core (stage1_cpu/matmul.py): the core's matvecs turn every
 weight into a float32 and multiply it by a float32 activation. Here the
 activations are rounded once per matvec (to int8, or int16 for the lm_head),
 and each group's dot product is integer multiply-adds done by the CPU's own
-dot-product instructions (simd.py): `diff` kernels.matmul_int8 against
-matmul_int8_q8 below shows the whole change. Prefill can round its activations
-to bf16 and run a vdpbf16ps GEMM instead of fp32 tiles through BLAS.
+dot-product instructions (simd.py), in register tiles over weights stored 8 rows
+side by side (tiles.py): `diff` matmul.matmul_int8 against matmul_tiled below
+shows the loops' side of the change. bf16 weights' prefill can round its
+activations to bf16 and run a vdpbf16ps GEMM instead of fp32 tiles through BLAS.
 
 These kernels call simd.py's intrinsics, so they are compiled only on a CPU that
 has those instructions: stage1_cpu/fast/__init__.py decides, in Python, before

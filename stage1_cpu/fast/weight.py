@@ -8,27 +8,24 @@ fast kernels (fast/kernels.py); every other case is the core's code, unchanged.
 
 - decode_act="int8" (int8 / int4 weights, cpu.INT8): decode rounds the
   activations to int8 per group of gs values (x ~ xq * xs, xs = max|x| / 127)
-  and multiplies integers (kernels.matmul_int8_q8 / matmul_int4_q8). llama.cpp
-  does the same for its Q8_0 / Q4_0 weights.
+  and multiplies integers (kernels.matmul_tiled, on tiles.py's register tiles).
+  llama.cpp does the same for its Q8_0 / Q4_0 weights. Such a weight is stored in
+  8-row tiles (tiles.to_tiles, once, at load: `seg` says so), which every path
+  reads: decode, a step of a few tokens, prefill, and the rows of an embedding.
 - decode_act="int16" (int8 weights, cpu.INT8): the same with 15-bit
-  activations (xs = max|x| / 32767), for the lm_head: almost exact, about as
-  fast as int8 there, where memory is the limit (kernels.matmul_int8_q16).
-- prefill_act="bf16" (bf16 weights, and int8 / int4 ones when asked for; cpu.BF16):
-  prefill rounds the activations to bf16 and runs a vdpbf16ps GEMM
-  (kernels.matmul_bf16_prefill) instead of fp32 tiles through sgemm: twice the FLOP/s.
-  int8 / int4 weights are dequantized to bf16 for it on every call, which is why
-  --activations auto gives them the integer GEMM below instead (as fast per cycle on
-  such CPUs, more exact, nothing to dequantize).
+  activations (xs = max|x| / 32767), for the lm_head: almost exact, at half
+  the multiply-adds per instruction, where memory is the limit.
+- prefill_act="bf16" (bf16 weights; cpu.BF16): prefill rounds the activations
+  to bf16 and runs a vdpbf16ps GEMM (kernels.matmul_bf16_prefill) instead of
+  fp32 tiles through sgemm: twice the FLOP/s.
 
 - prefill_act="int8" (int8 / int4 weights, cpu.INT8; --activations int8): prefill
-  rounds the activations as decode does and runs gemm.py's integer GEMM with register
-  tiles, on 64 rows at a time repacked as it goes, instead of fp32 tiles through sgemm.
+  rounds the activations as decode does and runs gemm.py's integer GEMM on the
+  stored tiles, instead of fp32 tiles through sgemm.
 - prefill_act="int16" (int8 / int4 weights, cpu.INT8; --activations auto): the same
-  GEMM with the activations rounded to int16 (xs = max|x| / 32767), almost exact: the
-  AVX2 int8 tile widens both operands to int16 for vpmaddwd anyway, so there it costs
-  int8 weights nothing; int4 weights go through that tile too (vpmaddwd's rate, half
-  vpmaddubsw's; on VNNI vpdpwssd's, half vpdpbusd's). int8 rounding over a whole
-  prompt flips the default model's first answer.
+  GEMM with the activations rounded to int16 (xs = max|x| / 32767), almost exact
+  (vpdpwssd's rate, half vpdpbusd's). int8 rounding over a whole prompt flips the
+  default model's first answer.
 
 The numpy twin (matmul_ref) rounds the same things the same way, so the kernels
 are still checked exactly against a definition; tests/test_quant_quality.py
