@@ -8,6 +8,7 @@ core never needs it. SpeculativeEngine is the stage-1 LLMEngine with its decode 
     2. verify   the last token and its k drafts go through Model.forward as one step of
                 T = k+1 tokens (all_logits): row i is the distribution after draft i. Decode on
                 a CPU is bound by memory, and this step reads the weights once, as one token does
+                (the fast path: one parallel region on register tiles, bit for bit T steps of one)
     3. accept   the drafts in order, by the rule that keeps the output exactly what plain decoding
                 would make (greedy: token for token; sampling: the same distribution); the first
                 rejected draft is replaced by a draw that corrects for it, and when all k pass,
@@ -38,10 +39,11 @@ from .engine import LLMEngine
 if TYPE_CHECKING:
     from .engine import _Running
 
-# --draft-tokens' default: a verify step of T = k+1 <= 7 tokens stays on the decode kernels
-# (T < quant.PREFILL_MIN_T: each weight row read once for all T tokens, the activations rounded
-# as decode rounds them), so it costs the bytes of one token and the compute of T (section 15)
-DRAFT_TOKENS = 6
+# --draft-tokens' default: a verify step of T = k+1 <= 8 tokens is one step of the fast path's
+# one region (decode_step.MAX_TOKENS; the core: its decode kernels, T < quant.PREFILL_MIN_T), each
+# weight read once for all T tokens, the activations rounded as decode rounds them: the bytes of
+# one token and the arithmetic of T (docs/stage1.md, section 15)
+DRAFT_TOKENS = 7
 KEEP_STATS = 4096          # finished requests whose stats the server can still ask for
 
 

@@ -150,7 +150,7 @@ def test_greedy_output_is_plain_greedy_token_for_token(family, kernels, fmt, sou
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
 @pytest.mark.parametrize("kernels,fmt", [("plain", "int8"), ("fast", "int8"), ("fast", "int4")])
 def test_long_drafts_on_the_prefill_path_differ_only_at_near_ties(family, kernels, fmt, prompts):
-    """--draft-tokens 10: verify steps of up to 11 tokens, on the prefill path from 8 on."""
+    """--draft-tokens 10: verify steps of up to 11 tokens, on the prefill path from 9 on."""
     kw = dict(quant=fmt, max_ctx=MAX_CTX, progress=False, kernels=kernels_or_skip(kernels))
     plain = LLMEngine(folder_for(family), **kw)
     spec = SpeculativeEngine(folder_for(family), draft_tokens=10, **kw)

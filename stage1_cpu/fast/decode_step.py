@@ -101,13 +101,13 @@ _inline = numba.njit(inline="always", fastmath=FAST, error_model="numpy")
 @_inline
 def _attention(qkv, kv, layer, pos, T, cos, sin, q_norm, k_norm, qk_norm, eps, H, Hkv, D, att, qbuf, counts,
                phase):
-    """Phase `phase`, one item per KV head: for each of the T tokens (position pos + t), its q
-    heads and k normed and rotated in place in qkv [T, (H + 2 Hkv) D], its k and v stored in the
-    cache at pos + t; then its q heads attend, token t to positions 0 .. pos + t (causal within
-    the step too). qbuf [T, H, D]: this worker's copy of the item's q heads."""
+    """Phases `phase` and `phase + 1`. The first, one item per KV head: for each of the T tokens
+    (position pos + t), its q heads and k normed and rotated in place in qkv [T, (H + 2 Hkv) D],
+    its k and v stored in the cache at pos + t. The second, one item per (KV head, token): the
+    token's q heads attend to positions 0 .. pos + t (causal within the step too), the group's
+    heads sharing each key and value read. qbuf [T, H, D]: this worker's copy of an item's q heads."""
     width = (H + 2 * Hkv) * D
     group = H // Hkv
-    out3 = att.reshape(T, H, D)
     i = sync.claim(counts, phase)
     while i < Hkv:
         for t in range(T):
@@ -121,19 +121,26 @@ def _attention(qkv, kv, layer, pos, T, cos, sin, q_norm, k_norm, qk_norm, eps, H
                 if qk_norm:
                     kernels.rmsnorm_row(q2, q_norm, eps, q2, h)
                 kernels.rope_head(q3, c, s, q3, 0, h)
-                for d in range(D):
-                    qbuf[t, h, d] = q3[0, h, d]
             if qk_norm:
                 kernels.rmsnorm_row(k2, k_norm, eps, k2, i)
             kernels.rope_head(k3, c, s, k3, 0, i)
             for d in range(D):
                 kv[layer, 0, i, pos + t, d] = k3[0, i, d]
                 kv[layer, 1, i, pos + t, d] = v3[0, i, d]
-        for t in range(T):
-            kernels.attention_item(qbuf[:T], kv[layer, 0], kv[layer, 1], pos, out3, i * T + t)
         sync.finish(counts, phase)
         i = sync.claim(counts, phase)
     sync.wait(counts, phase, Hkv)
+    out3 = att.reshape(T, H, D)
+    i = sync.claim(counts, phase + 1)
+    while i < Hkv * T:                                         # item i: KV head i // T, token i % T
+        kvh, t = i // T, i % T
+        for h in range(kvh * group, (kvh + 1) * group):
+            for d in range(D):
+                qbuf[t, h, d] = qkv[t * width + h * D + d]
+        kernels.attention_item(qbuf, kv[layer, 0], kv[layer, 1], pos, out3, kvh * T + t)
+        sync.finish(counts, phase + 1)
+        i = sync.claim(counts, phase + 1)
+    sync.wait(counts, phase + 1, Hkv * T)
 
 
 @numba.njit(inline="always")
@@ -338,8 +345,8 @@ class DecodeStep:
             if ph.op == "attention" and cfg.qk_norm:
                 lw = model.w.layers[ph.layer]
                 r[VEC], r[VEC2] = vec(lw.q_norm), vec(lw.k_norm)
-            if ph.op in SHARED:
-                r[COUNTER], n_counters = n_counters, n_counters + 1
+            if ph.op in SHARED:                        # attention: two phases, two counters
+                r[COUNTER], n_counters = n_counters, n_counters + (2 if ph.op == "attention" else 1)
             rows.append(r)
         self.logits = where["logits"]
         self.prog = np.array(rows, dtype=np.int64)
