@@ -688,8 +688,8 @@ def busy_table(data: dict) -> str:
     got = [{kind: {(b["engine"], b["format"], b["threads"], b["metric"]): b for b in load[kind]}
             for kind in ("default", "best")} for load in loads]
     rows = []
-    for key in sorted((k for k in got[0]["best"] if not k[3].startswith("ttft")),
-                      key=lambda k: (k[:3], k[3] != "decode", len(k[3]), k[3])):
+    order = lambda k: (k[0] == "llama.cpp", k[:3], k[3] != "decode", len(k[3]), k[3])  # noqa: E731
+    for key in sorted((k for k in got[0]["best"] if not k[3].startswith("ttft")), key=order):
         for kind in ("default", "best"):
             quiet, cells = got[0][kind].get(key), []
             for i, g in enumerate(got):
