@@ -85,10 +85,9 @@ def busy_cores(n: int):
     moment and ends. busy["pids"]; busy["cores"], once the block ends: the cores they kept busy on
     average (their CPU seconds, read as they are reaped, over the wall time)."""
     procs, busy, t0 = [], {"pids": [], "cores": 0.0}, time.perf_counter()
+    cmd, quiet = [sys.executable, "-c", BUSY_LOOP, str(os.getpid())], subprocess.DEVNULL
     try:
-        for _ in range(n):
-            cmd = [sys.executable, "-c", BUSY_LOOP, str(os.getpid())]
-            quiet = subprocess.DEVNULL               # (Ctrl-C reaches them too: no tracebacks)
+        for _ in range(n):                               # (quiet: Ctrl-C reaches them too)
             procs.append(subprocess.Popen(cmd, stdin=quiet, stdout=quiet, stderr=quiet))
             busy["pids"].append(procs[-1].pid)
         yield busy

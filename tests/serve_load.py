@@ -93,7 +93,8 @@ class Server:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        env = {**os.environ, "OPENBLAS_THREAD_TIMEOUT": "4", "PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": policy}
+        env = {**os.environ, "OPENBLAS_THREAD_TIMEOUT": "4", "PYTHONPATH": str(ROOT),
+               "OMP_WAIT_POLICY": policy}
         if policy == "default":                      # unset, as users run it (bench/common.py policy_env)
             del env["OMP_WAIT_POLICY"]
         self.url, self.log, deadline = f"http://127.0.0.1:{port}", tempfile.TemporaryFile(), time.time() + timeout
