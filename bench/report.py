@@ -70,18 +70,18 @@ def cpu_full(root: Path) -> str:
 
 
 def busy(root: Path) -> str:
-    """bench cpu --busy's saved run (docs/results/busy.json): its table, then the machine, the command
-    and the cores the busy processes and the rest of the machine kept busy under each load."""
+    """bench cpu --busy's saved run (docs/results/busy.json): its table, then the machine, the
+    command and the cores the busy processes and other programs used beside each load."""
     path = root / "docs" / "results" / "busy.json"
     if not path.is_file():
         return ("Not measured yet: `python -m bench cpu --busy 2 --formats int8 --prompt-lens 128 "
                 "--ttft-lens '' --save docs/results/busy.json`, then `python -m bench report`.\n")
     d = json.loads(path.read_text())
-    cores = "; ".join(f"{x['busy']} busy: they {x['busy_cores']:.2f}, the rest {x['others_cores']:.2f}"
+    cores = "; ".join(f"{x['busy']}: they {x['busy_cores']:.2f}, others {x['others_cores']:.2f}"
                       for x in d["loads"])
-    return (busy_table(d) + f"\n\n- {d['machine']}; {d['date']}; llama-cpp-python "
-            f"{d['versions'].get('llama-cpp-python', 'not installed')}; cores kept busy: {cores}; "
-            f"`{d['command']}`\n")
+    llama = d["versions"].get("llama-cpp-python", "not installed")
+    return (busy_table(d) + f"\n\n- {d['machine']}; {d['date']}; llama-cpp-python {llama}; cores "
+            f"used beside each number of busy processes, {cores}; `{d['command']}`\n")
 
 
 def ladder(root: Path, key: str = "rows") -> str:
