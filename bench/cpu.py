@@ -696,7 +696,8 @@ def busy_table(data: dict) -> str:
                 b = g[kind].get(key)
                 notes = [b["policy"]] * (kind == "best") if b else []
                 notes += [f"{100 * b['value'] / quiet['value']:.0f} %"] if i and b and quiet else []
-                cells.append(f"{b['value']:.1f}" + f" ({', '.join(notes)})" * bool(notes) if b else "–")
+                notes = f" ({', '.join(notes)})" if notes else ""
+                cells.append(f"{b['value']:.1f}{notes}" if b else "–")
             what = "decode tok/s" if key[3] == "decode" else f"prefill {key[3]} tok/s"
             ran_as = loads[0]["ran_as"].get(key[0], "?")
             policy = f"default ({ran_as})" if kind == "default" else kind

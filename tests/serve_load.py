@@ -95,7 +95,7 @@ class Server:
             port = s.getsockname()[1]
         env = {**os.environ, "OPENBLAS_THREAD_TIMEOUT": "4", "PYTHONPATH": str(ROOT),
                "OMP_WAIT_POLICY": policy}
-        if policy == "default":                      # unset, as users run it (bench/common.py policy_env)
+        if policy == "default":                      # unset, as users run it (bench policy_env)
             del env["OMP_WAIT_POLICY"]
         self.url, self.log, deadline = f"http://127.0.0.1:{port}", tempfile.TemporaryFile(), time.time() + timeout
         self.proc = subprocess.Popen([sys.executable, "-m", *(a.replace("PORT", str(port)) for a in cmd)], cwd=ROOT,

@@ -111,13 +111,14 @@ def test_cpu_busy_runs_quiet_then_beside_a_busy_process_and_report_writes_its_ta
     its share of the quiet one, as the saved JSON has them, and as the run printed them."""
     save = tmp_path / "docs" / "results" / "busy.json"
     out = bench("cpu", "--shape", "tiny", "--quick", "--busy", "1", "--threads", "1", "--formats",
-                "int8", "--engines", "stage1", "--kernels", "plain", "--runs", "1", "--prompt-lens", "8",
-                "--ttft-lens", "", "--decode-prompt", "8", "--decode-tokens", "4", "--omp-wait-policy",
-                "default", "--cache-dir", str(tmp_path), "--save", str(save))
+                "int8", "--engines", "stage1", "--kernels", "plain", "--runs", "1", "--prompt-lens",
+                "8", "--ttft-lens", "", "--decode-prompt", "8", "--decode-tokens", "4",
+                "--omp-wait-policy", "default", "--cache-dir", str(tmp_path), "--save", str(save))
     assert re.search(r"=== beside 1 busy process \(pids \[\d+\]\)", out), out
     saved = json.loads(save.read_text())
     quiet, busy = saved["loads"]
-    assert (quiet["busy"], quiet["busy_cores"], busy["busy"]) == (0, 0, 1) and busy["busy_cores"] > 0.1
+    assert (quiet["busy"], quiet["busy_cores"], busy["busy"]) == (0, 0, 1)
+    assert busy["busy_cores"] > 0.03                   # a sleeping one: its start-up alone, < 0.01
     assert busy["ran_as"] == quiet["ran_as"] == {"stage1 plain": stage1_cpu.WAIT_POLICY}
     rows = table(report.rewrite("<!-- report: busy -->\n<!-- /report -->\n", tmp_path), "engine")
     assert rows == table(out.split("### Beside busy processes")[1], "engine")
@@ -127,9 +128,11 @@ def test_cpu_busy_runs_quiet_then_beside_a_busy_process_and_report_writes_its_ta
     assert [r[3:5] for r in rows] == [[what, policy] for _, what, policy in wanted]
     for row, (metric, _, policy) in zip(rows, wanted):
         kind = policy.split()[0]
-        q, b = (next(x["value"] for x in load[kind] if x["metric"] == metric) for load in (quiet, busy))
-        best = "default, " if kind == "best" else ""          # the best policy, with --omp-wait-policy default
-        assert row[5:] == [f"{q:.1f}" + " (default)" * bool(best), f"{b:.1f} ({best}{100 * b / q:.0f} %)"]
+        q, b = (next(x["value"] for x in load[kind] if x["metric"] == metric)
+                for load in saved["loads"])
+        best = "default, " if kind == "best" else ""     # the best's policy: the only one run
+        assert row[5] == f"{q:.1f}" + " (default)" * bool(best)
+        assert row[6] == f"{b:.1f} ({best}{100 * b / q:.0f} %)"
 
 
 def test_ladder_prints_each_rung_decode_and_prefill(tmp_path):
