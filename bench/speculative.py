@@ -93,7 +93,7 @@ def worker(spec: dict) -> None:
     emit_result({"rows": rows})
 
 
-def run(args, policies: list[str], log=print) -> int:
+def run(args, policies: list[str], shape_model: Path, log=print) -> int:
     from common.chat_template import ChatTemplate   # here: the workers need none of these
     from common.models import resolve_model
     from common.tokenizer import Tokenizer
@@ -117,7 +117,7 @@ def run(args, policies: list[str], log=print) -> int:
                 if r.get("seconds", float("inf")) <= best.get(key, {}).get("seconds", float("inf")):
                     best[key] = dict(r, engine=engine, mode=mode, policy=policy)
     curves = {}                                       # the verify step's cost by T, on both models, best policy
-    for name, folder, quant in [(model.name, model, "stored"), ("qwen3-0.6b-shape int8", _shape_model(), "int8")]:
+    for name, folder, quant in [(model.name, model, "stored"), ("qwen3-0.6b-shape int8", shape_model, "int8")]:
         for policy in policies:
             res = run_worker("bench.speculative", dict(base, mode="verify", model=str(folder), quant=quant, runs=20),
                              args.worker_timeout, log, omp_wait_policy=policy).get("verify_ms", {})
@@ -139,12 +139,6 @@ def run(args, policies: list[str], log=print) -> int:
                                         importlib.metadata.distributions(name="llama-cpp-python")), "no llama-cpp-python"))
         log(f"results written to {args.save}")
     return 0
-
-
-def _shape_model() -> Path:
-    """The benchmark's Qwen3-0.6B-shape model folder (random weights), built once."""
-    from bench.cpu import CACHE, SHAPES, prepare_models
-    return prepare_models(SHAPES["0.6b"], CACHE, quants=())["hf"]
 
 
 if __name__ == "__main__":

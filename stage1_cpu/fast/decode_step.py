@@ -79,6 +79,7 @@ from numba.typed import List
 
 from .. import kernels
 from ..kernels import FAST
+from ..quant import PREFILL_MIN_T
 from . import sync
 from .matvec import ACT, BIG, FMT, KINDS, TAIL_ITEMS, _items, _matvec, kinds  # noqa: F401 (tests, FastPath)
 from .plan import plan
@@ -366,7 +367,6 @@ class DecodeStep:
         self.shared = np.zeros(self.shared_size, dtype=np.float32)
         self.eps = np.float32(cfg.rms_norm_eps)
         self.worker = self.matvec = None             # Pointers, made at the first step
-        self.max_tokens = MAX_TOKENS
         self.dims = np.array([cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, k, int(cfg.norm_topk_prob)],
                              dtype=np.int64)
 
@@ -379,6 +379,11 @@ class DecodeStep:
         matvec = Pointer(_matvec, [types.Array(types.int64, 1, "C"), _READONLY, _READONLY16, _READONLY16, f32,
                                    i64_2d, i64, f32, f32, t[18], i64, t[0]] + t[19:26])
         return Pointer(_worker, [numba.typeof(matvec)] + t), matvec
+
+    def takes(self, T: int, all_logits: bool) -> bool:
+        """Whether a forward of T tokens is a step: a decode step or a verify step (all_logits) of
+        at most MAX_TOKENS tokens, or a prompt too short for the prefill path (quant.PREFILL_MIN_T)."""
+        return T <= MAX_TOKENS and (all_logits or T < PREFILL_MIN_T)
 
     def step(self, x: np.ndarray, pos: int, all_logits: bool = False, workers: int | None = None) -> np.ndarray:
         """x [T, C] f32 (T <= MAX_TOKENS; or [C], one token) -> logits [T, V] (all_logits) or [V], a
