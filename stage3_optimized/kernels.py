@@ -55,16 +55,29 @@ MAX_GRID_Y = 65535                    # a launch's grid.y limit (grid.x goes to 
 MAX_HEAD_DIM = 256                    # the attention kernels keep D/32 values per lane in registers
 TC_MAX_HEAD_DIM, TC_WARPS = 128, 4     # the tensor-core prefill: O in registers, 4 heads per block
 GEMV_MAX_ROWS = 4                     # gemv.cu's MAX_N: a decode batch of up to 4 sequences
-GEMV_SMEM = 48 * 1024                 # its input rows in shared memory, within the default 48 KB
+GEMV_SMEM = 48 * 1024                 # its input rows in dynamic shared memory, at most
 GEMV_MAX_BLOCKS = 1024                # its grid; each warp strides over the rows past it
+# A block's static and dynamic shared memory share 48 KB unless the kernel's attribute
+# max_dynamic_shared_size_bytes is raised (every GPU since Volta allows more: 227 KB on an
+# H100). gemv.cu's 32 static bytes plus 48 KB of input rows need it raised.
+RAISED_SMEM = {"gemv": GEMV_SMEM}     # kernel -> the dynamic shared memory it may take
+
+
+def _compile(name: str):
+    """The kernel, compiled from its .cu file (cupy also caches the binary on disk)."""
+    import cupy
+    code = (CUDA_DIR / KERNEL_FILES[name]).read_text()
+    return cupy.RawModule(code=code, options=("--std=c++17",)).get_function(name)
 
 
 @functools.cache
 def _kernel(name: str):
-    """Compile the kernel's .cu file once per process (cupy also caches the binary on disk)."""
-    import cupy
-    code = (CUDA_DIR / KERNEL_FILES[name]).read_text()
-    return cupy.RawModule(code=code, options=("--std=c++17",)).get_function(name)
+    """The kernel, compiled once per process, its shared memory attribute raised where
+    RAISED_SMEM says (once: the attribute stays with the compiled function)."""
+    fn = _compile(name)
+    if name in RAISED_SMEM:
+        fn.max_dynamic_shared_size_bytes = RAISED_SMEM[name]
+    return fn
 
 
 def _on_gpu(x) -> bool:
@@ -113,19 +126,22 @@ def _into(out, value):
 
 
 def to_bf16(x):
-    """float32 -> bf16 bits, round to nearest even, on either device (the MoE sum, Qwen2's biased q/k/v)."""
+    """float32 -> bf16 bits, round to nearest even, a NaN a quiet NaN (as ops.bf16_bits), on
+    either device (the MoE sum, Qwen2's biased q/k/v)."""
     if not _on_gpu(x):
         return ops.bf16_bits(x)
     import cupy
     u = cupy.ascontiguousarray(x, dtype=cupy.float32).view(cupy.uint32)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(cupy.uint16)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16      # (a NaN's may carry into the sign bit)
+    quiet_nan = ((u >> 16) & 0x8000) | 0x7FC0
+    return cupy.where((u & 0x7FFFFFFF) > 0x7F800000, quiet_nan, rounded).astype(cupy.uint16)
 
 
 # ---- the GEMMs ------------------------------------------------------------------------------
 
 def _gemv_fits(N: int, K: int) -> bool:
     """gemv.cu takes N <= 4 rows, 16-byte weight rows (K % 8 == 0) and N * K bf16 inputs in
-    its 48 KB of shared memory (the 8B model's MLP input: K = 12,288, two rows)."""
+    its 48 KB of dynamic shared memory (the 8B model's MLP input: K = 12,288, two rows)."""
     return 0 < N <= GEMV_MAX_ROWS and K % 8 == 0 and N * K * 2 <= GEMV_SMEM
 
 

@@ -25,8 +25,10 @@
 __device__ __forceinline__ float bf16_to_f32(unsigned short b) { return __int_as_float((int)(((unsigned)b) << 16)); }
 __device__ __forceinline__ unsigned short f32_to_bf16(float f)
 {
-    const unsigned u = (unsigned)__float_as_int(f);                      // round to nearest even
-    return (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    const unsigned u = (unsigned)__float_as_int(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u)     // NaN -> a quiet bf16 NaN (rounding the GPU's NaN,
+        return (unsigned short)(((u >> 16) & 0x8000u) | 0x7FC0u);   // 0x7FFFFFFF, carries into -0)
+    return (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);   // round to nearest even
 }
 
 __device__ __forceinline__ float warp_sum(float x)
