@@ -204,14 +204,15 @@ run_step engine_tests "$CAP_ENGINE" tests engine_tests.log $GPU_TESTS -k "engine
 
 # ---- 4. the benchmark (bench/gpu.py), 5. the lesson ladder (bench/lessons.py) ---------
 # (the ladder's --throughput runs on the GPU when CuPy sees one, on bench.gpu's model in
-# $WORK/bench; the dry run: the numpy twins, bench.gpu's tiny model, 3 sequences)
-DRY_ARG=()
-[ "$DRY" = 1 ] && DRY_ARG=(--dry-run)
+# $WORK/bench: its 18 rungs, 12 sequences each within 3 s, after ~10 s of counting; the dry run:
+# the numpy twins, bench.gpu's tiny model, 3 sequences)
+DRY_ARG=() SEQS_ARG=(--seqs 12)          # the ladder on a GPU: 12 sequences, 3 s per rung
+[ "$DRY" = 1 ] && DRY_ARG=(--dry-run) SEQS_ARG=()
 run_step benchmark "$CAP_BENCH" bench bench.log "$PY" -m bench gpu --out "$OUT" --workdir "$WORK/bench" \
     --deadline-s "$(( $(cap "$CAP_BENCH") - 6 ))" "${DRY_ARG[@]}"
 T=$(cap "$CAP_LESSONS")
 run_step lessons "$CAP_LESSONS" bench lessons.log "$PY" -m bench lessons --layers 1 --save "$WORK/bench/lessons.json" \
-    --throughput --workdir "$WORK/bench" --rung-cap-s "$(cap 7)" --deadline-s "$((T - 5))"
+    --throughput --workdir "$WORK/bench" --rung-cap-s "$(cap 3)" --deadline-s "$((T - 5))" "${SEQS_ARG[@]}"
 { echo; echo "### Lesson ladder (python -m bench lessons --layers 1 --throughput: host calls counted, tok/s measured)"
   echo; grep '^|' "$LOGS/lessons.log"; } >> "$OUT/gpu_bench.md"
 

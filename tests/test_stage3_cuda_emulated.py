@@ -167,9 +167,11 @@ def test_qk_norm_rope_store_equals_twin(gpu, H, Hkv, D, norm):
     dk, dv = gpu(pool()), gpu(pool())
     ek, ev = pool(), pool()
     pos = pos.astype(np.int32)
-    q = kernels.qk_norm_rope_store(gpu(qkv), None if qn is None else gpu(qn), None if kn is None else gpu(kn),
-                                   gpu(cos), gpu(sin), gpu(pos), dk[1], dv[1], gpu(slots), H, Hkv, 1e-6)
-    eq = ops.qk_norm_rope_store(qkv, qn, kn, cos, sin, pos, ek[1], ev[1], slots, H, Hkv, 1e-6)
+    norms = (None, None) if qn is None else (gpu(qn), gpu(kn))
+    on_dev = ops.LayerHeads(*norms, gpu(cos), gpu(sin), dk[1], dv[1], H, Hkv, 1e-6)
+    q = kernels.qk_norm_rope_store(gpu(qkv), on_dev, gpu(pos), gpu(slots))
+    on_host = ops.LayerHeads(qn, kn, cos, sin, ek[1], ev[1], H, Hkv, 1e-6)
+    eq = ops.qk_norm_rope_store(qkv, on_host, pos, slots)
     assert_bf16_close(q.get(), eq)
     assert_bf16_close(dk.get()[1].reshape(-1), ek[1].reshape(-1), min_exact=0.5)   # most slots stay 0
     np.testing.assert_array_equal(dv.get(), ev)                # V rows are copied bit for bit
@@ -226,9 +228,10 @@ def check_gemv(dev, N, K, M, counted=None, kernels=kernels, ops=ops):
          ops.rmsnorm_linear(residual, norm_w, 1e-6, w), "bf16"),
         (lambda: kernels.rmsnorm_linear(dev(residual), dev(norm_w), 1e-6, dev(w), bias=dev(bias)).get(),
          ops.rmsnorm_linear(residual, norm_w, 1e-6, w, bias), "bf16"),
-        (lambda: kernels.linear_add(dev(x), dev(w), dev(stream)).get(), ops.linear_add(x, w, stream.copy()), "f32"),
-        (lambda: kernels.swiglu_linear_add(dev(gate_up), dev(w), dev(stream)).get(),
-         ops.swiglu_linear_add(gate_up, w, stream.copy()), "f32"),
+        (lambda: kernels.linear(dev(x), dev(w), add_into=dev(stream)).get(),
+         stream + ops.linear(x, w, True), "f32"),
+        (lambda: kernels.swiglu_linear(dev(gate_up), dev(w), dev(stream)).get(),
+         stream + ops.linear(ops.swiglu(gate_up), w, True), "f32"),
     ]
     for run, expect, kind in cases:
         got = counted(run) if counted else run()
@@ -251,8 +254,8 @@ def check_gemv_prologues(dev, kernels=kernels):
     np.testing.assert_array_equal(fused, plain)
     gate_up = dev(bf16_random(rng, (N, 2 * K), 3.0))
     stream = rng.standard_normal((N, M)).astype(np.float32)
-    fused = kernels.swiglu_linear_add(gate_up, w, dev(stream)).get()
-    plain = kernels.linear_add(kernels.swiglu(gate_up), w, dev(stream)).get()
+    fused = kernels.swiglu_linear(gate_up, w, dev(stream)).get()
+    plain = kernels.linear(kernels.swiglu(gate_up), w, add_into=dev(stream)).get()
     np.testing.assert_array_equal(fused, plain)
 
 
@@ -340,9 +343,11 @@ def test_big_batches_take_the_unfused_path_with_the_same_arithmetic(gpu):
     assert (launches, blas) == (1, 1)
     assert_bf16_close(got, ops.rmsnorm_linear(residual, norm_w, 1e-6, w), min_exact=0.8)
     gate_up, stream = bf16_random(rng, (N, 2 * K)), rng.standard_normal((N, M)).astype(np.float32)
-    got, launches, blas = _count_launches(lambda: kernels.swiglu_linear_add(gpu(gate_up), gpu(w), gpu(stream)).get())
+    got, launches, blas = _count_launches(
+        lambda: kernels.swiglu_linear(gpu(gate_up), gpu(w), gpu(stream)).get())
     assert (launches, blas) == (1, 1)
-    np.testing.assert_allclose(got, ops.swiglu_linear_add(gate_up, w, stream.copy()), rtol=1e-4, atol=1e-4)
+    expect = stream + ops.linear(ops.swiglu(gate_up), w, True)
+    np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-4)
 
 
 # float32 bit patterns for the rounding to bf16: the NaN a GPU makes (0x7FFFFFFF), x86's NaNs
@@ -702,7 +707,7 @@ def test_an_engine_whose_graph_lost_its_buffers_stops_replaying(gpu, monkeypatch
         out = real_run(tokens, batch, sampling)
         if eng.graphs.graphs and not getattr(eng, "_planted", False):
             m = eng.model                                      # after the first capture
-            sizes = len(m.buffers.residual), len(m.buffers.logits)
+            sizes = len(m.buffers.x), len(m.buffers.logits)
             m.buffers = Activations.allocate(m.xp, m.config, *sizes, m.max_ctx)
             eng._planted = True
             gc.collect()

@@ -35,10 +35,11 @@
 //
 // Version history
 //   stage 2 v1: one block per (sequence, query head), fp32, the group's heads re-read K/V.
-//   v2 (stage 3): bf16, one block per (sequence, kv head, split), K/V tiles shared by the
-//       group through shared memory, partial softmaxes merged by a second kernel.
-//   v3: empty splits return before loading q; shared memory sized by D (dynamic); K/V rows
-//       staged with 16-byte loads (8 bf16 at a time) when D is a multiple of 8.
+//   v2 (stage 3): K/V pages in bf16.  v3: the output in bf16.  v4: q in bf16 too.
+//   v5: one block per (sequence, kv head, split), K/V tiles shared by the group through
+//       shared memory, partial softmaxes merged by a second kernel; empty splits return
+//       before loading q; shared memory sized by D (dynamic); K/V rows staged with 16-byte
+//       loads (8 bf16 at a time) when D is a multiple of 8.
 
 #define TILE 32
 #define MAX_D 256

@@ -20,8 +20,11 @@
 //
 // Version history
 //   stage 2: rmsnorm.cu, rope.cu, store_kvcache.cu, fp32.
-//   v1 (stage 3): fused, bf16, one warp per head.
-//   v2: the kernel reads each token's cos/sin row from the whole tables by its position,
+//   v1 (stage 3): fused, one warp per head, fp32.
+//   v2: k and v stored in bf16 pages (half the bytes a decode step reads back).
+//   v3: the norm weights in bf16, like every weight.
+//   v4: qkv in and q out in bf16, fp32 arithmetic, one rounding.
+//   v5: the kernel reads each token's cos/sin row from the whole tables by its position,
 //       instead of rows gathered on the host side's behalf (two gathers and two arrays
 //       fewer per step).
 

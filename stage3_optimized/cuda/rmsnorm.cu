@@ -14,11 +14,9 @@
 // kernel's loop and sum order, so the same bits come out.
 //
 // Version history
-//   stage 2: residual_add.cu + rmsnorm.cu, fp32, a shared-memory tree reduction.
-//   v1 (stage 3, add_rmsnorm.cu): the residual add and the norm fused, bf16 input/output,
-//       fp32 residual, warp-shuffle reduction.
-//   v2: the norm alone again: the add moved into the GEMM before it, and a decode batch
-//       fuses the norm into the GEMM after it.
+//   stage 2 v1: fp32 in and out, one block per row, a shared-memory tree sum of squares.
+//   v2 (stage 3): the fp32 residual stream in, bf16 weights, bf16 out (the GEMM's input).
+//   v3: a warp-shuffle sum, in an order gemv.cu's fused prologue repeats bit for bit.
 
 #define BLOCK 256
 
