@@ -304,6 +304,34 @@ def _close(got, expect, min_exact=0.9):
         np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-5 * float(np.abs(expect).max()))
 
 
+def _qk_case(K, ops, dev, arr, ptypes, rng):
+    """qk_norm_rope_store through the rung's kernels.py: its LayerHeads (with or without the
+    cos/sin tables) and its call (rows gathered per token, or positions into the tables)."""
+    H, Hkv, D, N, NB, P = 4, 2, 32, 5, 4, 4
+    qkv, qn, kn = arr("qkv", N, (H + 2 * Hkv) * D, s=2.0), arr("q_norm", D), arr("k_norm", D)
+    pos = rng.integers(0, 100, N).astype(np.int32)
+    cos, sin = ops.rope_tables(128, D, 1e6)
+    slots = rng.permutation(NB * P)[:N].astype(np.int32)
+    pool = lambda: np.zeros((NB, P, Hkv, D), ptypes["k_cache"])   # noqa: E731
+    dk, dv, ek, ev = dev(pool()), dev(pool()), pool(), pool()
+    fields = {f.name for f in dataclasses.fields(ops.LayerHeads)}
+
+    def heads(k_cache, v_cache, put):                  # the rung's record: cos/sin in it or not
+        kw = dict(q_norm=put(qn), k_norm=put(kn), cos=put(cos), sin=put(sin), k_cache=k_cache,
+                  v_cache=v_cache, H=H, Hkv=Hkv, eps=1e-6)
+        return ops.LayerHeads(**{k: v for k, v in kw.items() if k in fields})
+    if "positions" in K.qk_norm_rope_store.__code__.co_varnames:   # whole tables, by position
+        q = K.qk_norm_rope_store(dev(qkv), heads(dk, dv, dev), dev(pos), dev(slots))
+        eq = K.qk_norm_rope_store(qkv, heads(ek, ev, np.asarray), pos, slots)
+    else:                                                          # each token's own rows
+        q = K.qk_norm_rope_store(dev(qkv), heads(dk, dv, dev), dev(cos[pos]), dev(sin[pos]),
+                                 dev(slots))
+        eq = K.qk_norm_rope_store(qkv, heads(ek, ev, np.asarray), cos[pos], sin[pos], slots)
+    _close(q.get(), eq)
+    _close(dk.get().reshape(-1), ek.reshape(-1), min_exact=0.5)    # most slots stay 0
+    np.testing.assert_array_equal(dv.get(), ev)
+
+
 def _case(name, K, ops, dev, emulated):
     """One small case of kernel `name` through the rung's kernels.py: on device arrays it runs
     the emulated kernel, on numpy arrays the rung's twin, with the dtypes the rung's .cu file
@@ -332,29 +360,7 @@ def _case(name, K, ops, dev, emulated):
         check_gemv(dev, 2, 264, 13, kernels=K, ops=ops)
         check_gemv_prologues(dev, kernels=K)
     elif name == "qk_norm_rope_store":
-        H, Hkv, D, N, NB, P = 4, 2, 32, 5, 4, 4
-        qkv, qn, kn = arr("qkv", N, (H + 2 * Hkv) * D, s=2.0), arr("q_norm", D), arr("k_norm", D)
-        pos = rng.integers(0, 100, N).astype(np.int32)
-        cos, sin = ops.rope_tables(128, D, 1e6)
-        slots = rng.permutation(NB * P)[:N].astype(np.int32)
-        pool = lambda: np.zeros((NB, P, Hkv, D), ptypes["k_cache"])   # noqa: E731
-        dk, dv, ek, ev = dev(pool()), dev(pool()), pool(), pool()
-        fields = {f.name for f in dataclasses.fields(ops.LayerHeads)}
-
-        def heads(k_cache, v_cache, put):                  # the rung's record: cos/sin in it or not
-            kw = dict(q_norm=put(qn), k_norm=put(kn), cos=put(cos), sin=put(sin), k_cache=k_cache,
-                      v_cache=v_cache, H=H, Hkv=Hkv, eps=1e-6)
-            return ops.LayerHeads(**{k: v for k, v in kw.items() if k in fields})
-        if "positions" in K.qk_norm_rope_store.__code__.co_varnames:   # whole tables, by position
-            q = K.qk_norm_rope_store(dev(qkv), heads(dk, dv, dev), dev(pos), dev(slots))
-            eq = K.qk_norm_rope_store(qkv, heads(ek, ev, np.asarray), pos, slots)
-        else:                                                          # each token's own rows
-            q = K.qk_norm_rope_store(dev(qkv), heads(dk, dv, dev), dev(cos[pos]), dev(sin[pos]),
-                                     dev(slots))
-            eq = K.qk_norm_rope_store(qkv, heads(ek, ev, np.asarray), cos[pos], sin[pos], slots)
-        _close(q.get(), eq)
-        _close(dk.get().reshape(-1), ek.reshape(-1), min_exact=0.5)    # most slots stay 0
-        np.testing.assert_array_equal(dv.get(), ev)
+        _qk_case(K, ops, dev, arr, ptypes, rng)
     elif name == "swiglu":
         gu = arr("gate_up", 3, 96, s=2.0)
         _close(K.swiglu(dev(gu)).get(), K.swiglu(gu))
