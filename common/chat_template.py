@@ -29,6 +29,7 @@ from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from common.config import gguf_path
+from common.tokenizer import read_json, token_text
 
 
 class ChatTemplateError(ValueError):
@@ -136,13 +137,8 @@ class ChatTemplate:
                 return cls(text, cfg["bos_token"], cfg["eos_token"], name=f"{g.name} tokenizer.chat_template")
             return cls(BUILTIN_CHATML, cfg["bos_token"], cfg["eos_token"], name="built-in ChatML template")
         cfg_path = folder / "tokenizer_config.json"
-        cfg = {}
-        if cfg_path.is_file():
-            try:
-                cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as e:
-                raise ChatTemplateError(f"{cfg_path} is not valid JSON: {e}") from None
-        bos, eos = _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
+        cfg = read_json(cfg_path, ChatTemplateError)
+        bos, eos = token_text(cfg.get("bos_token")), token_text(cfg.get("eos_token"))
 
         jinja_path = folder / "chat_template.jinja"
         if jinja_path.is_file():     # transformers >= 4.50 saves the template on its own
@@ -192,10 +188,3 @@ class ChatTemplate:
             # e.g. content given as a list of parts to a template that adds strings
             raise ChatTemplateError(f"{self.name} failed on these messages ({type(e).__name__}: {e}); "
                                     "check that each message has a string 'role' and 'content'") from None
-
-
-def _token_text(value) -> str | None:
-    """tokenizer_config.json writes a token as "text" or as {"content": "text", ...}."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) and value else None

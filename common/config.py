@@ -34,6 +34,11 @@ class ConfigError(ValueError):
     """A config.json this engine cannot run; the message says which key and why."""
 
 
+def id_list(value) -> list[int]:
+    """Config files write a token id list (eos_token_id) as one int, a list of ints, or null."""
+    return [] if value is None else [value] if isinstance(value, int) else [int(v) for v in value]
+
+
 def gguf_path(path: str | Path) -> Path | None:
     """The .gguf file `path` stands for: itself, or the one .gguf inside a folder without
     config.json; None for anything else (a Hugging Face folder). Every reader of a model
@@ -207,8 +212,6 @@ class ModelConfig:
             raise ConfigError("config.json is missing the key 'rope_theta' (or 'rope_parameters.rope_theta')")
 
         hidden, heads = need("hidden_size"), need("num_attention_heads")
-        eos = d.get("eos_token_id")
-        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         moe = family in MOE_FAMILIES
         experts = d.get("num_experts", d.get("num_local_experts")) if moe else 0
         if moe and experts is None:
@@ -238,7 +241,7 @@ class ModelConfig:
             shared_expert_intermediate_size=(int(need("shared_expert_intermediate_size"))
                                              if family == "qwen2_moe" else 0),
             bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            eos_token_ids=id_list(d.get("eos_token_id")),
         )
 
     @classmethod
@@ -272,6 +275,6 @@ class ModelConfig:
                 g = json.loads(gen.read_text()).get("eos_token_id")
             except json.JSONDecodeError:
                 g = None
-            for t in ([g] if isinstance(g, int) else (g or [])):
+            for t in id_list(g):
                 if t not in cfg.eos_token_ids:
                     cfg.eos_token_ids.append(t)

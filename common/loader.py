@@ -207,18 +207,15 @@ class WeightLoader:
         return out if out.dtype == dtype else out.astype(dtype)
 
     # --- the rename table, with the shapes config.json implies ---
-    def expected_shape(self, key: str) -> tuple[int, ...] | None:
-        return self.config.expected_shape(key)
-
     def layer(self, key: str, layer: int, expert: int | None = None, dtype=np.float32) -> np.ndarray:
         name = LAYER_NAMES[key].format(i=layer, e=expert)
-        return self.get(name, dtype, self.expected_shape(key))
+        return self.get(name, dtype, self.config.expected_shape(key))
 
     def glob(self, key: str, dtype=np.float32, rows: slice | None = None) -> np.ndarray:
         """A model-wide tensor: embed, final_norm, lm_head (the embedding when tied)."""
         if key == "lm_head" and (self.config.tie_word_embeddings or GLOBAL_NAMES["lm_head"] not in self):
             key = "embed"
-        return self.get(GLOBAL_NAMES[key], dtype, self.expected_shape(key), rows)
+        return self.get(GLOBAL_NAMES[key], dtype, self.config.expected_shape(key), rows)
 
     def fused(self, keys: list[str], layer: int, expert: int | None = None, dtype=np.float32) -> np.ndarray:
         """Several projections of one layer stacked along the output axis, e.g.

@@ -20,35 +20,28 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from common.config import gguf_path
+from common.config import gguf_path, id_list
 
 
 class TokenizerError(ValueError):
     """A model folder whose tokenizer cannot be loaded; the message says what to do."""
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path, error: type[ValueError] = TokenizerError) -> dict:
     """A JSON file as a dict; {} when the file does not exist."""
     if not path.is_file():
         return {}
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise TokenizerError(f"{path} is not valid JSON: {e}") from None
+        raise error(f"{path} is not valid JSON: {e}") from None
 
 
-def _token_text(value) -> str | None:
+def token_text(value) -> str | None:
     """tokenizer_config.json writes a token as "text" or as {"content": "text", ...}."""
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) and value else None
-
-
-def _as_id_list(value) -> list[int]:
-    """config files write eos_token_id as one int or a list of ints."""
-    if value is None:
-        return []
-    return [value] if isinstance(value, int) else [int(v) for v in value]
 
 
 class Tokenizer:
@@ -62,16 +55,15 @@ class Tokenizer:
             self._tok = f.tokenizer()
             tok_cfg = f.tokenizer_config()
             model_cfg = {"eos_token_id": f.eos_ids(), "bos_token_id": f.meta.get("tokenizer.ggml.bos_token_id")}
-            gen_cfg = _read_json(self.folder / "generation_config.json") if self.folder.is_dir() else {}
         else:
             self._tok = self._load_json(self.folder / "tokenizer.json")
-            tok_cfg = _read_json(self.folder / "tokenizer_config.json")
-            model_cfg = _read_json(self.folder / "config.json")
-            gen_cfg = _read_json(self.folder / "generation_config.json")
+            tok_cfg = read_json(self.folder / "tokenizer_config.json")
+            model_cfg = read_json(self.folder / "config.json")
+        gen_cfg = read_json(self.folder / "generation_config.json")    # {} beside a bare .gguf file
 
         # --- token strings, for chat templates ({{ bos_token }}, {{ eos_token }}) ---
-        self.bos_token: str | None = _token_text(tok_cfg.get("bos_token"))
-        self.eos_token: str | None = _token_text(tok_cfg.get("eos_token"))
+        self.bos_token: str | None = token_text(tok_cfg.get("bos_token"))
+        self.eos_token: str | None = token_text(tok_cfg.get("eos_token"))
 
         # --- BOS: prepended by encode() only when the tokenizer config asks for it ---
         self.add_bos_token = bool(tok_cfg.get("add_bos_token", False))
@@ -84,7 +76,7 @@ class Tokenizer:
                                  "bos_token that the tokenizer knows; fix bos_token or set add_bos_token false")
 
         # --- end-of-turn ids: the union of what each file says, first mention first ---
-        eos = _as_id_list(gen_cfg.get("eos_token_id")) + _as_id_list(model_cfg.get("eos_token_id"))
+        eos = id_list(gen_cfg.get("eos_token_id")) + id_list(model_cfg.get("eos_token_id"))
         if self.eos_token and self.token_to_id(self.eos_token) is not None:
             eos.append(self.token_to_id(self.eos_token))
         self.eos_token_ids: list[int] = list(dict.fromkeys(eos))

@@ -78,9 +78,9 @@ class LLMEngine(numba_cache.WarmUp):       # warm_up(), kernels_cold(): common/n
         self.cached_ids = []
 
     def describe_kernels(self) -> str:
-        """Which kernels multiply the weights, for the banner."""
-        w = self.weights
-        kernels = (w.fast.describe(w) if w.fast else "plain kernels") + f" · {numba_cache.threading_layer()} threads"
+        """Which kernels multiply the weights and how idle threads wait, for the banner."""
+        w, threads = self.weights, numba_cache.threads()    # omp threads sleep when idle (...)
+        kernels = (w.fast.describe(w) if w.fast else "plain kernels") + f" · {threads}"
         return f"{w.source} · {kernels}" if w.source else kernels
 
     def warm_key(self) -> tuple | None:
