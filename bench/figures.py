@@ -45,7 +45,7 @@ def stage3_lessons(data: dict, out: Path) -> Path:
     plt = _plt()
     rows = data["rows"]
     names = [f"{r['rung']}: {r['name'].split('-', 1)[1]}" for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 2.2 + 0.25 * len(rows)))
     y = list(range(len(rows)))
     left = [0] * len(rows)
     for kind, color in (("launches", "#4c72b0"), ("blas", "#dd8452"), ("allocations", "#8172b3"),
@@ -62,12 +62,17 @@ def stage3_lessons(data: dict, out: Path) -> Path:
     a.set_xlabel("host calls per decode step (predicted host time)")
     a.set_title("host calls per decode step")
     a.legend(fontsize=7)
-    b.barh(y, [r["weight_bytes_per_token"] / 1e6 for r in rows], label="weights", color="#55a868")
-    b.barh(y, [r["kv_bytes_per_token"] / 1e6 for r in rows], left=[r["weight_bytes_per_token"] / 1e6 for r in rows],
-           label="KV", color="#c44e52")
+    left = [0.0] * len(rows)
+    parts = (("weight_bytes_per_token", "weights", "#55a868"),
+             ("kv_bytes_per_token", "KV", "#c44e52"),
+             ("activation_bytes_per_token", "activations written", "#8c8c8c"))
+    for key, label, color in parts:
+        mb = [r.get(key, 0) / 1e6 for r in rows]
+        b.barh(y, mb, left=left, label=label, color=color)
+        left = [x + m for x, m in zip(left, mb)]
     b.set_yticks(y, [""] * len(rows))
     b.invert_yaxis()
-    b.set_xlabel("MB read per decode token")
+    b.set_xlabel("MB read (weights, KV) and written (activations) per decode token")
     b.set_title("bytes per decode token")
     b.legend(fontsize=8)
     w = data.get("workload", {})
