@@ -70,6 +70,7 @@ _worker, one to an int8 matmul kernel _matvec.
 from __future__ import annotations
 
 import os
+import time
 
 import numba
 import numpy as np
@@ -83,6 +84,7 @@ from ..quant import PREFILL_MIN_T
 from . import sync
 from .matvec import ACT, BIG, FMT, KINDS, TAIL_ITEMS, _items, _matvec, kinds  # noqa: F401 (tests, FastPath)
 from .plan import plan
+from .threads import Threads
 
 MAX_TOKENS = 8                 # tokens a step takes at most: the last one and up to 7 drafts (section 15)
 # the phases of plan.plan(), as opcodes
@@ -367,6 +369,7 @@ class DecodeStep:
         self.shared = np.zeros(self.shared_size, dtype=np.float32)
         self.eps = np.float32(cfg.rms_norm_eps)
         self.worker = self.matvec = None             # Pointers, made at the first step
+        self.threads = Threads(numba.get_num_threads())    # how many threads a step runs on (threads.py)
         self.dims = np.array([cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, k, int(cfg.norm_topk_prob)],
                              dtype=np.int64)
 
@@ -387,20 +390,32 @@ class DecodeStep:
 
     def step(self, x: np.ndarray, pos: int, all_logits: bool = False, workers: int | None = None) -> np.ndarray:
         """x [T, C] f32 (T <= MAX_TOKENS; or [C], one token) -> logits [T, V] (all_logits) or [V], a
-        new array. workers: worker iterations of the region (default: numba's threads; any number
-        gives the same result)."""
+        new array. workers: worker iterations of the region (default: as many as the threads the
+        step runs on, numba's or fewer where that is faster now: threads.py); any number gives
+        the same result."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         x = x.reshape(-1, x.shape[-1])
         T = x.shape[0]
         if not 1 <= T <= MAX_TOKENS:
             raise ValueError(f"a step takes 1 to {MAX_TOKENS} tokens, not {T}")
-        args = (workers or numba.get_num_threads(), x.reshape(-1), T, not all_logits, pos, self.prog,
+        most = numba.get_num_threads()
+        if self.threads.most != most:                # numba's count changed (--threads): start over
+            self.threads = Threads(most)
+        n = workers or (self.threads.pick() if T == 1 else self.threads.use)   # fewer where faster now
+        args = (n, x.reshape(-1), T, not all_logits, pos, self.prog,
                 self.meta, self.data, self.scales, self.mins, self.vecs, self.shared, self.own_size,
                 self.cache.data, self.cos[pos:pos + T], self.sin[pos:pos + T], self.eps, self.dims,
                 sync.counters(self.n_counters), *self.kinds, *self.ops)
         if self.worker is None:
             self.worker, self.matvec = self._pointers(args)
-        _decode(self.worker, self.matvec, *args)
+        numba.set_num_threads(min(n, most))
+        t0 = time.perf_counter()
+        try:
+            _decode(self.worker, self.matvec, *args)
+        finally:
+            numba.set_num_threads(most)
+        if T == 1 and not workers:
+            self.threads.update(n, time.perf_counter() - t0)
         _, off, n = self.logits
         rows = T if all_logits else 1
         logits = self.shared[off:off + rows * n].reshape(rows, n).copy()
