@@ -108,7 +108,9 @@ def _attention(qkv, kv, layer, pos, T, cos, sin, q_norm, k_norm, qk_norm, eps, H
     (position pos + t), its q heads and k normed and rotated in place in qkv [T, (H + 2 Hkv) D],
     its k and v stored in the cache at pos + t. The second, one item per (KV head, token): the
     token's q heads attend to positions 0 .. pos + t (causal within the step too), the group's
-    heads sharing each key and value read. qbuf [T, H, D]: this worker's copy of an item's q heads."""
+    heads sharing each key and value read. One token (a decode step) attends in the first phase's
+    item, which stored what it reads: no second wait. qbuf [T, H, D]: this worker's copy of an
+    item's q heads."""
     width = (H + 2 * Hkv) * D
     group = H // Hkv
     i = sync.claim(counts, phase)
@@ -130,9 +132,16 @@ def _attention(qkv, kv, layer, pos, T, cos, sin, q_norm, k_norm, qk_norm, eps, H
             for d in range(D):
                 kv[layer, 0, i, pos + t, d] = k3[0, i, d]
                 kv[layer, 1, i, pos + t, d] = v3[0, i, d]
+        if T == 1:                                             # one token: it attends in this item,
+            for h in range(i * group, (i + 1) * group):       # no second phase to wait for
+                for d in range(D):
+                    qbuf[0, h, d] = qkv[h * D + d]
+            kernels.attention_item(qbuf, kv[layer, 0], kv[layer, 1], pos, att.reshape(1, H, D), i)
         sync.finish(counts, phase)
         i = sync.claim(counts, phase)
     sync.wait(counts, phase, Hkv)
+    if T == 1:
+        return
     out3 = att.reshape(T, H, D)
     i = sync.claim(counts, phase + 1)
     while i < Hkv * T:                                         # item i: KV head i // T, token i % T
