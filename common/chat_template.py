@@ -28,7 +28,8 @@ import jinja2.ext
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from common.config import gguf_path
+from common.config import gguf_path, read_json
+from common.tokenizer import token_text
 
 
 class ChatTemplateError(ValueError):
@@ -130,19 +131,10 @@ class ChatTemplate:
         g = gguf_path(folder)
         if g is not None:
             from common.gguf import open_gguf    # GGUF code loads only for a GGUF model
-            cfg = open_gguf(g).tokenizer_config()
-            text = cfg.get("chat_template")
-            if isinstance(text, str) and text.strip():
-                return cls(text, cfg["bos_token"], cfg["eos_token"], name=f"{g.name} tokenizer.chat_template")
-            return cls(BUILTIN_CHATML, cfg["bos_token"], cfg["eos_token"], name="built-in ChatML template")
+            return cls(*open_gguf(g).chat_template(BUILTIN_CHATML))
         cfg_path = folder / "tokenizer_config.json"
-        cfg = {}
-        if cfg_path.is_file():
-            try:
-                cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as e:
-                raise ChatTemplateError(f"{cfg_path} is not valid JSON: {e}") from None
-        bos, eos = _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
+        cfg = read_json(cfg_path, ChatTemplateError) if cfg_path.is_file() else {}
+        bos, eos = token_text(cfg.get("bos_token")), token_text(cfg.get("eos_token"))
 
         jinja_path = folder / "chat_template.jinja"
         if jinja_path.is_file():     # transformers >= 4.50 saves the template on its own
@@ -188,14 +180,7 @@ class ChatTemplate:
                                          add_generation_prompt=add_generation_prompt, **context)
         except jinja2.TemplateError as e:   # includes raise_exception() and undefined variables
             raise ChatTemplateError(f"{self.name} failed on these messages: {e}") from None
-        except (TypeError, AttributeError, KeyError, IndexError) as e:
+        except (TypeError, AttributeError, KeyError, IndexError, ValueError, ArithmeticError) as e:
             # e.g. content given as a list of parts to a template that adds strings
             raise ChatTemplateError(f"{self.name} failed on these messages ({type(e).__name__}: {e}); "
                                     "check that each message has a string 'role' and 'content'") from None
-
-
-def _token_text(value) -> str | None:
-    """tokenizer_config.json writes a token as "text" or as {"content": "text", ...}."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) and value else None

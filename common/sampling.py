@@ -10,7 +10,6 @@ Order of operations (the same as vLLM / transformers' logits processors):
 """
 from __future__ import annotations
 
-import json
 import math
 import numbers
 from dataclasses import dataclass, field, fields
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common.config import ConfigError, read_json
 
 GREEDY_BELOW = 1e-5                   # a temperature below this is greedy (as vLLM's _SAMPLING_EPS)
 
@@ -90,7 +90,7 @@ def generation_defaults(folder: str | Path | None) -> dict:
     values: dict = {}
     path = Path(folder) / "generation_config.json" if folder else None
     if path is not None and path.is_file():
-        g = json.loads(path.read_text())
+        g = read_json(path)
         # presence / frequency: not Hugging Face keys, but a file may name them (ours does)
         for key in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                     "presence_penalty", "frequency_penalty"):
@@ -98,6 +98,10 @@ def generation_defaults(folder: str | Path | None) -> dict:
                 values[key] = g[key]
         if g.get("do_sample") is False:
             values["temperature"] = 0.0
+        try:
+            SamplingParams(**values)      # a bad default fails here, naming the file
+        except ValueError as e:
+            raise ConfigError(f"{path}: {e}") from None
     return values
 
 

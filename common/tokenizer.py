@@ -15,29 +15,22 @@ and the server need:
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from common.config import gguf_path
+from common.config import gguf_path, is_int, read_json
 
 
 class TokenizerError(ValueError):
     """A model folder whose tokenizer cannot be loaded; the message says what to do."""
 
 
-def _read_json(path: Path) -> dict:
-    """A JSON file as a dict; {} when the file does not exist."""
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise TokenizerError(f"{path} is not valid JSON: {e}") from None
+def _read_json(path: Path) -> dict:                 # {} when the file does not exist
+    return read_json(path, TokenizerError) if path.is_file() else {}
 
 
-def _token_text(value) -> str | None:
+def token_text(value) -> str | None:
     """tokenizer_config.json writes a token as "text" or as {"content": "text", ...}."""
     if isinstance(value, dict):
         value = value.get("content")
@@ -45,10 +38,9 @@ def _token_text(value) -> str | None:
 
 
 def _as_id_list(value) -> list[int]:
-    """config files write eos_token_id as one int or a list of ints."""
-    if value is None:
-        return []
-    return [value] if isinstance(value, int) else [int(v) for v in value]
+    """config files write eos_token_id as one int or a list of ints (ModelConfig names others)."""
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    return [i for i in ids if is_int(i)]
 
 
 class Tokenizer:
@@ -58,20 +50,21 @@ class Tokenizer:
         if g is not None:
             # a GGUF file: vocabulary, merges, pre-tokenizer and special tokens from its metadata
             from common.gguf import open_gguf    # GGUF code loads only for a GGUF model
-            f = open_gguf(g)
-            self._tok = f.tokenizer()
-            tok_cfg = f.tokenizer_config()
-            model_cfg = {"eos_token_id": f.eos_ids(), "bos_token_id": f.meta.get("tokenizer.ggml.bos_token_id")}
+            self._tok, tok_cfg, model_cfg = open_gguf(g).tokenizer_parts()
             gen_cfg = _read_json(self.folder / "generation_config.json") if self.folder.is_dir() else {}
         else:
             self._tok = self._load_json(self.folder / "tokenizer.json")
             tok_cfg = _read_json(self.folder / "tokenizer_config.json")
             model_cfg = _read_json(self.folder / "config.json")
             gen_cfg = _read_json(self.folder / "generation_config.json")
+            top, V = max(self._tok.get_vocab(True).values(), default=0), model_cfg.get("vocab_size")
+            if is_int(V) and top >= V:        # an id past the model's embedding rows
+                raise TokenizerError(f"{self.folder / 'tokenizer.json'} has token id {top}, but "
+                                     f"config.json's vocab_size is {V}: not this model's tokenizer")
 
         # --- token strings, for chat templates ({{ bos_token }}, {{ eos_token }}) ---
-        self.bos_token: str | None = _token_text(tok_cfg.get("bos_token"))
-        self.eos_token: str | None = _token_text(tok_cfg.get("eos_token"))
+        self.bos_token: str | None = token_text(tok_cfg.get("bos_token"))
+        self.eos_token: str | None = token_text(tok_cfg.get("eos_token"))
 
         # --- BOS: prepended by encode() only when the tokenizer config asks for it ---
         self.add_bos_token = bool(tok_cfg.get("add_bos_token", False))
@@ -79,7 +72,7 @@ class Tokenizer:
         if bos_id is None:
             bos_id = gen_cfg.get("bos_token_id", model_cfg.get("bos_token_id"))
         self.bos_token_id: int | None = bos_id
-        if self.add_bos_token and self.bos_token_id is None:
+        if self.add_bos_token and not is_int(self.bos_token_id):
             raise TokenizerError(f"{self.folder / 'tokenizer_config.json'} sets add_bos_token but names no "
                                  "bos_token that the tokenizer knows; fix bos_token or set add_bos_token false")
 
@@ -92,13 +85,13 @@ class Tokenizer:
     @staticmethod
     def _load_json(path: Path) -> HFTokenizer:
         if not path.is_file():
-            raise TokenizerError(
-                f"{path} not found: the model folder needs the tokenizer.json that comes with the model "
-                "(download the whole Hugging Face repository, e.g. `huggingface-cli download Qwen/Qwen3-0.6B "
-                "--local-dir DIR`, or pass a folder that has one)")
+            from common.model_help import NO_TOKENIZER    # loads only for a folder without one
+            raise TokenizerError(f"{path} not found: {NO_TOKENIZER}")
         try:
             return HFTokenizer.from_file(str(path))
-        except Exception as e:  # the Rust side raises a plain Exception with its parse error
+        except BaseException as e:  # a plain Exception with its parse error, or a Rust panic
+            if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
+                raise
             raise TokenizerError(f"{path} could not be loaded by the `tokenizers` library: {e}") from None
 
     # --- text <-> ids ---
