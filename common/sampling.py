@@ -20,6 +20,7 @@ import numpy as np
 from common.config import ConfigError, read_json
 
 GREEDY_BELOW = 1e-5                   # a temperature below this is greedy (as vLLM's _SAMPLING_EPS)
+NO_TOKEN = -1                         # Sampler's answer to logits with no distribution in them
 
 
 @dataclass
@@ -161,10 +162,13 @@ class Sampler:
         self.rng = np.random.default_rng(params.seed)
 
     def __call__(self, logits: np.ndarray, prompt_ids: list[int], output_ids: list[int]) -> int:
-        """logits [V] of the last position -> the next token id."""
+        """logits [V] of the last position -> the next token id, or NO_TOKEN (the request ends)."""
         p = self.params
         logits = apply_penalties(logits, p, prompt_ids, output_ids)
+        logits = filter_logits(logits, p) if p.temperature else logits   # / T, -inf where excluded
+        if not np.isfinite(logits.max()):                                 # NaN, +inf, or all -inf
+            return NO_TOKEN
         if p.temperature == 0.0:
             return int(np.argmax(logits))
-        probs = _softmax(filter_logits(logits, p).astype(np.float64))   # [V], sums to 1 in float64
+        probs = _softmax(logits.astype(np.float64))                     # [V], sums to 1 in float64
         return int(self.rng.choice(probs.shape[0], p=probs))
