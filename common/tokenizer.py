@@ -57,10 +57,6 @@ class Tokenizer:
             tok_cfg = _read_json(self.folder / "tokenizer_config.json")
             model_cfg = _read_json(self.folder / "config.json")
             gen_cfg = _read_json(self.folder / "generation_config.json")
-            top, V = max(self._tok.get_vocab(True).values(), default=0), model_cfg.get("vocab_size")
-            if is_int(V) and top >= V:        # an id past the model's embedding rows
-                raise TokenizerError(f"{self.folder / 'tokenizer.json'} has token id {top}, but "
-                                     f"config.json's vocab_size is {V}: not this model's tokenizer")
 
         # --- token strings, for chat templates ({{ bos_token }}, {{ eos_token }}) ---
         self.bos_token: str | None = token_text(tok_cfg.get("bos_token"))

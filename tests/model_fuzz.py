@@ -70,6 +70,11 @@ class Hang(Exception):
     """A mutant ran past its time limit."""
 
 
+class Refused(Exception):
+    """The engine refused the prompt (engine.check_prompt: an id past its vocabulary, which a
+    tokenizer.json with a changed id gives): a clear error for that request, not a broken load."""
+
+
 # ----------------------------------------------------------------------------- GGUF fields
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
@@ -291,7 +296,10 @@ def run_model(path: Path) -> str:
     quant = "stored" if path.suffix == ".gguf" else "none"
     engine = LLMEngine(folder, quant=quant, max_ctx=256, progress=False, use_numba=False,
                        kernels="plain")
-    engine.add_request(Request("fuzz", tok.encode(text), params))
+    try:
+        engine.add_request(Request("fuzz", tok.encode(text), params))
+    except ValueError as e:
+        raise Refused(str(e)) from None
     out, finish = [], None
     while engine.has_work():
         for ev in engine.step():
@@ -329,6 +337,8 @@ def outcome(path: Path, target: str, limit: float, errors: tuple[type, ...]) -> 
             return run_model(path), ""
         except (KeyboardInterrupt, Hang):
             raise
+        except Refused as e:
+            return "clean", f"the engine refused the prompt: {e}"
         except errors as e:
             signal.setitimer(signal.ITIMER_REAL, 0)
             if target not in str(e):
