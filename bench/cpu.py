@@ -649,21 +649,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="one thread count, 2 runs, PASSIVE only (and the quick shape)")
     p.add_argument("--threads", type=items(int), help="comma-separated thread counts (default 1,2; quick: 2)")
     p.add_argument("--formats", type=items(allowed=tuple(LLAMA_FORMAT)), default="bf16,int8,int4",
-                   help="stage-1 formats: bf16,int8,int4")
+                   help="stage-1 formats (default %(default)s)")
     p.add_argument("--engines", type=items(allowed=("stage1", "llama.cpp", "transformers")),
-                   default="stage1,llama.cpp,transformers", help="which engines to run")
+                   default="stage1,llama.cpp,transformers", help="engines (default %(default)s)")
     p.add_argument("--kernels", type=items(allowed=("auto", "plain", "fast")), default="auto",
                    help="stage 1's kernel sets, a row each: auto (the fast path where it runs), plain (the portable "
-                        "core), fast; e.g. auto,plain")
+                        "core), fast; e.g. auto,plain (default auto)")
     p.add_argument("--activations", default="auto", choices=["auto", "int8", "fp32"],
-                   help="stage 1's --activations (int8: llama.cpp's rounding, prefill on int8 too)")
+                   help="stage 1's --activations (int8: llama.cpp's rounding, prefill on int8 too)"
+                        " (default auto)")
     p.add_argument("--runs", type=int, default=None, help="warm runs per measurement; the median is reported "
                                                           "(default 3; quick: 2)")
-    p.add_argument("--decode-tokens", type=int, default=128, help="greedy tokens generated for the decode figure")
-    p.add_argument("--prompt-lens", type=items(int), default="32,128,512", help="prompt lengths for prefill tok/s")
-    p.add_argument("--decode-prompt", type=int, default=128, help="the prompt length decode follows")
+    p.add_argument("--decode-tokens", type=int, default=128, help="decode's tokens (default 128)")
+    p.add_argument("--prompt-lens", type=items(int), default="32,128,512",
+                   help="prompt lengths for prefill tok/s (default %(default)s)")
+    p.add_argument("--decode-prompt", type=int, default=128, help="decode's prompt (default 128)")
     p.add_argument("--ttft-lens", type=items(int), default="37,300",
-                   help="prompt lengths whose time to first token is reported (chat-sized prompts; '' for none)")
+                   help="prompt lengths whose time to first token is reported (chat-sized "
+                        "prompts; '' for none; default %(default)s)")
     p.add_argument("--omp-wait-policy", default=None, choices=list(POLICIES),
                    help="OMP_WAIT_POLICY for every engine: both (a table under PASSIVE, then one under the "
                         "runtime's default; the headline takes each engine at its best), PASSIVE, ACTIVE or "
@@ -674,8 +677,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--save", type=Path, default=None,
                    help="also write the results as JSON (docs/results/cpu-CLASS.json: python -m bench report "
                         "writes the docs' tables from it, bench figures the roofline)")
-    p.add_argument("--cache-dir", type=Path, default=CACHE, help="where the models are built and kept")
-    p.add_argument("--worker-timeout", type=float, default=2400, help="seconds one engine may take in all")
+    p.add_argument("--cache-dir", type=Path, default=CACHE,
+                   help="where the models are built and kept (default %(default)s)")
+    p.add_argument("--worker-timeout", type=float, default=2400,
+                   help="seconds one engine may take in all (default 2400)")
     p.add_argument("--speculative", action="store_true", help="bench/speculative.py instead: speculative decoding "
                    "on real text, stage 1 (plain, ngram, --draft-model) against llama.cpp (plain, prompt lookup)")
     for name, what in (("model", "the model (default: the default one)"), ("draft-model", "stage 1's draft model"),

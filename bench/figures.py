@@ -223,9 +223,9 @@ def draw_all(results: Path = FIGURES, out: Path = FIGURES, fmt: str = "svg") -> 
 
 def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m bench figures", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--results", type=Path, default=FIGURES, help="where the JSON results are (default docs/figures)")
-    ap.add_argument("--out", type=Path, default=FIGURES, help="where the figures go (default docs/figures)")
-    ap.add_argument("--format", choices=["svg", "png"], default="svg")
+    ap.add_argument("--results", type=Path, default=FIGURES, help="the JSON (default %(default)s)")
+    ap.add_argument("--out", type=Path, default=FIGURES, help="the figures (default %(default)s)")
+    ap.add_argument("--format", choices=["svg", "png"], default="svg", help="(default svg)")
     args = ap.parse_args()
     try:
         for p in draw_all(args.results, args.out, args.format):

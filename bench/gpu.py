@@ -450,11 +450,12 @@ def exit_status(statuses: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench gpu", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu_results"),
-                    help="folder for the table (gpu_bench.md, gpu_bench.json, host_costs.json) and nothing else")
+                    help="folder for the table (gpu_bench.md, gpu_bench.json, host_costs.json) and "
+                         "nothing else (default: $OUT, else gpu_results)")
     ap.add_argument("--workdir", default=None, help="models, per-step logs and JSON (default: under the temp dir)")
-    ap.add_argument("--deadline-s", type=float, default=150, help="all steps together stop after this")
-    ap.add_argument("--steps", default=",".join(CAPS), help="comma-separated subset of " + ",".join(CAPS))
-    ap.add_argument("--num-seqs", type=int, default=256, help="nano-vllm's workload: sequences")
+    ap.add_argument("--deadline-s", type=float, default=150, help="seconds in all (default 150)")
+    ap.add_argument("--steps", default=",".join(CAPS), help="which (default: all, %(default)s)")
+    ap.add_argument("--num-seqs", type=int, default=256, help="nano-vllm's sequences (default 256)")
     ap.add_argument("--dry-run", action="store_true", help="tiny models on the CPU: checks the plumbing")
     ap.add_argument("--run", default=None, help=argparse.SUPPRESS)        # internal: one step, in this process
     ap.add_argument("--model-folder", default=None, help=argparse.SUPPRESS)

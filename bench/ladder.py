@@ -195,8 +195,8 @@ def parse_args(argv):
     p.add_argument("--quick", action="store_true", help="the small model of bench cpu --quick (4 layers, C=512)")
     p.add_argument("--layers", type=int, default=None, help="fewer layers than the shape has (faster, less memory)")
     p.add_argument("--threads", type=int, default=None, help="threads of rungs 2+ (default: all, at most 2)")
-    p.add_argument("--tokens", type=int, default=5, help="timed tokens per rung (the median is reported)")
-    p.add_argument("--prefill-tokens", type=int, default=128, help="prompt length of the prefill rungs (0: none)")
+    p.add_argument("--tokens", type=int, default=5, help="timed tokens per rung (default 5)")
+    p.add_argument("--prefill-tokens", type=int, default=128, help="tokens, 0: none (default 128)")
     p.add_argument("--out", type=Path, default=None, help="also write the markdown tables to this file")
     p.add_argument("--save", type=Path, default=None,
                    help="also write the rows as JSON (docs/figures/stage1_ladder.json: python -m bench figures)")

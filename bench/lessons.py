@@ -271,9 +271,11 @@ def main() -> int:
     ap.add_argument("--model-folder", default=None, help="--throughput: this model instead of bench.gpu's")
     ap.add_argument("--seqs", type=int, default=None, help="--throughput: sequences (default 32 on a GPU, 3 on CPU; "
                     "prompts of 384..640 tokens and outputs of 32..96, on CPU 4..12 and 4..12)")
-    ap.add_argument("--rung-cap-s", type=float, default=20.0, help="--throughput: seconds per rung")
+    ap.add_argument("--rung-cap-s", type=float, default=20.0,
+                    help="--throughput: seconds per rung (default 20)")
     ap.add_argument("--deadline-s", type=float, default=600.0,
-                    help="--throughput: the whole run ends by then; rungs left without their cap are skipped")
+                    help="--throughput: the whole run ends by then; rungs left without their cap "
+                         "are skipped (default %(default)g)")
     args = ap.parse_args()
     started = time.perf_counter()
     if args.throughput and args.workdir is None and args.model_folder is None:

@@ -68,12 +68,15 @@ def parallel_start_cost() -> float:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model folder (default: the benchmark's 0.6B-shape model)")
-    ap.add_argument("--quant", default="int4", choices=("none", "bf16", "int8", "int4"))
-    ap.add_argument("--activations", default="auto", choices=("auto", "int8", "fp32"))
-    ap.add_argument("--kernels", default="auto", choices=("auto", "plain", "fast"))
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=1, help="tokens per forward pass: 1 = decode")
-    ap.add_argument("--steps", type=int, default=20, help="forward passes timed (after a warm-up)")
+    ap.add_argument("--quant", default="int4", choices=("none", "bf16", "int8", "int4"),
+                    help="stage 1's --quant (default int4)")
+    ap.add_argument("--activations", default="auto", choices=("auto", "int8", "fp32"),
+                    help="stage 1's --activations (default auto)")
+    ap.add_argument("--kernels", default="auto", choices=("auto", "plain", "fast"),
+                    help="stage 1's --kernels (default auto)")
+    ap.add_argument("--threads", type=int, default=2, help="numba threads (default 2)")
+    ap.add_argument("--tokens", type=int, default=1, help="tokens a pass: 1 = decode (default 1)")
+    ap.add_argument("--steps", type=int, default=20, help="passes timed (+ a warm-up; default 20)")
     ap.add_argument("--save", type=Path, default=None, help="add this pass to a JSON file (bench report reads it)")
     ap.add_argument("--peaks", action="store_true", help="instead: measure the G MAC/s of the instructions the "
                     "GEMM's tiles issue (--save keeps them for this machine's passes, which show each GEMM against them)")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -91,7 +92,10 @@ def lines(root: Path, body: str) -> str:
         if not n:
             raise FileNotFoundError(f"{m.group(1)} names no file of the repository")
         return f"`{m.group(1)}` ({round(n, 2 - len(str(n))):,})"          # 2 digits: an edit seldom moves it
-    return re.sub(r"`([\w./*-]+)` \(([\d,]+)\)", count, body)
+    body = re.sub(r"`([\w./*-]+)` \(([\d,]+)\)", count, body)
+    course_map = [sys.executable, "-m", "course.exercises", "map-column"]    # its exercises column
+    return subprocess.run(course_map, input=body, cwd=root, capture_output=True, text=True,
+                          check=True).stdout if "| exercises |" in body else body
 
 
 # bench serve's tables (docs/server.md): NAME -> its JSON in docs/figures, the command that saves it
@@ -189,7 +193,7 @@ def rewrite(text: str, root: Path = ROOT, changed: list | None = None) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench report", description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a table differs from the JSON")
-    ap.add_argument("--root", type=Path, default=ROOT, help="the repository whose docs to write (default: this one)")
+    ap.add_argument("--root", type=Path, default=ROOT, help="whose docs (default %(default)s)")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     stale = []
     for path in [args.root / "README.md", *sorted((args.root / "docs").glob("*.md"))]:

@@ -127,7 +127,8 @@ class Generation:
                  echo: bool = False):
         """req.n choices per prompt ({param: text or ids}), each tokenized once; a 400 at its param if it cannot fit (a
         text judged by its length first). Sampling: the request's SamplingParams fields over generation_config.json's;
-        max_tokens at most the room the prompt leaves (all of it when unset, as vLLM); seeds seed+i, reproducible."""
+        max_tokens at most the room the prompt leaves (unset: generation_config.json's
+        max_new_tokens, else all of the room, as vLLM); seeds seed+i, reproducible."""
         self.state, self.stream, self.choices = state, req.stream, []
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         self.id, self.created, self.queue = f"{prefix}-{uuid.uuid4().hex}", int(time.time()), asyncio.Queue()
@@ -144,7 +145,10 @@ class Generation:
             except ValueError as e:
                 raise bad_request(str(e), param) from None
             room = state.max_ctx - len(ids)
-            p = SamplingParams.from_defaults(state.sampling_defaults, max_tokens=min(max_tokens or room, room), **asked)
+            # the request's max_tokens, else the model's max_new_tokens, else the room
+            wanted = max_tokens or state.sampling_defaults.get("max_tokens") or room
+            p = SamplingParams.from_defaults(state.sampling_defaults, max_tokens=min(wanted, room),
+                                             **asked)
             shown = (prompt if isinstance(prompt, str) else state.tokenizer.decode(ids)) if echo else ""
             self.choices += [Choice(len(self.choices) + i, ids, replace(p, seed=None if p.seed is None else p.seed + i),
                                     state.tokenizer, parser, shown) for i in range(req.n)]

@@ -42,7 +42,7 @@ from common.chat_template import ChatTemplate
 from common.engine import Request, TokenEvent
 from common.models import resolve_model
 from common.parsing import StreamParser, prompt_opens_think
-from common.sampling import SamplingParams
+from common.sampling import SamplingParams, generation_defaults
 from common.stopping import AnswerText
 from common.tokenizer import Tokenizer
 
@@ -58,6 +58,7 @@ the conversation."""
 
 # env var equivalent of --show-prompt (debugging a chat template)
 SHOW_PROMPT_ENV = "QWEN3_STAGES_SHOW_PROMPT"
+BANNER_WIDTH = 80       # a terminal's classic width: no line of the banner is longer
 
 
 # --------------------------------------------------------------------------- stats
@@ -212,8 +213,9 @@ class RichUI:
             self._write("\n", None)
         if note:
             self.console.print(note, style="yellow", markup=False, highlight=False)
-        if stats is not None:
-            self.console.print(stats.line(), style="dim cyan", markup=False, highlight=False)
+        if stats is not None:       # broken between its parts where the terminal is narrower
+            text = "\n".join(fit_lines(stats.line().split(" · "), self.console.width))
+            self.console.print(text, style="dim cyan", markup=False, highlight=False)
         self.console.print()
 
 
@@ -451,9 +453,10 @@ def run_chat(engine, tokenizer, template, params: SamplingParams | None = None, 
     chat = Chat(engine, tokenizer, template, params or SamplingParams(), ui, system=system,
                 thinking=thinking, show_prompt=show_prompt, max_tokens=max_tokens)
     if banner and not plain:
-        ui.banner(banner)
-        ui.notice(f"Sampling: {describe_sampling(chat.params)}. "
-                  "Type a message, /help for commands, Ctrl-D to leave.")
+        ui.banner("\n".join(fit_lines(banner.split(" · "))))
+        sampling = f"Sampling: {describe_sampling(chat.params)}" + (
+            f"; answers of at most {max_tokens} tokens." if max_tokens else ".")
+        ui.notice("\n".join(fit_lines([sampling, "/help for commands, Ctrl-D to leave."], sep=" ")))
     source = _read_plain(lines if lines is not None else sys.stdin) if plain else _read_tty()
     for line in source:
         if not chat.handle(line):
@@ -476,6 +479,29 @@ def _warm_up(engine, console, interactive: bool) -> None:
     if took is not None:
         console.print(f"compiled kernels in {took:.1f} s (cached for the next runs)",
                       style="dim", markup=False, highlight=False)
+
+
+def fit_lines(parts: list[str], width: int = BANNER_WIDTH, sep: str = " · ") -> list[str]:
+    """Parts joined by `sep` into lines of at most `width` characters, a new line where the
+    next part would pass it (a part longer than the width gets a line of its own): a terminal
+    then never breaks a line in the middle of a part."""
+    lines: list[str] = []
+    for part in parts:
+        if lines and len(lines[-1]) + len(sep) + len(part) <= width:
+            lines[-1] += sep + part
+        else:
+            lines.append(part)
+    return lines
+
+
+def answer_limit(folder: Path | None, args: argparse.Namespace) -> int | None:
+    """Tokens per answer at most: --max-tokens, else the model's generation_config.json
+    max_new_tokens (common/tiny_model.py writes one: random weights rarely draw the end-of-turn
+    token), else None: until the end-of-turn token or a full context, as llama.cpp's and
+    ollama's chats do."""
+    if args.max_tokens is not None:
+        return args.max_tokens
+    return generation_defaults(folder).get("max_tokens")
 
 
 def describe_sampling(p: SamplingParams) -> str:
@@ -529,7 +555,8 @@ def build_parser(prog: str | None = None, add_args: Callable | None = None,
                    help="subtracted once per time the answer already holds the token")
     s.add_argument("--seed", type=int, default=None, metavar="N", help="the same seed gives the same answers")
     s.add_argument("--max-tokens", type=int, default=None, metavar="N",
-                   help="at most N tokens per answer (default: until the context is full)")
+                   help="at most N tokens per answer (default: the model's generation_config.json "
+                        "max_new_tokens, else until the answer ends or the context is full)")
     # debugging a template: print every prompt (text and ids) sent to the engine, as JSON on stderr
     p.add_argument("--show-prompt", action="store_true", help=argparse.SUPPRESS)
     if add_args is not None:
@@ -582,6 +609,7 @@ def _load_and_chat(build_engine: Callable, args: argparse.Namespace, describe: C
         tokenizer = Tokenizer(folder)
         template = ChatTemplate.from_folder(folder)
         params = chat_sampling(folder, args)
+        max_tokens = answer_limit(folder, args)
     except (OSError, ValueError, RuntimeError) as e:
         return fail(str(e))
 
@@ -604,15 +632,17 @@ def _load_and_chat(build_engine: Callable, args: argparse.Namespace, describe: C
             engine = build_engine(folder, args)
     except (OSError, ValueError, RuntimeError, MemoryError) as e:
         return fail(str(e))
-    if hasattr(engine, "describe_kernels"):          # which kernels / instructions the engine chose
-        label = " · ".join(x for x in (label, engine.describe_kernels()) if x)
-    banner = " · ".join(x for x in (folder.name, label, f"context {engine.max_ctx} tokens") if x)
-    if not interactive:
-        err.print(f"loaded {banner} in {time.perf_counter() - t0:.1f} s", markup=False, highlight=False)
+    # the model, the stage's words, the context, then which kernels / instructions the engine chose
+    kernels = engine.describe_kernels() if hasattr(engine, "describe_kernels") else ""
+    context = f"context {engine.max_ctx} tokens"
+    banner = " · ".join(x for x in (folder.name, label, context, kernels) if x)
+    if not interactive:     # a log line: one line, however long (soft_wrap: rich breaks none)
+        err.print(f"loaded {banner} in {time.perf_counter() - t0:.1f} s", markup=False,
+                  highlight=False, soft_wrap=True)
     _warm_up(engine, shared if interactive else err, interactive)
 
     show_prompt = args.show_prompt or os.environ.get(SHOW_PROMPT_ENV, "") not in ("", "0")
     return run_chat(engine, tokenizer, template, params, system=args.system, thinking=args.think == "on",
-                    show_prompt=show_prompt, max_tokens=args.max_tokens, plain=not interactive,
+                    show_prompt=show_prompt, max_tokens=max_tokens, plain=not interactive,
                     console=console, banner=banner)
 

@@ -86,8 +86,8 @@ class SamplingParams:
 
 
 def generation_defaults(folder: str | Path | None) -> dict:
-    """The sampling defaults in a model folder's generation_config.json ({} without one).
-    A server reads them once, at start-up, not per request."""
+    """The sampling defaults in a model folder's generation_config.json ({} without one), its
+    max_new_tokens as max_tokens (as vLLM reads it). A server reads them once, at start-up."""
     values: dict = {}
     path = Path(folder) / "generation_config.json" if folder else None
     if path is not None and path.is_file():
@@ -99,6 +99,8 @@ def generation_defaults(folder: str | Path | None) -> dict:
                 values[key] = g[key]
         if g.get("do_sample") is False:
             values["temperature"] = 0.0
+        if g.get("max_new_tokens") is not None:
+            values["max_tokens"] = g["max_new_tokens"]
         try:
             SamplingParams(**values)      # a bad default fails here, naming the file
         except ValueError as e:

@@ -27,7 +27,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     add("--model", default=None, help="a Hugging Face model folder, or a known name (default: smollm2-135m)")
     add("--addr", default="127.0.0.1:8000",
         help="HOST:PORT to listen on (default 127.0.0.1:8000; 0.0.0.0:PORT to accept other machines)")
-    add("--max-ctx", type=int, default=4096, help="longest prompt + output per sequence")
+    add("--max-ctx", type=int, default=4096,
+        help="prompt + output tokens per sequence (default 4096)")
     add("--slots", type=int, default=None, help="sequences run together (batching stages)")
     add("--token-budget", type=int, default=None, help="tokens per step (batching stages)")
     add("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
@@ -39,7 +40,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     add("--engine-process", action=argparse.BooleanOptionalAction, default=False,
         help="run the engine in a child process, restarted if it dies: a crash in compiled code then fails only "
         "the requests in flight (docs/server.md measures its cost; default off)")
-    add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+        help="what the server logs (default info)")
 
 
 def parse_addr(addr: str) -> tuple[str, int]:

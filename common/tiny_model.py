@@ -10,8 +10,10 @@ fp32 weights in model.safetensors under Hugging Face's names (transformers loads
 and a real byte-level BPE tokenizer: `tokenizers` learns its merges from the short English
 text below, then Qwen3's chat tokens are added (<|im_start|>, <|im_end|>, <think>, ...). The
 tokenizer encodes any UTF-8 text and decodes it back, and the chat template is the package's
-own ChatML (common/chatml.jinja). The answers are random words: the weights are random. Nothing
-is downloaded; the same seed writes the same files.
+own ChatML (common/chatml.jinja). The answers are random words: the weights are random, and
+generation_config.json caps them at 32 tokens (`max_new_tokens`; the chat's --max-tokens
+overrides it), since a random model rarely ends an answer by itself. Nothing is downloaded; the
+same seed writes the same files.
 """
 from __future__ import annotations
 
@@ -29,6 +31,9 @@ CONFIG = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size
               intermediate_size=384, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1000000.0,
               hidden_act="silu", tie_word_embeddings=True, attention_bias=False, torch_dtype="float32")
+# the chat's answer length (generation_config.json's max_new_tokens): random weights seldom draw
+# the end-of-turn token, so an answer would otherwise run to the context's end
+MAX_NEW_TOKENS = 32
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]       # control tokens (skipped when decoding)
 MARKERS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 # what the BPE merges are learned from: chat-like English, so a prompt takes a few tokens a word
@@ -91,8 +96,10 @@ def write_tiny_model(folder: str | Path, seed: int = 0) -> Path:
         {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None, "add_bos_token": False,
          "model_max_length": CONFIG["max_position_embeddings"]}, indent=1) + "\n")
     (folder / "config.json").write_text(json.dumps(dict(CONFIG, bos_token_id=None, eos_token_id=eos), indent=1) + "\n")
+    # Qwen3's sampling; answers of at most MAX_NEW_TOKENS (random weights rarely draw <|im_end|>)
     (folder / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": eos, "do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20}, indent=1) + "\n")
+        {"eos_token_id": eos, "do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20,
+         "max_new_tokens": MAX_NEW_TOKENS}, indent=1) + "\n")
     save_file(random_weights(CONFIG, seed), str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder
 

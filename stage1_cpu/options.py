@@ -22,7 +22,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    "weights: round the activations to int8 and multiply integers (as llama.cpp does). auto: at decode "
                    "where the CPU has an int8 dot product (VNNI or AVX2), the lm_head at int16; at prefill int16 (the "
                    "integer GEMM), bf16 weights bf16 where AVX-512 BF16 exists; int8: everywhere, prefill through the "
-                   "integer GEMM included; fp32: never")
+                   "integer GEMM included; fp32: never (default auto)")
     g.add_argument("--threads", type=int, default=None, metavar="N", help="numba threads (default: all cores)")
     g.add_argument("--speculative", choices=("ngram",), help="speculative decoding, drafts by prompt lookup")
     g.add_argument("--draft-model", metavar="DIR|GGUF", help="speculative decoding, drafts by a smaller model")

@@ -16,7 +16,7 @@ DEFAULT_SLOTS, DEFAULT_TOKEN_BUDGET = 256, 8192
 def add_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("stage 3 (bf16, fused kernels, prefix cache)")
     g.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                   help="cuda: CuPy and the CUDA kernels; cpu: their numpy twins (slow, for checking)")
+                   help="cuda: CuPy and the CUDA kernels; cpu: numpy twins, slow (default cuda)")
     g.add_argument("--page-size", type=int, default=256, metavar="P", help="positions per KV page (default 256)")
     g.add_argument("--kv-memory", type=float, default=None, metavar="GIB",
                    help="GiB for the KV page pool (default: most of the free GPU memory; 1 GiB on cpu)")

@@ -29,10 +29,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 # ---------------------------------------------------------------- the client
-async def one(client: httpx.AsyncClient, body: dict | bytes, leave_after: int = 0) -> dict:
+async def one(client: httpx.AsyncClient, body: dict | bytes, leave_after: int = 0,
+              streaming: asyncio.Event | None = None) -> dict:
     """One streamed /v1/completions request -> its text, TTFT and the gaps between text chunks (s), tokens (the
     usage chunk's count, else text chunks), HTTP status, and error: None, "left" (after leave_after text chunks),
-    "HTTP 4xx", an error event's type, a cut stream or an httpx error, with when it came ("after", s)."""
+    "HTTP 4xx", an error event's type, a cut stream or an httpx error, with when it came
+    ("after", s). `streaming` is set when the first text chunk arrives."""
     t0, last = time.perf_counter(), 0
     rec = dict(error=None, text="", itl=[], n=0, chunks=0, ttft=None, status=None, start=t0)
     try:
@@ -51,6 +53,8 @@ async def one(client: httpx.AsyncClient, body: dict | bytes, leave_after: int = 
                 if text := "".join(c.get("text") or "" for c in obj.get("choices") or []):
                     rec["ttft"], rec["itl"] = rec["ttft"] or now - t0, rec["itl"] + ([now - last] if last else [])
                     rec["text"], rec["chunks"], last = rec["text"] + text, rec["chunks"] + 1, now
+                    if streaming is not None:
+                        streaming.set()
                     if rec["chunks"] == leave_after:
                         return {**rec, "error": "left"}     # leaving the block closes the connection
             if not done:

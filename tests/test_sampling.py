@@ -106,8 +106,12 @@ def test_generation_config_gives_defaults_and_requests_override(tmp_path):
         {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}))
     p = SamplingParams.from_generation_config(tmp_path, top_k=None, temperature=0.3)
     assert (p.temperature, p.top_p, p.top_k) == (0.3, 0.95, 20)
-    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False}))
-    assert SamplingParams.from_generation_config(tmp_path).temperature == 0.0
+    assert p.max_tokens == SamplingParams().max_tokens             # no max_new_tokens: the caller's
+    config = {"do_sample": False, "max_new_tokens": 32}
+    (tmp_path / "generation_config.json").write_text(json.dumps(config))
+    p = SamplingParams.from_generation_config(tmp_path)
+    assert (p.temperature, p.max_tokens) == (0.0, 32)               # max_new_tokens is max_tokens
+    assert SamplingParams.from_generation_config(tmp_path, max_tokens=5).max_tokens == 5
     with pytest.raises(TypeError, match="unknown sampling parameter"):
         SamplingParams.from_generation_config(tmp_path, temprature=1.0)
 

@@ -66,24 +66,30 @@ def engine_child(server: Server) -> int:
     return next(c for c in children(server.proc.pid) if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes())
 
 
-async def ask(server: Server, prompt: list[int], max_tokens: int) -> dict:
+async def ask(server: Server, prompt: list[int], max_tokens: int,
+              streaming: asyncio.Event | None = None) -> dict:
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
         return await one(client, {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                                  "ignore_eos": True, "stream": True})
+                                  "ignore_eos": True, "stream": True}, streaming=streaming)
 
 
 async def drill(server: Server, mode: str, rng: random.Random, ref: tuple[list[int], str]) -> dict:
-    """Kill the engine child mid-prefill (a 480-token prompt, prefilled 4 tokens a step), mid-stream or idle."""
+    """Kill the engine child mid-prefill (a 480-token prompt, prefilled 4 tokens a step), mid-stream
+    or idle. Each kill waits for an event, not for a time, so that it lands where it should on any
+    machine: mid-prefill as soon as the engine holds the request (120 steps of prefill ahead),
+    mid-stream as soon as the first token arrives (399 ahead)."""
     child, ended = engine_child(server), []
     task = None
     if mode != "idle":
-        long = mode == "prefill"
+        long, streaming = mode == "prefill", asyncio.Event()
         task = asyncio.ensure_future(ask(server, [rng.randrange(100, 5000) for _ in range(480 if long else 8)],
-                                         4 if long else 400))
+                                         4 if long else 400, streaming))
         task.add_done_callback(lambda _: ended.append(time.perf_counter()))     # when its stream ended
-        while (await asyncio.to_thread(server.get)).get("idle", True):   # until the request is in the engine
-            await asyncio.sleep(0.002)
-        await asyncio.sleep(rng.uniform(0, 0.05) if long else rng.uniform(0.05, 0.3))   # 400 tokens: >= 0.5 s
+        if long:        # until the request is in the engine
+            while (await asyncio.to_thread(server.get)).get("idle", True):
+                await asyncio.sleep(0.002)
+        else:
+            await asyncio.wait_for(streaming.wait(), 60)
     os.kill(child, signal.SIGKILL)
     killed, seen = time.perf_counter(), []
     while "restarting" not in seen or seen[-1] != "ok":          # /healthz: restarting, then ok
@@ -124,10 +130,9 @@ def test_crash_drills_the_engine_child_and_the_whole_server(capsys):
         child = engine_child(server)
 
         async def kill_server():
-            task = asyncio.ensure_future(ask(server, prompt, 400))
-            while (await asyncio.to_thread(server.get)).get("idle", True):   # until it is in the engine
-                await asyncio.sleep(0.002)
-            await asyncio.sleep(0.1)                                          # and streaming
+            streaming = asyncio.Event()
+            task = asyncio.ensure_future(ask(server, prompt, 400, streaming))
+            await asyncio.wait_for(streaming.wait(), 60)         # its first token: 399 ahead
             server.proc.kill()
             killed = time.perf_counter()
             return await asyncio.wait_for(task, 10), time.perf_counter() - killed

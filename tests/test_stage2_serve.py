@@ -33,7 +33,7 @@ def test_serve_answers_concurrent_clients_with_transformers_greedy_tokens():
         assert m, line + (proc.stdout.read() if proc.poll() is not None else "")
         url = f"http://127.0.0.1:{m.group(1)}"
         deadline = time.time() + 120
-        while httpx.get(url + "/healthz").status_code != 200:
+        while httpx.get(url + "/healthz", timeout=60).status_code != 200:
             assert proc.poll() is None and time.time() < deadline, "the server did not come up"
             time.sleep(0.1)
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)

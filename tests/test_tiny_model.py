@@ -7,7 +7,7 @@ and of a lesson rung on it that shows what the prefix cache saved.
     Qwen3's chat tokens as single tokens; the same seed writes the same bytes;
   * the stage-3 chat on CPU (`--page-size 4`) shows "(N cached)" on a second turn that
     repeats the first, from the engine's own count (num_cached_tokens); so does rung 01,
-    the first lesson (the prefix cache), answering in under a minute.
+    the first lesson (the prefix cache), six tokens an answer.
 """
 from __future__ import annotations
 
@@ -92,11 +92,12 @@ def test_stage3_chat_on_cpu_shows_the_cached_prompt_tokens_of_a_repeated_turn(ti
     assert c2 is not None and p1 // 4 * 4 <= c2 < p2, (p1, c2, p2)
 
 
-def test_lesson_01_rung_chats_on_the_tiny_model_in_under_a_minute_with_cached_tokens(tiny, tmp_path):
+def test_lesson_01_rung_chats_on_the_tiny_model_bounded_with_cached_tokens(tiny, tmp_path):
     r = subprocess.run([sys.executable, "course/series.py", "packages", str(tmp_path / "rungs")],
                        capture_output=True, text=True, cwd=ROOT, timeout=300)       # as docs/stage3.md says
     assert r.returncode == 0, r.stderr
     turns, seconds = chat_twice("rung01.chat", tiny, {"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path / 'rungs'}"})
-    (p1, c1, _), (p2, c2, _) = turns
+    (p1, c1, g1), (p2, c2, g2) = turns
     assert c1 is None and c2 is not None and p1 // 4 * 4 <= c2 < p2, turns
-    assert seconds < 60, f"the rung's chat took {seconds:.0f} s"
+    # the work is bounded, so it takes seconds on any machine (how many: a busy one decides)
+    assert g1 == g2 == 6, turns

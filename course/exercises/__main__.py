@@ -7,7 +7,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from . import EXERCISES, get
+from . import EXERCISES, get, map_column
 from .base import Workspace, run_check, start
 
 
@@ -22,8 +22,17 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=what)
         p.add_argument("id", help="an exercise id, e.g. 1.3 (see `list`)")
         p.add_argument("dir", type=Path, help="the workspace folder")
+    sub.add_parser("map-column", help="the course map's table (docs/README.md) on stdin, written "
+                                      "to stdout with its exercises column from the list")
     args = ap.parse_args(argv)
 
+    if args.cmd == "map-column":
+        try:
+            sys.stdout.write(map_column(sys.stdin.read()))
+        except (ValueError, AttributeError) as err:
+            print(f"error: the course map's table: {err}", file=sys.stderr)
+            return 2
+        return 0
     if args.cmd == "list":
         width = max(len(e.title) for e in EXERCISES)
         sec = max(len(e.section) for e in EXERCISES)

@@ -348,10 +348,24 @@ def _index_words(idx: tuple, axes_names: Sequence[str]) -> str:
     return ", ".join(f"{names[i]} {int(v)}" for i, v in enumerate(idx)) or "the value"
 
 
+def which_mistake(got, mistakes: Sequence[tuple[str, object]], atol: float, rtol: float) -> str:
+    """The words of the first known mistake whose result `got` is (within the tolerance), else "".
+    A check names a mistake only when the student's numbers are exactly what it computes."""
+    got = np.asarray(got, dtype=np.float64)
+    for words, result in mistakes:
+        result = np.asarray(result, dtype=np.float64)
+        if result.shape == got.shape and np.allclose(got, result, rtol=rtol, atol=atol):
+            return words
+    return ""
+
+
 def assert_close(name: str, got, want, atol: float = 1e-5, rtol: float = 1e-4,
-                 axes_names: Sequence[str] = ("token", "head", "dim"), hint: str = "") -> None:
+                 axes_names: Sequence[str] = ("token", "head", "dim"), hint: str = "",
+                 mistakes: Sequence[tuple[str, object]] = ()) -> None:
     """Raise CheckFailed unless got matches want within atol + rtol |want| everywhere,
-    naming the first index that does not (in axes_names' words) and what was expected."""
+    naming the first index that does not (in axes_names' words) and what was expected.
+    mistakes: (words, the result that mistake gives); when got is one of them, its words
+    replace the hint, so the message points at that mistake and no other."""
     got = np.asarray(got)
     want = np.asarray(want)
     hint = f" ({hint})" if hint else ""
@@ -361,6 +375,8 @@ def assert_close(name: str, got, want, atol: float = 1e-5, rtol: float = 1e-4,
     bad = ~np.isclose(g, w, rtol=rtol, atol=atol, equal_nan=True)
     if not bad.any():
         return
+    named = which_mistake(g, mistakes, atol, rtol)
+    hint = f" ({named})" if named else hint
     idx = tuple(np.argwhere(bad)[0])
     n = int(bad.sum())
     raise CheckFailed(f"{name}: at {_index_words(idx, axes_names)}: expected {w[idx]:.6g}, got {g[idx]:.6g} "
@@ -368,9 +384,9 @@ def assert_close(name: str, got, want, atol: float = 1e-5, rtol: float = 1e-4,
 
 
 def assert_equal(name: str, got, want, axes_names: Sequence[str] = ("row",), hint: str = "",
-                 show: Callable | None = None) -> None:
+                 show: Callable | None = None, mistakes: Sequence[tuple[str, object]] = ()) -> None:
     """Raise CheckFailed unless got equals want exactly (shape, then values); show(v) formats
-    a value for the message."""
+    a value for the message; mistakes as assert_close's, compared exactly."""
     got = np.asarray(got)
     want = np.asarray(want)
     hint = f" ({hint})" if hint else ""
@@ -379,6 +395,8 @@ def assert_equal(name: str, got, want, axes_names: Sequence[str] = ("row",), hin
     bad = got != want
     if bad.dtype != bool or not bad.any():
         return
+    named = next((words for words, result in mistakes if np.array_equal(got, result)), "")
+    hint = f" ({named})" if named else hint
     idx = tuple(np.argwhere(bad)[0])
     fmt = show or (lambda v: repr(v.item()) if hasattr(v, "item") else repr(v))
     raise CheckFailed(f"{name}: at {_index_words(idx, axes_names)}: expected {fmt(want[idx])}, got {fmt(got[idx])} "

@@ -38,8 +38,17 @@ def check_rmsnorm(ws: Workspace) -> None:
     for name, x, w, eps, axes in cases:
         x, w = x.astype(np.float32), w.astype(np.float32)
         got = K.rmsnorm(x, w, eps)
-        assert_close(f"rmsnorm, {name}", got, ops.rmsnorm(x, w, eps), atol=1e-5, rtol=1e-4, axes_names=axes,
-                     hint="x / sqrt(mean(x^2) + eps) * w over the last axis")
+        x64, C = x.astype(np.float64), x.shape[-1]
+        ms = (x64 * x64).mean(axis=-1, keepdims=True)
+        mistakes = [("divided by sqrt(sum of x^2): divide the sum of squares by C, the row's "
+                     "length, for the mean", x64 / np.sqrt(ms * C + eps) * w),
+                    ("eps belongs inside the square root: sqrt(mean(x^2) + eps), not "
+                     "sqrt(mean(x^2)) + eps", x64 / (np.sqrt(ms) + eps) * w),
+                    ("the normalised row is not scaled: multiply channel c by its weight w[c]",
+                     x64 / np.sqrt(ms + eps))]
+        assert_close(f"rmsnorm, {name}", got, ops.rmsnorm(x, w, eps), atol=1e-5, rtol=1e-4,
+                     axes_names=axes, hint="x / sqrt(mean(x^2) + eps) * w over the last axis",
+                     mistakes=mistakes)
 
 
 # ---------------------------------------------------------------------------
@@ -56,11 +65,15 @@ def check_rope(ws: Workspace) -> None:
         cos, sin = cos[p0:], sin[p0:]                                # [T, D/2]
         got = K.rope(x, cos, sin)
         want = ops.rope(x, cos, sin)
-        hint = "rotate-half: dimension i pairs with i + D/2 (the Hugging Face layout)"
-        if np.asarray(got).shape == want.shape and np.allclose(got, _rope_interleaved(x, cos, sin), atol=1e-5):
-            hint = ("this is the interleaved form, pairs (2i, 2i+1); Qwen3 is rotate-half: "
-                    "dimension i pairs with i + D/2")
-        assert_close(f"rope, {name}", got, want, atol=1e-5, rtol=1e-4, hint=hint)
+        mistakes = [("this is the interleaved form, pairs (2i, 2i+1); Qwen3 pairs dimension i "
+                     "with i + D/2 (rotate-half, the Hugging Face layout)",
+                     _rope_interleaved(x, cos, sin)),
+                    ("rotated by minus the angle: the sign of sin is flipped (the first half gets "
+                     "x1 cos - x2 sin, the second x2 cos + x1 sin)", ops.rope(x, cos, -sin)),
+                    ("cos and sin are swapped: cos multiplies a dimension's own value, sin its "
+                     "partner's", ops.rope(x, sin, cos))]
+        assert_close(f"rope, {name}", got, want, atol=1e-5, rtol=1e-4, mistakes=mistakes,
+                     hint="rotate-half: dimension i pairs with i + D/2 (the Hugging Face layout)")
 
 
 def _rope_interleaved(x, cos, sin):
@@ -85,6 +98,25 @@ def _attention_cases(large_first: bool):
     return cases[-1:] + cases[:-1] if large_first else cases
 
 
+def _attention_np(q, kc, vc, start: int, scaled: bool = True,
+                  seen=lambda start, t, T: start + t + 1, exps: bool = True,
+                  normalised: bool = True) -> np.ndarray:
+    """Attention in float64 as a mistake computes it: query t sees the first seen(start, t, T)
+    positions, its scores scaled by 1/sqrt(D) or not, weighted by exp(s - max) or by the scores
+    themselves (exps False), divided by the sum of the exponentials or not."""
+    T, H, D = q.shape
+    group = H // kc.shape[0]
+    out = np.full(q.shape, np.nan)
+    for t in range(T):
+        n = seen(start, t, T)
+        for h in range(H if n > 0 else 0):         # a query that sees nothing: NaN
+            k, v = kc[h // group, :n].astype(np.float64), vc[h // group, :n].astype(np.float64)
+            s = k @ q[t, h].astype(np.float64) * (1 / np.sqrt(D) if scaled else 1.0)
+            e = np.exp(s - s.max())
+            out[t, h] = (e if exps else s) @ v / (e.sum() if normalised else 1.0)
+    return out
+
+
 def _check_attention(ws: Workspace, large_first: bool) -> None:
     K = ws.module("stage1_cpu/kernels.py")
     r = _rng(3)
@@ -96,13 +128,27 @@ def _check_attention(ws: Workspace, large_first: bool) -> None:
         kc[:, start + T:] = vc[:, start + T:] = np.nan       # past the last position: never read
         got = K.attention(q, kc, vc, start)
         want = ops.attention(q, kc, vc, start)
-        hint = (f"query t sits at position {start} + t and attends to 0 .. {start} + t (causal); "
-                f"query head h reads KV head h // {H // Hkv}")
+        hint = (f"query t sits at position {start} + t and sees positions 0 .. {start} + t; query "
+                f"head h reads KV head h // {H // Hkv}; scores are q . k / sqrt(D)")
         if "large" in name:
             hint = "subtract each row's largest score before exp, or exp overflows (exp_f32 clamps at 88)"
         if np.isnan(np.asarray(got, dtype=np.float64)).any() and not np.isnan(want).any():
             hint += "; NaN: an output never written, or a cache position past start_pos + T read"
-        assert_close(f"attention, {name}", got, want, atol=2e-5, rtol=2e-4, hint=hint)
+        args = (q, kc, vc, start)
+        mistakes = [  # 1.4's, then 1.3's
+            ("the scores are q . k without the 1/sqrt(D) scale",
+             _attention_np(*args, scaled=False)),
+            (f"query t left out its own position: it sees positions 0 .. {start} + t, itself "
+             "included", _attention_np(*args, seen=lambda start, t, T: start + t)),
+            (f"query t also saw later positions, up to {start} + {T - 1}: it sees 0 .. "
+             f"{start} + t only", _attention_np(*args, seen=lambda start, t, T: start + T)),
+            ("not normalised: divide the weighted sum by the sum of the exponentials, ssum[g]",
+             _attention_np(*args, normalised=False)),
+            ("the exponentials must replace the scores (scores[g, j] = e): the weighted sum "
+             "after the region reads scores[g, j] as the weights",
+             _attention_np(*args, exps=False))]
+        assert_close(f"attention, {name}", got, want, atol=2e-5, rtol=2e-4, hint=hint,
+                     mistakes=mistakes)
 
 
 def check_softmax(ws: Workspace) -> None:
@@ -194,11 +240,16 @@ def check_kv_reuse(ws: Workspace) -> None:
     for name, prompt, reused in turns:
         out, calls = run(eng, name, prompt)
         want, _ = run(engine(), "fresh", prompt)
-        first = calls[0] if calls else None
-        require(first is not None and first[0] == reused,
-                f"{name}: the engine fed the prompt from position {first[0] if first else '?'}, expected "
-                f"{reused}: the cache holds the prompt's first {reused} tokens (it must feed at least one "
-                f"token to get logits)")
+        fed_from = calls[0][0] if calls else len(prompt)
+        what = (f"{name}: the engine fed the prompt from position {fed_from} of {len(prompt)}, "
+                f"expected {reused}")
+        require(fed_from != len(prompt), f"{what}: it must feed at least its last token, for the "
+                                         "logits (the match stops at len(prompt) - 1)")
+        require(fed_from <= reused, f"{what}: the cache matches the prompt's first {reused} "
+                                    "tokens only; the ids it holds after them are stale (cut "
+                                    "cached_ids to the match)")
+        require(fed_from >= reused, f"{what}: the prompt's first {reused} tokens are already in "
+                                    "the cache (count the ids matching cached_ids from the start)")
         fed = [t for _, ts in calls for t in ts][:len(prompt) - reused]
         require(fed == prompt[reused:], f"{name}: fed tokens {fed}, expected the prompt's tokens "
                                         f"{prompt[reused:]} from position {reused}")
@@ -222,12 +273,23 @@ def check_route(ws: Workspace) -> None:
         logits = logits.astype(np.float32)
         top, weight = K.route(logits, k, norm)
         want_top, want_w = ops.route(logits, k, norm)
+        # ties to the higher id: the order of the reversed logits, read back as ids
+        higher = logits.shape[1] - 1 - np.argsort(-logits[:, ::-1], axis=1, kind="stable")[:, :k]
         assert_equal(f"route, {name}: the chosen experts", top, want_top, axes_names=("token", "slot"),
-                     hint="the k largest logits, best first; a tie goes to the lower expert id")
+                     hint="the k largest logits, best first; a tie goes to the lower expert id",
+                     mistakes=[("a tie went to the higher id: among equal logits the lower "
+                                "expert id comes first (compare with >, not >=)", higher)])
+        probs = np.exp(logits - logits.max(1, keepdims=True)).astype(np.float64)
+        chosen = np.take_along_axis(probs, want_top, 1)                   # exp(l - max) of the k
+        mistakes = [("the weights are exp(l - max) without the softmax's denominator: divide by "
+                     "the sum of exp over all E experts",
+                     chosen / (chosen.sum(1, keepdims=True) if norm else 1))]
+        mistakes += [("the k weights must be renormalised to sum to 1 (norm_topk_prob)",
+                      chosen / probs.sum(1, keepdims=True))] if norm else []
+        rest = ", then divided by the k weights' sum (norm_topk_prob)" if norm else ", nothing more"
         assert_close(f"route, {name}: the weights", weight, want_w, atol=1e-6, rtol=1e-5,
-                     axes_names=("token", "slot"),
-                     hint="softmax over all E experts" + (", then renormalised over the k to sum to 1 "
-                                                          "(norm_topk_prob)" if norm else ", not renormalised"))
+                     axes_names=("token", "slot"), mistakes=mistakes,
+                     hint="softmax over every expert" + rest)
 
 
 class _Stack:
@@ -261,18 +323,18 @@ def check_experts(ws: Workspace) -> None:
     top = np.argsort(-logits, axis=1)[:, :k].astype(np.int64)             # [T, k]
     fake = types.SimpleNamespace(config=types.SimpleNamespace(num_experts=E, num_experts_per_tok=k))
     for name, rows in (("gate_up: every slot of a token reads the token's row, x [T, C]", T),
-                       ("down: slot j of token t reads row t k + j, x [T k, C]", T * k)):
+                       ("down: slot j of token t reads its own row, x [T k, C]", T * k)):
         w = r.normal(0, 1, (E * n, C)).astype(np.float32)
         x = r.normal(0, 1, (rows, C)).astype(np.float32)
         log: list = []
         got = M.Model.experts(fake, _Stack(w, log), x, top)
-        want = np.empty((T * k, n), dtype=np.float64)
+        want, token_rows = np.empty((T * k, n)), np.empty((T * k, n))       # float64
+        x64 = x.astype(np.float64)
         for t in range(T):
             for j in range(k):
-                e = top[t, j]
-                want[t * k + j] = (x[t * k + j] if rows == T * k else x[t]).astype(np.float64) @ w[e * n:(e + 1) * n].T
-        assert_close(f"experts, {name}", got, want, atol=1e-5, rtol=1e-4, axes_names=("slot", "output"),
-                     hint="slot t k + j holds token t's j-th expert top[t, j] times its input row")
+                rows_e = w[top[t, j] * n:(top[t, j] + 1) * n].T.astype(np.float64)
+                want[t * k + j] = (x64[t * k + j] if rows == T * k else x64[t]) @ rows_e
+                token_rows[t * k + j] = x64[t] @ rows_e
         for r0, r1 in log:
             require(r0 % n == 0 and r1 == r0 + n,
                     f"experts, {name}: part({r0}, {r1}) is not one expert's rows (expert e is rows e*{n} .. (e+1)*{n})")
@@ -281,6 +343,11 @@ def check_experts(ws: Workspace) -> None:
             require(taken.count(e) == 1, f"experts, {name}: expert {e}'s rows were taken {taken.count(e)} times; "
                                          "group the slots per expert so that each chosen expert is read once")
         require(5 not in taken, f"experts, {name}: expert 5, which no token chose, was read")
+        mistakes = [("down reads a row per slot: slot t k + j multiplies row t k + j of x, not "
+                     "token t's row", token_rows)] if rows == T * k else []
+        assert_close(f"experts, {name}", got, want, atol=1e-5, rtol=1e-4,
+                     axes_names=("slot", "output"), mistakes=mistakes,
+                     hint="slot t k + j holds token t's j-th expert top[t, j] times its input row")
 
 
 # ---------------------------------------------------------------------------
@@ -308,6 +375,13 @@ def _near_half(v: np.ndarray) -> np.ndarray:
     return np.abs(np.abs(v - np.floor(v)) - 0.5) < 1e-4
 
 
+def _rounds_as(q, ratio, rounding, lo: int, hi: int) -> bool:
+    """q is rounding(ratio) clipped to [lo, hi], but where ratio sits within 1e-4 of a rounding
+    edge (a half or a whole number: a student's w * (1 / s) and this w / s may differ there)."""
+    edge = np.abs(2 * ratio - np.rint(2 * ratio)) < 2e-4
+    return bool(np.all((q == np.clip(rounding(ratio), lo, hi)) | edge))
+
+
 def _f16(v) -> str:
     return f"{float(v):.6g} (fp16 bits 0x{int(np.float16(v).view(np.uint16)):04x})"
 
@@ -328,9 +402,21 @@ def check_quantize_int8(ws: Workspace) -> None:
     q, s = got
     want_s = (np.abs(g).max(axis=-1) / 127.0).astype(np.float16)                     # [R, G]
     assert_equal("int8 scale", s, want_s, axes_names=("row", "group"), show=_f16,
-                 hint="s = the group's largest |w| / 127, stored as fp16")
+                 hint="s = the group's largest |w| / 127, stored as fp16",
+                 mistakes=[("a scale from the largest w, not the largest |w|: a group whose "
+                            "largest magnitude is negative clips",
+                            (g.max(axis=-1) / 127.0).astype(np.float16))])
     sf = want_s.astype(np.float32)[:, :, None]
     ratio = np.divide(g, sf, out=np.zeros_like(g), where=sf > 0)
+    exact = np.abs(g).max(axis=-1, keepdims=True) / 127.0
+    if not _rounds_as(q, ratio, np.rint, -127, 127):                 # wrong: which mistake is it?
+        exact_ratio = np.divide(g, exact, out=np.zeros_like(g), where=exact > 0)
+        if _rounds_as(q, exact_ratio, np.rint, -127, 127):
+            raise CheckFailed("int8 q: q was rounded against the exact scale: divide by the stored "
+                              "fp16 scale s, the one the matmul multiplies back")
+        if _rounds_as(q, ratio, np.trunc, -127, 127):
+            raise CheckFailed("int8 q: w / s was cut toward zero (astype alone truncates): round "
+                              "to the nearest integer, np.rint, first")
     want_q = np.clip(np.rint(ratio), -127, 127)
     bad = (q.astype(np.int64) != want_q) & ~(_near_half(ratio) & (np.abs(q - want_q) == 1))
     assert_equal("int8 q", np.where(bad, q, want_q).astype(np.int64), want_q.astype(np.int64),
@@ -347,7 +433,9 @@ def check_quantize_int4(ws: Workspace) -> None:
     lo, hi = g.min(axis=-1), g.max(axis=-1)
     want_s, want_m = ((hi - lo) / 15.0).astype(np.float16), lo.astype(np.float16)
     assert_equal("int4 scale", s, want_s, axes_names=("row", "group"), show=_f16,
-                 hint="s = (max - min) / 15 of the group, stored as fp16")
+                 hint="s = (max - min) / 15 of the group, stored as fp16",
+                 mistakes=[("4 bits hold 16 levels, 15 steps apart: s = (max - min) / 15",
+                            ((hi - lo) / 16.0).astype(np.float16))])
     assert_equal("int4 min", m, want_m, axes_names=("row", "group"), show=_f16,
                  hint="m = the group's minimum, stored as fp16")
     sf = want_s.astype(np.float32)[:, :, None]
@@ -357,6 +445,12 @@ def check_quantize_int4(ws: Workspace) -> None:
             f"int4 packed: shape {list(packed.shape)}, expected {[g.shape[0], g.shape[1] // 2, g.shape[2]]} "
             "(two groups per byte)")
     lo_n, hi_n = (packed & 15).astype(np.int64), (packed >> 4).astype(np.int64)   # [R, G/2, gs]
+    def nibbles_hold(low, high) -> bool:          # the low and high nibbles round these ratios
+        return _rounds_as(lo_n, low, np.rint, 0, 15) and _rounds_as(hi_n, high, np.rint, 0, 15)
+    even, odd = ratio[:, 0::2], ratio[:, 1::2]
+    if not nibbles_hold(even, odd) and nibbles_hold(odd, even):
+        raise CheckFailed("int4 packed: the nibbles are swapped: group 2p goes in the low nibble "
+                          "(q & 15), group 2p+1 in the high one (q >> 4)")
     for half, nib, groups in (("low", lo_n, "2p"), ("high", hi_n, "2p+1")):
         want = want_q[:, 0::2] if half == "low" else want_q[:, 1::2]
         r = ratio[:, 0::2] if half == "low" else ratio[:, 1::2]
@@ -383,11 +477,36 @@ def check_matvec_int8(ws: Workspace) -> None:
     Mm = ws.module("stage1_cpu/matmul.py")
     W, x, want = _matvec_case("int8", 10)
     gs = W.group_size
+    q = W.data.astype(np.float64)                                          # [O, G, gs]
+    s = W.scales.view(np.float16).astype(np.float64)                       # [O, G], fp16 bits
     for T in (1, 3):
+        x3 = x[:T].reshape(T, -1, gs).astype(np.float64)                   # [T, G, gs]
+        dots = np.einsum("ogj,tgj->tog", q, x3)                            # [T, O, G]
+        mistakes = [("every group used group 0's scale: group g has its own scale s[r, g]",
+                     (dots * s[None, :, :1]).sum(-1)),
+                    ("no scale applied: multiply each group's integer dot product by s[r, g]",
+                     dots.sum(-1)),
+                    ("every group read group 0's activations: group g's weights multiply "
+                     "x3[t, g, :]", (np.einsum("ogj,tj->tog", q, x3[:, 0]) * s[None]).sum(-1))]
         out = np.full((T, W.out_features), np.nan, dtype=np.float32)
         Mm.matmul_int8(x[:T].reshape(T, -1, gs), W.data, W.scales, out)
         assert_close(f"matmul_int8, {T} token(s)", out, want[:T], atol=1e-4, rtol=1e-4,
-                     axes_names=("token", "row"), hint="out[t, r] = sum over groups g of s[r, g] * sum_j q[r, g, j] x[t, g, j]")
+                     mistakes=mistakes, axes_names=("token", "row"),
+                     hint="out[t, r] = sum over groups g of s[r, g] * sum_j q[r, g, j] x[t, g, j]")
+
+
+def _int4_terms(W, x4: np.ndarray) -> dict[str, np.ndarray]:
+    """The terms of pair p of an int4 row, [T, O, P] each, in float64: the low nibbles (group
+    2p) and the high ones (group 2p+1) times their inputs and scales, each group's minimum
+    times the sum of its inputs; then the same with the other group's inputs (mistakes')."""
+    lo, hi = (W.data & 15).astype(np.float64), (W.data >> 4).astype(np.float64)   # [O, P, gs]
+    s, m = (a.view(np.float16).astype(np.float64) for a in (W.scales, W.mins))    # [O, G]
+    s_lo, s_hi, m_lo, m_hi = s[None, :, 0::2], s[None, :, 1::2], m[None, :, 0::2], m[None, :, 1::2]
+    xsum = x4.sum(-1)[:, None]                                                    # [T, 1, P, 2]
+    dot = lambda nib, half: np.einsum("opj,tpj->top", nib, x4[:, :, half])  # noqa: E731
+    return dict(lo=dot(lo, 0) * s_lo, hi=dot(hi, 1) * s_hi,
+                m_lo=m_lo * xsum[..., 0], m_hi=m_hi * xsum[..., 1],
+                lo_x_hi=dot(lo, 1) * s_lo, hi_x_lo=dot(hi, 0) * s_hi, m_lo_x_hi=m_lo * xsum[..., 1])
 
 
 def check_matvec_int4(ws: Workspace) -> None:
@@ -395,10 +514,20 @@ def check_matvec_int4(ws: Workspace) -> None:
     W, x, want = _matvec_case("int4", 11)
     gs = W.group_size
     for T in (1, 3):
+        a = _int4_terms(W, x[:T].reshape(T, -1, 2, gs).astype(np.float64))
+        sums = lambda *names: sum(a[n] for n in names).sum(-1)  # noqa: E731
+        mistakes = [("each group adds its minimum m times the sum of its inputs, m[r, g] * xsum",
+                     sums("lo", "hi", "m_hi")),
+                    ("each group adds its minimum m times the sum of its inputs, m[r, g] * xsum",
+                     sums("lo", "hi")),
+                    ("the low nibble is group 2p: it multiplies x4[t, p, 0], the high one "
+                     "x4[t, p, 1]", sums("lo_x_hi", "hi_x_lo", "m_lo", "m_hi")),
+                    ("group 2p's m multiplies the sum of its own group's inputs, xsum[t, p, 0]",
+                     sums("lo", "hi", "m_lo_x_hi", "m_hi"))]
         out = np.full((T, W.out_features), np.nan, dtype=np.float32)
         Mm.matmul_int4(x[:T].reshape(T, -1, 2, gs), W.data, W.scales, W.mins, out)
         assert_close(f"matmul_int4, {T} token(s)", out, want[:T], atol=1e-4, rtol=1e-4,
-                     axes_names=("token", "row"),
+                     axes_names=("token", "row"), mistakes=mistakes,
                      hint="W = nibble * s + m per group, so a group adds s * sum(nibble x) + m * sum(x); "
                           "the low nibble is group 2p, the high one group 2p+1")
 
@@ -407,15 +536,18 @@ def check_matvec_int4(ws: Workspace) -> None:
 # 1.12 the penalties, 1.13 top-k / top-p / min-p (common/sampling.py)
 # ---------------------------------------------------------------------------
 
-def _penalised(logits, rep, presence, frequency, prompt, output):
+def _penalised(logits, rep, presence, frequency, prompt, output, rep_negative=True,
+               presence_once=True):
     """The definition (vLLM's, as common/sampling.py's docstring says): repetition over prompt
     and output (divides a positive logit, multiplies a negative one), presence once and
-    frequency per occurrence over the output only."""
+    frequency per occurrence over the output only. rep_negative False: a negative logit is
+    divided too; presence_once False: presence counts every occurrence (two mistakes)."""
     out = logits.astype(np.float64).copy()
     for t in set(prompt) | set(output):
-        out[t] = out[t] / rep if out[t] > 0 else out[t] * rep
+        out[t] = out[t] / rep if out[t] > 0 or not rep_negative else out[t] * rep
     for t in set(output):
-        out[t] -= presence + frequency * output.count(t)
+        out[t] -= (presence + frequency) * output.count(t) if not presence_once else \
+            presence + frequency * output.count(t)
     return out
 
 
@@ -435,15 +567,24 @@ def check_penalties(ws: Workspace) -> None:
         got = S.apply_penalties(logits, params, list(prompt), list(out_ids))
         require(np.array_equal(logits, before), f"apply_penalties, {name}: it changed the caller's logits "
                                                 "(return a penalised copy)")
-        assert_close(f"apply_penalties, {name}", got, _penalised(logits, rep, pres, freq, prompt, out_ids),
+        args = (logits, rep, pres, freq, prompt, out_ids)
+        mistakes = [("presence counts once per distinct token of the output; frequency per "
+                     "occurrence", _penalised(*args, presence_once=False)),
+                    ("a negative logit is multiplied by the repetition penalty, not divided: both "
+                     "move down", _penalised(*args, rep_negative=False)),
+                    ("the repetition penalty covers the prompt's tokens too, not only the output's",
+                     _penalised(logits, rep, pres, freq, [], out_ids))]
+        assert_close(f"apply_penalties, {name}", got, _penalised(*args), mistakes=mistakes,
                      atol=1e-5, rtol=1e-5, axes_names=("token id",))
 
 
-def _filtered(logits, temperature, top_k, top_p, min_p):
+def _filtered(logits, temperature, top_k, top_p, min_p, mistake: str = ""):
     """The definition: logits / temperature; top-k keeps the k largest (ties at the k-th value
     all stay); top-p keeps, in order of probability, every token whose preceding mass is below
     top_p (the most likely always stays); min-p drops p < min_p * p(most likely). Probabilities
-    are those after top-k, in float64. Dropped tokens are -inf."""
+    are those after top-k, in float64. Dropped tokens are -inf. mistake: "mass" (top-p keeps a
+    token whose mass with its own stays below top_p), "equal" (and one whose preceding mass
+    equals top_p), "absolute" (min-p drops p < min_p)."""
     x = logits.astype(np.float64) / temperature
     V = x.size
     if 0 < top_k < V:
@@ -454,9 +595,11 @@ def _filtered(logits, temperature, top_k, top_p, min_p):
     if top_p < 1.0:
         order = np.argsort(-p, kind="stable")
         before = np.cumsum(p[order]) - p[order]
-        keep[order[before >= top_p]] = False
+        cuts = {"mass": before + p[order] >= top_p, "equal": before > top_p}
+        cut = cuts.get(mistake, before >= top_p)
+        keep[order[cut]] = False
     if min_p > 0.0:
-        keep &= p >= min_p * p.max()
+        keep &= p >= min_p * (1.0 if mistake == "absolute" else p.max())
     return np.where(keep, x, -np.inf)
 
 
@@ -483,11 +626,19 @@ def check_filters(ws: Workspace) -> None:
         opts = ", ".join(f"{k_}={v}" for k_, v in kw.items())
         require(got.shape == want.shape, f"filter_logits, {name}: shape {list(got.shape)}, expected {list(want.shape)}")
         kept_got, kept_want = np.isfinite(got), np.isfinite(want)
+        mistakes = {"mass": "the token whose mass takes the kept mass past top_p stays: keep every "
+                            "token whose preceding mass is below top_p",
+                    "equal": "a token whose preceding mass equals top_p goes: keep the mass "
+                             "strictly below",
+                    "absolute": "min_p is relative: drop p < min_p times the most likely token's p"}
+        named = next((words for mistake, words in mistakes.items() if np.array_equal(
+            kept_got, np.isfinite(_filtered(lg, *kw.values(), mistake=mistake)))), "")
         if (kept_got != kept_want).any():
             t = int(np.argmax(kept_got != kept_want))
             raise CheckFailed(f"filter_logits, {name} ({opts}): token {t} (logit {float(lg[t]):.4g}) should be "
                               f"{'kept' if kept_want[t] else 'dropped'}, got {'kept' if kept_got[t] else 'dropped'}; "
-                              f"{int(kept_want.sum())} tokens should stay, {int(kept_got.sum())} did")
+                              f"{int(kept_want.sum())} tokens should stay, "
+                              f"{int(kept_got.sum())} did{f' ({named})' if named else ''}")
         assert_close(f"filter_logits, {name}: the kept logits", np.where(kept_want, got, 0), np.where(kept_want, want, 0),
                      atol=1e-5, rtol=1e-5, axes_names=("token id",), hint="kept logits are logits / temperature")
 
@@ -560,12 +711,16 @@ def check_acceptance(ws: Workspace) -> None:
         counts, kept = _speculate(S.accept_draft, P, Q, N, seed)
         joint = P[V][:, None, None] * P[:V][:, :, None] * P[:V][None, :, :]     # p(a) p(b | a) p(c | b)
         p_value, df = chi_square_p(counts, joint)
-        require(p_value > P_FAIL, f"{name}: the first three tokens of {N} runs do not follow the model's distribution "
-                                  f"(chi-square p = {p_value:.1e} over {df + 1} cells): keep a draft x with probability "
-                                  "min(1, p[x] / q[x]), and replace a rejected one by a draw from max(0, p - q), "
-                                  "normalised")
         want = np.minimum(P[V], Q[V]).sum()                     # the rule's acceptance: sum min(p, q)
         got, sd = kept / N, np.sqrt(want * (1 - want) / N)
+        wrong = (f"{name}: the first three tokens of {N} runs do not follow the model's "
+                 f"distribution (chi-square p = {p_value:.1e} over {df + 1} cells)")
+        require(p_value > P_FAIL or abs(got - want) < 5.3 * sd + 1e-12,
+                f"{wrong}, and {got:.1%} of first drafts were accepted where the rule accepts "
+                f"{want:.1%}: keep a draft x with probability min(1, p[x] / q[x])")
+        require(p_value > P_FAIL, f"{wrong}, though drafts are accepted as often as they "
+                                  "should be: replace a rejected draft by a draw from the "
+                                  "residual max(0, p - q), normalised")
         require(abs(got - want) < 5.3 * sd + 1e-12,
                 f"{name}: the tokens follow the model's distribution, but {got:.1%} of first drafts were accepted "
                 f"where min(1, p[x] / q[x]) accepts {want:.1%}: accept by that probability, not by another test")

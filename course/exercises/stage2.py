@@ -144,6 +144,17 @@ def check_store_kvcache(ws: Workspace) -> None:
         for name, pool, want in (("k_cache", pool_k.get(), want_k), ("v_cache", pool_v.get(), want_v)):
             got = pool[1]
             bad = np.argwhere(got != want)
+            flat, ok = got.reshape(NB * P, -1), slots >= 0      # [NB P, Hkv D]; tokens with a slot
+            where = f"store_kvcache (N = {N}, Hkv = {Hkv}, D = {D}, P = {P}): {name}"
+            k_rows = k.reshape(N, -1)
+            if len(bad) and name == "v_cache" and np.array_equal(flat[slots[ok]], k_rows[ok]):
+                raise CheckFailed(f"{where}: v_cache holds k's rows at the tokens' slots: "
+                                  "write v[n] there")
+            own = (k if name == "k_cache" else v).reshape(N, -1)
+            if len(bad) and np.array_equal(flat[np.flatnonzero(ok)], own[ok]):
+                raise CheckFailed(f"{where}: token n's row went to row n of the pool, its index "
+                                  f"in the batch: it goes to slot slot_mapping[n] (slot_mapping "
+                                  f"= {slots.tolist()})")
             if len(bad):
                 page, off, g, d = (int(i) for i in bad[0])
                 slot = page * P + off
@@ -194,8 +205,11 @@ def check_allocate(ws: Workspace) -> None:
         _allocate(bm, seq, n, f"allocate({seq.id}, {n})")
         what = f"allocate({seq.id}, {n}) with P = {P}"
         table = list(seq.block_table)
+        took_all = len(table) != pages and len(table) == len(held[seq.id]) + bm.pages_for(n)
+        extra = (f"; a sequence that holds pages needs pages_for({n}) minus the pages it holds"
+                 if took_all else "")
         require(len(table) == pages, f"{what}: {seq.id}'s block table holds {len(table)} pages {table}, "
-                                     f"expected {pages} ({why})")
+                                     f"expected {pages} ({why}{extra})")
         require(table[:len(held[seq.id])] == held[seq.id],
                 f"{what}: the pages {seq.id} held before, {held[seq.id]}, must stay first in its block table "
                 f"(position t lives in block_table[t // P]), got {table}")
@@ -327,10 +341,14 @@ def check_scheduler(ws: Workspace) -> None:
         setting = (f"{case['num_pages']} pages of {case['page_size']}, slots {case['slots']}, token budget "
                    f"{case['token_budget']}, arrivals (step, id, prompt, tokens) {case['arrivals']}")
         for step, (w, g) in enumerate(zip(want, got)):
+            tokens, why = sum(n for _, n in g["batch"]), what
+            if tokens > case["token_budget"]:
+                why = (f"{tokens} tokens is over the token budget of {case['token_budget']}: a "
+                       "sequence gets min(its uncomputed tokens, what the budget leaves)")
             if w["batch"] != g["batch"] or w["preempted"] != g["preempted"]:
                 raise CheckFailed(f"scheduler, {name} ({setting}): step {step}: expected {_describe(w)}, got "
                                   f"{_describe(g)}; running before the step: {want[step - 1]['running'] if step else []}"
-                                  f" ({what})")
+                                  f" ({why})")
             if w["pages"] != g["pages"] or w["free"] != g["free"]:
                 raise CheckFailed(f"scheduler, {name} ({setting}): step {step} schedules {_describe(g)} as expected, "
                                   f"but the pages held after it are {g['pages']} with {g['free']} free, expected "
@@ -343,6 +361,25 @@ def check_scheduler(ws: Workspace) -> None:
 # ---------------------------------------------------------------------------
 # 2.5 paged decode attention (decode_attention.cu)
 # ---------------------------------------------------------------------------
+
+def _paged_attention_np(q, k_cache, v_cache, tables, ctx, scaled: bool = True,
+                        kv_head=lambda h, H, Hkv: h // (H // Hkv),
+                        row_of=lambda table, t, P: table[t // P] * P + t % P) -> np.ndarray:
+    """Paged decode attention in float64 as a mistake computes it: query head h reads kv head
+    kv_head(h, H, Hkv); position t is row row_of(table, t, P) of the pool's [NB P] rows."""
+    S, H, D = q.shape
+    NB, P, Hkv, _ = k_cache.shape
+    ks, vs = k_cache.reshape(NB * P, Hkv, D), v_cache.reshape(NB * P, Hkv, D)
+    out = np.empty(q.shape)
+    for s in range(S):
+        rows = [int(row_of(tables[s], t, P)) for t in range(int(ctx[s]))]
+        for h in range(H):
+            g = kv_head(h, H, Hkv)
+            score = ks[rows, g].astype(np.float64) @ q[s, h] * (1 / np.sqrt(D) if scaled else 1.0)
+            e = np.exp(score - score.max())
+            out[s, h] = e @ vs[rows, g] / e.sum()
+    return out
+
 
 def check_decode_attention(ws: Workspace) -> None:
     kernel = build(ws, "stage2_batched/cuda/decode_attention.cu")["paged_decode_attention"]
@@ -358,10 +395,18 @@ def check_decode_attention(ws: Workspace) -> None:
             kernel((len(lens), H), (128,),
                    (dev(q), dev(k_cache), dev(v_cache), dev(tables), dev(ctx), out, np.int32(H), np.int32(Hkv),
                     np.int32(D), np.int32(P), np.int32(tables.shape[1]), np.float32(1 / np.sqrt(D))))
+        args = (q, k_cache, v_cache, tables, ctx)
+        mistakes = [("query head h reads kv head h / (H / Hkv): a group of H / Hkv neighbours "
+                     "shares one", _paged_attention_np(*args, kv_head=lambda h, H, Hkv: h % Hkv)),
+                    ("the scores are q . k without the 1/sqrt(D) scale",
+                     _paged_attention_np(*args, scaled=False)),
+                    ("position t was read as pool row t: its page is block_tables[s, t / P], "
+                     "offset t % P", _paged_attention_np(*args, row_of=lambda table, t, P: t))]
         assert_close(f"paged_decode_attention (H = {H}, Hkv = {Hkv}, D = {D}, P = {P}, context lengths {lens}, "
                      f"block tables {tables.tolist()})", out.get(), ops.paged_decode_attention(q, k_cache, v_cache,
                                                                                               tables, ctx),
                      atol=1e-5, rtol=1e-4, axes_names=("sequence", "head", "dim"),
+                     mistakes=mistakes,
                      hint="query head h reads kv head h / (H / Hkv); position t is at page block_tables[s, t / P], "
                           "offset t % P; softmax over all ctx positions, scaled by 1/sqrt(D)")
 

@@ -28,12 +28,18 @@ from .stage2 import build, dev, emulator, launches, paged
 
 
 def _bf16_close(name: str, got, want, axes_names, hint: str = "", min_exact: float = 0.9,
-                rtol: float = 2 ** -7, atol_of_scale: float = 1e-3) -> None:
+                rtol: float = 2 ** -7, atol_of_scale: float = 1e-3, mistakes=(),
+                nan_hint: str = "") -> None:
     """Two bf16 bit arrays: within rtol (2 bf16 steps) + atol_of_scale x max |want|, and at least
-    min_exact of them bit-identical (a kernel that computes something merely similar is not)."""
+    min_exact of them bit-identical (a kernel that computes something merely similar is not).
+    mistakes: (words, float result) as assert_close's; nan_hint replaces the hint when the
+    kernel wrote NaN where the twin has none."""
     got, want = np.asarray(got).view(np.ndarray), np.asarray(want).view(np.ndarray)
     scale = float(np.abs(ops.f32(want)).max())
-    assert_close(name, ops.f32(got), ops.f32(want), atol=atol_of_scale * scale, rtol=rtol, axes_names=axes_names, hint=hint)
+    if nan_hint and np.isnan(ops.f32(got)).any() and not np.isnan(ops.f32(want)).any():
+        hint = nan_hint
+    assert_close(name, ops.f32(got), ops.f32(want), atol=atol_of_scale * scale, rtol=rtol,
+                 axes_names=axes_names, hint=hint, mistakes=mistakes)
     exact = float(np.mean(got == want))
     require(exact >= min_exact, f"{name}: every value is close, but only {exact:.0%} are the same bf16 bits as the "
                                 f"twin's (expected at least {min_exact:.0%}): compute in fp32 and round once at the "
@@ -154,9 +160,21 @@ def check_split_merge(ws: Workspace) -> None:
         with _Bf16Pointers(), launches("merge_attention"):
             merge((S * H,), (32,), (dev(po), dev(pm), dev(ctx), out, np.int32(H), np.int32(D), np.int32(split),
                                     np.int32(splits)))
+        # the merge in float64 over the used splits, as two mistakes do it
+        on = used[:, None, :]                                                   # [S, 1, splits]
+        m = np.where(on, part_ml[..., 0], -np.inf).astype(np.float64)         # [S, H, splits]
+        l = np.where(on, part_ml[..., 1], 0.0).astype(np.float64)
+        e = np.exp(m - m.max(-1, keepdims=True))                                # exp(m_j - M)
+        acc = np.einsum("shj,shjd->shd", e, part_out.astype(np.float64))      # sum_j acc_j e_j
+        mistakes = [("the sum of l must be rescaled like the outputs: l_all = sum_j l_j "
+                     "exp(m_j - M)", acc / l.sum(-1, keepdims=True)),
+                    ("the merged output is not divided by l_all, the rescaled sum of the l_j", acc)]
         _bf16_close(f"merge_attention (H = {H}, D = {D}, context lengths {lens}, splits of {split}: "
                     f"{[(int(n) + split - 1) // split for n in lens]} used of {splits})",
                     out.get(), ops.merge_attention(part_out, part_ml), ("sequence", "head", "dim"),
+                    mistakes=mistakes, nan_hint="NaN: M or the sums took splits past the context, "
+                                                "which hold garbage: only the splits j < "
+                                                "ceil(ctx / split_len) count",
                     hint="M = max of the used splits' m; out = sum_j acc_j exp(m_j - M) / sum_j l_j exp(m_j - M), "
                          "over the splits j < ceil(ctx / split_len) only (the others hold garbage)")
 
@@ -164,6 +182,27 @@ def check_split_merge(ws: Workspace) -> None:
 # ---------------------------------------------------------------------------
 # 3.3 the online-softmax tile of the tensor-core prefill (prefill_attention_tc.cu)
 # ---------------------------------------------------------------------------
+
+def _prefill_np(q, kc, vc, tables, token_seq, seen_until, scaled: bool = True,
+                tile: int = 1) -> np.ndarray:
+    """Prefill attention in float64 as a mistake computes it: token n sees positions
+    0 .. seen_until[n] of its sequence, and keys of zeros after them up to a multiple of
+    `tile` keys (what an unmasked tile holds past its last position), its scores scaled by
+    1/sqrt(D) or not."""
+    N, H, D = q.shape
+    P, Hkv = kc.shape[1], kc.shape[2]
+    out = np.empty(q.shape)
+    for n in range(N):
+        t = np.arange(int(seen_until[n]) + 1)
+        pages, zeros = tables[token_seq[n], t // P], np.zeros(((-t.size) % tile, Hkv, D))
+        k = np.concatenate([ops.f32(kc[pages, t % P]).astype(np.float64), zeros])
+        v = np.concatenate([ops.f32(vc[pages, t % P]).astype(np.float64), zeros])
+        for h in range(H):
+            score = k[:, h // (H // Hkv)] @ ops.f32(q[n, h]) * (1 / np.sqrt(D) if scaled else 1.0)
+            e = np.exp(score - score.max())
+            out[n, h] = e @ v[:, h // (H // Hkv)] / e.sum()
+    return out
+
 
 def check_tc_tile(ws: Workspace) -> None:
     kernel = build(ws, "stage3_optimized/cuda/prefill_attention_tc.cu", prefix=fragment_shim())["prefill_attention_tc"]
@@ -188,6 +227,14 @@ def check_tc_tile(ws: Workspace) -> None:
                 counts.append(min(16, n - t))
             at += n
         G = H // Hkv
+        tile_end = np.empty(N, np.int32)                    # the last position of token n's tile
+        for a, c in zip(starts, counts):
+            tile_end[a:a + c] = positions[a + c - 1]
+        args = (q, kc, vc, tables, token_seq)
+        mistakes = [("the scores were not scaled by 1/sqrt(D)",
+                     _prefill_np(*args, positions, scaled=False)),
+                    ("a row sees keys after its own position: mask every key t > my_pos to -inf",
+                     _prefill_np(*args, tile_end, tile=16))]
         out = dev(np.zeros((N, H, D), np.uint16))
         with _Bf16Pointers(), launches("prefill_attention_tc"):
             kernel((len(starts), Hkv * ((G + WARPS - 1) // WARPS)), (32 * min(G, WARPS),),
@@ -196,12 +243,19 @@ def check_tc_tile(ws: Workspace) -> None:
                     np.int32(Hkv), np.int32(D), np.int32(P), np.int32(tables.shape[1]), np.float32(1 / np.sqrt(D))))
         # the twin keeps the probabilities in fp32, the kernel rounds P to bf16 for the tensor
         # cores: as in tests/test_stage3_lessons.py, 2^-6 relative, and a third bit-identical
-        _bf16_close(f"prefill_attention_tc (H = {H}, Hkv = {Hkv}, D = {D}, chunks (start, tokens) {chunks}; "
-                    f"token n is at position {positions.tolist()}[n])", out.get(),
-                    ops.prefill_attention(q, kc, vc, tables, token_seq, positions), ("token", "head", "dim"),
-                    hint="per key tile: S = Q K^T, mask keys after the row's position (t <= my_pos), "
-                         "m_new = max(m, tile max), rescale l and every o[kk][j] by exp(m - m_new), add P V",
-                    min_exact=0.33, rtol=2 ** -6, atol_of_scale=1e-2)
+        want = ops.prefill_attention(q, kc, vc, tables, token_seq, positions)
+        hint = ("per key tile: S = Q K^T, mask keys after the row's position (t <= my_pos), "
+                "m_new = max(m, tile max), rescale l and every o[kk][j] by exp(m - m_new), add P V")
+        # which tokens are wrong: only those whose keys span several tiles of 16 is the rescale
+        err = np.abs(ops.f32(out.get()) - ops.f32(want)).max(axis=(1, 2))        # [N]
+        wrong = err > 2 ** -6 * np.abs(ops.f32(want)).max()
+        if wrong.any() and (positions[wrong] >= 16).all() and not wrong[positions < 16].any():
+            hint = ("the rows whose keys span several key tiles are wrong, the others right: when "
+                    "a tile raises the max, rescale l and every o[kk][j] by exp(m - m_new)")
+        _bf16_close(f"prefill_attention_tc (H = {H}, Hkv = {Hkv}, D = {D}, chunks (start, tokens) "
+                    f"{chunks}; token n is at position {positions.tolist()}[n])", out.get(), want,
+                    ("token", "head", "dim"), hint=hint, mistakes=mistakes, min_exact=0.33,
+                    rtol=2 ** -6, atol_of_scale=1e-2)
 
 
 # ---------------------------------------------------------------------------
@@ -221,8 +275,19 @@ def check_rmsnorm(ws: Workspace) -> None:
             kernel((N,), (256,), (res, dev(w), h, np.int32(C), np.float32(1e-6)))
         assert_equal(f"{what}: the residual stream (read, never written)", res.get(), residual, ("row", "channel"),
                      hint="the kernel reads the residual and writes only h")
+        r64, w64 = residual.astype(np.float64), ops.f32(w).astype(np.float64)
+        ss = (r64 * r64).sum(-1, keepdims=True)
+        first = (r64[:, :256] ** 2).sum(-1, keepdims=True)        # a block's first stride only
+        mistakes = [("divided by sqrt(sum of r^2): divide the sum of squares by C, the row's "
+                     "length, for the mean", r64 / np.sqrt(ss + 1e-6) * w64),
+                    ("the normalised row is not scaled: multiply channel c by its weight w[c]",
+                     r64 / np.sqrt(ss / C + 1e-6)),
+                    ("the sum of squares skipped channels 256 and up: a block of 256 threads "
+                     "strides over every channel of the row (c += BLOCK)",
+                     r64 / np.sqrt(first / C + 1e-6) * w64)]
         _bf16_close(f"{what}: h", h.get(), ops.rmsnorm_bf16(residual, w, 1e-6), ("row", "channel"),
-                    hint="h = bf16(r / sqrt(mean(r^2) + eps) * w), the mean over all C values of the row")
+                    hint="h = bf16(r / sqrt(mean(r^2) + eps) * w), the mean over all C values of "
+                         "the row", mistakes=mistakes)
 
 
 # ---------------------------------------------------------------------------
