@@ -211,31 +211,7 @@ class ModelConfig:
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"hidden_act {act!r} is not supported; only 'silu' (SwiGLU)")
-        # transformers 4.x: rope_theta at top level and rope_scaling (or null);
-        # 5.x: rope_parameters holds rope_theta, rope_type and the scaling's numbers
-        params, scaling_4x = d.get("rope_parameters") or {}, d.get("rope_scaling") or {}
-        if not (isinstance(params, dict) and isinstance(scaling_4x, dict)):
-            raise ConfigError("rope_parameters and rope_scaling must be JSON objects (or null)")
-        rope = {**params, **scaling_4x}
-        rope_type = (scaling_4x.get("rope_type") or scaling_4x.get("type")
-                     or params.get("rope_type") or params.get("type") or "default")
-        if rope_type not in ("default", "llama3"):
-            raise ConfigError(f"rope type {rope_type!r} is not supported; only the default RoPE and "
-                              "'llama3' (Llama 3 / DeepSeek-R1-Distill-Llama scaling)")
-        if rope.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ConfigError("partial_rotary_factor != 1 is not supported: RoPE must rotate the whole head")
-        scaling = None
-        if rope_type == "llama3":
-            missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor",
-                                   "original_max_position_embeddings") if rope.get(k) is None]
-            if missing:
-                raise ConfigError(f"rope type 'llama3' needs {', '.join(missing)} in 'rope_scaling' "
-                                  "(or 'rope_parameters')")
-            scaling = RopeScaling(rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
-                                  rope["original_max_position_embeddings"])
-        theta = d.get("rope_theta", rope.get("rope_theta"))
-        if theta is None:
-            raise ConfigError("missing the key 'rope_theta' (or 'rope_parameters.rope_theta')")
+        scaling, theta = cls._rope(d)
 
         hidden, heads = need("hidden_size"), need("num_attention_heads")
         eos = d.get("eos_token_id")
@@ -271,6 +247,35 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+    @staticmethod
+    def _rope(d: dict) -> tuple[RopeScaling | None, float]:
+        """(Llama 3's RoPE scaling or None, rope theta) from transformers 4.x's keys (rope_theta,
+        and rope_scaling or null) or from 5.x's (one rope_parameters holds them all)."""
+        params, scaling_4x = d.get("rope_parameters") or {}, d.get("rope_scaling") or {}
+        if not (isinstance(params, dict) and isinstance(scaling_4x, dict)):
+            raise ConfigError("rope_parameters and rope_scaling must be JSON objects (or null)")
+        rope = {**params, **scaling_4x}
+        rope_type = (scaling_4x.get("rope_type") or scaling_4x.get("type")
+                     or params.get("rope_type") or params.get("type") or "default")
+        if rope_type not in ("default", "llama3"):
+            raise ConfigError(f"rope type {rope_type!r} is not supported, only the default RoPE "
+                              "and 'llama3' (Llama 3 / DeepSeek-R1-Distill-Llama scaling)")
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ConfigError("partial_rotary_factor must be 1: RoPE rotates the whole head")
+        scaling = None
+        if rope_type == "llama3":
+            missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                   "original_max_position_embeddings") if rope.get(k) is None]
+            if missing:
+                raise ConfigError(f"rope type 'llama3' needs {', '.join(missing)} in rope_scaling "
+                                  "(or 'rope_parameters')")
+            scaling = RopeScaling(rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
+                                  rope["original_max_position_embeddings"])
+        theta = d.get("rope_theta", rope.get("rope_theta"))
+        if theta is None:
+            raise ConfigError("missing the key 'rope_theta' (or 'rope_parameters.rope_theta')")
+        return scaling, theta
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelConfig":
