@@ -15,13 +15,9 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
-# OpenMP threads that spin while waiting steal the other core from whoever shares
-# the machine (and from our own second thread); every engine runs with this set.
-# OPENBLAS_THREAD_TIMEOUT: see stage1_cpu/__init__.py (numpy is imported before stage 1 in a
-# worker, so it must come from the environment); llama.cpp and torch do not use numpy's OpenBLAS.
-BENCH_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "OPENBLAS_THREAD_TIMEOUT": "4"}
 BUSY_LOAD = 0.5          # a 1-minute load above this (before we start) means someone else is running
 RESULT_TAG = "BENCH-RESULT "   # the line a worker prints its JSON result on
 
@@ -75,6 +71,32 @@ class NeighbourMeter:
         wall = time.perf_counter() - self.t0
         others = (self._busy() - self.busy0) - (self._ours() - self.ours0)
         return max(0.0, others / wall) if wall > 0 else float("nan")
+
+
+# a busy process: a pure-Python loop that ends once its parent (argv[1]) is gone
+BUSY_LOOP = "import os, sys\nwhile os.getppid() == int(sys.argv[1]):\n    sum(range(10**6))"
+
+
+@contextmanager
+def busy_cores(n: int):
+    """`with busy_cores(n) as busy:` n processes that each keep a core busy (BUSY_LOOP: the browser
+    or the build on a student's laptop) while the block runs. They end with the block however it
+    ends (an error, Ctrl-C); should this process die first, each sees its parent gone within a
+    moment and ends. busy["pids"]; busy["cores"], once the block ends: the cores they kept busy on
+    average (their CPU seconds, read as they are reaped, over the wall time)."""
+    procs, busy, t0 = [], {"pids": [], "cores": 0.0}, time.perf_counter()
+    cmd, quiet = [sys.executable, "-c", BUSY_LOOP, str(os.getpid())], subprocess.DEVNULL
+    try:
+        for _ in range(n):                               # (quiet: Ctrl-C reaches them too)
+            procs.append(subprocess.Popen(cmd, stdin=quiet, stdout=quiet, stderr=quiet))
+            busy["pids"].append(procs[-1].pid)
+        yield busy
+    finally:
+        for p in procs:
+            p.kill()
+            _, status, usage = os.wait4(p.pid, 0)         # reaped here, for its CPU time
+            p.returncode = os.waitstatus_to_exitcode(status)
+            busy["cores"] += (usage.ru_utime + usage.ru_stime) / (time.perf_counter() - t0)
 
 
 def cpu_flags() -> tuple[str, set[str]]:
@@ -208,8 +230,10 @@ def peak_rss_mib() -> float:
 
 def policy_env(omp_wait_policy: str, extra: dict | None = None) -> dict:
     """This process's environment for a benchmark's child under an OpenMP wait policy: PASSIVE,
-    ACTIVE, or "default" (unset: the OpenMP runtime's own choice, libgomp spins a while)."""
-    env = dict(os.environ, **BENCH_ENV, **(extra or {}))
+    ACTIVE, or "default", unset, as users run the engines: stage 1 then chooses its own (stage1_cpu/
+    __init__.py), llama.cpp leaves it to OpenMP (libgomp spins a while). OPENBLAS_THREAD_TIMEOUT
+    comes from bench/__init__.py (a worker imports numpy before stage 1 could set it)."""
+    env = dict(os.environ, **(extra or {}))
     if omp_wait_policy == "default":
         env.pop("OMP_WAIT_POLICY", None)
     else:

@@ -29,6 +29,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -39,9 +40,10 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import (BandwidthProbe, NeighbourMeter, check_load, cpu_flags, emit_result, fmt_num,
-                          items, load_1min, machine_description, markdown_table, measure_bandwidth, median,
-                          policy_env, run_worker, save_json, stage1_bytes)
+from bench.common import (BandwidthProbe, NeighbourMeter, busy_cores, check_load, cpu_flags,
+                          emit_result, fmt_num, items, load_1min, machine_description,
+                          markdown_table, measure_bandwidth, median, policy_env, run_worker,
+                          save_json, stage1_bytes)
 from common.engine import Request
 from common.gguf_write import write_gguf
 from common.numba_cache import set_threads as set_numba_threads
@@ -58,7 +60,8 @@ LLAMA_FORMAT = {"bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}
 # an AVX-512 host standing in for an AVX2 CPU: the workers inherit NUMBA_CPU_NAME=haswell (with
 # NUMBA_CPU_FEATURES) and LLAMA_CPP_LIB_PATH from the caller (docs/benchmarks.md)
 STAND_IN = os.environ.get("NUMBA_CPU_NAME") == "haswell"
-POLICIES = {"both": ["PASSIVE", "default"], "PASSIVE": ["PASSIVE"], "ACTIVE": ["ACTIVE"], "default": ["default"]}
+POLICIES = {"both": ["PASSIVE", "default"], "all": ["PASSIVE", "ACTIVE", "default"],
+            "PASSIVE": ["PASSIVE"], "ACTIVE": ["ACTIVE"], "default": ["default"]}
 
 
 
@@ -327,6 +330,7 @@ def worker(spec: dict) -> None:
         t0 = time.perf_counter()
         runner = make_runner(spec, n0)
         result["load_s"] = time.perf_counter() - t0
+        result["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY", "unset")   # stage 1's chosen
         if spec.get("check_ids") and spec["engine"] != "llama.cpp":
             np.save(spec["check_out"], runner.all_logits(spec["check_ids"]))
         if spec.get("check_ids"):
@@ -390,9 +394,11 @@ class Row:
 def table_plans(args) -> list[dict]:
     """Which runs each table makes: one table per wait policy. The first measures
     everything asked for (every thread count, the logits check); the next ones, in a full
-    run, only the largest thread count, so that two policies cost ~1.5x one, not 2x."""
+    run, only the largest thread count, so that two policies cost ~1.5x one, not 2x.
+    With --busy the default policy comes first: the busy table shows it at every count."""
+    policies = sorted(POLICIES[args.omp_wait_policy], key=lambda p: args.busy and p != "default")
     return [{"policy": policy, "threads": args.threads if i == 0 or args.quick else [max(args.threads)],
-             "check": i == 0} for i, policy in enumerate(POLICIES[args.omp_wait_policy])]
+             "check": i == 0} for i, policy in enumerate(policies)]
 
 
 def stage1_label(kernels: str) -> str:
@@ -419,6 +425,21 @@ def jobs_for(args, shape: Shape, paths: dict, plan: dict, tmp: Path) -> list[tup
             jobs.append(("llama.cpp", gguf_decode_bytes(paths[q], shape) if paths[q].exists() else None,
                          dict(engine="llama.cpp", fmt=q, path=str(paths[q]), **check(f"llama.cpp-{q}.npy"))))
     return jobs
+
+
+def run_tables(args, shape: Shape, paths: dict, log, check: bool = True) -> list[dict]:
+    """A table per wait policy (table_plans), with the cores other processes used meanwhile;
+    check False: no logits check (beside busy processes: the same weights, checked quiet)."""
+    tables = []
+    for plan in table_plans(args):
+        plan = dict(plan, check=plan["check"] and check)
+        log(f"--- table: OMP_WAIT_POLICY={plan['policy']}, threads {plan['threads']}")
+        t0, table_meter = time.perf_counter(), NeighbourMeter()
+        rows, checked = run_table(args, shape, paths, log, plan)
+        others = table_meter.cores_used_by_others()
+        tables.append({"plan": plan, "rows": rows, "check": checked, "others": others,
+                       "wall_s": time.perf_counter() - t0})
+    return tables
 
 
 def run_table(args, shape: Shape, paths: dict, log, plan: dict) -> tuple[list[Row], dict]:
@@ -627,14 +648,63 @@ def save_results(args, shape: Shape, tables: list[dict], bw: dict, others: float
     rows = [dict(policy=pol, threads=n, engine=e, format=f, mb_per_token=row.weight_bytes / 1e6, decode_tok_s=v)
             for (e, f, n, m), (v, pol, row, _) in found.items()
             if m == "decode" and n == max(args.threads) and row.weight_bytes]
-    versions = {pkg: importlib.metadata.version(pkg) for pkg, module in (("llama-cpp-python", "llama_cpp"), ("numba", "numba"),
-                ("torch", "torch"), ("transformers", "transformers")) if importlib.util.find_spec(module)}
     save_json(args.save, "python -m bench cpu " + " ".join(args.argv),
               cpu_flags=sorted(f for f in cpu_flags()[1] if f.startswith(("avx", "fma", "f16c"))),
               cpu_profile="avx2" if STAND_IN else "native", shape=shape.name, quick=args.quick, threads=args.threads,
-              others_cores=round(others, 2), versions=versions, bandwidth_gb_s=max(bw["read"].values()), rows=rows,
+              others_cores=round(others, 2), versions=versions(),
+              bandwidth_gb_s=max(bw["read"].values()), rows=rows,
               best=saved_best(found) + ik, isa=sorted({f"{r.engine} {r.fmt}: {r.result['isa']}" for r in tables[0]["rows"]
                                      if r.result.get("isa")}))
+
+
+def versions() -> dict:
+    """The versions of the engines' packages (and numba's, torch's) a saved run ran on."""
+    packages = {"llama-cpp-python": "llama_cpp", "numba": "numba", "torch": "torch",
+                "transformers": "transformers"}
+    return {pkg: importlib.metadata.version(pkg) for pkg, module in packages.items()
+            if importlib.util.find_spec(module)}
+
+
+def busy_results(args, loads: list[dict]) -> dict:
+    """A --busy run as --save writes it: per load, its busy processes, the cores they and the rest
+    of the machine kept busy, each engine's best figures (`best`, as save_results saves them), those
+    of its default wait policy (`default`) and what that was (`ran_as`: stage 1's own choice)."""
+    def figures(tables: list[dict], policy: str | None = None) -> list[dict]:
+        chosen = [t for t in tables if policy in (None, t["plan"]["policy"])]
+        return saved_best(best_by_policy(args, chosen))
+    return dict(shape=args.shape.name, threads=args.threads, versions=versions(), loads=[dict(
+        busy=load["busy"], busy_cores=round(load["busy_cores"], 2),
+        others_cores=round(load["others"], 2), best=figures(load["tables"]),
+        default=figures(load["tables"], "default"),
+        ran_as={r.engine: r.result.get("omp_wait_policy") for t in load["tables"] for r in t["rows"]
+                if t["plan"]["policy"] == "default"}) for load in loads])
+
+
+def busy_table(data: dict) -> str:
+    """A --busy run (busy_results) as a table: per engine, format, thread count and metric (decode,
+    prefill), its figure at its default wait policy and at its best, quiet and beside each number
+    of busy processes, with the share of its own quiet figure it keeps there."""
+    loads = data["loads"]
+    got = [{kind: {(b["engine"], b["format"], b["threads"], b["metric"]): b for b in load[kind]}
+            for kind in ("default", "best")} for load in loads]
+    rows = []
+    order = lambda k: (k[0] == "llama.cpp", k[:3], k[3] != "decode", len(k[3]), k[3])  # noqa: E731
+    for key in sorted((k for k in got[0]["best"] if not k[3].startswith("ttft")), key=order):
+        for kind in ("default", "best"):
+            quiet, cells = got[0][kind].get(key), []
+            for i, g in enumerate(got):
+                b = g[kind].get(key)
+                notes = [b["policy"]] * (kind == "best") if b else []
+                notes += [f"{100 * b['value'] / quiet['value']:.0f} %"] if i and b and quiet else []
+                notes = f" ({', '.join(notes)})" if notes else ""
+                cells.append(f"{b['value']:.1f}{notes}" if b else "–")
+            what = "decode tok/s" if key[3] == "decode" else f"prefill {key[3]} tok/s"
+            ran_as = loads[0]["ran_as"].get(key[0], "?")
+            policy = f"default ({ran_as})" if kind == "default" else kind
+            rows.append([*key[:2], str(key[2]), what, policy, *cells])
+    busy = [f"{x['busy']} busy core{'s' * (x['busy'] > 1)}" for x in loads[1:]]
+    head = ["engine", "format", "threads", "what", "wait policy", "quiet", *busy]
+    return markdown_table(head, rows)
 
 
 # ------------------------------------------------------------------ the command line
@@ -668,9 +738,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="prompt lengths whose time to first token is reported (chat-sized "
                         "prompts; '' for none; default %(default)s)")
     p.add_argument("--omp-wait-policy", default=None, choices=list(POLICIES),
-                   help="OMP_WAIT_POLICY for every engine: both (a table under PASSIVE, then one under the "
-                        "runtime's default; the headline takes each engine at its best), PASSIVE, ACTIVE or "
-                        "default. Default: both; --quick: PASSIVE")
+                   help="OMP_WAIT_POLICY for every engine: both (a table under PASSIVE, then one "
+                        "under each engine's default, as users run it: unset; the headline takes "
+                        "each engine at its best), all (ACTIVE too), PASSIVE, ACTIVE or default. "
+                        "Default: both; --quick: PASSIVE")
+    p.add_argument("--busy", type=int, default=0, metavar="N",
+                   help="the same comparison quiet, then beside 1..N processes that each keep a "
+                        "core busy (a busy laptop), each engine at its default wait policy and its "
+                        "best; --save writes the busy table's JSON (docs/results/busy.json). "
+                        "Default 0")
     p.add_argument("--ik-bench", type=Path, default=None, help="ik_llama.cpp's llama-bench, built by hand: "
                    "its prefill and decode on the same GGUF files, saved as a column beside llama.cpp's")
     p.add_argument("--out", type=Path, default=None, help="also write the markdown summary to this file")
@@ -692,9 +768,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.shape = SHAPES[args.shape or ("quick" if args.quick else "0.6b")]
     args.threads = args.threads or ([min(2, os.cpu_count() or 1)] if args.quick else [1, 2])
     args.runs = args.runs or (2 if args.quick else 3)
-    args.omp_wait_policy = args.omp_wait_policy or ("PASSIVE" if args.quick else "both")
+    quick = args.quick and not args.busy
+    args.omp_wait_policy = args.omp_wait_policy or ("PASSIVE" if quick else "both")
     if any(t < 1 for t in args.threads) or args.runs < 1 or args.decode_tokens < 1 or not args.prompt_lens:
         p.error("--threads, --runs, --decode-tokens and --prompt-lens must be positive")
+    if args.busy < 0 or args.busy and "default" not in POLICIES[args.omp_wait_policy]:
+        p.error("--busy N compares each engine as users run it: N >= 0, with the default policy")
     if max([*args.prompt_lens, *args.ttft_lens, args.decode_prompt]) + args.decode_tokens + 1 > MAX_CTX:
         p.error(f"prompt length + decode tokens must stay under the {MAX_CTX}-token context the engines are given")
     return args
@@ -720,13 +799,16 @@ def main(argv: list[str] | None = None) -> int:
     mib = 256 if args.quick else 1024
     log("measuring memory bandwidth ...")
     bw = measure_bandwidth(args.threads, mib=mib)
-    tables = []
-    for plan in table_plans(args):
-        log(f"--- table: OMP_WAIT_POLICY={plan['policy']}, threads {plan['threads']}")
-        t0, table_meter = time.perf_counter(), NeighbourMeter()
-        rows, check = run_table(args, shape, paths, log, plan)
-        tables.append({"plan": plan, "rows": rows, "check": check, "wall_s": time.perf_counter() - t0,
-                       "others": table_meter.cores_used_by_others()})
+    loads = []
+    for n in range(args.busy + 1):                # --busy N: quiet, then beside 1..N busy processes
+        load_meter = NeighbourMeter()             # (the busy ones count as ours once reaped)
+        with busy_cores(n) as busy:
+            if n:
+                log(f"=== beside {n} busy process{'es' * (n > 1)} (pids {busy['pids']})")
+            tables = run_tables(args, shape, paths, log, check=n == 0)
+        around = load_meter.cores_used_by_others()
+        loads.append(dict(busy=n, busy_cores=busy["cores"], others=around, tables=tables))
+    tables = loads[0]["tables"]
     ik = ik_llama_bench(args, paths, log) if args.ik_bench else []
     load_after, others = load_1min(), meter.cores_used_by_others()
     log(check_load("after") + " (this counts the benchmark's own threads)")
@@ -735,12 +817,18 @@ def main(argv: list[str] | None = None) -> int:
     end = measure_bandwidth(args.threads, mib=mib)
     bw = {"read": {n: max(bw["read"][n], end["read"][n]) for n in args.threads}, "start": bw, "end": end}
     text = report(args, shape, tables, bw, (load_before, load_after, others), ik)
+    busy_run = busy_results(args, loads) if args.busy else None
+    text += ("\n### Beside busy processes: each engine at its default wait policy and its best\n\n"
+             + busy_table(busy_run) + "\n") if busy_run else ""
     text += f"\n(total {time.perf_counter() - t_start:.0f} s)\n"
     print("\n" + text)
     if args.out:
         args.out.write_text(text)
-    if args.save:
+    if args.save and busy_run:
+        save_json(args.save, "python -m bench cpu " + shlex.join(args.argv), **busy_run)
+    elif args.save:
         save_results(args, shape, tables, bw, others, ik)
+    if args.save:
         log(f"results written to {args.save}")
     return 0
 

@@ -29,11 +29,8 @@ activation each); the median is reported.
 """
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before numba starts its threads (bench/common.py)
-
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -46,7 +43,8 @@ from numba import njit, prange
 
 from bench.common import NeighbourMeter, check_load, machine_description, markdown_table, save_json
 from bench.cpu import SHAPES
-from stage1_cpu import fast, kernels, matmul
+from common.numba_cache import set_threads
+from stage1_cpu import fast, matmul
 from stage1_cpu.fast import cpu
 from stage1_cpu.quant import Weight, _padded
 
@@ -125,7 +123,7 @@ def time_rungs(rungs: list, T: int, reps: int, rng: np.random.Generator, log=pri
     and multiply-adds of one pass over the matrices (for GB/s and GMAC/s)."""
     rows, key = [], "ms_per_token" if T == 1 else "ms_per_prompt_token"
     for i, (name, fmt, n, mats, step) in enumerate(rungs):
-        kernels.set_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+        set_threads(min(n, numba.config.NUMBA_NUM_THREADS))
         ms = time_matrices(step, mats, T, reps, rng)
         rows.append({"rung": i + 1 if T == 1 else f"P{i + 1}", "what": name, "weights": fmt, "threads": n,
                      "mb_per_token": sum(w.nbytes for w in mats) / 1e6, key: statistics.median(ms),

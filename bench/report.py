@@ -5,8 +5,9 @@ between them is this program's. NAME: cpu (stage 1 ÷ llama.cpp per CPU class: i
 decode, prefill 128 / 512), cpu-full (every metric of each saved CPU run), ladder / prefill
 (the ablation ladder's rungs), prefill-profile (bench profile --save: where a prefill's time
 goes), lessons (the stage 2 -> 3 ladder, counted), lines (each `path` (N) in the block given
-its line count again, to 2 digits), speculative (bench cpu --speculative, per task). CPU runs:
-docs/results/cpu-*.json (`bench cpu --save`), the rest docs/figures/*.json.
+its line count again, to 2 digits), speculative (bench cpu --speculative, per task), busy
+(bench cpu --busy). CPU runs: docs/results/cpu-*.json (`bench cpu --save`) and busy.json
+(`--busy`), the rest docs/figures/*.json.
 --check writes nothing, exits 1 naming each stale table.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from bench import lessons
 from bench.common import markdown_table
-from bench.cpu import LLAMA_FORMAT, at_threads, comparison
+from bench.cpu import LLAMA_FORMAT, at_threads, busy_table, comparison
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = re.compile(r"(<!-- report: ([\w-]+) -->\n)(.*?)(<!-- /report -->)", re.S)
@@ -66,6 +67,21 @@ def cpu_full(root: Path) -> str:
     out = [line for run in cpu_runs(root)
            for line in (caption(run), "", comparison(at_threads(run["best"], max(run["threads"]))), "")]
     return "\n".join(out) if out else cpu_table(root)
+
+
+def busy(root: Path) -> str:
+    """bench cpu --busy's saved run (docs/results/busy.json): its table, then the machine, the
+    command and the cores the busy processes and other programs used beside each load."""
+    path = root / "docs" / "results" / "busy.json"
+    if not path.is_file():
+        return ("Not measured yet: `python -m bench cpu --busy 2 --formats int8 --prompt-lens 128 "
+                "--ttft-lens '' --save docs/results/busy.json`, then `python -m bench report`.\n")
+    d = json.loads(path.read_text())
+    cores = "; ".join(f"{x['busy']}: they {x['busy_cores']:.2f}, others {x['others_cores']:.2f}"
+                      for x in d["loads"])
+    llama = d["versions"].get("llama-cpp-python", "not installed")
+    return (busy_table(d) + f"\n\n- {d['machine']}; {d['date']}; llama-cpp-python {llama}; cores "
+            f"used beside each number of busy processes, {cores}; `{d['command']}`\n")
 
 
 def ladder(root: Path, key: str = "rows") -> str:
@@ -175,7 +191,7 @@ def prefill_profile(root: Path) -> str:
 
 
 TABLES = {"cpu": cpu_table, "prefill-profile": prefill_profile, "cpu-full": cpu_full, "ladder": ladder, "lessons": counted,
-          "prefill": lambda root: ladder(root, "prefill"), "speculative": speculative,
+          "busy": busy, "prefill": lambda root: ladder(root, "prefill"), "speculative": speculative,
           **{name: lambda root, name=name: serve(root, name) for name in SERVE}}
 
 

@@ -133,7 +133,7 @@ class ChatTemplate:
             from common.gguf import open_gguf    # GGUF code loads only for a GGUF model
             return cls(*open_gguf(g).chat_template(BUILTIN_CHATML))
         cfg_path = folder / "tokenizer_config.json"
-        cfg = read_json(cfg_path, ChatTemplateError) if cfg_path.is_file() else {}
+        cfg = read_json(cfg_path, ChatTemplateError)
         bos, eos = token_text(cfg.get("bos_token")), token_text(cfg.get("eos_token"))
 
         jinja_path = folder / "chat_template.jinja"

@@ -47,7 +47,9 @@ def is_positive(x) -> bool:                   # a finite number > 0 (NaN fails e
 
 
 def read_json(path: Path, error: type[ValueError] = ConfigError) -> dict:
-    """A JSON object file -> dict; anything else raises error(a message naming the file)."""
+    """A JSON object file -> dict, {} without a file; else error(a message naming the file)."""
+    if not path.is_file():
+        return {}
     try:
         d = json.loads(path.read_bytes())
     except ValueError as e:                        # not JSON, or not UTF-8
@@ -55,6 +57,11 @@ def read_json(path: Path, error: type[ValueError] = ConfigError) -> dict:
     if not isinstance(d, dict):
         raise error(f"{path} must hold a JSON object, not {type(d).__name__}")
     return d
+
+
+def id_list(value) -> list:
+    """eos_token_id as config files write it (an id, a list of ids, null) -> a list, unchecked."""
+    return [] if value is None else value if isinstance(value, list) else [value]
 
 
 def gguf_path(path: str | Path) -> Path | None:
@@ -182,8 +189,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
-        archs = d.get("architectures") or [None]
-        arch = archs[0] if isinstance(archs, list) else archs
+        arch = archs[0] if isinstance(archs := d.get("architectures") or [None], list) else archs
         if arch is None:
             family = d.get("model_type") if d.get("model_type") in ARCHITECTURES.values() else None
             if family is None:
@@ -204,8 +210,7 @@ class ModelConfig:
                               "bias; only qwen2 and qwen2_moe have q/k/v biases)")
         if d.get("mlp_bias"):
             raise ConfigError("mlp_bias=true is not supported (the MLP projections have no bias)")
-        types = d.get("layer_types")
-        if d.get("use_sliding_window") or isinstance(types, list) and "sliding_attention" in types:
+        if d.get("use_sliding_window") or "sliding_attention" in str(d.get("layer_types")):
             raise ConfigError("sliding-window attention (use_sliding_window=true) is not supported; "
                               "every layer must attend over the whole context")
         act = d.get("hidden_act", "silu")
@@ -214,8 +219,6 @@ class ModelConfig:
         scaling, theta = cls._rope(d)
 
         hidden, heads = need("hidden_size"), need("num_attention_heads")
-        eos = d.get("eos_token_id")
-        eos_ids = [] if eos is None else (eos if isinstance(eos, list) else [eos])
         moe = family in MOE_FAMILIES
         experts = d.get("num_experts", d.get("num_local_experts")) if moe else 0
         if moe and experts is None:
@@ -245,13 +248,12 @@ class ModelConfig:
             shared_expert_intermediate_size=(need("shared_expert_intermediate_size")
                                              if family == "qwen2_moe" else 0),
             bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            eos_token_ids=id_list(d.get("eos_token_id")),
         )
 
     @staticmethod
     def _rope(d: dict) -> tuple[RopeScaling | None, float]:
-        """(Llama 3's RoPE scaling or None, rope theta) from transformers 4.x's keys (rope_theta,
-        and rope_scaling or null) or from 5.x's (one rope_parameters holds them all)."""
+        """(Llama 3's RoPE scaling or None, theta), from 4.x's keys or 5.x's rope_parameters."""
         params, scaling_4x = d.get("rope_parameters") or {}, d.get("rope_scaling") or {}
         if not (isinstance(params, dict) and isinstance(scaling_4x, dict)):
             raise ConfigError("rope_parameters and rope_scaling must be JSON objects (or null)")
@@ -263,19 +265,18 @@ class ModelConfig:
                               "and 'llama3' (Llama 3 / DeepSeek-R1-Distill-Llama scaling)")
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
             raise ConfigError("partial_rotary_factor must be 1: RoPE rotates the whole head")
-        scaling = None
-        if rope_type == "llama3":
-            missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor",
-                                   "original_max_position_embeddings") if rope.get(k) is None]
-            if missing:
-                raise ConfigError(f"rope type 'llama3' needs {', '.join(missing)} in rope_scaling "
-                                  "(or 'rope_parameters')")
-            scaling = RopeScaling(rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
-                                  rope["original_max_position_embeddings"])
         theta = d.get("rope_theta", rope.get("rope_theta"))
         if theta is None:
             raise ConfigError("missing the key 'rope_theta' (or 'rope_parameters.rope_theta')")
-        return scaling, theta
+        if rope_type != "llama3":
+            return None, theta
+        missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor",
+                               "original_max_position_embeddings") if rope.get(k) is None]
+        if missing:
+            raise ConfigError(f"rope type 'llama3' needs {', '.join(missing)} in 'rope_scaling' "
+                              "(or 'rope_parameters')")
+        return RopeScaling(rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
+                           rope["original_max_position_embeddings"]), theta
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelConfig":
@@ -302,9 +303,8 @@ class ModelConfig:
         gen = folder / "generation_config.json"
         if folder.is_dir() and gen.is_file():
             g = read_json(gen).get("eos_token_id")
-            ids = [] if g is None else g if isinstance(g, list) else [g]
-            if not all(map(is_int, ids)):
+            if not all(map(is_int, id_list(g))):
                 raise ConfigError(f"{gen}: eos_token_id must be an id or a list of ids, got {g!r}")
-            for t in ids:
+            for t in id_list(g):
                 if t not in cfg.eos_token_ids:
                     cfg.eos_token_ids.append(t)

@@ -540,18 +540,15 @@ class GGUFWeightLoader:
         out = np.ascontiguousarray(dequantize(np.ascontiguousarray(raw), ttype), dtype=np.float32)
         return out.reshape(-1, shape[1]) if len(shape) == 2 else out.reshape(shape)
 
-    def expected_shape(self, key: str):
-        return self.config.expected_shape(key)
-
     def layer(self, key: str, layer: int, expert: int | None = None, dtype=np.float32):
-        name = LAYER_NAMES[key].format(i=layer)
-        return self._read(name, key, expert if key in EXPERT_KEYS else None, None, self.expected_shape(key))
+        name, shape = LAYER_NAMES[key].format(i=layer), self.config.expected_shape(key)
+        return self._read(name, key, expert if key in EXPERT_KEYS else None, None, shape)
 
     def glob(self, key: str, dtype=np.float32, rows: slice | None = None):
         """A model-wide tensor: embed, final_norm, lm_head (the embedding when tied)."""
         if key == "lm_head" and GLOBAL_NAMES["lm_head"] not in self.file.tensors:
             key = "embed"
-        return self._read(GLOBAL_NAMES[key], key, None, rows, self.expected_shape(key))
+        return self._read(GLOBAL_NAMES[key], key, None, rows, self.config.expected_shape(key))
 
     def fused(self, keys: list[str], layer: int, expert: int | None = None, dtype=np.float32):
         """Several projections of one layer stacked by rows (WeightLoader.fused)."""

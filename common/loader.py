@@ -103,12 +103,10 @@ class _File:
                 raise LoaderError(f"{path}: header length {n} exceeds the file size {size}; "
                                   "the file is truncated or not a safetensors file")
             try:
-                self.header = json.loads(f.read(n))
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                self.header = None
-        if not isinstance(self.header, dict):
-            raise LoaderError(f"{path}: the safetensors header is not a valid JSON object; "
-                              "the file is corrupt, download it again")
+                self.header = dict(json.loads(f.read(n)))      # a JSON object, or an error
+            except (ValueError, TypeError):
+                raise LoaderError(f"{path}: the safetensors header is not a valid JSON object; "
+                                  "the file is corrupt, download it again") from None
         self.header.pop("__metadata__", None)
         for name, info in self.header.items():     # each {dtype, shape, data_offsets: [begin, end]}
             at, shape = map((info if type(info) is dict else {}).get, ("data_offsets", "shape"))
@@ -221,18 +219,15 @@ class WeightLoader:
         return out if out.dtype == dtype else out.astype(dtype)
 
     # --- the rename table, with the shapes config.json implies ---
-    def expected_shape(self, key: str) -> tuple[int, ...] | None:
-        return self.config.expected_shape(key)
-
     def layer(self, key: str, layer: int, expert: int | None = None, dtype=np.float32) -> np.ndarray:
         name = LAYER_NAMES[key].format(i=layer, e=expert)
-        return self.get(name, dtype, self.expected_shape(key))
+        return self.get(name, dtype, self.config.expected_shape(key))
 
     def glob(self, key: str, dtype=np.float32, rows: slice | None = None) -> np.ndarray:
         """A model-wide tensor: embed, final_norm, lm_head (the embedding when tied)."""
         if key == "lm_head" and (self.config.tie_word_embeddings or GLOBAL_NAMES["lm_head"] not in self):
             key = "embed"
-        return self.get(GLOBAL_NAMES[key], dtype, self.expected_shape(key), rows)
+        return self.get(GLOBAL_NAMES[key], dtype, self.config.expected_shape(key), rows)
 
     def fused(self, keys: list[str], layer: int, expert: int | None = None, dtype=np.float32) -> np.ndarray:
         """Several projections of one layer stacked along the output axis, e.g.

@@ -101,10 +101,25 @@ def set_threads(n: int | None) -> int:
     return n
 
 
-def threading_layer() -> str:
-    """numba's threading layer, for the banner: omp, tbb or workqueue (NUMBA_THREADING_LAYER's,
-    else the first that loads). Asking for the thread count starts the threads, if no parallel
-    kernel has yet, and with them the layer."""
+# how numba's idle omp threads wait and who chose it, for the banner (wait_policy() sets it)
+OMP_IDLE = "spin a while, then sleep (OpenMP's default)"
+
+
+def wait_policy(choice: str, why: str) -> None:
+    """OMP_WAIT_POLICY as the user set it, else the stage's `choice` (`why`: its reason), set now:
+    libgomp (numba's omp layer) reads it once, when numba starts its threads (docs/cpus.md)."""
+    global OMP_IDLE
+    user = os.environ.get("OMP_WAIT_POLICY", "").strip()
+    os.environ["OMP_WAIT_POLICY"] = policy = user or choice
+    how = {"ACTIVE": "spin", "PASSIVE": "sleep"}.get(policy.upper(), "spin a while, then sleep")
+    OMP_IDLE = f"{how} when idle ({policy}, " + ("as you set)" if user else f"chosen: {why})")
+
+
+def threads() -> str:
+    """numba's threading layer (NUMBA_THREADING_LAYER's, else the first that loads: omp, tbb or
+    workqueue) and how its idle threads wait, for the banner: OMP_WAIT_POLICY is OpenMP's alone
+    (workqueue's idle threads sleep, TBB's spin a moment first)."""
     import numba
-    numba.get_num_threads()
-    return numba.threading_layer()
+    numba.get_num_threads()        # starts the threads (if no parallel kernel has) and the layer
+    layer = numba.threading_layer()
+    return f"{layer} threads " + (OMP_IDLE if layer == "omp" else "(OMP_WAIT_POLICY: omp only)")

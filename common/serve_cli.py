@@ -98,7 +98,10 @@ def main(build_engine: Callable[[Path, argparse.Namespace], Any], argv: list[str
             else:
                 engine = build_engine(folder, args)
             state.set_ready(engine, tokenizer, template, folder, args.max_ctx)
-            print(f"ready: http://{host}:{bound[1]}/v1 serves {name!r} (max ctx {state.max_ctx})", flush=True)
+            # stage 1's kernels and how idle threads wait (--engine-process: the child has them)
+            kernels = engine.describe_kernels() if hasattr(engine, "describe_kernels") else ""
+            print(f"ready: http://{host}:{bound[1]}/v1 serves {name!r} (max ctx {state.max_ctx})"
+                  + f" · {kernels}" * bool(kernels), flush=True)
         except Exception as e:
             bad_model = isinstance(e, (ValueError, OSError))
             if not bad_model:                       # a bug, not a bad folder: keep the traceback

@@ -19,15 +19,11 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from common.config import gguf_path, is_int, read_json
+from common.config import gguf_path, id_list, is_int, read_json
 
 
 class TokenizerError(ValueError):
     """A model folder whose tokenizer cannot be loaded; the message says what to do."""
-
-
-def _read_json(path: Path) -> dict:                 # {} when the file does not exist
-    return read_json(path, TokenizerError) if path.is_file() else {}
 
 
 def token_text(value) -> str | None:
@@ -35,12 +31,6 @@ def token_text(value) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) and value else None
-
-
-def _as_id_list(value) -> list[int]:
-    """config files write eos_token_id as one int or a list of ints (ModelConfig names others)."""
-    ids = [] if value is None else value if isinstance(value, list) else [value]
-    return [i for i in ids if is_int(i)]
 
 
 class Tokenizer:
@@ -51,12 +41,11 @@ class Tokenizer:
             # a GGUF file: vocabulary, merges, pre-tokenizer and special tokens from its metadata
             from common.gguf import open_gguf    # GGUF code loads only for a GGUF model
             self._tok, tok_cfg, model_cfg = open_gguf(g).tokenizer_parts()
-            gen_cfg = _read_json(self.folder / "generation_config.json") if self.folder.is_dir() else {}
         else:
             self._tok = self._load_json(self.folder / "tokenizer.json")
-            tok_cfg = _read_json(self.folder / "tokenizer_config.json")
-            model_cfg = _read_json(self.folder / "config.json")
-            gen_cfg = _read_json(self.folder / "generation_config.json")
+            tok_cfg = read_json(self.folder / "tokenizer_config.json", TokenizerError)
+            model_cfg = read_json(self.folder / "config.json", TokenizerError)
+        gen_cfg = read_json(self.folder / "generation_config.json", TokenizerError)  # {} by a .gguf
 
         # --- token strings, for chat templates ({{ bos_token }}, {{ eos_token }}) ---
         self.bos_token: str | None = token_text(tok_cfg.get("bos_token"))
@@ -73,7 +62,8 @@ class Tokenizer:
                                  "bos_token that the tokenizer knows; fix bos_token or set add_bos_token false")
 
         # --- end-of-turn ids: the union of what each file says, first mention first ---
-        eos = _as_id_list(gen_cfg.get("eos_token_id")) + _as_id_list(model_cfg.get("eos_token_id"))
+        eos = id_list(gen_cfg.get("eos_token_id")) + id_list(model_cfg.get("eos_token_id"))
+        eos = [i for i in eos if is_int(i)]            # ModelConfig names a bad one
         if self.eos_token and self.token_to_id(self.eos_token) is not None:
             eos.append(self.token_to_id(self.eos_token))
         self.eos_token_ids: list[int] = list(dict.fromkeys(eos))

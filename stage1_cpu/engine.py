@@ -78,9 +78,9 @@ class LLMEngine(numba_cache.WarmUp):       # warm_up(), kernels_cold(): common/n
         self.cached_ids = []
 
     def describe_kernels(self) -> str:
-        """Which kernels multiply the weights, for the banner."""
-        w = self.weights
-        kernels = (w.fast.describe(w) if w.fast else "plain kernels") + f" · {numba_cache.threading_layer()} threads"
+        """Which kernels multiply the weights and how idle threads wait, for the banner."""
+        w, threads = self.weights, numba_cache.threads()    # omp threads sleep when idle (...)
+        kernels = (w.fast.describe(w) if w.fast else "plain kernels") + f" · {threads}"
         return f"{w.source} · {kernels}" if w.source else kernels
 
     def warm_key(self) -> tuple | None:
@@ -139,8 +139,8 @@ class LLMEngine(numba_cache.WarmUp):       # warm_up(), kernels_cold(): common/n
         p = r.req.params
         token = r.sampler(r.logits, r.req.prompt_ids, r.output_ids)
         r.output_ids.append(token)
-        # the request ends on a stop token (the event carries it; it is not answer text), at its
-        # token limit or a full context, or on logits that hold no token (NO_TOKEN: an error)
+        # it ends on a stop token (the event carries it; it is not answer text), at its token
+        # limit or a full context, or on logits with no token (NO_TOKEN: an error; drop the cache)
         stop = (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids
         full = len(r.output_ids) >= p.max_tokens or len(self.cached_ids) + 1 >= self.max_ctx
         finish = "error" if token == NO_TOKEN else "stop" if stop else "length" if full else None
@@ -149,6 +149,5 @@ class LLMEngine(numba_cache.WarmUp):       # warm_up(), kernels_cold(): common/n
             self.last_decode_tokens += 1
             self.last_decode_s += time.perf_counter() - t0
         else:
-            self.running = None
-            self.cached_ids = [] if finish == "error" else self.cached_ids   # NaN K/V: not reused
+            self.running, self.cached_ids = None, [] if finish == "error" else self.cached_ids
         return TokenEvent(r.req.id, token, finish)

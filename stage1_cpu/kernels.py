@@ -14,8 +14,6 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from common.numba_cache import set_threads  # noqa: F401  (numba's thread count: --threads)
-
 from .norms import FAST, _inline, _parallel, _serial, rmsnorm, rmsnorm_row  # noqa: F401 (K.rmsnorm)
 
 

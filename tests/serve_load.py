@@ -19,7 +19,6 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import BENCH_ENV
 from common.config import ModelConfig
 from common.tokenizer import Tokenizer
 from models import make_model
@@ -94,8 +93,9 @@ class Server:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        env = {**os.environ, **BENCH_ENV, "PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": policy}
-        if policy == "default":                      # unset: the OpenMP runtime's own choice
+        env = {**os.environ, "OPENBLAS_THREAD_TIMEOUT": "4", "PYTHONPATH": str(ROOT),
+               "OMP_WAIT_POLICY": policy}
+        if policy == "default":                      # unset, as users run it (bench policy_env)
             del env["OMP_WAIT_POLICY"]
         self.url, self.log, deadline = f"http://127.0.0.1:{port}", tempfile.TemporaryFile(), time.time() + timeout
         self.proc = subprocess.Popen([sys.executable, "-m", *(a.replace("PORT", str(port)) for a in cmd)], cwd=ROOT,

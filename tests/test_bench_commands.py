@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import stage1_cpu
 from bench import report
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,6 +102,37 @@ def test_cpu_measures_every_engine_and_prints_its_tables(tmp_path, shape, engine
     assert saved["command"].startswith("python -m bench cpu --shape") and saved["threads"] == [1]
     assert {"machine", "date", "cpu_flags", "versions", "isa", "rows"} <= set(saved) and saved["isa"]
     assert table(report.cpu_full(tmp_path), "stage 1") == headline
+
+
+def test_cpu_busy_runs_quiet_then_beside_a_busy_process_and_report_writes_its_table(tmp_path):
+    """bench cpu --busy 1: the comparison quiet, then beside one process keeping a core busy (its
+    CPU time says it did), stage 1 at its default, its own choice (the variable unset, as users run
+    it); bench report writes the docs' busy table from the saved run: each figure, and under load
+    its share of the quiet one, as the saved JSON has them, and as the run printed them."""
+    save = tmp_path / "docs" / "results" / "busy.json"
+    out = bench("cpu", "--shape", "tiny", "--quick", "--busy", "1", "--threads", "1", "--formats",
+                "int8", "--engines", "stage1", "--kernels", "plain", "--runs", "1", "--prompt-lens",
+                "8", "--ttft-lens", "", "--decode-prompt", "8", "--decode-tokens", "4",
+                "--omp-wait-policy", "default", "--cache-dir", str(tmp_path), "--save", str(save))
+    assert re.search(r"=== beside 1 busy process \(pids \[\d+\]\)", out), out
+    saved = json.loads(save.read_text())
+    quiet, busy = saved["loads"]
+    assert (quiet["busy"], quiet["busy_cores"], busy["busy"]) == (0, 0, 1)
+    assert busy["busy_cores"] > 0.03                   # a sleeping one: its start-up alone, < 0.01
+    assert busy["ran_as"] == quiet["ran_as"] == {"stage1 plain": stage1_cpu.WAIT_POLICY}
+    rows = table(report.rewrite("<!-- report: busy -->\n<!-- /report -->\n", tmp_path), "engine")
+    assert rows == table(out.split("### Beside busy processes")[1], "engine")
+    default = f"default ({stage1_cpu.WAIT_POLICY})"
+    wanted = [("decode", "decode tok/s", default), ("decode", "decode tok/s", "best"),
+              ("8", "prefill 8 tok/s", default), ("8", "prefill 8 tok/s", "best")]
+    assert [r[3:5] for r in rows] == [[what, policy] for _, what, policy in wanted]
+    for row, (metric, _, policy) in zip(rows, wanted):
+        kind = policy.split()[0]
+        q, b = (next(x["value"] for x in load[kind] if x["metric"] == metric)
+                for load in saved["loads"])
+        best = "default, " if kind == "best" else ""     # the best's policy: the only one run
+        assert row[5] == f"{q:.1f}" + " (default)" * bool(best)
+        assert row[6] == f"{b:.1f} ({best}{100 * b / q:.0f} %)"
 
 
 def test_ladder_prints_each_rung_decode_and_prefill(tmp_path):

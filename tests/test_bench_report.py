@@ -2,8 +2,14 @@
 
 The benchmark's numbers come from subprocess workers; what decides which runs are made
 and which figure the headline quotes is plain Python, checked here on made-up results.
+bench cpu --busy's busy processes (bench/common.py busy_cores) are checked here too.
 """
 import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +17,10 @@ import pytest
 from bench import cpu as bench_cpu
 from bench import figures
 from bench import report
+from bench.common import busy_cores
+
+ROOT = Path(__file__).resolve().parent.parent
+needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
 
 
 def _cell(decode: float, p128: float, p512: float, ttft37: float = 0.5) -> dict:
@@ -187,3 +197,64 @@ def test_older_saved_runs_with_read_only_rows_read_as_without_them(tmp_path):
     drawn = [figures.stage1_roofline(run, tmp_path / name / "roofline.svg").read_text()
              for name, run in (("new", saved), ("old", old))]
     assert drawn[0] == drawn[1] and "stage1" in drawn[0]
+
+
+def _state(pid: int) -> str:
+    """A process's state letter (R running, S sleeping, Z a zombie), or "gone"."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return "gone"
+
+
+def test_busy_flags_need_the_default_policy_and_put_it_first():
+    """--busy compares each engine as users run it: its default policy is measured first (every
+    thread count), and a policy list without it is refused before anything runs."""
+    plans = bench_cpu.table_plans(bench_cpu.parse_args(["--busy", "2"]))
+    assert [p["policy"] for p in plans] == ["default", "PASSIVE"] and plans[0]["threads"] == [1, 2]
+    quick = bench_cpu.table_plans(bench_cpu.parse_args(["--quick", "--busy", "1"]))
+    assert [p["policy"] for p in quick] == ["default", "PASSIVE"]
+    with pytest.raises(SystemExit):
+        bench_cpu.parse_args(["--busy", "1", "--omp-wait-policy", "PASSIVE"])
+
+
+@needs_proc
+def test_busy_processes_keep_cores_busy_and_are_gone_when_the_block_ends():
+    """Each busy process gets about the share of a core that this test, spinning beside them, gets
+    (whatever else runs on the machine; one that slept would get its start-up alone, ~0.02), and
+    none is left once the block ends."""
+    with busy_cores(2) as busy:
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        while time.perf_counter() - t0 < 1.5:
+            pass
+        ours = (time.process_time() - cpu0) / (time.perf_counter() - t0)
+        assert [_state(p) for p in busy["pids"]] == ["R", "R"]        # running, not waiting
+    assert [_state(p) for p in busy["pids"]] == ["gone", "gone"]       # killed and reaped
+    assert busy["cores"] / 2 > ours / 2, (busy, ours)
+
+
+@needs_proc
+def test_busy_processes_are_gone_after_ctrl_c_or_an_error():
+    for error in (KeyboardInterrupt, RuntimeError):
+        with pytest.raises(error):
+            with busy_cores(1) as busy:
+                time.sleep(0.2)
+                raise error
+        assert _state(busy["pids"][0]) == "gone"
+
+
+@needs_proc
+def test_busy_processes_end_by_themselves_when_the_benchmark_dies_outright():
+    """A benchmark killed without cleaning up (os._exit stands in for SIGKILL) leaves no loop."""
+    code = ("import os, time\nfrom bench.common import busy_cores\nblock = busy_cores(1)\n"
+            "print(block.__enter__()['pids'][0], flush=True)\ntime.sleep(0.3)\nos._exit(0)")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    pid, deadline = int(run.stdout), time.time() + 10
+    try:
+        while _state(pid) not in ("gone", "Z") and time.time() < deadline:
+            time.sleep(0.05)
+        assert _state(pid) in ("gone", "Z")      # (Z: ended, waiting for its new parent to reap it)
+    finally:
+        if _state(pid) not in ("gone", "Z"):     # a loop left behind: this test's, so it stops it
+            os.kill(pid, 9)

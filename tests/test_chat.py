@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import os
@@ -238,6 +239,29 @@ def test_ctrl_c_mid_answer_aborts_and_keeps_the_partial_answer(qwen3_folder, tin
                                 {"role": "user", "content": "second"}])
     assert prompts[1] == tokenizer.encode(expected)
     assert engine.last_prefill_tokens < len(prompts[1])   # and the aborted turn's cache was re-used
+
+
+def test_banner_says_how_idle_threads_wait_and_who_chose_it(tmp_path):
+    """Piped, the chat logs its banner on stderr: with no OMP_WAIT_POLICY set it names the engine's
+    choice and its reason (tests/test_wait_policy.py: libgomp reads that choice); with one set,
+    the user's."""
+    import stage1_cpu
+    from common.tiny_model import write_tiny_model
+    if importlib.util.find_spec("numba.np.ufunc.omppool") is None:
+        pytest.skip("numba has no omp layer here (macOS wheels)")
+    folder = write_tiny_model(tmp_path / "tiny")
+    how = {"PASSIVE": "sleep", "ACTIVE": "spin"}
+    clean = {k: v for k, v in ENV.items() if k != "OMP_WAIT_POLICY"}
+    for env, said in ((clean, f"{stage1_cpu.WAIT_POLICY}, chosen: {stage1_cpu.WAIT_WHY}"),
+                      (dict(clean, OMP_WAIT_POLICY="ACTIVE"), "ACTIVE, as you set")):
+        cmd = [sys.executable, "-m", "stage1_cpu.chat", "--model", str(folder), "--kernels",
+               "plain"]
+        run = subprocess.run(cmd, input="", capture_output=True, text=True, timeout=COLD, cwd=ROOT,
+                             env=dict(env, NUMBA_THREADING_LAYER="omp"))
+        assert run.returncode == 0, run.stderr
+        banner = next(line for line in run.stderr.splitlines() if line.startswith("loaded "))
+        policy = said.split(",")[0]
+        assert f" · omp threads {how[policy]} when idle ({said}) in " in banner, banner
 
 
 def test_full_context_says_reset_instead_of_crashing(qwen3_folder, tiny_chat_parts, capsys):

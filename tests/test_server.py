@@ -924,6 +924,11 @@ def test_stage1_serve_command_health_and_api_key(tiny_qwen3):
                 break
             assert s == 503 and proc.poll() is None and time.time() < deadline
             time.sleep(0.1)
+        # the log line says it is ready, with the kernels and how idle threads wait (as the test's
+        # environment sets it: tests/conftest.py)
+        ready = next(line for line in iter(proc.stdout.readline, "") if line.startswith("ready: "))
+        assert re.search(r" · (omp threads sleep when idle \(PASSIVE, as you set\)|\w+ threads "
+                         r"\(OMP_WAIT_POLICY: omp only\))$", ready.strip()), ready
         assert httpx.get(url + "/v1/models").status_code == 401
         c = openai.OpenAI(base_url=url + "/v1", api_key="k3y", max_retries=0)
         assert [m.id for m in c.models.list().data] == ["tiny"]

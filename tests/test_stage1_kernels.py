@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from common.numba_cache import set_threads
 from stage1_cpu import kernels, ops, quant
 from stage1_cpu.fast import cpu
 from stage1_cpu.fast.weight import fast_quantize
@@ -239,9 +240,9 @@ def test_lm_head_shape_rows_and_matvec(rng):
 def test_threads_do_not_change_results(rng):
     W = quantize(randn(rng, 130, 256), "int8", 64)
     x = randn(rng, 2, 256)
-    kernels.set_threads(1)
+    set_threads(1)
     one = W.matmul(x)
-    kernels.set_threads(None)
+    set_threads(None)
     np.testing.assert_allclose(W.matmul(x), one, rtol=0, atol=0)
 
 
