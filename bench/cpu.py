@@ -787,7 +787,8 @@ def main(argv: list[str] | None = None) -> int:
     log = lambda s: print(s, flush=True)  # noqa: E731
     if args.speculative:
         from bench.speculative import run   # here: its own benchmark, sharing this command line
-        return run(args, POLICIES[args.omp_wait_policy], log)
+        shape_model = prepare_models(SHAPES["0.6b"], args.cache_dir, log, quants=())["hf"]   # its T curve
+        return run(args, POLICIES[args.omp_wait_policy], shape_model, log)
     shape = args.shape
     t_start, load_before = time.perf_counter(), load_1min()
     log(check_load("before"))

@@ -45,7 +45,7 @@ def stage3_lessons(data: dict, out: Path) -> Path:
     plt = _plt()
     rows = data["rows"]
     names = [f"{r['rung']}: {r['name'].split('-', 1)[1]}" for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 2.2 + 0.25 * len(rows)))
     y = list(range(len(rows)))
     left = [0] * len(rows)
     for kind, color in (("launches", "#4c72b0"), ("blas", "#dd8452"), ("allocations", "#8172b3"),
@@ -62,12 +62,17 @@ def stage3_lessons(data: dict, out: Path) -> Path:
     a.set_xlabel("host calls per decode step (predicted host time)")
     a.set_title("host calls per decode step")
     a.legend(fontsize=7)
-    b.barh(y, [r["weight_bytes_per_token"] / 1e6 for r in rows], label="weights", color="#55a868")
-    b.barh(y, [r["kv_bytes_per_token"] / 1e6 for r in rows], left=[r["weight_bytes_per_token"] / 1e6 for r in rows],
-           label="KV", color="#c44e52")
+    left = [0.0] * len(rows)
+    parts = (("weight_bytes_per_token", "weights", "#55a868"),
+             ("kv_bytes_per_token", "KV", "#c44e52"),
+             ("activation_bytes_per_token", "activations written", "#8c8c8c"))
+    for key, label, color in parts:
+        mb = [r.get(key, 0) / 1e6 for r in rows]
+        b.barh(y, mb, left=left, label=label, color=color)
+        left = [x + m for x, m in zip(left, mb)]
     b.set_yticks(y, [""] * len(rows))
     b.invert_yaxis()
-    b.set_xlabel("MB read per decode token")
+    b.set_xlabel("MB read (weights, KV) and written (activations) per decode token")
     b.set_title("bytes per decode token")
     b.legend(fontsize=8)
     w = data.get("workload", {})
@@ -183,8 +188,11 @@ def _nice_ticks(lo: float, hi: float) -> list[float]:
 
 
 def stage1_speculative(data: dict, out: Path) -> Path:
-    """Speed-up over the engine's own plain decoding against drafts accepted, a point per prompt."""
-    (fig, ax), rows = _plt().subplots(figsize=(6.5, 4)), [r for r in data["rows"] if "seconds" in r]
+    """Left: speed-up over the engine's own plain decoding against drafts accepted, a point per prompt;
+    right (where measured): stage 1's forward of T tokens against one, per model (the verify step's cost)."""
+    curves = data.get("verify_ms", {})
+    fig, axes = _plt().subplots(1, 2 if curves else 1, figsize=(10 if curves else 6.5, 4), squeeze=False)
+    ax, rows = axes[0][0], [r for r in data["rows"] if "seconds" in r]
     speed = {(r["engine"], r["mode"], r["task"], r["prompt"]): r["tokens"] / r["seconds"] for r in rows}
     for r in [r for r in rows if r["drafted"]]:
         up = speed[(r["engine"], r["mode"], r["task"], r["prompt"])] / speed[(r["engine"], "plain", r["task"], r["prompt"])]
@@ -195,6 +203,13 @@ def stage1_speculative(data: dict, out: Path) -> Path:
     ax.legend(list(legend.values()), list(legend), fontsize=7, title="blue code, orange quote, green chat", title_fontsize=7)
     ax.axhline(1, color="0.6", lw=0.8)
     ax.set(xlabel="drafts accepted", ylabel="output tok/s / plain decoding's")
+    if curves:
+        ax = axes[0][1]
+        for name, c in curves.items():
+            ax.plot(range(1, 9), [c[str(T)] / c["1"] for T in range(1, 9)], marker="o", label=name)
+        ax.plot(range(1, 9), range(1, 9), color="0.7", lw=0.8, ls="--", label="T steps of one token")
+        ax.legend(fontsize=7)
+        ax.set(xlabel="tokens in the step (the last one and T - 1 drafts)", ylabel="time / one decode step")
     return _finish(fig, data, out, bottom=0.05)
 
 

@@ -2,9 +2,11 @@
 # bench/gpu_check.sh: everything the GPU stages need a GPU for, in at most 300 s on one H200, so
 # that a short loan of a GPU machine verifies it all and leaves time for a rerun. The steps and
 # their caps in seconds (docs/stage2.md says why): probe 10 (an interpreter with CuPy, the GPU),
-# kernel tests 25 and engine tests 45 (tests/test_stage*_gpu.py with QS_REQUIRE_GPU=1: a skip
-# fails), benchmark 130 (python -m bench gpu), lessons 75 (python -m bench lessons --throughput),
-# sanitizer 12 (compute-sanitizer memcheck, racecheck on attention), pack 3.
+# kernel tests 25 and engine tests 40 (tests/test_stage*_gpu.py with QS_REQUIRE_GPU=1: a skip
+# fails), benchmark 115 (python -m bench gpu), lessons 65 (python -m bench lessons --throughput),
+# sanitizer 42 (compute-sanitizer memcheck, racecheck on attention), pack 3. The last line says
+# PASS only when every step ran whole and passed; FAIL when one failed; otherwise NOT COMPLETE and
+# the steps that did not run (or ran out of time), each also "not run" in its own row.
 # $OUT receives at most 6 small files (summary.md, logs.tar.gz, gpu_bench.md, gpu_bench.json,
 # gpu_tests.xml, host_costs.json), rewritten after each step; models and logs stay in $QS_WORK.
 # stdout ends with the failures (trimmed), the summary and the benchmark table.
@@ -13,8 +15,11 @@
 #   PYTHON=...       try this interpreter first;   QS_WORK=DIR  the work folder (not inside OUT)
 #   QS_CAP_<STEP>=S  a cap (PROBE, KERNELS, ENGINE, BENCH, LESSONS, SANITIZE, PACK)
 #   --dry-run        on a CPU: stand-in tests (tests/gpu_check_dry.py), stage 3's GPU kernel tests
-#                    on the emulated kernels, the benchmarks on tiny models; caps x QS_DRY_SCALE (5)
-# exit: 0 all passed; 1 a failure; 2 no interpreter with CuPy, no GPU, or bad arguments
+#                    on the emulated kernels, the benchmarks on tiny models; caps x QS_DRY_SCALE (5).
+#                    What needs a GPU (the engine's GPU tests, compute-sanitizer unless
+#                    COMPUTE_SANITIZER names a stand-in) is reported "not run"
+# exit: 0 all passed (a dry run: its CPU part); 1 a failure; 2 no interpreter with CuPy, no GPU, or
+#       bad arguments; 3 nothing failed, but a step did not run or ran out of time
 set -u -o pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -22,15 +27,15 @@ DRY=0
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY=1 ;;
-        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument $arg (see --help)" >&2; exit 2 ;;
     esac
 done
 
 # ---- caps, folders ------------------------------------------------------------------
 TOTAL=300
-CAP_PROBE=${QS_CAP_PROBE:-10} CAP_KERNELS=${QS_CAP_KERNELS:-25} CAP_ENGINE=${QS_CAP_ENGINE:-45}
-CAP_BENCH=${QS_CAP_BENCH:-130} CAP_LESSONS=${QS_CAP_LESSONS:-75} CAP_SANITIZE=${QS_CAP_SANITIZE:-12}
+CAP_PROBE=${QS_CAP_PROBE:-10} CAP_KERNELS=${QS_CAP_KERNELS:-25} CAP_ENGINE=${QS_CAP_ENGINE:-40}
+CAP_BENCH=${QS_CAP_BENCH:-115} CAP_LESSONS=${QS_CAP_LESSONS:-65} CAP_SANITIZE=${QS_CAP_SANITIZE:-42}
 CAP_PACK=${QS_CAP_PACK:-3}
 SUM=$((CAP_PROBE + CAP_KERNELS + CAP_ENGINE + CAP_BENCH + CAP_LESSONS + CAP_SANITIZE + CAP_PACK))
 [ "$SUM" -le "$TOTAL" ] || { echo "gpu_check.sh: the step caps add up to $SUM s, more than $TOTAL s" >&2; exit 2; }
@@ -48,7 +53,7 @@ mkdir -p "$OUT" "$WORK"
 rm -rf "$WORK/logs" "$WORK/bench"/*.log "$WORK/bench"/*.json "$WORK"/*.xml "$WORK/dry"
 mkdir -p "$WORK/logs" "$WORK/bench"
 for f in summary.md logs.tar.gz gpu_bench.md gpu_bench.json gpu_tests.xml host_costs.json; do rm -f "$OUT/$f"; done
-SUMMARY="$OUT/summary.md" LOGS="$WORK/logs" START=$(date +%s) FAILED=0
+SUMMARY="$OUT/summary.md" LOGS="$WORK/logs" START=$(date +%s) FAILED=0 NOTRUN=""
 export OMP_WAIT_POLICY=PASSIVE PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export QS_REQUIRE_GPU=1                      # a skipped GPU test is a failure (tests/conftest.py)
 
@@ -62,6 +67,7 @@ pack() {                                     # the logs, small: never the model
 stop() { pack; cat "$SUMMARY"; exit 2; }     # the probe failed: nothing else can run
 report() { "$PY" tests/gpu_check_report.py "$@"; }   # junit counts, merges, failures
 finish() { row "$1" "$2" "$(elapsed)" "$3"; say "$1: $3"; pack; }   # finish STEP CAP RESULT: its row, its line
+not_run() { NOTRUN="$NOTRUN${NOTRUN:+; }$1 ($2)"; }          # not_run STEP WHY: the last line names it
 
 { echo "# GPU check, $(date -u '+%Y-%m-%d %H:%M UTC')$( [ "$DRY" = 1 ] && echo ' — DRY RUN on the CPU (stand-in tests)')"
   echo
@@ -180,7 +186,8 @@ run_step() {
     else
         case "$rc" in
             0) result="ok" ;;
-            3) result="ok, but a step ran out of time (see the table)" ;;
+            3) result="**not run in part**: a step ran out of time (see the table)"
+               not_run "$name" "a step ran out of time" ;;
             *) result="**a step failed** (exit $rc; see $log)"; FAILED=1 ;;
         esac
     fi
@@ -188,6 +195,8 @@ run_step() {
     finish "$name" "$capv" "$result"
     if [ "$kind" = tests ] && { [ "$rc" = 124 ] || [ "$rc" = 137 ]; }; then tail -15 "$LOGS/$log"; echo; fi
 }
+# the dry run's engine step runs stand-ins: the engine's GPU tests need a GPU
+[ "$DRY" = 1 ] && DRY_NOT_RUN="the engine's GPU tests" || DRY_NOT_RUN=""
 
 # ---- 2. kernel tests, 3. engine tests -------------------------------------------------
 REQUIRE_STAGES=$STAGES run_step kernel_tests "$CAP_KERNELS" tests kernel_tests.log $KERNEL_TESTS -k "not engine"
@@ -195,14 +204,15 @@ run_step engine_tests "$CAP_ENGINE" tests engine_tests.log $GPU_TESTS -k "engine
 
 # ---- 4. the benchmark (bench/gpu.py), 5. the lesson ladder (bench/lessons.py) ---------
 # (the ladder's --throughput runs on the GPU when CuPy sees one, on bench.gpu's model in
-# $WORK/bench; the dry run: the numpy twins, bench.gpu's tiny model, 3 sequences)
-DRY_ARG=()
-[ "$DRY" = 1 ] && DRY_ARG=(--dry-run)
+# $WORK/bench: its 18 rungs, 12 sequences each within 3 s, after ~10 s of counting; the dry run:
+# the numpy twins, bench.gpu's tiny model, 3 sequences)
+DRY_ARG=() SEQS_ARG=(--seqs 12)          # the ladder on a GPU: 12 sequences, 3 s per rung
+[ "$DRY" = 1 ] && DRY_ARG=(--dry-run) SEQS_ARG=()
 run_step benchmark "$CAP_BENCH" bench bench.log "$PY" -m bench gpu --out "$OUT" --workdir "$WORK/bench" \
     --deadline-s "$(( $(cap "$CAP_BENCH") - 6 ))" "${DRY_ARG[@]}"
 T=$(cap "$CAP_LESSONS")
 run_step lessons "$CAP_LESSONS" bench lessons.log "$PY" -m bench lessons --layers 1 --save "$WORK/bench/lessons.json" \
-    --throughput --workdir "$WORK/bench" --rung-cap-s "$(cap 7)" --deadline-s "$((T - 5))"
+    --throughput --workdir "$WORK/bench" --rung-cap-s "$(cap 3)" --deadline-s "$((T - 5))" "${SEQS_ARG[@]}"
 { echo; echo "### Lesson ladder (python -m bench lessons --layers 1 --throughput: host calls counted, tok/s measured)"
   echo; grep '^|' "$LOGS/lessons.log"; } >> "$OUT/gpu_bench.md"
 
@@ -212,12 +222,17 @@ T=$(cap "$CAP_SANITIZE")
 SAN_END=$(( $(date +%s) + T ))
 probe_cmd=("$PY" -c "import cupy; x = cupy.arange(8, dtype=cupy.float32); print(float((x * 2).sum()))")
 [ "$DRY" = 1 ] && probe_cmd=("$PY" -c "print(56.0)")
-if ! command -v "$SAN" >/dev/null 2>&1; then
-    results="not run: compute-sanitizer is not installed"
+if [ "$DRY" = 1 ] && [ -z "${COMPUTE_SANITIZER:-}" ]; then
+    results="**not run**: it needs a GPU (COMPUTE_SANITIZER=a stand-in runs the step's plumbing)"
+    DRY_NOT_RUN="$DRY_NOT_RUN, compute-sanitizer"
+elif ! command -v "$SAN" >/dev/null 2>&1; then
+    results="**not run**: compute-sanitizer is not installed"
+    not_run sanitizer "not installed"
 elif ! timeout -k 2 "$(( T / 4 ))" "$SAN" --tool memcheck --error-exitcode 9 "${probe_cmd[@]}" \
         > "$LOGS/sanitizer_probe.log" 2>&1 || ! grep -q '^56.0' "$LOGS/sanitizer_probe.log"; then
     why=$(grep -m1 -iE 'not supported|error|unable' "$LOGS/sanitizer_probe.log" | cut -c1-160)
-    results="not run: compute-sanitizer refuses this machine (${why:-the probe failed or timed out})"
+    results="**not run**: compute-sanitizer refuses this machine (${why:-the probe failed or timed out})"
+    not_run sanitizer "refused by this machine"
 else
     results=""
     for tool in memcheck racecheck; do
@@ -226,14 +241,17 @@ else
         [ "$DRY" = 1 ] && sel=(-k kernel_stand_in_passes)
         left=$(( SAN_END - $(date +%s) ))
         [ "$tool" = memcheck ] && left=$(( left * 2 / 3 ))
-        if [ "$left" -lt 5 ]; then results="$results $tool: no time left;"; continue; fi
+        if [ "$left" -lt 5 ]; then
+            results="$results **$tool: not run** (no time left);"; not_run sanitizer "$tool: no time left"; continue
+        fi
         timeout -k 2 "$((left - 2))" "$SAN" --tool "$tool" --error-exitcode 9 --print-limit 20 \
             "${PYTEST[@]}" $GPU_TESTS "${sel[@]}" --junitxml="$WORK/sanitize_$tool.xml" > "$LOGS/sanitize_$tool.log" 2>&1
         RC=$?
         read -r np nf ne ns < <(report counts "$WORK/sanitize_$tool.xml")
         case "$RC" in
             0) results="$results $tool: clean ($np tests);" ;;
-            124|137) results="$results $tool: timed out after $left s ($np tests done);" ;;
+            124|137) results="$results **$tool: timed out** after $left s ($np tests done);"
+                     not_run sanitizer "$tool timed out after $left s" ;;
             9) results="$results **$tool: errors found** (see sanitize_$tool.log);"; FAILED=1 ;;
             *) results="$results **$tool: exit $RC** ($nf failed);"; FAILED=1 ;;
         esac
@@ -253,8 +271,18 @@ if [ -n "$problems" ]; then
 else
     row "pack" "$CAP_PACK" "$(elapsed)" "ok: $(ls "$OUT" | wc -l) files in OUT"
 fi
+# the verdict: PASS only when every step ran whole; a step that did not is named, never passed over
+if [ "$FAILED" != 0 ]; then
+    verdict="FAIL${NOTRUN:+ (and not run: $NOTRUN)}"
+elif [ -n "$NOTRUN" ]; then
+    verdict="NOT COMPLETE: nothing failed, but not run: $NOTRUN"
+elif [ "$DRY" = 1 ]; then
+    verdict="PASS on the CPU (a dry run); not run, they need a GPU: ${DRY_NOT_RUN}"
+else
+    verdict=PASS
+fi
 printf '\nAll tests: %s. Total: %s s of %s%s.\nResult: %s\n' "$totals" "$(elapsed)" "$TOTAL" \
-    "$( [ "$SCALE" != 1 ] && echo " x$SCALE")" "$( [ "$FAILED" = 0 ] && echo PASS || echo FAIL )" >> "$SUMMARY"
+    "$( [ "$SCALE" != 1 ] && echo " x$SCALE")" "$verdict" >> "$SUMMARY"
 cp "$SUMMARY" "$LOGS/summary.md"             # a last pack, so logs.tar.gz holds the finished summary
 pack
 
@@ -272,4 +300,6 @@ if [ -f "$OUT/gpu_bench.md" ]; then
     printf '\n%s benchmark %s\n' "===============================" "==============================="
     cat "$OUT/gpu_bench.md"
 fi
-exit "$FAILED"
+[ "$FAILED" != 0 ] && exit 1
+[ -n "$NOTRUN" ] && exit 3
+exit 0

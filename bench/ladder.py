@@ -140,9 +140,9 @@ def prefill_rungs(shape, threads: int, log=print) -> list:
     rungs = [("plain: dequantize an fp32 tile, BLAS sgemm", "int8", int8)]
     if cpu.INT8:
         rungs.append(("+ int8 activations, integer GEMM with register tiles (fast/gemm.py)", "int8",
-                      [fast.as_fast(w, "fp32", "int8") for w in int8]))
+                      [fast.as_fast(w, "int8", "int8") for w in int8]))
         rungs.append(("+ int4 weights, the same GEMM (vpmaddubsw, vpdpbusd on VNNI)", "int4",
-                      [fast.as_fast(w, "fp32", "int8") for w in model_matrices(shape, "int4", rng)[:-1]]))
+                      [fast.as_fast(w, "int8", "int8") for w in model_matrices(shape, "int4", rng)[:-1]]))
     else:
         log("the fast path has no int8 dot product on this target: its prefill rungs are left out")
     return [(name, fmt, threads, mats, lambda w, x: w.matmul(x)) for name, fmt, mats in rungs]

@@ -10,14 +10,16 @@ prefilled in one step, then one decode step of the four is counted, twice per ru
     their attention FLOPs, and the K/V bytes the decode step reads;
   * on the tests' stand-in CuPy (tests/cuda_emulator.py): the host's calls in that decode
     step by kind, priced with the per-call costs measured on the GPU machine
-    (bench/host_costs.json) into a predicted host time; a rung with CUDA graphs eagerly
-    and as a graph replay.
+    (bench/host_costs.json) into a predicted host time, and the activation bytes its
+    kernels write (every array a kernels.py wrapper returns, a conversion to bf16
+    included); a rung with CUDA graphs eagerly and as a graph replay.
 
-The predicted decode step is the larger of the host time and the GPU time (the bytes at
-HBM_BPS, plus KERNEL_GAP_S per kernel): docs/stage3.md's napkin maths. --throughput adds
-output tok/s per rung, measured on a GPU (else on the numpy twins with bench/gpu.py's tiny
-model): --seqs requests of random ids, all at once, each rung under --rung-cap-s (a rung
-cut there reports its rate so far, marked partial), all of it within --deadline-s.
+The predicted decode step is the larger of the host time and the GPU time (the weight and
+K/V bytes, and the activations written and read back, at HBM_BPS, plus KERNEL_GAP_S per
+kernel): docs/stage3.md's napkin maths. --throughput adds output tok/s per rung, measured
+on a GPU (else on the numpy twins with bench/gpu.py's tiny model): --seqs requests of
+random ids, all at once, each rung under --rung-cap-s (a rung cut there reports its rate
+so far, marked partial), all of it within --deadline-s.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import argparse
 import gc
 import importlib
 import importlib.util
+import inspect
 import json
 import shutil
 import sys
@@ -121,12 +124,38 @@ def twin_counts(pkg: str, folder: Path) -> dict:
         return _requests(eng, step)
 
 
+# kernels.py's functions that write no activation: host work and launch arithmetic
+NOT_WRITERS = {"route", "to_host", "decode_splits", "decode_shared_bytes"}
+
+
+def _writers(K) -> list:
+    """The rung's kernel wrappers: the public functions kernels.py defines, less NOT_WRITERS."""
+    return [(name, fn) for name, fn in vars(K).items()
+            if inspect.isfunction(fn) and fn.__module__ == K.__name__ and not name.startswith("_")
+            and name not in NOT_WRITERS]
+
+
+def _counting(fn, seen: dict):
+    """fn, adding the bytes of the array it returns to seen["written"]: what the decode step's
+    kernels write between them (a wrapper that calls another counts both, as both write)."""
+    def counted(*a, **kw):
+        r = fn(*a, **kw)
+        seen["written"] += int(getattr(r, "nbytes", 0))
+        return r
+    return counted
+
+
 def host_counts(pkg: str, folder: Path, graphs: bool) -> dict:
-    """The host's calls in the decode step, device="cuda" on the stand-in CuPy (counted, not run).
+    """The host's calls in the decode step, device="cuda" on the stand-in CuPy (counted, not run),
+    and (eager) the bytes its kernel wrappers write ("written").
     graphs: the step as a replay of its captured graph (the rung's DecodeGraphs)."""
     engine = importlib.import_module(f"{pkg}.engine")
+    K = importlib.import_module(f"{pkg}.kernels")
+    seen = dict(written=0)
     with pytest.MonkeyPatch.context() as mp:
-        emu.install(mp, importlib.import_module(f"{pkg}.kernels"), None, execute=False)
+        emu.install(mp, K, None, execute=False)
+        for name, fn in _writers(K) if not graphs else []:
+            mp.setattr(K, name, _counting(fn, seen))
         mp.setattr(engine, "array_module", lambda device: sys.modules["cupy"])
         kw = dict(enforce_eager=not graphs) if hasattr(engine, "DecodeGraphs") else {}
         eng = engine.LLMEngine(folder, device="cuda", **ENGINE, **kw)
@@ -135,9 +164,11 @@ def host_counts(pkg: str, folder: Path, graphs: bool) -> dict:
             if graphs:                                   # the bucket's warm-up and capture first
                 eng.step()
             before, to_host = emu.STATE.calls.as_dict(), emu.STATE.calls.bytes_to_host
+            seen["written"] = 0
             eng.step()
             calls = {k: v - before[k] for k, v in emu.STATE.calls.as_dict().items()}
-            return dict(calls, bytes_to_host=emu.STATE.calls.bytes_to_host - to_host)
+            return dict(calls, bytes_to_host=emu.STATE.calls.bytes_to_host - to_host,
+                        **({} if graphs else dict(written=seen["written"])))
         calls = _requests(eng, step)
         if graphs:
             assert eng.graphs is not None and eng.graphs.num_replays >= 1 and eng.graphs.error is None, eng.graphs.error
@@ -147,13 +178,17 @@ def host_counts(pkg: str, folder: Path, graphs: bool) -> dict:
 def count_rung(pkg: str, folder: Path) -> dict:
     row = twin_counts(pkg, folder)
     eager = host_counts(pkg, folder, graphs=False)
+    row["activation_bytes_per_token"] = eager.pop("written") // 4
     row.update(host_calls=eager, host_us=host_us(eager))
     has_graphs = hasattr(importlib.import_module(f"{pkg}.engine"), "DecodeGraphs")
     if has_graphs:
         graph = host_counts(pkg, folder, graphs=True)
         row.update(graph_host_calls=graph, graph_host_us=host_us(graph))
     kernels = eager["launches"] + eager["blas"] + eager["elementwise"]
-    gpu_us = ((row["weight_bytes_per_token"] + row["kv_bytes_per_token"]) * 4 / HBM_BPS + kernels * KERNEL_GAP_S) * 1e6
+    # the weights and K/V read, the activations written and read back
+    read = (row["weight_bytes_per_token"] + row["kv_bytes_per_token"]
+            + 2 * row["activation_bytes_per_token"])
+    gpu_us = (read * 4 / HBM_BPS + kernels * KERNEL_GAP_S) * 1e6
     row["predicted_decode_step_us"] = round(max(gpu_us, row.get("graph_host_us", row["host_us"])), 1)
     return row
 
@@ -235,6 +270,7 @@ COLUMNS = [("rung", "rung"), ("name", "name"), ("launches", "launches"), ("cuBLA
            ("allocs", "allocations"), ("elementwise", "elementwise"), ("copies", "copies"), ("syncs", "syncs"),
            ("B to host", "bytes_to_host"), ("host µs (eager)", "host_us"), ("host µs (graph)", "graph_host_us"),
            ("weight B/tok", "weight_bytes_per_token"), ("KV B/tok", "kv_bytes_per_token"),
+           ("act. B/tok", "activation_bytes_per_token"),
            ("prefill tok", "prefill_tokens_computed"), ("prefill attn MFLOP", "prefill_attention_flops"),
            ("pred. attn µs", "predicted_prefill_attention_us"), ("pred. decode µs", "predicted_decode_step_us")]
 
@@ -304,6 +340,8 @@ def main() -> int:
         print(f"saved {args.save}")
     if args.throughput and any(r["throughput"]["status"].startswith("failed") for r in rows):
         return 1
+    if args.throughput and any(r["throughput"]["status"] != "ok" for r in rows):
+        return 3                                        # a rung not run (out of time): not a pass
     return 0
 
 

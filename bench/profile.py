@@ -39,7 +39,7 @@ from bench.common import machine_description
 from bench.cpu import CACHE, SHAPES, prepare_models
 from stage1_cpu import kernels, quant
 from stage1_cpu.engine import LLMEngine
-from stage1_cpu.fast import cpu, gemm, simd
+from stage1_cpu.fast import cpu, gemm, simd, tiles
 
 SAVED = Path(__file__).resolve().parent.parent / "docs" / "figures" / "stage1_prefill_profile.json"
 
@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> None:
               + ", ".join(f"{k} {v:.1f} G MAC/s" for k, v in peaks.items()))
         if args.save:
             saved = this_machines(args.save)
-            saved.update(peaks_gmac_s=peaks, tile=[8 * gemm.RB8, gemm.TT8], peaks_date=time.strftime("%Y-%m-%d"))
+            rb, tt = tiles.SHAPES[("int8.q16", 4)]                       # prefill's tile: int16 activations
+            saved.update(peaks_gmac_s=peaks, tile=[8 * rb, tt], peaks_date=time.strftime("%Y-%m-%d"))
             args.save.write_text(json.dumps(saved, indent=1) + "\n")
         return
 
@@ -167,12 +168,14 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("round_prompt16", "round_prompt8"):
         wrap(gemm, name, lambda *a: "round activations")
     macs = {}                      # a GEMM's label -> its multiply-adds
-    for name in ("gemm_int8", "gemm_int8_q8", "gemm_int4", "gemm_int4_16"):
-        def gemm_label(x, *a, n=name):
-            label = f"{n} [{a[-2].shape[1]}, {x.shape[1] * x.shape[2]}]"
-            macs[label] = x.shape[0] * a[-2].shape[1] * x.shape[1] * x.shape[2]
-            return label
-        wrap(gemm, name, gemm_label)
+
+    def gemm_label(x, xs, xcorr, xsum, data, scales, mins, out, workers, *kinds):
+        # named as PEAK_OF names the kinds: weights x activations (int8.q16, the default, is gemm_int8)
+        name = GEMM_NAMES[[k is not None for k in kinds].index(True)]
+        label = f"{name} [{out.shape[1]}, {x.shape[1]}]"
+        macs[label] = x.shape[0] * out.shape[1] * x.shape[1]
+        return label
+    wrap(gemm, "gemm_tiled", gemm_label)
     # every op of the namespace forward() calls (the fast path's replaces attention), and the
     # plain kernels' module, which the fast ones fall back to
     ops = ("rmsnorm", "rope", "attention", "silu_mul", "route", "mix", "gated_add")
@@ -222,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
             row = dict(what=label, ms=per_step * 1e3, calls=calls[label] // args.steps)
             if label in macs:                                # a GEMM: its multiply-adds against its instruction's
                 row["gmac_s"] = macs[label] / each / 1e9
-                kind = PEAK_OF[(label.split()[0], bool(gemm.VNNI))]
+                kind = PEAK_OF[(label.split()[0], bool(tiles.VNNI))]
                 row["of_peak"] = row["gmac_s"] / peaks[kind] if kind in peaks else None
                 rate = f", {row['gmac_s']:5.1f} G MAC/s" + (f" ({row['of_peak']:.0%} of {kind}'s peak)"
                                                             if row["of_peak"] else " (no peaks: --peaks --save)")
@@ -244,15 +247,17 @@ def main(argv: list[str] | None = None) -> None:
             setattr(owner, name, fn)
 
 
+# gemm_tiled's kinds (int8 . int8, int8 . int16, int4 . int8, int4 . int16), as the profile names them
+GEMM_NAMES = ("gemm_int8_q8", "gemm_int8", "gemm_int4", "gemm_int4_16")
 # a GEMM kernel and whether the CPU has VNNI -> the instruction its tile issues per multiply-add step
 PEAK_OF = {("gemm_int8", False): "maddwd+add", ("gemm_int4_16", False): "maddwd+add", ("gemm_int4", False): "maddubs",
            ("gemm_int8", True): "dpwssd", ("gemm_int4_16", True): "dpwssd", ("gemm_int4", True): "dpbusd",
-           ("gemm_int8_q8", True): "dpbusd"}
+           ("gemm_int8_q8", True): "dpbusd", ("gemm_int8_q8", False): "maddubs"}
 
 
 # independent accumulators a thread: with 16 registers (AVX2) 8 of them and the shared vector w, so
 # that none waits in memory; with 32, 12, more than vpdpbusd's latency x its rate
-CHAINS = 12 if gemm.REGISTERS == 32 else 8
+CHAINS = 12 if tiles.REGISTERS == 32 else 8
 
 
 def _peak_codegen(quads: bool):
@@ -316,7 +321,7 @@ def measure_peaks(threads: int, steps: int = 20_000_000) -> dict:
     a = np.random.default_rng(0).integers(0, 100, size=65 * 32, dtype=np.int8)
     out = np.zeros((threads, CHAINS * 8), dtype=np.int32)
     peaks = {}
-    vnni = bool(gemm.VNNI)                                   # the pairs tile's instruction, then the quads'
+    vnni = bool(tiles.VNNI)                                  # the pairs tile's instruction, then the quads'
     for name, run, macs in ((PEAK_OF[("gemm_int8", vnni)], _peaks_pairs, 16),
                             (PEAK_OF[("gemm_int4", vnni)], _peaks_quads, 32)):
         run(a, 1000, out)                                    # compiles

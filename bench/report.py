@@ -159,12 +159,11 @@ def speculative(root: Path) -> str:
              else "–", f"{t['tokens'] / max(t['steps'], 1):.2f}", f"{t['accepted'] / t['drafted']:.0%}" if t["drafted"] else "–"]
             for k, t in sorted(total.items()) for task, e, m in [k]]
     head = ["engine", "drafts", "task", "output tok/s", "speed-up", "tokens/step", "drafts accepted"]
-    cost = {}                                   # stage 1's verify step by T, the fastest any ngram run measured
-    for r in data["rows"]:
-        for T, ms in r.get("verify_ms", {}).items():
-            cost[int(T)] = min(ms, cost.get(int(T), ms))
-    verify = ("\n\nStage 1's forward of T tokens (the last token and T - 1 drafts), ms: " +
-              ", ".join(f"T = {T}: {ms:.1f}" for T, ms in sorted(cost.items())) + ".") if cost else ""
+    curves = data.get("verify_ms", {})         # stage 1's forward of T tokens, per model
+    verify = "\n\n" + markdown_table(
+        ["stage 1: a forward of T tokens ÷ one"] + [f"T = {T}" for T in range(1, 9)],
+        [[name] + [f"{c[str(T)] / c['1']:.2f}" + (f" ({c['1']:.1f} ms)" if T == 1 else "") for T in range(1, 9)]
+         for name, c in curves.items()]) if curves else ""
     return ("![Speculative decoding](figures/stage1_speculative.svg)\n\n" + markdown_table(head, body) + verify +
             f"\n\n{data['model']}, {data['threads']} threads, {data['peer']}; {data['machine']}; {data['date']}\n")
 

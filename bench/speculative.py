@@ -9,6 +9,8 @@ import time
 from itertools import islice
 from pathlib import Path
 
+import numpy as np
+
 from bench.common import check_load, emit_result, run_worker, save_json
 from common.config import gguf_path
 from common.draft import SpeculationStats
@@ -60,7 +62,28 @@ def make_engine(spec: dict):
     return run
 
 
+def verify_costs(spec: dict) -> dict:
+    """Stage 1's forward of T = 1..8 tokens (the last token and T - 1 drafts, all their logits) after a
+    128-token context, best of `runs` rounds, the T interleaved so that each sees the same machine
+    -> {T: ms}: section 15's curve, T tokens against one."""
+    from stage1_cpu.engine import LLMEngine         # here: in the worker alone
+    model = LLMEngine(spec["model"], quant=spec["quant"], threads=spec["threads"], max_ctx=256,
+                      progress=False).model
+    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, 136)
+    model.forward(ids[:128], 0)
+    best = {}
+    for _ in range(spec["runs"] + 1):                           # the first round is a warm-up
+        for T in range(1, 9):
+            t0 = time.perf_counter()
+            model.forward(ids[128:128 + T], 128, all_logits=T > 1)
+            ms = (time.perf_counter() - t0) * 1e3
+            best[T] = min(best.get(T, ms), ms) if _ else float("inf")
+    return best
+
+
 def worker(spec: dict) -> None:
+    if spec["mode"] == "verify":
+        return emit_result({"verify_ms": verify_costs(spec)})
     run, rows = make_engine(spec), []
     for task, prompts in spec["prompts"].items():
         for i, ids in enumerate(prompts):
@@ -70,7 +93,7 @@ def worker(spec: dict) -> None:
     emit_result({"rows": rows})
 
 
-def run(args, policies: list[str], log=print) -> int:
+def run(args, policies: list[str], shape_model: Path, log=print) -> int:
     from common.chat_template import ChatTemplate   # here: the workers need none of these
     from common.models import resolve_model
     from common.tokenizer import Tokenizer
@@ -93,6 +116,14 @@ def run(args, policies: list[str], log=print) -> int:
                 key = (engine, mode, r["task"], r["prompt"])
                 if r.get("seconds", float("inf")) <= best.get(key, {}).get("seconds", float("inf")):
                     best[key] = dict(r, engine=engine, mode=mode, policy=policy)
+    curves = {}                                       # the verify step's cost by T, on both models, best policy
+    for name, folder, quant in [(model.name, model, "stored"), ("qwen3-0.6b-shape int8", shape_model, "int8")]:
+        for policy in policies:
+            res = run_worker("bench.speculative", dict(base, mode="verify", model=str(folder), quant=quant, runs=20),
+                             args.worker_timeout, log, omp_wait_policy=policy).get("verify_ms", {})
+            curves[name] = {T: min(ms, curves.get(name, {}).get(T, ms)) for T, ms in res.items()}
+        log(f"{name}: a forward of T tokens / one: " +
+            ", ".join(f"T={T} {ms / curves[name]['1']:.2f}" for T, ms in curves[name].items()))
     log(check_load("after"))
     rows, plain = list(best.values()), {k[2:]: r.get("tokens", []) for k, r in best.items() if k[:2] == ("stage1", "plain")}
     for r in rows:                   # the same tokens as stage 1's plain greedy decoding, up to the first difference
@@ -104,7 +135,7 @@ def run(args, policies: list[str], log=print) -> int:
             f"({r['policy']}), first {r['same_as_plain']} tokens as stage 1 plain")))
     if args.save:
         save_json(args.save, "python -m bench cpu " + " ".join(args.argv), threads=max(args.threads), model=model.name,
-                  rows=rows, peer=next((f"llama-cpp-python {d.version}" for d in
+                  rows=rows, verify_ms=curves, peer=next((f"llama-cpp-python {d.version}" for d in
                                         importlib.metadata.distributions(name="llama-cpp-python")), "no llama-cpp-python"))
         log(f"results written to {args.save}")
     return 0

@@ -3,12 +3,12 @@
 The patches in docs/lessons/stage3/NN-name.patch are the source of truth. Applied in
 order to a copy of stage2_batched/, patch k gives rung k (a working engine: stage 2 plus
 the first k lessons) and the last one gives stage3_optimized/ byte for byte. Each patch
-starts with a header (what it changes, what it saves, its docs/stage3.md section) that
+starts with a header (what it changes, saves and costs, its docs/stage3.md section) that
 `git apply` skips: it reads from the first `diff --git` line.
 
     python course/series.py check            # do the patches still give stage3_optimized/?
-    python course/series.py unpack DIR       # DIR/00-stage2, DIR/01-prefix-cache, ... (the rungs)
-    python course/series.py packages DIR     # the same as packages DIR/rung00 ... DIR/rung08, so
+    python course/series.py unpack DIR       # DIR/00-stage2, DIR/01-entry-points, ... (the rungs)
+    python course/series.py packages DIR     # the same as packages DIR/rung00 ... DIR/rung17, so
                                                    # PYTHONPATH=$PWD:DIR python -m rung02.chat --device cpu
     python course/series.py pack DIR               # rewrite the patches from edited rung trees
     python course/series.py rebase                 # after an edit to stage 3: the last patch absorbs it

@@ -14,7 +14,7 @@
     logits = rmsnorm(x) @ lm_head.T                     [V] for the last position
 
 Each step is one numba kernel (kernels.py), each matmul a quant.Weight in any format; with
---kernels fast a one-token step runs in one parallel region instead (fast/decode_step.py),
+--kernels fast a step of a few tokens runs in one parallel region instead (fast/decode_step.py),
 bit for bit the same. Weight names are Hugging Face's (wq is q_proj; common/loader.py).
 """
 from __future__ import annotations
@@ -52,8 +52,8 @@ class Model:
                              "raise --max-ctx")
         # token embedding: dequantize only the T rows we need
         x = w.embed.rows(np.asarray(tokens, dtype=np.int64))   # [T, C]
-        if T == 1 and self.decode_step and not all_logits:
-            return self.decode_step.step(x[0], start_pos)      # [V]: all of the below, in one region
+        if self.decode_step and self.decode_step.takes(T, all_logits):
+            return self.decode_step.step(x, start_pos, all_logits)   # all of the below, in one region
         cos = self.cos[start_pos:start_pos + T]                # [T, D/2] the new positions' angles
         sin = self.sin[start_pos:start_pos + T]
 

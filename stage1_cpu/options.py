@@ -26,7 +26,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None, metavar="N", help="numba threads (default: all cores)")
     g.add_argument("--speculative", choices=("ngram",), help="speculative decoding, drafts by prompt lookup")
     g.add_argument("--draft-model", metavar="DIR|GGUF", help="speculative decoding, drafts by a smaller model")
-    g.add_argument("--draft-tokens", type=int, metavar="K", help="drafted tokens per step at most (default 6)")
+    g.add_argument("--draft-tokens", type=int, metavar="K", help="drafted tokens per step at most (default 7)")
 
 
 def build_engine(folder: Path, args: argparse.Namespace, progress: bool = True):

@@ -8,6 +8,7 @@ core never needs it. SpeculativeEngine is the stage-1 LLMEngine with its decode 
     2. verify   the last token and its k drafts go through Model.forward as one step of
                 T = k+1 tokens (all_logits): row i is the distribution after draft i. Decode on
                 a CPU is bound by memory, and this step reads the weights once, as one token does
+                (the fast path: one parallel region on register tiles, bit for bit T steps of one)
     3. accept   the drafts in order, by the rule that keeps the output exactly what plain decoding
                 would make (greedy: token for token; sampling: the same distribution); the first
                 rejected draft is replaced by a draw that corrects for it, and when all k pass,
@@ -38,10 +39,11 @@ from .engine import LLMEngine
 if TYPE_CHECKING:
     from .engine import _Running
 
-# --draft-tokens' default: a verify step of T = k+1 <= 7 tokens stays on the decode kernels
-# (T < quant.PREFILL_MIN_T: each weight row read once for all T tokens, the activations rounded
-# as decode rounds them), so it costs the bytes of one token and the compute of T (section 15)
-DRAFT_TOKENS = 6
+# --draft-tokens' default: a verify step of T = k+1 <= 8 tokens is one step of the fast path's
+# one region (decode_step.MAX_TOKENS; the core: its decode kernels, T < quant.PREFILL_MIN_T), each
+# weight read once for all T tokens, the activations rounded as decode rounds them: the bytes of
+# one token and the arithmetic of T (docs/stage1.md, section 15)
+DRAFT_TOKENS = 7
 KEEP_STATS = 4096          # finished requests whose stats the server can still ask for
 
 
@@ -74,22 +76,39 @@ class DraftLength:
     estimates updated every step:
         a       the chance that a draft is accepted; drafts are checked in order, so k drafts make
                 1 + a + a^2 + ... + a^k tokens (the last one the replacement or the bonus token)
-        cost    seconds of a verify step of T = k+1 tokens, and of drafting one token
-    k = 0 is plain decoding: one token per step at the cost of T = 1. A T that has not run yet is
-    assumed to cost what the napkin says (one token's bytes: about T = 1's time) until it has. A T's
-    first forward is a warm-up (compiling, first-touch pages) and is not counted: counted, it would
-    make that T look slow for good, since a T that looks slow is not chosen and so never re-timed.
-    Each request starts from the prior acceptance: what was accepted depends on the text."""
+        cost    seconds of a step of T = k+1 tokens, and of drafting one token
+    k = 0 is plain decoding: one token per step at the cost of T = 1. A T not measured yet costs
+    what its measured neighbours say (a line between them, or on from the largest; with T = 1
+    alone, the napkin's: one token's bytes, a little more compute a token). Drafts grow by
+    doubling: a step is at most twice the longest one measured, so a machine where drafts do not
+    pay costs one short step to find out, not a long one. The first forward of all is a warm-up
+    (compiling, first-touch pages) and is not counted. Each request starts from the prior
+    acceptance: what was accepted depends on the text.
+
+    It never loses by much, on a quiet machine or a busy one, because the estimates follow the
+    machine as it is now: two steps in a row that each took far more (or both far less) than their
+    estimates say the machine changed (another program took a core, or gave it back), and every
+    other estimate is dropped (one such step alone is noise: it only moves its running mean; after
+    a slow one the next step is plain, to find out), and a step whose estimate is older than RETRY
+    steps replaces it;
+    plain decoding's cost is measured again every RETRY steps while drafting; and while drafting
+    does not pay, one short draft (k = 1) is tried after RETRY plain steps, then after twice as
+    many each time it still does not pay: a loss of about one step in RETRY at first, less later."""
 
     PRIOR = (1.5, 0.5)          # a = 0.75 before any draft is checked: try drafting
     KEEP = 0.8                  # each step keeps 80 % of the acceptance counts: a window of ~5 steps
+    JUMP = 1.5                  # a step this many times off its estimate: the machine changed
+    RETRY = 32                  # steps between plain decoding's timings, and before drafting is tried again
 
     def __init__(self, k_max: int):
         self.k_max = k_max
         self.acc, self.rej = self.PRIOR
         self.cost: dict[int, float] = {}        # T -> seconds of a forward of T tokens (running mean)
-        self.warm: set[int] = set()             # the Ts that have run once
+        self.seen: dict[int, int] = {}          # T -> the step that last measured it
+        self.off = 0                            # +1 / -1: the last step took far more / less than estimated
         self.draft_cost = 0.0                   # seconds to draft one token (running mean)
+        self.steps = 0
+        self.plain_run, self.retry_after = 0, self.RETRY    # plain steps in a row; when to try drafting
 
     def new_request(self) -> None:
         self.acc, self.rej = self.PRIOR
@@ -98,32 +117,68 @@ class DraftLength:
     def rate(self) -> float:
         return self.acc / (self.acc + self.rej)
 
+    def estimate(self, T: int) -> float:
+        """Seconds of a step of T tokens, from the measured steps (at least one)."""
+        if T in self.cost:
+            return self.cost[T]
+        below, above = [t for t in self.cost if t < T], [t for t in self.cost if t > T]
+        if below and above:                     # on the line between the nearest two
+            lo, hi = max(below), min(above)
+            return self.cost[lo] + (self.cost[hi] - self.cost[lo]) * (T - lo) / (hi - lo)
+        if above:
+            hi = min(above)
+            return self.cost[hi] * self.napkin(T) / self.napkin(hi)
+        lo = max(below)
+        if len(below) > 1:                      # on from the largest, at the slope of the largest two
+            lo2 = max(t for t in below if t != lo)
+            slope = max(0.0, (self.cost[lo] - self.cost[lo2]) / (lo - lo2))
+        else:
+            slope = 0.05 * self.cost[lo] / self.napkin(lo)
+        return self.cost[lo] + slope * (T - lo)
+
+    def speed(self, k: int) -> float:
+        """Expected tokens per second with k drafts."""
+        a = min(self.rate, 0.999)
+        return (1 - a ** (k + 1)) / (1 - a) / (self.estimate(k + 1) + k * self.draft_cost)
+
     def choose(self, room: int) -> int:
         """The k to draft, at most k_max and room."""
         ks = range(0, max(0, min(self.k_max, room)) + 1)
-        if not self.cost:
-            return ks[-1]                       # nothing measured yet
-        T0 = min(self.cost)                     # the napkin's scale, from the smallest T measured
-        base, a = self.cost[T0] / self.napkin(T0), min(self.rate, 0.999)
-
-        def speed(k):                           # expected tokens per second with k drafts
-            seconds = self.cost.get(k + 1, base * self.napkin(k + 1)) + k * self.draft_cost
-            return (1 - a ** (k + 1)) / (1 - a) / seconds
-        return max(ks, key=speed)
+        if len(ks) == 1 or 1 not in self.cost or self.steps - self.seen[1] >= self.RETRY or self.off > 0:
+            return 0                            # plain decoding: the only choice, or its cost as it is now
+            #                                     (after a surprisingly slow step: did the machine change?)
+        reach = 2 * max(self.cost) - 1          # drafts grow by doubling the longest step measured
+        best = max((k for k in ks if k <= reach), key=self.speed)
+        if best > 0:
+            self.plain_run, self.retry_after = 0, self.RETRY
+            return best
+        self.plain_run += 1
+        if self.plain_run < self.retry_after:
+            return 0
+        self.plain_run, self.retry_after = 0, 2 * self.retry_after    # one short draft, then wait longer
+        return 1
 
     @staticmethod
     def napkin(T: int) -> float:
         """A forward of T tokens against one of 1, before it is measured: the same bytes, a little
-        more compute per token (optimistic, so that each T gets tried once)."""
+        more compute per token."""
         return 1 + 0.05 * (T - 1)
 
     def update(self, T: int, verify_s: float, drafted: int, accepted: int, draft_s: float) -> None:
         """One step: a forward of T tokens took verify_s, after drafting `drafted` tokens in draft_s,
         of which `accepted` were kept."""
-        if T not in self.warm:
-            self.warm.add(T)
-        else:
-            self.cost[T] = verify_s if T not in self.cost else 0.7 * self.cost[T] + 0.3 * verify_s
+        self.steps += 1
+        if self.steps > 1:                      # the first forward of all is a warm-up
+            expected = self.estimate(T) if self.cost else verify_s
+            off = (verify_s > expected * self.JUMP) - (verify_s < expected / self.JUMP)
+            if off and self.off == off:         # twice in a row far from the estimates: the machine changed
+                self.cost = {}
+            self.off = off
+            old = self.cost.get(T)
+            if old is not None and self.steps - self.seen[T] > self.RETRY:
+                old = None                      # measured long ago: this step replaces it
+            self.cost[T] = verify_s if old is None else 0.7 * old + 0.3 * verify_s
+            self.seen[T] = self.steps
         if drafted:
             self.draft_cost = 0.7 * self.draft_cost + 0.3 * draft_s / drafted
             self.acc = self.KEEP * self.acc + accepted

@@ -200,6 +200,12 @@ def residual_add(x, y, out=None):
     return out
 
 
+def route(logits, k: int, norm: bool):
+    """MoE routing, on the host: the router's logits [T, E] (copied back from the device)
+    -> each token's top-k experts [T, k] and their weights [T, k] (ops.route)."""
+    return ops.route(to_host(logits), k, norm)
+
+
 def to_host(x) -> np.ndarray:
     """A device array as numpy (a copy from the GPU; the array itself on cpu)."""
     return x if isinstance(x, np.ndarray) else x.get()

@@ -176,14 +176,9 @@ class Model:
         h [N, C] -> [N, C]. The routing decision is made on the host (a small [N, E]
         copy); the experts' matmuls run on the device, one GEMM per chosen expert."""
         cfg, xp = self.config, self.xp
-        T = h.shape[0]
-        k = cfg.num_experts_per_tok
-        # router in fp32: softmax over all experts, then keep the top k
-        probs = ops.softmax(kernels.to_host(lw.router.matmul(h)))   # [T, E]
-        top = np.argsort(-probs, axis=-1, kind="stable")[:, :k]  # [T, k] expert ids
-        weight = np.take_along_axis(probs, top, axis=-1)       # [T, k]
-        if cfg.norm_topk_prob:
-            weight = weight / weight.sum(axis=-1, keepdims=True)
+        # router in fp32: softmax over all experts, then keep the top k (on the host)
+        top, weight = self.k.route(lw.router.matmul(h), cfg.num_experts_per_tok,
+                                   cfg.norm_topk_prob)         # [T, k] each
         out = xp.zeros_like(h)                                 # [T, C]
         # group tokens by expert: each chosen expert's weights are read once per step
         for e in np.unique(top):
@@ -191,7 +186,7 @@ class Model:
             ex = lw.experts[e]
             he = h[xp.asarray(rows)]                           # [Te, C]
             y = ex.e_down.matmul(self.k.silu_mul(ex.e_gate.matmul(he), ex.e_up.matmul(he)))  # [Te, C]
-            out[xp.asarray(rows)] += xp.asarray(weight[rows, slot][:, None].astype(np.float32)) * y
+            out[xp.asarray(rows)] += xp.asarray(weight[rows, slot][:, None]) * y
         if lw.shared_expert is not None:
             # the shared expert: every token, weighted by sigmoid(h . shared_gate) in (0, 1)
             ex = lw.shared_expert

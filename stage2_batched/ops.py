@@ -154,3 +154,14 @@ def softmax(x: np.ndarray) -> np.ndarray:
     """Softmax over the last axis, in float32 (the MoE router)."""
     e = np.exp(x - x.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
+
+
+def route(logits: np.ndarray, k: int, norm: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The MoE router's choice. logits [T, E] -> top [T, k] the k experts each token goes
+    to, best first (ties: the lower id), and weight [T, k] their softmax probabilities
+    over all E experts, renormalised to sum to 1 over the k when norm (norm_topk_prob)."""
+    top = np.argsort(-logits, axis=-1, kind="stable")[:, :k]             # [T, k]
+    weight = np.take_along_axis(softmax(logits), top, axis=-1)           # [T, k]
+    if norm:
+        weight = weight / weight.sum(axis=-1, keepdims=True)
+    return top, weight.astype(np.float32)

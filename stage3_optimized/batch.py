@@ -1,20 +1,23 @@
 """BatchInfo: everything the model needs to know about a packed batch, explicitly.
 
-Changed from stage 2: the prefill tokens are also cut into tiles of up to 16
-consecutive tokens of one sequence (`tile_start`, `tile_count`), the unit of work of
-the tensor-core prefill kernel (cuda/prefill_attention_tc.cu), and the longest context
-stays a host int (`max_context`): stage 2 read it back from the device, a sync per
-step. A sequence with a
-prefix-cache hit simply starts at num_computed > 0, like the next chunk of a
-chunked prefill.
+Changed from stage 2, lesson by lesson (docs/lessons/stage3):
+  * The longest context stays a host int (`max_context`): decode attention sizes its grid by
+    it and the model checks max_ctx against it, where stage 2 read it back from the device,
+    a sync per step.
+  * The prefill tokens are also cut into tiles of up to 16 consecutive tokens of one
+    sequence (`tile_start`, `tile_count`), the unit of work of the tensor-core prefill
+    kernel (cuda/prefill_attention_tc.cu).
+  * SamplingInputs: the sampling parameters of the rows that sample, the sampling kernel's
+    other input.
 
-As in stage 2 (stage 1's forward takes one sequence and a `start_pos`), the
-tokens of S sequences are packed into one array of N tokens, decode sequences
-first (one token each), then prefill chunks. For each token the model needs its
-position (RoPE, causal mask), its slot in the paged cache (where its K/V go), and
-for each sequence its block table and context length (where to read K/V from).
-The scheduler's choices become these arrays here, on the host, once per step;
-they are passed to the model as an argument, never through a global.
+As in stage 2 (stage 1's forward takes one sequence and a `start_pos`), the tokens of S
+sequences are packed into one array of N tokens, decode sequences first (one token
+each), then prefill chunks. For each token the model needs its position (RoPE, causal
+mask), its slot in the paged cache (where its K/V go), and for each sequence its block
+table and context length (where to read K/V from). A sequence with a prefix-cache hit
+simply starts at num_computed > 0, like the next chunk of a chunked prefill. The
+scheduler's choices become these arrays here, on the host, once per step; they are
+passed to the model as an argument, never through a global.
 """
 from __future__ import annotations
 
@@ -53,6 +56,19 @@ class BatchInfo:
         return BatchInfo(**{f.name: (xp.asarray(getattr(self, f.name))
                                      if isinstance(getattr(self, f.name), np.ndarray)
                                      else getattr(self, f.name)) for f in fields(self)})
+
+
+@dataclass
+class SamplingInputs:
+    """The sampling parameters of the rows that sample (kernels.sample's arguments)."""
+    temperature: np.ndarray       # [S'] float32 (0: greedy)
+    top_k: np.ndarray             # [S'] int32 (0: off)
+    top_p: np.ndarray             # [S'] float32 (1: off)
+    u: np.ndarray                 # [S'] float32 uniform numbers, each from its request's generator
+
+    def to(self, xp) -> "SamplingInputs":
+        """A copy on xp's device (cupy: one host-to-device copy per array)."""
+        return SamplingInputs(*(xp.asarray(getattr(self, f.name)) for f in fields(self)))
 
 
 def build_batch(seqs: list[Sequence], num_tokens: list[int],

@@ -1,23 +1,22 @@
 """Every array a step writes, allocated once: the activations, and the inputs' one upload.
 
 Changed from stage 2: a new file. Stage 2 writes its layer loop's outputs into fp32
-buffers kept from step to step (model.Scratch), but the bf16 and fused kernels of lessons
-2-5 allocate each output as they run, and every rung copies each of a step's ten BatchInfo
-arrays to the device on its own. On a GPU each of those is a call the host pays for (a
-`cupy.empty` about 2 us, a copy from pageable memory more, measured on an H200:
-bench/host_costs.json), and a decode step of Qwen3-0.6B made about 340 allocations. A
-decode step of one sequence computes in about a third of a millisecond on that GPU, so
-the host, not the GPU, set its pace. Here:
+buffers kept from step to step (model.Scratch) but allocates what its kernels make
+outside the loop (the logits, attention's partial results, the sampled ids), and copies
+each of a step's BatchInfo arrays to the device on its own. On a GPU each of those is a
+call the host pays for (a `cupy.empty` about 2 us, a copy from pageable memory more:
+bench/host_costs.json), and a decode step of one sequence computes in about a third of a
+millisecond: the host, not the GPU, sets its pace. Here:
 
-  * `Activations`: one buffer per intermediate of the forward pass (the residual stream,
-    the QKV output, q, attention's output, the MLP's, the logits, ...), sized for the
-    largest step the scheduler can make (token_budget tokens, `slots` sequences). A step
-    takes views of their first rows (`take`): a view costs no device call. The same
-    addresses every step are also what a CUDA graph needs (cuda_graphs.py).
+  * `Activations`: one buffer per intermediate of the forward pass (the residual stream, the
+    QKV output, q, attention's output, the MLP's, the logits, ...), sized for the largest
+    step the scheduler can make (token_budget tokens, `slots` sequences). A step takes views
+    of their first rows (`take`): a view costs no device call.
   * `StepInputs`: every number a step sends from the host (token ids, positions, slots,
     block tables, tiles, the sampling parameters) packed into one page-locked buffer and
-    copied in one transfer; the arrays the kernels read are views of its device twin. A
-    field's place depends only on the sizes of the fields before it, so two steps with the
+    copied in one transfer; the arrays the kernels read are views of its device twin.
+  * The same addresses every step are what a CUDA graph needs (cuda_graphs.py): a field of
+    StepInputs lands where the sizes of the fields before it put it, so two steps with the
     same sizes (a graph's decode bucket) read their inputs at the same addresses.
 
 device="cpu" uses numpy arrays for both (the host buffer is the "device" one).
@@ -30,7 +29,7 @@ import numpy as np
 
 from common.config import ModelConfig
 from . import kernels
-from .batch import BatchInfo
+from .batch import BatchInfo, SamplingInputs
 from .ops import BF16
 
 
@@ -38,7 +37,7 @@ from .ops import BF16
 class Activations:
     """The forward pass's intermediates, [rows, ...] for the largest step; `take(N, S)` gives a
     step of N tokens and S sequences that sample its views."""
-    residual: object      # [T, C] float32  the residual stream (embedding, then every block adds in)
+    x: object             # [T, C] float32  the residual stream (every block adds into it)
     h: object             # [T, C] bf16     RMSNorm's output, the input of an unfused GEMM
     qkv: object           # [T, (H + 2 Hkv) D] bf16
     q: object             # [T, H, D] bf16  q after its norm and RoPE
@@ -53,7 +52,7 @@ class Activations:
     def allocate(cls, xp, cfg: ModelConfig, max_tokens: int, max_seqs: int, max_ctx: int) -> "Activations":
         T, S = max_tokens, max_seqs
         H, Hkv, D, C, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
-        return cls(residual=xp.zeros((T, C), np.float32), h=xp.zeros((T, C), BF16),
+        return cls(x=xp.zeros((T, C), np.float32), h=xp.zeros((T, C), BF16),
                    qkv=xp.zeros((T, (H + 2 * Hkv) * D), BF16), q=xp.zeros((T, H, D), BF16),
                    att=xp.zeros((T, H, D), BF16), gate_up=xp.zeros((T, 2 * F), BF16), act=xp.zeros((T, F), BF16),
                    attn_scratch=xp.zeros(S * H * kernels.decode_splits(max_ctx) * (D + 2), np.float32),
@@ -75,15 +74,6 @@ class Activations:
 INT_FIELDS = ("tokens", "positions", "slot_mapping", "token_seq", "context_lens", "query_start", "logits_rows",
               "tile_start", "tile_count", "top_k", "block_tables")
 FLOAT_FIELDS = ("temperature", "top_p", "u")
-
-
-@dataclass
-class SamplingInputs:
-    """The sampling parameters of the rows that sample (kernels.sample's arguments)."""
-    temperature: object   # [S'] float32 (0: greedy)
-    top_k: object         # [S'] int32 (0: off)
-    top_p: object         # [S'] float32 (1: off)
-    u: object             # [S'] float32 uniform numbers, each from its request's own generator
 
 
 class StepInputs:

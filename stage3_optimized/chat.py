@@ -1,10 +1,11 @@
-"""The terminal chat on the stage-2 batched engine:
+"""The terminal chat on the stage-3 engine:
 
-    python -m stage3_optimized.chat [--model DIR|NAME] [--device cuda|cpu] [--page-size P] [--kv-memory GIB] [--no-prefix-caching]
+    python -m stage3_optimized.chat [--model DIR|NAME] [--device cuda|cpu] [--page-size P]
+                                    [--kv-memory GIB] [--no-prefix-caching]
 
-Changed from stage 2: only the engine (stage3_optimized/options.py). The chat
-itself is common/chat.py; one user means a batch of one, but a conversation's
-earlier turns are a prefix of the next prompt, so the prefix cache skips them.
+Changed from stage 2: only the engine and its options (options.py). The chat itself
+is common/chat.py; one user means a batch of one, but a conversation's earlier turns
+are a prefix of the next prompt, so the prefix cache skips them.
 """
 from __future__ import annotations
 

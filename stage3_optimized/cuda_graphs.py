@@ -52,8 +52,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import kernels
-from .batch import BatchInfo
-from .buffers import SamplingInputs, StepInputs
+from .batch import BatchInfo, SamplingInputs
+from .buffers import StepInputs
 
 
 def batch_buckets(max_batch: int) -> list[int]:

@@ -1,19 +1,23 @@
-"""The stage-3 Engine: stage 2's continuous batching, in bf16, with a prefix cache.
+"""The stage-3 Engine: stage 2's continuous batching, made fast lesson by lesson.
 
-Changed from stage 2: the model runs in bf16 with fused kernels (model.py), and
-the block manager shares the pages of common prefixes (block_manager.py). The
-engine's part of prefix caching is small: after each forward pass it registers
-the pages that became full (`block_manager.register`), so the next request with
-the same prefix finds them, and it remembers how many prompt tokens each request
-found cached (`num_cached_tokens(request_id)`, for the server's usage).
-`enable_prefix_caching=False` turns the cache off (every request computes its
-whole prompt, as in stage 2). A step's inputs travel to the device in one copy
-(buffers.StepInputs) and its intermediates live in buffers allocated once
-(buffers.Activations), so a decode step costs the host its kernel launches and two
-copies, nothing more. On the GPU, a step where every sequence decodes one token replays
-a CUDA graph of the forward pass and the sampling (cuda_graphs.py) instead of launching
-its ~200 kernels one by one; `enforce_eager=True` turns that off, and prefill steps,
-MoE models and device="cpu" always run eagerly. One step, as in stage 2:
+Changed from stage 2 (docs/lessons/stage3):
+  * The block manager shares the pages of common prefixes (block_manager.py). The engine's
+    part is small: after each forward pass it registers the pages that became full
+    (`block_manager.register`), so the next request with the same prefix finds them, and it
+    remembers how many prompt tokens each request found cached (`num_cached_tokens`, for the
+    server's usage). `enable_prefix_caching=False` turns the cache off.
+  * Requests without penalties or min_p get their next token from the sampling kernel, so S
+    ids cross to the host instead of S rows of logits; a degenerate row (a NaN or +inf
+    logit, or all -inf) ends its request with an error event.
+  * The model's buffers are allocated once, for the largest step (token_budget tokens,
+    `slots` sequences).
+  * A step's inputs travel to the device in one copy (buffers.StepInputs).
+  * On the GPU a step where every sequence decodes one token replays a CUDA graph of the
+    forward pass and the sampling (cuda_graphs.py) instead of launching its ~200 kernels one
+    by one; `enforce_eager=True` turns that off, and prefill steps, MoE models and
+    device="cpu" always run eagerly.
+
+One step, as in stage 2:
 
     scheduler.schedule()   which sequences, how many tokens each (budget, slots, pages, cache hits)
     build_batch()          their tokens packed into one array + a BatchInfo, and the
@@ -27,9 +31,9 @@ MoE models and device="cpu" always run eagerly. One step, as in stage 2:
                            host (common/sampling.py)
     finish / free          stop, length or abort: the sequence's pages go back at once
 
-device="cuda" keeps weights and the page pool on the GPU (CuPy) and launches the
-kernels in cuda/; device="cpu" keeps everything in numpy and runs their twins, so
-the whole engine is tested on a machine without a GPU.
+device="cuda" keeps weights and the page pool on the GPU (CuPy) and launches the kernels
+in cuda/; device="cpu" keeps everything in numpy and runs their twins, so the whole
+engine is tested on a machine without a GPU.
 """
 from __future__ import annotations
 
@@ -43,9 +47,9 @@ import numpy as np
 from common.config import ModelConfig
 from common.engine import Request, TokenEvent, check_prompt
 from . import kernels
-from .batch import build_batch
+from .batch import SamplingInputs, build_batch
 from .block_manager import BlockManager
-from .buffers import SamplingInputs, StepInputs
+from .buffers import StepInputs
 from .cuda_graphs import DecodeGraphs
 from .kv_cache import KVCache
 from .model import Model

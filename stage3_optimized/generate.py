@@ -1,10 +1,9 @@
 """python -m stage3_optimized.generate --model DIR|NAME --prompt "..." [--n N]: the tokens as they
 arrive, then the speed and the prompt tokens found in the prefix cache (common/generate.py).
 
-Changed from stage 1's generate.py (stage 2 has none): stage 3's engine and options (device,
-pages, --no-prefix-caching, --no-cuda-graphs) and the size of its batches (--slots,
---token-budget). With --n N copies of the prompt at once, the copies after the first find the
-prompt's full pages cached.
+Changed from stage 1's generate.py (stage 2 has none): stage 3's engine and its options
+(options.py) and the size of its batches (--slots, --token-budget). With --n N copies of the
+prompt at once, the copies after the first find the prompt's full pages cached.
 """
 from __future__ import annotations
 

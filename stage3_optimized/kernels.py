@@ -1,30 +1,46 @@
 """Launch a CUDA kernel for cupy arrays, run its numpy twin for numpy arrays.
 
-Changed from stage 2: bf16 arrays, fused kernels, cuBLAS, and no allocation in a step.
-  * A bf16 array is a uint16 array of its bits on both devices (so the same code runs on
-    CuPy versions with and without a bfloat16 dtype, and a kernel's `unsigned short*`
-    takes it as is).
-  * The GEMM is cuBLAS gemmEx with bf16 inputs and fp32 accumulation (CUBLAS_COMPUTE_32F),
-    called through ctypes on CuPy's handle (cublas.py: a call a CUDA graph can record),
-    instead of cupy.matmul on float32. A block's last GEMM adds its fp32 sums into the
-    residual stream itself (beta = 1), so stage 2's residual_add is gone.
-  * A decode batch of at most 4 rows runs its projections as gemv.cu instead, with the
-    RMSNorm in front and the residual add behind fused into the one launch
-    (rmsnorm_linear, linear_add, swiglu_linear_add); bigger batches run rmsnorm.cu,
-    swiglu.cu and cuBLAS, the same arithmetic in more launches.
-  * The fused kernels replace stage 2's rmsnorm + rope + store_kvcache
-    (qk_norm_rope_store) and silu_mul (swiglu, which reads the fused gate/up GEMM's
-    output). Decode attention is two launches (the GQA-shared split kernel and the
-    merge); prefill attention runs on tensor cores (prefill_attention_tc.cu) where the
-    head dim allows, with the plain kernel beside it; `sample` picks tokens on the device.
-  * Every wrapper takes `out=`: the model passes views of buffers allocated once
-    (buffers.py), so a step allocates nothing. Without `out` a wrapper allocates (the
-    tests, the MoE path).
+As in stage 2, every function takes and returns arrays of one kind: cupy arrays on
+device="cuda" run the kernel, numpy arrays on device="cpu" run the twin in ops.py.
+
+Changed from stage 2, lesson by lesson (docs/lessons/stage3):
+  * qk_norm_rope_store: stage 2's per-head rmsnorm, rope and store_kvcache as one kernel
+    that reads the fused QKV GEMM's rows in place; one layer's fixed arguments travel as one
+    record (ops.LayerHeads).
+  * swiglu: stage 2's silu_mul on the fused gate/up GEMM's output, read in place.
+  * The KV pages are bf16, held as their 16 bits (a uint16 array, on both devices: the same
+    code runs on CuPy with and without a bfloat16 dtype, and a kernel's `unsigned short*`
+    takes it as is); the attention kernels widen them as they read.
+  * The weights are bf16 and the GEMM is cuBLAS gemmEx with bf16 inputs and fp32
+    accumulation (CUBLAS_COMPUTE_32F, through cupy.cuda.cublas) instead of cupy.matmul on
+    float32; a float32 input is rounded to bf16 on the way in (to_bf16).
+  * rmsnorm writes bf16, the input of the GEMM after it, from bf16 norm weights; the GEMM
+    takes a bf16 input as it is.
+  * Attention and swiglu write bf16 too: every GEMM input comes in bf16, none is converted.
+  * The GEMMs write bf16 too (float32 with out_f32: the logits, a block's output) and
+    qk_norm_rope_store, swiglu and attention read bf16: every activation between kernels is
+    bf16.
+  * Decode attention is two launches: the GQA-shared split kernel and the merge.
+  * Prefill attention runs on tensor cores (prefill_attention_tc.cu) where the head dim
+    allows, with the plain kernel beside it.
+  * `sample` picks each row's token on the device.
+  * Every wrapper writes into the `out=` it is given (views of buffers allocated once,
+    buffers.py) and checks its inputs instead of converting them: a conversion would be an
+    allocation and a copy nobody sees.
+  * qk_norm_rope_store reads each token's cos/sin row from the model's tables itself.
+  * A block's last GEMM adds its fp32 sums into the residual stream (`add_into=`, cuBLAS
+    with beta = 1): stage 2's residual_add is gone.
+  * A decode batch of at most 4 rows runs its projections as gemv.cu, with the RMSNorm or
+    SwiGLU in front and the bias or residual add behind fused into the one launch (linear,
+    rmsnorm_linear, swiglu_linear); bigger batches run rmsnorm.cu, swiglu.cu and cuBLAS, the
+    same arithmetic in more launches.
+  * The GEMM is called through ctypes on CuPy's handle (cublas.py): a call a CUDA graph can
+    record.
 
 The wrappers check inputs, choose the launch grid the .cu header documents, and pass
 scalars as numpy scalars of the C type the kernel declares (int -> np.int32, float ->
-np.float32). Inputs must already be contiguous arrays of the kernel's dtype: a
-conversion would be a hidden copy (`_bf16`, `_f32`, `_i32` only check).
+np.float32). Inputs must already be contiguous arrays of the kernel's dtype (`_bf16`,
+`_f32`, `_i32` only check). Without `out` a wrapper allocates (the tests, the MoE path).
 """
 from __future__ import annotations
 
@@ -43,28 +59,41 @@ KERNEL_FILES = {                      # kernel name -> its .cu file under cuda/
     "embedding": "embedding.cu",
     "rmsnorm": "rmsnorm.cu",
     "qk_norm_rope_store": "qk_norm_rope_store.cu",
-    "swiglu": "swiglu.cu",
     "gemv": "gemv.cu",
     "paged_decode_attention": "decode_attention.cu",
     "merge_attention": "decode_attention.cu",
     "prefill_attention": "prefill_attention.cu",
     "prefill_attention_tc": "prefill_attention_tc.cu",
+    "swiglu": "swiglu.cu",
     "sample": "sample.cu",
 }
 MAX_GRID_Y = 65535                    # a launch's grid.y limit (grid.x goes to 2^31 - 1)
 MAX_HEAD_DIM = 256                    # the attention kernels keep D/32 values per lane in registers
 TC_MAX_HEAD_DIM, TC_WARPS = 128, 4     # the tensor-core prefill: O in registers, 4 heads per block
 GEMV_MAX_ROWS = 4                     # gemv.cu's MAX_N: a decode batch of up to 4 sequences
-GEMV_SMEM = 48 * 1024                 # its input rows in shared memory, within the default 48 KB
+GEMV_SMEM = 48 * 1024                 # its input rows in dynamic shared memory, at most
 GEMV_MAX_BLOCKS = 1024                # its grid; each warp strides over the rows past it
+# A block's static and dynamic shared memory share 48 KB unless the kernel's attribute
+# max_dynamic_shared_size_bytes is raised (every GPU since Volta allows more: 227 KB on an
+# H100). gemv.cu's 32 static bytes plus 48 KB of input rows need it raised.
+RAISED_SMEM = {"gemv": GEMV_SMEM}     # kernel -> the dynamic shared memory it may take
+
+
+def _compile(name: str):
+    """The kernel, compiled from its .cu file (cupy also caches the binary on disk)."""
+    import cupy
+    code = (CUDA_DIR / KERNEL_FILES[name]).read_text()
+    return cupy.RawModule(code=code, options=("--std=c++17",)).get_function(name)
 
 
 @functools.cache
 def _kernel(name: str):
-    """Compile the kernel's .cu file once per process (cupy also caches the binary on disk)."""
-    import cupy
-    code = (CUDA_DIR / KERNEL_FILES[name]).read_text()
-    return cupy.RawModule(code=code, options=("--std=c++17",)).get_function(name)
+    """The kernel, compiled once per process, its shared memory attribute raised where
+    RAISED_SMEM says (once: the attribute stays with the compiled function)."""
+    fn = _compile(name)
+    if name in RAISED_SMEM:
+        fn.max_dynamic_shared_size_bytes = RAISED_SMEM[name]
+    return fn
 
 
 def _on_gpu(x) -> bool:
@@ -94,18 +123,20 @@ def _ptr(x) -> int:
     return x.data.ptr
 
 
-def _empty(out, shape, dtype):
-    """out, or a new device array when the caller gave none."""
-    if out is not None:
-        assert tuple(out.shape) == tuple(shape) and out.dtype == dtype, \
-            f"out is {out.dtype} {tuple(out.shape)}, expected {np.dtype(dtype)} {tuple(shape)}"
-        return out
-    import cupy
-    return cupy.empty(shape, dtype=dtype)
+def _output(out, shape, dtype=np.float32):
+    """The caller's buffer, checked against the kernel's output shape and dtype, or a new
+    array (on a GPU a `cupy.empty`: a call the host pays for, which the buffer saves)."""
+    if out is None:
+        import cupy
+        return cupy.empty(shape, dtype=dtype)
+    assert tuple(out.shape) == tuple(shape) and out.dtype == dtype and out.flags.c_contiguous, \
+        f"out is {out.dtype} {tuple(out.shape)}, expected a contiguous {np.dtype(dtype)} {shape}"
+    return out
 
 
-def _into(out, value):
-    """A twin's result, written into out when the caller gave one (device="cpu")."""
+def _twin(value, out):
+    """A twin's result, copied into out when the caller gives one: on both devices the
+    caller then reads its result from the same buffer."""
     if out is None:
         return value
     out[...] = value
@@ -113,19 +144,20 @@ def _into(out, value):
 
 
 def to_bf16(x):
-    """float32 -> bf16 bits, round to nearest even, on either device (the MoE sum, Qwen2's biased q/k/v)."""
+    """float32 -> bf16 bits, round to nearest even, a NaN a quiet NaN (as ops.bf16_bits), on
+    either device (the MoE sum, Qwen2's biased q/k/v)."""
     if not _on_gpu(x):
         return ops.bf16_bits(x)
     import cupy
     u = cupy.ascontiguousarray(x, dtype=cupy.float32).view(cupy.uint32)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(cupy.uint16)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16      # (a NaN's may carry into the sign bit)
+    quiet_nan = ((u >> 16) & 0x8000) | 0x7FC0
+    return cupy.where((u & 0x7FFFFFFF) > 0x7F800000, quiet_nan, rounded).astype(cupy.uint16)
 
-
-# ---- the GEMMs ------------------------------------------------------------------------------
 
 def _gemv_fits(N: int, K: int) -> bool:
     """gemv.cu takes N <= 4 rows, 16-byte weight rows (K % 8 == 0) and N * K bf16 inputs in
-    its 48 KB of shared memory (the 8B model's MLP input: K = 12,288, two rows)."""
+    its 48 KB of dynamic shared memory (the 8B model's MLP input: K = 12,288, two rows)."""
     return 0 < N <= GEMV_MAX_ROWS and K % 8 == 0 and N * K * 2 <= GEMV_SMEM
 
 
@@ -155,50 +187,70 @@ def _gemm(x, w, c, accumulate: bool = False) -> None:
                        _ptr(_bf16(x)), CUDA_R_16BF, K, _ptr(c), c_type, M, accumulate)
 
 
-def linear(x, w, out_f32: bool = False, out=None):
-    """x [N, K] bf16 @ w [M, K] bf16 .T -> [N, M] bf16 (float32 with out_f32), fp32 accumulation:
-    gemv.cu for a decode batch, cuBLAS otherwise."""
+def linear(x, w, out_f32: bool = False, out=None, add_into=None):
+    """x [N, K] bf16 @ w [M, K] bf16 .T with fp32 sums -> [N, M] bf16 (float32 with out_f32),
+    or added into add_into [N, M] float32 (the residual stream: a block's last GEMM), which
+    is returned: gemv.cu for a decode batch, cuBLAS otherwise (beta = 1 to add)."""
     if not _on_gpu(w):
-        return _into(out, ops.linear(x, w, out_f32))
+        if add_into is not None:
+            add_into += ops.linear(x, w, out_f32=True)
+            return add_into
+        return _twin(ops.linear(x, w, out_f32), out)
     N, K = x.shape
-    out = _empty(out, (N, w.shape[0]), np.float32 if out_f32 else np.uint16)
+    if add_into is not None:
+        assert _f32(add_into).shape == (N, w.shape[0])
+        out = add_into
+    else:
+        out = _output(out, (N, w.shape[0]), np.float32 if out_f32 else np.uint16)
     if N == 0:
         return out
     if _gemv_fits(N, K):
-        _gemv(w, N, K, x=x, out_bf16=None if out_f32 else out, out_f32=out if out_f32 else None,
-              epilogue=1 if out_f32 else 0)
+        epilogue = 2 if add_into is not None else 1 if out_f32 else 0
+        _gemv(w, N, K, x=x, out_bf16=out if epilogue == 0 else None,
+              out_f32=out if epilogue else None, epilogue=epilogue)
     else:
-        _gemm(x, w, out)
+        _gemm(x, w, out, accumulate=add_into is not None)
     return out
 
 
-def rmsnorm(residual, w, eps: float, out=None):
-    """residual [N, C] float32, w [C] bf16 -> h [N, C] bf16 = rmsnorm(residual) * w (rmsnorm.cu)."""
-    if not _on_gpu(residual):
-        return _into(out, ops.rmsnorm_bf16(residual, w, eps))
-    N, C = _f32(residual).shape
-    h = _empty(out, (N, C), np.uint16)
+def embedding(ids, table, out=None):
+    """ids [N] int32, table [V, C] bf16 -> [N, C] float32: the residual stream's first value."""
+    if not _on_gpu(table):
+        return _twin(ops.embedding(ids, table), out)
+    N, C = ids.shape[0], table.shape[1]
+    out = _output(out, (N, C))
     if N:
-        _kernel("rmsnorm")((N,), (256,), (residual, _bf16(w), h, np.int32(C), np.float32(eps)))
+        _kernel("embedding")((N,), (128,), (_i32(ids), _bf16(table), out, np.int32(C)))
+    return out
+
+
+def rmsnorm(x, w, eps: float, out=None):
+    """x [N, C] float32 (the residual stream), w [C] bf16 -> rmsnorm(x) * w [N, C] bf16."""
+    if not _on_gpu(x):
+        return _twin(ops.rmsnorm_bf16(x, w, eps), out)
+    N, C = _f32(x).shape
+    h = _output(out, (N, C), np.uint16)
+    if N:
+        _kernel("rmsnorm")((N,), (256,), (x, _bf16(w), h, np.int32(C), np.float32(eps)))
     return h
 
 
-def rmsnorm_linear(residual, norm_w, eps: float, w, out=None, h=None, bias=None, out_f32: bool = False):
-    """A block's first GEMM with its RMSNorm in front (ops.rmsnorm_linear): residual [N, K]
-    float32 -> rmsnorm(residual) * norm_w @ w.T [N, M] bf16 (+ bias [M] float32 before the
-    rounding; float32 with out_f32). A decode batch: one gemv.cu launch. Else rmsnorm.cu
-    into h [N, K] (scratch), then the GEMM."""
+def rmsnorm_linear(x, norm_w, eps: float, w, h=None, bias=None, out_f32: bool = False, out=None):
+    """A block's first GEMM with its RMSNorm in front (ops.rmsnorm_linear): x [N, K] float32
+    -> rmsnorm(x) * norm_w @ w.T [N, M] bf16 (+ bias [M] float32 before the rounding;
+    float32 with out_f32). A decode batch: one gemv.cu launch. Else rmsnorm.cu into h [N, K]
+    (a buffer for the normed rows), then the GEMM."""
     if not _on_gpu(w):
-        return _into(out, ops.rmsnorm_linear(residual, norm_w, eps, w, bias, out_f32))
-    N, K = _f32(residual).shape
-    out = _empty(out, (N, w.shape[0]), np.float32 if out_f32 else np.uint16)
+        return _twin(ops.rmsnorm_linear(x, norm_w, eps, w, bias, out_f32), out)
+    N, K = _f32(x).shape
+    out = _output(out, (N, w.shape[0]), np.float32 if out_f32 else np.uint16)
     if N == 0:
         return out
     if _gemv_fits(N, K):
-        _gemv(w, N, K, norm_in=residual, norm_w=norm_w, bias=bias, eps=eps, prologue=1,
+        _gemv(w, N, K, norm_in=x, norm_w=norm_w, bias=bias, eps=eps, prologue=1,
               out_bf16=None if out_f32 else out, out_f32=out if out_f32 else None, epilogue=1 if out_f32 else 0)
         return out
-    h = rmsnorm(residual, norm_w, eps, out=h)
+    h = rmsnorm(x, norm_w, eps, out=h)
     if bias is None:
         return linear(h, w, out_f32, out=out)
     # Qwen2's q/k/v bias on a big batch: the fp32 GEMM, the bias, one rounding (cupy's
@@ -207,74 +259,30 @@ def rmsnorm_linear(residual, norm_w, eps: float, w, out=None, h=None, bias=None,
     return out
 
 
-def linear_add(x, w, residual):
-    """residual [N, M] float32 += x [N, K] bf16 @ w [M, K] bf16 .T, in place (ops.linear_add):
-    a block's last GEMM adds its fp32 sums into the residual stream (gemv.cu's epilogue 2,
-    or cuBLAS with beta = 1). Returns residual."""
-    if not _on_gpu(w):
-        return ops.linear_add(x, w, residual)
-    N, K = x.shape
-    assert _f32(residual).shape == (N, w.shape[0])
-    if N == 0:
-        return residual
-    if _gemv_fits(N, K):
-        _gemv(w, N, K, x=x, out_f32=residual, epilogue=2)
-    else:
-        _gemm(x, w, residual, accumulate=True)
-    return residual
-
-
-def swiglu_linear_add(gate_up, w, residual, act=None):
-    """residual += swiglu(gate_up) @ w.T (ops.swiglu_linear_add): gate_up [N, 2F] bf16, w [C, F].
-    A decode batch: one gemv.cu launch (SwiGLU as its prologue); else swiglu.cu into act
-    [N, F] (scratch), then the GEMM with beta = 1."""
-    if not _on_gpu(w):
-        return ops.swiglu_linear_add(gate_up, w, residual)
-    N, F = gate_up.shape[0], gate_up.shape[1] // 2
-    if N == 0:
-        return residual
-    if _gemv_fits(N, F):
-        assert _f32(residual).shape == (N, w.shape[0])
-        _gemv(w, N, F, x=gate_up, out_f32=residual, prologue=2, epilogue=2)
-        return residual
-    return linear_add(swiglu(gate_up, out=act), w, residual)
-
-
-# ---- the other kernels ----------------------------------------------------------------------
-
-def embedding(ids, table, out=None):
-    """ids [N] int32, table [V, C] bf16 -> [N, C] float32: the residual stream's first value."""
-    if not _on_gpu(table):
-        return _into(out, ops.embedding(ids, table))
-    N, C = ids.shape[0], table.shape[1]
-    out = _empty(out, (N, C), np.float32)
-    if N:
-        _kernel("embedding")((N,), (128,), (_i32(ids), _bf16(table), out, np.int32(C)))
-    return out
-
-
-def qk_norm_rope_store(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, slot_mapping,
-                       H: int, Hkv: int, eps: float, out=None):
-    """qkv [N, (H + 2 Hkv) D] bf16, norms [D] bf16 or None, cos/sin [T_max, D/2] float32 (the
-    model's tables), positions [N], pages [NB, P, Hkv, D] bf16 (k, v written at slot_mapping [N])
-    -> q [N, H, D] bf16"""
+def qk_norm_rope_store(qkv, heads: ops.LayerHeads, positions, slot_mapping, out=None):
+    """qkv [N, (H + 2 Hkv) D] bf16, one layer's heads (ops.LayerHeads: its q/k norm weights,
+    the model's RoPE tables, its pages [NB, P, Hkv, D] bf16, H, Hkv, eps), positions [N],
+    slot_mapping [N] (k and v go there) -> q [N, H, D] bf16 (ops.qk_norm_rope_store)"""
     if not _on_gpu(qkv):
-        return _into(out, ops.qk_norm_rope_store(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache,
-                                                 slot_mapping, H, Hkv, eps))
-    N = _bf16(qkv).shape[0]
+        return _twin(ops.qk_norm_rope_store(qkv, heads, positions, slot_mapping), out)
+    H, Hkv = heads.H, heads.Hkv
+    qkv = _bf16(qkv)
+    N = qkv.shape[0]
     D = qkv.shape[1] // (H + 2 * Hkv)
     assert D <= MAX_HEAD_DIM and D % 2 == 0
+    k_cache, v_cache = heads.k_cache, heads.v_cache
     assert k_cache.flags.c_contiguous and v_cache.flags.c_contiguous, "the pool must be contiguous"
-    q = _empty(out, (N, H, D), np.uint16)
-    has_norm = q_norm is not None
-    qn = _bf16(q_norm) if has_norm else q           # any pointer when unused (never read)
-    kn = _bf16(k_norm) if has_norm else q
+    out = _output(out, (N, H, D), np.uint16)
+    has_norm = heads.q_norm is not None
+    qn = _bf16(heads.q_norm) if has_norm else out         # any pointer when unused (never read)
+    kn = _bf16(heads.k_norm) if has_norm else out
     if N:
         _kernel("qk_norm_rope_store")(
             (N, H + Hkv), (32,),
-            (qkv, qn, kn, _f32(cos), _f32(sin), _i32(positions), k_cache, v_cache, _i32(slot_mapping), q,
-             np.int32(H), np.int32(Hkv), np.int32(D), np.float32(eps), np.int32(has_norm)))
-    return q
+            (qkv, qn, kn, _f32(heads.cos), _f32(heads.sin), _i32(positions), k_cache, v_cache,
+             _i32(slot_mapping), out, np.int32(H), np.int32(Hkv), np.int32(D),
+             np.float32(heads.eps), np.int32(has_norm)))
+    return out
 
 
 # decode attention splits each context into pieces of SPLIT_LEN positions (flash-decoding)
@@ -305,12 +313,13 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, spli
     scratch: a float32 array of at least S * H * splits * (D + 2) values for the partial
     results (buffers.py sizes one); without it they are allocated."""
     if not _on_gpu(q):
-        return _into(out, ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens))
-    S, H, D = _bf16(q).shape
+        return _twin(ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens), out)
+    q = _bf16(q)
+    S, H, D = q.shape
     P, Hkv = k_cache.shape[1], k_cache.shape[2]
     assert D <= MAX_HEAD_DIM, f"head_dim {D} > {MAX_HEAD_DIM} is not supported by the attention kernels"
     assert H // Hkv <= 16, "the decode kernel gives each query head of a group one of 16 warps at most"
-    out = _empty(out, (S, H, D), np.uint16)
+    out = _output(out, (S, H, D), np.uint16)
     if S == 0:
         return out
     block_tables, context_lens = _i32(block_tables), _i32(context_lens)
@@ -319,7 +328,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, spli
         max_len = int(context_lens.max())            # one small copy (and a sync) to size the grid
     splits = decode_splits(max_len, split_len)
     n = S * H * splits
-    scratch = _empty(None, (n * (D + 2),), np.float32) if scratch is None else _f32(scratch)
+    scratch = _output(None, (n * (D + 2),), np.float32) if scratch is None else _f32(scratch)
     part_out = scratch[:n * D].reshape(S, H, splits, D)          # views: no allocation
     part_ml = scratch[n * D:n * (D + 2)].reshape(S, H, splits, 2)
     group = H // Hkv
@@ -342,11 +351,12 @@ def prefill_attention(q, k_cache, v_cache, block_tables, token_seq, positions,
     the tensor-core kernel runs (prefill_attention_tc.cu); otherwise, or with
     tensor_cores=False, the plain one (prefill_attention.cu), which it is tested against."""
     if not _on_gpu(q):
-        return _into(out, ops.prefill_attention(q, k_cache, v_cache, block_tables, token_seq, positions))
-    N, H, D = _bf16(q).shape
+        return _twin(ops.prefill_attention(q, k_cache, v_cache, block_tables, token_seq, positions), out)
+    q = _bf16(q)
+    N, H, D = q.shape
     P, Hkv = k_cache.shape[1], k_cache.shape[2]
     assert D <= MAX_HEAD_DIM, f"head_dim {D} > {MAX_HEAD_DIM} is not supported by the attention kernels"
-    out = _empty(out, (N, H, D), np.uint16)
+    out = _output(out, (N, H, D), np.uint16)
     if N == 0:
         return out
     block_tables = _i32(block_tables)
@@ -388,28 +398,53 @@ def _tc_available() -> bool:
 
 
 def swiglu(gate_up, out=None):
-    """[N, 2F] bf16 (gate | up) -> silu(gate) * up [N, F] bf16"""
+    """[N, 2F] bf16 (gate | up, the fused GEMM's output) -> silu(gate) * up [N, F] bf16"""
     if not _on_gpu(gate_up):
-        return _into(out, ops.swiglu(gate_up))
-    N, F2 = _bf16(gate_up).shape
-    out = _empty(out, (N, F2 // 2), np.uint16)
+        return _twin(ops.swiglu(gate_up), out)
+    gate_up = _bf16(gate_up)
+    N, F2 = gate_up.shape
+    out = _output(out, (N, F2 // 2), np.uint16)
     if N:
         _kernel("swiglu")(((F2 // 2 + 255) // 256, min(N, MAX_GRID_Y)), (256,),
                           (gate_up, out, np.int32(N), np.int32(F2 // 2)))
     return out
 
 
+def swiglu_linear(gate_up, w, add_into, act=None):
+    """The MLP's down projection, added into the residual stream: add_into [N, C] float32
+    += swiglu(gate_up) @ w.T, gate_up [N, 2F] bf16, w [C, F] (ops.swiglu). A decode batch:
+    one gemv.cu launch (SwiGLU as its prologue); else swiglu.cu into act [N, F], then the
+    GEMM with beta = 1. Returns add_into."""
+    if not _on_gpu(w):
+        add_into += ops.linear(ops.swiglu(gate_up), w, out_f32=True)
+        return add_into
+    N, F = gate_up.shape[0], gate_up.shape[1] // 2
+    if N == 0:
+        return add_into
+    if _gemv_fits(N, F):
+        assert _f32(add_into).shape == (N, w.shape[0])
+        _gemv(w, N, F, x=gate_up, out_f32=add_into, prologue=2, epilogue=2)
+        return add_into
+    return linear(swiglu(gate_up, out=act), w, add_into=add_into)
+
+
 def sample(logits, temperature, top_k, top_p, u, out=None):
     """logits [S, V] float32, per-row temperature, top_k, top_p and uniform u [S]
     -> next tokens [S] int32 (on the device: S ids cross to the host, not S * V logits)."""
     if not _on_gpu(logits):
-        return _into(out, ops.sample(logits, temperature, top_k, top_p, u))
+        return _twin(ops.sample(logits, temperature, top_k, top_p, u), out)
     S, V = _f32(logits).shape
-    tokens = _empty(out, (S,), np.int32)
+    tokens = _output(out, (S,), np.int32)
     if S:
         _kernel("sample")((S,), (256,), (logits, _f32(temperature), _i32(top_k), _f32(top_p), _f32(u),
                                          tokens, np.int32(V)))
     return tokens
+
+
+def route(logits, k: int, norm: bool):
+    """MoE routing, on the host: the router's logits [T, E] (copied back from the device)
+    -> each token's top-k experts [T, k] and their weights [T, k] (ops.route)."""
+    return ops.route(to_host(logits), k, norm)
 
 
 def to_host(x) -> np.ndarray:

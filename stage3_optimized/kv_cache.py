@@ -1,13 +1,15 @@
 """The paged KV cache: one pool of pages shared by every sequence.
 
-Changed from stage 2: the pages hold bf16 (uint16 bits), half the bytes of fp32, so
-the same memory holds twice the positions and decode attention reads half as much.
-The rows are written by the fused qk_norm_rope_store kernel (model.py), so `store`
-is gone. As in stage 2: two pools (K and V) of NB pages of P positions each,
-[L, NB, P, Hkv, D]; a token's slot page * P + offset says where its K/V row goes
-and the block tables say where to read a sequence's positions back. With prefix
-caching a page may appear in several block tables: it is read by all of them and
-written by none (block_manager.py).
+Changed from stage 2, lesson by lesson (docs/lessons/stage3):
+  * The rows are written by the fused qk_norm_rope_store kernel (model.py), so `store` is
+    gone.
+  * The pages hold bf16 (uint16 bits), half the bytes of fp32, so the same memory holds
+    twice the positions and decode attention reads half as much.
+
+As in stage 2: two pools (K and V) of NB pages of P positions each, [L, NB, P, Hkv, D];
+a token's slot page * P + offset says where its K/V row goes and the block tables say
+where to read a sequence's positions back. With prefix caching a page may appear in
+several block tables: it is read by all of them and written by none (block_manager.py).
 """
 from __future__ import annotations
 

@@ -1,24 +1,36 @@
 """The forward pass, top to bottom: a packed batch of token ids in, logits out.
 
-Changed from stage 2: bf16 and fused kernels, and no allocation. Activations between
-kernels are bf16; the residual stream stays fp32. q/k/v come out of one GEMM and
-gate/up out of another; stage 2's residual_add is gone (each block's last GEMM adds
-into the stream) and its rmsnorm is fused into the GEMM after it when the batch is
-a decode batch of at most 4 rows (gemv.cu), so such a layer launches 7 kernels where
-stage 2 launched 18. Every output goes into a buffer allocated once (buffers.py).
+As in stage 2, `tokens` packs the new tokens of S sequences into one array of N, a
+BatchInfo says where each one belongs, every matmul sees all N tokens at once and only
+attention knows about sequences.
 
-    residual = embed(tokens)                            [N, C] fp32
+Changed from stage 2, lesson by lesson (docs/lessons/stage3):
+  * q, k and v from one GEMM, then one kernel: the q/k norm, RoPE and the K/V store.
+  * gate and up from one GEMM, which swiglu reads in place.
+  * The norm writes bf16, the GEMM's input.
+  * So do attention and swiglu; the residual stream stays fp32.
+  * Every activation between kernels is bf16.
+  * Decode attention is sized by BatchInfo.max_context, a host int: no copy back.
+  * Prefill attention gets the batch's 16-token tiles (tensor cores).
+  * Every output, the logits too, goes into a buffer allocated once (buffers.py).
+  * qk_norm_rope_store reads each token's cos/sin row itself: no gather.
+  * Each block's last GEMM adds into the stream (`add_into=`): no residual_add.
+  * A decode batch of at most 4 rows: one gemv.cu launch per projection, the norm or SwiGLU
+    in front, the add behind (7 launches a layer where stage 2 launched 18).
+
+    x = embed(tokens)                                   [N, C]
     for each layer:
-        qkv = rmsnorm(residual) @ wqkv.T (+ bqkv)       [N, (H + 2 Hkv) D], one GEMM (qwen2: + biases)
+        qkv = rmsnorm(x) @ wqkv.T                       [N, (H + 2 Hkv) D], one GEMM (+ bqkv: qwen2)
         q = qk_norm_rope_store(qkv)                     q/k RMSNorm (qwen3), RoPE, k/v into their pages
-        residual += attention(q) @ wo.T                 each query over its pages (GQA)
-        gate_up = rmsnorm(residual) @ w_gate_up.T       MLP block
-        residual += swiglu(gate_up) @ w_down.T          (or the routed experts of a MoE layer,
+        attend causally over each sequence's pages (GQA)
+        x = x + attn @ wo.T
+        gate_up = rmsnorm(x) @ w_gate_up.T              MLP block
+        x = x + swiglu(gate_up) @ w_down.T              (or the routed experts of a MoE layer,
                                                          plus a gated shared expert: qwen2_moe)
-    logits = rmsnorm(residual) @ lm_head.T              [S', V] float32, last position of each sequence
+    logits = rmsnorm(x) @ lm_head.T                     [S', V] for the last position of each sequence
 
-Weight names follow Hugging Face's (wqkv is q_proj, k_proj, v_proj stacked, ...);
-the rename table is in common/loader.py and the fusing in weights.py.
+Weight names follow Hugging Face's (wqkv is q_proj, k_proj, v_proj stacked, ...); the
+rename table is in common/loader.py and the fusing in weights.py.
 """
 from __future__ import annotations
 
@@ -45,6 +57,11 @@ class Model:
         self.k = kernels
         cos, sin = ops.rope_tables(max_ctx, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)   # [T_max, D/2]
         self.cos, self.sin = xp.asarray(cos), xp.asarray(sin)
+        # what each layer's q/k norm, RoPE and KV store need, besides the step's rows
+        self.heads = [ops.LayerHeads(lw.q_norm, lw.k_norm, self.cos, self.sin, self.cache.keys(i),
+                                     self.cache.values(i), cfg.num_heads, cfg.num_kv_heads,
+                                     cfg.rms_norm_eps)
+                      for i, lw in enumerate(weights.layers)]
 
     def forward(self, tokens, batch: BatchInfo, all_logits: bool = False):
         """tokens [N] of S sequences, packed as batch describes (its arrays on this model's
@@ -52,89 +69,85 @@ class Model:
         The logits are a view of this model's buffer: the next step overwrites them."""
         cfg, w, K = self.config, self.w, self.k
         N = len(tokens)
-        H, Hkv, D, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+        H, D, eps = cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
         if batch.max_context > self.max_ctx:
             raise ValueError(f"positions up to {batch.max_context} exceed the context "
                              f"({self.max_ctx}); raise --max-ctx")
         b = self.buffers.take(N, len(batch.logits_rows))       # this step's views, no allocation
 
-        # token embedding: one row per token starts the residual stream (fp32)
-        residual = w.embed.rows(tokens, out=b.residual)        # [N, C] fp32
+        # token embedding: one row per token (the embedding gather kernel)
+        x = w.embed.rows(tokens, out=b.x)                      # [N, C]
 
         for layer, lw in enumerate(w.layers):
             # ---- attention block ----
-            # RMSNorm, then q, k and v from one GEMM (Qwen2: + their biases): for a decode batch
-            # one gemv.cu launch that normalises the residual rows itself
-            qkv = lw.wqkv.norm_matmul(residual, lw.attn_norm, eps, out=b.qkv, h=b.h, bias=lw.bqkv)
+            # q, k and v from one GEMM on rmsnorm(x) (Qwen2: + their biases); for a decode
+            # batch one gemv.cu launch that normalises the rows itself
+            qkv = lw.wqkv.norm_matmul(x, lw.attn_norm, eps, h=b.h, bias=lw.bqkv, out=b.qkv)
             # Qwen3's per-head q/k RMSNorm, RoPE at each token's own position, and the new
             # positions' k, v into their pages: one kernel, q comes back for attention
-            q = K.qk_norm_rope_store(qkv, lw.q_norm, lw.k_norm, self.cos, self.sin, batch.positions,
-                                     self.cache.keys(layer), self.cache.values(layer),
-                                     batch.slot_mapping, H, Hkv, eps, out=b.q)   # [N, H, D] bf16
-            att = self.attention(q, layer, batch, b)           # every query attends over its pages
-            lw.wo.matmul_add(att.reshape(N, H * D), residual)  # residual += att @ wo.T (fp32)
+            q = K.qk_norm_rope_store(qkv, self.heads[layer], batch.positions, batch.slot_mapping,
+                                     out=b.q)                  # [N, H, D] bf16
+            att = self.attention(q, layer, batch, out=b.att)   # ... and every query attends over its pages
+            x = lw.wo.matmul(att.reshape(N, H * D), add_into=x)   # x + att @ wo.T, in the GEMM
 
             # ---- MLP block ----
             if lw.experts:
-                residual += self.moe(K.rmsnorm(residual, lw.mlp_norm, eps, out=b.h), lw)
+                x = self.moe(K.rmsnorm(x, lw.mlp_norm, eps, out=b.h), lw, add_into=x)
             else:
-                # SwiGLU: residual += down(silu(gate(h)) * up(h)), gate and up from one GEMM
-                gate_up = lw.w_gate_up.norm_matmul(residual, lw.mlp_norm, eps, out=b.gate_up, h=b.h)
-                lw.w_down.swiglu_matmul_add(gate_up, residual, act=b.act)   # [N, C] fp32
+                # SwiGLU: x + down(silu(gate(h)) * up(h)), gate and up from one GEMM on rmsnorm(x)
+                gate_up = lw.w_gate_up.norm_matmul(x, lw.mlp_norm, eps, h=b.h, out=b.gate_up)
+                x = lw.w_down.swiglu_matmul(gate_up, add_into=x, act=b.act)   # [N, C] fp32
 
-        # only the last position of each sequence that samples needs logits
-        logits_out = b.logits
-        if all_logits:
-            logits_out = None                                  # [N, V]: allocated (a prefill check)
-        elif len(batch.logits_rows) < N:
-            residual = residual[batch.logits_rows]             # [S', C] a gather (prefill steps)
-        return w.lm_head.norm_matmul(residual, w.final_norm, eps, out=logits_out, h=b.h[:len(residual)],
-                                     out_f32=True)             # [N or S', V] float32
+        # only the last position of each sequence that samples needs logits (a decode step
+        # samples every row: nothing to gather)
+        if not all_logits and len(batch.logits_rows) < N:
+            x = x[batch.logits_rows]                           # [S', C]
+        logits = w.lm_head.norm_matmul(x, w.final_norm, eps, h=b.h[:len(x)], out_f32=True,
+                                       out=None if all_logits else b.logits)
+        return logits                                          # [N or S', V] float32
 
-    def attention(self, q, layer: int, batch: BatchInfo, b: Activations):
-        """Each query over its own sequence's pages. q [N, H, D] -> [N, H, D] (b.att).
+    def attention(self, q, layer: int, batch: BatchInfo, out):
+        """Each query over its own sequence's pages. q [N, H, D] -> out [N, H, D] bf16.
         The batch starts with num_decode sequences of one query each (decode kernel:
         the whole context is visible), then the prefill chunks (causal within the chunk,
-        earlier chunks read from the pages like any other position)."""
+        earlier chunks read from the pages like any other position). Each kernel writes
+        its rows of out."""
         K, d = self.k, batch.num_decode
         keys, values = self.cache.keys(layer), self.cache.values(layer)
-        att = b.att                                            # [N, H, D] bf16
         if d:
             K.paged_decode_attention(q[:d], keys, values, batch.block_tables[:d], batch.context_lens[:d],
-                                     max_len=batch.max_context, out=att[:d], scratch=b.attn_scratch)
+                                     max_len=batch.max_context, out=out[:d],
+                                     scratch=self.buffers.attn_scratch)
         if d < q.shape[0]:
             K.prefill_attention(q[d:], keys, values, batch.block_tables, batch.token_seq[d:],
-                                batch.positions[d:], batch.tile_start, batch.tile_count, out=att[d:])
-        return att
+                                batch.positions[d:], batch.tile_start, batch.tile_count,
+                                out=out[d:])
+        return out
 
-    def moe(self, h, lw: LayerWeights):
+    def moe(self, h, lw: LayerWeights, add_into):
         """Qwen3-MoE: each token goes to its top-k experts, weighted by the router.
         Qwen2-MoE adds a shared expert that every token goes through, scaled by a
-        sigmoid gate of its own (its width may differ from the routed experts').
-        h [N, C] bf16 -> [N, C] float32, added into the residual by the caller. The routing
-        decision is made on the host (a small [N, E] copy); the experts' matmuls run on the
-        device, one GEMM per chosen expert (this path allocates: a MoE step is never a graph)."""
+        sigmoid gate of its own.
+        h [N, C] bf16 -> the experts' weighted sum [N, C] float32, added into add_into (the
+        residual stream), which is returned. The routing decision is made on the host (a
+        small [N, E] copy); the experts' matmuls run on the device, one GEMM per chosen expert
+        (this path allocates: a MoE step is never a graph)."""
         cfg, xp = self.config, self.xp
-        T = h.shape[0]
-        k = cfg.num_experts_per_tok
-        # router in fp32: softmax over all experts, then keep the top k
-        probs = ops.softmax(kernels.to_host(lw.router.matmul(h, out_f32=True)))   # [T, E]
-        top = np.argsort(-probs, axis=-1, kind="stable")[:, :k]  # [T, k] expert ids
-        weight = np.take_along_axis(probs, top, axis=-1)       # [T, k]
-        if cfg.norm_topk_prob:
-            weight = weight / weight.sum(axis=-1, keepdims=True)
-        out = xp.zeros(h.shape, dtype=np.float32)              # [T, C] fp32 sum of the experts
+        # router in fp32: softmax over all experts, then keep the top k (on the host)
+        top, weight = self.k.route(lw.router.matmul(h, out_f32=True), cfg.num_experts_per_tok,
+                                   cfg.norm_topk_prob)         # [T, k] each
+        out = add_into                                         # [T, C] fp32: the stream itself
         # group tokens by expert: each chosen expert's weights are read once per step
         for e in np.unique(top):
             rows, slot = np.nonzero(top == e)                  # tokens routed to e, and which of their k
             ex = lw.experts[e]
-            he = h[xp.asarray(rows)]                           # [Te, C] bf16
+            he = h[xp.asarray(rows)]                           # [Te, C]
             y = ex.e_down.matmul(self.k.swiglu(ex.e_gate_up.matmul(he)), out_f32=True)   # [Te, C]
-            out[xp.asarray(rows)] += xp.asarray(weight[rows, slot][:, None].astype(np.float32)) * y
+            out[xp.asarray(rows)] += xp.asarray(weight[rows, slot][:, None]) * y
         if lw.shared_expert is not None:
             # the shared expert: every token, weighted by sigmoid(h . shared_gate) in (0, 1)
             ex = lw.shared_expert
             y = ex.e_down.matmul(self.k.swiglu(ex.e_gate_up.matmul(h)), out_f32=True)   # [T, C] fp32
             gate = lw.shared_gate.matmul(h, out_f32=True)      # [T, 1] fp32
             out += y / (1 + xp.exp(-gate))
-        return out                                             # [T, C] fp32, like a dense MLP's sums
+        return out

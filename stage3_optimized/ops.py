@@ -1,28 +1,31 @@
 """The numpy twins of the CUDA kernels: what each kernel in stage3_optimized/cuda/ computes.
 
-Changed from stage 2: bf16 storage, fp32 arithmetic, and fused kernels.
-  * Every activation between kernels, every weight and the KV cache are bf16,
-    held as their 16 bits in uint16 arrays (`bf16_bits`, `f32`): half the bytes
-    of stage 2's fp32, which is what a memory-bound decode step pays for. Each
-    twin widens its inputs to fp32, computes in fp32 and rounds its output once
-    (round to nearest even), exactly as the kernels do.
-  * The residual stream stays fp32 ([N, C], small next to the weights): rounding it
-    to bf16 after each of 28+ layers is the one rounding that adds up. It starts as
-    the embedding (`embedding` writes fp32 rows), each block reads it through an
-    RMSNorm (`rmsnorm_bf16`) and each block's last GEMM adds its fp32 sums into it
-    (`linear_add`, `swiglu_linear_add`): stage 2's residual_add is gone.
-  * Kernels that stage 2 ran one after another on the same rows become one pass:
-    `qk_norm_rope_store` (q/k RMSNorm, RoPE and the KV-cache store of one token),
-    `swiglu` (the gate and up halves of one fused GEMM), and for a small decode batch
-    the GEMM with its neighbours (`rmsnorm_linear`, `linear_add`, `swiglu_linear_add`:
-    gemv.cu). `rmsnorm`, `rope`, `residual_add`, `silu_mul` and `store_kvcache` are
-    what they replace; they stay here as the plain definitions the fused twins are
-    tested against.
+Changed from stage 2, lesson by lesson (docs/lessons/stage3):
+  * qk_norm_rope_store: q/k RMSNorm, RoPE and the KV store of a token in one pass over the
+    fused QKV GEMM's output. `rmsnorm`, `rope` and `store_kvcache` stay as the plain
+    definitions it is tested against.
+  * swiglu: silu_mul on the two halves of the fused gate/up GEMM's output.
+  * The KV pages are bf16, held as their 16 bits in uint16 arrays (`bf16_bits`, `f32`): half
+    the bytes of stage 2's fp32.
+  * The weights are bf16 too, and `linear` is the GEMM's twin: bf16 inputs, fp32 products
+    and sums. Each twin widens its bf16 inputs, computes in fp32 and rounds what it stores
+    in bf16 once (round to nearest even), as the kernels do. The residual stream stays fp32
+    (`embedding` writes fp32 rows).
+  * `rmsnorm_bf16`: the norm in front of a GEMM rounds its output to bf16; the norm weights
+    are bf16.
+  * Attention and `swiglu` round their outputs to bf16 too (a GEMM's input).
+  * Every activation between kernels is bf16 (`linear` rounds its output too).
+  * decode_attention_splits and merge_attention: flash-decoding's two parts.
+  * sample: greedy, temperature, top-k and top-p from one uniform number per row;
+    degenerate_rows, which it answers with -1.
+  * rmsnorm_linear: a block's first GEMM with its RMSNorm in front (gemv.cu's prologue).
 
-stage3_optimized/kernels.py launches the CUDA kernel for cupy arrays and calls the
-twin here for numpy arrays (device="cpu").
+stage3_optimized/kernels.py launches the CUDA kernel for cupy arrays and calls the twin
+here for numpy arrays (device="cpu").
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
@@ -53,8 +56,8 @@ def embedding(ids: np.ndarray, table: np.ndarray) -> np.ndarray:
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """x [..., C] float32, w [C] bf16 -> [..., C] float32: x / rms(x) * w over the last axis.
-    The plain definition (stage 2's), used by the fused twins below."""
+    """x [..., C], w [C] bf16 -> [..., C]: x / rms(x) * w over the last axis.
+    Used on the residual stream ([T, C]) and on each q/k head ([T, H, D], w [D])."""
     var = np.mean(x * x, axis=-1, keepdims=True)          # [..., 1]
     return (x / np.sqrt(var + np.float32(eps))).astype(np.float32) * f32(w)
 
@@ -66,7 +69,7 @@ def rmsnorm_bf16(residual: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 
 def rope_tables(max_pos: int, head_dim: int, theta: float, scaling=None) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin [max_pos, D/2] float32: the rotation angle of pair i at position p is p * theta^(-2i/D).
+    """cos, sin [max_pos, D/2]: the rotation angle of pair i at position p is p * theta^(-2i/D).
     scaling (config.RopeScaling, Llama 3's) changes the frequencies, see llama3_inv_freq.
     Computed once per model; positions index rows."""
     inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))  # [D/2]
@@ -94,7 +97,7 @@ def llama3_inv_freq(inv_freq: np.ndarray, scaling) -> np.ndarray:
 
 
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """x [T, H, D] float32, cos/sin [T, D/2] -> [T, H, D] float32.
+    """x [T, H, D], cos/sin [T, D/2] -> [T, H, D].
     Rotate-half RoPE (the HF layout): dimension i pairs with i + D/2, not with i + 1."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]                  # [T, H, D/2] each
@@ -113,27 +116,41 @@ def store_kvcache(k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np
     v_cache.reshape(NB * P, Hkv, D)[slots] = v[keep]
 
 
-def qk_norm_rope_store(qkv: np.ndarray, q_norm, k_norm, cos: np.ndarray, sin: np.ndarray,
-                       positions: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
-                       slot_mapping: np.ndarray, H: int, Hkv: int, eps: float) -> np.ndarray:
+@dataclass
+class LayerHeads:
+    """What one layer's qk_norm_rope_store needs besides its qkv rows: fixed for the model's
+    life, so model.py builds one per layer and passes it whole."""
+    q_norm: object | None      # [D] bf16, Qwen3's per-head norms (None: no q/k norm)
+    k_norm: object | None      # [D] bf16
+    cos: object                # [T_max, D/2] float32, the model's RoPE tables: a row per position
+    sin: object
+    k_cache: object            # [NB, P, Hkv, D] bf16: this layer's pages
+    v_cache: object
+    H: int                     # query heads
+    Hkv: int                   # kv heads
+    eps: float
+
+
+def qk_norm_rope_store(qkv: np.ndarray, heads: LayerHeads, positions: np.ndarray,
+                       slot_mapping: np.ndarray) -> np.ndarray:
     """Everything between the fused QKV GEMM and attention, in one pass per token:
         q, k, v = split(qkv)                       [N, H, D], [N, Hkv, D], [N, Hkv, D]
         q, k = rmsnorm(q) * q_norm, rmsnorm(k) * k_norm   (per head; qwen3 only: norms None skip it)
         q, k = rope(q), rope(k)                    (each token at its own position's cos/sin row)
         k, v -> their slots in the bf16 page pool  (in place)
-    qkv [N, (H + 2 Hkv) * D] bf16, cos/sin [T_max, D/2] float32 (the model's tables),
-    positions [N] -> q [N, H, D] bf16.
+    qkv [N, (H + 2 Hkv) * D] bf16, positions [N], slot_mapping [N] -> q [N, H, D] bf16.
     Stage 2 runs rmsnorm, rmsnorm, rope, rope and store: five kernels and five round
     trips of q/k through memory."""
+    H, Hkv, eps = heads.H, heads.Hkv, heads.eps
     N = qkv.shape[0]
     D = qkv.shape[1] // (H + 2 * Hkv)
     x = f32(qkv).reshape(N, H + 2 * Hkv, D)
     q, k, v = x[:, :H], x[:, H:H + Hkv], x[:, H + Hkv:]
-    if q_norm is not None:
-        q, k = rmsnorm(q, q_norm, eps), rmsnorm(k, k_norm, eps)
-    c, s = cos[positions], sin[positions]                  # [N, D/2] each token's angles
+    if heads.q_norm is not None:
+        q, k = rmsnorm(q, heads.q_norm, eps), rmsnorm(k, heads.k_norm, eps)
+    c, s = heads.cos[positions], heads.sin[positions]      # [N, D/2] each token's angles
     q, k = rope(q, c, s), rope(k, c, s)
-    store_kvcache(bf16_bits(k), bf16_bits(v), k_cache, v_cache, slot_mapping)
+    store_kvcache(bf16_bits(k), bf16_bits(v), heads.k_cache, heads.v_cache, slot_mapping)
     return bf16_bits(q)
 
 
@@ -147,8 +164,8 @@ def _gather_pages(cache: np.ndarray, table: np.ndarray, length: int) -> np.ndarr
 
 
 def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """Stage 1's causal GQA attention, with explicit positions, in float32: q [T, H, D] at
-    positions [T]; k, v [Hkv, end, D]; query t sees cache positions 0..positions[t]. -> [T, H, D]"""
+    """Stage 1's causal GQA attention, with explicit positions: q [T, H, D] at positions [T];
+    k, v [Hkv, end, D]; query t sees cache positions 0..positions[t]. -> [T, H, D]"""
     T, H, D = q.shape
     Hkv, end = k.shape[0], k.shape[1]
     group = H // Hkv                                       # query heads sharing one kv head
@@ -172,7 +189,7 @@ def paged_decode_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarr
     out = np.empty(q.shape, np.float32)
     for s in range(q.shape[0]):
         n = int(context_lens[s])
-        k = f32(_gather_pages(k_cache, block_tables[s], n))   # [Hkv, n, D]
+        k = f32(_gather_pages(k_cache, block_tables[s], n))     # [Hkv, n, D]
         v = f32(_gather_pages(v_cache, block_tables[s], n))
         out[s:s + 1] = _attend(f32(q[s:s + 1]), k, v, np.array([n - 1]))
     return bf16_bits(out)
@@ -193,7 +210,7 @@ def decode_attention_splits(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndar
     part_ml[..., 0] = -np.inf
     for s in range(S):
         n = int(context_lens[s])
-        k = f32(_gather_pages(k_cache, block_tables[s], n))   # [Hkv, n, D]
+        k = f32(_gather_pages(k_cache, block_tables[s], n))     # [Hkv, n, D]
         v = f32(_gather_pages(v_cache, block_tables[s], n))
         qs = f32(q[s]) * np.float32(1 / np.sqrt(D))            # [H, D]
         kh = np.repeat(k, H // Hkv, axis=0)                    # [H, n, D] kv head of each query head
@@ -225,8 +242,7 @@ def prefill_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     """Causal attention of a packed batch of prefill chunks over the paged cache.
     q [N, H, D] bf16; token n belongs to the sequence whose block table row is token_seq[n]
     and sits at positions[n]; it sees positions 0..positions[n] of that sequence (its
-    own chunk was stored in the cache first; earlier chunks and cached prefix pages
-    are already there). -> [N, H, D] bf16"""
+    own chunk was stored in the cache first, earlier chunks are already there). -> [N, H, D] bf16"""
     out = np.empty(q.shape, np.float32)
     N = q.shape[0]
     # the packed batch is one contiguous run of tokens per sequence
@@ -244,7 +260,7 @@ def prefill_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
 
 
 def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """SwiGLU's gate in float32: silu(gate) * up.  [T, F], [T, F] -> [T, F] (the plain definition)."""
+    """SwiGLU's gate: silu(gate) * up.  [T, F], [T, F] -> [T, F]"""
     return (gate / (np.float32(1) + np.exp(-gate)) * up).astype(np.float32)
 
 
@@ -257,7 +273,7 @@ def swiglu(gate_up: np.ndarray) -> np.ndarray:
 
 
 def residual_add(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """The residual connection x + y.  [N, C], [N, C] float32 -> [N, C] (the plain definition)."""
+    """The residual connection x + y.  [N, C], [N, C] -> [N, C]"""
     return x + y
 
 
@@ -279,20 +295,6 @@ def rmsnorm_linear(residual: np.ndarray, norm_w: np.ndarray, eps: float, w: np.n
     if bias is not None:
         y = y + bias
     return y if out_f32 else bf16_bits(y)
-
-
-def linear_add(x: np.ndarray, w: np.ndarray, residual: np.ndarray) -> np.ndarray:
-    """A block's last GEMM, added into the residual stream: residual += x @ w.T, the fp32 sums
-    as they are (cuBLAS with beta = 1 into the fp32 stream, or gemv.cu's epilogue).
-    x [N, K] bf16, w [M, K] bf16, residual [N, M] float32, updated in place and returned."""
-    residual += linear(x, w, out_f32=True)
-    return residual
-
-
-def swiglu_linear_add(gate_up: np.ndarray, w: np.ndarray, residual: np.ndarray) -> np.ndarray:
-    """The MLP's down projection of swiglu(gate_up) [N, F] bf16, added into the residual:
-    residual += swiglu(gate_up) @ w.T (in place)."""
-    return linear_add(swiglu(gate_up), w, residual)
 
 
 def sample(logits: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
@@ -352,3 +354,14 @@ def softmax(x: np.ndarray) -> np.ndarray:
     """Softmax over the last axis, in float32 (the MoE router)."""
     e = np.exp(x - x.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
+
+
+def route(logits: np.ndarray, k: int, norm: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The MoE router's choice. logits [T, E] -> top [T, k] the k experts each token goes
+    to, best first (ties: the lower id), and weight [T, k] their softmax probabilities
+    over all E experts, renormalised to sum to 1 over the k when norm (norm_topk_prob)."""
+    top = np.argsort(-logits, axis=-1, kind="stable")[:, :k]             # [T, k]
+    weight = np.take_along_axis(softmax(logits), top, axis=-1)           # [T, k]
+    if norm:
+        weight = weight / weight.sum(axis=-1, keepdims=True)
+    return top, weight.astype(np.float32)

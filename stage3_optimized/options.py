@@ -1,20 +1,22 @@
 """Stage 3's command-line options and engine builder, shared by chat, generate and serve.
 
-Changed from stage 2: --no-prefix-caching turns the prefix cache off and
---no-cuda-graphs the decode graphs (every step launched kernel by kernel); the rest
-are stage 2's flags (device, page size, KV memory; --slots and --token-budget from
-the server). Kept free of heavy imports so that `--help` answers at once.
+Changed from stage 2: the banner names the rung (RUNG); --no-prefix-caching turns the
+prefix cache off and --no-cuda-graphs the decode graphs (every step launched kernel by
+kernel); the rest are stage 2's flags (device, page size, KV memory; --slots and
+--token-budget from the server). Kept free of heavy imports so that `--help` answers at
+once.
 """
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
+RUNG = "stage 3 optimized"                   # = stage 2 + lessons 01-17 (docs/lessons/stage3)
 DEFAULT_SLOTS, DEFAULT_TOKEN_BUDGET = 256, 8192
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("stage 3 (bf16, fused kernels, prefix cache)")
+    g = parser.add_argument_group(RUNG)
     g.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cuda: CuPy and the CUDA kernels; cpu: numpy twins, slow (default cuda)")
     g.add_argument("--page-size", type=int, default=256, metavar="P", help="positions per KV page (default 256)")
@@ -44,4 +46,4 @@ def build_engine(folder: Path, args: argparse.Namespace, progress: bool = True):
 def describe(args: argparse.Namespace) -> str:
     cache = "prefix cache" if getattr(args, "prefix_caching", True) else "no prefix cache"
     graphs = " · cuda graphs" if args.device == "cuda" and getattr(args, "cuda_graphs", True) else ""
-    return f"stage 3 optimized · {args.device} · bf16 · {cache}{graphs}"
+    return f"{RUNG} · {args.device} · bf16 · {cache}{graphs}"

@@ -1,19 +1,23 @@
-"""Load a model folder into stage 3's layout: bf16 arrays on the device, projections fused.
+"""Load a model folder into stage 3's layout: arrays on the device, projections fused.
 
-Changed from stage 2:
-  * bf16 instead of float32: every matrix and norm weight is rounded to bf16 once,
-    here, and kept as its 16 bits (uint16): half the bytes a decode step reads.
-    `.matmul(x)` is a GEMM with bf16 inputs and fp32 accumulation (kernels.linear), and
-    `.norm_matmul`, `.matmul_add`, `.swiglu_matmul_add` the same GEMM with the RMSNorm in
-    front or the residual add behind (kernels.py); `.rows(ids)` starts the fp32 residual
-    stream from the bf16 embedding.
-  * Fused projections: q, k and v are one [(H + 2 Hkv) * D, C] matrix (`wqkv`), gate
-    and up one [2F, C] matrix (`w_gate_up`), concatenated along the output rows
-    at load time. One GEMM reads h once and launches once instead of three times
-    (or twice); the model splits the output by columns. Qwen2's q/k/v biases are fused
-    the same way (`bqkv`, kept as fp32 values of the bf16-rounded biases: they are added
-    to the GEMM's fp32 output before its one rounding), and Qwen2-MoE's shared expert
-    gets a fused gate/up like every routed expert.
+Changed from stage 2, lesson by lesson (docs/lessons/stage3):
+  * Fused QKV: q, k and v are one [(H + 2 Hkv) * D, C] matrix (`wqkv`), concatenated along
+    the output rows at load time, and Qwen2's biases one vector (`bqkv`): one GEMM reads h
+    once and launches once instead of three times.
+  * Fused gate/up: one [2F, C] matrix (`w_gate_up`), and the same for every MoE expert
+    (Qwen2-MoE's shared one too).
+  * bf16: every matrix is rounded to bf16 once, here, and kept as its 16 bits (uint16): half
+    the bytes a decode step reads. `.matmul(x)` is cuBLAS's GEMM with bf16 inputs and fp32
+    sums (kernels.linear); `.rows(ids)` starts the fp32 residual stream from the bf16
+    embedding. Norms and biases keep float32 storage of their bf16-rounded values.
+  * The norm weights are stored as bf16 too (rmsnorm and qk_norm_rope_store read them).
+  * `.matmul(x)` writes bf16 (float32 with out_f32).
+  * `.matmul(x, add_into=...)`: a block's last GEMM adds into the residual stream.
+  * `.norm_matmul` and `.swiglu_matmul`: the GEMM with the RMSNorm or SwiGLU in front (one
+    gemv.cu launch for a decode batch).
+
+As in stage 2, each tensor is read from the memory-mapped file and copied to the device;
+`.matmul(x)` and `.rows(ids)` write into the `out=` buffer they are given.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ from rich.progress import Progress
 from common.config import ModelConfig
 from common.loader import open_weights
 from . import kernels
-from .ops import bf16_bits, f32
+from .ops import bf16_bits, round_bf16
 
 
 class Weight:
@@ -43,27 +47,27 @@ class Weight:
     def shape(self) -> tuple[int, ...]:
         return tuple(self.data.shape)
 
-    def matmul(self, x, out_f32: bool = False, out=None):
-        """x [N, in] bf16 -> x @ W.T [N, out] bf16 (float32 with out_f32: the logits).
-        cuBLAS on the GPU reads W transposed, no copy; fp32 accumulation."""
-        return kernels.linear(x, self.data, out_f32, out=out)
+    def matmul(self, x, out_f32: bool = False, out=None, add_into=None):
+        """x [N, in] bf16 -> x @ W.T [N, out] bf16 (float32 with out_f32: the logits), or added
+        into add_into [N, out] float32 (a block's last GEMM into the residual stream), which
+        is returned. cuBLAS on the GPU reads W transposed, no copy; fp32 accumulation."""
+        return kernels.linear(x, self.data, out_f32, out=out, add_into=add_into)
 
-    def norm_matmul(self, residual, norm_w, eps: float, out=None, h=None, bias=None, out_f32: bool = False):
-        """A block's first GEMM: rmsnorm(residual [N, in] fp32) * norm_w @ W.T -> [N, out] bf16
-        (+ bias before rounding; float32 with out_f32). h: scratch for the normed rows."""
-        return kernels.rmsnorm_linear(residual, norm_w, eps, self.data, out=out, h=h, bias=bias, out_f32=out_f32)
+    def norm_matmul(self, x, norm_w, eps: float, h=None, bias=None, out_f32: bool = False,
+                    out=None):
+        """A block's first GEMM: rmsnorm(x [N, in] fp32) * norm_w @ W.T -> [N, out] bf16
+        (+ bias before rounding; float32 with out_f32). h: a buffer for the normed rows."""
+        return kernels.rmsnorm_linear(x, norm_w, eps, self.data, h=h, bias=bias, out_f32=out_f32,
+                                      out=out)
 
-    def matmul_add(self, x, residual):
-        """A block's last GEMM, added into the residual stream: residual += x @ W.T (fp32)."""
-        return kernels.linear_add(x, self.data, residual)
-
-    def swiglu_matmul_add(self, gate_up, residual, act=None):
-        """The MLP's down projection: residual += swiglu(gate_up) @ W.T. act: scratch [N, in]."""
-        return kernels.swiglu_linear_add(gate_up, self.data, residual, act=act)
+    def swiglu_matmul(self, gate_up, add_into, act=None):
+        """The MLP's down projection, added into the stream: add_into + swiglu(gate_up) @ W.T,
+        returned. act: a buffer for swiglu's output [N, in]."""
+        return kernels.swiglu_linear(gate_up, self.data, add_into, act=act)
 
     def rows(self, ids, out=None):
-        """The embedding lookup: ids [N] -> rows [N, in] as float32 (kernels.embedding)."""
-        return kernels.embedding(ids, self.data, out=out)
+        """The embedding lookup: ids [N] -> rows [N, in] (kernels.embedding)."""
+        return kernels.embedding(ids, self.data, out)
 
 
 @dataclass
@@ -117,8 +121,8 @@ class Weights:
 
     def _matrix_bytes(self, routed_share: float) -> int:
         seen, total, routed = set(), 0, 0
-        for w in [self.lm_head] + [getattr(l, n) for l in self.layers
-                                   for n in ("wqkv", "wo", "w_gate_up", "w_down", "router", "shared_gate")]:
+        names = ("wqkv", "wo", "w_gate_up", "w_down", "router", "shared_gate")
+        for w in [self.lm_head] + [getattr(l, n) for l in self.layers for n in names]:
             if w is not None and id(w) not in seen:
                 seen.add(id(w))
                 total += w.nbytes
@@ -132,12 +136,13 @@ class Weights:
 def load_weights(folder: str | Path, xp=np, progress: bool = True) -> Weights:
     loader = open_weights(folder)   # a Hugging Face folder or a GGUF file (dequantized)
     cfg = loader.config
-    # round to bf16 on the host (round to nearest even), then one copy of the bits to the device
-    dev = lambda a: xp.asarray(np.ascontiguousarray(bf16_bits(a)))          # noqa: E731  host -> device
-    q = lambda a: Weight(dev(a))                                              # noqa: E731
-    fuse = lambda *parts: Weight(dev(np.concatenate([np.asarray(p, np.float32) for p in parts])))  # noqa: E731
-    # the biases: bf16-rounded like every parameter, held as float32 for the add before rounding
-    bias = lambda *parts: xp.asarray(np.concatenate([f32(bf16_bits(p)) for p in parts]))   # noqa: E731
+    dev = lambda a: xp.asarray(np.ascontiguousarray(a, dtype=np.float32))   # noqa: E731  host -> device
+    # the matrices: rounded to bf16 on the host (round to nearest even), one copy of the bits each
+    q = lambda a: Weight(xp.asarray(np.ascontiguousarray(bf16_bits(a))))     # noqa: E731
+    fuse = lambda *ps: q(np.concatenate([np.asarray(p, np.float32) for p in ps]))  # noqa: E731
+    # the norms, stored as bf16 too; the biases, bf16-rounded and held as float32 for their add
+    vec = lambda a: xp.asarray(np.ascontiguousarray(bf16_bits(a)))         # noqa: E731
+    bias = lambda *ps: dev(np.concatenate([round_bf16(p) for p in ps]))   # noqa: E731
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
     n_shared = n_moe if cfg.shared_expert_intermediate_size else 0
     total = 2 + cfg.num_layers * 7 + n_moe * cfg.num_experts * 3 + n_shared * 3
@@ -154,15 +159,15 @@ def load_weights(folder: str | Path, xp=np, progress: bool = True) -> Weights:
         layers = []
         for i in range(cfg.num_layers):
             L = LayerWeights(
-                attn_norm=dev(loader.layer("attn_norm", i)),
+                attn_norm=vec(loader.layer("attn_norm", i)),
                 wqkv=step(step(step(fuse(loader.layer("wq", i), loader.layer("wk", i), loader.layer("wv", i))))),
                 wo=step(q(loader.layer("wo", i))),
-                mlp_norm=dev(loader.layer("mlp_norm", i)),
+                mlp_norm=vec(loader.layer("mlp_norm", i)),
             )
             if cfg.qkv_bias:
                 L.bqkv = bias(loader.layer("bq", i), loader.layer("bk", i), loader.layer("bv", i))
             if cfg.qk_norm:
-                L.q_norm, L.k_norm = dev(loader.layer("q_norm", i)), dev(loader.layer("k_norm", i))
+                L.q_norm, L.k_norm = vec(loader.layer("q_norm", i)), vec(loader.layer("k_norm", i))
             if cfg.is_moe_layer(i):
                 L.router = q(loader.layer("router", i))
                 L.experts = [ExpertWeights(step(step(fuse(loader.layer("e_gate", i, e),
@@ -178,5 +183,5 @@ def load_weights(folder: str | Path, xp=np, progress: bool = True) -> Weights:
                 L.w_gate_up = step(step(fuse(loader.layer("w_gate", i), loader.layer("w_up", i))))
                 L.w_down = step(q(loader.layer("w_down", i)))
             layers.append(L)
-        final_norm = step(dev(loader.glob("final_norm")))
+        final_norm = step(vec(loader.glob("final_norm")))
     return Weights(cfg, embed, lm_head, final_norm, layers, xp)

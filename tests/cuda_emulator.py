@@ -9,10 +9,15 @@ thread of a block is an OS thread. What it models, and the bugs each part catche
 - `__shared__` memory belongs to its block and is poisoned (every byte 0xFF: a float
   NaN, an int -1) when the block starts: a read of shared memory that no thread of the
   block wrote shows up as NaN instead of a lucky zero or the previous block's data;
-- static shared memory is checked against the 48 KB a block may have, dynamic shared
-  memory (`extern __shared__`) against the kernel's max_dynamic_shared_size_bytes
-  attribute (48 KB unless raised, as in CuPy) and, with the static part, against the
-  target's opt-in limit (227 KB on sm_90, 163 KB on sm_80);
+- shared memory as CUDA counts it: a kernel's static `__shared__` variables (all of them,
+  summed at build time as ptxas does, whether or not a launch touches them) and the
+  launch's dynamic part (`extern __shared__`) share 48 KB unless the kernel's
+  max_dynamic_shared_size_bytes attribute is raised (as in CuPy); raised, the static part
+  plus the attribute stays within the target's opt-in limit (227 KB on sm_90, 163 KB on sm_80);
+- dynamic shared memory is only as aligned as its declaration asks (the element type's
+  alignment, or `__align__(N)`), and a load or store the compiler emits as aligned at an
+  address that is not (a uint4 from a 2-byte-aligned array) fails the launch, as the GPU's
+  misaligned-address error does (with the race detector's instrumentation: QS_EMU_RACE);
 - launches check blockDim (at most 1024 threads, z at most 64) and the grid (x < 2^31,
   y and z at most 65535);
 - `__syncthreads()` is a barrier that every thread of the block must reach at the same
@@ -47,6 +52,7 @@ the watchdog; pytest-timeout's thread method is the backstop there.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import itertools
 import os
@@ -58,6 +64,7 @@ import subprocess
 import sys
 import tempfile
 import types
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -87,6 +94,7 @@ EMULATOR_H = r"""
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <csetjmp>
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
@@ -95,6 +103,7 @@ EMULATOR_H = r"""
 #include <map>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <numeric>
 #include <random>
 #include <string>
@@ -170,9 +179,13 @@ struct Block {
     unsigned nwarps = 0;
     std::map<int, std::unique_ptr<unsigned char[]>> statics;
     unsigned long long static_bytes = 0;
-    std::unique_ptr<unsigned char[]> dynamic;
+    struct Aligned {
+        void operator()(unsigned char* p) const { ::operator delete[](p, std::align_val_t(64)); }
+    };
+    std::unique_ptr<unsigned char[], Aligned> dynamic;
 };
 static thread_local Block* cur = nullptr;
+static thread_local std::jmp_buf escape;           // a way out of a kernel that cannot unwind
 static thread_local unsigned tid = 0;              // linear thread index in the block
 
 inline std::string fmt(const char* f, ...) {
@@ -350,10 +363,14 @@ inline void* shared(int id, unsigned long long size, const char* name, int line)
     return p;
 }
 
-inline void* dynamic_shared() {
+// the launch's dynamic shared memory, at an address aligned to `align` (what the file's
+// extern __shared__ declarations ask for) and to nothing more: a 16-byte access through an
+// array declared with the alignment of its element type is misaligned here, as CUDA allows it
+// to be on the GPU (the region starts after the static variables, aligned as declared)
+inline void* dynamic_shared(unsigned long long align) {
     if (!cur->dynamic) fail(fmt("%s: extern __shared__ memory used, but the launch gave 0 bytes of it",
                                 where().c_str()));
-    return cur->dynamic.get();
+    return cur->dynamic.get() + (align < 64 ? align : 0);
 }
 
 inline void setup_block(Block& b, unsigned long long i) {
@@ -367,8 +384,8 @@ inline void setup_block(Block& b, unsigned long long i) {
         b.warps[w].existing = n == 32 ? 0xffffffffu : (1u << n) - 1;
     }
     if (a.dynamic_smem) {
-        b.dynamic = std::make_unique<unsigned char[]>(a.dynamic_smem);
-        std::memset(b.dynamic.get(), 0xFF, a.dynamic_smem);
+        b.dynamic.reset(new (std::align_val_t(64)) unsigned char[a.dynamic_smem + 64]);
+        std::memset(b.dynamic.get(), 0xFF, a.dynamic_smem + 64);
     }
 }
 
@@ -404,12 +421,14 @@ void run_slot(Body& body, std::atomic<unsigned long long>& next, const std::vect
                 tid = t;
                 threadIdx = {t % a.bx, (t / a.bx) % a.by, t / (a.bx * a.by)};
                 blockIdx = b->idx;
-                try {
-                    body();
-                    thread_exit();
-                } catch (Abort&) {
-                } catch (std::exception& e) {
-                    record(where() + ": " + e.what());
+                if (setjmp(escape) == 0) {             // (a misaligned access jumps back here)
+                    try {
+                        body();
+                        thread_exit();
+                    } catch (Abort&) {
+                    } catch (std::exception& e) {
+                        record(where() + ": " + e.what());
+                    }
                 }
                 {
                     std::lock_guard<std::mutex> g(b->mu);   // wake the others, who see the abort
@@ -535,6 +554,22 @@ __attribute__((no_sanitize_thread)) inline void race_access(const void* p, unsig
         return;                                     // the first argument that holds the address
     }
 }
+
+// an N-byte load or store the compiler emits as aligned (a uint4, a float, ...) at an address
+// that is not a multiple of N: on the GPU a misaligned address error (a 16-byte vector load
+// from an array declared with 2-byte alignment, say). The access itself would fault on the CPU
+// too (an aligned SSE load), and an exception cannot unwind through the instrumented call, so
+// the thread jumps back to the start of its block (kernel code holds nothing to release) and
+// the launch fails with the error, as with an exception.
+__attribute__((no_sanitize_thread)) inline void aligned(const void* p, unsigned long long n)
+{
+    if (cur == nullptr || reinterpret_cast<unsigned long long>(p) % n == 0) return;
+    record(fmt("%s: a %llu-byte access at an address %llu bytes past a multiple of %llu: a "
+             "misaligned address on the GPU (declare the array __align__(%llu))",
+             where().c_str(), n,
+             reinterpret_cast<unsigned long long>(p) % n, n, n));
+    std::longjmp(escape, 1);
+}
 }  // namespace qs
 
 QS_HOOK void __tsan_init() {}
@@ -545,8 +580,8 @@ QS_HOOK void __tsan_vptr_read(void**) {}
 QS_HOOK void __tsan_read_range(void* p, unsigned long n) { qs::race_access(p, n, false); }
 QS_HOOK void __tsan_write_range(void* p, unsigned long n) { qs::race_access(p, n, true); }
 #define QS_RW(N) \
-    QS_HOOK void __tsan_read##N(void* p) { qs::race_access(p, N, false); } \
-    QS_HOOK void __tsan_write##N(void* p) { qs::race_access(p, N, true); } \
+    QS_HOOK void __tsan_read##N(void* p) { qs::aligned(p, N); qs::race_access(p, N, false); } \
+    QS_HOOK void __tsan_write##N(void* p) { qs::aligned(p, N); qs::race_access(p, N, true); } \
     QS_HOOK void __tsan_unaligned_read##N(void* p) { qs::race_access(p, N, false); } \
     QS_HOOK void __tsan_unaligned_write##N(void* p) { qs::race_access(p, N, true); } \
     QS_HOOK void __tsan_volatile_read##N(void* p) { qs::race_access(p, N, false); } \
@@ -633,27 +668,43 @@ FIRST = re.compile(r"^\s*(.*?)\s*\b(\w+)\s*((?:\[[^\]]*\])*)\s*$", re.S)
 ALIGN = re.compile(r"\b(?:__align__|alignas)\s*\([^)]*\)")
 
 
+def _declarations(m: re.Match) -> tuple[str, str | None, list[tuple[str, str]]]:
+    """One `__shared__ T a[N], b[M];` match -> (T, its __align__ value or None, [(name, dims)])."""
+    parts = m.group(1).split(",")
+    first = FIRST.match(parts[0])
+    if first is None:
+        raise ValueError(f"cannot read the __shared__ declaration {m.group(0)!r}")
+    align = ALIGN.search(first.group(1))
+    ctype = ALIGN.sub("", first.group(1)).strip()
+    decls = [(first.group(2), first.group(3))]
+    for p in parts[1:]:
+        d = DECLARATOR.match(p)
+        if d is None:
+            raise ValueError(f"cannot read the __shared__ declaration {m.group(0)!r}")
+        decls.append((d.group(1), d.group(2)))
+    value = re.search(r"\(([^)]*)\)", align.group(0)).group(1) if align else None
+    return ctype, value, decls
+
+
 def rewrite_shared(src: str) -> str:
     """`__shared__ T a[N], b[M];` -> references into the block's own poisoned memory;
     `extern __shared__ T s[];` -> a pointer to the launch's dynamic shared memory."""
     code = strip_comments(src)
+    # every extern __shared__ array of a kernel starts at the same address, aligned for the
+    # most demanding of them (ALIGN or the element type's alignof), and no more
+    aligns = []
+    for m in DYNAMIC.finditer(code):
+        value = ALIGN.search(m.group(1))
+        aligns.append(re.search(r"\(([^)]*)\)", value.group(0)).group(1) if value
+                      else f"alignof({ALIGN.sub('', m.group(1)).strip()})")
+    align = f"std::max<unsigned long long>({{{', '.join(aligns)}}})" if aligns else "1"
     code = DYNAMIC.sub(lambda m: f"{ALIGN.sub('', m.group(1)).strip()}* {m.group(2)} = "
-                                 f"reinterpret_cast<{ALIGN.sub('', m.group(1)).strip()}*>(qs::dynamic_shared());",
-                       code)
+                                 f"reinterpret_cast<{ALIGN.sub('', m.group(1)).strip()}*>"
+                                 f"(qs::dynamic_shared({align}));", code)
     ids = itertools.count()
 
     def one(m):
-        parts = m.group(1).split(",")
-        first = FIRST.match(parts[0])
-        if first is None:
-            raise ValueError(f"cannot read the __shared__ declaration {m.group(0)!r}")
-        ctype = ALIGN.sub("", first.group(1)).strip()
-        decls = [(first.group(2), first.group(3))]
-        for p in parts[1:]:
-            d = DECLARATOR.match(p)
-            if d is None:
-                raise ValueError(f"cannot read the __shared__ declaration {m.group(0)!r}")
-            decls.append((d.group(1), d.group(2)))
+        ctype, _, decls = _declarations(m)
         out = []
         for name, dims in decls:
             i = next(ids)
@@ -676,6 +727,37 @@ def kernel_signatures(src: str) -> list[tuple[str, list[str]]]:
     """[(kernel name, [parameter declarations])] of every extern "C" __global__ kernel."""
     return [(m.group(1), [" ".join(p.split()) for p in m.group(2).split(",")])
             for m in KERNEL.finditer(strip_comments(src))]
+
+
+def _body(code: str, start: int) -> str:
+    """The text of the block that opens at code[start] ('{'), braces matched."""
+    depth = 0
+    for i in range(start, len(code)):
+        depth += {"{": 1, "}": -1}.get(code[i], 0)
+        if depth == 0:
+            return code[start:i + 1]
+    raise ValueError("a kernel body without its closing brace")
+
+
+def static_smem_functions(src: str) -> list[str]:
+    """C++ functions `static_smem_<kernel>()`, one per kernel: the bytes of the static
+    `__shared__` variables its body declares, each at an offset aligned as declared, the sum
+    that ptxas reports as the kernel's static shared memory (tests/test_cuda_compile.py
+    checks the two agree). A block reserves all of it at launch, whether or not the code a
+    launch takes touches every variable. Compiled after the source, so its macros apply."""
+    code = strip_comments(src)
+    out = []
+    for m in KERNEL.finditer(code):
+        body = DYNAMIC.sub(" ", _body(code, m.end() - 1))
+        lines = ["unsigned long long at = 0;"]
+        for decl in STATIC.finditer(body):
+            ctype, align, decls = _declarations(decl)
+            for _, dims in decls:
+                a = align or f"alignof({ctype})"
+                lines.append(f"at = (at + ({a}) - 1) / ({a}) * ({a}) + sizeof({ctype}{dims});")
+        out.append(f'extern "C" unsigned long long static_smem_{m.group(1)}() '
+                   f'{{ {" ".join(lines)} return at; }}')
+    return out
 
 
 def unsupported(src: str) -> str | None:
@@ -706,15 +788,22 @@ def _base_type(param: str) -> tuple[str, bool]:
 
 class EmulatedKernel:
     """What cupy.RawModule(...).get_function(name) returns: kernel(grid, block, args,
-    shared_mem=0), with the attribute max_dynamic_shared_size_bytes."""
+    shared_mem=0), with the attribute max_dynamic_shared_size_bytes.
 
-    def __init__(self, fn, name: str, params: list[str], source: Path, target: str = TARGET):
+    Shared memory as CUDA counts it: the static part (static_smem, the kernel's `__shared__`
+    variables) and the launch's dynamic part together get 48 KB by default, so the attribute
+    starts at 48 KB minus the static part (what cuFuncGetAttribute reports); raising it is
+    allowed while the static part plus it stays within the target's opt-in limit."""
+
+    def __init__(self, fn, name: str, params: list[str], source: Path, target: str = TARGET,
+                 static_smem: int = 0):
         self.name, self.params, self.source, self.target = name, params, source, target
         self.fn = fn
         self.fn.restype = ctypes.c_int
         self.fn.argtypes = [ctypes.POINTER(LaunchArgs), ctypes.c_char_p, ctypes.c_int] + [
             ctypes.c_void_p if ptr else C_TYPES[base] for base, ptr in map(_base_type, params)]
-        self._max_dynamic = DEFAULT_DYNAMIC_SMEM
+        self.static_smem = int(static_smem)
+        self._max_dynamic = max(0, DEFAULT_DYNAMIC_SMEM - self.static_smem)
 
     @property
     def max_dynamic_shared_size_bytes(self) -> int:
@@ -723,9 +812,10 @@ class EmulatedKernel:
     @max_dynamic_shared_size_bytes.setter
     def max_dynamic_shared_size_bytes(self, value: int) -> None:
         limit = OPTIN_SMEM_LIMIT[self.target]
-        if not 0 <= value <= limit:
-            raise EmulatorError(f"{self.name}: max_dynamic_shared_size_bytes = {value} is over the opt-in limit "
-                                f"of {self.target} ({limit} bytes per block)")
+        if not 0 <= value <= limit - self.static_smem:
+            raise EmulatorError(f"{self.name}: max_dynamic_shared_size_bytes = {value} is over the "
+                                f"opt-in limit of {self.target} ({limit} bytes per block, "
+                                f"{self.static_smem} of them static)")
         self._max_dynamic = int(value)
 
     def _check_launch(self, grid, block, shared_mem) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -742,10 +832,19 @@ class EmulatedKernel:
                                 f"per block, and at most {MAX_BLOCK} per dimension")
         if any(x > m for x, m in zip(g, MAX_GRID)):
             raise EmulatorError(f"{name}: grid {grid} is over the limits {MAX_GRID}")
+        if self.static_smem > STATIC_SMEM_LIMIT:
+            raise EmulatorError(f"{name}: static __shared__ memory reaches {self.static_smem} "
+                                f"bytes in all, over the {STATIC_SMEM_LIMIT} bytes a block may "
+                                f"have (ptxas refuses it); use extern __shared__ and raise "
+                                f"max_dynamic_shared_size_bytes")
         if shared_mem > self._max_dynamic:
-            raise EmulatorError(f"{name}: {shared_mem} bytes of dynamic shared memory, over the kernel's "
-                                f"max_dynamic_shared_size_bytes ({self._max_dynamic}); raise the attribute "
-                                f"(at most {OPTIN_SMEM_LIMIT[self.target]} on {self.target})")
+            default = self._max_dynamic + self.static_smem == DEFAULT_DYNAMIC_SMEM
+            why = (f", the {DEFAULT_DYNAMIC_SMEM} bytes a block gets by default less its "
+                   f"{self.static_smem} static bytes" if default else "")
+            most = OPTIN_SMEM_LIMIT[self.target] - self.static_smem
+            raise EmulatorError(f"{name}: {shared_mem} bytes of dynamic shared memory, over the "
+                                f"kernel's max_dynamic_shared_size_bytes ({self._max_dynamic})"
+                                f"{why}; raise the attribute (at most {most} on {self.target})")
         return g, b
 
     def __call__(self, grid, block, args, shared_mem: int = 0, **_):
@@ -843,6 +942,7 @@ def build(sources: list[Path], build_dir: Path, timeout: int = 600) -> dict[str,
             launchers.append(
                 f'extern "C" int launch_{name}(const qs::LaunchArgs* a, char* err, int errlen, '
                 f'{", ".join(params)}) {{ return qs::launch(a, err, errlen, [=] {{ {name}({names}); }}); }}')
+        launchers += static_smem_functions(src)
         code = rewrite_shared(src)
         cached = _cached(gxx, code, launchers)
         if cached is not None and cached.is_file():     # built before, by this or another process
@@ -872,7 +972,10 @@ def build(sources: list[Path], build_dir: Path, timeout: int = 600) -> dict[str,
     for cu in sources:
         lib = ctypes.CDLL(str(libs[cu]))
         for name, params in sigs[cu]:
-            out[name] = EmulatedKernel(getattr(lib, f"launch_{name}"), name, params, cu)
+            static = getattr(lib, f"static_smem_{name}")
+            static.restype = ctypes.c_ulonglong
+            out[name] = EmulatedKernel(getattr(lib, f"launch_{name}"), name, params, cu,
+                                       static_smem=static())
     return out
 
 
@@ -891,7 +994,10 @@ def build(sources: list[Path], build_dir: Path, timeout: int = 600) -> dict[str,
 #     its pool and the graph keeps the address, which the pool may hand out again), and
 #     the engines allocate nothing in a captured step.
 # A capture records the step's kernel launches and cuBLAS calls (through ctypes, cublas.py);
-# a replay runs them again with the arguments they were recorded with, as a CUDA graph does.
+# a replay runs them again with the arguments they were recorded with, as a CUDA graph does,
+# and like a CUDA graph it keeps none of those arrays alive: a replay that would touch memory
+# freed since the capture fails. As in CuPy, a capture on the legacy default stream is refused,
+# and only the capturing stream's calls are recorded (another stream's run at once).
 #
 # The counts (`HostCalls`) are what each call costs the host on a GPU: bench/lessons.py prices
 # them with the per-call costs measured there (bench/host_costs.json).
@@ -926,7 +1032,9 @@ class _State:
     def __init__(self):
         self.calls = HostCalls()
         self.capture = None                  # the list a capture records into, or None
+        self.capturing = None                # the stream that captures
         self.stream = None                   # the current stream (None: the null stream)
+        self.owners = {}                     # address -> _Pointer (a graph's cuBLAS calls)
         self.execute = True                  # False: kernels and GEMMs are counted, not run
 
     def refuse(self, what: str) -> None:
@@ -1061,10 +1169,11 @@ class _Pool:
 
 class Stream:
     """cupy.cuda.Stream: `with stream:` makes it current; begin_capture / end_capture record."""
-    _ptrs = itertools.count(1)
+    _ptrs = itertools.count(2)                         # (0 and 1: the legacy default stream)
 
     def __init__(self, non_blocking: bool = False, null: bool = False):
         self.ptr = 0 if null else next(Stream._ptrs)
+        self.non_blocking = non_blocking
         self._outer = []
 
     def __enter__(self):
@@ -1081,14 +1190,16 @@ class Stream:
         STATE.calls.syncs += 1
 
     def begin_capture(self, mode=None) -> None:
+        if self.ptr in (0, 1):                          # CuPy's own check, before CUDA's
+            raise RuntimeError("cannot capture on the default (legacy) stream")
         if STATE.capture is not None:
             raise CaptureError("a capture is already in progress")
-        STATE.capture = []
+        STATE.capture, STATE.capturing = [], self
 
     def end_capture(self) -> "Graph":
-        if STATE.capture is None:
-            raise CaptureError("end_capture without begin_capture")
-        recorded, STATE.capture = STATE.capture, None
+        if STATE.capture is None or STATE.capturing is not self:
+            raise CaptureError("end_capture without begin_capture on this stream")
+        recorded, STATE.capture, STATE.capturing = STATE.capture, None, None
         return Graph(recorded)
 
 
@@ -1096,7 +1207,9 @@ NULL_STREAM = Stream(null=True)
 
 
 class Graph:
-    """A captured graph: its recorded calls, run again (with the recorded arguments) per launch."""
+    """A captured graph: its recorded calls, run again (with the recorded arguments) per launch.
+    Like a CUDA graph it keeps no array alive: a recorded argument whose memory was freed
+    since the capture fails the replay (_Pointer)."""
 
     def __init__(self, calls: list):
         self.calls = calls
@@ -1121,13 +1234,47 @@ class Event:
         STATE.calls.syncs += 1
 
 
-def _recorded(run, count: str):
-    """Run a device call now, or record it into the capture in progress; count it either way."""
+def _recorded(run, count: str, replay=None):
+    """Run a device call now, or record it into the capture in progress; count it either way.
+    replay: what the graph keeps instead of `run` (one that holds no array alive).
+    A call on another stream than the capturing one runs now, as CUDA runs it, unless it is the
+    legacy default stream and the capturing stream synchronizes with it (not non_blocking):
+    CUDA's cudaErrorStreamCaptureImplicit."""
     setattr(STATE.calls, count, getattr(STATE.calls, count) + 1)
-    if STATE.capture is not None:
-        STATE.capture.append(run)
-    elif STATE.execute:
+    current = STATE.stream or NULL_STREAM
+    if STATE.capture is not None and current is STATE.capturing:
+        STATE.capture.append(replay or run)
+        return
+    if STATE.capture is not None and current.ptr in (0, 1) and not STATE.capturing.non_blocking:
+        raise CaptureError("a call on the legacy default stream while a blocking stream captures "
+                           "(cudaErrorStreamCaptureImplicit)")
+    if STATE.execute:
         run()
+
+
+class _Pointer:
+    """A device array as a graph records it: its address and layout and a weak reference to
+    the array that owns the memory. A replay rebuilds the array, or fails when the memory was
+    freed since the capture (on the GPU the graph would read or write memory that CuPy's pool
+    may have handed to another array)."""
+
+    def __init__(self, a: np.ndarray, what: str):
+        owner = a
+        while isinstance(owner.base, np.ndarray):
+            owner = owner.base
+        # (memory from outside numpy, which a weak reference cannot follow, is kept alive)
+        self.owner = weakref.ref(owner) if owner.base is None else (lambda: owner)
+        self.offset = a.ctypes.data - owner.ctypes.data
+        self.shape, self.dtype, self.strides, self.what = a.shape, a.dtype, a.strides, what
+
+    def get(self) -> "Dev":
+        owner = self.owner()
+        if owner is None:
+            raise CaptureError(f"a graph replay uses {self.what}, whose memory was freed after the "
+                               f"capture (a graph keeps no array alive: keep what it reads and "
+                               f"writes as long as the graph)")
+        return np.ndarray(self.shape, self.dtype, buffer=owner.view(np.ndarray), offset=self.offset,
+                          strides=self.strides).view(Dev)
 
 
 class Launcher:
@@ -1137,21 +1284,32 @@ class Launcher:
 
     def __init__(self, kernel=None, name: str = "kernel"):
         self.kernel, self.name = kernel, name
+        self._counted_max = DEFAULT_DYNAMIC_SMEM      # the attribute, when counted, not run
 
     @property
     def max_dynamic_shared_size_bytes(self):
-        return self.kernel.max_dynamic_shared_size_bytes if self.kernel is not None else 48 * 1024
+        if self.kernel is None:
+            return self._counted_max
+        return self.kernel.max_dynamic_shared_size_bytes
 
     @max_dynamic_shared_size_bytes.setter
     def max_dynamic_shared_size_bytes(self, value):
         if self.kernel is not None:
             self.kernel.max_dynamic_shared_size_bytes = value
+        self._counted_max = value
 
     def __call__(self, grid, block, args, shared_mem: int = 0, **kw):
-        kernel = self.kernel
-        args = tuple(args)
-        _recorded(lambda: kernel(grid, block, args, shared_mem=shared_mem) if kernel is not None else None,
-                  "launches")
+        kernel, args = self.kernel, tuple(args)
+        if kernel is None:                              # counted, not run
+            _recorded(lambda: None, "launches")
+            return
+        pointers = tuple(_Pointer(a, f"argument {i} of {self.name}") if isinstance(a, Dev) else a
+                         for i, a in enumerate(args))
+
+        def replay():
+            kernel(grid, block, tuple(a.get() if isinstance(a, _Pointer) else a for a in pointers),
+                   shared_mem=shared_mem)
+        _recorded(lambda: kernel(grid, block, args, shared_mem=shared_mem), "launches", replay)
 
 
 def _matrix(ptr: int, dtype: int, ld: int, rows: int, cols: int) -> np.ndarray:
@@ -1169,8 +1327,10 @@ def _widen(m: np.ndarray) -> np.ndarray:
 def _narrow(y: np.ndarray, dtype) -> np.ndarray:
     if dtype != np.uint16:
         return y.astype(np.float32)
-    u = np.ascontiguousarray(y, dtype=np.float32).view(np.uint32)     # round to nearest even
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    u = np.ascontiguousarray(y, dtype=np.float32).view(np.uint32)     # round to nearest even,
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16                    # a NaN a quiet NaN
+    quiet_nan = ((u >> 16) & 0x8000) | 0x7FC0
+    return np.where((u & 0x7FFFFFFF) > 0x7F800000, quiet_nan, rounded).astype(np.uint16)
 
 
 def gemm_ex(transa, transb, m, n, k, alpha: float, a_ptr, a_type, lda, b_ptr, b_type, ldb, beta: float,
@@ -1189,11 +1349,20 @@ def gemm_ex(transa, transb, m, n, k, alpha: float, a_ptr, a_type, lda, b_ptr, b_
 
 class FakeBlas:
     """stage3_optimized.cublas.Blas on the stand-in: the ctypes cublasGemmEx path, which a
-    capture may record (as on the GPU)."""
+    capture may record (as on the GPU). The real Blas (its library lookup, the order of its
+    calls, its argument types) runs against a stand-in libcublas in tests/test_stage3_cublas.py."""
 
     def gemm(self, transa, transb, m, n, k, a, a_type, lda, b, b_type, ldb, c, c_type, ldc, accumulate) -> None:
-        _recorded(lambda: gemm_ex(transa, transb, m, n, k, 1.0, a, a_type, lda, b, b_type, ldb,
-                                  1.0 if accumulate else 0.0, c, c_type, ldc), "blas")
+        def run():
+            gemm_ex(transa, transb, m, n, k, 1.0, a, a_type, lda, b, b_type, ldb,
+                    1.0 if accumulate else 0.0, c, c_type, ldc)
+        owners = [STATE.owners.get(ptr) for ptr in (a, b, c)]   # (noted by _ptr)
+
+        def replay():
+            for ref in filter(None, owners):
+                ref.get()                                             # fails when freed
+            run()
+        _recorded(run, "blas", replay)
 
 
 def _wrapper_blas(name: str):
@@ -1249,6 +1418,14 @@ def fake_cupy() -> types.ModuleType:
     cp.argmax = lambda a, axis=None: _alloc(np.asarray(np.argmax(np.asarray(a), axis=axis)), "cupy.argmax")
     cp.asnumpy = lambda a: a.get() if isinstance(a, Dev) else np.asarray(a)
     cp.exp, cp.matmul = np.exp, np.matmul
+
+    def where(condition, a, b):
+        STATE.refuse("cupy.where (an elementwise kernel, and its output's allocation)")
+        STATE.calls.elementwise += 1
+        STATE.calls.allocations += 1
+        return np.where(*(np.asarray(v).view(np.ndarray) if isinstance(v, Dev) else v
+                          for v in (condition, a, b))).view(Dev)
+    cp.where = where
     cp.float32, cp.int32, cp.int64, cp.uint16, cp.uint32, cp.uint8 = (np.float32, np.int32, np.int64, np.uint16,
                                                                       np.uint32, np.uint8)
     cp.get_default_memory_pool = lambda: _Pool()
@@ -1297,7 +1474,8 @@ def install(monkeypatch, kernels_module, emulated: dict | None, execute: bool = 
     running kernels or GEMMs (bench/lessons.py's count of a step's host calls)."""
     cp = fake_cupy()
     STATE.calls.reset()
-    STATE.capture, STATE.stream = None, None
+    STATE.capture, STATE.capturing, STATE.stream = None, None, None
+    STATE.owners.clear()
     monkeypatch.setattr(STATE, "execute", execute)
     monkeypatch.setitem(sys.modules, "cupy", cp)
     monkeypatch.setitem(sys.modules, "cupy.cuda", cp.cuda)
@@ -1309,9 +1487,19 @@ def install(monkeypatch, kernels_module, emulated: dict | None, execute: bool = 
         if name not in launchers:
             launchers[name] = Launcher(emulated[name] if emulated is not None else None, name)
         return launchers[name]
-    monkeypatch.setattr(kernels_module, "_kernel", kernel)
+    if hasattr(kernels_module, "_compile"):
+        # the module's own _kernel (its attributes: the shared memory it raises) on the
+        # emulated kernels, with a cache of its own for this install
+        monkeypatch.setattr(kernels_module, "_compile", kernel)
+        fresh = functools.cache(kernels_module._kernel.__wrapped__)
+        monkeypatch.setattr(kernels_module, "_kernel", fresh)
+    else:
+        monkeypatch.setattr(kernels_module, "_kernel", kernel)
     if hasattr(kernels_module, "_ptr"):
-        monkeypatch.setattr(kernels_module, "_ptr", lambda x: x.ctypes.data)
+        def ptr(x):
+            STATE.owners[x.ctypes.data] = _Pointer(x, "a cuBLAS operand")   # (for a graph's replay)
+            return x.ctypes.data
+        monkeypatch.setattr(kernels_module, "_ptr", ptr)
     if hasattr(kernels_module, "to_host"):              # (it tells the devices apart by np.ndarray)
         monkeypatch.setattr(kernels_module, "to_host", lambda x: x.get() if isinstance(x, Dev) else x)
     blas_module = getattr(kernels_module, "cublas", None)

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import ctypes
 import re
+import shutil
 import subprocess
 
 import pytest
 
+import cuda_emulator as emulator
 from cuda_sources import (ARCHS, STATIC_SMEM_LIMIT, cu_files, cu_id, find_nvcc, find_nvrtc,
                           in_ci)
+from test_stage3_cuda_emulated import shimmed_copy
 
 CU_FILES = cu_files()
 # what kernels.py passes to cupy.RawModule, then what CuPy adds for NVRTC >= 12
@@ -36,6 +39,13 @@ def _missing(what: str, how: str):
     if in_ci():
         pytest.fail(f"{what} is not installed on CI: {how}")
     pytest.skip(f"{what} is not installed ({how})")
+
+
+def emulator_source(cu, folder):
+    """The .cu file as the emulator builds it (a tensor-core file with its fragment shim)."""
+    if emulator.unsupported(cu.read_text()) is None:
+        return cu
+    return shimmed_copy(cu, folder / "shimmed")
 
 
 def test_cu_files_are_found_per_stage():
@@ -95,6 +105,12 @@ def test_cu_file_compiles_to_a_cubin_without_spills(cu, arch, tmp_path, request)
             f"{name} ({cu_id(cu)}, {arch}) has {k['smem']} B of static shared memory, more than "
             f"the {STATIC_SMEM_LIMIT} B a block may have; use dynamic shared memory and raise "
             f"max_dynamic_shared_size_bytes")
+    if arch == "sm_90" and shutil.which("g++"):
+        # the emulator's count of each kernel's static shared memory (what it checks a launch's
+        # dynamic part against) is ptxas' own
+        emulated = emulator.build([emulator_source(cu, tmp_path)], tmp_path / "emulated")
+        counted = {name: kernel.static_smem for name, kernel in emulated.items()}
+        assert counted == {name: k["smem"] for name, k in kernels.items()}
 
 
 def test_a_kernel_over_the_shared_memory_limit_fails_to_compile(tmp_path):

@@ -126,7 +126,8 @@ STATS = r"(\d+) prompt tokens(?: \((\d+) cached\))? · (\d+) generated"
 
 def doc_commands() -> dict[str, str]:
     """The tiny-model commands as README.md, the course's map (docs/README.md) and the lesson
-    series' README write them: the model, stage 3's chat, the rungs as packages, rung 01's chat."""
+    series' README write them: the model, stage 3's chat, the rungs as packages, rung 02's chat
+    (the prefix cache's lesson)."""
     readme = (ROOT / "README.md").read_text()
     course_map = (ROOT / "docs" / "README.md").read_text()
     lessons = (ROOT / "docs" / "lessons" / "README.md").read_text()
@@ -135,8 +136,8 @@ def doc_commands() -> dict[str, str]:
              "stage 3 chat": find(r"^python -m stage3_optimized\.chat --model .*$", readme),
              "rungs": find(r"`(python course/series\.py packages \S+)`", course_map)
              + find(r"^(python course/series\.py packages \S+)", lessons),
-             "rung 01 chat": find(r"`(PYTHONPATH=\S+ python -m rung01\.chat [^`]*)`", course_map)
-             + find(r"^PYTHONPATH=\S+ python -m rung01\.chat .*$", lessons)}
+             "rung 02 chat": find(r"`(PYTHONPATH=\S+ python -m rung02\.chat [^`]*)`", course_map)
+             + find(r"^PYTHONPATH=\S+ python -m rung02\.chat .*$", lessons)}
     for what, cmds in found.items():
         assert cmds and len(set(cmds)) == 1, f"the docs write {what} as {cmds}: one way, please"
     return {what: cmds[0] for what, cmds in found.items()}
@@ -181,7 +182,7 @@ def check_turns(command: str, screen: str, turns: list) -> None:
 
 
 def test_the_readmes_tiny_model_commands_chat_twice_and_the_second_turn_finds_its_cache(tmp_path):
-    """README.md's tiny model and stage-3 chat, the map's rungs and rung 01's chat, run as the
+    """README.md's tiny model and stage-3 chat, the map's rungs and rung 02's chat, run as the
     docs write them (their /tmp folders moved into tmp_path), each chat asked two questions in
     an 80-column terminal: the second turn's stats show the prompt tokens the prefix cache
     held. A random model seldom ends an answer by itself: without an answer cap its first
@@ -202,9 +203,9 @@ def test_the_readmes_tiny_model_commands_chat_twice_and_the_second_turn_finds_it
     screen, turns = chat_twice(cmds["stage 3 chat"], env)
     assert "tiny · stage 3 optimized · cpu · bf16 · prefix cache · context 4096 tokens" in screen
     check_turns(cmds["stage 3 chat"], screen, turns)
-    rung_path = shlex.split(cmds["rung 01 chat"])[0].split("=", 1)[1]
+    rung_path = shlex.split(cmds["rung 02 chat"])[0].split("=", 1)[1]
     rung_env = dict(env, PYTHONPATH=rung_path)
-    check_turns(cmds["rung 01 chat"], *chat_twice(cmds["rung 01 chat"], rung_env))
+    check_turns(cmds["rung 02 chat"], *chat_twice(cmds["rung 02 chat"], rung_env))
 
 
 def test_generate_names_the_model_and_says_when_the_token_limit_cut_the_answer(tmp_path):

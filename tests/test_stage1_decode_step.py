@@ -1,13 +1,15 @@
 """decode_step.py (a decode step in one parallel region) against model.forward's per-op
 path: the step runs fast/plan.py's phases, with the same inlined bodies on the same values, so
 the logits and the KV cache must be equal bit for bit, for every weight format and
-activation rounding, dense and MoE, whatever the number of threads or worker iterations."""
+activation rounding, dense and MoE, whatever the number of threads or worker iterations.
+A step of T tokens (a verify step: the last token and T - 1 drafts) gives T one-token steps'
+logits and cache bit for bit, on every instruction set the fast path has."""
 import numba
 import numpy as np
 import pytest
 
 from models import make_model
-from stage1_cpu.fast import decode_step, sync
+from stage1_cpu.fast import cpu, decode_step, sync
 from stage1_cpu.model import Model
 from stage1_cpu.weights import load_weights
 
@@ -71,6 +73,66 @@ def test_300_tokens_at_two_threads_stay_bit_for_bit():
         numba.set_num_threads(saved)
 
 
+def steps_of_T_against_single_steps(weights, Ts=(2, 8, 3, 5, 1)):
+    """From the same prompt, steps of T tokens (all logits) on one model and T one-token steps on
+    another -> [(T, logits of the T-token step, the single steps' logits)], the two models."""
+    many, single = Model(weights, 64), Model(weights, 64)
+    many.forward(np.array(PROMPT), 0)
+    single.forward(np.array(PROMPT), 0)
+    tokens, pos, out = [9, 31, 77, 5, 200, 3, 41, 8, 61, 2, 19, 400, 6, 111, 27, 90, 33, 4, 15], len(PROMPT), []
+    for T in Ts:
+        ids = np.array(tokens[:T])
+        tokens = tokens[T:]
+        out.append((T, many.forward(ids, pos, all_logits=True),
+                    np.stack([single.forward(ids[t:t + 1], pos + t) for t in range(T)])))
+        pos += T
+    return out, many, single
+
+
+@pytest.mark.parametrize("case", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("activations", ["auto", "fp32"])
+def test_a_step_of_T_tokens_equals_T_single_steps_bit_for_bit(case, fmt, activations):
+    """The verify step of speculative decoding (section 15): one region, each weight read once for
+    all T tokens (the tiles of fast/tiles.py with rounded activations, the core's row bodies with
+    fp32 ones), attention causal within the step. Its T rows of logits and the cache it writes are
+    those of T steps of one token, bit for bit, so drafting never changes a greedy answer."""
+    weights = load_weights(make_model(**CASES[case]), fmt, 32, progress=False, activations=activations)
+    assert (weights.layers[0].wqkv.decode_act != "fp32") == (activations == "auto" and bool(cpu.INT8))
+    results, many, single = steps_of_T_against_single_steps(weights)
+    for T, got, want in results:
+        assert got.shape == want.shape == (T, weights.config.vocab_size)
+        assert np.abs(want).max() > 1.0 and len({int(np.argmax(r)) for r in want}) >= min(T, 2)
+        assert np.array_equal(got, want), T
+    assert np.array_equal(many.cache.data, single.cache.data)
+
+
+def test_a_step_of_T_tokens_equals_single_steps_on_avx2_too():
+    """The same on AVX2's instructions (vpmaddubsw + vpmaddwd in place of VNNI's vpdpbusd), in a
+    process that lowers the choice (QS_FAST_ISA=avx2): run where the host has VNNI, so that both
+    instruction sets are checked on one machine (where it has AVX2 only, the test above is it)."""
+    if cpu.INT8 != "vnni":
+        pytest.skip("the host has no VNNI: the test above ran the AVX2 tiles already")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    folder = make_model(**CASES["qwen3_moe"])
+    code = ("import sys, numpy as np\nsys.path.insert(0, 'tests')\n"
+            "from stage1_cpu.fast import cpu\nassert cpu.INT8 == 'avx2', cpu.INT8\n"
+            "from stage1_cpu.weights import load_weights\n"
+            "from test_stage1_decode_step import steps_of_T_against_single_steps\n"
+            "for fmt in ('int8', 'int4'):\n"
+            f"    w = load_weights({str(folder)!r}, fmt, 32, progress=False)\n"
+            "    res, a, b = steps_of_T_against_single_steps(w, Ts=(5, 2, 8))\n"
+            "    assert all(np.array_equal(g, x) and np.abs(x).max() > 1 for _, g, x in res)\n"
+            "    assert np.array_equal(a.cache.data, b.cache.data)\nprint('ok')\n")
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, QS_FAST_ISA="avx2")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
 @pytest.mark.parametrize("workers", [1, 3, 5])
 def test_any_number_of_worker_iterations_gives_the_same_logits(workers):
     """Items are claimed, not assigned: with more worker iterations than threads (some run
@@ -83,6 +145,12 @@ def test_any_number_of_worker_iterations_gives_the_same_logits(workers):
     x = weights.embed.rows(np.array([7]))[0]
     pos = len(PROMPT)
     assert np.array_equal(step.step(x, pos, workers=workers), ref)
+    ids = np.array([7, 19, 3, 250])                            # four tokens, all logits, the same way
+    ref4 = Model(weights, 64)
+    ref4.forward(np.array(PROMPT), 0)
+    want = ref4.forward(ids, pos, all_logits=True)
+    got = step.step(weights.embed.rows(ids), pos, all_logits=True, workers=workers)
+    assert np.array_equal(got, want)
 
 
 def test_threads_one_and_two_agree():
@@ -142,19 +210,20 @@ def test_counters_claim_each_item_once_and_wait_for_all():
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3, 5])
-def test_items_cover_every_row_once_big_first_small_last(workers):
-    """_items: a phase's rows cut into big items, then small ones; together every row
-    exactly once, in order, whatever the matrix, row size and number of workers."""
+def test_items_cover_every_block_once_big_first_small_last(workers):
+    """_items: a phase's blocks of 8 rows cut into big items, then small ones; together every
+    block exactly once, in order, whatever the matrix, block size and number of workers."""
     for O in (4, 7, 33, 100, 1024, 3072, 6144, 151936):
+        nb = -(-O // 8)
         for row_bytes in (64, 512, 1024, 2048, 6144):
-            block, big, n_big, split, n = decode_step._items(O, row_bytes, workers)
-            assert block % 4 == 0 and big == decode_step.BIG * block and split == n_big * big
-            starts = [i * big if i < n_big else split + (i - n_big) * block for i in range(n)]
-            ends = [min(O, s + (big if i < n_big else block)) for i, s in enumerate(starts)]
-            assert starts[0] == 0 and ends[-1] == O
+            small, big, n_big, split, n = decode_step._items(nb, 8 * row_bytes, workers)
+            assert small >= 1 and big == decode_step.BIG * small and split == n_big * big
+            starts = [i * big if i < n_big else split + (i - n_big) * small for i in range(n)]
+            ends = [min(nb, s + (big if i < n_big else small)) for i, s in enumerate(starts)]
+            assert starts[0] == 0 and ends[-1] == nb
             assert all(e > s for s, e in zip(starts, ends)) and starts[1:] == ends[:-1]
             # the phase ends on small items: at least TAIL_ITEMS per worker unless the matrix is small
-            assert n - n_big >= min(decode_step.TAIL_ITEMS * workers, -(-O // block))
+            assert n - n_big >= min(decode_step.TAIL_ITEMS * workers, -(-nb // small))
 
 
 @pytest.mark.parametrize("fmt", ["none", "bf16", "int8", "int4"])

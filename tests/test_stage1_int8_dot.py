@@ -107,16 +107,18 @@ def test_prefill_gemm_equals_the_integer_definition_bit_for_bit(rng, fmt, act, g
     K = 400 if act == "int8" else 2 * gs - 5
     W, w = _on_grid(rng, fmt, 70, K, gs)                           # 70 rows: a partial 8-row vector
     x = _activations(rng, quant.PREFILL_MIN_T + 11, K, gs, 127 if act == "int8" else 32767)
-    got = as_fast(W, prefill_act=act).matmul(x)                    # T >= PREFILL_MIN_T: gemm.py
+    decode = "int16" if fmt == "int8" else "int8"                  # the integer GEMM reads the tiles
+    got = as_fast(W, decode_act=decode, prefill_act=act).matmul(x)  # T >= PREFILL_MIN_T: gemm.py
     np.testing.assert_array_equal(got, _exact(x, w))
 
 
-def _asm(kernel) -> str:
-    """The machine code of kernel, for the first signature it was called with, compiled afresh from
-    its source (a function loaded from numba's disk cache keeps no assembly), serially: prange's
-    body holds the same instructions, and a parallel compile takes minutes under emulation."""
+def _asm(kernel, sig=None) -> str:
+    """The machine code of kernel, for a signature it was called with (the first by default),
+    compiled afresh from its source (a function loaded from numba's disk cache keeps no assembly),
+    serially: prange's body holds the same instructions, and a parallel compile takes minutes
+    under emulation."""
     options = {k: v for k, v in kernel.targetoptions.items() if k not in ("nopython", "parallel")}
-    sig = kernel.signatures[0]
+    sig = sig or kernel.signatures[0]
     fresh = numba.njit(**options)(kernel.py_func)
     fresh.compile(sig)
     return fresh.inspect_asm(sig)
@@ -131,12 +133,12 @@ def test_compiled_kernels_contain_the_chosen_instruction(rng):
         as_fast(W, decode_act="int8", prefill_act="int8").matmul(x[:1])
         as_fast(W, decode_act="int8", prefill_act="int8").matmul(x)
     from stage1_cpu.fast import gemm
-    kernels = {"matmul_int8_q8": fk.matmul_int8_q8, "matmul_int4_q8": fk.matmul_int4_q8,
-               "gemm_int4": gemm.gemm_int4}
-    kernels.update({"gemm_int8_q8": gemm.gemm_int8_q8} if cpu.INT8 in ("vnni", "sdot") else {})
-    for name, kernel in kernels.items():
-        assert kernel.signatures, f"{name} was not compiled"
-        assert mnemonic in _asm(kernel), f"{name}: no {mnemonic} in its machine code"
+    for name, kernel in {"matmul_tiled": fk.matmul_tiled, "gemm_tiled": gemm.gemm_tiled}.items():
+        # one signature per kind (k8_8, k8_16, k4_8, k4_16 last): those of int8 activations
+        q8 = [sig for sig in kernel.signatures if str(sig[-3]) == str(sig[-1]) == "none"]
+        assert len(q8) == 2, f"{name} was not compiled for int8 and int4 weights on int8 activations"
+        for sig in q8:
+            assert mnemonic in _asm(kernel, sig), f"{name}{sig}: no {mnemonic} in its machine code"
     # the check can tell: the core's int8 kernel (int8 weights to float, float multiply-adds) has none
     W, _ = _on_grid(rng, "int8", 16, 64, 32)
     W.matmul(x[:1])

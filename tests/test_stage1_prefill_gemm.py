@@ -1,9 +1,9 @@
 """The int8-activation prefill GEMM (stage1_cpu/fast/gemm.py) against its definitions.
 
 - gemm_ref: the same arithmetic in numpy (activations rounded per token and group,
-  exact integer dot products, the scales in float64). The kernel sums the groups'
-  fp32 terms in its own order (8 lanes per (row, token), then a reduction), so the
-  bound is stated: |kernel - ref| <= (G + 8) * 2^-23 * sum_g |term_g|.
+  exact integer dot products, the scales in float64). The kernel adds the groups'
+  fp32 terms one after another, so the bound is stated:
+  |kernel - ref| <= (G + 8) * 2^-23 * sum_g |term_g|.
 - fp32 activations: rounding x to xq * xs moves each activation by at most xs / 2,
   so |kernel - x @ W.T| <= sum_k |W[r, k]| xs[t, g(k)] / 2 (+ the same fp32 slack).
 - FastWeight routes prefill (T >= PREFILL_MIN_T) there only with prefill_act="int8";
@@ -31,6 +31,8 @@ def rng():
 
 
 def _weight(rng, fmt, gs, O, K, **act):
+    if act.get("prefill_act") in ("int8", "int16"):
+        act.setdefault("decode_act", "int8")                   # the integer GEMM reads the decode tiles
     return fast_quantize((rng.standard_normal((O, K)) * 0.5).astype(np.float32), fmt, gs, **act)
 
 
@@ -40,7 +42,7 @@ def _rounded(w, x, act="int8"):
     xp = np.zeros((x.shape[0], w.padded_in), dtype=np.float32)
     xp[:, : x.shape[1]] = x
     if act == "int16":
-        x16, xs = fk.quantize_activations16(xp.reshape(x.shape[0], -1, w.group_size))
+        x16, xs, _ = fk.quantize_activations16(xp.reshape(x.shape[0], -1, w.group_size))
         return x16, xs, x16.astype(np.int64).sum(-1) * xs.astype(np.float64)
     xq, _, xs, xsum = fk.quantize_activations(xp.reshape(x.shape[0], -1, w.group_size))
     return xq, xs, xsum
@@ -50,11 +52,15 @@ def _abs_terms(w, xq, xs, xsum):
     """sum_g |s xs (q . xq)| (+ |m xsum|): the scale of the fp32 rounding bound."""
     from stage1_cpu.fast import gemm
 
+    from stage1_cpu.fast import tiles
+    data, scales, mins = tiles.untile(w.data, w.scales, w.mins, w.out_features, w.seg, w.padded_in,
+                                      w.fmt == "int4")
+
     class Abs:                                             # |W| and |xq| through the same twin
         fmt, out_features = w.fmt, w.out_features
-        scales = np.abs(w.scales.view(np.float16)).view(np.uint16)
-        data = np.abs(w.data.astype(np.int16)).astype(np.int8) if w.fmt == "int8" else w.data
-        mins = None if w.mins is None else np.abs(w.mins.view(np.float16)).view(np.uint16)
+    Abs.scales = np.abs(scales.view(np.float16)).view(np.uint16)
+    Abs.data = np.abs(data.astype(np.int16)).astype(np.int8) if w.fmt == "int8" else data
+    Abs.mins = None if mins is None else np.abs(mins.view(np.float16)).view(np.uint16)
     return gemm.gemm_ref(np.abs(xq.astype(np.int32)), xs, None if xsum is None else np.abs(xsum), Abs)
 
 
@@ -102,14 +108,19 @@ def test_prefill_gemm_within_the_activation_rounding_of_fp32(rng, fmt, gs, act):
 
 @NEEDS_INT8
 def test_only_prefill_int8_takes_the_gemm(rng):
-    """prefill_act fp32 keeps the core's tile + sgemm bit for bit; int8 changes only T >= PREFILL_MIN_T."""
+    """prefill_act fp32 keeps the core's tile + sgemm bit for bit (on rows read back from the tiles);
+    int8 changes only T >= PREFILL_MIN_T."""
     K = 96
     x = (rng.standard_normal((quant.PREFILL_MIN_T + 3, K))).astype(np.float32)
     plain = quant.quantize((rng.standard_normal((40, K))).astype(np.float32), "int8", 32)
-    np.testing.assert_array_equal(as_fast(plain, "int8", "fp32").matmul(x), plain.matmul(x))
-    gem = as_fast(plain, "fp32", "int8")
+    tiled = as_fast(plain, "int8", "fp32")
+    assert tiled.tiled and not np.shares_memory(tiled.data, plain.data)
+    np.testing.assert_array_equal(tiled.matmul(x), plain.matmul(x))
+    gem = as_fast(plain, "int8", "int8")
     assert not np.array_equal(gem.matmul(x), plain.matmul(x))
-    np.testing.assert_array_equal(gem.matmul(x[:3]), plain.matmul(x[:3]))   # decode: untouched
+    np.testing.assert_array_equal(gem.matmul(x[:3]), tiled.matmul(x[:3]))   # decode: untouched
+    with pytest.raises(ValueError, match="decode activations to int8 or int16"):
+        as_fast(plain, "fp32", "int8")                         # the GEMM reads the tiles decode makes
     assert choose_act("int8", "fp32", K)["prefill_act"] == "fp32"
     assert choose_act("int4", "fp32", K)["prefill_act"] == "fp32"
     # where AVX-512 BF16 exists too, the integer GEMM ranks ahead of the bf16 one for int8 / int4 weights
@@ -157,55 +168,47 @@ def test_int8_prefill_logits_close_to_transformers(family):
 
 
 @NEEDS_INT8
-@pytest.mark.parametrize("O,K", [(21, 128), (24, 512)])      # a last vector of 5 rows, G = 2; two full ones, G = 8
-@pytest.mark.parametrize("fmt,per", [("int8", 2), ("int8", 4), ("int4", 4), ("int4", 2)])
-def test_repacked_block_puts_eight_rows_side_by_side(rng, fmt, per, O, K):
-    """repack_int8 / repack_int4 (what each thread builds before its tiles): vector v, group g,
-    step j holds rows r0+8v..r0+8v+7's values j*per.. of group g (zeros past O), and the fp16
-    scales / minima of those rows (8 groups at a time through a transpose where G % 8 == 0);
-    int8 in the pairs layout (per 2) and in the quads one as q + 128 (per 4, VNNI's tile_int8_q8),
-    int4 in the quads layout (per 4) and the pairs one (per 2)."""
-    from numba import njit
-
-    from stage1_cpu.fast import gemm
-    w = _weight(rng, fmt, 64, O, K)                            # from r0 = 8, two vectors of 8 rows
-    r0, nv, G = 8, 2, K // 64
-    data, s = w.data.reshape(O, -1), w.scales.view(np.uint16)
-    sl, ml = np.full(nv * G * 8, 7, np.uint16), np.full(nv * G * 8, 7, np.uint16)
-    if fmt == "int8":
-        word, flip = (np.int16, 0) if per == 2 else (np.uint32, 0x80808080)
-        wl = np.full(nv * K * 8 // per, 7, word)
-        njit(lambda q, s, r0, wl, sl, flip: gemm.repack_int8(q, s, r0, wl, sl, flip))(data.view(word), s, r0, wl, sl,
-                                                                                      flip)
-        q = w.data if per == 2 else (w.data.astype(np.int16) + 128).astype(np.uint8)     # q + 128: unsigned bytes
-    else:
-        word = np.uint32 if per == 4 else np.uint16
-        wl = np.full(nv * K * 8 // per, 7, word)
-        njit(lambda b, s, m, gs, r0, wl, sl, ml: gemm.repack_int4(b, s, m, gs, r0, wl, sl, ml))(
-            data.view(word), s, w.mins.view(np.uint16), 64, r0, wl, sl, ml)
-        q = np.stack([w.data & 15, w.data >> 4], axis=2).reshape(O, -1, 64)
-    wp, sp = wl.view(q.dtype).reshape(nv, G, 64 // per, 8, per), sl.reshape(nv, G, 8)
-    for r, g, k in [(8, 0, 0), (9, 1, 37), (20, 1, 63), (15, 0, 5), (O - 1, G - 1, 62)]:
-        assert wp[(r - r0) // 8, g, k // per, r % 8, k % per] == q[r, g, k]
-    for got, half in [(sp, w.scales)] + ([(ml.reshape(nv, G, 8), w.mins)] if fmt == "int4" else []):
-        want = np.zeros((nv, G, 8), np.uint16)                 # every scale's (minimum's) bits in its lane, zeros past O
-        for r in range(r0, min(O, r0 + 8 * nv)):
-            want[(r - r0) // 8, :, r % 8] = half[r].view(np.uint16)
-        np.testing.assert_array_equal(got, want)
-    if O == 21:
-        assert not wp[1, :, :, 5:].any()
+@pytest.mark.parametrize("O,K,seg", [(21, 128, 21), (24, 512, 24), (36, 128, 12)])   # a part-filled last block;
+@pytest.mark.parametrize("fmt", ["int8", "int4"])                                    # full ones; 3 segments of 12
+def test_tiles_put_eight_rows_side_by_side(rng, fmt, O, K, seg):
+    """tiles.to_tiles (made once per matrix at load): block v, step u holds 4 values of 8 rows
+    side by side (int4: the bytes of nibble pairs), each segment of seg rows (one expert) padded
+    with zero rows to whole blocks; the fp16 scales and minima of those rows side by side; and
+    what reads them back (rows, dequantize) gives the matrix as stored."""
+    from stage1_cpu.fast import tiles
+    w = quant.quantize((rng.standard_normal((O, K)) * 0.5).astype(np.float32), fmt, 64)
+    data, scales, mins = tiles.to_tiles(w.data, w.scales, w.mins, seg)
+    seg8 = -(-seg // 8) * 8
+    assert data.shape[0] == (O // seg) * seg8 // 8 and scales.shape == (data.shape[0], K // 64, 8)
+    stored = w.data.reshape(O, -1)                             # [O, Kp] bytes (int4: Kp / 2 nibble pairs)
+    for r in range(O):
+        t = (r // seg) * seg8 + r % seg                        # the row's place in the tiles
+        np.testing.assert_array_equal(data[t // 8, :, 4 * (t % 8):4 * (t % 8) + 4].reshape(-1), stored[r])
+        np.testing.assert_array_equal(scales[t // 8, :, t % 8], w.scales[r].view(np.uint16))
+        if fmt == "int4":
+            np.testing.assert_array_equal(mins[t // 8, :, t % 8], w.mins[r].view(np.uint16))
+    padding = [t for t in range(data.shape[0] * 8) if t % seg8 >= seg]
+    assert all(not data[t // 8, :, 4 * (t % 8):4 * (t % 8) + 4].any() and not scales[t // 8, :, t % 8].any()
+               for t in padding)
+    fw = as_fast(w, "int8", "fp32")
+    np.testing.assert_array_equal(fw.dequantize(), w.dequantize())
+    np.testing.assert_array_equal(fw.rows(np.array([O - 1, 0, 5])), w.rows(np.array([O - 1, 0, 5])))
 
 
 @NEEDS_INT8
 @pytest.mark.parametrize("fmt,act", [("int8", "int8"), ("int4", "int8"), ("int4", "int16")])
 def test_expert_parts_equal_the_part_alone(rng, fmt, act):
-    """MoE prefill multiplies w.part(e * n, (e + 1) * n), a view of the stacked rows, on or off an
-    8-row boundary: each equals the part copied out and multiplied on its own."""
-    K, n = 128, 24
-    w = _weight(rng, fmt, 32, 4 * n, K, prefill_act=act)
-    x = rng.standard_normal((quant.PREFILL_MIN_T + 5, K)).astype(np.float32)
-    for r0, r1 in [(n, 2 * n), (3 * n, 4 * n), (4, 4 + n)]:                 # aligned, the last, unaligned
-        part = w.part(r0, r1)
-        alone = as_fast(quant.Weight(w.fmt, r1 - r0, K, 32, w.data[r0:r1].copy(), w.scales[r0:r1].copy(),
-                                     None if w.mins is None else w.mins[r0:r1].copy()), "fp32", act)
-        np.testing.assert_array_equal(part.matmul(x), alone.matmul(x))
+    """MoE multiplies w.part(e * n, (e + 1) * n), a view of one expert's blocks in the stacked tiles
+    (each expert padded to whole blocks of 8 rows: n = 20 is not one): each equals the expert
+    tiled and multiplied on its own, at decode and at prefill. A part across experts is refused."""
+    from common.loader import stack
+    K, n = 128, 20
+    experts = [quant.quantize((rng.standard_normal((n, K)) * 0.5).astype(np.float32), fmt, 32) for _ in range(4)]
+    w = stack([as_fast(e, "int8", act) for e in experts])      # as the loader stacks them
+    assert w.seg == n and w.data.shape[0] == 4 * 3
+    for T in (3, quant.PREFILL_MIN_T + 5):
+        x = rng.standard_normal((T, K)).astype(np.float32)
+        for e in (1, 3):
+            np.testing.assert_array_equal(w.part(e * n, (e + 1) * n).matmul(x), as_fast(experts[e], "int8", act).matmul(x))
+    with pytest.raises(ValueError, match="segments"):
+        w.part(4, 4 + n)

@@ -22,6 +22,7 @@ residual) must be exact.
 from __future__ import annotations
 
 import ctypes
+import gc
 import re
 import shutil
 import subprocess
@@ -166,9 +167,11 @@ def test_qk_norm_rope_store_equals_twin(gpu, H, Hkv, D, norm):
     dk, dv = gpu(pool()), gpu(pool())
     ek, ev = pool(), pool()
     pos = pos.astype(np.int32)
-    q = kernels.qk_norm_rope_store(gpu(qkv), None if qn is None else gpu(qn), None if kn is None else gpu(kn),
-                                   gpu(cos), gpu(sin), gpu(pos), dk[1], dv[1], gpu(slots), H, Hkv, 1e-6)
-    eq = ops.qk_norm_rope_store(qkv, qn, kn, cos, sin, pos, ek[1], ev[1], slots, H, Hkv, 1e-6)
+    norms = (None, None) if qn is None else (gpu(qn), gpu(kn))
+    on_dev = ops.LayerHeads(*norms, gpu(cos), gpu(sin), dk[1], dv[1], H, Hkv, 1e-6)
+    q = kernels.qk_norm_rope_store(gpu(qkv), on_dev, gpu(pos), gpu(slots))
+    on_host = ops.LayerHeads(qn, kn, cos, sin, ek[1], ev[1], H, Hkv, 1e-6)
+    eq = ops.qk_norm_rope_store(qkv, on_host, pos, slots)
     assert_bf16_close(q.get(), eq)
     assert_bf16_close(dk.get()[1].reshape(-1), ek[1].reshape(-1), min_exact=0.5)   # most slots stay 0
     np.testing.assert_array_equal(dv.get(), ev)                # V rows are copied bit for bit
@@ -225,9 +228,10 @@ def check_gemv(dev, N, K, M, counted=None, kernels=kernels, ops=ops):
          ops.rmsnorm_linear(residual, norm_w, 1e-6, w), "bf16"),
         (lambda: kernels.rmsnorm_linear(dev(residual), dev(norm_w), 1e-6, dev(w), bias=dev(bias)).get(),
          ops.rmsnorm_linear(residual, norm_w, 1e-6, w, bias), "bf16"),
-        (lambda: kernels.linear_add(dev(x), dev(w), dev(stream)).get(), ops.linear_add(x, w, stream.copy()), "f32"),
-        (lambda: kernels.swiglu_linear_add(dev(gate_up), dev(w), dev(stream)).get(),
-         ops.swiglu_linear_add(gate_up, w, stream.copy()), "f32"),
+        (lambda: kernels.linear(dev(x), dev(w), add_into=dev(stream)).get(),
+         stream + ops.linear(x, w, True), "f32"),
+        (lambda: kernels.swiglu_linear(dev(gate_up), dev(w), dev(stream)).get(),
+         stream + ops.linear(ops.swiglu(gate_up), w, True), "f32"),
     ]
     for run, expect, kind in cases:
         got = counted(run) if counted else run()
@@ -250,8 +254,8 @@ def check_gemv_prologues(dev, kernels=kernels):
     np.testing.assert_array_equal(fused, plain)
     gate_up = dev(bf16_random(rng, (N, 2 * K), 3.0))
     stream = rng.standard_normal((N, M)).astype(np.float32)
-    fused = kernels.swiglu_linear_add(gate_up, w, dev(stream)).get()
-    plain = kernels.linear_add(kernels.swiglu(gate_up), w, dev(stream)).get()
+    fused = kernels.swiglu_linear(gate_up, w, dev(stream)).get()
+    plain = kernels.linear(kernels.swiglu(gate_up), w, add_into=dev(stream)).get()
     np.testing.assert_array_equal(fused, plain)
 
 
@@ -265,6 +269,63 @@ def test_gemv_projections_equal_twins_in_one_launch(gpu, monkeypatch, N, K, M, b
         assert (launches, blas) == (1, 0)
         return got
     check_gemv(gpu, N, K, M, counted)
+
+
+def test_gemv_at_the_8b_mlp_input_raises_its_shared_memory_attribute(gpu):
+    """Two rows of K = 12,288 (Qwen3-8B's down projection, two sequences): 48 KB of input rows
+    plus gemv.cu's 32 static bytes, over the 48 KB a block gets unless the kernel's attribute
+    is raised. kernels.py raises it when it loads the kernel (RAISED_SMEM)."""
+    check_gemv(gpu, 2, 12288, 16)
+
+
+def test_gemv_over_the_default_shared_memory_is_refused_as_cuda_does(gpu, monkeypatch, tmp_path):
+    """Without the raised attribute the same launch is CUDA's invalid-argument error: the
+    emulator sums the static part (from the kernel's __shared__ variables, as ptxas does) with
+    the dynamic part, against 48 KB. A fresh build: the attribute lives with the kernel."""
+    monkeypatch.setattr(kernels, "RAISED_SMEM", {})
+    fresh = emu.build([CUDA_DIR / "gemv.cu"], tmp_path / "build")
+    assert fresh["gemv"].static_smem == 32
+    assert fresh["gemv"].max_dynamic_shared_size_bytes == 48 * 1024 - 32
+    dev = emu.install(monkeypatch, kernels, fresh).dev
+    x, w = np.zeros((2, 12288), np.uint16), np.zeros((16, 12288), np.uint16)
+    refused = (r"49152 bytes of dynamic shared memory, over the kernel's "
+               r"max_dynamic_shared_size_bytes \(49120\), the 49152 bytes a block gets by default "
+               r"less its 32 static bytes")
+    with pytest.raises(emu.EmulatorError, match=refused):
+        kernels.linear(dev(x), dev(w))
+    kernels.linear(dev(x[:, :12264]), dev(w[:, :12264]))          # 49,056 bytes: within
+
+
+VECTOR_COPY = r"""
+extern "C" __global__ void copy16(const unsigned short* x, unsigned short* out, int n8)
+{
+    extern __shared__ ALIGN unsigned short xs[];           // read and written as uint4
+    for (int i = threadIdx.x; i < n8; i += blockDim.x) ((uint4*)xs)[i] = ((const uint4*)x)[i];
+    __syncthreads();
+    for (int i = threadIdx.x; i < n8; i += blockDim.x) ((uint4*)out)[i] = ((const uint4*)xs)[i];
+}
+"""
+
+
+@pytest.mark.skipif(not emu.RACE, reason="QS_EMU_RACE=0: the alignment check needs the race hooks")
+@pytest.mark.parametrize("align", ["", "__align__(16)"])
+def test_a_uint4_access_to_shared_memory_needs_the_arrays_declared_alignment(gpu, tmp_path, align):
+    """Dynamic shared memory is only as aligned as its declaration says (it starts after the
+    static variables). A uint4 through `extern __shared__ unsigned short xs[]` is the GPU's
+    misaligned-address error, which the emulator reports; with __align__(16) it copies."""
+    src = tmp_path / "copy16.cu"
+    src.write_text(VECTOR_COPY.replace("ALIGN", align))
+    kernel = emu.build([src], tmp_path / "build")["copy16"]
+    x = np.arange(64, dtype=np.uint16)
+    out = gpu(np.zeros(64, np.uint16))
+    args = (gpu(x), out, np.int32(8))
+    if not align:
+        misaligned = "16-byte access at an address 2 bytes past a multiple of 16"
+        with pytest.raises(emu.EmulatorError, match=misaligned):
+            kernel((1,), (32,), args, shared_mem=128)
+        return
+    kernel((1,), (32,), args, shared_mem=128)
+    np.testing.assert_array_equal(out.get(), x)
 
 
 def test_gemv_prologues_feed_the_sums_the_bits_of_the_unfused_kernels(gpu):
@@ -282,9 +343,71 @@ def test_big_batches_take_the_unfused_path_with_the_same_arithmetic(gpu):
     assert (launches, blas) == (1, 1)
     assert_bf16_close(got, ops.rmsnorm_linear(residual, norm_w, 1e-6, w), min_exact=0.8)
     gate_up, stream = bf16_random(rng, (N, 2 * K)), rng.standard_normal((N, M)).astype(np.float32)
-    got, launches, blas = _count_launches(lambda: kernels.swiglu_linear_add(gpu(gate_up), gpu(w), gpu(stream)).get())
+    got, launches, blas = _count_launches(
+        lambda: kernels.swiglu_linear(gpu(gate_up), gpu(w), gpu(stream)).get())
     assert (launches, blas) == (1, 1)
-    np.testing.assert_allclose(got, ops.swiglu_linear_add(gate_up, w, stream.copy()), rtol=1e-4, atol=1e-4)
+    expect = stream + ops.linear(ops.swiglu(gate_up), w, True)
+    np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-4)
+
+
+# float32 bit patterns for the rounding to bf16: the NaN a GPU makes (0x7FFFFFFF), x86's NaNs
+# (+ and -), NaNs with other payloads, the infinities, the largest float (rounds to infinity),
+# ties to even (down and up), a denormal, -0, 1 and pi
+BF16_CASES = np.array([0x7FFFFFFF, 0x7FC00000, 0xFFC00000, 0xFFFFFFFF, 0x7F800001, 0x7FBFFFFF,
+                       0x7F800000, 0xFF800000, 0x7F7FFFFF, 0x3F808000, 0x3F818000, 0x00000001,
+                       0x80000000, 0x3F800000, 0x40490FDB], np.uint32)
+BF16_PROBE = r"""
+extern "C" __global__ void bf16_probe_{stem}(const unsigned* bits, unsigned short* out, int n)
+{{
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = f32_to_bf16(__int_as_float((int)bits[i]));
+}}
+"""
+
+
+def test_every_f32_to_bf16_keeps_a_nan_a_nan_as_the_twins_do(gpu, tmp_path):
+    """Each .cu file's own f32_to_bf16 (run in the emulator through a probe kernel appended to
+    a copy of the file), kernels.to_bf16 and the cuBLAS stand-in's rounding give ops.bf16_bits'
+    bits, and a NaN stays a NaN. Rounded as a number, the GPU's NaN 0x7FFFFFFF carries into the
+    sign bit and becomes -0.0: a blow-up would turn into zeros, the logits into a flat row and
+    the degenerate-row error (sample.cu's -1) into token 0. x86's NaN 0x7FC00000 survives that
+    rounding, which is why the numpy twins never showed it."""
+    floats = BF16_CASES.view(np.float32)
+    with np.errstate(invalid="ignore"):
+        expect = ops.bf16_bits(floats)
+    nan = np.isnan(floats)
+    assert np.isnan(f32(expect[nan])).all() and not np.isnan(f32(expect[~nan])).any()
+    files = [cu for cu in sorted(CUDA_DIR.glob("*.cu")) if "f32_to_bf16(float" in cu.read_text()]
+    assert len(files) >= 7
+    for cu in files:
+        shim = FRAGMENT_SHIM if emu.unsupported(cu.read_text()) else ""
+        (tmp_path / cu.name).write_text(shim + cu.read_text() + BF16_PROBE.format(stem=cu.stem))
+    probes = emu.build([tmp_path / cu.name for cu in files], tmp_path / "build")
+    for cu in files:
+        out = gpu(np.zeros(len(floats), np.uint16))
+        probes[f"bf16_probe_{cu.stem}"]((1,), (32,), (gpu(BF16_CASES), out, np.int32(len(floats))))
+        np.testing.assert_array_equal(out.get(), expect, err_msg=cu.name)
+    np.testing.assert_array_equal(kernels.to_bf16(gpu(floats)).get(), expect)
+    np.testing.assert_array_equal(emu._narrow(floats, np.uint16), expect)
+
+
+@pytest.mark.parametrize("N", [2, 5])
+def test_a_gpu_nan_in_the_residual_stream_reaches_the_sampler_as_a_degenerate_row(gpu, N):
+    """Row 0 of the residual stream holds the GPU's NaN: the final norm and the lm_head (gemv.cu's
+    fused norm for 2 rows, rmsnorm.cu and the GEMM for 5) give that row NaN logits, and the
+    sampler -1 for it alone; the other rows keep their tokens."""
+    rng = np.random.default_rng(11)
+    C, V = 64, 40
+    residual = rng.standard_normal((N, C)).astype(np.float32)
+    residual[0] = np.uint32(0x7FFFFFFF).view(np.float32)
+    norm_w, w = bf16_random(rng, (C,)), bf16_random(rng, (V, C))
+    logits = kernels.rmsnorm_linear(gpu(residual), gpu(norm_w), 1e-6, gpu(w), out_f32=True)
+    assert np.isnan(logits.get()[0]).all() and np.isfinite(logits.get()[1:]).all()
+    params = (np.zeros(N, np.float32), np.zeros(N, np.int32), np.ones(N, np.float32),
+              np.full(N, 0.5, np.float32))                        # greedy
+    tokens = kernels.sample(logits, *map(gpu, params)).get()
+    assert tokens[0] == -1
+    np.testing.assert_array_equal(tokens[1:], np.argmax(logits.get()[1:], axis=1))
 
 
 # decode attention at awkward shapes: one position, lengths off the page, one KV head,
@@ -506,6 +629,94 @@ def test_a_refused_call_planted_in_the_captured_step_fails_the_capture(gpu, monk
     message = {"cupy_cublas_wrapper": "calling cuBLAS API during stream capture is currently unsupported"}
     assert eng.graphs.error is not None and eng.graphs.num_replays == 0
     assert message.get(planted, "not permitted while a stream is capturing") in eng.graphs.error
+    assert got == expect
+
+
+def test_a_capture_on_the_legacy_default_stream_is_refused_as_cupy_does(gpu):
+    """CuPy refuses begin_capture on the null stream; on a blocking stream, a launch on the
+    legacy stream during the capture is CUDA's implicit-dependency error; on a non-blocking
+    one it runs at once and stays out of the graph."""
+    cp = sys.modules["cupy"]
+    with pytest.raises(RuntimeError, match=r"cannot capture on the default \(legacy\) stream"):
+        cp.cuda.get_current_stream().begin_capture()
+    gu = bf16_random(np.random.default_rng(12), (3, 2 * 40))
+    for non_blocking in (False, True):
+        capturing = cp.cuda.Stream(non_blocking=non_blocking)
+        out = gpu(np.zeros((3, 40), np.uint16))
+        with capturing:
+            capturing.begin_capture()
+        x = gpu(gu)
+        try:
+            if non_blocking:
+                kernels.swiglu(x, out=out)                       # run now, not recorded
+            else:
+                with pytest.raises(emu.CaptureError, match="cudaErrorStreamCaptureImplicit"):
+                    kernels.swiglu(x, out=out)
+        finally:
+            with capturing:
+                graph = capturing.end_capture()
+        assert graph.calls == []
+        if non_blocking:
+            np.testing.assert_array_equal(out.get(), ops.swiglu(gu))
+
+
+@pytest.mark.parametrize("kind", ["kernel", "cublas"])
+def test_a_graph_replay_after_its_arrays_were_freed_is_refused(gpu, kind):
+    """A CUDA graph keeps pointers, not arrays: once an array it reads is freed, a replay reads
+    memory the pool may have given to another array. The stand-in's graph keeps no reference
+    either, and its replay fails with the freed argument named (a kernel's, or a cuBLAS call's,
+    seven rows: the GEMM path)."""
+    cp = sys.modules["cupy"]
+    rng = np.random.default_rng(13)
+    if kind == "kernel":
+        x, out, expect = gpu(bf16_random(rng, (3, 80))), gpu(np.zeros((3, 40), np.uint16)), None
+        run = lambda: kernels.swiglu(x, out=out)                          # noqa: E731
+        expect = ops.swiglu(x.get())
+    else:
+        a, w = bf16_random(rng, (7, 32)), bf16_random(rng, (24, 32))
+        x, wd, out = gpu(a), gpu(w), gpu(np.zeros((7, 24), np.uint16))
+        run = lambda: kernels.linear(x, wd, out=out)                      # noqa: E731
+        expect = ops.linear(a, w)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        run()
+        graph = stream.end_capture()
+    graph.launch()
+    assert_bf16_close(out.get(), expect, min_exact=0.5)
+    del run, x
+    gc.collect()
+    with pytest.raises(emu.CaptureError, match="whose memory was freed after the capture"):
+        graph.launch()
+
+
+def test_an_engine_whose_graph_lost_its_buffers_stops_replaying(gpu, monkeypatch):
+    """A planted bug: the model's buffers are allocated anew after the first graph is captured.
+    The graph still points at the old ones, freed: its replay fails (on the GPU it would read
+    freed memory and give wrong tokens), the engine says why and runs eagerly, with the twins'
+    tokens."""
+    from models import make_model
+    from stage3_optimized.buffers import Activations
+    folder = make_model("qwen3")
+    prompts, lengths = [[5, 9, 3], [40, 41]], [6, 6]
+    expect = _drive(_graph_engine(folder, "cpu", False), prompts, lengths)
+    eng = _graph_engine(folder, "cuda", True, monkeypatch)
+    real_run = eng.graphs.run
+
+    def run(tokens, batch, sampling):
+        out = real_run(tokens, batch, sampling)
+        if eng.graphs.graphs and not getattr(eng, "_planted", False):
+            m = eng.model                                      # after the first capture
+            sizes = len(m.buffers.x), len(m.buffers.logits)
+            m.buffers = Activations.allocate(m.xp, m.config, *sizes, m.max_ctx)
+            eng._planted = True
+            gc.collect()
+        return out
+    monkeypatch.setattr(eng.graphs, "run", run)
+    with pytest.warns(UserWarning, match="CUDA graph capture or replay failed"):
+        got = _drive(eng, prompts, lengths)
+    assert "whose memory was freed after the capture" in eng.graphs.error
+    assert eng.graphs.num_replays == 0
     assert got == expect
 
 

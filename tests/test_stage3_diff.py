@@ -21,7 +21,8 @@ UNCHANGED = {
     "sequence.py": ["Sequence.from_request", "Sequence.prompt_ids", "Sequence.output_ids",
                     "Sequence.num_uncomputed"],
     "ops.py": ["rope_tables", "rope", "store_kvcache", "_gather_pages", "_attend", "silu_mul",
-               "residual_add", "softmax"],
+               "residual_add", "softmax", "route"],
+    "kernels.py": ["route"],                   # MoE routing: one function, as stage 1's K.route
     "kv_cache.py": ["KVCache.keys", "KVCache.values"],
 }
 

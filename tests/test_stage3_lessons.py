@@ -14,8 +14,10 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
+import re
 import shutil
 import sys
 import types
@@ -64,12 +66,62 @@ def test_stage2_plus_every_patch_is_stage3_byte_for_byte():
     series.check()
 
 
-def test_series_has_six_to_nine_patches_each_with_a_header_naming_its_section():
+def test_series_has_ten_or_more_patches_of_at_most_600_lines_each_with_a_header():
+    """One idea per patch: at least ten of them, each readable in one sitting (600 lines with
+    its header), and each header names its docs/stage3.md section (which exists) and says what
+    it changes, what it saves and what it costs."""
     ps = series.patches()
-    assert 6 <= len(ps) <= 9
-    for p in ps:
+    assert len(ps) >= 10
+    headings = re.findall(r"^## (\d+)\. ", (ROOT / "docs" / "stage3.md").read_text(), re.M)
+    for k, p in enumerate(ps, start=1):
+        assert len(p.read_text().splitlines()) <= 600, p.name
         head = series.header(p)
-        assert "docs/stage3.md" in head and "Saves" in head, p.name
+        assert head.startswith(f"Lesson {k:02d} of {len(ps)}: "), p.name
+        for part in ("Changes:", "Saves", "Costs:"):
+            assert f"\n{part}" in head, (p.name, part)
+        section = re.search(r"docs/stage3\.md, section (\d+)\)", " ".join(head.split()))
+        assert section and section.group(1) in headings, p.name
+
+
+def _created_and_deleted(patch: Path) -> tuple[set[str], set[str]]:
+    """The files a patch creates and the files it deletes (paths inside the rung)."""
+    text = patch.read_text()
+    files = lambda mode: {re.sub(r"^[ab]/", "", m) for m in re.findall(   # noqa: E731
+        rf"^diff --git (\S+) \S+\n{mode} file mode", text, re.M)}
+    return files("new"), files("deleted")
+
+
+def test_no_patch_deletes_a_file_an_earlier_patch_created():
+    created: dict[str, str] = {}
+    for p in series.patches():
+        new, deleted = _created_and_deleted(p)
+        for path in deleted:
+            assert path not in created, f"{p.name} deletes {path}, which {created[path]} created"
+        created.update({path: p.name for path in new})
+    assert created                                   # the parse found the files the series adds
+
+
+def test_each_exercise_region_arrives_with_its_markers(rungs):
+    """The rung whose lesson adds an exercise's begin/end markers also writes the code between
+    them: the marked region is not already in the rung before (no lesson marks a region an
+    earlier lesson wrote), and each exercise is marked once, in its own lesson."""
+    found = {}
+    for k, rung in enumerate(rungs[1:], start=1):
+        for path in sorted(rung.rglob("*")):
+            if path.suffix not in (".py", ".cu"):
+                continue
+            text = path.read_text()
+            before = rungs[k - 1] / path.relative_to(rung)
+            old = before.read_text() if before.is_file() else ""
+            for ex in re.findall(r"exercise (3\.\d) begin", text):
+                if f"exercise {ex} begin" in old:
+                    continue
+                region = text.split(f"exercise {ex} begin", 1)[1].split(f"exercise {ex} end", 1)[0]
+                body = region.split("\n", 1)[1].rsplit("\n", 1)[0]         # the lines between the markers
+                assert body.strip() and body not in old, (rung.name, ex)
+                assert ex not in found, (ex, found.get(ex), rung.name)
+                found[ex] = rung.name
+    assert set(found) == {"3.1", "3.2", "3.3", "3.4", "3.5"}, found
 
 
 def test_a_changed_stage3_is_reported_with_the_last_patch(tmp_path):
@@ -152,13 +204,12 @@ def test_every_rung_gives_transformers_greedy_tokens_until_a_near_tie(packages, 
     folder = make_model(family)
     for k, pkg in packages.items():
         engine_mod = importlib.import_module(f"{pkg.__name__}.engine")
-        ops = importlib.import_module(f"{pkg.__name__}.ops")
-        bf16 = hasattr(ops, "BF16")
+        eng = engine_mod.LLMEngine(folder, max_ctx=64, slots=2, token_budget=32, page_size=4,
+                                   num_pages=40, device="cpu", progress=False)
+        bf16 = eng.weights.embed.data.dtype == np.uint16     # bf16 weights (lesson 06 on)
         expect, margins = oracle(family, bf16)
         clear = next((i for i, m in enumerate(margins) if m < MARGIN), STEPS)
         assert clear >= 4, f"{family}: a near-tie at step {clear}; choose another prompt"
-        eng = engine_mod.LLMEngine(folder, max_ctx=64, slots=2, token_budget=32, page_size=4, num_pages=40,
-                                   device="cpu", progress=False)
         eng.add_request(Request("r", list(PROMPTS[family]),
                                 SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)))
         got = []
@@ -168,11 +219,34 @@ def test_every_rung_gives_transformers_greedy_tokens_until_a_near_tie(packages, 
         assert got[:clear] == expect[:clear], f"rung {k} ({pkg.__name__}), margins {np.round(margins, 3).tolist()}"
 
 
-def test_rung_prefix_cache_from_the_first_lesson_on(packages):
-    """Lesson 1's effect is visible in every later rung: a shared prefix is found in the cache."""
+def test_every_rung_names_itself_in_its_banner(packages):
+    """Rung k says "stage 2 + lessons 01-k" in the chat's and server's banner and --help group;
+    stage 3 says it is stage 3, stage 2 that it is stage 2."""
+    import argparse
+    args = argparse.Namespace(device="cpu", prefix_caching=True, cuda_graphs=True)
+    for k, pkg in packages.items():
+        options = importlib.import_module(f"{pkg.__name__}.options")
+        want = "stage 2 + lesson 01" if k == 1 else f"stage 2 + lessons 01-{k:02d}"
+        assert options.RUNG == want, (k, options.RUNG)
+        assert options.describe(args).startswith(want + " · "), k
+        parser = argparse.ArgumentParser()
+        options.add_args(parser)
+        assert want in [g.title for g in parser._action_groups], k
+    stage2 = importlib.import_module("stage2_batched.options")
+    stage3 = importlib.import_module("stage3_optimized.options")
+    assert stage3.RUNG == "stage 3 optimized"
+    assert stage3.describe(args).startswith("stage 3 optimized · ")
+    assert stage2.describe(args).startswith("stage 2 batched")
+
+
+def test_rung_prefix_cache_from_its_lesson_on(packages):
+    """Lesson 02's effect is visible in every later rung: a shared prefix is found in the cache."""
     folder = make_model("qwen3")
     system = list(range(30, 43))                               # 13 tokens: 3 full pages of 4
+    first = next(k for k, p in enumerate(series.patches(), start=1) if "prefix-cache" in p.name)
     for k, pkg in packages.items():
+        if k < first:
+            continue
         eng = importlib.import_module(f"{pkg.__name__}.engine").LLMEngine(
             folder, max_ctx=64, slots=2, token_budget=32, page_size=4, num_pages=40, device="cpu", progress=False)
         for i, tail in enumerate([[7, 8], [9]]):
@@ -206,70 +280,112 @@ def _gpu(kernels, emulated, monkeypatch):
     return emu.install(monkeypatch, kernels, emulated).dev
 
 
-def _case(name, K, ops, dev, emulated):
-    """One small case of kernel `name` against its twin, launched through the rung's kernels.py."""
-    from test_stage2_kernels import paged
+def _pointer_types(cu: Path, kernel: str) -> dict[str, type]:
+    """The pointer parameters of `kernel` in its .cu file -> the numpy dtype it reads or writes
+    (`unsigned short*`: bf16 bits): a rung's kernel takes fp32 or bf16 by its lesson."""
+    text = cu.read_text()
+    sig = text[text.index(f"void {kernel}("):]
+    sig = sig[:sig.index("{")]
+    dtypes = {"unsigned short": np.uint16, "float": np.float32, "int": np.int32}
+    return {m.group(2): dtypes[m.group(1)]
+            for m in re.finditer(r"(unsigned short|float|int)\s*\*\s*(?:__restrict__\s*)?(\w+)",
+                                 sig)}
+
+
+def _close(got, expect, min_exact=0.9):
+    """bf16 bits: within two bf16 steps, mostly bit-identical; fp32: the sums' order apart."""
     from test_stage3_cuda_emulated import assert_bf16_close
+    got, expect = np.asarray(got).view(np.ndarray), np.asarray(expect)
+    assert got.dtype == expect.dtype and got.shape == expect.shape, (got.dtype, expect.dtype)
+    if got.dtype == np.uint16:
+        assert_bf16_close(got, expect, min_exact)
+    else:
+        assert float(np.abs(expect).max()) > 0, "an all-zero reference proves nothing"
+        np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-5 * float(np.abs(expect).max()))
+
+
+def _qk_case(K, ops, dev, arr, ptypes, rng):
+    """qk_norm_rope_store through the rung's kernels.py: its LayerHeads (with or without the
+    cos/sin tables) and its call (rows gathered per token, or positions into the tables)."""
+    H, Hkv, D, N, NB, P = 4, 2, 32, 5, 4, 4
+    qkv, qn, kn = arr("qkv", N, (H + 2 * Hkv) * D, s=2.0), arr("q_norm", D), arr("k_norm", D)
+    pos = rng.integers(0, 100, N).astype(np.int32)
+    cos, sin = ops.rope_tables(128, D, 1e6)
+    slots = rng.permutation(NB * P)[:N].astype(np.int32)
+    pool = lambda: np.zeros((NB, P, Hkv, D), ptypes["k_cache"])   # noqa: E731
+    dk, dv, ek, ev = dev(pool()), dev(pool()), pool(), pool()
+    fields = {f.name for f in dataclasses.fields(ops.LayerHeads)}
+
+    def heads(k_cache, v_cache, put):                  # the rung's record: cos/sin in it or not
+        kw = dict(q_norm=put(qn), k_norm=put(kn), cos=put(cos), sin=put(sin), k_cache=k_cache,
+                  v_cache=v_cache, H=H, Hkv=Hkv, eps=1e-6)
+        return ops.LayerHeads(**{k: v for k, v in kw.items() if k in fields})
+    if "positions" in K.qk_norm_rope_store.__code__.co_varnames:   # whole tables, by position
+        q = K.qk_norm_rope_store(dev(qkv), heads(dk, dv, dev), dev(pos), dev(slots))
+        eq = K.qk_norm_rope_store(qkv, heads(ek, ev, np.asarray), pos, slots)
+    else:                                                          # each token's own rows
+        q = K.qk_norm_rope_store(dev(qkv), heads(dk, dv, dev), dev(cos[pos]), dev(sin[pos]),
+                                 dev(slots))
+        eq = K.qk_norm_rope_store(qkv, heads(ek, ev, np.asarray), cos[pos], sin[pos], slots)
+    _close(q.get(), eq)
+    _close(dk.get().reshape(-1), ek.reshape(-1), min_exact=0.5)    # most slots stay 0
+    np.testing.assert_array_equal(dv.get(), ev)
+
+
+def _case(name, K, ops, dev, emulated):
+    """One small case of kernel `name` through the rung's kernels.py: on device arrays it runs
+    the emulated kernel, on numpy arrays the rung's twin, with the dtypes the rung's .cu file
+    declares (fp32 before its bf16 lesson, bf16 bits after)."""
+    from test_stage2_kernels import paged
     rng = np.random.default_rng(len(name))
-    bits = ops.bf16_bits
-    rnd = lambda *shape, s=1.0: bits(rng.standard_normal(shape).astype(np.float32) * s)   # noqa: E731
+    cu = Path(K.__file__).parent / "cuda" / K.KERNEL_FILES[name]
+    ptypes = _pointer_types(cu, name)
+
+    def arr(param, *shape, s=1.0):
+        x = (rng.standard_normal(shape) * s).astype(np.float32)
+        return ops.bf16_bits(x) if ptypes[param] == np.uint16 else x
+
+    def as_(param, x):
+        return ops.bf16_bits(x) if ptypes[param] == np.uint16 else x
+
     if name == "embedding":
-        table, ids = rnd(20, 33), rng.integers(0, 20, 5).astype(np.int32)
-        np.testing.assert_array_equal(K.embedding(dev(ids), dev(table)).get(), ops.embedding(ids, table))
-    elif name == "add_rmsnorm":
-        x, res, w = rnd(3, 96, s=3.0), rng.standard_normal((3, 96)).astype(np.float32), rnd(96)
-        h, r = K.add_rmsnorm(dev(x), dev(res.copy()), dev(w), 1e-6)
-        eh, er = ops.add_rmsnorm(x, res.copy(), w, 1e-6)
-        np.testing.assert_array_equal(r.get(), er)
-        assert_bf16_close(h.get(), eh)
+        table, ids = arr("table", 20, 33), rng.integers(0, 20, 5).astype(np.int32)
+        got = K.embedding(dev(ids), dev(table)).get()
+        np.testing.assert_array_equal(got, K.embedding(ids, table))
     elif name == "rmsnorm":
-        res, w = rng.standard_normal((3, 96)).astype(np.float32) * 3, rnd(96)
-        assert_bf16_close(K.rmsnorm(dev(res), dev(w), 1e-6).get(), ops.rmsnorm_bf16(res, w, 1e-6))
+        x, w = arr("residual", 3, 96, s=3.0), arr("w", 96)
+        _close(K.rmsnorm(dev(x), dev(w), 1e-6).get(), K.rmsnorm(x, w, 1e-6))
     elif name == "gemv":
         from test_stage3_cuda_emulated import check_gemv, check_gemv_prologues
         check_gemv(dev, 2, 264, 13, kernels=K, ops=ops)
         check_gemv_prologues(dev, kernels=K)
     elif name == "qk_norm_rope_store":
-        H, Hkv, D, N, NB, P = 4, 2, 32, 5, 4, 4
-        qkv, qn, kn = rnd(N, (H + 2 * Hkv) * D, s=2.0), rnd(D), rnd(D)
-        pos = rng.integers(0, 100, N).astype(np.int32)
-        cos, sin = ops.rope_tables(128, D, 1e6)
-        slots = rng.permutation(NB * P)[:N].astype(np.int32)
-        dk, dv = dev(np.zeros((NB, P, Hkv, D), np.uint16)), dev(np.zeros((NB, P, Hkv, D), np.uint16))
-        ek, ev = np.zeros((NB, P, Hkv, D), np.uint16), np.zeros((NB, P, Hkv, D), np.uint16)
-        if "positions" in K.qk_norm_rope_store.__code__.co_varnames:      # v2: the whole tables and positions
-            q = K.qk_norm_rope_store(dev(qkv), dev(qn), dev(kn), dev(cos), dev(sin), dev(pos), dk, dv, dev(slots),
-                                     H, Hkv, 1e-6)
-            eq = ops.qk_norm_rope_store(qkv, qn, kn, cos, sin, pos, ek, ev, slots, H, Hkv, 1e-6)
-        else:                                                          # v1: each token's own rows
-            q = K.qk_norm_rope_store(dev(qkv), dev(qn), dev(kn), dev(cos[pos]), dev(sin[pos]), dk, dv, dev(slots),
-                                     H, Hkv, 1e-6)
-            eq = ops.qk_norm_rope_store(qkv, qn, kn, cos[pos], sin[pos], ek, ev, slots, H, Hkv, 1e-6)
-        assert_bf16_close(q.get(), eq)
-        assert_bf16_close(dk.get().reshape(-1), ek.reshape(-1), min_exact=0.5)
-        np.testing.assert_array_equal(dv.get(), ev)
+        _qk_case(K, ops, dev, arr, ptypes, rng)
     elif name == "swiglu":
-        gu = rnd(3, 96, s=2.0)
-        assert_bf16_close(K.swiglu(dev(gu)).get(), ops.swiglu(gu))
+        gu = arr("gate_up", 3, 96, s=2.0)
+        _close(K.swiglu(dev(gu)).get(), K.swiglu(gu))
     elif name in ("paged_decode_attention", "merge_attention"):
+        if name == "merge_attention":                        # the pages' dtype: the split kernel's
+            ptypes = _pointer_types(cu, "paged_decode_attention")
         lens = [1, 17, 40]
         k32, v32, tables, *_ = paged(rng, lens, 2, 32, 16)
-        kc, vc, q, ctx = bits(k32), bits(v32), rnd(3, 4, 32), np.array(lens, np.int32)
+        kc, vc, q = as_("k_cache", k32), as_("v_cache", v32), arr("q", 3, 4, 32)
+        ctx = np.array(lens, np.int32)
         kw = {"split_len": 16} if "split_len" in K.paged_decode_attention.__code__.co_varnames else {}
         out = K.paged_decode_attention(dev(q), dev(kc), dev(vc), dev(tables), dev(ctx), **kw)
-        assert_bf16_close(out.get(), ops.paged_decode_attention(q, kc, vc, tables, ctx))
+        _close(out.get(), K.paged_decode_attention(q, kc, vc, tables, ctx))
     elif name in ("prefill_attention", "prefill_attention_tc"):
         chunks = [(0, 17), (5, 3)]
         k32, v32, tables, *_ = paged(rng, [b + n for b, n in chunks], 2, 64, 16)
-        kc, vc = bits(k32), bits(v32)
+        kc, vc = as_("k_cache", k32), as_("v_cache", v32)
         token_seq = np.concatenate([np.full(n, s) for s, (_, n) in enumerate(chunks)]).astype(np.int32)
         positions = np.concatenate([np.arange(b, b + n) for b, n in chunks]).astype(np.int32)
-        q = rnd(len(positions), 4, 64)
+        q = arr("q", len(positions), 4, 64)
         args = [dev(q), dev(kc), dev(vc), dev(tables), dev(token_seq), dev(positions)]
-        expect = ops.prefill_attention(q, kc, vc, tables, token_seq, positions)
+        expect = K.prefill_attention(q, kc, vc, tables, token_seq, positions)
         if name == "prefill_attention":
             kw = {"tensor_cores": False} if "tensor_cores" in K.prefill_attention.__code__.co_varnames else {}
-            assert_bf16_close(K.prefill_attention(*args, **kw).get(), expect)
+            _close(K.prefill_attention(*args, **kw).get(), expect)
         else:
             tiles = np.array([0, 16, 17], np.int32), np.array([16, 1, 3], np.int32)   # <= 16 tokens of one sequence
             got = K.prefill_attention(*args, dev(tiles[0]), dev(tiles[1])).get()
@@ -318,38 +434,74 @@ def test_each_rungs_new_kernels_equal_its_twins_in_the_emulator(rungs, packages,
 
 # ---- the counted ladder and the figures ----
 
+# a counted figure -> the word a rung's "Costs:" paragraph uses when the figure rises
+COST_WORDS = {"launches": "launch", "blas": "cuBLAS", "allocations": "allocation",
+              "elementwise": "elementwise", "copies": "cop", "syncs": "wait",
+              "bytes_to_host": "to the host", "host_us": "host time",
+              "predicted_decode_step_us": "host time", "weight_bytes_per_token": "weight",
+              "kv_bytes_per_token": "K/V", "activation_bytes_per_token": "activation",
+              "prefill_tokens_computed": "prompt tokens",
+              "predicted_prefill_attention_us": "prefill attention"}
+
+
+def _figures(row: dict) -> dict:
+    return dict(row["host_calls"], **{k: row[k] for k in COST_WORDS if k in row})
+
+
 def test_bench_lessons_counts_each_rungs_host_calls_bytes_and_flops(tmp_path, monkeypatch):
     """The counts docs/stage3.md quotes, for one layer (+ the step's fixed calls): stage 2
-    launches 11 kernels and 7 GEMMs per dense decode layer; bf16 and the fused kernels 5 + 4;
-    the split decode attention and its merge 6 + 4; the lean step 7 kernels (gemv.cu for all
-    four projections), no cuBLAS call, no allocation, one copy in and one out; a graph replay
+    launches 11 kernels and 7 GEMMs per dense decode layer; the fused QKV lesson 7 + 5, the
+    fused gate/up 7 + 4; the split decode attention 8 + 4; the add in the GEMM 6 + 4; gemv.cu
+    7 kernels and no cuBLAS call, no allocation, one copy in and one out; a graph replay
     launches nothing from the host. The KV bytes halve with bf16 and halve again when read
-    once per GQA group of 2; the weight bytes halve; the prefix cache computes fewer prefill
-    tokens; the tensor cores predict a faster prefill attention; device sampling brings S ids
-    back instead of S x V logits; each rung's predicted host time is the counts x the prices."""
+    once per GQA group of 2; the weight bytes halve with bf16 weights; the activations written
+    shrink with bf16 activations; the prefix cache computes fewer prefill tokens; the tensor
+    cores predict a faster prefill attention; device sampling brings S ids back instead of
+    S x V logits; a figure that rises from one rung to the next is named in that lesson's
+    "Costs:"; each rung's predicted host time is the counts x the prices."""
     import json
     from bench import lessons
     monkeypatch.setattr(sys, "argv", ["lessons", "--layers", "1", "--save", str(tmp_path / "l.json")])
     assert lessons.main() == 0
     rows = json.loads((tmp_path / "l.json").read_text())["rows"]
     assert [r["name"] for r in rows] == ["00-stage2"] + [p.stem for p in series.patches()]
-    calls = lambda r: (r["host_calls"]["launches"], r["host_calls"]["blas"])   # noqa: E731
-    r0, r1, r2, r3, r4, r5, r6, r7 = rows[:8]
-    assert calls(r0) == (11 + 2, 7 + 1) and calls(r2) == (5 + 2, 4 + 1) and calls(r3) == (6 + 2, 4 + 1)
-    assert calls(r6) == (7 + 3, 0)                                  # + embedding, lm_head gemv, sample
-    assert r6["host_calls"]["allocations"] == 0 and r6["host_calls"]["copies"] == 2
-    assert r5["host_calls"]["allocations"] > 0 and r5["host_calls"]["copies"] > 2
-    g = r7["graph_host_calls"]
+    R = {r["name"].split("-", 1)[1]: r for r in rows}
+    H = {name: r["host_calls"] for name, r in R.items()}
+    calls = lambda name: (H[name]["launches"], H[name]["blas"])   # noqa: E731
+    assert calls("stage2") == (11 + 2, 7 + 1) and H["entry-points"] == H["stage2"]
+    assert calls("fused-qkv") == (7 + 2, 5 + 1) and calls("fused-mlp") == (7 + 2, 4 + 1)
+    assert calls("gqa-split-decode") == (8 + 2, 4 + 1) and calls("add-in-gemm") == (6 + 3, 4 + 1)
+    assert calls("gemv") == (7 + 3, 0)                       # + embedding, lm_head gemv, sample
+    assert H["gemv"]["allocations"] == 0 and H["gemv"]["copies"] == 2
+    assert H["one-upload"]["copies"] == 2 < H["buffers"]["copies"]
+    assert H["buffers"]["allocations"] < H["device-sampling"]["allocations"]
+    assert H["bf16-gemm-inputs"] == H["fused-mlp"]          # no conversion left
+    last = R["cuda-graphs"]
+    g = last["graph_host_calls"]
     assert (g["launches"], g["blas"], g["allocations"], g["graph_launches"], g["copies"]) == (0, 0, 0, 1, 2)
-    assert r7["graph_host_us"] < r7["host_us"] <= r5["host_us"] and "graph_host_us" not in r5
-    assert r0["kv_bytes_per_token"] == 2 * r2["kv_bytes_per_token"] == 4 * r3["kv_bytes_per_token"] > 0
-    assert r0["weight_bytes_per_token"] == 2 * r2["weight_bytes_per_token"]
-    assert r1["prefill_tokens_computed"] < r0["prefill_tokens_computed"]
-    assert r4["predicted_prefill_attention_us"] < r3["predicted_prefill_attention_us"]
+    assert last["graph_host_us"] < last["host_us"] <= R["one-upload"]["host_us"]
+    assert all("graph_host_us" not in r for r in rows[:-1])
+    kv = lambda name: R[name]["kv_bytes_per_token"]   # noqa: E731
+    weights = lambda name: R[name]["weight_bytes_per_token"]   # noqa: E731
+    act = lambda name: R[name]["activation_bytes_per_token"]   # noqa: E731
+    assert kv("stage2") == 2 * kv("bf16-kv-cache") == 4 * kv("gqa-split-decode") > 0
+    assert weights("stage2") == weights("bf16-kv-cache") == 2 * weights("bf16-weights")
+    assert act("fused-qkv") < act("prefix-cache")
+    assert act("bf16-activations") < act("bf16-gemm-inputs")
+    prefill = lambda name: R[name]["prefill_tokens_computed"]   # noqa: E731
+    assert prefill("prefix-cache") < prefill("entry-points")
+    tc = R["tensor-core-prefill"]["predicted_prefill_attention_us"]
+    assert tc < R["gqa-split-decode"]["predicted_prefill_attention_us"]
     V, S = lessons.WORKLOAD["vocab_size"], 4
-    assert r4["host_calls"]["bytes_to_host"] >= S * V * 4 > r5["host_calls"]["bytes_to_host"]
+    assert R["tensor-core-prefill"]["host_calls"]["bytes_to_host"] >= S * V * 4
+    assert R["device-sampling"]["host_calls"]["bytes_to_host"] < S * V * 4
     for r in rows:
         assert r["host_us"] == lessons.host_us(r["host_calls"]) > 0
+    for p, before, row in zip(series.patches(), rows, rows[1:]):
+        costs = series.header(p).split("\nCosts:", 1)[1]
+        for k, v in _figures(row).items():
+            if k in COST_WORDS and v > _figures(before).get(k, v):
+                assert COST_WORDS[k] in costs, f"{p.name}: {k} rises to {v}, unsaid in Costs:"
 
 
 def test_bench_lessons_throughput_runs_every_rung_to_the_requested_tokens_on_cpu(packages, tmp_path):

@@ -92,11 +92,12 @@ def test_stage3_chat_on_cpu_shows_the_cached_prompt_tokens_of_a_repeated_turn(ti
     assert c2 is not None and p1 // 4 * 4 <= c2 < p2, (p1, c2, p2)
 
 
-def test_lesson_01_rung_chats_on_the_tiny_model_bounded_with_cached_tokens(tiny, tmp_path):
+def test_prefix_cache_rung_chats_on_the_tiny_model_bounded_with_cached_tokens(tiny, tmp_path):
+    """Rung 02 (stage 2 + the entry points and the prefix cache), as docs/lessons/README.md runs it."""
     r = subprocess.run([sys.executable, "course/series.py", "packages", str(tmp_path / "rungs")],
                        capture_output=True, text=True, cwd=ROOT, timeout=300)       # as docs/stage3.md says
     assert r.returncode == 0, r.stderr
-    turns, seconds = chat_twice("rung01.chat", tiny, {"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path / 'rungs'}"})
+    turns, seconds = chat_twice("rung02.chat", tiny, {"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path / 'rungs'}"})
     (p1, c1, g1), (p2, c2, g2) = turns
     assert c1 is None and c2 is not None and p1 // 4 * 4 <= c2 < p2, turns
     # the work is bounded, so it takes seconds on any machine (how many: a busy one decides)

@@ -354,16 +354,19 @@ def check_graph_padding(ws: Workspace) -> None:
 
 EXERCISES: list[Exercise] = [
     Exercise(id="3.1", title="the chained prefix-cache key and its collision guard",
-             section="docs/stage3.md#1-automatic-prefix-caching", difficulty="medium",
+             section="docs/stage3.md#2-automatic-prefix-caching", difficulty="medium",
              file="stage3_optimized/block_manager.py", check=check_prefix_key),
     Exercise(id="3.2", title="the split-KV merge of flash-decoding",
-             section="docs/stage3.md#4-decode-attention-shared-across-the-gqa-group-split-over-the-context",
+             section="docs/stage3.md"
+                     "#10-decode-attention-shared-across-the-gqa-group-split-over-the-context",
              difficulty="medium", file="stage3_optimized/cuda/decode_attention.cu", check=check_split_merge),
     Exercise(id="3.3", title="the online-softmax tile of the tensor-core prefill",
-             section="docs/stage3.md#5-prefill-attention-on-tensor-cores-flashattention-2-style",
+             section="docs/stage3.md#11-prefill-attention-on-tensor-cores-flashattention-2-style",
              difficulty="hard", file="stage3_optimized/cuda/prefill_attention_tc.cu", check=check_tc_tile),
-    Exercise(id="3.4", title="RMSNorm of the residual stream", section="docs/stage3.md#7-a-decode-step-the-host-can-afford",
+    Exercise(id="3.4", title="RMSNorm of the residual stream",
+             section="docs/stage3.md#16-one-kernel-per-projection-for-a-decode-batch-gemvcu",
              difficulty="medium", file="stage3_optimized/cuda/rmsnorm.cu", check=check_rmsnorm),
-    Exercise(id="3.5", title="CUDA-graph batch padding", section="docs/stage3.md#8-decode-steps-as-cuda-graphs",
+    Exercise(id="3.5", title="CUDA-graph batch padding",
+             section="docs/stage3.md#17-decode-steps-as-cuda-graphs",
              difficulty="easy", file="stage3_optimized/cuda_graphs.py", check=check_graph_padding),
 ]

@@ -4,15 +4,17 @@ The core (stage1_cpu/*.py) is plain numba that LLVM vectorises for whatever CPU
 runs it. This package sits beside it and changes three things, each its own
 lesson (docs/stage1.md, "The fast path"):
 
-    simd.py, kernels.py   int8 (or int16) activations at decode, multiplied by the
-                          CPU's integer dot-product instructions; a bf16 GEMM at prefill
-    gemm.py               an int8-activation GEMM with register tiles on repacked weights at prefill
-    blocks.py             decode matvecs by whole blocks of rows; bf16 four rows per pass
+    simd.py, tiles.py,    int8 (or int16) activations, multiplied by the CPU's integer
+    kernels.py            dot-product instructions in register tiles, on int8 / int4 weights
+                          stored in 8-row tiles: one token, a few (a verify step), or a
+                          prompt; a bf16 GEMM at prefill for bf16 weights
+    gemm.py               prefill: the tiles over a whole prompt, blocks of rows claimed by the threads
+    blocks.py             decode matvecs of bf16 weights by whole blocks of rows, four rows per pass
     attention.py          prefill attention as two GEMMs per KV head, through BLAS
     weight.py             FastWeight: a quant.Weight that routes those cases to them
-    plan.py, sync.py,     a whole decode step (plan.py writes it down as data, dense or
-    decode_step.py,       MoE) in one parallel region, on the core's own row bodies (the same bits);
-    matvec.py             its matrix phases
+    plan.py, sync.py,     a whole step of up to 8 tokens (plan.py writes it down as data, dense
+    decode_step.py,       or MoE) in one parallel region, on the same bodies as the per-op
+    matvec.py             kernels (the same bits); matvec.py: its matrix phases
 
 cpu.py decides, in Python and before anything is compiled, which instructions
 exist on the target (cpu.INT8: "vnni" | "avx2" | "sdot" | None; cpu.BF16). A kernel that
@@ -45,9 +47,9 @@ numba_stamps.depend(FILES, on=KERNEL_FILES)
 # files it inlines only, and fast/kernels.py with the matmul files: an edit to RMSNorm or
 # attention recompiles the worker, one to a matmul kernel recompiles matvec.py and kernels.py.
 _CORE = HERE.parent
-numba_stamps.depend([HERE / "matvec.py"], on=[_CORE / "matmul.py", HERE / "blocks.py", HERE / "kernels.py",
-                                             HERE / "simd.py", HERE / "sync.py", HERE / "cpu.py"])
-numba_stamps.depend([HERE / "kernels.py"], on=[_CORE / "matmul.py", HERE / "simd.py", HERE / "cpu.py"])
+_MATMUL = [_CORE / "matmul.py", HERE / "blocks.py", HERE / "tiles.py", HERE / "simd.py", HERE / "cpu.py"]
+numba_stamps.depend([HERE / "matvec.py"], on=_MATMUL + [HERE / "kernels.py", HERE / "sync.py"])
+numba_stamps.depend([HERE / "kernels.py"], on=_MATMUL)
 numba_stamps.depend([HERE / "decode_step.py"], on=[_CORE / "norms.py", _CORE / "kernels.py", HERE / "sync.py"])
 
 from . import cpu  # noqa: E402  (after depend: numba stamps each kernel when it is defined)
@@ -131,7 +133,7 @@ def choose_act(fmt: str, activations: str, in_features: int, lm_head: bool = Fal
         act["prefill_act"] = "int8"                 # gemm.py's integer GEMM (check_act refuses it without cpu.INT8)
     elif cpu.INT16_GEMM and fmt in AUTO_GEMM_PREFILL:
         act["prefill_act"] = "int16"                # the same GEMM on int16 activations (ahead of bf16's, too; x86)
-    elif cpu.BF16 and (fmt != "bf16" or in_features % 2 == 0):
+    elif cpu.BF16 and fmt == "bf16" and in_features % 2 == 0:
         act["prefill_act"] = "bf16"
     return act
 

@@ -33,7 +33,7 @@ def decode_block(O, row_bytes):
 @_inline
 def rows4_bf16(x, t, w, r, m):
     """x[t] . w[r + i m] for i = 0..3, in one pass over x[t]: four rows m apart are
-    four sequential streams (the prefetcher follows them, as in rows_int8_q8), and each
+    four sequential streams (the prefetcher follows them), and each
     activation is loaded once for the four (the hot loop: 2 bytes per weight,
     converted by a shift). Each row has its own sum (m = 0: four times row r, the tail)."""
     a0, a1, a2, a3 = np.float32(0.0), np.float32(0.0), np.float32(0.0), np.float32(0.0)

@@ -4,9 +4,10 @@ Changed from the core (stage1_cpu/matmul.py): the core's matvecs turn every
 weight into a float32 and multiply it by a float32 activation. Here the
 activations are rounded once per matvec (to int8, or int16 for the lm_head),
 and each group's dot product is integer multiply-adds done by the CPU's own
-dot-product instructions (simd.py): `diff` kernels.matmul_int8 against
-matmul_int8_q8 below shows the whole change. Prefill can round its activations
-to bf16 and run a vdpbf16ps GEMM instead of fp32 tiles through BLAS.
+dot-product instructions (simd.py), in register tiles over weights stored 8 rows
+side by side (tiles.py): `diff` matmul.matmul_int8 against matmul_tiled below
+shows the loops' side of the change. bf16 weights' prefill can round its
+activations to bf16 and run a vdpbf16ps GEMM instead of fp32 tiles through BLAS.
 
 These kernels call simd.py's intrinsics, so they are compiled only on a CPU that
 has those instructions: stage1_cpu/fast/__init__.py decides, in Python, before
@@ -19,20 +20,20 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from . import simd
+from . import simd, tiles
 from ..kernels import FAST
 from ..matmul import _inline, _u32_as_f32, f16_to_f32
-from .blocks import decode_block
+from .blocks import DECODE_BLOCK_BYTES
+from .tiles import ROWS
 
 
 # ---------------------------------------------------------------------------
-# Quantized matmul with int8 activations (decode, where the CPU has an int8 dot
-# product: AVX-512 VNNI / AVX-VNNI, or AVX2's pair of multiply-adds; see
-# simd.py): the activations are rounded to int8 per group once per call, and
-# each row's dot product is integer multiply-adds, 32 per instruction (VNNI).
-# Per core this made int8 about 2x and int4 about 2.7x faster than the core's
-# float kernels (weights in L2, measured on an AVX-512 machine), so that two
-# threads then read a large matrix at about the memory's speed (docs/benchmarks.md).
+# Decode with rounded activations (where the CPU has an integer dot product:
+# AVX-512 VNNI / AVX-VNNI, AVX2's pair of multiply-adds, ARM's sdot; simd.py):
+# each token's activations are rounded per group once per matvec, to int8 (or
+# int16, for the lm_head), and the weights, stored in 8-row tiles (tiles.py),
+# meet them in integer multiply-adds. llama.cpp does the same for its Q8_0 /
+# Q4_0 weights.
 # ---------------------------------------------------------------------------
 
 
@@ -54,7 +55,7 @@ def group_amax(x3, t, g):
 
 
 @_inline
-def quantize_token(x3, t, xq, xa, xs, xsum):
+def quantize_token(x3, t, xq, xcorr, xs, xsum):
     """Token t of quantize_activations, into the given arrays."""
     for g in range(x3.shape[1]):
         amax, poison = group_amax(x3, t, g)
@@ -64,142 +65,99 @@ def quantize_token(x3, t, xq, xa, xs, xsum):
         for j in range(x3.shape[2]):
             v = np.int32(np.rint(x3[t, g, j] * inv))
             xq[t, g, j] = v
-            xa[t, g, j] = abs(v)
             total += v
+        xcorr[t, g] = -tiles.BIAS * total       # the VNNI tiles' sums start from it
         xs[t, g] = scale + poison               # a NaN / inf in x makes its group's output NaN
         xsum[t, g] = np.float32(total) * scale + poison
 
 
 @njit(cache=True, fastmath=FAST, error_model="numpy")
 def quantize_activations(x3):
-    """x3 [T, G, gs] f32 -> xq [T, G, gs] int8, xa = |xq| [T, G, gs] uint8,
-    xs [T, G] f32, xsum [T, G] f32.  x ~ xq * xs, with xs = max |x| / 127 per
-    group (round to nearest even); xsum = xs * sum(xq), the group's sum of the
-    rounded x (the int4 minimum multiplies it). A NaN or inf in a group sets its
-    xs and xsum to NaN, so it reaches the output as in the float kernels.
-    The numpy twin: fast/weight.py's quantize_activations."""
+    """x3 [T, G, gs] f32 -> xq [T, G, gs] int8, xcorr [T, G] int32, xs [T, G] f32, xsum [T, G] f32.
+    x ~ xq * xs, with xs = max |x| / 127 per group (round to nearest even); xsum = xs * sum(xq),
+    the group's sum of the rounded x (the int4 minimum multiplies it); xcorr = -128 sum(xq) on
+    VNNI (tiles.BIAS), else 0. A NaN or inf in a group sets its xs and xsum to NaN, so it reaches
+    the output as in the float kernels. The numpy twin: fast/weight.py's quantize_activations."""
     T, G, gs = x3.shape
     xq = np.empty((T, G, gs), dtype=np.int8)
-    xa = np.empty((T, G, gs), dtype=np.uint8)
+    xcorr = np.empty((T, G), dtype=np.int32)
     xs = np.empty((T, G), dtype=np.float32)
     xsum = np.empty((T, G), dtype=np.float32)
     for t in range(T):
-        quantize_token(x3, t, xq, xa, xs, xsum)
-    return xq, xa, xs, xsum
+        quantize_token(x3, t, xq, xcorr, xs, xsum)
+    return xq, xcorr, xs, xsum
 
 
 @_inline
-def quantize_token16(x3, t, x16, xs):
+def quantize_token16(x3, t, x16, xs, xsum):
     """Token t of quantize_activations16, into the given arrays."""
     for g in range(x3.shape[1]):
         amax, poison = group_amax(x3, t, g)
         scale = amax / np.float32(32767.0)
         inv = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
+        total = np.int32(0)                     # |sum| <= 32767 gs
         for j in range(x3.shape[2]):
-            x16[t, g, j] = np.int32(np.rint(x3[t, g, j] * inv))
+            v = np.int32(np.rint(x3[t, g, j] * inv))
+            x16[t, g, j] = v
+            total += v
         xs[t, g] = scale + poison
+        xsum[t, g] = np.float32(total) * scale + poison     # exact: |total| < 2^24
 
 
 @njit(cache=True, fastmath=FAST, error_model="numpy")
 def quantize_activations16(x3):
-    """x3 [T, G, gs] f32 -> x16 [T, G, gs] int16, xs [T, G] f32: x ~ x16 * xs with
-    xs = max |x| / 32767 per group (round to nearest even); NaN / inf as in
+    """x3 [T, G, gs] f32 -> x16 [T, G, gs] int16, xs [T, G] f32, xsum [T, G] f32: x ~ x16 * xs with
+    xs = max |x| / 32767 per group (round to nearest even), xsum = xs sum(x16); NaN / inf as in
     quantize_activations. The numpy twin: fast/weight.py's quantize_activations(..., 32767)."""
     T, G, gs = x3.shape
     x16 = np.empty((T, G, gs), dtype=np.int16)
     xs = np.empty((T, G), dtype=np.float32)
+    xsum = np.empty((T, G), dtype=np.float32)
     for t in range(T):
-        quantize_token16(x3, t, x16, xs)
-    return x16, xs
+        quantize_token16(x3, t, x16, xs, xsum)
+    return x16, xs, xsum
 
 
 @_inline
-def rows_int8_q16(xf, xsf, t, qf, sf, r0, r1, G, gs, outf, ooff, gsk):
-    """outf[ooff + r] = row r of an int8 matrix . token t's int16 activations, r0 <= r < r1
-    (flat arrays): rows_int8_q8's order, with simd.dot_int8_rows_i16."""
-    n4 = (r1 - r0) // 4
-    for b in range(r0, r0 + n4):
-        simd.dot_int8_rows_i16(qf, b * G * gs, n4 * G * gs, xf, t * G * gs, sf, b * G, xsf, t * G, G, gs,
-                               outf, ooff + b, 4, gsk)
-    for r in range(r0 + 4 * n4, r1):
-        simd.dot_int8_rows_i16(qf, r * G * gs, G * gs, xf, t * G * gs, sf, r * G, xsf, t * G, G, gs,
-                               outf, ooff + r, 1, gsk)
+def tile_rows(x, xoff, xs, xcorr, xsum, xsoff, w, wblock, s, m, G, gs, out, ooff, ostride, v0, v1, T,
+              k8_8, k8_16, k4_8, k4_16):
+    """Blocks v0..v1 (8 rows each) of a tiled matrix (w, s, m flat: wblock bytes a block) by T tokens'
+    rounded activations (flat, from xoff and xsoff) -> out[ooff + t ostride + 8 (v - v0) + l].
+    k*: the one kind this matrix is (weights . activations: int8 . int8, int8 . int16, int4 . int8,
+    int4 . int16) True, the others None (compiled out)."""
+    Kp = G * gs
+    if k8_8 is not None:
+        tiles.blocks_int8_q8(w, wblock, x, xoff, Kp, s, xs, xcorr, xsum, xsoff, m, G, gs, out, ooff, ostride,
+                             v0, v1, T)
+    elif k8_16 is not None:
+        tiles.blocks_int8_q16(w, wblock, x, xoff, Kp, s, xs, xcorr, xsum, xsoff, m, G, gs, out, ooff, ostride,
+                              v0, v1, T)
+    elif k4_8 is not None:
+        tiles.blocks_int4_q8(w, wblock, x, xoff, Kp, s, xs, xcorr, xsum, xsoff, m, G, gs, out, ooff, ostride,
+                             v0, v1, T)
+    elif k4_16 is not None:
+        tiles.blocks_int4_q16(w, wblock, x, xoff, Kp, s, xs, xcorr, xsum, xsoff, m, G, gs, out, ooff, ostride,
+                              v0, v1, T)
 
 
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
-def matmul_int8_q16(x16, xs, q, s, out, gsk):
-    """x16 [T, G, gs], xs [T, G] from quantize_activations16; q [O, G, gs] int8;
-    s [O, G] fp16 bits -> out [T, O] (simd.dot_int8_row_i16)."""
-    T, G, gs = x16.shape
-    O = q.shape[0]
-    qf, sf, xf, xsf, outf = q.reshape(-1), s.reshape(-1), x16.reshape(-1), xs.reshape(-1), out.reshape(-1)
-    block = decode_block(O, G * gs)
-    for c in prange(-(-O // block)):
-        for t in range(T):
-            rows_int8_q16(xf, xsf, t, qf, sf, c * block, min(O, (c + 1) * block), G, gs, outf, t * O, gsk)
-
-
-@_inline
-def rows_int8_q8(xqf, xaf, xsf, t, qf, sf, r0, r1, G, gs, outf, ooff, gsk):
-    """outf[ooff + r] = row r of an int8 matrix . token t's int8 activations, r0 <= r < r1
-    (flat arrays). Four rows per simd.dot_int8_rows call, a quarter of the range apart:
-    four sequential streams, which the hardware prefetcher follows (four adjacent
-    rows it does not: simd.py). A row's result does not depend on its company."""
-    n4 = (r1 - r0) // 4
-    for b in range(r0, r0 + n4):
-        simd.dot_int8_rows(qf, b * G * gs, n4 * G * gs, xqf, xaf, t * G * gs, sf, b * G, xsf, t * G, G, gs,
-                           outf, ooff + b, 4, gsk)
-    for r in range(r0 + 4 * n4, r1):
-        simd.dot_int8_rows(qf, r * G * gs, G * gs, xqf, xaf, t * G * gs, sf, r * G, xsf, t * G, G, gs,
-                           outf, ooff + r, 1, gsk)
-
-
-@njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
-def matmul_int8_q8(xq, xa, xs, q, s, out, gsk):
-    """xq, xa [T, G, gs], xs [T, G] from quantize_activations; q [O, G, gs] int8;
-    s [O, G] fp16 bits -> out [T, O]:  out[t, r] = sum_g s[r, g] xs[t, g] (q[r, g] . xq[t, g]).
-    gsk = simd.chunks(gs): the group size as a type (this kernel is compiled for it alone)."""
-    T, G, gs = xq.shape
-    O = q.shape[0]
-    # flat views: simd.dot_int8_rows walks raw offsets (rows are contiguous)
-    qf, sf, xqf, xaf, xsf = q.reshape(-1), s.reshape(-1), xq.reshape(-1), xa.reshape(-1), xs.reshape(-1)
-    outf = out.reshape(-1)
-    block = decode_block(O, G * gs)                 # each thread takes whole blocks, in order
-    for c in prange(-(-O // block)):
-        for t in range(T):
-            rows_int8_q8(xqf, xaf, xsf, t, qf, sf, c * block, min(O, (c + 1) * block), G, gs, outf, t * O, gsk)
-
-
-@_inline
-def rows_int4_q8(xqf, xsf, xsumf, t, qf, sf, mf, r0, r1, G, gs, outf, ooff, gsk):
-    """outf[ooff + r] = row r of an int4 matrix . token t's int8 activations, r0 <= r < r1
-    (flat arrays; xsumf [T G], mf [O G]): rows_int8_q8's order, with simd.dot_int4_rows,
-    whose rows take gs / 2 bytes a group."""
-    n4 = (r1 - r0) // 4
-    row = G * gs // 2
-    for b in range(r0, r0 + n4):
-        simd.dot_int4_rows(qf, b * row, n4 * row, xqf, t * G * gs, sf, b * G, xsf, t * G, G, gs,
-                           outf, ooff + b, 4, mf, xsumf, gsk)
-    for r in range(r0 + 4 * n4, r1):
-        simd.dot_int4_rows(qf, r * row, row, xqf, t * G * gs, sf, r * G, xsf, t * G, G, gs,
-                           outf, ooff + r, 1, mf, xsumf, gsk)
-
-
-@njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
-def matmul_int4_q8(xq, xs, xsum, q, s, m, out, gsk):
-    """xq [T, G, gs], xs, xsum [T, G] from quantize_activations; q [O, G/2, gs]
-    uint8 (matmul_int4's layout); s, m [O, G] fp16 bits -> out [T, O]:
-        out[t, r] = sum_g s[r, g] xs[t, g] (nibbles[r, g] . xq[t, g]) + m[r, g] xsum[t, g]"""
-    T, G, gs = xq.shape
-    O = q.shape[0]
-    qf, sf, mf, xqf, xsf, xsumf = q.reshape(-1), s.reshape(-1), m.reshape(-1), xq.reshape(-1), xs.reshape(-1), \
-        xsum.reshape(-1)
-    outf = out.reshape(-1)
-    block = decode_block(O, G * gs // 2)
-    for c in prange(-(-O // block)):
-        for t in range(T):
-            rows_int4_q8(xqf, xsf, xsumf, t, qf, sf, mf, c * block, min(O, (c + 1) * block), G, gs, outf, t * O,
-                         gsk)
+def matmul_tiled(x, xs, xcorr, xsum, data, scales, mins, out, workers, k8_8, k8_16, k4_8, k4_16):
+    """x [T, Kp] rounded activations (int8 or int16), xs, xcorr, xsum [T, G]; data [V, ...] the
+    tiled weights, scales, mins [V, G, 8] -> out [T, 8 V]: every block of 8 rows by every token,
+    the blocks shared out between the threads in runs of ~DECODE_BLOCK_BYTES (each thread reads
+    long sequential streams)."""
+    T, Kp = x.shape
+    V, G = scales.shape[0], scales.shape[1]
+    gs = Kp // G
+    wblock = data.size // V
+    per = min(-(-V // (4 * workers)), max(1, DECODE_BLOCK_BYTES // wblock))
+    per = -(-per // 8) * 8                          # whole tiles of every shape (RB divides 8)
+    xf, xsf, xcf, xsumf, of = x.reshape(-1), xs.reshape(-1), xcorr.reshape(-1), xsum.reshape(-1), out.reshape(-1)
+    w, s, m = data.reshape(-1), scales.reshape(-1), mins.reshape(-1)
+    for c in prange(-(-V // per)):
+        v0 = c * per
+        tile_rows(xf, 0, xsf, xcf, xsumf, 0, w, wblock, s, m, G, gs, of, ROWS * v0, out.shape[1], v0,
+                  min(V, v0 + per), T, k8_8, k8_16, k4_8, k4_16)
 
 
 # ---------------------------------------------------------------------------
@@ -231,39 +189,6 @@ def _bf16_bits(u):
     if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
         return (u >> np.uint32(16)) | np.uint32(0x40)
     return (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-
-
-@njit(parallel=True, cache=True, error_model="numpy")
-def bf16_pairs_int8(q, s, w2):
-    """q [R, G, gs] int8, s [R, G] fp16 bits -> w2 [R, G*gs/2] uint32: the
-    dequantized rows q * s as bf16 pairs (rounded to nearest even)."""
-    R, G, gs = q.shape
-    for r in prange(R):
-        for g in range(G):
-            sc = f16_to_f32(s[r, g])
-            for j in range(0, gs, 2):
-                lo = _bf16_bits(_f32_bits(np.float32(q[r, g, j]) * sc))
-                hi = _bf16_bits(_f32_bits(np.float32(q[r, g, j + 1]) * sc))
-                w2[r, (g * gs + j) // 2] = lo | (hi << np.uint32(16))
-
-
-@njit(parallel=True, cache=True, error_model="numpy")
-def bf16_pairs_int4(q, s, m, w2):
-    """q [R, G/2, gs] uint8 (matmul_int4's layout), s, m [R, G] fp16 bits ->
-    w2 [R, G*gs/2] uint32: the dequantized rows nibble * s + m as bf16 pairs."""
-    R, P, gs = q.shape
-    for r in prange(R):
-        for p in range(P):
-            for half in range(2):                   # group 2p: low nibbles, 2p+1: high
-                g = 2 * p + half
-                sc = f16_to_f32(s[r, g])
-                mn = f16_to_f32(m[r, g])
-                for j in range(0, gs, 2):
-                    a = (q[r, p, j] >> (4 * half)) & 15
-                    b = (q[r, p, j + 1] >> (4 * half)) & 15
-                    lo = _bf16_bits(_f32_bits(np.float32(a) * sc + mn))
-                    hi = _bf16_bits(_f32_bits(np.float32(b) * sc + mn))
-                    w2[r, (g * gs + j) // 2] = lo | (hi << np.uint32(16))
 
 
 @intrinsic

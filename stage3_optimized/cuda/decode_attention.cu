@@ -35,10 +35,11 @@
 //
 // Version history
 //   stage 2 v1: one block per (sequence, query head), fp32, the group's heads re-read K/V.
-//   v2 (stage 3): bf16, one block per (sequence, kv head, split), K/V tiles shared by the
-//       group through shared memory, partial softmaxes merged by a second kernel.
-//   v3: empty splits return before loading q; shared memory sized by D (dynamic); K/V rows
-//       staged with 16-byte loads (8 bf16 at a time) when D is a multiple of 8.
+//   v2 (stage 3): K/V pages in bf16.  v3: the output in bf16.  v4: q in bf16 too.
+//   v5: one block per (sequence, kv head, split), K/V tiles shared by the group through
+//       shared memory, partial softmaxes merged by a second kernel; empty splits return
+//       before loading q; shared memory sized by D (dynamic); K/V rows staged with 16-byte
+//       loads (8 bf16 at a time) when D is a multiple of 8.
 
 #define TILE 32
 #define MAX_D 256
@@ -49,8 +50,10 @@
 __device__ __forceinline__ float bf16_to_f32(unsigned short b) { return __int_as_float((int)(((unsigned)b) << 16)); }
 __device__ __forceinline__ unsigned short f32_to_bf16(float f)
 {
-    const unsigned u = (unsigned)__float_as_int(f);                      // round to nearest even
-    return (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    const unsigned u = (unsigned)__float_as_int(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u)     // NaN -> a quiet bf16 NaN (rounding the GPU's NaN,
+        return (unsigned short)(((u >> 16) & 0x8000u) | 0x7FC0u);   // 0x7FFFFFFF, carries into -0)
+    return (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);   // round to nearest even
 }
 
 __device__ __forceinline__ float warp_sum(float x)

@@ -9,9 +9,8 @@
 //
 // Version history
 //   stage 2 v1: float32 rows, one value per thread.
-//   v2 (stage 3): bf16 rows (half the bytes), two values per 32-bit load.
-//   v3: written as fp32 straight into the residual stream, which every block adds into
-//       (the first RMSNorm reads it; there is no bf16 copy of x to add later).
+//   v2 (stage 3): bf16 rows (half the bytes), two values per 32-bit load, written as fp32
+//       straight into the residual stream, which stays fp32 (the first RMSNorm reads it).
 
 __device__ __forceinline__ float bf16_to_f32(unsigned short b) { return __int_as_float((int)(((unsigned)b) << 16)); }
 

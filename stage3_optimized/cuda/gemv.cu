@@ -21,7 +21,8 @@
 //              by the grid: its lanes read the weight row in 16-byte pieces (8 bf16), UNROLL
 //              pieces in flight per lane, multiply them with every input row, and sum across
 //              the warp with shuffles; lane 0 writes the N outputs of row m.
-//              Requires K % 8 == 0 (16-byte rows) and N <= 4; kernels.py checks both.
+//              Requires K % 8 == 0 (16-byte rows) and N <= 4; kernels.py checks both, and raises the
+//              kernel's max_dynamic_shared_size_bytes to 48 KB (its 32 static bytes would leave 48 KB - 32).
 // Shapes:      w: [M, K] bf16 (uint16 bits, Hugging Face's [out, in]); norm_w: [K] bf16;
 //              bias: [M] fp32; out_bf16: [N, M] bf16; out_f32: [N, M] fp32
 //
@@ -43,8 +44,10 @@
 __device__ __forceinline__ float bf16_to_f32(unsigned short b) { return __int_as_float((int)(((unsigned)b) << 16)); }
 __device__ __forceinline__ unsigned short f32_to_bf16(float f)
 {
-    const unsigned u = (unsigned)__float_as_int(f);                      // round to nearest even
-    return (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    const unsigned u = (unsigned)__float_as_int(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u)     // NaN -> a quiet bf16 NaN (rounding the GPU's NaN,
+        return (unsigned short)(((u >> 16) & 0x8000u) | 0x7FC0u);   // 0x7FFFFFFF, carries into -0)
+    return (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);   // round to nearest even
 }
 
 __device__ __forceinline__ float warp_sum(float x)
@@ -75,7 +78,7 @@ extern "C" __global__ void gemv(const unsigned short* __restrict__ x,        // 
                                 float* __restrict__ out_f32,                 // [N, M] (epilogues 1, 2)
                                 int N, int M, int K, float eps, int prologue, int epilogue, int has_bias)
 {
-    extern __shared__ unsigned short xs[];                 // [N, K] bf16: this block's input rows
+    extern __shared__ __align__(16) unsigned short xs[];   // [N, K] bf16: this block's input rows (read as uint4)
     __shared__ float warp_sums[WARPS];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 

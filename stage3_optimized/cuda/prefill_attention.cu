@@ -18,9 +18,12 @@
 //
 // Version history
 //   stage 2 v1: one warp per query token and head, no tiling, fp32.
-//   v2 (stage 3): the same loop on bf16 inputs and output (fp32 softmax and sums); the
-//       cached prefix of a prefix-cache hit is read from the pages like any earlier chunk.
-//       Planned v3: FlashAttention-2 tiles in shared memory on tensor cores (WMMA).
+//   v2 (stage 3): K/V pages in bf16; the cached prefix of a prefix-cache hit is read from
+//       the pages like any earlier chunk.
+//   v3: the output in bf16 (the next GEMM's input), rounded once.
+//   v4: q in bf16 too.
+//   The tensor-core kernel (prefill_attention_tc.cu, FlashAttention-2 tiles on WMMA) does the
+//   same with tiles; this loop stays as the plain version it is tested against.
 
 #define WARPS 4
 #define MAX_D 256
@@ -31,8 +34,10 @@
 __device__ __forceinline__ float bf16_to_f32(unsigned short b) { return __int_as_float((int)(((unsigned)b) << 16)); }
 __device__ __forceinline__ unsigned short f32_to_bf16(float f)
 {
-    const unsigned u = (unsigned)__float_as_int(f);                      // round to nearest even
-    return (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    const unsigned u = (unsigned)__float_as_int(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u)     // NaN -> a quiet bf16 NaN (rounding the GPU's NaN,
+        return (unsigned short)(((u >> 16) & 0x8000u) | 0x7FC0u);   // 0x7FFFFFFF, carries into -0)
+    return (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);   // round to nearest even
 }
 
 __device__ __forceinline__ float warp_sum(float x)

@@ -20,8 +20,11 @@
 //
 // Version history
 //   stage 2: rmsnorm.cu, rope.cu, store_kvcache.cu, fp32.
-//   v1 (stage 3): fused, bf16, one warp per head.
-//   v2: the kernel reads each token's cos/sin row from the whole tables by its position,
+//   v1 (stage 3): fused, one warp per head, fp32.
+//   v2: k and v stored in bf16 pages (half the bytes a decode step reads back).
+//   v3: the norm weights in bf16, like every weight.
+//   v4: qkv in and q out in bf16, fp32 arithmetic, one rounding.
+//   v5: the kernel reads each token's cos/sin row from the whole tables by its position,
 //       instead of rows gathered on the host side's behalf (two gathers and two arrays
 //       fewer per step).
 
@@ -30,8 +33,10 @@
 __device__ __forceinline__ float bf16_to_f32(unsigned short b) { return __int_as_float((int)(((unsigned)b) << 16)); }
 __device__ __forceinline__ unsigned short f32_to_bf16(float f)
 {
-    const unsigned u = (unsigned)__float_as_int(f);                      // round to nearest even
-    return (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    const unsigned u = (unsigned)__float_as_int(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u)     // NaN -> a quiet bf16 NaN (rounding the GPU's NaN,
+        return (unsigned short)(((u >> 16) & 0x8000u) | 0x7FC0u);   // 0x7FFFFFFF, carries into -0)
+    return (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);   // round to nearest even
 }
 
 __device__ __forceinline__ float warp_sum(float x)

@@ -14,19 +14,19 @@
 // kernel's loop and sum order, so the same bits come out.
 //
 // Version history
-//   stage 2: residual_add.cu + rmsnorm.cu, fp32, a shared-memory tree reduction.
-//   v1 (stage 3, add_rmsnorm.cu): the residual add and the norm fused, bf16 input/output,
-//       fp32 residual, warp-shuffle reduction.
-//   v2: the norm alone again: the add moved into the GEMM before it, and a decode batch
-//       fuses the norm into the GEMM after it.
+//   stage 2 v1: fp32 in and out, one block per row, a shared-memory tree sum of squares.
+//   v2 (stage 3): the fp32 residual stream in, bf16 weights, bf16 out (the GEMM's input).
+//   v3: a warp-shuffle sum, in an order gemv.cu's fused prologue repeats bit for bit.
 
 #define BLOCK 256
 
 __device__ __forceinline__ float bf16_to_f32(unsigned short b) { return __int_as_float((int)(((unsigned)b) << 16)); }
 __device__ __forceinline__ unsigned short f32_to_bf16(float f)
 {
-    const unsigned u = (unsigned)__float_as_int(f);                      // round to nearest even
-    return (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    const unsigned u = (unsigned)__float_as_int(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u)     // NaN -> a quiet bf16 NaN (rounding the GPU's NaN,
+        return (unsigned short)(((u >> 16) & 0x8000u) | 0x7FC0u);   // 0x7FFFFFFF, carries into -0)
+    return (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);   // round to nearest even
 }
 
 __device__ __forceinline__ float warp_sum(float x)

@@ -10,14 +10,18 @@
 //
 // Version history
 //   stage 2 silu_mul.cu: fp32, gate and up from two GEMMs (two arrays).
-//   v1 (stage 3): bf16, the two halves of one row of the fused GEMM.
-//   v2: rows strided over grid.y, so N > 65,535 launches.
+//   v1 (stage 3): the two halves of one row of the fused GEMM, fp32; rows strided over grid.y,
+//       so N > 65,535 launches.
+//   v2: the output in bf16 (the next GEMM's input), rounded once.
+//   v3: the input in bf16 too.
 
 __device__ __forceinline__ float bf16_to_f32(unsigned short b) { return __int_as_float((int)(((unsigned)b) << 16)); }
 __device__ __forceinline__ unsigned short f32_to_bf16(float f)
 {
-    const unsigned u = (unsigned)__float_as_int(f);                      // round to nearest even
-    return (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    const unsigned u = (unsigned)__float_as_int(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u)     // NaN -> a quiet bf16 NaN (rounding the GPU's NaN,
+        return (unsigned short)(((u >> 16) & 0x8000u) | 0x7FC0u);   // 0x7FFFFFFF, carries into -0)
+    return (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);   // round to nearest even
 }
 
 extern "C" __global__ void swiglu(const unsigned short* __restrict__ gate_up,  // [N, 2F] bf16
