@@ -46,7 +46,7 @@ from bench.common import (BandwidthProbe, NeighbourMeter, busy_cores, check_load
                           save_json, stage1_bytes)
 from common.engine import Request
 from common.gguf_write import write_gguf
-from common.numba_cache import set_threads as set_numba_threads
+from stage1_cpu.jit.numba_cache import set_threads as set_numba_threads
 from common.sampling import SamplingParams
 
 CACHE = Path(os.environ.get("QWEN3_STAGES_CACHE", Path.home() / ".cache" / "qwen3-stages")) / "bench"

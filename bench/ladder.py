@@ -43,7 +43,7 @@ from numba import njit, prange
 
 from bench.common import NeighbourMeter, check_load, machine_description, markdown_table, save_json
 from bench.cpu import SHAPES
-from common.numba_cache import set_threads
+from stage1_cpu.jit.numba_cache import set_threads
 from stage1_cpu import fast, matmul
 from stage1_cpu.fast import cpu
 from stage1_cpu.quant import Weight, _padded

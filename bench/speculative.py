@@ -13,7 +13,7 @@ import numpy as np
 
 from bench.common import check_load, emit_result, run_worker, save_json
 from common.config import gguf_path
-from common.draft import SpeculationStats
+from stage1_cpu.draft import SpeculationStats
 from common.engine import Request
 from common.sampling import SamplingParams
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from common.numba_cache import set_threads
+from stage1_cpu.jit.numba_cache import set_threads
 from stage1_cpu import kernels, ops, quant
 from stage1_cpu.fast import cpu
 from stage1_cpu.fast.weight import fast_quantize
