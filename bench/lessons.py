@@ -8,7 +8,7 @@ prefilled in one step, then one decode step of the four is counted, twice per ru
 
   * on the numpy twins: the prefill tokens computed (the prefix cache skips shared pages),
     their attention FLOPs, and the K/V bytes the decode step reads;
-  * on the tests' stand-in CuPy (tests/cuda_emulator.py): the host's calls in that decode
+  * on the tests' stand-in CuPy (bench/testbed/cuda_emulator.py): the host's calls in that decode
     step by kind, priced with the per-call costs measured on the GPU machine
     (bench/host_costs.json) into a predicted host time, and the activation bytes its
     kernels write (every array a kernels.py wrapper returns, a conversion to bf16
@@ -29,7 +29,6 @@ import importlib
 import importlib.util
 import inspect
 import json
-import shutil
 import sys
 import tempfile
 import time
@@ -38,13 +37,12 @@ from pathlib import Path
 import pytest
 
 from bench import gpu
+from bench.testbed import cuda_emulator as emu      # the stand-in CuPy and its count of host calls
+from bench.testbed.models import make_model
 from common.engine import Request
 from common.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-import cuda_emulator as emu  # noqa: E402  (tests/: the stand-in CuPy and its count of host calls)
-from models import make_model  # noqa: E402
 
 HBM_BPS = 4.8e12                      # the H200's datasheet bandwidth
 KERNEL_GAP_S = 1e-6                   # per kernel on the GPU, launched back to back
@@ -56,10 +54,13 @@ WORKLOAD = dict(num_hidden_layers=28, num_attention_heads=16, num_key_value_head
 ENGINE = dict(max_ctx=256, slots=8, token_budget=512, page_size=16, num_pages=64, progress=False)
 
 
-def series():
-    """course/series.py, read as a file (bench/ and course/ stand side by side: neither imports the other)."""
-    spec = importlib.util.spec_from_file_location("qs_lesson_series", ROOT / "course" / "series.py")
-    mod = importlib.util.module_from_spec(spec)
+def load(name: str, path: Path):
+    """The file, or the package in the folder, at `path`, imported as module `name`: course/series.py
+    (bench/ and course/ stand side by side: neither imports the other), or a rung of the series."""
+    folder = [str(path)] if path.is_dir() else None
+    spec = importlib.util.spec_from_file_location(name, path / "__init__.py" if folder else path,
+                                                  submodule_search_locations=folder)
+    mod = sys.modules[name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
@@ -317,16 +318,13 @@ def main() -> int:
     if args.throughput and args.workdir is None and args.model_folder is None:
         ap.error("--throughput needs --workdir (bench.gpu's model folder goes there) or --model-folder")
     folder = make_model("qwen3", **dict(WORKLOAD, num_hidden_layers=args.layers))
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        rungs = series().unpack(Path(tmp) / "rungs")
-        sys.path.insert(0, str(Path(tmp) / "pkgs"))
-        for k, rung in enumerate(rungs):
-            pkg = f"qs_bench_rung{k:02d}"
-            shutil.copytree(rung, Path(tmp) / "pkgs" / pkg)
-            rows.append(dict(rung=k, name=rung.name, **count_rung(pkg, folder)))
+        rungs = load("qs_lesson_series", ROOT / "course" / "series.py").unpack(Path(tmp) / "rungs")
+        pkgs = [load(f"qs_bench_rung{k:02d}", rung).__name__ for k, rung in enumerate(rungs)]
+        rows = [dict(rung=k, name=rung.name, **count_rung(pkg, folder))
+                for k, (rung, pkg) in enumerate(zip(rungs, pkgs))]
         if args.throughput:
-            for row, r in zip(rows, throughput_all([f"qs_bench_rung{k:02d}" for k in range(len(rows))], args, started)):
+            for row, r in zip(rows, throughput_all(pkgs, args, started)):
                 row["throughput"] = r
                 row["output_tok_s"] = round(r["tok_s"], 1) if r.get("tok_s") else None
     print(table(rows))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from models import make_model
+from bench.testbed.models import make_model
 from reading_set import BOUND, ROOT, reading_set
 
 # what a safetensors folder with --kernels plain must not load: each behind the boundary where it is used
