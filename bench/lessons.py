@@ -37,6 +37,7 @@ from pathlib import Path
 import pytest
 
 from bench import gpu
+from bench.common import markdown_table, save_json
 from bench.testbed import cuda_emulator as emu      # the stand-in CuPy and its count of host calls
 from bench.testbed.models import make_model
 from common.engine import Request
@@ -241,9 +242,8 @@ def throughput_all(pkgs: list[str], args, started: float) -> list[dict]:
     dev = "cuda" if gpu_present() else "cpu"
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    folder = Path(args.model_folder) if args.model_folder else gpu._model(
-        argparse.Namespace(workdir=str(workdir), dry_run=dev == "cpu"), gpu.TINY if dev == "cpu" else gpu.QWEN3_06B,
-        "qwen3-0.6b-random")
+    folder = gpu._model(argparse.Namespace(workdir=str(workdir), dry_run=dev == "cpu"),
+                        gpu.TINY if dev == "cpu" else gpu.QWEN3_06B, "qwen3-0.6b-random")
     # sequences, prompt lengths, output lengths: a GPU's, or the CPU dry run's
     seqs, lens, outs = (args.seqs or 32, (384, 640), (32, 96)) if dev == "cuda" else (args.seqs or 3, (4, 12), (4, 12))
     prompts, _ = gpu.workload(seqs, min_len=lens[0], max_len=lens[1])
@@ -293,8 +293,7 @@ def table(rows: list[dict], columns: list = COLUMNS) -> str:
             t = r["throughput"]
             return str(r[k]) if t["status"] == "ok" else f"{r[k] or '—'} ({t['status']})"
         return str(r.get(k, "—"))
-    lines = ["| " + " | ".join(h for h, _ in cols) + " |", "|" + "---|" * len(cols)]
-    return "\n".join(lines + ["| " + " | ".join(cell(r, k) for _, k in cols) + " |" for r in rows])
+    return markdown_table([h for h, _ in cols], [[cell(r, k) for _, k in cols] for r in rows])
 
 
 def main() -> int:
@@ -305,7 +304,6 @@ def main() -> int:
     ap.add_argument("--throughput", action="store_true",
                     help="also measure output tok/s per rung (a GPU if CuPy sees one, else a CPU dry run)")
     ap.add_argument("--workdir", default=None, help="--throughput: where bench.gpu's model folder is (re)used")
-    ap.add_argument("--model-folder", default=None, help="--throughput: this model instead of bench.gpu's")
     ap.add_argument("--seqs", type=int, default=None, help="--throughput: sequences (default 32 on a GPU, 3 on CPU; "
                     "prompts of 384..640 tokens and outputs of 32..96, on CPU 4..12 and 4..12)")
     ap.add_argument("--rung-cap-s", type=float, default=20.0,
@@ -315,8 +313,8 @@ def main() -> int:
                          "are skipped (default %(default)g)")
     args = ap.parse_args()
     started = time.perf_counter()
-    if args.throughput and args.workdir is None and args.model_folder is None:
-        ap.error("--throughput needs --workdir (bench.gpu's model folder goes there) or --model-folder")
+    if args.throughput and args.workdir is None:
+        ap.error("--throughput needs --workdir (bench.gpu's model folder goes there)")
     folder = make_model("qwen3", **dict(WORKLOAD, num_hidden_layers=args.layers))
     with tempfile.TemporaryDirectory() as tmp:
         rungs = load("qs_lesson_series", ROOT / "course" / "series.py").unpack(Path(tmp) / "rungs")
@@ -330,11 +328,10 @@ def main() -> int:
     print(table(rows))
     print(f"(host µs: the counted calls x bench/host_costs.json, {COSTS['date']}, {COSTS['machine']})")
     if args.save:
-        args.save.parent.mkdir(parents=True, exist_ok=True)
-        args.save.write_text(json.dumps(dict(
-            command="python -m bench lessons" + (f" --layers {args.layers}" if args.layers != 28 else "")
-            + (" --throughput" if args.throughput else ""), date=time.strftime("%Y-%m-%d"),
-            workload=dict(WORKLOAD, num_hidden_layers=args.layers), host_costs=COSTS, rows=rows), indent=1) + "\n")
+        layers = f" --layers {args.layers}" if args.layers != 28 else ""
+        command = "python -m bench lessons" + layers + (" --throughput" if args.throughput else "")
+        save_json(args.save, command, workload=dict(WORKLOAD, num_hidden_layers=args.layers),
+                  host_costs=COSTS, rows=rows)
         print(f"saved {args.save}")
     if args.throughput and any(r["throughput"]["status"].startswith("failed") for r in rows):
         return 1

@@ -21,11 +21,11 @@ import pytest
 
 from bench.testbed.models import make_model
 from common.config import ModelConfig
-from stage1_cpu.draft import PromptLookup, SpeculationStats
 from common.engine import Request
 from common.sampling import SamplingParams, apply_penalties
 from course.exercises.stage1 import P_FAIL, chi_square_p
 from stage1_cpu import speculative
+from stage1_cpu.draft import PromptLookup, SpeculationStats
 from stage1_cpu.engine import LLMEngine
 from stage1_cpu.fast import available as fast_unavailable
 from stage1_cpu.model import Model

@@ -512,7 +512,7 @@ def test_bench_lessons_throughput_runs_every_rung_to_the_requested_tokens_on_cpu
     from bench import gpu, lessons
     pkgs = ["stage2_batched"] + [p.__name__ for p in packages.values()] + ["stage3_optimized"]
     assert len(pkgs) == len(series.patches()) + 1
-    args = argparse.Namespace(workdir=str(tmp_path), model_folder=None, seqs=3, rung_cap_s=30.0, deadline_s=600.0)
+    args = argparse.Namespace(workdir=str(tmp_path), seqs=3, rung_cap_s=30.0, deadline_s=600.0)
     requested = sum(gpu.workload(3, seed=1, min_len=4, max_len=12)[1])
     rows = lessons.throughput_all(pkgs, args, time.perf_counter())
     assert (tmp_path / "tiny-qwen3-0.6b-random" / "config.json").is_file()   # bench.gpu's model

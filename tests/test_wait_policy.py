@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 import stage1_cpu
-from stage1_cpu.jit import numba_cache
 from common.tiny_model import write_tiny_model
+from stage1_cpu.jit import numba_cache
 
 ROOT = Path(__file__).resolve().parent.parent
 SPINCOUNT = {"PASSIVE": "0", "ACTIVE": "30000000000"}        # what libgomp reads for each
