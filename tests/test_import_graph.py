@@ -30,7 +30,7 @@ FOLDERS = (*MAY_IMPORT, "tests")
 
 def module_files(root: Path) -> dict[str, tuple[Path, str]]:
     """module name -> (file, its top-level folder), for every .py file of the project's folders.
-    tests/ is on sys.path when the tests run, so its files are top-level modules (`models`)."""
+    tests/ is on sys.path when the tests run, so its files are top-level modules (`reading_set`)."""
     found = {}
     for folder in FOLDERS:
         for path in sorted((root / folder).rglob("*.py")):
