@@ -56,8 +56,9 @@ ENGINE = dict(max_ctx=256, slots=8, token_budget=512, page_size=16, num_pages=64
 
 
 def load(name: str, path: Path):
-    """The file, or the package in the folder, at `path`, imported as module `name`: course/series.py
-    (bench/ and course/ stand side by side: neither imports the other), or a rung of the series."""
+    """The file, or the package in the folder, at `path`, imported as module `name`:
+    course/series.py (bench/ and course/ stand side by side: neither imports the other), or a
+    rung of the series."""
     folder = [str(path)] if path.is_dir() else None
     spec = importlib.util.spec_from_file_location(name, path / "__init__.py" if folder else path,
                                                   submodule_search_locations=folder)

@@ -106,7 +106,7 @@ def tests_column(table: str, docs: Path = ROOT / "docs", tests: Path = ROOT / "t
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m course.chapter_tests",
-                                 description=__doc__.split("\n\n")[0] + " The table comes on stdin.")
+                                 description=__doc__.split("\n\n")[0] + " (The table on stdin.)")
     ap.parse_args(argv)
     try:
         sys.stdout.write(tests_column(sys.stdin.read()))

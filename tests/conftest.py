@@ -12,7 +12,7 @@ os.environ.setdefault("QS_FAST_ALL_KINDS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench.testbed.qwen_tokenizer import build_qwen3_tokenizer  # noqa: E402  (after the paths above)
+from bench.testbed.qwen_tokenizer import build_qwen3_tokenizer  # noqa: E402  (the paths first)
 
 
 @pytest.fixture(scope="session")

@@ -16,8 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 HELPER = "from numba import njit\n\n@njit(inline='always')\ndef value():\n    return {}\n"
 KERNEL = ("{setup}from numba import njit\nfrom helper import value\n\n"
           "@njit(cache=True)\ndef kernel():\n    return value() * 10\n\nprint(kernel())\n")
-DEPEND = ("import sys\nsys.path.insert(0, {root!r})\nfrom pathlib import Path\nfrom stage1_cpu.jit import numba_stamps\n"
-          "here = Path(__file__).parent\nnumba_stamps.depend([here / 'kernel.py'], on=[here / 'helper.py'])\n")
+DEPEND = ("import sys\nsys.path.insert(0, {root!r})\nfrom pathlib import Path\n"
+          "from stage1_cpu.jit import numba_stamps\nhere = Path(__file__).parent\n"
+          "numba_stamps.depend([here / 'kernel.py'], on=[here / 'helper.py'])\n")
 
 
 def run_kernel(folder: Path, cache: Path) -> str:

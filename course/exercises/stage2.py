@@ -48,7 +48,7 @@ def emulator():
     if shutil.which("g++") is None:
         raise CheckFailed("this check compiles the .cu file with g++ (C++20) under the CUDA emulator, and g++ "
                           "is not installed: install it (Debian/Ubuntu: apt install g++), then check again")
-    for short in ("cuda_sources", "cuda_emulator"):       # the helper first: the emulator imports it
+    for short in ("cuda_sources", "cuda_emulator"):      # the helper first: the emulator imports it
         name = f"{package}.{short}"
         if name not in sys.modules:
             spec = importlib.util.spec_from_file_location(name, testbed / f"{short}.py")

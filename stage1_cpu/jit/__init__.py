@@ -1,1 +1,1 @@
-"""numba's housekeeping for stage 1, beside the core: its cache folder, warm-up marks and threads."""
+"""numba's housekeeping for stage 1, beside the core: the cache folder, warm-up marks, threads."""
