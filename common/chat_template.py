@@ -28,8 +28,8 @@ import jinja2.ext
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from common.config import gguf_path
-from common.tokenizer import read_json, token_text
+from common.config import gguf_path, read_json
+from common.tokenizer import token_text
 
 
 class ChatTemplateError(ValueError):
@@ -131,11 +131,7 @@ class ChatTemplate:
         g = gguf_path(folder)
         if g is not None:
             from common.gguf import open_gguf    # GGUF code loads only for a GGUF model
-            cfg = open_gguf(g).tokenizer_config()
-            text = cfg.get("chat_template")
-            if isinstance(text, str) and text.strip():
-                return cls(text, cfg["bos_token"], cfg["eos_token"], name=f"{g.name} tokenizer.chat_template")
-            return cls(BUILTIN_CHATML, cfg["bos_token"], cfg["eos_token"], name="built-in ChatML template")
+            return cls(*open_gguf(g).chat_template(BUILTIN_CHATML))
         cfg_path = folder / "tokenizer_config.json"
         cfg = read_json(cfg_path, ChatTemplateError)
         bos, eos = token_text(cfg.get("bos_token")), token_text(cfg.get("eos_token"))
@@ -184,7 +180,7 @@ class ChatTemplate:
                                          add_generation_prompt=add_generation_prompt, **context)
         except jinja2.TemplateError as e:   # includes raise_exception() and undefined variables
             raise ChatTemplateError(f"{self.name} failed on these messages: {e}") from None
-        except (TypeError, AttributeError, KeyError, IndexError) as e:
+        except (TypeError, AttributeError, KeyError, IndexError, ValueError, ArithmeticError) as e:
             # e.g. content given as a list of parts to a template that adds strings
             raise ChatTemplateError(f"{self.name} failed on these messages ({type(e).__name__}: {e}); "
                                     "check that each message has a string 'role' and 'content'") from None

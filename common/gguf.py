@@ -26,6 +26,7 @@ undoes it: a reorder of whole rows, exact for quantized rows too).
 """
 from __future__ import annotations
 
+import math
 import struct
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -102,20 +103,30 @@ _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: n
 
 
 class _Cursor:
-    """Reads the header's little-endian fields one after another."""
+    """Reads the header's little-endian fields one after another. A length that runs past the
+    bytes read so far raises struct.error (the caller reads a larger piece); one that runs past
+    the end of the file, GGUFError."""
 
-    def __init__(self, buf):
-        self.buf, self.at = buf, 0
+    def __init__(self, buf, path: Path, size: int):
+        self.buf, self.at, self.path, self.size = buf, 0, path, size
 
     def scalar(self, fmt: str):
         (v,) = struct.unpack_from(fmt, self.buf, self.at)
         self.at += struct.calcsize(fmt)
         return v
 
+    def need(self, n: int, what: str) -> None:
+        """n more bytes of `what` must exist."""
+        if self.at + n > self.size:
+            raise GGUFError(f"{self.path}: {what} at byte {self.at} needs {n} bytes, past the end "
+                            f"of the file ({self.size} bytes): the file is truncated or corrupt, "
+                            "download it again")
+        if self.at + n > len(self.buf):
+            raise struct.error("past the bytes read")
+
     def string(self) -> str:
         n = self.scalar("<Q")
-        if self.at + n > len(self.buf):
-            raise struct.error("string past the end of the file")
+        self.need(n, "a string")
         s = self.buf[self.at:self.at + n].decode("utf-8", errors="replace")
         self.at += n
         return s
@@ -125,6 +136,7 @@ class _Cursor:
             return self.string()
         if kind == 9:
             item, n = self.scalar("<I"), self.scalar("<Q")
+            self.need(n * (np.dtype(_NUMPY[item]).itemsize if item in _NUMPY else 8), "an array")
             if item in _NUMPY:      # numbers: one read for the whole array (token types, scores)
                 dt = np.dtype(_NUMPY[item])
                 a = np.frombuffer(self.buf, dtype=dt, count=n, offset=self.at)
@@ -144,8 +156,10 @@ class Tensor:
 
         self.path, self.name, self.shape, self.tensor_type, self.data_offset = path, name, dims, ttype, offset
         block, size = gguf.GGML_QUANT_SIZES[ttype]
-        n = int(np.prod(dims))
-        self.n_bytes = n * size // block
+        if min(dims) < 1 or dims[0] % block:
+            raise GGUFError(f"{path}: tensor {name!r} has dims {dims}; each must be >= 1 and the "
+                            f"first a multiple of {block} for {ttype.name}")
+        self.n_bytes = math.prod(dims) * size // block     # Python ints: no overflow for any dims
         rows = tuple(reversed(dims))                       # numpy order: slowest first
         self._np = {"F32": (np.float32, rows), "F16": (np.float16, rows), "BF16": (np.uint16, rows)}.get(
             ttype.name, (np.uint8, rows[:-1] + (rows[-1] // block * size,)))
@@ -183,17 +197,21 @@ class GGUFFile:
             with open(path, "rb") as f:
                 buf = f.read(chunk)
             try:
-                self.meta, table, end = self._parse(buf)
+                self.meta, table, end = self._parse(_Cursor(buf, path, size))
                 break
+            except GGUFError:
+                raise
             except (struct.error, ValueError, IndexError) as e:  # a field cut short, a length past the end
                 if len(buf) < chunk:
                     raise GGUFError(f"{path}: the GGUF header cannot be read ({e}); the file is truncated "
                                     "or corrupt, download it again") from None
                 chunk *= 4
-        align = int(self.meta.get("general.alignment", 32))
+        align = self.meta.get("general.alignment", 32)
+        if not isinstance(align, int) or isinstance(align, bool) or align < 1:
+            raise GGUFError(f"{path}: general.alignment is {align!r}; expected a whole number >= 1")
         start = -(-end // align) * align                # the data begins at the next aligned byte
         arch = self.meta.get("general.architecture")
-        if arch not in ARCHITECTURES:
+        if not isinstance(arch, str) or arch not in ARCHITECTURES:
             raise GGUFError(f"{path}: architecture {arch!r} is not supported; supported GGUF architectures: "
                             f"{', '.join(ARCHITECTURES)}")
         self.arch = arch
@@ -211,10 +229,10 @@ class GGUFFile:
             self.tensors[name] = t
 
     @staticmethod
-    def _parse(buf: bytes):
-        cur = _Cursor(buf)
+    def _parse(cur: _Cursor):
         cur.at = 8
         n_tensors, n_kv = cur.scalar("<Q"), cur.scalar("<Q")
+        cur.need(n_kv * 13 + n_tensors * 32, f"the table of {n_kv} keys and {n_tensors} tensors")
         meta = {}
         for _ in range(n_kv):
             key = cur.string()
@@ -222,7 +240,10 @@ class GGUFFile:
         table = []
         for _ in range(n_tensors):
             name = cur.string()
-            dims = [cur.scalar("<Q") for _ in range(cur.scalar("<I"))]
+            n_dims = cur.scalar("<I")
+            if not 1 <= n_dims <= 4:
+                raise GGUFError(f"{cur.path}: tensor {name!r} has {n_dims} dimensions, not 1 to 4")
+            dims = [cur.scalar("<Q") for _ in range(n_dims)]
             table.append((name, dims, cur.scalar("<I"), cur.scalar("<Q")))
         return meta, table, cur.at
 
@@ -236,75 +257,105 @@ class GGUFFile:
         family = ARCHITECTURES[arch]
         shapes = {n: tuple(int(d) for d in t.shape) for n, t in self.tensors.items()}
 
-        def need(key: str):
-            if f"{arch}.{key}" not in meta:
-                raise GGUFError(f"the GGUF file has no '{arch}.{key}' key; it is incomplete or not a "
-                                f"{arch} model")
-            return meta[f"{arch}.{key}"]
+        def number(key: str, default=None, least: int = 1):
+            """The key `{arch}.{key}`: a whole number >= least (for the two real-valued keys, a
+            finite number > 0); the default when it is absent, an error when it is required."""
+            full = f"{arch}.{key}"
+            real = key in ("rope.freq_base", "attention.layer_norm_rms_epsilon")
+            if full not in meta:
+                if default is None:
+                    raise GGUFError(f"{self.path}: the GGUF file has no '{full}' key; it is "
+                                    f"incomplete or not a {arch} model")
+                return default
+            v = meta[full]
+            if real:
+                ok = isinstance(v, (int, float)) and 0 < v < math.inf
+            else:
+                ok = isinstance(v, int) and v >= least
+            if isinstance(v, bool) or not ok:
+                raise GGUFError(f"{self.path}: '{full}' is {v!r}; expected "
+                                + ("a finite number > 0" if real else f"a whole number >= {least}"))
+            return v
 
-        def get(key: str, default=None):
-            return meta.get(f"{arch}.{key}", default)
-
-        if "rope_freqs.weight" in shapes or get("rope.scaling.type", "none") not in ("none", None):
-            raise GGUFError("the GGUF file uses RoPE scaling (rope_freqs / rope.scaling.type), which is not "
-                            "read from GGUF files; use the model's Hugging Face folder")
+        scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+        if "rope_freqs.weight" in shapes or scaling not in ("none", None):
+            raise GGUFError(f"{self.path}: the file uses RoPE scaling (rope_freqs / "
+                            "rope.scaling.type), which is not read from GGUF files; use the "
+                            "model's Hugging Face folder")
         if "token_embd.weight" not in shapes:
-            raise GGUFError("the GGUF file has no token_embd.weight tensor")
-        hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
-        head_dim = int(get("attention.key_length", hidden // heads))
-        if int(get("rope.dimension_count", head_dim)) != head_dim:
-            raise GGUFError(f"partial rotary embedding (rope dimension {get('rope.dimension_count')} < "
-                            f"head dim {head_dim}) is not supported")
-        layers = int(need("block_count"))
+            raise GGUFError(f"{self.path}: the GGUF file has no token_embd.weight tensor")
+        hidden, heads = number("embedding_length"), number("attention.head_count")
+        head_dim = number("attention.key_length", max(1, hidden // heads))
+        if number("rope.dimension_count", head_dim) != head_dim:
+            raise GGUFError(f"{self.path}: partial rotary embedding (rope dimension "
+                            f"{meta.get(f'{arch}.rope.dimension_count')} < head dim {head_dim}) "
+                            "is not supported")
+        layers = number("block_count")
+        self._check_layers(layers)               # before anything counts or loops over them
         moe = arch.endswith("moe")                  # qwen2moe, qwen3moe
         dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in shapes] if moe else []
-        eps = float(str(np.float32(need("attention.layer_norm_rms_epsilon"))))   # float32 1e-6 -> 1e-06
+        # float32 1e-6 -> 1e-06
+        eps = float(str(np.float32(number("attention.layer_norm_rms_epsilon"))))
         return dict(
             family=family,
             vocab_size=int(shapes["token_embd.weight"][-1]),
             hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length", 0) or 0),
+            intermediate_size=number("feed_forward_length", 0, least=0),
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=int(get("attention.head_count_kv", heads)),
+            num_kv_heads=number("attention.head_count_kv", heads),
             head_dim=head_dim,
-            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rope_theta=float(number("rope.freq_base", 10000.0)),
             qkv_bias="blk.0.attn_q.bias" in shapes,
             rms_norm_eps=eps,
             tie_word_embeddings="output.weight" not in shapes,
-            max_position_embeddings=int(get("context_length", 32768)),
-            num_experts=int(need("expert_count")) if moe else 0,
-            num_experts_per_tok=int(need("expert_used_count")) if moe else 0,
-            moe_intermediate_size=int(need("expert_feed_forward_length")) if moe else 0,
+            max_position_embeddings=number("context_length", 32768),
+            num_experts=number("expert_count") if moe else 0,
+            num_experts_per_tok=number("expert_used_count") if moe else 0,
+            moe_intermediate_size=number("expert_feed_forward_length") if moe else 0,
             # llama.cpp renormalises the chosen experts' weights for qwen3moe, never for qwen2moe
-            norm_topk_prob=bool(get("expert_weights_norm", family == "qwen3_moe")),
+            norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", family == "qwen3_moe")),
             mlp_only_layers=dense,
-            shared_expert_intermediate_size=(int(need("expert_shared_feed_forward_length"))
+            shared_expert_intermediate_size=(number("expert_shared_feed_forward_length")
                                              if family == "qwen2_moe" else 0),
-            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            bos_token_id=self.special_id("bos_token_id"),
             eos_token_ids=self.eos_ids(),
         )
+
+    def _check_layers(self, layers: int) -> None:
+        """The block count is the number of layers whose tensors the file holds: blk.0 ..."""
+        names = (n.split(".") for n in self.tensors)
+        found = {int(p[1]) for p in names if len(p) > 2 and p[0] == "blk" and p[1].isdecimal()}
+        if len(found) != layers or max(found, default=-1) != layers - 1:
+            raise GGUFError(f"{self.path}: '{self.arch}.block_count' is {layers}, but the file "
+                            f"holds the tensors of {len(found)} layers; the file is corrupt")
+
+    def special_id(self, key: str) -> int | None:
+        """tokenizer.ggml.{key} (bos_token_id, eos_token_id): a token of the vocabulary, or None."""
+        i = self.meta.get(f"tokenizer.ggml.{key}")
+        n = len(self.meta.get("tokenizer.ggml.tokens") or [])
+        if i is not None and (isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n):
+            raise GGUFError(f"{self.path}: tokenizer.ggml.{key} is {i!r}, not a token id < {n}")
+        return i
 
     def eos_ids(self) -> list[int]:
         """The file's eos id first, then the control tokens that end a turn by their text
         (llama.cpp stops on both)."""
         meta = self.meta
         tokens, types = meta.get("tokenizer.ggml.tokens") or [], meta.get("tokenizer.ggml.token_type") or []
-        ids = [meta["tokenizer.ggml.eos_token_id"]] if "tokenizer.ggml.eos_token_id" in meta else []
+        eos = self.special_id("eos_token_id")
+        ids = [] if eos is None else [eos]
         for i, (tok, kind) in enumerate(zip(tokens, types)):
             if kind == TOKEN_CONTROL and tok in END_OF_TURN_TOKENS and i not in ids:
                 ids.append(i)
         return ids
 
     def token_text(self, key: str) -> str | None:
-        tokens = self.meta.get("tokenizer.ggml.tokens") or []
-        i = self.meta.get(f"tokenizer.ggml.{key}")
-        return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
+        i = self.special_id(key)
+        return None if i is None else self.meta["tokenizer.ggml.tokens"][i]
 
     def tokenizer(self):
         """A `tokenizers.Tokenizer` equal to the byte-level BPE the metadata describes."""
-        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-
         meta = self.meta
         missing = [k for k in ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.merges")
                    if k not in meta]
@@ -316,13 +367,45 @@ class GGUFFile:
             raise GGUFError(f"{self.path}: tokenizer type {meta['tokenizer.ggml.model']!r} is not "
                             "supported; only byte-level BPE ('gpt2', as Qwen, Llama 3 and SmolLM use)")
         pre = meta.get("tokenizer.ggml.pre", "gpt2")
-        if pre not in PRE_TOKENIZERS:
+        if not isinstance(pre, str) or pre not in PRE_TOKENIZERS:
             raise GGUFError(f"{self.path}: pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; "
                             f"supported: {', '.join(PRE_TOKENIZERS)}")
         tokens = meta["tokenizer.ggml.tokens"]
         types = meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
+        merges = self._check_tokens(tokens, types, meta["tokenizer.ggml.merges"])
+        try:
+            return self._build_tokenizer(pre, tokens, types, merges)
+        except BaseException as e:      # a Rust panic arrives as PanicException, a BaseException
+            if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
+                raise
+            raise GGUFError(f"{self.path}: the tokenizers library refused it: {e}") from None
+
+    def _check_tokens(self, tokens, types, merges) -> list[tuple[str, str]]:
+        """The vocabulary and merges as the BPE needs them, checked as they are read: every token a
+        string with a type, every merge two tokens whose join is a token too (the `tokenizers`
+        library panics on a join it does not know) -> the merges as pairs."""
+        where = f"{self.path}: tokenizer.ggml"
+        if not (isinstance(tokens, list) and tokens and all(isinstance(t, str) for t in tokens)):
+            raise GGUFError(f"{where}.tokens must be a list of strings")
+        if not (isinstance(types, list) and len(types) == len(tokens)
+                and all(isinstance(k, int) for k in types)):
+            raise GGUFError(f"{where}.token_type must give each of the {len(tokens)} tokens a type")
+        if not isinstance(merges, list):
+            raise GGUFError(f"{where}.merges must be a list of strings")
+        vocab, pairs = set(tokens), []
+        for i, m in enumerate(merges):
+            pair = m.split(" ", 1) if isinstance(m, str) else []
+            if len(pair) != 2 or not all(p in vocab for p in pair) or "".join(pair) not in vocab:
+                raise GGUFError(f"{where}.merges[{i}] is {m!r}; expected two tokens of the "
+                                "vocabulary separated by a space, whose join is a token too")
+            pairs.append((pair[0], pair[1]))
+        return pairs
+
+    def _build_tokenizer(self, pre: str, tokens: list[str], types: list[int], merges: list):
+        from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normalizers,
+                                pre_tokenizers)
+
         vocab = {t: i for i, t in enumerate(tokens)}
-        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
         tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
         if pre in NFC_FIRST:
             tok.normalizer = normalizers.NFC()
@@ -343,6 +426,22 @@ class GGUFFile:
         if user:
             tok.add_tokens(user)
         return tok
+
+    def tokenizer_parts(self) -> tuple:
+        """What common/tokenizer.py reads from a model folder: the tokenizer, and the fields of
+        tokenizer_config.json and config.json it needs."""
+        ids = {"eos_token_id": self.eos_ids(), "bos_token_id": self.special_id("bos_token_id")}
+        return self.tokenizer(), self.tokenizer_config(), ids
+
+    def chat_template(self, builtin: str) -> tuple[str, str | None, str | None, str]:
+        """ChatTemplate's arguments: tokenizer.chat_template (`builtin` for a file without one),
+        the bos and eos tokens' text, and where the template came from."""
+        cfg = self.tokenizer_config()
+        text = cfg.get("chat_template")
+        if isinstance(text, str) and text.strip():
+            name = f"{self.path.name} tokenizer.chat_template"
+            return text, cfg["bos_token"], cfg["eos_token"], name
+        return builtin, cfg["bos_token"], cfg["eos_token"], "built-in ChatML template"
 
     def tokenizer_config(self) -> dict:
         """What tokenizer_config.json would say: BOS rule, special tokens, chat template."""
@@ -397,15 +496,18 @@ class GGUFWeightLoader:
         """One tensor (one expert of a 3-D one) as float32 or Packed, rows [O, C] like Hugging Face."""
         t = self._tensor(name)
         qtype = t.tensor_type.name
-        data = t.data if expert is None else t.data[expert]
         shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))   # numpy order
         if expert is not None:
+            if len(shape) != 3 or shape[0] != self.config.num_experts:
+                raise GGUFError(f"{self.file.path}: tensor {name!r} has shape {list(shape)}, "
+                                f"expected {self.config.num_experts} experts (the file's metadata)")
             shape = shape[1:]
         if expected is not None and int(np.prod(shape)) == int(np.prod(expected)) and len(shape) != len(expected):
             shape = tuple(expected)                       # shared_gate: [C] in the file, [1, C] here
         if expected is not None and shape != tuple(expected):
             raise GGUFError(f"{self.file.path}: tensor {name!r} has shape {list(shape)}, expected "
                             f"{list(expected)} from the file's metadata")
+        data = t.data if expert is None else t.data[expert]
         perm = None
         if self.file.arch == "llama" and key in ("wq", "wk"):
             heads = self.config.num_heads if key == "wq" else self.config.num_kv_heads

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.config import ModelConfig, gguf_path
+from common.config import ModelConfig, gguf_path, is_int, read_json
 
 # safetensors dtype -> (numpy storage dtype, bytes per element)
 _DTYPES = {
@@ -103,18 +103,24 @@ class _File:
                 raise LoaderError(f"{path}: header length {n} exceeds the file size {size}; "
                                   "the file is truncated or not a safetensors file")
             try:
-                self.header = json.loads(f.read(n))
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise LoaderError(f"{path}: the safetensors header is not valid JSON; "
+                self.header = dict(json.loads(f.read(n)))      # a JSON object, or an error
+            except (ValueError, TypeError):
+                raise LoaderError(f"{path}: the safetensors header is not a valid JSON object; "
                                   "the file is corrupt, download it again") from None
         self.header.pop("__metadata__", None)
+        for name, info in self.header.items():     # each {dtype, shape, data_offsets: [begin, end]}
+            at, shape = map((info if type(info) is dict else {}).get, ("data_offsets", "shape"))
+            if not (type(at) is list and type(shape) is list and len(at) == 2
+                    and all(map(is_int, at + shape)) and at[0] <= at[1]):
+                raise LoaderError(f"{path}: tensor {name!r} has a malformed header entry "
+                                  f"{info!s:.99}; the file is corrupt, download it again")
         self.data_start = 8 + n
         self.data_size = size - self.data_start
 
     def raw(self, name: str) -> tuple[np.ndarray, str]:
         info = self.header[name]
-        st_dtype = info["dtype"]
-        if st_dtype not in _DTYPES:
+        st_dtype = info.get("dtype")
+        if not isinstance(st_dtype, str) or st_dtype not in _DTYPES:
             raise LoaderError(f"{self.path}: tensor {name!r} has dtype {st_dtype}; "
                               f"supported: {', '.join(_DTYPES)}")
         np_dtype, width = _DTYPES[st_dtype]
@@ -123,9 +129,9 @@ class _File:
         if end > self.data_size:
             raise LoaderError(f"{self.path}: tensor {name!r} ends at byte {end} but the file holds "
                               f"{self.data_size} data bytes: the file is truncated, download it again")
-        if end - begin != width * int(np.prod(shape)):
+        if end - begin != (n := width * int(np.prod(shape, dtype=object))):   # exact for any size
             raise LoaderError(f"{self.path}: tensor {name!r} has {end - begin} bytes, "
-                              f"expected {width * int(np.prod(shape))} for shape {list(shape)}")
+                              f"expected {n} for shape {list(shape)}")
         if end == begin:
             return np.zeros(shape, dtype=np_dtype), st_dtype
         # one mapping per tensor, dropped once the caller has converted it: the file's
@@ -149,11 +155,11 @@ class WeightLoader:
         index = self.folder / "model.safetensors.index.json"
         single = self.folder / "model.safetensors"
         self._where: dict[str, _File] = {}
+        self.source = index if index.is_file() else single       # what error messages name
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError):
-                raise LoaderError(f"{index}: not a valid index (needs a 'weight_map')") from None
+            weight_map = read_json(index, LoaderError).get("weight_map")
+            if type(weight_map) is not dict or not all(type(v) is str for v in weight_map.values()):
+                raise LoaderError(f"{index}: not a valid index (it needs a 'weight_map')")
             files = {}
             for shard in sorted(set(weight_map.values())):
                 path = self.folder / shard
@@ -172,6 +178,12 @@ class WeightLoader:
         else:
             raise LoaderError(f"{self.folder}: no model.safetensors or model.safetensors.index.json; "
                               "--model must be a Hugging Face model folder with safetensors weights")
+        # each layer config.json declares has tensors: checked before anything loops over the layers
+        L = self.config.num_layers
+        layers = {n.split(".")[2] for n in self._where if n.startswith("model.layers.")}
+        if not (L <= len(layers) and all(str(i) in layers for i in range(L))):
+            raise LoaderError(f"{self.folder / 'config.json'}: num_hidden_layers is {L}, but the "
+                              f"weights hold the tensors of {len(layers)} layers")
 
     def names(self) -> list[str]:
         return sorted(self._where)
@@ -184,7 +196,7 @@ class WeightLoader:
 
     def _file(self, name: str) -> _File:
         if name not in self._where:
-            raise LoaderError(f"{self.folder}: tensor {name!r} not found in the weights; "
+            raise LoaderError(f"{self.source}: tensor {name!r} not found in the weights; "
                               "is this the model the config.json describes?")
         return self._where[name]
 

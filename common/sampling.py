@@ -10,7 +10,6 @@ Order of operations (the same as vLLM / transformers' logits processors):
 """
 from __future__ import annotations
 
-import json
 import math
 import numbers
 from dataclasses import dataclass, field, fields
@@ -18,8 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
+from common.config import ConfigError, read_json
 
 GREEDY_BELOW = 1e-5                   # a temperature below this is greedy (as vLLM's _SAMPLING_EPS)
+NO_TOKEN = -1                         # Sampler's answer to logits with no distribution in them
 
 
 @dataclass
@@ -90,7 +91,7 @@ def generation_defaults(folder: str | Path | None) -> dict:
     values: dict = {}
     path = Path(folder) / "generation_config.json" if folder else None
     if path is not None and path.is_file():
-        g = json.loads(path.read_text())
+        g = read_json(path)
         # presence / frequency: not Hugging Face keys, but a file may name them (ours does)
         for key in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                     "presence_penalty", "frequency_penalty"):
@@ -100,6 +101,10 @@ def generation_defaults(folder: str | Path | None) -> dict:
             values["temperature"] = 0.0
         if g.get("max_new_tokens") is not None:
             values["max_tokens"] = g["max_new_tokens"]
+        try:
+            SamplingParams(**values)      # a bad default fails here, naming the file
+        except ValueError as e:
+            raise ConfigError(f"{path}: {e}") from None
     return values
 
 
@@ -159,10 +164,13 @@ class Sampler:
         self.rng = np.random.default_rng(params.seed)
 
     def __call__(self, logits: np.ndarray, prompt_ids: list[int], output_ids: list[int]) -> int:
-        """logits [V] of the last position -> the next token id."""
+        """logits [V] of the last position -> the next token id, or NO_TOKEN (the request ends)."""
         p = self.params
         logits = apply_penalties(logits, p, prompt_ids, output_ids)
+        logits = filter_logits(logits, p) if p.temperature else logits   # / T, -inf where excluded
+        if not np.isfinite(logits.max()):                                 # NaN, +inf, or all -inf
+            return NO_TOKEN
         if p.temperature == 0.0:
             return int(np.argmax(logits))
-        probs = _softmax(filter_logits(logits, p).astype(np.float64))   # [V], sums to 1 in float64
+        probs = _softmax(logits.astype(np.float64))                     # [V], sums to 1 in float64
         return int(self.rng.choice(probs.shape[0], p=probs))

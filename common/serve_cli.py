@@ -87,6 +87,8 @@ def main(build_engine: Callable[[Path, argparse.Namespace], Any], argv: list[str
     print(f"listening on http://{host}:{bound[1]} (model {name!r} loading from {folder})", flush=True)
     server = uvicorn.Server(uvicorn.Config(build_app(state), log_level=args.log_level, timeout_keep_alive=30))
 
+    failed = []                      # a failed load's exit code: 2 for a bad model, 1 for a bug
+
     def load():
         try:
             # tokenizer and template first: they are quick and fail with the clearest message
@@ -101,9 +103,11 @@ def main(build_engine: Callable[[Path, argparse.Namespace], Any], argv: list[str
             print(f"ready: http://{host}:{bound[1]}/v1 serves {name!r} (max ctx {state.max_ctx})"
                   + f" · {kernels}" * bool(kernels), flush=True)
         except Exception as e:
-            if not isinstance(e, (ValueError, OSError)):   # a bug, not a bad folder: keep the traceback
+            bad_model = isinstance(e, (ValueError, OSError))
+            if not bad_model:                       # a bug, not a bad folder: keep the traceback
                 log.exception("loading the model failed")
             state.load_error = f"loading the model failed: {type(e).__name__}: {e}"
+            failed.append(2 if bad_model else 1)
             server.should_exit = True
 
     threading.Thread(target=load, name="model-load", daemon=True).start()
@@ -115,4 +119,5 @@ def main(build_engine: Callable[[Path, argparse.Namespace], Any], argv: list[str
         for pool in state.pools.values():
             pool.shutdown(wait=False, cancel_futures=True)
     if state.load_error:
-        sys.exit(state.load_error)
+        print(f"error: {state.load_error}", file=sys.stderr)
+        sys.exit(failed[0] if failed else 1)

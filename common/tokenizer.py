@@ -15,26 +15,15 @@ and the server need:
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from common.config import gguf_path, id_list
+from common.config import gguf_path, id_list, is_int, read_json
 
 
 class TokenizerError(ValueError):
     """A model folder whose tokenizer cannot be loaded; the message says what to do."""
-
-
-def read_json(path: Path, error: type[ValueError] = TokenizerError) -> dict:
-    """A JSON file as a dict; {} when the file does not exist."""
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise error(f"{path} is not valid JSON: {e}") from None
 
 
 def token_text(value) -> str | None:
@@ -51,15 +40,12 @@ class Tokenizer:
         if g is not None:
             # a GGUF file: vocabulary, merges, pre-tokenizer and special tokens from its metadata
             from common.gguf import open_gguf    # GGUF code loads only for a GGUF model
-            f = open_gguf(g)
-            self._tok = f.tokenizer()
-            tok_cfg = f.tokenizer_config()
-            model_cfg = {"eos_token_id": f.eos_ids(), "bos_token_id": f.meta.get("tokenizer.ggml.bos_token_id")}
+            self._tok, tok_cfg, model_cfg = open_gguf(g).tokenizer_parts()
         else:
             self._tok = self._load_json(self.folder / "tokenizer.json")
-            tok_cfg = read_json(self.folder / "tokenizer_config.json")
-            model_cfg = read_json(self.folder / "config.json")
-        gen_cfg = read_json(self.folder / "generation_config.json")    # {} beside a bare .gguf file
+            tok_cfg = read_json(self.folder / "tokenizer_config.json", TokenizerError)
+            model_cfg = read_json(self.folder / "config.json", TokenizerError)
+        gen_cfg = read_json(self.folder / "generation_config.json", TokenizerError)  # {} by a .gguf
 
         # --- token strings, for chat templates ({{ bos_token }}, {{ eos_token }}) ---
         self.bos_token: str | None = token_text(tok_cfg.get("bos_token"))
@@ -71,12 +57,13 @@ class Tokenizer:
         if bos_id is None:
             bos_id = gen_cfg.get("bos_token_id", model_cfg.get("bos_token_id"))
         self.bos_token_id: int | None = bos_id
-        if self.add_bos_token and self.bos_token_id is None:
+        if self.add_bos_token and not is_int(self.bos_token_id):
             raise TokenizerError(f"{self.folder / 'tokenizer_config.json'} sets add_bos_token but names no "
                                  "bos_token that the tokenizer knows; fix bos_token or set add_bos_token false")
 
         # --- end-of-turn ids: the union of what each file says, first mention first ---
         eos = id_list(gen_cfg.get("eos_token_id")) + id_list(model_cfg.get("eos_token_id"))
+        eos = [i for i in eos if is_int(i)]            # ModelConfig names a bad one
         if self.eos_token and self.token_to_id(self.eos_token) is not None:
             eos.append(self.token_to_id(self.eos_token))
         self.eos_token_ids: list[int] = list(dict.fromkeys(eos))
@@ -84,13 +71,13 @@ class Tokenizer:
     @staticmethod
     def _load_json(path: Path) -> HFTokenizer:
         if not path.is_file():
-            raise TokenizerError(
-                f"{path} not found: the model folder needs the tokenizer.json that comes with the model "
-                "(download the whole Hugging Face repository, e.g. `huggingface-cli download Qwen/Qwen3-0.6B "
-                "--local-dir DIR`, or pass a folder that has one)")
+            from common.model_help import NO_TOKENIZER    # loads only for a folder without one
+            raise TokenizerError(f"{path} not found: {NO_TOKENIZER}")
         try:
             return HFTokenizer.from_file(str(path))
-        except Exception as e:  # the Rust side raises a plain Exception with its parse error
+        except BaseException as e:  # a plain Exception with its parse error, or a Rust panic
+            if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
+                raise
             raise TokenizerError(f"{path} could not be loaded by the `tokenizers` library: {e}") from None
 
     # --- text <-> ids ---

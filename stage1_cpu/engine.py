@@ -14,7 +14,7 @@ import numpy as np
 
 from common.config import ModelConfig
 from common.engine import Request, TokenEvent, check_prompt
-from common.sampling import Sampler
+from common.sampling import NO_TOKEN, Sampler
 
 from . import CACHE_DIR, KERNEL_FILES, ops
 from .jit import numba_cache
@@ -139,15 +139,15 @@ class LLMEngine(numba_cache.WarmUp):       # warm_up(), kernels_cold(): jit/numb
         p = r.req.params
         token = r.sampler(r.logits, r.req.prompt_ids, r.output_ids)
         r.output_ids.append(token)
-        finish = None
-        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            finish = "stop"                       # the event carries the stop token; it is not answer text
-        elif len(r.output_ids) >= p.max_tokens or len(self.cached_ids) + 1 >= self.max_ctx:
-            finish = "length"
+        # it ends on a stop token (the event carries it; it is not answer text), at its token
+        # limit or a full context, or on logits with no token (NO_TOKEN: an error; drop the cache)
+        stop = (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids
+        full = len(r.output_ids) >= p.max_tokens or len(self.cached_ids) + 1 >= self.max_ctx
+        finish = "error" if token == NO_TOKEN else "stop" if stop else "length" if full else None
         if finish is None:
             r.logits = self._feed([token])
             self.last_decode_tokens += 1
             self.last_decode_s += time.perf_counter() - t0
         else:
-            self.running = None
+            self.running, self.cached_ids = None, [] if finish == "error" else self.cached_ids
         return TokenEvent(r.req.id, token, finish)

@@ -30,7 +30,7 @@ import numpy as np
 
 from common.engine import TokenEvent
 from common.models import resolve_model
-from common.sampling import SamplingParams, apply_penalties, filter_logits
+from common.sampling import NO_TOKEN, SamplingParams, apply_penalties, filter_logits
 from common.tokenizer import Tokenizer, TokenizerError
 
 from .draft import PromptLookup, SpeculationStats
@@ -231,6 +231,8 @@ class DraftModel:
             logits = e._feed(ids[i:i + e.prefill_chunk])
         drafts, qs = [], []
         for i in range(k):
+            if not np.isfinite(logits.max()):        # a draft without finite logits drafts no more
+                break
             if params.temperature == 0.0:
                 x = int(np.argmax(apply_penalties(logits, params, prompt, output + drafts)))
             else:
@@ -343,7 +345,9 @@ class SpeculativeEngine(LLMEngine):
                 y = r.sampler(logits[i], prompt, out + made)
                 accepted = y == x
             else:
-                accepted, y = accept_draft(probs(logits[i], params, prompt, out + made), q[i], x, r.sampler.rng)
+                p = probs(logits[i], params, prompt, out + made)
+                accepted, y = (False, NO_TOKEN) if not np.isfinite(p).all() else \
+                    accept_draft(p, q[i], x, r.sampler.rng)
             made.append(y)
             if not accepted:
                 break
@@ -366,6 +370,10 @@ class SpeculativeEngine(LLMEngine):
         """The tokens as events, each ended as LLMEngine._decode ends one; none after the first that ends it."""
         p, events = r.req.params, []
         for token in tokens:
+            if token == NO_TOKEN:               # no finite logits: an error, and no cache to reuse
+                events.append(TokenEvent(r.req.id, -1, "error"))
+                self.running, self.cached_ids = None, []
+                break
             r.output_ids.append(token)
             finish = None
             if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:

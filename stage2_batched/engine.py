@@ -23,6 +23,7 @@ import numpy as np
 
 from common.config import ModelConfig
 from common.engine import Request, TokenEvent, check_prompt
+from common.sampling import NO_TOKEN
 from . import kernels
 from .batch import build_batch
 from .block_manager import BlockManager
@@ -166,6 +167,12 @@ class LLMEngine:
         self.forward_s += time.perf_counter() - t0
 
         for seq, token in zip(sampling, chosen):
+            if token < 0:
+                # a degenerate logits row (a NaN or +inf, or all -inf: _sample gives NO_TOKEN):
+                # no token to append or embed; the request ends with an error, the others go on
+                self.scheduler.finish(seq)
+                events.append(TokenEvent(seq.id, -1, "error"))
+                continue
             seq.token_ids.append(token)
             p = seq.req.params
             finish = None
@@ -182,14 +189,17 @@ class LLMEngine:
         """The next token of each sequence from its logits row [S', V].
         Greedy requests without penalties need only the argmax: it is taken on the device
         and S' ids cross to the host instead of S' * V logits. Every other request copies its
-        row to the host and runs its own Sampler (common/sampling.py), as stage 1 does."""
+        row to the host and runs its own Sampler (common/sampling.py), as stage 1 does. A row with
+        no distribution (a NaN or +inf logit, or every logit -inf) gives NO_TOKEN either way."""
         plain = [s.req.params.temperature == 0 and s.req.params.repetition_penalty == 1.0
                  and not s.req.params.presence_penalty and not s.req.params.frequency_penalty
                  for s in seqs]
         tokens = [0] * len(seqs)
         if any(plain):
             rows = [i for i, p in enumerate(plain) if p]
-            ids = kernels.to_host(self.xp.argmax(logits[self.xp.asarray(rows)], axis=-1))
+            picked = logits[self.xp.asarray(rows)]                           # [S'', V]
+            finite = self.xp.isfinite(picked.max(axis=-1))                 # NaN and inf have no max
+            ids = kernels.to_host(self.xp.where(finite, self.xp.argmax(picked, axis=-1), NO_TOKEN))
             for i, t in zip(rows, ids.tolist()):
                 tokens[i] = int(t)
         rest = [i for i, p in enumerate(plain) if not p]

@@ -3,7 +3,7 @@
 The reading set (tests/reading_set.py) is every project file plain stage 1 imports to run a
 safetensors folder: it stays under 3,000 lines, it holds none of the code that loads only
 where it is used (GGUF, the default-model fetcher, numba's widened cache stamps, the fast
-path, speculative decoding), and docs/stage1.md's reading list names exactly its files. The
+path, speculative decoding, the help for a --model that names no model), and docs/stage1.md's reading list names exactly its files. The
 core itself, stage1_cpu/*.py but the speculative decoding its flags load, stays within 1,500 lines.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from reading_set import BOUND, ROOT, reading_set
 # what a safetensors folder with --kernels plain must not load: each behind the boundary where it is used
 NOT_READ = ("common/gguf.py", "common/gguf_convert.py", "common/gguf_quant.py", "common/gguf_write.py",
             "common/fetch.py", "stage1_cpu/jit/numba_stamps.py", "stage1_cpu/fast/",
-            "stage1_cpu/speculative.py", "stage1_cpu/draft.py")
+            "stage1_cpu/speculative.py", "stage1_cpu/draft.py", "common/model_help.py")
 
 
 @pytest.fixture(scope="module")
