@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from models import make_model
+from bench.testbed.models import make_model
 
 
 # the fast path at 8 tokens on fp32 activations calls the plain code from inside its own: its

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from models import make_model
+from bench.testbed.models import make_model
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(ROOT), TERM="xterm-256color",

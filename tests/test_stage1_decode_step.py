@@ -8,7 +8,7 @@ import numba
 import numpy as np
 import pytest
 
-from models import make_model
+from bench.testbed.models import make_model
 from stage1_cpu.fast import cpu, decode_step, sync
 from stage1_cpu.model import Model
 from stage1_cpu.weights import load_weights

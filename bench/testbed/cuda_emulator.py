@@ -69,7 +69,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cuda_sources import OPTIN_SMEM_LIMIT, STATIC_SMEM_LIMIT
+from .cuda_sources import OPTIN_SMEM_LIMIT, STATIC_SMEM_LIMIT
 
 SEED = int(os.environ.get("QS_EMU_SEED") or random.SystemRandom().randrange(2**31))
 WATCHDOG_S = float(os.environ.get("QS_EMU_WATCHDOG_S", "20"))
@@ -87,7 +87,7 @@ class EmulatorError(AssertionError):
 
 
 EMULATOR_H = r"""
-// --- the CUDA execution model on CPU threads (tests/cuda_emulator.py) ---
+// --- the CUDA execution model on CPU threads (bench/testbed/cuda_emulator.py) ---
 #include <algorithm>
 #include <atomic>
 #include <bit>
