@@ -40,6 +40,7 @@ from bench.cpu import CACHE, SHAPES, prepare_models
 from stage1_cpu import kernels, quant
 from stage1_cpu.engine import LLMEngine
 from stage1_cpu.fast import cpu, gemm, simd, tiles
+from stage1_cpu.fast import decode_step as ds
 
 SAVED = Path(__file__).resolve().parent.parent / "docs" / "figures" / "stage1_prefill_profile.json"
 
@@ -134,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     ids = np.arange(T) % model.config.vocab_size
     model.forward(np.arange(128), 0)                     # a context to decode after
     versus = None
+    if T <= 8 and model.decode_step is not None:
+        print_step_parts(model, T, args.steps)
     if T == 1 and model.decode_step is not None:
         # the whole step in one parallel region (decode_step.py) against the per-op path,
         # alternating token by token so that both see the same machine; then the per-op
@@ -245,6 +248,40 @@ def main(argv: list[str] | None = None) -> None:
     finally:                       # the modules as they were, for whatever runs next in this process
         for owner, name, fn in reversed(originals):
             setattr(owner, name, fn)
+
+
+def print_step_parts(model, T: int, steps: int) -> None:
+    """Where the one-region step of T tokens spends its time: the step is data (decode_step.prog),
+    so it runs again with parts of its program alone (the values are wrong, the work is not):
+    the matrix phases of the layers, the lm_head's, attention, the small ops, and none at all
+    (starting the region, Python). What the parts do not add up to is the waiting between
+    phases and what one part overlaps with another."""
+    step, full = model.decode_step, model.decode_step.prog
+    x = model.w.embed.rows(np.arange(T) % model.config.vocab_size)
+    parts = {"whole step": np.ones(len(full), bool), **step_parts(full),
+             "nothing (region, Python)": np.zeros(len(full), bool)}
+    best = dict.fromkeys(parts, float("inf"))
+    try:
+        for _ in range(steps):                       # the parts interleaved: each sees the same machine
+            for name, keep in parts.items():
+                step.prog = np.ascontiguousarray(full[keep])
+                t0 = time.perf_counter()
+                step.step(x, 200, all_logits=T > 1)
+                best[name] = min(best[name], time.perf_counter() - t0)
+    finally:
+        step.prog = full
+    rest = best["whole step"] - sum(v for k, v in best.items() if k != "whole step")
+    print(f"the one-region step of {T} token{'s' * (T > 1)}, by part (best of {steps}, ms):")
+    for name, sec in [*best.items(), ("the rest (waits, overlap)", rest)]:
+        print(f"  {name:28s} {sec * 1e3:8.2f}")
+
+
+def step_parts(prog: np.ndarray) -> dict[str, np.ndarray]:
+    """The rows of a step's program by part: each row in exactly one part."""
+    op = prog[:, ds.OP]
+    matrix = np.isin(op, [ds.MATMUL, ds.EXPERTS])
+    return {"layers' matrices": matrix & (prog[:, ds.LOGITS] == 0), "lm_head": matrix & (prog[:, ds.LOGITS] == 1),
+            "attention": op == ds.ATTENTION, "small ops": ~matrix & (op != ds.ATTENTION)}
 
 
 # gemm_tiled's kinds (int8 . int8, int8 . int16, int4 . int8, int4 . int16), as the profile names them
