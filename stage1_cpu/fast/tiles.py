@@ -267,12 +267,13 @@ def _tile_codegen(int4: bool, q16: bool, RB: int, TT: int):
                 acc = [[[[builder.load(a) for a in iacc[h][r][t]] for t in range(TT)] for r in range(RB)]
                        for h in range(H)]
                 acc16 = [[[ir.Constant(SHORTS16, None) for t in range(TT)] for r in range(RB)] for h in range(H)]
-                if TT > 1:                          # the next tile's bytes (RB blocks on), this chunk's
-                    ahead = builder.add(builder.mul(vbytes, c(RB)), cw)     # lines, while this one multiplies
-                    for p in wps:
-                        for line in range(0, CHUNK * ROWS, 64):
-                            builder.call(prefetch, [builder.gep(p, [builder.add(ahead, c(line))]),
-                                                    ir.Constant(I32, 0), ir.Constant(I32, 2), ir.Constant(I32, 1)])
+                # the next tile's bytes (RB blocks on), this chunk's lines, asked for while this
+                # one multiplies, for one token as for several: the reads overlap the arithmetic
+                ahead = builder.add(builder.mul(vbytes, c(RB)), cw)
+                for p in wps:
+                    for line in range(0, CHUNK * ROWS, 64):
+                        builder.call(prefetch, [builder.gep(p, [builder.add(ahead, c(line))]),
+                                                ir.Constant(I32, 0), ir.Constant(I32, 2), ir.Constant(I32, 1)])
                 for j in range(CHUNK // 4):         # a step: 4 values of 8 rows, one 32-byte vector
                     raw = [builder.load(builder.bitcast(builder.gep(p, [builder.add(cw, c(32 * j))]),
                                                         BYTES32.as_pointer()), align=1) for p in wps]
