@@ -157,9 +157,9 @@ class Generation:
                  parser: Callable[[], StreamParser] | None = None, echo: bool = False):
         """req.n choices per prompt ({param: text or ids}), each tokenized once; a 400 at its param
         if it cannot fit (a text judged by its length first). Sampling: the request's SamplingParams
-        fields over generation_config.json's; max_tokens at most the room the prompt leaves (unset:
-        generation_config.json's
-        max_new_tokens, else all of the room, as vLLM); seeds seed+i, reproducible."""
+        fields over generation_config.json's; max_tokens at most the room the prompt leaves
+        (unset: generation_config.json's max_new_tokens, else all of the room, as vLLM); seeds
+        seed+i, reproducible."""
         self.state, self.stream, self.choices = state, req.stream, []
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         self.id, self.created, self.queue = (f"{prefix}-{uuid.uuid4().hex}", int(time.time()),

@@ -17,8 +17,9 @@ Q8_0 embedding as int8; stages 2 and 3 dequantize): no float32 copy is written.
 
 Cache layout ($QWEN3_STAGES_CACHE, else ~/.cache/qwen3-stages):
   models/smollm2-135m/                 what resolve_model returns: the .gguf +
-  generation_config.json gguf/SmolLM2-135M-Instruct.Q4_1.gguf the source file (also what the
-  llama.cpp benchmark runs)
+                                       generation_config.json
+  gguf/SmolLM2-135M-Instruct.Q4_1.gguf the source file (also what the llama.cpp benchmark
+                                       runs)
 """
 from __future__ import annotations
 
