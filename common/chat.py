@@ -588,8 +588,8 @@ def build_parser(prog: str | None = None, add_args: Callable | None = None,
                    help="start with thinking shown / enabled (Qwen3); /think switches it later "
                         "(default on)")
     s = p.add_argument_group("sampling (defaults: the model's generation_config.json, else "
-                             "temperature 1, no top-k / top-p; the default model's: greedy, "
-                             "presence penalty 0.5)")
+                             "temperature 1, no top-k / top-p; the default model's: "
+                             "greedy, presence penalty 0.5)")
     s.add_argument("--temperature", type=float, default=None, metavar="T", help="0 = greedy")
     s.add_argument("--top-p", type=float, default=None, metavar="P")
     s.add_argument("--top-k", type=int, default=None, metavar="K")

@@ -126,12 +126,12 @@ def apply_penalties(logits: np.ndarray, params: SamplingParams,
         seen = np.unique(np.asarray(list(prompt_ids) + list(output_ids), dtype=np.int64))
         if seen.size:
             x = logits[seen]
-            logits[seen] = np.where(x > 0, x / params.repetition_penalty,
-                                    x * params.repetition_penalty)
+            logits[seen] = np.where(
+                x > 0, x / params.repetition_penalty, x * params.repetition_penalty)
     if output_ids and (params.presence_penalty or params.frequency_penalty):
         ids, counts = np.unique(np.asarray(output_ids, dtype=np.int64), return_counts=True)
-        logits[ids] -= (params.presence_penalty
-                        + params.frequency_penalty * counts.astype(np.float32))
+        logits[ids] -= (
+            params.presence_penalty + params.frequency_penalty * counts.astype(np.float32))
     # exercise 1.12 end
     return logits
 
