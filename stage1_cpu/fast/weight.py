@@ -214,8 +214,8 @@ def check_act(decode_act: str, prefill_act: str, fmt: str, K: int) -> None:
                          f"(VNNI, AVX2 or ARM dotprod; {here}); use fp32")
     if prefill_act in ("int8", "int16") and decode_act == "fp32":
         raise ValueError(f"{prefill_act} prefill activations multiply the 8-row tiles that "
-                         "rounded decode activations store the weights in: set decode "
-                         "activations to int8 or int16 too")
+                         "rounded decode activations store the weights in: "
+                         "set decode activations to int8 or int16 too")
     if prefill_act == "bf16" and not (cpu.BF16 and fmt == "bf16" and K % 2 == 0):
         raise ValueError(f"bf16 activations are not available for {fmt} weights [*, {K}] on "
                          f"this CPU: they need bf16 weights, an even in_features and "
