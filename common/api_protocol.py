@@ -9,20 +9,23 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, Validati
                       WrapValidator, field_validator, model_serializer, model_validator)
 from pydantic_core import PydanticCustomError
 
-MAX_CHOICES, MAX_STOP, MAX_STOP_CHARS = 64, 16, 256     # n (x prompts); stop strings, and their length
+# n (x prompts); stop strings, and their length
+MAX_CHOICES, MAX_STOP, MAX_STOP_CHARS = 64, 16, 256
 
 class APIError(Exception):
     """An error the client caused (or a state it must wait out), with OpenAI's error body."""
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
         super().__init__(message)
-        self.status, self.body = status, {"error": {"message": message, "type": type, "param": param, "code": code}}
+        self.status, self.body = status, {"error": {"message": message, "type": type,
+                                                    "param": param, "code": code}}
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 def param_of(loc) -> str | None:
-    """pydantic's loc ('messages', 0, 'content') in OpenAI's form, messages[0].content, less union tags ("(parts)")."""
+    """pydantic's loc ('messages', 0, 'content') in OpenAI's form, messages[0].content, less union
+    tags ("(parts)")."""
     out = ""
     for key in loc:
         if not (isinstance(key, str) and key.startswith("(")):
@@ -30,15 +33,20 @@ def param_of(loc) -> str | None:
     return out or None
 
 def invalid_field(err: dict) -> APIError:
-    """One pydantic error (of ValidationError.errors()) as a 400: the one place a loc becomes a param."""
-    if err["type"] == "json_invalid":         # not UTF-8, a syntax error, an integer of more than 4300 digits
+    """One pydantic error (of ValidationError.errors()) as a 400: the one place a loc becomes a
+    param."""
+    # not UTF-8, a syntax error, an integer of more than 4300 digits
+    if err["type"] == "json_invalid":
         return bad_request(f"the request body is not valid JSON: {err['ctx']['error']}")
     param = param_of(err["loc"])
-    got = json.dumps(err.get("input"), default=str)[:50] if err["type"] not in ("missing", "model_type") else ""
-    return bad_request(f"{param or 'the request body'}: {err['msg']}{', got ' + got if got else ''}", param)
+    got = (json.dumps(err.get("input"), default=str)[:50]
+           if err["type"] not in ("missing", "model_type") else "")
+    return bad_request(f"{param or 'the request body'}: {err['msg']}"
+                       f"{', got ' + got if got else ''}", param)
 
 def explained(message: str) -> WrapValidator:
-    """Any error inside this value becomes one error at the value (tools[0]), saying what it must be."""
+    """Any error inside this value becomes one error at the value (tools[0]), saying what it must
+    be."""
     def check(value, handler):
         try:
             return handler(value)
@@ -49,7 +57,8 @@ def explained(message: str) -> WrapValidator:
 def unsupported(what: str) -> WrapValidator:     # on a field that takes only null or an empty value
     return explained(f"{what} not supported by this server; leave it unset")
 
-class Strict(BaseModel):                          # a request part: unknown fields kept aside, never read
+# a request part: unknown fields kept aside, never read
+class Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
 Penalty = Annotated[float | None, Field(ge=-2, le=2)]
@@ -72,16 +81,21 @@ class SamplingRequest(Strict):
     min_p: float | None = Field(None, ge=0, le=1, description="vLLM extension")
     presence_penalty: Penalty = None
     frequency_penalty: Penalty = None
-    repetition_penalty: float | None = Field(None, ge=1e-2, le=100, description="vLLM extension; 1 = off")
+    repetition_penalty: float | None = Field(None, ge=1e-2, le=100,
+                                             description="vLLM extension; 1 = off")
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="choice i of n uses seed + i")
-    stop: Annotated[StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None, explained(
-        f"'stop' must be a string of 1 to {MAX_STOP_CHARS} characters or a list of at most {MAX_STOP}")] = None
-    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]] | None, Field(max_length=256), explained(
-        "'stop_token_ids' must be a list of at most 256 non-negative integers")] = None
-    ignore_eos: bool | None = Field(None, description="vLLM extension: generate past end-of-sequence ids")
+    stop: Annotated[StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None,
+                    explained(f"'stop' must be a string of 1 to {MAX_STOP_CHARS} characters "
+                              f"or a list of at most {MAX_STOP}")] = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]] | None, Field(max_length=256),
+                              explained("'stop_token_ids' must be a list of at most 256 "
+                                        "non-negative integers")] = None
+    ignore_eos: bool | None = Field(
+        None, description="vLLM extension: generate past end-of-sequence ids")
     user: str | None = None
     logprobs: Annotated[Literal[False, 0] | None, unsupported("logprobs are")] = None
-    logit_bias: Annotated[Annotated[dict, Field(max_length=0)] | None, unsupported("logit_bias is")] = None
+    logit_bias: Annotated[Annotated[dict, Field(max_length=0)] | None,
+                          unsupported("logit_bias is")] = None
 
 class TextPart(Strict):
     type: Literal["text"]
@@ -90,8 +104,10 @@ class TextPart(Strict):
 Content = Annotated[
     Union[Annotated[str, Tag("(text)")], Annotated[list[Annotated[TextPart, explained(
         "only text parts ({'type': 'text', 'text': ...}) are supported")]], Tag("(parts)")]],
-    Discriminator(lambda v: "(text)" if isinstance(v, str) else "(parts)" if isinstance(v, list) else None,
-                  custom_error_type="content_type", custom_error_message="must be a string or a list of text parts")]
+    Discriminator(lambda v: ("(text)" if isinstance(v, str)
+                             else "(parts)" if isinstance(v, list) else None),
+                  custom_error_type="content_type",
+                  custom_error_message="must be a string or a list of text parts")]
 
 class FunctionCall(Strict):
     name: str
@@ -103,13 +119,16 @@ class ToolCall(Strict):
     function: FunctionCall
 
 class Message(Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]   # developer: OpenAI's new system
+    # developer: OpenAI's new system
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Content | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[Annotated[ToolCall, explained(
-        "a tool call needs function.name (a string) and function.arguments (a JSON string)")]] | None = None
-    reasoning_content: str | None = None     # an earlier answer's thinking, as this server returns it
+        "a tool call needs function.name (a string) and function.arguments "
+        "(a JSON string)")]] | None = None
+    # an earlier answer's thinking, as this server returns it
+    reasoning_content: str | None = None
     reasoning: str | None = None
     thinking: str | None = None
 
@@ -123,7 +142,8 @@ class Message(Strict):
     def for_template(self) -> dict:
         """The message as the chat template reads it: text content, system for developer."""
         m = self.model_dump(exclude_none=True)
-        m["content"] = "".join(p.text for p in self.content) if isinstance(self.content, list) else self.content or ""
+        m["content"] = ("".join(p.text for p in self.content) if isinstance(self.content, list)
+                        else self.content or "")
         m["role"] = "system" if self.role == "developer" else self.role
         return m
 
@@ -137,15 +157,17 @@ class Tool(Strict):
     type: Literal["function"] = "function"
     function: FunctionDef
 
-class ChatTemplateKwargs(Strict):                 # the chat template's variables (vLLM); other names passed on
+# the chat template's variables (vLLM); other names passed on
+class ChatTemplateKwargs(Strict):
     enable_thinking: bool = True
 
     @model_validator(mode="after")
     def _names(self):
         keys = set(self.model_extra or {})
-        if keys & {"messages", "tools", "add_generation_prompt"} or not all(k.isidentifier() for k in keys):
-            raise PydanticCustomError("template_kwargs", "chat_template_kwargs keys must be names other than "
-                                      "messages, tools and add_generation_prompt")
+        if (keys & {"messages", "tools", "add_generation_prompt"}
+                or not all(k.isidentifier() for k in keys)):
+            raise PydanticCustomError("template_kwargs", "chat_template_kwargs keys must be names "
+                                      "other than messages, tools and add_generation_prompt")
         return self
 
 class ChatCompletionRequest(SamplingRequest):
@@ -160,7 +182,8 @@ class ChatCompletionRequest(SamplingRequest):
 
 class CompletionRequest(SamplingRequest):
     prompt: Annotated[Union[str, Ids, Annotated[list[Union[str, Ids]], Field(min_length=1)]],
-                      explained("'prompt' must be a string, a list of token ids, or a list of those")]
+                      explained("'prompt' must be a string, a list of token ids, "
+                                "or a list of those")]
     echo: bool = False
     suffix: Annotated[Literal[""] | None, unsupported("'suffix' is")] = None
 
@@ -168,24 +191,29 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: dict | None = None     # {"cached_tokens": N}, from an engine with a prefix cache
-    speculative_decoding: dict | None = None      # an extension: drafts made and accepted (stage 1 --speculative)
+    # {"cached_tokens": N}, from an engine with a prefix cache
+    prompt_tokens_details: dict | None = None
+    # an extension: drafts made and accepted (stage 1 --speculative)
+    speculative_decoding: dict | None = None
 
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
-    reasoning_content: str | None = None          # the <think> part (DeepSeek's and vLLM's name) ...
+    # the <think> part (DeepSeek's and vLLM's name) ...
+    reasoning_content: str | None = None
     reasoning: str | None = None                  # ... and OpenRouter's
     tool_calls: list[dict] | None = None
 
-class Delta(ChatMessage):                         # what a chunk adds to a message: only the keys it sets
+# what a chunk adds to a message: only the keys it sets
+class Delta(ChatMessage):
     role: Literal["assistant"] | None = None
 
     @model_serializer(mode="wrap")
     def _set_only(self, handler):
         return {k: v for k, v in handler(self).items() if v is not None}
 
-class ReplyChoice(BaseModel):                     # a choice of any reply: message, delta (a chunk's) or text
+# a choice of any reply: message, delta (a chunk's) or text
+class ReplyChoice(BaseModel):
     index: int
     logprobs: None = None
     finish_reason: str | None = None
@@ -198,7 +226,8 @@ class ReplyChoice(BaseModel):                     # a choice of any reply: messa
         return {k: v for k, v in handler(self).items() if k not in ("message", "delta", "text") or
                 k in self.model_fields_set}
 
-class Reply(BaseModel):                           # every generation reply and streamed chunk (as OpenAI)
+# every generation reply and streamed chunk (as OpenAI)
+class Reply(BaseModel):
     id: str
     object: Literal["chat.completion", "chat.completion.chunk", "text_completion"]
     created: int
@@ -217,26 +246,31 @@ class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
 
-# ---- bytes -> a model: a scan of the raw bytes first, for what pydantic's parser would refuse with no
-# field to name (lone surrogates, deep nesting) or read as a number (NaN); docs/server.md ----
+# ---- bytes -> a model: a scan of the raw bytes first, for what pydantic's parser would refuse with
+# no field to name (lone surrogates, deep nesting) or read as a number (NaN); docs/server.md ----
 _SURROGATE = re.compile("[\ud800-\udfff]")
-_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")     # as an escape, or as UTF-8 bytes
-_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{},]|NaN|-?Infinity')   # strings (whole), brackets, commas
+# as an escape, or as UTF-8 bytes
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+# strings (whole), brackets, commas
+_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{},]|NaN|-?Infinity')
 
 def parse_request(model: type[Strict], raw: bytes, max_depth: int) -> Strict:
-    """The body as `model`, or a 400 that names the field (on a prepare thread). The scan first follows the keys
-    down the raw bytes, so also past Python's recursion limit (100,000 '[' cost 65 steps): a 400 naming the field
-    for a container deeper than max_depth, a lone surrogate, or NaN; then pydantic validates."""
-    keys: list = []     # per open container: its index, or its key (None: the next string is the key)
+    """The body as `model`, or a 400 that names the field (on a prepare thread). The scan first
+    follows the keys down the raw bytes, so also past Python's recursion limit (100,000 '[' cost 65
+    steps): a 400 naming the field for a container deeper than max_depth, a lone surrogate, or NaN;
+    then pydantic validates."""
+    # per open container: its index, or its key (None: the next string is the key)
+    keys: list = []
     for t in _TOKEN.findall(raw):
         if t in (b"[", b"{"):
-            if len(keys) >= max_depth:      # named by its first four keys; the path shown is cut at 80 characters
+            # named by its first four keys; the path shown is cut at 80 characters
+            if len(keys) >= max_depth:
                 path = ["?" if key is None else key for key in keys]
                 field = param_of(path[:4]) if path and isinstance(path[0], str) else None
                 full = param_of(path) or ""
                 at = f" (at {full[:80]}{'...' if len(full) > 80 else ''})" if full != field else ""
-                raise bad_request(f"{field or 'the request body'} nests arrays/objects more than {max_depth} levels "
-                                  f"deep{at}; send a flatter structure", field)
+                raise bad_request(f"{field or 'the request body'} nests arrays/objects more than "
+                                  f"{max_depth} levels deep{at}; send a flatter structure", field)
             keys.append(None if t == b"{" else 0)
         elif t in (b"]", b"}"):
             del keys[-1:]
@@ -244,19 +278,22 @@ def parse_request(model: type[Strict], raw: bytes, max_depth: int) -> Strict:
             if keys:
                 keys[-1] = keys[-1] + 1 if isinstance(keys[-1], int) else None
         elif not t.startswith(b'"'):
-            raise bad_request(f"the request body is not valid JSON: {t.decode()} is not valid JSON (JSON has no "
-                              "NaN or Infinity); send a number or null", param_of(keys))
+            raise bad_request(f"the request body is not valid JSON: {t.decode()} is not valid "
+                              "JSON (JSON has no NaN or Infinity); send a number or null",
+                              param_of(keys))
         elif (is_key := bool(keys) and keys[-1] is None) or _ESCAPED_SURROGATE.search(t):
-            try:            # a key (the one its object waits for), or a value that may hold a lone surrogate
+            # a key (the one its object waits for), or a value that may hold a lone surrogate
+            try:
                 text = json.loads(t) if b"\\" in t else t[1:-1].decode("utf-8", "surrogatepass")
             except ValueError:      # a bad escape, or not UTF-8: pydantic's error says so
                 continue
             if s := _SURROGATE.search(text):
                 where = param_of(keys[:-1] if is_key else keys)
-                raise bad_request(f"{where or 'the request body'} {'has a key with' if is_key else 'contains'} "
-                                  f"a lone UTF-16 surrogate (\\u{ord(s.group()):04x} at character {s.start()}), "
-                                  "which is not valid Unicode; send the character as a surrogate pair, or "
-                                  "leave it out", where)
+                raise bad_request(f"{where or 'the request body'} "
+                                  f"{'has a key with' if is_key else 'contains'} "
+                                  f"a lone UTF-16 surrogate (\\u{ord(s.group()):04x} at character "
+                                  f"{s.start()}), which is not valid Unicode; send the character "
+                                  "as a surrogate pair, or leave it out", where)
             if is_key:
                 keys[-1] = text
     try:

@@ -1,6 +1,7 @@
-"""What the routers share: the limits, the server state (read from the model folder once), the dependencies of /v1
-(the API key; a body under the size limit, counted against --max-concurrent), and a generation: its choices (made on
-a prepare thread) submitted to the engine loop, yielding (choice, new text), answered whole or as SSE by stream()."""
+"""What the routers share: the limits, the server state (read from the model folder once), the
+dependencies of /v1 (the API key; a body under the size limit, counted against --max-concurrent),
+and a generation: its choices (made on a prepare thread) submitted to the engine loop, yielding
+(choice, new text), answered whole or as SSE by stream()."""
 import asyncio
 import contextlib
 import functools
@@ -26,12 +27,18 @@ from common.sampling import SamplingParams, generation_defaults
 from common.stopping import AnswerText
 
 class Limits(BaseModel, strict=True):
-    """What one request may ask for besides the protocol's bounds; each is checked before the work it protects."""
-    max_body_bytes: PositiveInt = 4 * 2**20    # request body (--max-body-mb); more -> 413 before any parsing
-    max_depth: PositiveInt = 64                # nesting of arrays/objects in the body; deeper -> 400
-    max_concurrent: PositiveInt = 256          # generation requests served at once (--max-concurrent); more -> 429
-    prepare_threads: PositiveInt = 2           # threads that parse, render and tokenize large bodies; bodies up
-    small_body_bytes: PositiveInt = 64 * 2**10  # to this size have 2 of their own, never queued behind large ones
+    """What one request may ask for besides the protocol's bounds; each is checked before the work
+    it protects."""
+    # request body (--max-body-mb); more -> 413 before any parsing
+    max_body_bytes: PositiveInt = 4 * 2**20
+    # nesting of arrays/objects in the body; deeper -> 400
+    max_depth: PositiveInt = 64
+    # generation requests served at once (--max-concurrent); more -> 429
+    max_concurrent: PositiveInt = 256
+    # threads that parse, render and tokenize large bodies; bodies up to small_body_bytes have
+    # 2 of their own, never queued behind large ones
+    prepare_threads: PositiveInt = 2
+    small_body_bytes: PositiveInt = 64 * 2**10
 
 @dataclass
 class ServerState:
@@ -39,53 +46,71 @@ class ServerState:
     api_key: str | None = None
     aliases: set[str] = field(default_factory=set)   # other names accepted for the model
     limits: Limits = field(default_factory=Limits)
-    loop: EngineLoop | None = None           # None while loading; with --engine-process an EngineProcess
+    # None while loading; with --engine-process an EngineProcess
+    loop: EngineLoop | None = None
     load_error: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     in_flight: int = 0                       # generation requests being served (event loop only)
-    pools: dict[str, ThreadPoolExecutor] = field(default_factory=dict)   # prepare threads: "small", "large"
-    tokenizer: Any = None                    # the rest is read from the model folder, once, in set_ready()
+    # prepare threads: "small", "large"
+    pools: dict[str, ThreadPoolExecutor] = field(default_factory=dict)
+    # the rest is read from the model folder, once, in set_ready()
+    tokenizer: Any = None
     template: Any = None
-    sampling_defaults: dict = field(default_factory=dict)   # generation_config.json's sampling values
+    # generation_config.json's sampling values
+    sampling_defaults: dict = field(default_factory=dict)
     max_ctx: int = 0
     vocab_size: int = 0
-    longest_token: int = 0                   # characters in the longest vocabulary entry (0: unknown)
+    # characters in the longest vocabulary entry (0: unknown)
+    longest_token: int = 0
     max_prompt_chars: int | None = None      # a longer text cannot fit the context (None: unknown)
 
     def set_ready(self, engine, tokenizer, template, folder, max_ctx: int | None = None) -> None:
         """Called once the engine is built (from the loading thread)."""
         self.tokenizer, self.template = tokenizer, template
         self.sampling_defaults = generation_defaults(folder)     # {} without a folder or its file
-        SamplingParams(**self.sampling_defaults)        # a bad generation_config.json fails here, not per request
+        # a bad generation_config.json fails here, not per request
+        SamplingParams(**self.sampling_defaults)
         self.max_ctx = min(x for x in (getattr(engine, "max_ctx", 0), max_ctx) if x)
-        self.vocab_size = getattr(getattr(engine, "config", None), "vocab_size", 0) or tokenizer.vocab_size
+        self.vocab_size = (getattr(getattr(engine, "config", None), "vocab_size", 0)
+                           or tokenizer.vocab_size)
         if getattr(tokenizer, "id_to_token", None) and tokenizer.vocab_size and self.max_ctx:
-            # a token covers at most its longest entry's characters (added tokens included: Qwen3's is 128),
-            # and the NFC a tokenizer may apply first shrinks a text by well under half, hence 2x
-            self.longest_token = max(len(tokenizer.id_to_token(i) or "") for i in range(tokenizer.vocab_size))
+            # a token covers at most its longest entry's characters (added tokens included: Qwen3's
+            # is 128), and the NFC a tokenizer may apply first shrinks a text by well under half,
+            # hence 2x
+            self.longest_token = max(len(tokenizer.id_to_token(i) or "")
+                                     for i in range(tokenizer.vocab_size))
             self.max_prompt_chars = 2 * self.longest_token * self.max_ctx
-        self.loop = engine if hasattr(engine, "submit") else EngineLoop(engine)   # an EngineProcess is one already
+        # an EngineProcess is one already
+        self.loop = engine if hasattr(engine, "submit") else EngineLoop(engine)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name and name not in self.aliases:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r} "
-                           "(GET /v1/models lists it)", param="model", code="model_not_found")
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                           f"{self.model_name!r} (GET /v1/models lists it)", param="model",
+                           code="model_not_found")
 
-async def require_api_key(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(
-        HTTPBearer(auto_error=False))):      # our own 401: older FastAPI would answer 403 {"detail"}
+async def require_api_key(request: Request,
+                          credentials: HTTPAuthorizationCredentials | None = Depends(
+                              # our own 401: older FastAPI would answer 403 {"detail"}
+                              HTTPBearer(auto_error=False))):
     key = request.app.state.server.api_key
-    if key and not (credentials and hmac.compare_digest(credentials.credentials.encode(), key.encode())):
-        raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' with the key the "
-                       "server was started with (--api-key)", type="authentication_error", code="invalid_api_key")
+    if key and not (credentials and hmac.compare_digest(credentials.credentials.encode(),
+                                                        key.encode())):
+        raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' with "
+                       "the key the server was started with (--api-key)",
+                       type="authentication_error", code="invalid_api_key")
 
 async def admitted_body(request: Request) -> AsyncIterator[bytes]:
-    """The body's bytes (503 while loading; 413 as soon as it is known to be too large). Once it has arrived
-    it counts against --max-concurrent (429) until its answer has ended, a stream included (FastAPI >= 0.118)."""
+    """The body's bytes (503 while loading; 413 as soon as it is known to be too large). Once it has
+    arrived it counts against --max-concurrent (429) until its answer has ended, a stream included
+    (FastAPI >= 0.118)."""
     state = request.app.state.server
     if state.loop is None:
-        raise APIError(503, state.load_error or "the model is still loading; retry when GET /healthz says 200",
+        raise APIError(503, state.load_error
+                       or "the model is still loading; retry when GET /healthz says 200",
                        type="service_unavailable", code="model_loading")
-    limit, declared, body = state.limits.max_body_bytes, request.headers.get("content-length", ""), bytearray()
+    limit, declared, body = (state.limits.max_body_bytes, request.headers.get("content-length", ""),
+                             bytearray())
     def too_large(size: str) -> APIError:
         return APIError(413, f"the request body is {size} bytes; this server takes at most {limit} "
                         "(--max-body-mb): send a shorter prompt", code="request_too_large")
@@ -99,8 +124,9 @@ async def admitted_body(request: Request) -> AsyncIterator[bytes]:
     except ClientDisconnect:
         raise APIError(400, "the client closed the connection while sending the body") from None
     if state.in_flight >= state.limits.max_concurrent:
-        raise APIError(429, f"the server is already serving {state.limits.max_concurrent} requests, its limit "
-                       "(--max-concurrent); retry in a moment", type="rate_limit_error", code="too_many_requests")
+        raise APIError(429, f"the server is already serving {state.limits.max_concurrent} "
+                       "requests, its limit (--max-concurrent); retry in a moment",
+                       type="rate_limit_error", code="too_many_requests")
     state.in_flight += 1
     try:
         yield bytes(body)
@@ -113,32 +139,40 @@ def body_schema(model) -> dict:
         "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 class Choice(AnswerText):
-    """One engine request of a generation: its prompt and sampling, and its answer so far (AnswerText)."""
-    def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams, tokenizer, parser, echo: str):
+    """One engine request of a generation: its prompt and sampling, and its answer so far
+    (AnswerText)."""
+    def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams, tokenizer,
+                 parser, echo: str):
         super().__init__(tokenizer.detokenizer(), params.stop)
-        self.index, self.id, self.prompt_ids, self.params = index, uuid.uuid4().hex, prompt_ids, params
+        self.index, self.id, self.prompt_ids, self.params = (index, uuid.uuid4().hex,
+                                                             prompt_ids, params)
         self.parser: StreamParser | None = parser() if parser else None
         self.echo = echo                     # completions: the text shown before the answer
 
 class Generation:
-    """A request's choices (made on a prepare thread); start() submits them, events() yields (choice, new text)."""
-    def __init__(self, state: ServerState, req: SamplingRequest, prompts: dict[str, str | list[int]],
-                 max_tokens: int | None, prefix: str, parser: Callable[[], StreamParser] | None = None,
-                 echo: bool = False):
-        """req.n choices per prompt ({param: text or ids}), each tokenized once; a 400 at its param if it cannot fit (a
-        text judged by its length first). Sampling: the request's SamplingParams fields over generation_config.json's;
-        max_tokens at most the room the prompt leaves (unset: generation_config.json's
-        max_new_tokens, else all of the room, as vLLM); seeds seed+i, reproducible."""
+    """A request's choices (made on a prepare thread); start() submits them, events() yields
+    (choice, new text)."""
+    def __init__(self, state: ServerState, req: SamplingRequest,
+                 prompts: dict[str, str | list[int]], max_tokens: int | None, prefix: str,
+                 parser: Callable[[], StreamParser] | None = None, echo: bool = False):
+        """req.n choices per prompt ({param: text or ids}), each tokenized once; a 400 at its param
+        if it cannot fit (a text judged by its length first). Sampling: the request's SamplingParams
+        fields over generation_config.json's; max_tokens at most the room the prompt leaves
+        (unset: generation_config.json's max_new_tokens, else all of the room, as vLLM); seeds
+        seed+i, reproducible."""
         self.state, self.stream, self.choices = state, req.stream, []
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        self.id, self.created, self.queue = f"{prefix}-{uuid.uuid4().hex}", int(time.time()), asyncio.Queue()
+        self.id, self.created, self.queue = (f"{prefix}-{uuid.uuid4().hex}", int(time.time()),
+                                             asyncio.Queue())
         asked = req.model_dump(include={f.name for f in fields(SamplingParams)} - {"max_tokens"})
         for param, prompt in prompts.items():
-            if isinstance(prompt, str) and state.max_prompt_chars is not None and len(prompt) > state.max_prompt_chars:
-                raise bad_request(f"the prompt has {len(prompt)} characters; a context of {state.max_ctx} tokens "
-                                  f"holds at most {state.max_prompt_chars} (a token covers at most "
-                                  f"{state.longest_token} characters); shorten the prompt or start the server "
-                                  "with a larger --max-ctx", param)
+            if (isinstance(prompt, str) and state.max_prompt_chars is not None
+                    and len(prompt) > state.max_prompt_chars):
+                raise bad_request(f"the prompt has {len(prompt)} characters; a context of "
+                                  f"{state.max_ctx} tokens holds at most {state.max_prompt_chars} "
+                                  f"(a token covers at most {state.longest_token} characters); "
+                                  "shorten the prompt or start the server with a larger --max-ctx",
+                                  param)
             ids = state.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
             try:
                 check_prompt(ids, state.max_ctx, state.vocab_size)
@@ -149,29 +183,36 @@ class Generation:
             wanted = max_tokens or state.sampling_defaults.get("max_tokens") or room
             p = SamplingParams.from_defaults(state.sampling_defaults, max_tokens=min(wanted, room),
                                              **asked)
-            shown = (prompt if isinstance(prompt, str) else state.tokenizer.decode(ids)) if echo else ""
-            self.choices += [Choice(len(self.choices) + i, ids, replace(p, seed=None if p.seed is None else p.seed + i),
+            shown = ((prompt if isinstance(prompt, str) else state.tokenizer.decode(ids))
+                     if echo else "")
+            self.choices += [Choice(len(self.choices) + i, ids,
+                                    replace(p, seed=None if p.seed is None else p.seed + i),
                                     state.tokenizer, parser, shown) for i in range(req.n)]
 
     @classmethod
-    async def start(cls, request: Request, raw: bytes, prepare: Callable[[ServerState, bytes], "Generation"]
-                    ) -> "Generation":
-        """prepare(state, raw) on a prepare thread (its time grows with the body; the event loop stays free),
-        then its choices submitted, each with a sink that puts (choice, event) on the queue."""
+    async def start(cls, request: Request, raw: bytes,
+                    prepare: Callable[[ServerState, bytes], "Generation"]) -> "Generation":
+        """prepare(state, raw) on a prepare thread (its time grows with the body; the event loop
+        stays free), then its choices submitted, each with a sink that puts (choice, event) on the
+        queue."""
         state, loop = request.app.state.server, asyncio.get_running_loop()
         pool = state.pools["small" if len(raw) <= state.limits.small_body_bytes else "large"]
         gen = await loop.run_in_executor(pool, prepare, state, raw)
 
-        def sink(c: Choice, item):      # called on the engine thread: call_soon_threadsafe is the safe way in
+        # called on the engine thread: call_soon_threadsafe is the safe way in
+        def sink(c: Choice, item):
             with contextlib.suppress(RuntimeError):       # the event loop is closed: shutting down
                 loop.call_soon_threadsafe(gen.queue.put_nowait, (c, item))
 
         for c in gen.choices:
-            state.loop.submit(EngineRequest(c.id, c.prompt_ids, c.params), functools.partial(sink, c))
+            state.loop.submit(EngineRequest(c.id, c.prompt_ids, c.params),
+                              functools.partial(sink, c))
         return gen
 
-    def reply(self, kind: str, **fields) -> Reply:     # a reply or chunk of this generation (its "object")
-        return Reply(id=self.id, object=kind, created=self.created, model=self.state.model_name, **fields)
+    # a reply or chunk of this generation (its "object")
+    def reply(self, kind: str, **fields) -> Reply:
+        return Reply(id=self.id, object=kind, created=self.created, model=self.state.model_name,
+                     **fields)
 
     async def events(self):
         while not all(c.done for c in self.choices):
@@ -196,23 +237,31 @@ class Generation:
                 self.state.loop.abort(c.id)
 
     def usage(self) -> Usage:
-        firsts = {tuple(c.prompt_ids): c for c in reversed(self.choices)}   # a prompt of n choices counts once
+        # a prompt of n choices counts once
+        firsts = {tuple(c.prompt_ids): c for c in reversed(self.choices)}
         prompt, completion = sum(map(len, firsts)), sum(c.n_tokens for c in self.choices)
-        usage = Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-        cached = getattr(self.state.loop.engine, "num_cached_tokens", None)   # an engine with a prefix cache
+        usage = Usage(prompt_tokens=prompt, completion_tokens=completion,
+                      total_tokens=prompt + completion)
+        # an engine with a prefix cache
+        cached = getattr(self.state.loop.engine, "num_cached_tokens", None)
         if cached is not None:
-            usage.prompt_tokens_details = {"cached_tokens": sum(cached(c.id) for c in firsts.values())}
-        spec = getattr(self.state.loop.engine, "speculation", None)         # an engine with speculative decoding
-        if spec is not None and (runs := [s for s in map(spec, (c.id for c in self.choices)) if s is not None]):
+            usage.prompt_tokens_details = {
+                "cached_tokens": sum(cached(c.id) for c in firsts.values())}
+        # an engine with speculative decoding
+        spec = getattr(self.state.loop.engine, "speculation", None)
+        if spec is not None and (runs := [s for s in map(spec, (c.id for c in self.choices))
+                                          if s is not None]):
             usage.speculative_decoding = sum(runs[1:], runs[0]).usage()
         return usage
 
     async def run_to_end(self, request: Request, on_text: Callable = lambda c, text: None) -> None:
-        """Drive a non-streaming generation; a disconnect first ends it with an error nobody reads."""
+        """Drive a non-streaming generation; a disconnect first ends it with an error nobody
+        reads."""
         async def watch():       # the body was read, so the next message is the disconnect
             while (await request.receive())["type"] != "http.disconnect":
                 pass
-            self.queue.put_nowait((None, APIError(400, "the client closed the connection before the answer was ready")))
+            self.queue.put_nowait((None, APIError(
+                400, "the client closed the connection before the answer was ready")))
 
         watcher = asyncio.ensure_future(watch())
         try:
@@ -220,13 +269,15 @@ class Generation:
                 on_text(c, text)
         finally:
             watcher.cancel()
-            self.close()     # aborts whatever has not finished (client gone, or an error in one choice)
+            # aborts whatever has not finished (client gone, or an error in one choice)
+            self.close()
 
-def stream(gen: Generation, kind: str, first: Iterable[Reply], pieces: Callable[[Choice, str], Iterable[Reply]]
-           ) -> StreamingResponse:
-    """An SSE answer of `kind` chunks: the `first` ones, then pieces(choice, new_text) as text arrives, the usage chunk
-    when asked for, and [DONE]; an engine error ends it as an error event. Starlette cancels it when the client
-    disconnects, even while no token is ready (it listens under uvicorn's ASGI 2.3); gen.close() aborts the rest."""
+def stream(gen: Generation, kind: str, first: Iterable[Reply],
+           pieces: Callable[[Choice, str], Iterable[Reply]]) -> StreamingResponse:
+    """An SSE answer of `kind` chunks: the `first` ones, then pieces(choice, new_text) as text
+    arrives, the usage chunk when asked for, and [DONE]; an engine error ends it as an error event.
+    Starlette cancels it when the client disconnects, even while no token is ready (it listens under
+    uvicorn's ASGI 2.3); gen.close() aborts the rest."""
     async def events():
         try:
             for chunk in first:
@@ -238,7 +289,8 @@ def stream(gen: Generation, kind: str, first: Iterable[Reply], pieces: Callable[
             except APIError as e:
                 yield f"data: {json.dumps(e.body, ensure_ascii=False)}\n\n"
             if gen.include_usage:
-                yield f"data: {gen.reply(kind, choices=[], usage=gen.usage()).model_dump_json()}\n\n"
+                yield ("data: "
+                       f"{gen.reply(kind, choices=[], usage=gen.usage()).model_dump_json()}\n\n")
             yield "data: [DONE]\n\n"
         finally:
             gen.close()

@@ -67,24 +67,29 @@ BANNER_WIDTH = 80       # a terminal's classic width: no line of the banner is l
 @dataclass
 class TurnStats:
     prompt_tokens: int           # tokens in the rendered conversation sent to the engine
-    cached_tokens: int | None    # of those, how many the engine re-used from its cache (None: not reported)
+    # of those, how many the engine re-used from its cache (None: not reported)
+    cached_tokens: int | None
     generated_tokens: int        # tokens the engine produced (the end-of-turn token included)
     ttft: float                  # seconds from add_request to the first token: the prefill
     decode_time: float           # seconds from the first token to the last
     finish_reason: str           # "stop" | "length" | "abort" | "error"
-    speculation: str | None = None   # speculative decoding: "2.6 tokens/step, 61 % of drafts accepted"
+    # speculative decoding: "2.6 tokens/step, 61 % of drafts accepted"
+    speculation: str | None = None
 
     def line(self) -> str:
         """One line for after the answer: sizes, then prefill and decode speed."""
         cached = f" ({self.cached_tokens} cached)" if self.cached_tokens else ""
-        parts = [f"{self.prompt_tokens} prompt tokens{cached}", f"{self.generated_tokens} generated"]
+        parts = [f"{self.prompt_tokens} prompt tokens{cached}",
+                 f"{self.generated_tokens} generated"]
         if self.generated_tokens:
             # prefill speed counts only the tokens actually computed (not the cached prefix)
             new = self.prompt_tokens - (self.cached_tokens or 0)
-            parts.append(f"prefill {new / max(self.ttft, 1e-9):.1f} tok/s ({self.ttft:.2f} s to first token)")
+            parts.append(f"prefill {new / max(self.ttft, 1e-9):.1f} tok/s "
+                         f"({self.ttft:.2f} s to first token)")
         if self.generated_tokens > 1:
             # the first token came out of the prefill step; decode made the other n-1
-            parts.append(f"decode {(self.generated_tokens - 1) / max(self.decode_time, 1e-9):.1f} tok/s")
+            parts.append(
+                f"decode {(self.generated_tokens - 1) / max(self.decode_time, 1e-9):.1f} tok/s")
         if self.speculation:
             parts.append(self.speculation)
         if self.finish_reason != "stop":
@@ -262,7 +267,8 @@ class Chat:
         self.max_tokens = max_tokens    # cap per answer; None = until the context is full
         self.ui = ui
         self.system = system
-        self.thinking = thinking        # /think: show thinking, and (Qwen3) enable_thinking in the template
+        # /think: show thinking, and (Qwen3) enable_thinking in the template
+        self.thinking = thinking
         self.show_prompt = show_prompt
         self.messages: list[dict] = []
         self._ids = itertools.count(1)
@@ -297,7 +303,8 @@ class Chat:
                 return True
             state = "on" if self.thinking else "off"
             how = ("the template's enable_thinking follows it" if self.template.has_thinking
-                   else "this model's template has no thinking switch; <think> text is shown or hidden")
+                   else "this model's template has no thinking switch; "
+                        "<think> text is shown or hidden")
             self.ui.notice(f"Thinking {state} ({how}).")
         elif cmd == "/help":
             self.ui.notice(HELP)
@@ -307,7 +314,8 @@ class Chat:
 
     # ---- one turn -----------------------------------------------------------
     def render(self) -> str:
-        return self.template.render(self.messages, add_generation_prompt=True, enable_thinking=self.thinking)
+        return self.template.render(self.messages, add_generation_prompt=True,
+                                    enable_thinking=self.thinking)
 
     def ask(self, text: str) -> TurnStats | None:
         """Send one user message; stream the answer; keep it in the conversation."""
@@ -349,9 +357,11 @@ class Chat:
     def _stream(self, req: Request, prompt: str) -> tuple[str, TurnStats]:
         """Drive the engine until `req` finishes, showing text as it comes."""
         ui = self.ui
-        answer = AnswerText(self.tokenizer.detokenizer())   # events -> text, end-of-turn ids left out
+        # events -> text, end-of-turn ids left out
+        answer = AnswerText(self.tokenizer.detokenizer())
         # the parser always recognises <think>; /think decides whether it is shown
-        parser = StreamParser(thinking=True, tools=False, start_in_reasoning=prompt_opens_think(prompt))
+        parser = StreamParser(thinking=True, tools=False,
+                              start_in_reasoning=prompt_opens_think(prompt))
         n_reasoning, t_first = 0, None
 
         def show(deltas):
@@ -362,7 +372,8 @@ class Chat:
                         ui.reasoning(d.text)
                     else:
                         n_reasoning += 1
-                        ui.waiting(f"thinking (hidden, /think on shows it) · {answer.n_tokens} tokens")
+                        ui.waiting("thinking (hidden, /think on shows it) · "
+                                   f"{answer.n_tokens} tokens")
                 elif d.kind == "content":
                     ui.content(d.text)
 
@@ -373,10 +384,12 @@ class Chat:
             aborted = False
             while not answer.done:
                 if ctrl_c.hit and not aborted:
-                    self.engine.abort(req.id)    # the next step reports it with finish_reason "abort"
+                    # the next step reports it with finish_reason "abort"
+                    self.engine.abort(req.id)
                     aborted = True
                 if not self.engine.has_work():   # it ended without an event: the same as one
-                    show(parser.feed(answer.feed(TokenEvent(req.id, -1, "abort" if aborted else "stop"))))
+                    show(parser.feed(answer.feed(
+                        TokenEvent(req.id, -1, "abort" if aborted else "stop"))))
                     break
                 for ev in self.engine.step():
                     if ev.request_id == req.id:
@@ -389,9 +402,12 @@ class Chat:
 
         t_first = t_first or t_end
         n_prompt = len(req.prompt_ids)
-        spec = getattr(self.engine, "last_speculation", None)      # an engine with speculative decoding
-        stats = TurnStats(prompt_tokens=n_prompt, cached_tokens=_cached_tokens(self.engine, n_prompt, req.id),
-                          generated_tokens=n_generated, ttft=t_first - t0, decode_time=t_end - t_first,
+        # an engine with speculative decoding
+        spec = getattr(self.engine, "last_speculation", None)
+        stats = TurnStats(prompt_tokens=n_prompt,
+                          cached_tokens=_cached_tokens(self.engine, n_prompt, req.id),
+                          generated_tokens=n_generated, ttft=t_first - t0,
+                          decode_time=t_end - t_first,
                           finish_reason=finish, speculation=spec.line() if spec else None)
         note = None
         used = n_prompt + n_generated
@@ -406,7 +422,8 @@ class Chat:
 
 # --------------------------------------------------------------------------- input
 
-PROMPT_TTY = "\001\033[1;32m\002> \001\033[0m\002"   # \001..\002 tell readline the colour codes take no room
+# \001..\002 tell readline the colour codes take no room
+PROMPT_TTY = "\001\033[1;32m\002> \001\033[0m\002"
 
 
 def _read_tty() -> Iterator[str]:
@@ -479,7 +496,8 @@ def run_chat(engine, tokenizer, template, params: SamplingParams | None = None, 
         sampling = f"Sampling: {describe_sampling(chat.params)}" + (
             f"; answers of at most {max_tokens} tokens." if max_tokens else ".")
         ui.notice("\n".join(fit_lines([sampling, "/help for commands, Ctrl-D to leave."], sep=" ")))
-    source = messages(_read_plain(lines if lines is not None else sys.stdin) if plain else _read_tty())
+    source = messages(_read_plain(lines if lines is not None else sys.stdin) if plain
+                      else _read_tty())
     for line in source:
         if not chat.handle(line):
             break
@@ -549,22 +567,29 @@ def chat_sampling(folder: Path | None, args: argparse.Namespace) -> SamplingPara
     return SamplingParams.from_generation_config(
         folder, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty, seed=args.seed)
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        seed=args.seed)
 
 
 def build_parser(prog: str | None = None, add_args: Callable | None = None,
                  description: str | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=description or "Chat with a model in the terminal.")
+    p = argparse.ArgumentParser(prog=prog,
+                                description=description or "Chat with a model in the terminal.")
     p.add_argument("--model", default=None, metavar="DIR|NAME",
-                   help="a Hugging Face model folder (config.json, *.safetensors, tokenizer.json), "
-                        "or a known name; default: SmolLM2-135M-Instruct, fetched and converted once")
+                   help="a Hugging Face model folder (config.json, *.safetensors, "
+                        "tokenizer.json), or a known name; default: SmolLM2-135M-Instruct, "
+                        "fetched and converted once")
     p.add_argument("--max-ctx", type=int, default=4096, metavar="N",
-                   help="tokens the conversation may hold, prompt and answers together (default 4096)")
-    p.add_argument("--system", default=None, metavar="TEXT", help="a system message at the start of the conversation")
+                   help="tokens the conversation may hold, prompt and answers together "
+                        "(default 4096)")
+    p.add_argument("--system", default=None, metavar="TEXT",
+                   help="a system message at the start of the conversation")
     p.add_argument("--think", choices=["on", "off"], default="on",
-                   help="start with thinking shown / enabled (Qwen3); /think switches it later (default on)")
-    s = p.add_argument_group("sampling (defaults: the model's generation_config.json, else temperature 1, "
-                             "no top-k / top-p; the default model's: greedy, presence penalty 0.5)")
+                   help="start with thinking shown / enabled (Qwen3); /think switches it later "
+                        "(default on)")
+    s = p.add_argument_group("sampling (defaults: the model's generation_config.json, else "
+                             "temperature 1, no top-k / top-p; the default model's: "
+                             "greedy, presence penalty 0.5)")
     s.add_argument("--temperature", type=float, default=None, metavar="T", help="0 = greedy")
     s.add_argument("--top-p", type=float, default=None, metavar="P")
     s.add_argument("--top-k", type=int, default=None, metavar="K")
@@ -575,7 +600,8 @@ def build_parser(prog: str | None = None, add_args: Callable | None = None,
                    help="subtracted from the logit of every token the answer already holds")
     s.add_argument("--frequency-penalty", type=float, default=None, metavar="F",
                    help="subtracted once per time the answer already holds the token")
-    s.add_argument("--seed", type=int, default=None, metavar="N", help="the same seed gives the same answers")
+    s.add_argument("--seed", type=int, default=None, metavar="N",
+                   help="the same seed gives the same answers")
     s.add_argument("--max-tokens", type=int, default=None, metavar="N",
                    help="at most N tokens per answer (default: the model's generation_config.json "
                         "max_new_tokens, else until the answer ends or the context is full)")
@@ -605,7 +631,8 @@ def main(build_engine: Callable, argv: list[str] | None = None, prog: str | None
         return 130
 
 
-def _load_and_chat(build_engine: Callable, args: argparse.Namespace, describe: Callable | None) -> int:
+def _load_and_chat(build_engine: Callable, args: argparse.Namespace,
+                   describe: Callable | None) -> int:
     interactive = sys.stdin.isatty()
     import rich
     from rich.console import Console
@@ -613,7 +640,8 @@ def _load_and_chat(build_engine: Callable, args: argparse.Namespace, describe: C
     err = Console(stderr=True, highlight=False)
 
     def fail(message: str) -> int:
-        err.print(f"error: {message}", style="bold red", markup=False, highlight=False, soft_wrap=True)
+        err.print(f"error: {message}", style="bold red", markup=False, highlight=False,
+                  soft_wrap=True)
         return 2
 
     if args.max_ctx < 2:
@@ -664,7 +692,8 @@ def _load_and_chat(build_engine: Callable, args: argparse.Namespace, describe: C
     _warm_up(engine, shared if interactive else err, interactive)
 
     show_prompt = args.show_prompt or os.environ.get(SHOW_PROMPT_ENV, "") not in ("", "0")
-    return run_chat(engine, tokenizer, template, params, system=args.system, thinking=args.think == "on",
-                    show_prompt=show_prompt, max_tokens=max_tokens, plain=not interactive,
+    return run_chat(engine, tokenizer, template, params, system=args.system,
+                    thinking=args.think == "on", show_prompt=show_prompt, max_tokens=max_tokens,
+                    plain=not interactive,
                     console=console, banner=banner)
 

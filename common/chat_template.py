@@ -55,7 +55,8 @@ def _raise_exception(message: str):
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
     # plain json.dumps: Jinja's built-in tojson escapes <, >, & and ' for HTML,
     # which would change the prompt (tool schemas often contain them)
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
 
 
 def _strftime_now(fmt: str) -> str:
@@ -92,7 +93,8 @@ def _prepare_messages(messages: list[dict]) -> list[dict]:
     prepared = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise ChatTemplateError(f"message {i} is a {type(message).__name__}, not a dict with 'role' and 'content'")
+            raise ChatTemplateError(f"message {i} is a {type(message).__name__}, not a dict "
+                                    "with 'role' and 'content'")
         m = dict(message)
         if m.get("content", "") is None:
             # OpenAI clients send content=null next to tool_calls; templates such as
@@ -120,7 +122,8 @@ class ChatTemplate:
         try:
             self._template = _environment().from_string(template_str)
         except jinja2.TemplateSyntaxError as e:
-            raise ChatTemplateError(f"{name} has a Jinja syntax error at line {e.lineno}: {e.message}") from None
+            raise ChatTemplateError(f"{name} has a Jinja syntax error at line {e.lineno}: "
+                                    f"{e.message}") from None
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ChatTemplate":
@@ -143,8 +146,8 @@ class ChatTemplate:
         if isinstance(template, list):   # several named templates: take "default"
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             if "default" not in named:
-                raise ChatTemplateError(f"{cfg_path} lists chat templates {sorted(map(str, named))} "
-                                        "but none named 'default'")
+                raise ChatTemplateError(f"{cfg_path} lists chat templates "
+                                        f"{sorted(map(str, named))} but none named 'default'")
             template = named["default"]
         if isinstance(template, str) and template.strip():
             return cls(template, bos, eos, name=f"{cfg_path} chat_template")
@@ -160,8 +163,8 @@ class ChatTemplate:
         UI can offer /think on|off."""
         return "enable_thinking" in self.source
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, enable_thinking: bool = True,
-               tools: list[dict] | None = None, **extra) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               enable_thinking: bool = True, tools: list[dict] | None = None, **extra) -> str:
         """The prompt text for `messages` ([{"role": ..., "content": ...}, ...]).
 
         tools: OpenAI-style tool definitions ({"type": "function", "function": {...}}).
@@ -182,5 +185,6 @@ class ChatTemplate:
             raise ChatTemplateError(f"{self.name} failed on these messages: {e}") from None
         except (TypeError, AttributeError, KeyError, IndexError, ValueError, ArithmeticError) as e:
             # e.g. content given as a list of parts to a template that adds strings
-            raise ChatTemplateError(f"{self.name} failed on these messages ({type(e).__name__}: {e}); "
-                                    "check that each message has a string 'role' and 'content'") from None
+            raise ChatTemplateError(f"{self.name} failed on these messages "
+                                    f"({type(e).__name__}: {e}); check that each message has a "
+                                    "string 'role' and 'content'") from None

@@ -114,7 +114,8 @@ class ModelConfig:
     norm_topk_prob: bool = False # renormalise the k chosen router weights to sum to 1
     decoder_sparse_step: int = 1 # every n-th layer is MoE ...
     mlp_only_layers: list[int] = field(default_factory=list)  # ... except these, which stay dense
-    shared_expert_intermediate_size: int = 0  # qwen2_moe: width of the shared expert every token goes through
+    # qwen2_moe: width of the shared expert every token goes through
+    shared_expert_intermediate_size: int = 0
     # --- special tokens ---
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -143,16 +144,17 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for rotate-half RoPE, got {self.head_dim}")
         if moe and not (0 < self.num_experts_per_tok <= self.num_experts):
-            raise ConfigError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts "
-                              f"({self.num_experts})")
+            raise ConfigError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in "
+                              f"1..num_experts ({self.num_experts})")
         r = self.rope_scaling
         if r is not None:
             if not all(map(is_positive, vars(r).values())):
                 raise ConfigError(f"llama3 rope scaling needs all its factors and "
                                   f"original_max_position_embeddings > 0, got {r}")
             if r.high_freq_factor <= r.low_freq_factor:
-                raise ConfigError(f"llama3 rope scaling needs high_freq_factor ({r.high_freq_factor}) > "
-                                  f"low_freq_factor ({r.low_freq_factor}): the blend divides by their difference")
+                raise ConfigError("llama3 rope scaling needs high_freq_factor "
+                                  f"({r.high_freq_factor}) > low_freq_factor "
+                                  f"({r.low_freq_factor}): the blend divides by their difference")
 
     @property
     def qk_norm(self) -> bool:
@@ -194,9 +196,11 @@ class ModelConfig:
             family = d.get("model_type") if d.get("model_type") in ARCHITECTURES.values() else None
             if family is None:
                 raise ConfigError("config.json has no 'architectures' and an unknown 'model_type' "
-                                  f"({d.get('model_type')!r}); supported: " + ", ".join(ARCHITECTURES))
+                                  f"({d.get('model_type')!r}); supported: "
+                                  + ", ".join(ARCHITECTURES))
         elif not isinstance(arch, str) or arch not in ARCHITECTURES:
-            raise ConfigError(f"architecture {arch!r} is not supported; supported: " + ", ".join(ARCHITECTURES))
+            raise ConfigError(f"architecture {arch!r} is not supported; supported: "
+                              + ", ".join(ARCHITECTURES))
         else:
             family = ARCHITECTURES[arch]
 
@@ -206,13 +210,14 @@ class ModelConfig:
             return d[key]
 
         if family in ("qwen3", "qwen3_moe", "llama") and d.get("attention_bias"):
-            raise ConfigError(f"attention_bias=true is not supported for {family} (its checkpoints have no "
-                              "bias; only qwen2 and qwen2_moe have q/k/v biases)")
+            raise ConfigError(f"attention_bias=true is not supported for {family} (its "
+                              "checkpoints have no bias; only qwen2 and qwen2_moe have q/k/v "
+                              "biases)")
         if d.get("mlp_bias"):
             raise ConfigError("mlp_bias=true is not supported (the MLP projections have no bias)")
         if d.get("use_sliding_window") or "sliding_attention" in str(d.get("layer_types")):
-            raise ConfigError("sliding-window attention (use_sliding_window=true) is not supported; "
-                              "every layer must attend over the whole context")
+            raise ConfigError("sliding-window attention (use_sliding_window=true) is not "
+                              "supported; every layer must attend over the whole context")
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"hidden_act {act!r} is not supported; only 'silu' (SwiGLU)")
@@ -299,7 +304,8 @@ class ModelConfig:
 
     @staticmethod
     def _add_generation_eos(cfg: "ModelConfig", folder: Path) -> None:
-        """generation_config.json may list more end-of-turn ids (Qwen3: <|im_end|> and <|endoftext|>)."""
+        """generation_config.json may list more end-of-turn ids (Qwen3: <|im_end|> and
+        <|endoftext|>)."""
         gen = folder / "generation_config.json"
         if folder.is_dir() and gen.is_file():
             g = read_json(gen).get("eos_token_id")

@@ -21,7 +21,8 @@ class Request:
 @dataclass
 class TokenEvent:
     request_id: str
-    token_id: int                # the token produced this step (-1 when none: abort, or an error before any token)
+    # the token produced this step (-1 when none: abort, or an error before any token)
+    token_id: int
     finish_reason: str | None    # None while running, then "stop" | "length" | "abort" | "error"
     # With "stop" the event carries the token that stopped the sequence (an eos id or
     # one of stop_token_ids): it is not part of the answer text. With "length" the

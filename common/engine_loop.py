@@ -22,9 +22,11 @@ log = logging.getLogger("qwen3-stages.server")   # the server's logger (all its 
 Sink = Callable[[TokenEvent | Exception], None]
 
 class EngineLoop:
-    """Owns the engine; submit() and abort() append under a lock, the thread applies them between steps."""
+    """Owns the engine; submit() and abort() append under a lock, the thread applies them between
+    steps."""
     def __init__(self, engine, on_step: Callable[[], None] = lambda: None):
-        self.engine, self.cond, self.on_step = engine, threading.Condition(), on_step   # on_step(): after a step
+        # on_step(): after a step
+        self.engine, self.cond, self.on_step = engine, threading.Condition(), on_step
         self._adds: list[tuple[Request, Sink]] = []
         self._aborts: list[str] = []
         self._stop = self.busy = False       # busy: the engine had work after the last step
@@ -60,7 +62,8 @@ class EngineLoop:
                 if self._stop:
                     return
                 (adds, self._adds), (aborts, self._aborts) = (self._adds, []), (self._aborts, [])
-            for req, sink in adds:      # 2. new requests join the engine; a prompt it cannot take fails alone
+            # 2. new requests join the engine; a prompt it cannot take fails alone
+            for req, sink in adds:
                 try:
                     self.engine.add_request(req)
                     self.sinks[req.id] = sink
@@ -74,19 +77,24 @@ class EngineLoop:
             except Exception as e:
                 self._fail(e)
                 events = []
-            for ev in events:           # 5. each token to its request; "error": the engine made none for it
-                sink = self.sinks.pop(ev.request_id, None) if ev.finish_reason else self.sinks.get(ev.request_id)
+            # 5. each token to its request; "error": the engine made none for it
+            for ev in events:
+                sink = (self.sinks.pop(ev.request_id, None) if ev.finish_reason
+                        else self.sinks.get(ev.request_id))
                 if sink is not None:    # (stage 3's sampler on a row of non-finite logits)
-                    sink(RuntimeError("the engine could not produce a token for this request (its logits "
-                                      "were not finite)") if ev.finish_reason == "error" else ev)
+                    sink(RuntimeError("the engine could not produce a token for this request "
+                                      "(its logits were not finite)")
+                         if ev.finish_reason == "error" else ev)
             with self.cond:
                 self.busy = self.engine.has_work()
             self.on_step()
 
     def _fail(self, e: Exception) -> None:
-        """A bug or an out-of-memory fails the requests in flight (a server error) and drops them; the loop goes on."""
+        """A bug or an out-of-memory fails the requests in flight (a server error) and drops them;
+        the loop goes on."""
         log.error("engine step failed: %s: %s", type(e).__name__, e, exc_info=e)
         for rid in list(self.sinks):
             self.sinks.pop(rid)(RuntimeError(f"the engine failed: {type(e).__name__}: {e}"))
-            with contextlib.suppress(Exception):     # a broken engine may fail to abort: the loss is reported
+            # a broken engine may fail to abort: the loss is reported
+            with contextlib.suppress(Exception):
                 self.engine.abort(rid)

@@ -1,8 +1,9 @@
-"""An engine in a child process (--engine-process), in the server as its EngineLoop would be (submit,
-abort, idle, stop). The child runs an EngineLoop of its own: it steps while it has work and sends each
-step's events in one message. A Request crosses the pipe one way, TokenEvents (ids) the other. If the
-child dies, the pipe closes: what it held fails, and a new child starts ("spawn": a fork of a threaded
-server is not safe, so the builder is pickled by name and must be a module-level function)."""
+"""An engine in a child process (--engine-process), in the server as its EngineLoop would be
+(submit, abort, idle, stop). The child runs an EngineLoop of its own: it steps while it has work and
+sends each step's events in one message. A Request crosses the pipe one way, TokenEvents (ids) the
+other. If the child dies, the pipe closes: what it held fails, and a new child starts ("spawn": a
+fork of a threaded server is not safe, so the builder is pickled by name and must be a module-level
+function)."""
 import functools
 import multiprocessing
 import signal
@@ -15,12 +16,16 @@ from common.engine_loop import EngineLoop, Sink, log
 
 def _child(conn, build_engine, folder, args) -> None:
     """Build the engine and run an EngineLoop on it, with the calls that come down the pipe."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)      # Ctrl-C stops the server, which stops the child
+    # Ctrl-C stops the server, which stops the child
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     engine = build_engine(folder, args)
-    conn.send((engine.max_ctx, getattr(engine, "config", None)))     # what the server reads of the engine
-    out: list[tuple[str, TokenEvent | Exception]] = []   # this step's (request id, event), on the engine thread
+    # what the server reads of the engine
+    conn.send((engine.max_ctx, getattr(engine, "config", None)))
+    # this step's (request id, event), on the engine thread
+    out: list[tuple[str, TokenEvent | Exception]] = []
 
-    def sink(rid: str, item) -> None:   # an error crosses as what it is to the server: a ValueError (400) or not
+    # an error crosses as what it is to the server: a ValueError (400) or not
+    def sink(rid: str, item) -> None:
         out.append((rid, item if isinstance(item, TokenEvent) else
                     (ValueError if isinstance(item, ValueError) else RuntimeError)(str(item))))
 
@@ -39,29 +44,35 @@ def _child(conn, build_engine, folder, args) -> None:
     loop.stop()
 
 class EngineProcess:
-    """The server's side: submit() and abort() go down the pipe, and a reader thread (_read) hands events back."""
+    """The server's side: submit() and abort() go down the pipe, and a reader thread (_read) hands
+    events back."""
     engine = None                             # it is in the child (usage has no prefix-cache count)
 
     def __init__(self, build_engine, folder, args):
-        self.child_args = (build_engine, folder, args)   # build_engine(folder, args) runs in the child
+        # build_engine(folder, args) runs in the child
+        self.child_args = (build_engine, folder, args)
         self.lock, self.restarts, self.stopping = threading.RLock(), 0, False
-        self.up = True                        # False from a death until the new child has loaded (/healthz)
+        # False from a death until the new child has loaded (/healthz)
+        self.up = True
         self.sinks: dict[str, Sink] = {}      # the requests sent to this child
-        self.waiting: dict[str, tuple[Request, Sink]] = {}   # submitted while there was no child to take them
+        # submitted while there was no child to take them
+        self.waiting: dict[str, tuple[Request, Sink]] = {}
         self._start()
         threading.Thread(target=self._read, name="engine-process", daemon=True).start()
 
     def _start(self) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child_end = ctx.Pipe()
-        self.proc = ctx.Process(target=_child, args=(child_end, *self.child_args), name="engine", daemon=True)
+        self.proc = ctx.Process(target=_child, args=(child_end, *self.child_args), name="engine",
+                                daemon=True)
         self.proc.start()
         child_end.close()          # so that the child's death closes the pipe for us
         try:
             self.max_ctx, self.config = self.conn.recv()
         except EOFError:
             self.proc.join(5)
-            raise RuntimeError(f"the engine process exited while loading (exit code {self.proc.exitcode})") from None
+            raise RuntimeError("the engine process exited while loading "
+                               f"(exit code {self.proc.exitcode})") from None
 
     def submit(self, req: Request, sink: Sink) -> None:
         with self.lock:
@@ -70,7 +81,8 @@ class EngineProcess:
                 try:
                     self.conn.send(("add", req))
                     return
-                except OSError:               # a child that has just died: the reader thread starts the next
+                # a child that has just died: the reader thread starts the next
+                except OSError:
                     del self.sinks[req.id]
             self.waiting[req.id] = (req, sink)
 
@@ -93,8 +105,9 @@ class EngineProcess:
         self.proc.kill()                      # (a child that has exited is not signalled)
 
     def _read(self) -> None:
-        """The reader thread: each event to its request's sink, until the pipe closes (the child died). Then what
-        the dead child held fails, and a new child starts (retried each second) and takes what waits."""
+        """The reader thread: each event to its request's sink, until the pipe closes (the child
+        died). Then what the dead child held fails, and a new child starts (retried each second) and
+        takes what waits."""
         while not self.stopping:
             with suppress(EOFError, OSError):
                 while True:
@@ -126,6 +139,8 @@ class EngineProcess:
         if self.stopping:
             return
         with self.lock:                       # (an RLock: submit() takes it too)
-            waiting, self.waiting, self.up, self.restarts = self.waiting, {}, True, self.restarts + 1
+            waiting, self.waiting, self.up, self.restarts = (self.waiting, {}, True,
+                                                             self.restarts + 1)
             for req, sink in waiting.values():
-                self.submit(req, sink)        # if this child has died already, they wait for the next
+                # if this child has died already, they wait for the next
+                self.submit(req, sink)

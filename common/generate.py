@@ -18,11 +18,15 @@ from common.tokenizer import Tokenizer
 
 def parser(prog: str, add_args=None) -> argparse.ArgumentParser:
     """The command line; add_args(parser) adds the stage's options."""
-    ap = argparse.ArgumentParser(prog=prog, description="One-shot generation: the prompt in, tokens out.")
-    ap.add_argument("--model", default=None, help="HF model folder or known name (default: smollm2-135m)")
+    ap = argparse.ArgumentParser(prog=prog,
+                                 description="One-shot generation: the prompt in, tokens out.")
+    ap.add_argument("--model", default=None,
+                    help="HF model folder or known name (default: smollm2-135m)")
     ap.add_argument("--prompt", required=True, help="the text to continue / the user message")
-    ap.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
-    ap.add_argument("--no-think", action="store_true", help="Qwen3: render the template with enable_thinking=False")
+    ap.add_argument("--raw", action="store_true",
+                    help="feed the prompt as is, without the chat template")
+    ap.add_argument("--no-think", action="store_true",
+                    help="Qwen3: render the template with enable_thinking=False")
     if add_args:
         add_args(ap)
     ap.add_argument("--max-ctx", type=int, default=4096, help="tokens in all (default 4096)")
@@ -33,7 +37,8 @@ def parser(prog: str, add_args=None) -> argparse.ArgumentParser:
     ap.add_argument("--top-k", type=int, default=None)
     ap.add_argument("--min-p", type=float, default=None)
     ap.add_argument("--repetition-penalty", type=float, default=None)
-    ap.add_argument("--presence-penalty", type=float, default=None, help="0 turns the default model's off")
+    ap.add_argument("--presence-penalty", type=float, default=None,
+                    help="0 turns the default model's off")
     ap.add_argument("--frequency-penalty", type=float, default=None)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-turn token")
@@ -59,7 +64,8 @@ def main(build_engine, argv=None, prog="python -m stage1_cpu.generate", add_args
             repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
             frequency_penalty=args.frequency_penalty, max_tokens=args.max_tokens,
             ignore_eos=args.ignore_eos)
-        engine = build_engine(folder, args, progress=sys.stdout.isatty())   # piped: stdout is the text alone
+        # piped: stdout is the text alone
+        engine = build_engine(folder, args, progress=sys.stdout.isatty())
         kernels = [engine.describe_kernels()] if hasattr(engine, "describe_kernels") else []
         print(f"[{' · '.join([folder.name, *kernels])}]", file=sys.stderr)  # the model, its kernels
         if hasattr(engine, "warm_up") and engine.kernels_cold():
@@ -72,13 +78,15 @@ def main(build_engine, argv=None, prog="python -m stage1_cpu.generate", add_args
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    answer = AnswerText(tok.detokenizer())     # the first copy's events -> text, the end-of-turn id left out
+    # the first copy's events -> text, the end-of-turn id left out
+    answer = AnswerText(tok.detokenizer())
     n_out, failed, finish = 0, False, None     # answer tokens of every copy; how the first ends
     t0 = time.perf_counter()
     while engine.has_work():
         for ev in engine.step():
             failed |= ev.finish_reason == "error"
-            n_out += ev.finish_reason not in ("stop", "abort", "error")   # those carry no answer text
+            # those carry no answer text
+            n_out += ev.finish_reason not in ("stop", "abort", "error")
             if ev.request_id == "generate-0":
                 sys.stdout.write(answer.feed(ev))
                 sys.stdout.flush()
@@ -91,15 +99,16 @@ def main(build_engine, argv=None, prog="python -m stage1_cpu.generate", add_args
     cut = finish == "length"          # said, as the chat says it: else it reads as the answer's end
     took = f"{wall:.2f} s" + (f", cut at the token limit ({params.max_tokens})" if cut else "")
     spec = getattr(engine, "last_speculation", None)        # an engine with speculative decoding
-    if hasattr(engine, "last_prefill_tokens") and args.n == 1:     # stage 1: prefill and decode timed apart
+    # stage 1: prefill and decode timed apart
+    if hasattr(engine, "last_prefill_tokens") and args.n == 1:
         pf = engine.last_prefill_tokens / max(engine.last_prefill_s, 1e-9)
         dc = engine.last_decode_tokens / max(engine.last_decode_s, 1e-9)
         print(f"[{len(ids)} prompt tokens, {n_out} generated | prefill {pf:.1f} tok/s, "
               f"decode {dc:.1f} tok/s" + (f", {spec.line()}" if spec else "") + f", {took}]",
               file=sys.stderr)
     else:
-        cached = (f" ({sum(engine.num_cached_tokens(f'generate-{i}') for i in range(args.n))} from the prefix "
-                  f"cache)" if hasattr(engine, "num_cached_tokens") else "")
+        cached = (f" ({sum(engine.num_cached_tokens(f'generate-{i}') for i in range(args.n))} "
+                  "from the prefix cache)" if hasattr(engine, "num_cached_tokens") else "")
         steps = f" in {engine.num_steps} steps" if hasattr(engine, "num_steps") else ""
         print(f"[{args.n} x {len(ids)} prompt tokens{cached}, {n_out} generated{steps} | "
               f"{n_out / max(wall, 1e-9):.1f} output tok/s, {took}]", file=sys.stderr)

@@ -5,7 +5,8 @@ a header, key/value metadata (hyper-parameters, the tokenizer, the chat template
 a table of tensors (name, shape, GGML type, offset), then the tensors' bytes. This
 module reads the header itself (a few dozen lines; the `gguf` package's reader takes
 ~25 s over a 150k-token vocabulary, this one a fraction of a second) and maps each
-tensor's bytes when it is read; the `gguf` package dequantizes. It turns the file into what a Hugging Face folder gives the engine:
+tensor's bytes when it is read; the `gguf` package dequantizes. It turns the file into what a
+Hugging Face folder gives the engine:
 
   ModelConfig        from `{arch}.*` keys (GGUFFile.config_fields)
   tokenizer          byte-level BPE from tokenizer.ggml.* with the pre-tokenizer
@@ -34,8 +35,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from common import gguf_quant
-from common.gguf_convert import (END_OF_TURN_TOKENS, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_USER_DEFINED,
-                                 unpermute_rotary_rows)
+from common.gguf_convert import (END_OF_TURN_TOKENS, TOKEN_CONTROL, TOKEN_NORMAL,
+                                 TOKEN_USER_DEFINED, unpermute_rotary_rows)
 
 if TYPE_CHECKING:
     from common.config import ModelConfig
@@ -52,7 +53,8 @@ LAYER_NAMES = {
     "wo": "blk.{i}.attn_output.weight",
     "bq": "blk.{i}.attn_q.bias", "bk": "blk.{i}.attn_k.bias", "bv": "blk.{i}.attn_v.bias",
     "q_norm": "blk.{i}.attn_q_norm.weight", "k_norm": "blk.{i}.attn_k_norm.weight",
-    "w_gate": "blk.{i}.ffn_gate.weight", "w_up": "blk.{i}.ffn_up.weight", "w_down": "blk.{i}.ffn_down.weight",
+    "w_gate": "blk.{i}.ffn_gate.weight", "w_up": "blk.{i}.ffn_up.weight",
+    "w_down": "blk.{i}.ffn_down.weight",
     "router": "blk.{i}.ffn_gate_inp.weight",
     "e_gate": "blk.{i}.ffn_gate_exps.weight", "e_up": "blk.{i}.ffn_up_exps.weight",
     "e_down": "blk.{i}.ffn_down_exps.weight",
@@ -60,7 +62,8 @@ LAYER_NAMES = {
     "s_down": "blk.{i}.ffn_down_shexp.weight",
     "shared_gate": "blk.{i}.ffn_gate_inp_shexp.weight",    # [C] in GGUF, [1, C] for us
 }
-GLOBAL_NAMES = {"embed": "token_embd.weight", "final_norm": "output_norm.weight", "lm_head": "output.weight"}
+GLOBAL_NAMES = {"embed": "token_embd.weight", "final_norm": "output_norm.weight",
+                "lm_head": "output.weight"}
 EXPERT_KEYS = ("e_gate", "e_up", "e_down")
 
 # tokenizer.ggml.pre -> the regex that splits text before BPE (llama.cpp's llama-vocab.cpp
@@ -97,9 +100,10 @@ def open_gguf(path: str | Path) -> "GGUFFile":
 
 
 # GGUF value types (the metadata's type tags) -> struct format; 8 string, 9 array
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
-          7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
+            11: "<q", 12: "<d"}
+_NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
+          6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 
 
 class _Cursor:
@@ -154,14 +158,16 @@ class Tensor:
     def __init__(self, path: Path, name: str, dims: list[int], ttype, offset: int):
         import gguf
 
-        self.path, self.name, self.shape, self.tensor_type, self.data_offset = path, name, dims, ttype, offset
+        (self.path, self.name, self.shape,
+         self.tensor_type, self.data_offset) = path, name, dims, ttype, offset
         block, size = gguf.GGML_QUANT_SIZES[ttype]
         if min(dims) < 1 or dims[0] % block:
             raise GGUFError(f"{path}: tensor {name!r} has dims {dims}; each must be >= 1 and the "
                             f"first a multiple of {block} for {ttype.name}")
         self.n_bytes = math.prod(dims) * size // block     # Python ints: no overflow for any dims
         rows = tuple(reversed(dims))                       # numpy order: slowest first
-        self._np = {"F32": (np.float32, rows), "F16": (np.float16, rows), "BF16": (np.uint16, rows)}.get(
+        self._np = {"F32": (np.float32, rows), "F16": (np.float16, rows),
+                    "BF16": (np.uint16, rows)}.get(
             ttype.name, (np.uint8, rows[:-1] + (rows[-1] // block * size,)))
 
     @property
@@ -186,7 +192,8 @@ class GGUFFile:
             head = f.read(8)
         if len(head) < 8 or head[:4] != b"GGUF":
             raise GGUFError(f"{path}: not a GGUF file (it does not start with the magic 'GGUF'); "
-                            "pass a .gguf file from llama.cpp / ollama / LM Studio, or a Hugging Face folder")
+                            "pass a .gguf file from llama.cpp / ollama / LM Studio, or a "
+                            "Hugging Face folder")
         (version,) = struct.unpack("<I", head[4:])
         if version not in SUPPORTED_VERSIONS:
             raise GGUFError(f"{path}: GGUF version {version} is not supported (supported: "
@@ -201,10 +208,11 @@ class GGUFFile:
                 break
             except GGUFError:
                 raise
-            except (struct.error, ValueError, IndexError) as e:  # a field cut short, a length past the end
+            # a field cut short, a length past the end
+            except (struct.error, ValueError, IndexError) as e:
                 if len(buf) < chunk:
-                    raise GGUFError(f"{path}: the GGUF header cannot be read ({e}); the file is truncated "
-                                    "or corrupt, download it again") from None
+                    raise GGUFError(f"{path}: the GGUF header cannot be read ({e}); the file is "
+                                    "truncated or corrupt, download it again") from None
                 chunk *= 4
         align = self.meta.get("general.alignment", 32)
         if not isinstance(align, int) or isinstance(align, bool) or align < 1:
@@ -212,20 +220,22 @@ class GGUFFile:
         start = -(-end // align) * align                # the data begins at the next aligned byte
         arch = self.meta.get("general.architecture")
         if not isinstance(arch, str) or arch not in ARCHITECTURES:
-            raise GGUFError(f"{path}: architecture {arch!r} is not supported; supported GGUF architectures: "
-                            f"{', '.join(ARCHITECTURES)}")
+            raise GGUFError(f"{path}: architecture {arch!r} is not supported; supported GGUF "
+                            f"architectures: {', '.join(ARCHITECTURES)}")
         self.arch = arch
         self.tensors = {}
         for name, dims, kind, offset in table:
             try:
                 ttype = gguf.GGMLQuantizationType(kind)
             except ValueError:
-                raise GGUFError(f"{path}: tensor {name!r} has an unknown GGML type {kind}") from None
+                raise GGUFError(
+                    f"{path}: tensor {name!r} has an unknown GGML type {kind}") from None
             gguf_quant.check_type(ttype.name, name)
             t = Tensor(path, name, dims, ttype, start + offset)
             if t.data_offset + t.n_bytes > size:
-                raise GGUFError(f"{path}: tensor {name!r} ends at byte {t.data_offset + t.n_bytes} but the "
-                                f"file has {size} bytes: the file is truncated, download it again")
+                raise GGUFError(f"{path}: tensor {name!r} ends at byte "
+                                f"{t.data_offset + t.n_bytes} but the file has {size} bytes: "
+                                "the file is truncated, download it again")
             self.tensors[name] = t
 
     @staticmethod
@@ -293,7 +303,8 @@ class GGUFFile:
         layers = number("block_count")
         self._check_layers(layers)               # before anything counts or loops over them
         moe = arch.endswith("moe")                  # qwen2moe, qwen3moe
-        dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in shapes] if moe else []
+        dense = ([i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in shapes]
+                 if moe else [])
         # float32 1e-6 -> 1e-06
         eps = float(str(np.float32(number("attention.layer_norm_rms_epsilon"))))
         return dict(
@@ -342,7 +353,8 @@ class GGUFFile:
         """The file's eos id first, then the control tokens that end a turn by their text
         (llama.cpp stops on both)."""
         meta = self.meta
-        tokens, types = meta.get("tokenizer.ggml.tokens") or [], meta.get("tokenizer.ggml.token_type") or []
+        tokens, types = (meta.get("tokenizer.ggml.tokens") or [],
+                         meta.get("tokenizer.ggml.token_type") or [])
         eos = self.special_id("eos_token_id")
         ids = [] if eos is None else [eos]
         for i, (tok, kind) in enumerate(zip(tokens, types)):
@@ -357,19 +369,22 @@ class GGUFFile:
     def tokenizer(self):
         """A `tokenizers.Tokenizer` equal to the byte-level BPE the metadata describes."""
         meta = self.meta
-        missing = [k for k in ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.merges")
+        missing = [k for k in ("tokenizer.ggml.model", "tokenizer.ggml.tokens",
+                               "tokenizer.ggml.merges")
                    if k not in meta]
         if missing:
-            raise GGUFError(f"{self.path}: the GGUF file has no tokenizer metadata ({', '.join(missing)} "
-                            "missing); use a file converted with its tokenizer (llama.cpp's "
-                            "convert_hf_to_gguf.py writes it) or the model's Hugging Face folder")
+            raise GGUFError(f"{self.path}: the GGUF file has no tokenizer metadata "
+                            f"({', '.join(missing)} missing); use a file converted with its "
+                            "tokenizer (llama.cpp's convert_hf_to_gguf.py writes it) or the "
+                            "model's Hugging Face folder")
         if meta["tokenizer.ggml.model"] != "gpt2":
             raise GGUFError(f"{self.path}: tokenizer type {meta['tokenizer.ggml.model']!r} is not "
-                            "supported; only byte-level BPE ('gpt2', as Qwen, Llama 3 and SmolLM use)")
+                            "supported; only byte-level BPE ('gpt2', as Qwen, Llama 3 and SmolLM "
+                            "use)")
         pre = meta.get("tokenizer.ggml.pre", "gpt2")
         if not isinstance(pre, str) or pre not in PRE_TOKENIZERS:
-            raise GGUFError(f"{self.path}: pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; "
-                            f"supported: {', '.join(PRE_TOKENIZERS)}")
+            raise GGUFError(f"{self.path}: pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not "
+                            f"supported; supported: {', '.join(PRE_TOKENIZERS)}")
         tokens = meta["tokenizer.ggml.tokens"]
         types = meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
         merges = self._check_tokens(tokens, types, meta["tokenizer.ggml.merges"])
@@ -415,7 +430,8 @@ class GGUFFile:
         if PRE_TOKENIZERS[pre] is None:
             steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
         else:
-            steps += [pre_tokenizers.Split(Regex(PRE_TOKENIZERS[pre]), behavior="isolated", invert=False),
+            steps += [pre_tokenizers.Split(Regex(PRE_TOKENIZERS[pre]), behavior="isolated",
+                                           invert=False),
                       pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
         tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
         tok.decoder = decoders.ByteLevel()
@@ -446,7 +462,8 @@ class GGUFFile:
     def tokenizer_config(self) -> dict:
         """What tokenizer_config.json would say: BOS rule, special tokens, chat template."""
         cfg = {"add_bos_token": bool(self.meta.get("tokenizer.ggml.add_bos_token", False)),
-               "bos_token": self.token_text("bos_token_id"), "eos_token": self.token_text("eos_token_id")}
+               "bos_token": self.token_text("bos_token_id"),
+               "eos_token": self.token_text("eos_token_id")}
         if "tokenizer.chat_template" in self.meta:
             cfg["chat_template"] = self.meta["tokenizer.chat_template"]
         return cfg
@@ -457,7 +474,8 @@ class GGUFFile:
         for t in self.tensors.values():
             if len(t.shape) >= 2:
                 kinds[t.tensor_type.name] = kinds.get(t.tensor_type.name, 0) + 1
-        return ", ".join(f"{k} -> {gguf_quant.MAPPINGS[k]}" for k in sorted(kinds, key=lambda k: -kinds[k]))
+        return ", ".join(f"{k} -> {gguf_quant.MAPPINGS[k]}"
+                         for k in sorted(kinds, key=lambda k: -kinds[k]))
 
 
 class GGUFWeightLoader:
@@ -488,12 +506,13 @@ class GGUFWeightLoader:
 
     def _tensor(self, name: str):
         if name not in self.file.tensors:
-            raise GGUFError(f"{self.file.path}: tensor {name!r} not found; the file is incomplete or "
-                            f"not a {self.file.arch} model")
+            raise GGUFError(f"{self.file.path}: tensor {name!r} not found; the file is incomplete "
+                            f"or not a {self.file.arch} model")
         return self.file.tensors[name]
 
     def _read(self, name: str, key: str, expert: int | None, rows: slice | None, expected):
-        """One tensor (one expert of a 3-D one) as float32 or Packed, rows [O, C] like Hugging Face."""
+        """One tensor (one expert of a 3-D one) as float32 or Packed, rows [O, C] like
+        Hugging Face."""
         t = self._tensor(name)
         qtype = t.tensor_type.name
         shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))   # numpy order
@@ -502,8 +521,10 @@ class GGUFWeightLoader:
                 raise GGUFError(f"{self.file.path}: tensor {name!r} has shape {list(shape)}, "
                                 f"expected {self.config.num_experts} experts (the file's metadata)")
             shape = shape[1:]
-        if expected is not None and int(np.prod(shape)) == int(np.prod(expected)) and len(shape) != len(expected):
-            shape = tuple(expected)                       # shared_gate: [C] in the file, [1, C] here
+        if (expected is not None and int(np.prod(shape)) == int(np.prod(expected))
+                and len(shape) != len(expected)):
+            # shared_gate: [C] in the file, [1, C] here
+            shape = tuple(expected)
         if expected is not None and shape != tuple(expected):
             raise GGUFError(f"{self.file.path}: tensor {name!r} has shape {list(shape)}, expected "
                             f"{list(expected)} from the file's metadata")
@@ -511,7 +532,8 @@ class GGUFWeightLoader:
         perm = None
         if self.file.arch == "llama" and key in ("wq", "wk"):
             heads = self.config.num_heads if key == "wq" else self.config.num_kv_heads
-            perm = unpermute_rotary_rows(np.arange(shape[0])[:, None], heads)[:, 0]   # an exact row reorder
+            # an exact row reorder
+            perm = unpermute_rotary_rows(np.arange(shape[0])[:, None], heads)[:, 0]
         if rows is not None:
             idx = np.arange(shape[0])[rows] if perm is None else perm[rows]
         else:
@@ -553,6 +575,8 @@ class GGUFWeightLoader:
     def fused(self, keys: list[str], layer: int, expert: int | None = None, dtype=np.float32):
         """Several projections of one layer stacked by rows (WeightLoader.fused)."""
         parts = [self.layer(k, layer, expert) for k in keys]
-        if isinstance(parts[0], gguf_quant.Packed) and all(isinstance(p, gguf_quant.Packed) for p in parts):
+        if (isinstance(parts[0], gguf_quant.Packed)
+                and all(isinstance(p, gguf_quant.Packed) for p in parts)):
             return gguf_quant.concat(parts)
-        return np.concatenate([p.dequantize() if isinstance(p, gguf_quant.Packed) else p for p in parts])
+        return np.concatenate([p.dequantize() if isinstance(p, gguf_quant.Packed) else p
+                               for p in parts])

@@ -59,11 +59,13 @@ LLAMA_TENSOR_NAMES = {
 }
 
 # llama.cpp's token types (tokenizer.ggml.token_type)
-TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = (
+    1, 2, 3, 4, 5, 6)
 
 # Control tokens that end a turn in common chat formats. llama.cpp treats these
 # as end-of-generation by their text even when the file names only one eos id.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<EOT>")
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<end_of_turn>",
+                      "<EOT>")
 
 
 class GGUFConvertError(ValueError):
@@ -107,25 +109,28 @@ def llama_config(meta: dict, vocab_size: int, tied: bool) -> dict:
     """config.json for LlamaForCausalLM from the GGUF's `llama.*` keys."""
     arch = meta.get("general.architecture")
     if arch != "llama":
-        raise GGUFConvertError(f"GGUF architecture {arch!r} is not supported; this converter handles 'llama' "
-                               "(SmolLM2, Llama 2/3, TinyLlama). Download a Hugging Face folder of the model instead.")
+        raise GGUFConvertError(f"GGUF architecture {arch!r} is not supported; this converter "
+                               "handles 'llama' (SmolLM2, Llama 2/3, TinyLlama). Download a "
+                               "Hugging Face folder of the model instead.")
 
     def need(key: str):
         if f"llama.{key}" not in meta:
-            raise GGUFConvertError(f"the GGUF file has no 'llama.{key}' key; it is incomplete or not a llama model")
+            raise GGUFConvertError(f"the GGUF file has no 'llama.{key}' key; it is incomplete or "
+                                   "not a llama model")
         return meta[f"llama.{key}"]
 
     scaling = meta.get("llama.rope.scaling.type", "none")
     if scaling not in ("none", None):
-        raise GGUFConvertError(f"RoPE scaling {scaling!r} is not supported; only plain RoPE (SmolLM2, Llama 2)")
+        raise GGUFConvertError(f"RoPE scaling {scaling!r} is not supported; only plain RoPE "
+                               "(SmolLM2, Llama 2)")
 
     hidden, heads = need("embedding_length"), need("attention.head_count")
     kv_heads = meta.get("llama.attention.head_count_kv", heads)
     head_dim = meta.get("llama.attention.key_length", hidden // heads)
     rotary_dim = meta.get("llama.rope.dimension_count", head_dim)
     if rotary_dim != head_dim:
-        raise GGUFConvertError(f"partial rotary embedding (rope dimension {rotary_dim} < head dim {head_dim}) "
-                               "is not supported")
+        raise GGUFConvertError(f"partial rotary embedding (rope dimension {rotary_dim} < head dim "
+                               f"{head_dim}) is not supported")
     bos = meta.get("tokenizer.ggml.bos_token_id")
     eos = meta.get("tokenizer.ggml.eos_token_id")
     return {
@@ -186,8 +191,8 @@ def hf_name(gguf_name: str) -> str:
     layer = re.match(r"blk\.(\d+)\.", gguf_name)
     pattern = gguf_name.replace(f"blk.{layer.group(1)}.", "blk.{i}.", 1) if layer else gguf_name
     if pattern not in LLAMA_TENSOR_NAMES:
-        raise GGUFConvertError(f"unexpected tensor {gguf_name!r} in a llama GGUF file (e.g. rope_freqs for "
-                               "Llama 3.1 RoPE scaling, which is not supported)")
+        raise GGUFConvertError(f"unexpected tensor {gguf_name!r} in a llama GGUF file (e.g. "
+                               "rope_freqs for Llama 3.1 RoPE scaling, which is not supported)")
     return LLAMA_TENSOR_NAMES[pattern].format(i=layer.group(1) if layer else "")
 
 
@@ -211,7 +216,8 @@ def build_tokenizer(meta: dict):
 
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
-        raise GGUFConvertError(f"tokenizer type {kind!r} is not supported; only byte-level BPE ('gpt2')")
+        raise GGUFConvertError(f"tokenizer type {kind!r} is not supported; only byte-level BPE "
+                               "('gpt2')")
     tokens = meta["tokenizer.ggml.tokens"]
     types = meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
     vocab = {tok: i for i, tok in enumerate(tokens)}
@@ -228,7 +234,8 @@ def build_tokenizer(meta: dict):
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, k in zip(tokens, types) if k == TOKEN_CONTROL])
-    user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == TOKEN_USER_DEFINED]
+    user = [AddedToken(t, special=False, normalized=False)
+            for t, k in zip(tokens, types) if k == TOKEN_USER_DEFINED]
     if user:
         tok.add_tokens(user)
     return tok
@@ -284,7 +291,8 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Fa
     try:
         reader = gguf.GGUFReader(gguf_path)
     except Exception as e:       # a truncated download or another format
-        raise GGUFConvertError(f"{gguf_path} is not a readable GGUF file ({e}); download it again") from e
+        raise GGUFConvertError(f"{gguf_path} is not a readable GGUF file ({e}); "
+                               "download it again") from e
     meta = read_metadata(reader)
     names = {t.name for t in reader.tensors}
     tied = "output.weight" not in names     # no separate lm_head: it reuses the embedding
@@ -297,8 +305,9 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Fa
 
     tensors = {}
     console = Console(stderr=True)
-    bar = Progress(TextColumn("[bold]converting[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TimeElapsedColumn(), console=console, disable=not progress, transient=False)
+    bar = Progress(TextColumn("[bold]converting[/] {task.description}"), BarColumn(),
+                   MofNCompleteColumn(), TimeElapsedColumn(), console=console,
+                   disable=not progress, transient=False)
     with bar:
         task = bar.add_task(gguf_path.name, total=len(reader.tensors))
         for t in reader.tensors:
@@ -313,10 +322,12 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Fa
 
     expected = 3 + 9 * config["num_hidden_layers"] - int(tied)
     if len(tensors) != expected:
-        raise GGUFConvertError(f"{gguf_path} has {len(tensors)} tensors, a llama model of this size needs {expected}")
+        raise GGUFConvertError(f"{gguf_path} has {len(tensors)} tensors, a llama model of this "
+                               f"size needs {expected}")
 
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / "model.safetensors").chmod(0o644)   # save_file writes 0600; the cache is readable like its siblings
+    # save_file writes 0600; the cache is readable like its siblings
+    (out_dir / "model.safetensors").chmod(0o644)
     eos_ids = end_of_turn_ids(meta)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out_dir / "generation_config.json").write_text(json.dumps({
@@ -325,14 +336,17 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Fa
         "pad_token_id": config["pad_token_id"],
     }, indent=2) + "\n")
     build_tokenizer(meta).save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(meta), indent=2) + "\n")
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(tokenizer_config(meta), indent=2) + "\n")
     return out_dir
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Convert a llama-architecture GGUF file into a Hugging Face folder.")
+    ap = argparse.ArgumentParser(
+        description="Convert a llama-architecture GGUF file into a Hugging Face folder.")
     ap.add_argument("gguf", type=Path, help="the .gguf file")
-    ap.add_argument("out", type=Path, help="a new folder to write config.json, model.safetensors, tokenizer.json into")
+    ap.add_argument("out", type=Path, help="a new folder to write config.json, model.safetensors, "
+                                           "tokenizer.json into")
     args = ap.parse_args(argv)
     try:
         convert_gguf(args.gguf, args.out, progress=True)

@@ -1,4 +1,5 @@
-"""GGUF blocks -> stage 1's group-quantized arrays, by reordering bytes where the values map exactly.
+"""GGUF blocks -> stage 1's group-quantized arrays, by reordering bytes
+where the values map exactly.
 
 llama.cpp's block formats are group quantization: a block of 32 (or 256) weights
 with one scale (and, for some, a minimum). Stage 1 stores the same thing as
@@ -14,8 +15,9 @@ So most blocks become stage 1's arrays with no arithmetic on the weights
 
   Q8_0  d, q[32]               W = d*q              -> int8 g32, exact (q = -128: see below)
   Q5_0  d, qh, qs              W = d*(q - 16)       -> int8 g32, exact (q - 16 in [-16, 15])
-  Q4_0  d, qs[16]              W = d*(q - 8)        -> int4 g32, exact: s = d, m = -8d (exact in fp16
-                                                       while |d| <= 8188; above, int8 g32, also exact)
+  Q4_0  d, qs[16]              W = d*(q - 8)        -> int4 g32, exact: s = d, m = -8d (exact
+                                                       in fp16 while |d| <= 8188; above, int8
+                                                       g32, also exact)
   Q4_1  d, m, qs[16]           W = d*q + m          -> int4 g32, exact
   Q4_K  d, dmin, 8 x (sc, mn) 6-bit, qs[128] per 256
                                W = d*sc*q - dmin*mn -> int4 g32: the nibbles are byte for byte
@@ -67,7 +69,8 @@ class GGUFTypeError(ValueError):
 
 @dataclass(eq=False)
 class Packed:
-    """One matrix [out, in] in stage 1's int8 / int4 layout (the fields of stage1_cpu.quant.Weight)."""
+    """One matrix [out, in] in stage 1's int8 / int4 layout (the fields of
+    stage1_cpu.quant.Weight)."""
     fmt: str                    # int8 | int4
     out_features: int           # O
     in_features: int            # K
@@ -105,7 +108,8 @@ def concat(parts: list[Packed]) -> Packed:
     """Packed matrices of one in_features stacked by rows (q, k, v -> qkv). Parts of different
     formats (a Q4_K q_proj beside a Q6_K v_proj) all become int8: int4 values are requantized."""
     if len({p.fmt for p in parts}) > 1:
-        parts = [p if p.fmt == "int8" else quantize_int8(p.dequantize(), p.source + " (fused with int8)")
+        parts = [p if p.fmt == "int8"
+                 else quantize_int8(p.dequantize(), p.source + " (fused with int8)")
                  for p in parts]
     cat = lambda name: (None if getattr(parts[0], name) is None      # noqa: E731
                         else np.concatenate([getattr(p, name) for p in parts]))
@@ -138,12 +142,14 @@ def _pack_int4(q: np.ndarray, s: np.ndarray, m: np.ndarray, K: int, source: str)
         q = np.concatenate([q, np.zeros((R, 1, GS), np.uint8)], axis=1)
         s = np.concatenate([s, np.zeros((R, 1), np.uint16)], axis=1)
         m = np.concatenate([m, np.zeros((R, 1), np.uint16)], axis=1)
-    data = q[:, 0::2] | (q[:, 1::2] << 4)                     # [R, G/2, 32]: groups 2p low, 2p+1 high
+    # [R, G/2, 32]: groups 2p low, 2p+1 high
+    data = q[:, 0::2] | (q[:, 1::2] << 4)
     return Packed("int4", R, K, GS, np.ascontiguousarray(data), s, m, source)
 
 
 def _nibbles_q4(qs: np.ndarray) -> np.ndarray:
-    """Q4_0 / Q4_1 qs [R, nb, 16]: byte j holds weight j (low) and j + 16 (high) -> q [R, nb, 32]."""
+    """Q4_0 / Q4_1 qs [R, nb, 16]: byte j holds weight j (low) and j + 16 (high)
+    -> q [R, nb, 32]."""
     return np.concatenate([qs & 15, qs >> 4], axis=-1)
 
 
@@ -179,10 +185,12 @@ def _q8_0(raw, K, name):
 
 def _q5_0(raw, K, name):
     b = _blocks(raw, 22)                                      # d fp16, qh uint32, qs[16]
-    qh = np.ascontiguousarray(b[..., 2:6]).view(np.uint32)    # [R, G, 1]: bit j = 5th bit of weight j
+    # [R, G, 1]: bit j = 5th bit of weight j
+    qh = np.ascontiguousarray(b[..., 2:6]).view(np.uint32)
     hi = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)   # [R, G, 32]
     q = _nibbles_q4(b[..., 6:]) | (hi << 4)
-    return Packed("int8", q.shape[0], K, GS, (q.astype(np.int16) - 16).astype(np.int8), _u16(b, 0), None, "Q5_0")
+    return Packed("int8", q.shape[0], K, GS, (q.astype(np.int16) - 16).astype(np.int8),
+                  _u16(b, 0), None, "Q5_0")
 
 
 def _q4_0(raw, K, name):
@@ -190,7 +198,8 @@ def _q4_0(raw, K, name):
     d, q = _u16(b, 0), _nibbles_q4(b[..., 2:])
     df = _f32(d)
     if np.abs(df).max(initial=0) > 8188:                      # -8d would overflow fp16 (65504)
-        return Packed("int8", q.shape[0], K, GS, (q.astype(np.int16) - 8).astype(np.int8), d, None, "Q4_0")
+        return Packed("int8", q.shape[0], K, GS, (q.astype(np.int16) - 8).astype(np.int8), d,
+                      None, "Q4_0")
     m = (-8 * df).astype(np.float16).view(np.uint16)          # exact: times a power of two
     return _pack_int4(q, d, m, K, "Q4_0")
 
@@ -201,7 +210,8 @@ def _q4_1(raw, K, name):
 
 
 def _q4_k(raw, K, name):
-    b = _blocks(raw, 144)                                     # per 256: d, dmin, scales[12], qs[128]
+    # per 256: d, dmin, scales[12], qs[128]
+    b = _blocks(raw, 144)
     R, nb = b.shape[:2]
     d, dmin = _f32(_u16(b, 0)), _f32(_u16(b, 2))              # [R, nb]
     sc6 = b[..., 4:16].reshape(R, nb, 3, 4)                   # 8 scales and 8 mins of 6 bits
@@ -242,6 +252,7 @@ def repack(raw: np.ndarray, qtype: str, in_features: int, name: str = "tensor") 
 
 def check_type(qtype: str, name: str) -> None:
     if qtype not in MAPPINGS:
-        raise GGUFTypeError(f"tensor {name!r} has GGML type {qtype}, which this engine does not read; "
-                            f"supported: {', '.join(MAPPINGS)}. Requantize the file (llama-quantize) to "
-                            "one of those, or use the model's Hugging Face folder")
+        raise GGUFTypeError(f"tensor {name!r} has GGML type {qtype}, which this engine does not "
+                            f"read; supported: {', '.join(MAPPINGS)}. Requantize the file "
+                            "(llama-quantize) to one of those, or use the model's Hugging Face "
+                            "folder")

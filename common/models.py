@@ -67,9 +67,11 @@ def resolve_model(name_or_path: str | os.PathLike | None = None, progress: bool 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Resolve --model (a folder or a known name) to a model folder, "
-                                             "fetching and converting a known model if needed.")
-    ap.add_argument("model", nargs="?", default=None, help="folder or known name (default: smollm2-135m)")
+    ap = argparse.ArgumentParser(description="Resolve --model (a folder or a known name) to a "
+                                             "model folder, fetching and converting a known model "
+                                             "if needed.")
+    ap.add_argument("model", nargs="?", default=None,
+                    help="folder or known name (default: smollm2-135m)")
     try:
         print(resolve_model(ap.parse_args(argv).model))
     except ModelResolveError as e:

@@ -3,7 +3,8 @@
 Qwen3 writes its thinking between <think> and </think>, then the answer; a tool
 call is a JSON object between <tool_call> and </tool_call>:
 
-    <think>\nThe user wants the weather.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>
+    <think>\nThe user wants the weather.\n</think>\n\n<tool_call>\n
+    {"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>
 
 The same parser serves the HTTP server (streaming and not) and the terminal chat.
 It is fed text as it is detokenized, so a tag may arrive in pieces ("<too" then
@@ -200,7 +201,8 @@ class StreamParser:
         return False
 
 
-def parse_output(text: str, thinking: bool = True, tools: bool = True) -> tuple[str, str, list[dict]]:
+def parse_output(text: str, thinking: bool = True,
+                 tools: bool = True) -> tuple[str, str, list[dict]]:
     """A whole output -> (content, reasoning, tool_calls).
 
     An output with </think> but no <think> before it started inside the thinking

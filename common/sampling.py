@@ -34,7 +34,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0    # subtracted per occurrence in the output
     seed: int | None = None           # per-request RNG seed: same seed, same tokens
     max_tokens: int = 512             # tokens to generate at most
-    stop: list[str] = field(default_factory=list)           # stop strings (matched on text by the outer layer)
+    # stop strings (matched on text by the outer layer)
+    stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)  # extra ids that end the sequence
     ignore_eos: bool = False          # keep generating past end-of-sequence ids (benchmarks)
 
@@ -43,24 +44,32 @@ class SamplingParams:
             self.top_k = 0
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        names = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
-        for name in names:                    # NaN and inf pass no comparison below, or turn logits into NaN
+        names = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty")
+        # NaN and inf pass no comparison below, or turn logits into NaN
+        for name in names:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                    or not math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
         if 0 < self.temperature < GREEDY_BELOW:
-            self.temperature = 0.0            # logits / 1e-30 overflow float32: that close to 0 is greedy
+            # logits / 1e-30 overflow float32: that close to 0 is greedy
+            self.temperature = 0.0
         checks = [
             (self.temperature >= 0, "temperature must be >= 0"),
-            (isinstance(self.top_k, int) and self.top_k >= 0, "top_k must be a non-negative integer (0 or -1 = off)"),
+            (isinstance(self.top_k, int) and self.top_k >= 0,
+             "top_k must be a non-negative integer (0 or -1 = off)"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
             (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
-            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens must be a positive integer"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop must be a non-empty string or a list of them"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative integers"),
+            (isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+             "max_tokens must be a positive integer"),
+            (all(isinstance(s, str) and s for s in self.stop),
+             "stop must be a non-empty string or a list of them"),
+            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+             "stop_token_ids must be non-negative integers"),
         ]
         for ok, message in checks:
             if not ok:
@@ -117,10 +126,12 @@ def apply_penalties(logits: np.ndarray, params: SamplingParams,
         seen = np.unique(np.asarray(list(prompt_ids) + list(output_ids), dtype=np.int64))
         if seen.size:
             x = logits[seen]
-            logits[seen] = np.where(x > 0, x / params.repetition_penalty, x * params.repetition_penalty)
+            logits[seen] = np.where(
+                x > 0, x / params.repetition_penalty, x * params.repetition_penalty)
     if output_ids and (params.presence_penalty or params.frequency_penalty):
         ids, counts = np.unique(np.asarray(output_ids, dtype=np.int64), return_counts=True)
-        logits[ids] -= params.presence_penalty + params.frequency_penalty * counts.astype(np.float32)
+        logits[ids] -= (
+            params.presence_penalty + params.frequency_penalty * counts.astype(np.float32))
     # exercise 1.12 end
     return logits
 
@@ -140,7 +151,8 @@ def filter_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         if params.top_p < 1.0:
             order = np.argsort(-probs, kind="stable")
             cum = np.cumsum(probs[order])
-            # keep every token whose preceding mass is below top_p (the most likely token always stays)
+            # keep every token whose preceding mass is below top_p (the most likely token always
+            # stays)
             keep_sorted = (cum - probs[order]) < params.top_p
             drop = order[~keep_sorted]
             logits[drop] = -np.inf

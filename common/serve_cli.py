@@ -24,22 +24,26 @@ log = logging.getLogger("qwen3-stages.server")
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     add, limits = parser.add_argument, Limits()
-    add("--model", default=None, help="a Hugging Face model folder, or a known name (default: smollm2-135m)")
+    add("--model", default=None,
+        help="a Hugging Face model folder, or a known name (default: smollm2-135m)")
     add("--addr", default="127.0.0.1:8000",
-        help="HOST:PORT to listen on (default 127.0.0.1:8000; 0.0.0.0:PORT to accept other machines)")
+        help="HOST:PORT to listen on (default 127.0.0.1:8000; 0.0.0.0:PORT to accept other "
+        "machines)")
     add("--max-ctx", type=int, default=4096,
         help="prompt + output tokens per sequence (default 4096)")
     add("--slots", type=int, default=None, help="sequences run together (batching stages)")
     add("--token-budget", type=int, default=None, help="tokens per step (batching stages)")
     add("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    add("--served-model-name", default=None, help="the model name clients send (default: the --model value)")
+    add("--served-model-name", default=None,
+        help="the model name clients send (default: the --model value)")
     add("--max-body-mb", type=float, default=limits.max_body_bytes / 2**20, metavar="MB",
-        help="largest request body in MiB; a larger one gets 413 before it is parsed (default %(default)g)")
+        help="largest request body in MiB; a larger one gets 413 before it is parsed "
+        "(default %(default)g)")
     add("--max-concurrent", type=int, default=limits.max_concurrent, metavar="N",
         help="generation requests served at once; one more gets 429 (default %(default)d)")
     add("--engine-process", action=argparse.BooleanOptionalAction, default=False,
-        help="run the engine in a child process, restarted if it dies: a crash in compiled code then fails only "
-        "the requests in flight (docs/server.md measures its cost; default off)")
+        help="run the engine in a child process, restarted if it dies: a crash in compiled code "
+        "then fails only the requests in flight (docs/server.md measures its cost; default off)")
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"],
         help="what the server logs (default info)")
 
@@ -52,28 +56,33 @@ def parse_addr(addr: str) -> tuple[str, int]:
 
 
 def main(build_engine: Callable[[Path, argparse.Namespace], Any], argv: list[str] | None = None,
-         prog: str | None = None, add_args: Callable[[argparse.ArgumentParser], None] | None = None) -> None:
-    """Parse the command line, bind the socket, load the engine in the background, serve until Ctrl-C.
-    build_engine(folder, args) -> Engine is a module-level function (--engine-process imports it in
-    the child); add_args(parser) adds the stage's own options."""
-    parser = argparse.ArgumentParser(prog=prog, description="OpenAI-compatible server (chat, completions, models)")
+         prog: str | None = None,
+         add_args: Callable[[argparse.ArgumentParser], None] | None = None) -> None:
+    """Parse the command line, bind the socket, load the engine in the background, serve until
+    Ctrl-C. build_engine(folder, args) -> Engine is a module-level function (--engine-process
+    imports it in the child); add_args(parser) adds the stage's own options."""
+    parser = argparse.ArgumentParser(
+        prog=prog, description="OpenAI-compatible server (chat, completions, models)")
     add_server_args(parser)
     if add_args:
         add_args(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(message)s")
     if args.max_ctx < 2:
         raise SystemExit("--max-ctx must be at least 2")
     if not args.max_body_mb > 0 or args.max_concurrent < 1:
         raise SystemExit("--max-body-mb must be positive and --max-concurrent at least 1")
-    limits = Limits(max_body_bytes=max(1, int(args.max_body_mb * 2**20)), max_concurrent=args.max_concurrent)
+    limits = Limits(max_body_bytes=max(1, int(args.max_body_mb * 2**20)),
+                    max_concurrent=args.max_concurrent)
     host, port = parse_addr(args.addr)
     try:
         folder = Path(resolve_model(args.model))
     except (OSError, ValueError) as e:
         raise SystemExit(f"cannot use --model {args.model!r}: {e}") from None
     name = args.served_model_name or args.model or folder.name
-    state = ServerState(model_name=name, api_key=args.api_key, aliases={folder.name, str(folder)}, limits=limits)
+    state = ServerState(model_name=name, api_key=args.api_key, aliases={folder.name, str(folder)},
+                        limits=limits)
 
     # bind first, so clients can poll /healthz while the weights load
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -81,11 +90,14 @@ def main(build_engine: Callable[[Path, argparse.Namespace], Any], argv: list[str
     try:
         sock.bind((host, port))
     except OSError as e:
-        raise SystemExit(f"cannot listen on {host}:{port}: {e.strerror}; pick another --addr") from None
+        raise SystemExit(f"cannot listen on {host}:{port}: {e.strerror}; "
+                         "pick another --addr") from None
     sock.listen(128)
     bound = sock.getsockname()
-    print(f"listening on http://{host}:{bound[1]} (model {name!r} loading from {folder})", flush=True)
-    server = uvicorn.Server(uvicorn.Config(build_app(state), log_level=args.log_level, timeout_keep_alive=30))
+    print(f"listening on http://{host}:{bound[1]} (model {name!r} loading from {folder})",
+          flush=True)
+    server = uvicorn.Server(uvicorn.Config(build_app(state), log_level=args.log_level,
+                                           timeout_keep_alive=30))
 
     failed = []                      # a failed load's exit code: 2 for a bad model, 1 for a bug
 

@@ -45,21 +45,24 @@ class StopChecker:
 
 
 class AnswerText:
-    """One request's TokenEvents -> its answer text, safe to show: detokenized, without the token of a "stop"
-    event (an end-of-turn id such as <|im_end|>, never text: common/engine.py), and cut at the first stop
-    string. The server, the chat and generate read an engine's output through it."""
+    """One request's TokenEvents -> its answer text, safe to show: detokenized, without the token of
+    a "stop" event (an end-of-turn id such as <|im_end|>, never text: common/engine.py), and cut at
+    the first stop string. The server, the chat and generate read an engine's output through it."""
 
     def __init__(self, detokenizer, stops: list[str] | None = None):
         self.detok, self.stopper = detokenizer, StopChecker(stops)
-        self.n_tokens, self.text = 0, ""    # tokens the engine produced (the end-of-turn one too); text shown
-        self.finish_reason = None      # set once it has ended: the engine's, or "stop" for a stop string
+        # tokens the engine produced (the end-of-turn one too); text shown
+        self.n_tokens, self.text = 0, ""
+        # set once it has ended: the engine's, or "stop" for a stop string
+        self.finish_reason = None
 
     done = property(lambda self: self.finish_reason is not None)
 
     def feed(self, ev) -> str:
         """One event -> the new text that is safe to show."""
         self.n_tokens += ev.token_id >= 0
-        text = self.detok.add(ev.token_id) if ev.token_id >= 0 and ev.finish_reason != "stop" else ""
+        text = (self.detok.add(ev.token_id) if ev.token_id >= 0 and ev.finish_reason != "stop"
+                else "")
         out = self.stopper.feed(text + (self.detok.flush() if ev.finish_reason else ""))
         if self.stopper.stopped or ev.finish_reason:
             out += self.stopper.flush()            # what was held back ("" after a stop string)

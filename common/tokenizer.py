@@ -58,8 +58,9 @@ class Tokenizer:
             bos_id = gen_cfg.get("bos_token_id", model_cfg.get("bos_token_id"))
         self.bos_token_id: int | None = bos_id
         if self.add_bos_token and not is_int(self.bos_token_id):
-            raise TokenizerError(f"{self.folder / 'tokenizer_config.json'} sets add_bos_token but names no "
-                                 "bos_token that the tokenizer knows; fix bos_token or set add_bos_token false")
+            raise TokenizerError(f"{self.folder / 'tokenizer_config.json'} sets add_bos_token but "
+                                 "names no bos_token that the tokenizer knows; fix bos_token or "
+                                 "set add_bos_token false")
 
         # --- end-of-turn ids: the union of what each file says, first mention first ---
         eos = id_list(gen_cfg.get("eos_token_id")) + id_list(model_cfg.get("eos_token_id"))
@@ -78,7 +79,8 @@ class Tokenizer:
         except BaseException as e:  # a plain Exception with its parse error, or a Rust panic
             if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
                 raise
-            raise TokenizerError(f"{path} could not be loaded by the `tokenizers` library: {e}") from None
+            raise TokenizerError(
+                f"{path} could not be loaded by the `tokenizers` library: {e}") from None
 
     # --- text <-> ids ---
     def encode(self, text: str) -> list[int]:
@@ -138,7 +140,8 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
-        self.prefix_offset = 0   # window start: ids[prefix_offset:read_offset] decode to text already returned
+        # window start: ids[prefix_offset:read_offset] decode to text already returned
+        self.prefix_offset = 0
         self.read_offset = 0     # ids before this have been returned as text
 
     def _decode(self, ids: list[int]) -> str:

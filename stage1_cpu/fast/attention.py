@@ -36,10 +36,13 @@ from . import cpu, simd
 from .. import kernels
 from ..kernels import FAST, exp_f32
 
-ATT_BLOCK = 128             # BLAS: queries per block, the masked part above the diagonal is skipped per block
+# BLAS: queries per block, the masked part above the diagonal is skipped per block
+ATT_BLOCK = 128
 ATT_BLAS_MIN_T = 16         # from 16 queries the two GEMMs beat the core's per-item loops
-TILED = cpu.X86 and {"avx2", "fma"} <= cpu.FEATURES   # 8-lane fp32 FMAs: attention_tiled compiles here
-NA, NV = 6, 2               # tile_f32: NA rows x NV 8-lane vectors, 12 accumulators (AVX2 has 16 registers)
+# 8-lane fp32 FMAs: attention_tiled compiles here
+TILED = cpu.X86 and {"avx2", "fma"} <= cpu.FEATURES
+# tile_f32: NA rows x NV 8-lane vectors, 12 accumulators (AVX2 has 16 registers)
+NA, NV = 6, 2
 ROWS = 64                   # attention_tiled: (query, head) rows per block, about (group x queries)
 
 I64, F32 = ir.IntType(64), ir.FloatType()
@@ -48,41 +51,46 @@ FLOATS8 = ir.VectorType(F32, 8)
 
 @intrinsic
 def tile_f32(typingctx, a, aoff, ai, ak, b, boff, bk, n_k, c, coff, ci, n_a):
-    """c[coff + i ci + l] = sum_{k < n_k} a[aoff + i ai + k ak] * b[boff + k bk + l] for i < min(NA, n_a),
-    l < 8 NV (a, b, c: flat float32 arrays). Each step of k loads NV vectors of b's row k and broadcasts
-    NA values of a, one per row of c: NA x NV FMAs for NV + NA loads. Rows past n_a repeat the last one
-    (read, never stored)."""
+    """c[coff + i ci + l] = sum_{k < n_k} a[aoff + i ai + k ak] * b[boff + k bk + l] for i < min(NA,
+    n_a), l < 8 NV (a, b, c: flat float32 arrays). Each step of k loads NV vectors of b's row k and
+    broadcasts NA values of a, one per row of c: NA x NV FMAs for NV + NA loads. Rows past n_a
+    repeat the last one (read, never stored)."""
     sig = types.void(a, aoff, ai, ak, b, boff, bk, n_k, c, coff, ci, n_a)
 
     def codegen(context, builder, signature, args):
         ty = signature.args
-        a_, aoff_, ai_, ak_, b_, boff_, bk_, n_k_, c_, coff_, ci_, n_a_ = simd._as_int64(context, builder,
-                                                                                           signature, args)
+        a_, aoff_, ai_, ak_, b_, boff_, bk_, n_k_, c_, coff_, ci_, n_a_ = simd._as_int64(
+            context, builder, signature, args)
         ap = builder.gep(simd._base(context, builder, ty[0], a_, F32), [aoff_])
         bp = builder.gep(simd._base(context, builder, ty[4], b_, F32), [boff_])
         cp = builder.gep(simd._base(context, builder, ty[8], c_, F32), [coff_])
         c64 = lambda v: ir.Constant(I64, v)          # noqa: E731
         last = builder.sub(n_a_, c64(1))
-        aps = [builder.gep(ap, [builder.mul(builder.select(builder.icmp_signed("<", c64(i), n_a_), c64(i), last),
+        aps = [builder.gep(ap, [builder.mul(builder.select(builder.icmp_signed("<", c64(i), n_a_),
+                                                           c64(i), last),
                                             ai_)]) for i in range(NA)]
         fma = simd._declare(builder, "llvm.fma.v8f32", FLOATS8, [FLOATS8] * 3)
-        acc = [[cgutils.alloca_once_value(builder, ir.Constant(FLOATS8, None)) for _ in range(NV)] for _ in range(NA)]
+        acc = [[cgutils.alloca_once_value(builder, ir.Constant(FLOATS8, None)) for _ in range(NV)]
+               for _ in range(NA)]
         with cgutils.for_range(builder, n_k_) as loop:
             k = loop.index
             row = builder.gep(bp, [builder.mul(k, bk_)])
-            bv = [builder.load(builder.bitcast(builder.gep(row, [c64(8 * v)]), FLOATS8.as_pointer()), align=4)
+            bv = [builder.load(builder.bitcast(builder.gep(row, [c64(8 * v)]),
+                                               FLOATS8.as_pointer()), align=4)
                   for v in range(NV)]
             at = builder.mul(k, ak_)
             for i in range(NA):
                 av = simd._splat(builder, builder.load(builder.gep(aps[i], [at])))
                 for v in range(NV):
-                    builder.store(builder.call(fma, [av, bv[v], builder.load(acc[i][v])]), acc[i][v])
+                    builder.store(builder.call(fma, [av, bv[v], builder.load(acc[i][v])]),
+                                  acc[i][v])
         for i in range(NA):
             with builder.if_then(builder.icmp_signed("<", c64(i), n_a_), likely=True):
                 for v in range(NV):
                     at = builder.add(builder.mul(c64(i), ci_), c64(8 * v))
                     builder.store(builder.load(acc[i][v]),
-                                  builder.bitcast(builder.gep(cp, [at]), FLOATS8.as_pointer()), align=4)
+                                  builder.bitcast(builder.gep(cp, [at]), FLOATS8.as_pointer()),
+                                  align=4)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -102,26 +110,31 @@ def attention_tiled(q, k_cache, v_cache, start_pos, out, tq):
     Hkv, Tmax = k_cache.shape[0], k_cache.shape[1]
     group = H // Hkv
     nb = -(-T // tq)
-    rp = -(-(tq * group) // (8 * NV)) * (8 * NV)               # a block's rows, padded to whole tiles
+    # a block's rows, padded to whole tiles
+    rp = -(-(tq * group) // (8 * NV)) * (8 * NV)
     scale = np.float32(1.0 / math.sqrt(D))
     kf, vf = k_cache.reshape(-1), v_cache.reshape(-1)
     for item in prange(Hkv * nb):
         kvh, i = item % Hkv, item // Hkv
-        # blocks in the order 0, nb-1, 1, nb-2, ...: a block's keys grow with its place, and the threads
-        # take equal runs of items, so each run holds as many long blocks as short ones
+        # blocks in the order 0, nb-1, 1, nb-2, ...: a block's keys grow with its place, and the
+        # threads take equal runs of items, so each run holds as many long blocks as short ones
         b = i // 2 if i % 2 == 0 else nb - 1 - i // 2
         t0, t1 = b * tq, min(T, b * tq + tq)
-        rows, n = (t1 - t0) * group, start_pos + t1            # the block's rows; the keys its last query sees
-        qT = np.zeros((D, rp), dtype=np.float32)               # [D, R]: column r = query t0 + r // group,
-        for r in range(rows):                                  # head kvh * group + r % group
+        # the block's rows; the keys its last query sees
+        rows, n = (t1 - t0) * group, start_pos + t1
+        # [D, R]: column r = query t0 + r // group, head kvh * group + r % group
+        qT = np.zeros((D, rp), dtype=np.float32)
+        for r in range(rows):
             for d in range(D):
                 qT[d, r] = q[t0 + r // group, kvh * group + r % group, d]
         sT = np.empty((n, rp), dtype=np.float32)               # [n, R]
         qTf, sTf = qT.reshape(-1), sT.reshape(-1)
         for j0 in range(0, n, NA):
             for r0 in range(0, rp, 8 * NV):
-                tile_f32(kf, (kvh * Tmax + j0) * D, D, 1, qTf, r0, rp, D, sTf, j0 * rp + r0, rp, n - j0)
-        # softmax: column r sees keys 0 .. lim[r] (its position); exp((s - max) * scale), zero past lim
+                tile_f32(kf, (kvh * Tmax + j0) * D, D, 1, qTf, r0, rp, D, sTf, j0 * rp + r0, rp,
+                         n - j0)
+        # softmax: column r sees keys 0 .. lim[r] (its position); exp((s - max) * scale), zero past
+        # lim
         lim = np.empty(rp, dtype=np.int64)
         mx = np.empty(rp, dtype=np.float32)
         ssum = np.zeros(rp, dtype=np.float32)
@@ -142,7 +155,8 @@ def attention_tiled(q, k_cache, v_cache, start_pos, out, tq):
         of = o.reshape(-1)
         for r0 in range(0, rows, NA):
             for d0 in range(0, D, 8 * NV):
-                tile_f32(sTf, r0, 1, rp, vf, kvh * Tmax * D + d0, D, n, of, r0 * D + d0, D, rows - r0)
+                tile_f32(sTf, r0, 1, rp, vf, kvh * Tmax * D + d0, D, n, of, r0 * D + d0, D,
+                         rows - r0)
         for r in range(rows):
             inv = np.float32(1.0) / ssum[r]
             for d in range(D):
@@ -189,7 +203,8 @@ def attention_blas(q, k_cache, v_cache, start_pos, out):
             out[t0:t1, heads] = (scores @ v_cache[kvh, :n]).reshape(t1 - t0, group, D)
 
 
-def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, start_pos: int) -> np.ndarray:
+def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+              start_pos: int) -> np.ndarray:
     """kernels.attention, in register tiles (or through BLAS) from ATT_BLAS_MIN_T queries."""
     if q.shape[0] < ATT_BLAS_MIN_T:
         return kernels.attention(q, k_cache, v_cache, start_pos)
@@ -198,11 +213,13 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, start_pos
         raise ValueError(f"{H} query heads cannot share {k_cache.shape[0]} KV heads evenly")
     out = np.empty_like(q)
     if TILED and D % (8 * NV) == 0:
-        attention_tiled(q, k_cache, v_cache, start_pos, out, max(1, ROWS // (H // k_cache.shape[0])))
+        attention_tiled(q, k_cache, v_cache, start_pos, out,
+                        max(1, ROWS // (H // k_cache.shape[0])))
     else:
         attention_blas(q, k_cache, v_cache, start_pos, out)
     return out
 
 
 KERNELS = SimpleNamespace(**{name: getattr(kernels, name) for name in
-                             ("rmsnorm", "rope", "silu_mul", "route", "mix", "gated_add")}, attention=attention)
+                             ("rmsnorm", "rope", "silu_mul", "route", "mix", "gated_add")},
+                          attention=attention)

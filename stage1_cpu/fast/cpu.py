@@ -42,13 +42,15 @@ def target_features() -> set[str]:
     else:
         try:
             flat = llvm.get_host_cpu_features().flatten()
-        except RuntimeError:            # LLVM cannot tell on this OS: numba compiles for no extra feature
+        # LLVM cannot tell on this OS: numba compiles for no extra feature
+        except RuntimeError:
             flat = ""
     return {f[1:] for f in flat.split(",") if f.startswith("+")}
 
 
 def target_name() -> str:
-    return numba_config.CPU_NAME if numba_config.CPU_NAME not in (None, "host") else llvm.get_host_cpu_name()
+    return (numba_config.CPU_NAME if numba_config.CPU_NAME not in (None, "host")
+            else llvm.get_host_cpu_name())
 
 
 def _choose_int8(features: set[str]) -> str | None:
@@ -73,7 +75,8 @@ X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
 ARM64 = platform.machine().lower() in ("aarch64", "arm64")
 INT8 = _choose_int8(FEATURES) if X86 or ARM64 else None
 INT16_GEMM = INT8 in ("vnni", "avx2")
-BF16 = X86 and {"avx512bf16", "avx512f"} <= FEATURES and os.environ.get("QS_FAST_ISA", "").lower() in ("", "vnni")
+BF16 = (X86 and {"avx512bf16", "avx512f"} <= FEATURES
+        and os.environ.get("QS_FAST_ISA", "").lower() in ("", "vnni"))
 
 
 def instructions() -> str:

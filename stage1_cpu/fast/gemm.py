@@ -41,7 +41,8 @@ from . import tiles
 from .sync import SLOT, claim
 
 BLOCK_V = 8                   # 8-row blocks a thread takes at a time (64 rows x Kp bytes: in L2)
-TOKEN_BLOCK = 48              # tokens per pass over a block of rows (48 x Kp activations: in L2 beside it)
+# tokens per pass over a block of rows (48 x Kp activations: in L2 beside it)
+TOKEN_BLOCK = 48
 VNNI, REGISTERS = tiles.VNNI, tiles.REGISTERS
 I8, I32, I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
 
@@ -77,20 +78,22 @@ def gemm_tiled(x, xs, xcorr, xsum, data, scales, mins, out, workers, k8_8, k8_16
     T, Kp = x.shape
     V, G = scales.shape[0], scales.shape[1]
     gs = Kp // G
-    xf, xsf, xcf, xsumf, of = x.reshape(-1), xs.reshape(-1), xcorr.reshape(-1), xsum.reshape(-1), out.reshape(-1)
+    xf, xsf, xcf, xsumf, of = (x.reshape(-1), xs.reshape(-1), xcorr.reshape(-1),
+                               xsum.reshape(-1), out.reshape(-1))
     w, s, m, wblock = data.reshape(-1), scales.reshape(-1), mins.reshape(-1), data.size // V
     n_blocks = -(-V // BLOCK_V)
     claims = np.zeros(2 * SLOT, dtype=np.int64)     # sync.counters(1): one phase, the blocks
     for _ in prange(workers):
         blk = claim(claims, 0)
         while blk < n_blocks:
-            nxt = claim(claims, 0)              # this thread's next block, claimed now: its bytes are read
+            # this thread's next block, claimed now: its bytes are read
+            nxt = claim(claims, 0)
             prefetch_blocks(data, BLOCK_V * nxt, BLOCK_V * (nxt + 1))    # while this one multiplies
             v0, v1 = BLOCK_V * blk, min(V, BLOCK_V * (blk + 1))
             for t0 in range(0, T, TOKEN_BLOCK):
                 fk.tile_rows(xf, t0 * Kp, xsf, xcf, xsumf, t0 * G, w, wblock, s, m, G, gs, of,
-                             t0 * out.shape[1] + tiles.ROWS * v0, out.shape[1], v0, v1, min(TOKEN_BLOCK, T - t0),
-                             k8_8, k8_16, k4_8, k4_16)
+                             t0 * out.shape[1] + tiles.ROWS * v0, out.shape[1], v0, v1,
+                             min(TOKEN_BLOCK, T - t0), k8_8, k8_16, k4_8, k4_16)
             blk = nxt
 
 
@@ -119,21 +122,24 @@ def round_prompt8(x3):
 
 
 def gemm(w, x: np.ndarray, act: str = "int8") -> np.ndarray:
-    """x [T, Kp] f32 (padded) @ W.T for a tiled FastWeight (int8 / int4) -> [T, 8 V] (the tiled rows:
-    FastWeight._rows_out takes the padding out), x rounded to int8 per token and group (act "int8")
-    or to int16 (act "int16": almost exact; int16 products, 16 per instruction)."""
+    """x [T, Kp] f32 (padded) @ W.T for a tiled FastWeight (int8 / int4) -> [T, 8 V] (the tiled
+    rows: FastWeight._rows_out takes the padding out), x rounded to int8 per token and group (act
+    "int8") or to int16 (act "int16": almost exact; int16 products, 16 per instruction)."""
     T = x.shape[0]
     x3 = x.reshape(T, -1, w.group_size)                                          # [T, G, gs]
     if act == "int16":
-        xq, xs, xsum = round_prompt16(x3)                                        # [T, G, gs], [T, G]
+        # [T, G, gs], [T, G]
+        xq, xs, xsum = round_prompt16(x3)
         xcorr = np.zeros(xs.shape, dtype=np.int32)
     else:
         xq, xcorr, xs, xsum = round_prompt8(x3)
     out = np.empty((T, w.data.shape[0] * tiles.ROWS), dtype=np.float32)
-    k = [None] * 4                                                               # kernels.tile_rows' kind
+    # kernels.tile_rows' kind
+    k = [None] * 4
     k[2 * (w.fmt == "int4") + (act == "int16")] = True
     mins = w.scales if w.mins is None else w.mins
-    gemm_tiled(xq.reshape(T, -1), xs, xcorr, xsum, w.data, w.scales, mins, out, numba.get_num_threads(), *k)
+    gemm_tiled(xq.reshape(T, -1), xs, xcorr, xsum, w.data, w.scales, mins, out,
+               numba.get_num_threads(), *k)
     return out
 
 
@@ -152,7 +158,8 @@ def gemm_ref(xq, xs, xsum, w) -> np.ndarray:
     else:
         b = data.reshape(O, G // 2, gs)
         q = np.stack([b & 15, b >> 4], axis=2).reshape(O, G, gs).astype(np.int64)
-    dots = np.einsum("ogj,tgj->tog", q, xq.astype(np.int64))                 # [T, O, G], exact integers
+    # [T, O, G], exact integers
+    dots = np.einsum("ogj,tgj->tog", q, xq.astype(np.int64))
     out = (dots * (s[None] * xs.astype(np.float32)[:, None, :].astype(np.float64))).sum(-1)
     if w.fmt == "int4":
         out += xsum.astype(np.float64) @ mins.view(np.float16).astype(np.float64).reshape(O, G).T

@@ -22,7 +22,7 @@ from numba.extending import intrinsic
 
 from . import simd, tiles
 from ..kernels import FAST
-from ..matmul import _inline, _u32_as_f32, f16_to_f32
+from ..matmul import _inline, _u32_as_f32
 from .blocks import DECODE_BLOCK_BYTES
 from .tiles import ROWS
 
@@ -40,14 +40,16 @@ from .tiles import ROWS
 @intrinsic
 def f32_bits(typingctx, x):
     """The 32 bits of a float32, as an int32."""
-    return types.int32(types.float32), lambda context, builder, sig, args: builder.bitcast(args[0], ir.IntType(32))
+    return (types.int32(types.float32),
+            lambda context, builder, sig, args: builder.bitcast(args[0], ir.IntType(32)))
 
 
 @_inline
 def group_amax(x3, t, g):
-    """max |x| over token t's group g, and the group's poison: NaN where it holds a NaN or an inf, else 0.
-    From the values' bits, |x| being the bits without the sign: an integer max vectorises, where a
-    float max that has to mind NaNs does not, and the largest bits past inf's say NaN or inf."""
+    """max |x| over token t's group g, and the group's poison: NaN where it holds a NaN or an inf,
+    else 0. From the values' bits, |x| being the bits without the sign: an integer max vectorises,
+    where a float max that has to mind NaNs does not, and the largest bits past inf's say NaN or
+    inf."""
     bits = np.int32(0)
     for j in range(x3.shape[2]):
         bits = max(bits, f32_bits(x3[t, g, j]) & np.int32(0x7FFFFFFF))
@@ -119,25 +121,26 @@ def quantize_activations16(x3):
 
 
 @_inline
-def tile_rows(x, xoff, xs, xcorr, xsum, xsoff, w, wblock, s, m, G, gs, out, ooff, ostride, v0, v1, T,
-              k8_8, k8_16, k4_8, k4_16):
-    """Blocks v0..v1 (8 rows each) of a tiled matrix (w, s, m flat: wblock bytes a block) by T tokens'
-    rounded activations (flat, from xoff and xsoff) -> out[ooff + t ostride + 8 (v - v0) + l].
+def tile_rows(x, xoff, xs, xcorr, xsum, xsoff, w, wblock, s, m, G, gs, out, ooff, ostride, v0, v1,
+              T, k8_8, k8_16, k4_8, k4_16):
+    """Blocks v0..v1 (8 rows each) of a tiled matrix (w, s, m flat: wblock bytes a block) by T
+    tokens' rounded activations (flat, from xoff and xsoff)
+    -> out[ooff + t ostride + 8 (v - v0) + l].
     k*: the one kind this matrix is (weights . activations: int8 . int8, int8 . int16, int4 . int8,
     int4 . int16) True, the others None (compiled out)."""
     Kp = G * gs
     if k8_8 is not None:
-        tiles.blocks_int8_q8(w, wblock, x, xoff, Kp, s, xs, xcorr, xsum, xsoff, m, G, gs, out, ooff, ostride,
-                             v0, v1, T)
+        tiles.blocks_int8_q8(w, wblock, x, xoff, Kp, s, xs, xcorr, xsum, xsoff, m, G, gs, out,
+                             ooff, ostride, v0, v1, T)
     elif k8_16 is not None:
-        tiles.blocks_int8_q16(w, wblock, x, xoff, Kp, s, xs, xcorr, xsum, xsoff, m, G, gs, out, ooff, ostride,
-                              v0, v1, T)
+        tiles.blocks_int8_q16(w, wblock, x, xoff, Kp, s, xs, xcorr, xsum, xsoff, m, G, gs, out,
+                              ooff, ostride, v0, v1, T)
     elif k4_8 is not None:
-        tiles.blocks_int4_q8(w, wblock, x, xoff, Kp, s, xs, xcorr, xsum, xsoff, m, G, gs, out, ooff, ostride,
-                             v0, v1, T)
+        tiles.blocks_int4_q8(w, wblock, x, xoff, Kp, s, xs, xcorr, xsum, xsoff, m, G, gs, out,
+                             ooff, ostride, v0, v1, T)
     elif k4_16 is not None:
-        tiles.blocks_int4_q16(w, wblock, x, xoff, Kp, s, xs, xcorr, xsum, xsoff, m, G, gs, out, ooff, ostride,
-                              v0, v1, T)
+        tiles.blocks_int4_q16(w, wblock, x, xoff, Kp, s, xs, xcorr, xsum, xsoff, m, G, gs, out,
+                              ooff, ostride, v0, v1, T)
 
 
 @njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
@@ -152,12 +155,13 @@ def matmul_tiled(x, xs, xcorr, xsum, data, scales, mins, out, workers, k8_8, k8_
     wblock = data.size // V
     per = min(-(-V // (4 * workers)), max(1, DECODE_BLOCK_BYTES // wblock))
     per = -(-per // 8) * 8                          # whole tiles of every shape (RB divides 8)
-    xf, xsf, xcf, xsumf, of = x.reshape(-1), xs.reshape(-1), xcorr.reshape(-1), xsum.reshape(-1), out.reshape(-1)
+    xf, xsf, xcf, xsumf, of = (x.reshape(-1), xs.reshape(-1), xcorr.reshape(-1),
+                               xsum.reshape(-1), out.reshape(-1))
     w, s, m = data.reshape(-1), scales.reshape(-1), mins.reshape(-1)
     for c in prange(-(-V // per)):
         v0 = c * per
-        tile_rows(xf, 0, xsf, xcf, xsumf, 0, w, wblock, s, m, G, gs, of, ROWS * v0, out.shape[1], v0,
-                  min(V, v0 + per), T, k8_8, k8_16, k4_8, k4_16)
+        tile_rows(xf, 0, xsf, xcf, xsumf, 0, w, wblock, s, m, G, gs, of, ROWS * v0, out.shape[1],
+                  v0, min(V, v0 + per), T, k8_8, k8_16, k4_8, k4_16)
 
 
 # ---------------------------------------------------------------------------

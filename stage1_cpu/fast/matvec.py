@@ -31,10 +31,10 @@ ACT = {"fp32": 0, "int8": 1, "int16": 2}
 NONE, BF16, INT8, INT4 = range(4)
 A_FP32, A_INT8, A_INT16 = range(3)
 ITEMS_PER_WORKER = 16                     # small items per matmul and worker, at least ...
-ITEM_BYTES = 1 << 18                      # ... and at most ~256 KB of weights per small item (~10 us)
+ITEM_BYTES = 1 << 18                      # ... and at most ~256 KB of weights a small item (~10 us)
 BIG = 8                                   # a phase's first items are 8 small ones long ...
 TAIL_ITEMS = 2                            # ... its last 2 per worker are small ones (see _items)
-CHUNK = 8                                 # blocks of 8 rows per call of the tiles (the scratch: 64 x T)
+CHUNK = 8                                 # 8-row blocks per call of the tiles (the scratch: 64 x T)
 # a segment of a matrix phase: its first row of W, first row of x, first row of out, tokens
 SEG_ROW, SEG_X, SEG_OUT, SEG_TOKENS = range(4)
 
@@ -126,11 +126,14 @@ def _matvec(m, data, scales, mins, x, segs, n, bias, out, counts, phase, workers
         R = max(R, segs[s, SEG_X] + segs[s, SEG_TOKENS])
     # the input as matmul() sees it: padded to whole groups, then rounded as the weight asks
     x2 = np.zeros((R, Kp), dtype=np.float32)
-    for t in range(R):                                           # (loops, not x2[:, :K] = ...: a slice
-        for c in range(K):                                       # assignment compiles numba's error
-            x2[t, c] = x[t * K + c]                              # message formatting, seconds of LLVM)
+    # (loops, not x2[:, :K] = ...: a slice assignment compiles numba's error message formatting,
+    # seconds of LLVM)
+    for t in range(R):
+        for c in range(K):
+            x2[t, c] = x[t * K + c]
     x3 = x2.reshape(R, G, gs) if gs else np.empty((R, 0, 0), dtype=np.float32)
-    x4 = x2.reshape(R, G // 2, 2, gs) if fmt == INT4 and act == A_FP32 else np.empty((R, 0, 2, 0), np.float32)
+    x4 = (x2.reshape(R, G // 2, 2, gs) if fmt == INT4 and act == A_FP32
+          else np.empty((R, 0, 2, 0), np.float32))
     xsum4 = np.empty((R, G // 2, 2), dtype=np.float32)
     xq = np.empty((R if act == A_INT8 else 0, G, gs), dtype=np.int8)
     x16 = np.empty((R if act == A_INT16 else 0, G, gs), dtype=np.int16)
@@ -148,8 +151,10 @@ def _matvec(m, data, scales, mins, x, segs, n, bias, out, counts, phase, workers
     wblock = data.size // V if seg else 0
     wf = data.view(np.float32).reshape(O, Kp) if fmt == NONE else np.empty((0, 0), dtype=np.float32)
     wb = data.view(np.uint16).reshape(O, Kp) if fmt == BF16 else np.empty((0, 0), dtype=np.uint16)
-    q8 = data.view(np.int8).reshape(O, G, gs) if fmt == INT8 and not seg else np.empty((0, 0, 0), np.int8)
-    q4 = data.reshape(O, G // 2, gs) if fmt == INT4 and not seg else np.empty((0, 0, 0), dtype=np.uint8)
+    q8 = (data.view(np.int8).reshape(O, G, gs) if fmt == INT8 and not seg
+          else np.empty((0, 0, 0), np.int8))
+    q4 = (data.reshape(O, G // 2, gs) if fmt == INT4 and not seg
+          else np.empty((0, 0, 0), dtype=np.uint8))
     s2 = scales.reshape(O, G) if gs and not seg else np.empty((0, 0), dtype=np.uint16)
     m2 = mins.reshape(O, G) if fmt == INT4 and not seg else np.empty((0, 0), dtype=np.uint16)
     T_max = 0
@@ -160,33 +165,43 @@ def _matvec(m, data, scales, mins, x, segs, n, bias, out, counts, phase, workers
     xsf, xcf, xsumf = xs.reshape(-1), xcorr.reshape(-1), xsum.reshape(-1)
 
     while i < n_items:
-        b0 = i * big if i < n_big else split + (i - n_big) * small    # blocks b0..b1 of all segments
+        # blocks b0..b1 of all segments
+        b0 = i * big if i < n_big else split + (i - n_big) * small
         b1 = min(nb, b0 + (big if i < n_big else small))
         while b0 < b1:                                           # an item may span segments
             s = b0 // nbs
             e = min(b1, (s + 1) * nbs)
             w0, xr, o0, nt = segs[s, SEG_ROW], segs[s, SEG_X], segs[s, SEG_OUT], segs[s, SEG_TOKENS]
             lb0, lb1 = b0 - s * nbs, e - s * nbs                 # the segment's blocks lb0..lb1
-            if act == A_FP32:                                    # the core's bodies, a token at a time
+            # the core's bodies, a token at a time
+            if act == A_FP32:
                 for j in range(nt):
-                    _fp32_rows(fmt, x2, x3, x4, xsum4, xr + j, wf, wb, q8, q4, s2, m2, w0 + ROWS * lb0,
-                               w0 + min(n, ROWS * lb1), out, (o0 + j) * n - w0, k_f32, k_bf16, k_int8, k_int4)
-            else:                                                # the tiles: all nt tokens per weight load
-                tb = (w0 // seg) * nbs                           # the segment's first block in the tiles
+                    _fp32_rows(fmt, x2, x3, x4, xsum4, xr + j, wf, wb, q8, q4, s2, m2,
+                               w0 + ROWS * lb0, w0 + min(n, ROWS * lb1), out, (o0 + j) * n - w0,
+                               k_f32, k_bf16, k_int8, k_int4)
+            # the tiles: all nt tokens per weight load
+            else:
+                # the segment's first block in the tiles
+                tb = (w0 // seg) * nbs
                 for c0 in range(lb0, lb1, CHUNK):
                     c1 = min(lb1, c0 + CHUNK)
-                    xo, xso = xr * Kp, xr * G                    # the segment's first token's activations
-                    if fmt == INT8 and act == A_INT8:           # one call per kind, the others None:
-                        if k_q8 is not None:                     # each compiled only where it is used
-                            fk.tile_rows(x8, xo, xsf, xcf, xsumf, xso, data, wblock, scales, mins, G, gs,
-                                         scratch, 0, CHUNK * ROWS, tb + c0, tb + c1, nt, k_q8, None, None, None)
+                    # the segment's first token's activations
+                    xo, xso = xr * Kp, xr * G
+                    # one call per kind, the others None: each compiled only where it is used
+                    if fmt == INT8 and act == A_INT8:
+                        if k_q8 is not None:
+                            fk.tile_rows(x8, xo, xsf, xcf, xsumf, xso, data, wblock, scales,
+                                         mins, G, gs, scratch, 0, CHUNK * ROWS, tb + c0, tb + c1,
+                                         nt, k_q8, None, None, None)
                     elif fmt == INT8:
                         if k_q16 is not None:
-                            fk.tile_rows(x16f, xo, xsf, xcf, xsumf, xso, data, wblock, scales, mins, G, gs,
-                                         scratch, 0, CHUNK * ROWS, tb + c0, tb + c1, nt, None, k_q16, None, None)
+                            fk.tile_rows(x16f, xo, xsf, xcf, xsumf, xso, data, wblock, scales,
+                                         mins, G, gs, scratch, 0, CHUNK * ROWS, tb + c0, tb + c1,
+                                         nt, None, k_q16, None, None)
                     elif k_q4 is not None:
-                        fk.tile_rows(x8, xo, xsf, xcf, xsumf, xso, data, wblock, scales, mins, G, gs,
-                                     scratch, 0, CHUNK * ROWS, tb + c0, tb + c1, nt, None, None, k_q4, None)
+                        fk.tile_rows(x8, xo, xsf, xcf, xsumf, xso, data, wblock, scales,
+                                     mins, G, gs, scratch, 0, CHUNK * ROWS, tb + c0, tb + c1,
+                                     nt, None, None, k_q4, None)
                     for j in range(nt):
                         for r in range(ROWS * c0, min(n, ROWS * c1)):
                             out[(o0 + j) * n + r] = scratch[j * CHUNK * ROWS + r - ROWS * c0]

@@ -25,7 +25,8 @@ import numpy as np
 
 from ..quant import Weight
 
-if TYPE_CHECKING:                  # a type only: stage1_cpu/weights.py imports this package (choose_kernels)
+# a type only: stage1_cpu/weights.py imports this package (choose_kernels)
+if TYPE_CHECKING:
     from ..weights import Weights
 
 
@@ -47,13 +48,16 @@ def plan(w: Weights) -> list[Phase]:
     for i, lw in enumerate(w.layers):
         # ---- attention block ----
         P += [Phase("norm", "x", "h", vec=lw.attn_norm),
-              Phase("matmul", "h", "qkv", lw.wqkv, vec=lw.bqkv),    # q, k, v in one matmul (+ qwen2's biases)
-              Phase("attention", "qkv", "att", layer=i),            # q/k norm (qwen3), RoPE, cache, attend
+              # q, k, v in one matmul (+ qwen2's biases)
+              Phase("matmul", "h", "qkv", lw.wqkv, vec=lw.bqkv),
+              # q/k norm (qwen3), RoPE, cache, attend
+              Phase("attention", "qkv", "att", layer=i),
               Phase("matmul", "att", "o", lw.wo),
               Phase("add", "o", "x"),                                # the residual
               # ---- MLP block ----
               Phase("norm", "x", "h", vec=lw.mlp_norm)]
-        if not lw.experts:                                           # SwiGLU: down(silu(gate(h)) * up(h))
+        # SwiGLU: down(silu(gate(h)) * up(h))
+        if not lw.experts:
             P += [Phase("matmul", "h", "gu", lw.w_gate_up),          # [gate | up] in one matmul
                   Phase("silu_mul", "gu", "act"),
                   Phase("matmul", "act", "down", lw.w_down),
@@ -61,8 +65,10 @@ def plan(w: Weights) -> list[Phase]:
             continue
         # Model.moe: the router picks k experts; each is a SwiGLU MLP of its own
         P += [Phase("matmul", "h", "router", lw.router),             # [E] logits, fp32
-              Phase("route", "router", "route"),                     # the k experts and their weights
-              Phase("experts", "h", "egu", lw.experts_gate_up, aux="route"),   # [k, 2Fe] each its own rows
+              # the k experts and their weights
+              Phase("route", "router", "route"),
+              # [k, 2Fe] each its own rows
+              Phase("experts", "h", "egu", lw.experts_gate_up, aux="route"),
               Phase("silu_mul", "egu", "eact"),
               Phase("experts", "eact", "ey", lw.experts_down, aux="route"),    # [k, C]
               Phase("mix", "ey", "moe", aux="route")]                # moe = sum_j weight_j ey_j

@@ -82,7 +82,8 @@ AVX2 = cpu.INT8 == "avx2"     # the same sums by vpmaddubsw / vpmaddwd
 SDOT = cpu.INT8 == "sdot"     # ARM64: sdot on two 128-bit halves
 BF16 = cpu.BF16               # vdpbf16ps on 512-bit registers
 
-I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+I8, I16, I32, I64, F32 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
+                          ir.FloatType())
 BYTES32 = ir.VectorType(I8, 32)       # one 256-bit register of bytes
 INTS8 = ir.VectorType(I32, 8)         # ... of int32 lanes
 FLOATS8 = ir.VectorType(F32, 8)       # ... of float32 lanes
@@ -109,7 +110,8 @@ def _as_int64(context, builder, signature, args):
 def _splat(builder, value):
     """float32 -> 8 lanes of it."""
     one = builder.insert_element(ir.Constant(FLOATS8, ir.Undefined), value, ir.Constant(I32, 0))
-    return builder.shuffle_vector(one, ir.Constant(FLOATS8, ir.Undefined), ir.Constant(INTS8, [0] * 8))
+    return builder.shuffle_vector(one, ir.Constant(FLOATS8, ir.Undefined),
+                                  ir.Constant(INTS8, [0] * 8))
 
 
 def _vpdpbusd(builder, unsigned, signed, acc=None):
@@ -122,7 +124,8 @@ def _vpdpbusd(builder, unsigned, signed, acc=None):
     holds values below 128 (nibbles) or the signed activations themselves."""
     zero = ir.Constant(INTS8, None)
     if SDOT:
-        fn = _declare(builder, "llvm.aarch64.neon.sdot.v4i32.v16i8", INTS4, [INTS4, BYTES16, BYTES16])
+        fn = _declare(builder, "llvm.aarch64.neon.sdot.v4i32.v16i8", INTS4,
+                      [INTS4, BYTES16, BYTES16])
         acc = zero if acc is None else acc
         half = [_half_of(builder, v, h) for v in (acc, unsigned, signed) for h in (0, 1)]
         lo, hi = (builder.call(fn, half[h::2]) for h in (0, 1))
@@ -140,7 +143,8 @@ def _vpdpbusd(builder, unsigned, signed, acc=None):
 def _half_of(builder, v, h):
     """Half h (0: low, 1: high) of a 256-bit vector, as a 128-bit one (one NEON register)."""
     n = v.type.count // 2
-    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, n), list(range(h * n, h * n + n))))
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, n),
+                                                    list(range(h * n, h * n + n))))
 
 
 def _vpdpwssd(builder, acc, a, b):
@@ -150,7 +154,8 @@ def _vpdpwssd(builder, acc, a, b):
     if SDOT:                            # no int16 dot on ARM: widen, multiply, add adjacent pairs
         wide = ir.VectorType(I32, 16)
         prod = builder.mul(builder.sext(a, wide), builder.sext(b, wide))
-        dot = builder.add(*(builder.shuffle_vector(prod, prod, ir.Constant(INTS8, list(range(j, 16, 2))))
+        dot = builder.add(*(builder.shuffle_vector(prod, prod,
+                                                   ir.Constant(INTS8, list(range(j, 16, 2))))
                             for j in (0, 1)))
         return dot if acc is None else builder.add(acc, dot)
     if VNNI:
@@ -164,7 +169,8 @@ def _vpdpwssd(builder, acc, a, b):
 
 def _halves8(builder, hp, g):
     """fp16 bits hp[g : g + 8] -> 8 float32 lanes (one vcvtph2ps)."""
-    h = builder.load(builder.bitcast(builder.gep(hp, [g]), ir.VectorType(I16, 8).as_pointer()), align=2)
+    h = builder.load(builder.bitcast(builder.gep(hp, [g]), ir.VectorType(I16, 8).as_pointer()),
+                     align=2)
     return builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), 8)), FLOATS8)
 
 
@@ -210,19 +216,27 @@ def dot_bf16_panel(typingctx, panel, xb, xoff, k2n, res):
         pp = _base(context, builder, ty[0], panel_, I32)
         xp = builder.gep(_base(context, builder, ty[1], xb_, I32), [xoff_])
         rp = _base(context, builder, ty[4], res_, F32)
-        dpbf16 = _declare(builder, "llvm.x86.avx512bf16.dpbf16ps.512", FLOATS16, [FLOATS16, BF16S32, BF16S32])
-        acc = [cgutils.alloca_once_value(builder, ir.Constant(FLOATS16, None)) for _ in range(TOKENS)]
+        dpbf16 = _declare(builder, "llvm.x86.avx512bf16.dpbf16ps.512", FLOATS16,
+                          [FLOATS16, BF16S32, BF16S32])
+        acc = [cgutils.alloca_once_value(builder, ir.Constant(FLOATS16, None))
+               for _ in range(TOKENS)]
         with cgutils.for_range(builder, k2n_) as loop:
             k2 = loop.index
             at = builder.gep(pp, [builder.mul(k2, ir.Constant(I64, PANEL))])
-            w = builder.bitcast(builder.load(builder.bitcast(at, INTS16.as_pointer()), align=4), BF16S32)
+            w = builder.bitcast(builder.load(builder.bitcast(at, INTS16.as_pointer()), align=4),
+                                BF16S32)
             for t in range(TOKENS):
-                pair = builder.load(builder.gep(xp, [builder.add(builder.mul(ir.Constant(I64, t), k2n_), k2)]))
-                one = builder.insert_element(ir.Constant(INTS16, ir.Undefined), pair, ir.Constant(I32, 0))
-                x = builder.shuffle_vector(one, ir.Constant(INTS16, ir.Undefined), ir.Constant(INTS16, [0] * 16))
-                builder.store(builder.call(dpbf16, [builder.load(acc[t]), w, builder.bitcast(x, BF16S32)]), acc[t])
+                pair = builder.load(builder.gep(
+                    xp, [builder.add(builder.mul(ir.Constant(I64, t), k2n_), k2)]))
+                one = builder.insert_element(ir.Constant(INTS16, ir.Undefined), pair,
+                                             ir.Constant(I32, 0))
+                x = builder.shuffle_vector(one, ir.Constant(INTS16, ir.Undefined),
+                                           ir.Constant(INTS16, [0] * 16))
+                builder.store(builder.call(dpbf16, [builder.load(acc[t]), w,
+                                                    builder.bitcast(x, BF16S32)]), acc[t])
         for t in range(TOKENS):
-            out = builder.bitcast(builder.gep(rp, [ir.Constant(I64, PANEL * t)]), FLOATS16.as_pointer())
+            out = builder.bitcast(builder.gep(rp, [ir.Constant(I64, PANEL * t)]),
+                                  FLOATS16.as_pointer())
             builder.store(builder.load(acc[t]), out, align=4)
         return context.get_dummy_value()
 

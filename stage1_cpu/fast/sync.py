@@ -54,9 +54,10 @@ def atomic_add(typingctx, counts, index, value):
 
     def codegen(context, builder, signature, args):
         counts_, index_, value_ = args
-        ptr = cgutils.get_item_pointer(context, builder, signature.args[0],
-                                       context.make_array(signature.args[0])(context, builder, counts_),
-                                       [index_], wraparound=False)
+        ptr = cgutils.get_item_pointer(
+            context, builder, signature.args[0],
+            context.make_array(signature.args[0])(context, builder, counts_),
+            [index_], wraparound=False)
         value_ = context.cast(builder, value_, signature.args[2], types.int64)
         return builder.atomic_rmw("add", ptr, value_, "seq_cst")
 
@@ -70,9 +71,10 @@ def atomic_load(typingctx, counts, index):
 
     def codegen(context, builder, signature, args):
         counts_, index_ = args
-        ptr = cgutils.get_item_pointer(context, builder, signature.args[0],
-                                       context.make_array(signature.args[0])(context, builder, counts_),
-                                       [index_], wraparound=False)
+        ptr = cgutils.get_item_pointer(
+            context, builder, signature.args[0],
+            context.make_array(signature.args[0])(context, builder, counts_),
+            [index_], wraparound=False)
         return builder.load_atomic(ptr, "acquire", 8)
 
     return sig, codegen
@@ -84,7 +86,8 @@ def nap(typingctx, microseconds):
     sig = types.void(microseconds)
 
     def codegen(context, builder, signature, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), [ir.IntType(32)]),
+        fn = cgutils.get_or_insert_function(builder.module,
+                                            ir.FunctionType(ir.IntType(32), [ir.IntType(32)]),
                                             "usleep")
         builder.call(fn, [builder.trunc(args[0], ir.IntType(32))])
         return context.get_dummy_value()

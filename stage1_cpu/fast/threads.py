@@ -28,9 +28,11 @@ class Threads:
     GAP = 64                    # steps before the first probe, and after one that wins
     MAX_GAP = 512               # the longest wait between probes
     PROBE = 2                   # steps a probe takes (its mean is the other count's estimate)
-    KEEP = 0.8                  # the count in use: a running mean, each step keeping 80 % (~5 steps)
+    # the count in use: a running mean, each step keeping 80 % (~5 steps)
+    KEEP = 0.8
     MARGIN = 0.9                # the other count must be this much faster to be switched to
-    DRIFT = 1.3                 # the count in use this much slower or faster than at the last probe: look again
+    # the count in use this much slower or faster than at the last probe: look again
+    DRIFT = 1.3
 
     def __init__(self, most: int):
         self.most = most
@@ -55,7 +57,8 @@ class Threads:
             old = self.cost.get(threads, seconds)
             self.cost[threads] = now = self.KEEP * old + (1 - self.KEEP) * seconds
             if self.level and not self.level / self.DRIFT < now < self.level * self.DRIFT:
-                self.wait, self.gap, self.level = 0, self.GAP, None    # the machine changed: probe now
+                # the machine changed: probe now
+                self.wait, self.gap, self.level = 0, self.GAP, None
             return
         self.probe.append(seconds)
         if len(self.probe) < self.PROBE:

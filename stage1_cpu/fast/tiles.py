@@ -71,7 +71,8 @@ SHAPES = {("int8.q8", 1): (8, 1), ("int8.q8", 4): (4, 4) if REGISTERS == 32 else
           ("int4.q8", 8): None,
           ("int8.q16", 8): (1, 8) if REGISTERS == 32 else None, ("int4.q16", 8): None}
 
-I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+I8, I16, I32, I64, F32 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
+                          ir.FloatType())
 BYTES32, BYTES16 = ir.VectorType(I8, 32), ir.VectorType(I8, 16)
 SHORTS16, INTS8, FLOATS8 = ir.VectorType(I16, 16), ir.VectorType(I32, 8), ir.VectorType(F32, 8)
 
@@ -125,7 +126,8 @@ def to_tiles(data: np.ndarray, scales: np.ndarray, mins, seg: int):
         out = np.empty((V, a.shape[1], ROWS), dtype=np.uint16)
         _scales_to_tiles(np.ascontiguousarray(a).view(np.uint16), seg, out)
         return out
-    return tiled.view(data.dtype).reshape(V, -1, 32), side(scales), None if mins is None else side(mins)
+    return (tiled.view(data.dtype).reshape(V, -1, 32), side(scales),
+            None if mins is None else side(mins))
 
 
 def tiled_row(r, seg):
@@ -183,56 +185,70 @@ def _splat(builder, value, count):
     """A scalar (i32, i64 or f32) repeated `count` times."""
     vty = ir.VectorType(value.type, count)
     one = builder.insert_element(ir.Constant(vty, ir.Undefined), value, ir.Constant(I32, 0))
-    return builder.shuffle_vector(one, ir.Constant(vty, ir.Undefined), ir.Constant(ir.VectorType(I32, count),
-                                                                                 [0] * count))
+    return builder.shuffle_vector(one, ir.Constant(vty, ir.Undefined),
+                                  ir.Constant(ir.VectorType(I32, count), [0] * count))
 
 
 def _tile_codegen(int4: bool, q16: bool, RB: int, TT: int):
     """The body of one tile kind (the argument order: TILE_ARGS)."""
 
     def codegen(context, builder, sig, args):
-        (w_, woff, x_, xoff, Kp, s_, soff, xs_, xsoff, G, gs, m_, xcorr_, xsum_, out_, ooff, ostride, n_rb,
-         n_tok) = [context.cast(builder, a, t, types.int64) if isinstance(t, types.Integer) else a
-                   for a, t in zip(args, sig.args)]
+        (w_, woff, x_, xoff, Kp, s_, soff, xs_, xsoff, G, gs, m_, xcorr_, xsum_, out_, ooff,
+         ostride, n_rb, n_tok) = [context.cast(builder, a, t, types.int64)
+                                  if isinstance(t, types.Integer) else a
+                                  for a, t in zip(args, sig.args)]
         ty = sig.args
         c = lambda v: ir.Constant(I64, v)          # noqa: E731
-        last = lambda n, i: builder.select(builder.icmp_signed("<", c(i), n), c(i), builder.sub(n, c(1)))  # noqa
+        last = lambda n, i: builder.select(  # noqa
+            builder.icmp_signed("<", c(i), n), c(i), builder.sub(n, c(1)))
         rbs, toks = [last(n_rb, r) for r in range(RB)], [last(n_tok, t) for t in range(TT)]
-        vbytes = builder.mul(Kp, c(4 if int4 else 8))                       # bytes of one block of 8 rows
-        wps = [builder.gep(_ptr(context, builder, ty[0], w_, I8, woff), [builder.mul(r, vbytes)]) for r in rbs]
-        xps = [builder.gep(_ptr(context, builder, ty[2], x_, I16 if q16 else I8, xoff), [builder.mul(t, Kp)])
+        # bytes of one block of 8 rows
+        vbytes = builder.mul(Kp, c(4 if int4 else 8))
+        wps = [builder.gep(_ptr(context, builder, ty[0], w_, I8, woff), [builder.mul(r, vbytes)])
+               for r in rbs]
+        xps = [builder.gep(_ptr(context, builder, ty[2], x_, I16 if q16 else I8, xoff),
+                           [builder.mul(t, Kp)])
                for t in toks]
         G8 = builder.mul(G, c(ROWS))
-        sps = [builder.gep(_ptr(context, builder, ty[5], s_, I16, soff), [builder.mul(r, G8)]) for r in rbs]
-        mps = [builder.gep(_ptr(context, builder, ty[11], m_, I16, soff), [builder.mul(r, G8)]) for r in rbs]
+        sps = [builder.gep(_ptr(context, builder, ty[5], s_, I16, soff), [builder.mul(r, G8)])
+               for r in rbs]
+        mps = [builder.gep(_ptr(context, builder, ty[11], m_, I16, soff), [builder.mul(r, G8)])
+               for r in rbs]
         def per_token(i, arr, elem):               # token t's G values of xs / xcorr / xsum
             base = _ptr(context, builder, ty[i], arr, elem, xsoff)
             return [builder.gep(base, [builder.mul(t, G)]) for t in toks]
-        xsps, xcps, xsumps = per_token(7, xs_, F32), per_token(12, xcorr_, I32), per_token(13, xsum_, F32)
+        xsps, xcps, xsumps = (per_token(7, xs_, F32), per_token(12, xcorr_, I32),
+                              per_token(13, xsum_, F32))
         fma = _fn(builder, "llvm.fma.v8f32", FLOATS8, [FLOATS8] * 3)
         maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", SHORTS16, [BYTES32, BYTES32])
         maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", INTS8, [SHORTS16, SHORTS16])
         psign = _fn(builder, "llvm.x86.avx2.psign.b", BYTES32, [BYTES32, BYTES32])
-        prefetch = _fn(builder, "llvm.prefetch.p0i8", ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
+        prefetch = _fn(builder, "llvm.prefetch.p0i8", ir.VoidType(),
+                       [I8.as_pointer(), I32, I32, I32])
         ones = ir.Constant(SHORTS16, [1] * 16)
-        n_acc = 2 if q16 else 1                                             # q16: rows 0-3 and 4-7 apart
-        H = 2 if int4 else 1            # groups a pass over the bytes serves: int4's pair, low and high nibbles
+        # q16: rows 0-3 and 4-7 apart
+        n_acc = 2 if q16 else 1
+        # groups a pass over the bytes serves: int4's pair, low and high nibbles
+        H = 2 if int4 else 1
         facc = [[cgutils.alloca_once_value(builder, ir.Constant(FLOATS8, None)) for _ in range(TT)]
                 for _ in range(RB)]
         iacc = [[[[cgutils.alloca_once(builder, INTS8) for _ in range(n_acc)] for _ in range(TT)]
                  for _ in range(RB)] for _ in range(H)]
         avx2_int8_q8 = not (VNNI or SDOT) and not q16 and not int4         # |x| by q sign(x)
         avx2_int4_q8 = not (VNNI or SDOT) and not q16 and int4             # int16 sums over a chunk
-        bias = VNNI and not q16 and not int4                                # q ^ 0x80, from -128 sum(x)
+        # q ^ 0x80, from -128 sum(x)
+        bias = VNNI and not q16 and not int4
         low4, four = ir.Constant(BYTES32, [15] * 32), ir.Constant(BYTES32, [4] * 32)
         flip = ir.Constant(BYTES32, [-128] * 32)
 
         def dots(acc, acc16, ws, xb):
-            """One step of every accumulator: the RB weight vectors ws by the TT tokens' broadcasts xb."""
+            """One step of every accumulator: the RB weight vectors ws by the TT tokens'
+            broadcasts xb."""
             if q16:                             # rows 0-3 and 4-7 as 16 int16 each
                 ext = builder.zext if int4 else builder.sext
                 halves = [[ext(builder.shuffle_vector(w, w, ir.Constant(ir.VectorType(I32, 16),
-                                                                         list(range(h, h + 16)))), SHORTS16)
+                                                                         list(range(h, h + 16)))),
+                               SHORTS16)
                            for h in (0, 16)] for w in ws]
             for t in range(TT):
                 if avx2_int8_q8:
@@ -246,7 +262,8 @@ def _tile_codegen(int4: bool, q16: bool, RB: int, TT: int):
                         pairs = builder.call(maddubs, [xa, builder.call(psign, [ws[r], xb[t]])])
                         a[0] = builder.add(a[0], builder.call(maddwd, [pairs, ones]))
                     elif avx2_int4_q8:
-                        acc16[r][t] = builder.add(acc16[r][t], builder.call(maddubs, [ws[r], xb[t]]))
+                        acc16[r][t] = builder.add(acc16[r][t],
+                                                  builder.call(maddubs, [ws[r], xb[t]]))
                     else:
                         a[0] = simd._vpdpbusd(builder, ws[r], xb[t], a[0])
 
@@ -255,41 +272,53 @@ def _tile_codegen(int4: bool, q16: bool, RB: int, TT: int):
             u = ul.index
             for h in range(H):
                 g = builder.add(builder.mul(u, c(H)), c(h))
-                for r in range(RB):                 # each group's int32 sums start from zero (or -128 sum(x))
+                # each group's int32 sums start from zero (or -128 sum(x))
+                for r in range(RB):
                     for t in range(TT):
-                        start = _splat(builder, builder.load(builder.gep(xcps[t], [g])), 8) if bias else \
-                            ir.Constant(INTS8, None)
+                        start = (_splat(builder, builder.load(builder.gep(xcps[t], [g])), 8) if bias
+                                 else ir.Constant(INTS8, None))
                         for a in iacc[h][r][t]:
                             builder.store(start, a)
-            uw = builder.mul(u, builder.mul(gs, c(ROWS)))                  # the unit's bytes in a block
+            # the unit's bytes in a block
+            uw = builder.mul(u, builder.mul(gs, c(ROWS)))
             with cgutils.for_range(builder, builder.udiv(gs, c(CHUNK))) as cl:
                 cw = builder.add(uw, builder.mul(cl.index, c(CHUNK * ROWS)))
-                acc = [[[[builder.load(a) for a in iacc[h][r][t]] for t in range(TT)] for r in range(RB)]
-                       for h in range(H)]
-                acc16 = [[[ir.Constant(SHORTS16, None) for t in range(TT)] for r in range(RB)] for h in range(H)]
+                acc = [[[[builder.load(a) for a in iacc[h][r][t]] for t in range(TT)]
+                        for r in range(RB)] for h in range(H)]
+                acc16 = [[[ir.Constant(SHORTS16, None) for t in range(TT)] for r in range(RB)]
+                         for h in range(H)]
                 # the next tile's bytes (RB blocks on), this chunk's lines, asked for while this
                 # one multiplies, for one token as for several: the reads overlap the arithmetic
                 ahead = builder.add(builder.mul(vbytes, c(RB)), cw)
                 for p in wps:
                     for line in range(0, CHUNK * ROWS, 64):
                         builder.call(prefetch, [builder.gep(p, [builder.add(ahead, c(line))]),
-                                                ir.Constant(I32, 0), ir.Constant(I32, 2), ir.Constant(I32, 1)])
+                                                ir.Constant(I32, 0), ir.Constant(I32, 2),
+                                                ir.Constant(I32, 1)])
                 for j in range(CHUNK // 4):         # a step: 4 values of 8 rows, one 32-byte vector
-                    raw = [builder.load(builder.bitcast(builder.gep(p, [builder.add(cw, c(32 * j))]),
-                                                        BYTES32.as_pointer()), align=1) for p in wps]
+                    raw = [builder.load(
+                        builder.bitcast(builder.gep(p, [builder.add(cw, c(32 * j))]),
+                                        BYTES32.as_pointer()),
+                        align=1) for p in wps]
                     for h in range(H):
-                        if int4:                    # group 2u + h: the low nibbles, then the high ones
-                            ws = [builder.and_(builder.lshr(w, four) if h else w, low4) for w in raw]
+                        # group 2u + h: the low nibbles, then the high ones
+                        if int4:
+                            ws = [builder.and_(builder.lshr(w, four) if h else w, low4)
+                                  for w in raw]
                         else:
                             ws = [builder.xor(w, flip) for w in raw] if bias else raw
                         g = builder.add(builder.mul(u, c(H)), c(h))
-                        cx = builder.add(builder.mul(g, gs), builder.add(builder.mul(cl.index, c(CHUNK)), c(4 * j)))
-                        if q16:                     # the token's 4 int16 values as pairs, in every lane
-                            xv = [builder.load(builder.bitcast(builder.gep(p, [cx]), I64.as_pointer()), align=2)
+                        cx = builder.add(builder.mul(g, gs),
+                                         builder.add(builder.mul(cl.index, c(CHUNK)), c(4 * j)))
+                        # the token's 4 int16 values as pairs, in every lane
+                        if q16:
+                            xv = [builder.load(builder.bitcast(builder.gep(p, [cx]),
+                                                               I64.as_pointer()), align=2)
                                   for p in xps]
                             xb = [builder.bitcast(_splat(builder, v, 4), SHORTS16) for v in xv]
                         else:                       # its 4 int8 values, in every lane
-                            xv = [builder.load(builder.bitcast(builder.gep(p, [cx]), I32.as_pointer()), align=1)
+                            xv = [builder.load(builder.bitcast(builder.gep(p, [cx]),
+                                                               I32.as_pointer()), align=1)
                                   for p in xps]
                             xb = [builder.bitcast(_splat(builder, v, 8), BYTES32) for v in xv]
                         dots(acc[h], acc16[h], ws, xb)
@@ -297,21 +326,23 @@ def _tile_codegen(int4: bool, q16: bool, RB: int, TT: int):
                     for r in range(RB):
                         for t in range(TT):
                             if avx2_int4_q8:
-                                acc[h][r][t][0] = builder.add(acc[h][r][t][0],
-                                                              builder.call(maddwd, [acc16[h][r][t], ones]))
+                                acc[h][r][t][0] = builder.add(
+                                    acc[h][r][t][0], builder.call(maddwd, [acc16[h][r][t], ones]))
                             for a, slot in zip(acc[h][r][t], iacc[h][r][t]):
                                 builder.store(a, slot)
             for h in range(H):
-                # group g's epilogue, in the order of g: 8 rows' exact int32 sums to fp32, times s xs
-                # (int4: then + m xsum)
+                # group g's epilogue, in the order of g: 8 rows' exact int32 sums to fp32, times s
+                # xs (int4: then + m xsum)
                 g = builder.add(builder.mul(u, c(H)), c(h))
                 svs = [simd._halves8(builder, p, builder.mul(g, c(ROWS))) for p in sps]
                 for t in range(TT):
                     xsb = _splat(builder, builder.load(builder.gep(xsps[t], [g])), 8)
                     for r in range(RB):
-                        if q16:                 # lanes (r0a r0b r1a r1b r2a r2b r3a r3b) (r4a ...): pair them
+                        # lanes (r0a r0b r1a r1b r2a r2b r3a r3b) (r4a ...): pair them
+                        if q16:
                             lo, hi = (builder.load(a) for a in iacc[h][r][t])
-                            idx = lambda k: ir.Constant(ir.VectorType(I32, 8), list(range(k, 16, 2)))  # noqa: E731
+                            idx = lambda k: ir.Constant(ir.VectorType(I32, 8),  # noqa: E731
+                                                        list(range(k, 16, 2)))
                             dot = builder.add(builder.shuffle_vector(lo, hi, idx(0)),
                                               builder.shuffle_vector(lo, hi, idx(1)))
                         else:
@@ -324,27 +355,31 @@ def _tile_codegen(int4: bool, q16: bool, RB: int, TT: int):
                         mv = simd._halves8(builder, mps[r], builder.mul(g, c(ROWS)))
                         for t in range(TT):
                             xm = _splat(builder, builder.load(builder.gep(xsumps[t], [g])), 8)
-                            builder.store(builder.call(fma, [mv, xm, builder.load(facc[r][t])]), facc[r][t])
+                            builder.store(builder.call(fma, [mv, xm, builder.load(facc[r][t])]),
+                                          facc[r][t])
         obase = _ptr(context, builder, ty[14], out_, F32, ooff)
         for t in range(TT):
             for r in range(RB):
-                keep = builder.and_(builder.icmp_signed("<", c(t), n_tok), builder.icmp_signed("<", c(r), n_rb))
+                keep = builder.and_(builder.icmp_signed("<", c(t), n_tok),
+                                    builder.icmp_signed("<", c(r), n_rb))
                 with builder.if_then(keep, likely=True):
                     at = builder.add(builder.mul(c(t), ostride), c(ROWS * r))
                     builder.store(builder.load(facc[r][t]),
-                                  builder.bitcast(builder.gep(obase, [at]), FLOATS8.as_pointer()), align=4)
+                                  builder.bitcast(builder.gep(obase, [at]), FLOATS8.as_pointer()),
+                                  align=4)
         return context.get_dummy_value()
 
     return codegen
 
 
-TILE_ARGS = ("w", "woff", "x", "xoff", "Kp", "s", "soff", "xs", "xsoff", "G", "gs", "m", "xcorr", "xsum",
-             "out", "ooff", "ostride", "n_rb", "n_tok")
-_TILE_DOC = """{what}: out[ooff + t ostride + 8 i + l] = row l of block i, token t, for i < min(RB, n_rb),
-    t < min(TT, n_tok) ({RB} x {TT}). w: the tiled weights, block i at woff + i (bytes a block);
-    x: token t's rounded activations at xoff + t Kp; s (and m): block i's at soff + i G 8;
-    xs, xcorr (int32 -128 sum(xq), VNNI int8 only), xsum (int4's): token t's at xsoff + t G.
-    Blocks and tokens past n_rb / n_tok repeat the last ones (read, never stored)."""
+TILE_ARGS = ("w", "woff", "x", "xoff", "Kp", "s", "soff", "xs", "xsoff", "G", "gs", "m", "xcorr",
+             "xsum", "out", "ooff", "ostride", "n_rb", "n_tok")
+_TILE_DOC = """{what}: out[ooff + t ostride + 8 i + l] = row l of block i, token t, for
+    i < min(RB, n_rb), t < min(TT, n_tok) ({RB} x {TT}). w: the tiled weights, block i at
+    woff + i (bytes a block); x: token t's rounded activations at xoff + t Kp; s (and m): block
+    i's at soff + i G 8; xs, xcorr (int32 -128 sum(xq), VNNI int8 only), xsum (int4's): token
+    t's at xsoff + t G. Blocks and tokens past n_rb / n_tok repeat the last ones (read, never
+    stored)."""
 
 
 def _make_tile(int4: bool, q16: bool, TT: int):
@@ -354,10 +389,10 @@ def _make_tile(int4: bool, q16: bool, TT: int):
         return _make_tile(int4, q16, 4)
     RB = shape[0]
 
-    def tile(typingctx, w, woff, x, xoff, Kp, s, soff, xs, xsoff, G, gs, m, xcorr, xsum, out, ooff, ostride,
-             n_rb, n_tok):
-        sig = types.void(w, woff, x, xoff, Kp, s, soff, xs, xsoff, G, gs, m, xcorr, xsum, out, ooff, ostride,
-                         n_rb, n_tok)
+    def tile(typingctx, w, woff, x, xoff, Kp, s, soff, xs, xsoff, G, gs, m, xcorr, xsum, out, ooff,
+             ostride, n_rb, n_tok):
+        sig = types.void(w, woff, x, xoff, Kp, s, soff, xs, xsoff, G, gs, m, xcorr, xsum, out, ooff,
+                         ostride, n_rb, n_tok)
         return sig, _tile_codegen(int4, q16, RB, TT)
     what = f"{'int4' if int4 else 'int8'} weights x {'int16' if q16 else 'int8'} activations"
     tile.__doc__ = _TILE_DOC.format(what=what, RB=RB, TT=TT)
@@ -366,30 +401,32 @@ def _make_tile(int4: bool, q16: bool, TT: int):
 
 def _blocks(int4: bool, q16: bool):
     """The loops around one kind's tiles: blocks v0..v1 of a tiled matrix by T tokens."""
-    (tile1, RB1, _), (tile4, RB4, _), (tile8, RB8, TT8) = (_make_tile(int4, q16, TT) for TT in (1, 4, 8))
+    (tile1, RB1, _), (tile4, RB4, _), (tile8, RB8, TT8) = (_make_tile(int4, q16, TT)
+                                                           for TT in (1, 4, 8))
 
     @njit(inline="always", fastmath=FAST, error_model="numpy")
-    def blocks(w, wblock, x, xoff, Kp, s, xs, xcorr, xsum, xsoff, m, G, gs, out, ooff, ostride, v0, v1, T):
-        """out[ooff + t ostride + 8 (v - v0) + l] = row l of block v . token t, for v0 <= v < v1, t < T:
-        one token in tiles of RB1 blocks, up to 4 in tiles of RB4 blocks by 4 tokens, 5 to 8 (a verify
-        step) in one tile of 8 where its accumulators fit the registers, else (and a prompt's 48)
-        in tiles of 4 (each block's bytes read from memory once: the tiles after the first find
-        them in L1 or L2). Flat arrays and offsets, no views: a view of an array the threads share
-        costs an atomic count on one cache line that every thread writes."""
+    def blocks(w, wblock, x, xoff, Kp, s, xs, xcorr, xsum, xsoff, m, G, gs, out, ooff, ostride, v0,
+               v1, T):
+        """out[ooff + t ostride + 8 (v - v0) + l] = row l of block v . token t, for v0 <= v < v1,
+        t < T: one token in tiles of RB1 blocks, up to 4 in tiles of RB4 blocks by 4 tokens, 5 to 8
+        (a verify step) in one tile of 8 where its accumulators fit the registers, else (and a
+        prompt's 48) in tiles of 4 (each block's bytes read from memory once: the tiles after the
+        first find them in L1 or L2). Flat arrays and offsets, no views: a view of an array the
+        threads share costs an atomic count on one cache line that every thread writes."""
         if T == 1:
             for v in range(v0, v1, RB1):
-                tile1(w, v * wblock, x, xoff, Kp, s, v * G * ROWS, xs, xsoff, G, gs, m, xcorr, xsum, out,
-                      ooff + ROWS * (v - v0), ostride, min(RB1, v1 - v), 1)
+                tile1(w, v * wblock, x, xoff, Kp, s, v * G * ROWS, xs, xsoff, G, gs, m, xcorr, xsum,
+                      out, ooff + ROWS * (v - v0), ostride, min(RB1, v1 - v), 1)
         elif T <= 4 or T > 8 or TT8 == 4:
             for v in range(v0, v1, RB4):
                 for t in range(0, T, 4):
-                    tile4(w, v * wblock, x, xoff + t * Kp, Kp, s, v * G * ROWS, xs, xsoff + t * G, G, gs, m,
-                          xcorr, xsum, out, ooff + t * ostride + ROWS * (v - v0), ostride, min(RB4, v1 - v),
-                          min(4, T - t))
+                    tile4(w, v * wblock, x, xoff + t * Kp, Kp, s, v * G * ROWS, xs, xsoff + t * G,
+                          G, gs, m, xcorr, xsum, out, ooff + t * ostride + ROWS * (v - v0), ostride,
+                          min(RB4, v1 - v), min(4, T - t))
         else:
             for v in range(v0, v1, RB8):
-                tile8(w, v * wblock, x, xoff, Kp, s, v * G * ROWS, xs, xsoff, G, gs, m, xcorr, xsum, out,
-                      ooff + ROWS * (v - v0), ostride, min(RB8, v1 - v), T)
+                tile8(w, v * wblock, x, xoff, Kp, s, v * G * ROWS, xs, xsoff, G, gs, m, xcorr, xsum,
+                      out, ooff + ROWS * (v - v0), ostride, min(RB8, v1 - v), T)
     return blocks
 
 
@@ -397,4 +434,5 @@ blocks_int8_q8 = _blocks(False, False)
 blocks_int8_q16 = _blocks(False, True)
 blocks_int4_q8 = _blocks(True, False)
 blocks_int4_q16 = _blocks(True, True)
-BIAS = 128 if VNNI else 0       # xcorr = -BIAS sum(xq): the int8 x int8 tiles' sums start from it (VNNI)
+# xcorr = -BIAS sum(xq): the int8 x int8 tiles' sums start from it (VNNI)
+BIAS = 128 if VNNI else 0
