@@ -278,7 +278,7 @@ def test_killing_the_engine_process_during_a_stream_fails_it_and_the_restarted_c
 
 def test_the_server_stays_within_its_size_limits():
     """docs/server.md's bound: the server's files (common/api_*.py, engine_loop.py, engine_process.py,
-    server.py) total at most 910 lines, none over 400."""
+    server.py) total at most 1,060 lines at 100 columns, none over 400."""
     root = os.path.join(os.path.dirname(__file__), "..", "common")
     files = sorted(f for f in os.listdir(root) if re.fullmatch(r"api_\w+\.py", f))      # a new api_ module too
     assert {"api_protocol.py", "api_state.py", "api_chat.py", "api_completions.py"} <= set(files), files
@@ -287,4 +287,4 @@ def test_the_server_stays_within_its_size_limits():
     for name in files:
         with open(os.path.join(root, name)) as f:
             lines[name] = len(f.read().splitlines())
-    assert sum(lines.values()) <= 910 and max(lines.values()) <= 400, lines
+    assert sum(lines.values()) <= 1060 and max(lines.values()) <= 400, lines
