@@ -44,10 +44,11 @@ class PromptLookup:
                 hits &= a[j:L - n + j] == a[L - n + j]
             found = np.flatnonzero(hits)
             if found.size:
-                start = found[-1] + n                     # the latest match: the most recent context
+                start = found[-1] + n   # the latest match: the most recent context
                 out = a[start:start + k].tolist()
-                while len(out) < k:                       # it ran into the present: what followed goes on
-                    out.append(out[len(out) - (L - start)])   # repeating (a loop of L - start tokens)
+                # it ran into the present: what followed repeats (a loop of L - start tokens)
+                while len(out) < k:
+                    out.append(out[len(out) - (L - start)])
                 return out
         return []
 
@@ -60,13 +61,15 @@ class SpeculationStats:
     drafted: int = 0         # drafted tokens the steps verified
     accepted: int = 0        # of those, how many were kept
 
-    def __add__(self, other: "SpeculationStats") -> "SpeculationStats":     # a request's choices together
-        return SpeculationStats(self.steps + other.steps, self.tokens + other.tokens, self.drafted + other.drafted,
-                                self.accepted + other.accepted)
+    # a request's choices together
+    def __add__(self, other: "SpeculationStats") -> "SpeculationStats":
+        return SpeculationStats(self.steps + other.steps, self.tokens + other.tokens,
+                                self.drafted + other.drafted, self.accepted + other.accepted)
 
     def line(self) -> str:
         """"2.6 tokens/step, 61 % of drafts accepted" (the chat's and generate's stats)."""
-        rate = f"{100 * self.accepted / self.drafted:.0f} % of drafts accepted" if self.drafted else "nothing drafted"
+        rate = (f"{100 * self.accepted / self.drafted:.0f} % of drafts accepted" if self.drafted
+                else "nothing drafted")
         return f"{self.tokens / max(self.steps, 1):.1f} tokens/step, {rate}"
 
     def usage(self) -> dict:

@@ -10,7 +10,8 @@ from .options import add_args, build_engine
 
 
 def main(argv=None) -> int:
-    return generate_main(build_engine, argv, prog="python -m stage1_cpu.generate", add_args=add_args)
+    return generate_main(build_engine, argv, prog="python -m stage1_cpu.generate",
+                         add_args=add_args)
 
 
 if __name__ == "__main__":

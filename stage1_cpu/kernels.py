@@ -254,7 +254,8 @@ def _attention(q, k_cache, v_cache, start_pos, out):
         attention_item(q, k_cache, v_cache, start_pos, out, item)
 
 
-def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, start_pos: int) -> np.ndarray:
+def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+              start_pos: int) -> np.ndarray:
     """q: [T, H, D]; k_cache, v_cache: [Hkv, Tmax, D]; query t sits at position
     start_pos + t and attends to cache positions 0 .. start_pos + t."""
     H = q.shape[1]

@@ -56,8 +56,9 @@ def f16_to_f32(h):
 
 # Quantized matmul, decode path: out[t, r] = sum_k x[t, k] * W[r, k].
 # x: [T, Kp] f32 (Kp = in_features padded to whole groups), out: [T, O] f32.
-# For T < quant.PREFILL_MIN_T: each row is read once, reused from L1 for all T tokens. Converting
-# in registers costs bf16 a shift, int4 most: int4 can be compute-bound (docs/stage1.md, napkin maths).
+# For T < quant.PREFILL_MIN_T: each row is read once, reused from L1 for all T tokens.
+# Converting in registers costs bf16 a shift, int4 most: int4 can be compute-bound
+# (docs/stage1.md, napkin maths).
 @_inline
 def row_f32(x, t, w, r):
     """x[t] . w[r]: x [T, K] f32, w [O, K] f32."""
@@ -156,7 +157,8 @@ def row_int4(x4, xsum, t, q, s, m, r):
             lo_part += (byte - np.float32(16.0) * hi) * x4[t, p, 0, j]
             hi_part += hi * x4[t, p, 1, j]
         acc += (lo_part * f16_to_f32(s[r, 2 * p]) + f16_to_f32(m[r, 2 * p]) * xsum[t, p, 0]
-                + hi_part * f16_to_f32(s[r, 2 * p + 1]) + f16_to_f32(m[r, 2 * p + 1]) * xsum[t, p, 1])
+                + hi_part * f16_to_f32(s[r, 2 * p + 1])
+                + f16_to_f32(m[r, 2 * p + 1]) * xsum[t, p, 1])
     # exercise 1.11 end
     return acc
 
@@ -216,7 +218,8 @@ def dequant_rows_int4(ids, q, s, m, out):
             # both halves at once ran 5x slower (measured)
             for j in range(gs):
                 byte = np.float32(q[r, p, j])
-                out[i, p, 0, j] = (byte - np.float32(16.0) * np.floor(byte * np.float32(0.0625))) * s0 + m0
+                out[i, p, 0, j] = ((byte - np.float32(16.0) * np.floor(byte * np.float32(0.0625)))
+                                   * s0 + m0)
             for j in range(gs):
                 byte = np.float32(q[r, p, j])
                 out[i, p, 1, j] = np.floor(byte * np.float32(0.0625)) * s1 + m1

@@ -16,7 +16,8 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return (x / np.sqrt(var + np.float32(eps))).astype(np.float32) * w
 
 
-def rope_tables(max_pos: int, head_dim: int, theta: float, scaling=None) -> tuple[np.ndarray, np.ndarray]:
+def rope_tables(max_pos: int, head_dim: int, theta: float,
+                scaling=None) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin [max_pos, D/2]: the rotation angle of pair i at position p is p * theta^(-2i/D).
     scaling (config.RopeScaling, Llama 3's) changes the frequencies, see llama3_inv_freq.
     Computed once per model; positions index rows."""
@@ -38,7 +39,7 @@ def llama3_inv_freq(inv_freq: np.ndarray, scaling) -> np.ndarray:
     L, lo, hi, factor = (scaling.original_max_position_embeddings, scaling.low_freq_factor,
                          scaling.high_freq_factor, scaling.factor)
     wavelen = 2 * np.pi / inv_freq                         # [D/2] positions per full turn
-    s = (L / wavelen - lo) / (hi - lo)                     # [D/2] blend weight, in [0, 1] in the band
+    s = (L / wavelen - lo) / (hi - lo)                     # [D/2] blend weight: [0, 1] in the band
     blended = (1 - s) * inv_freq / factor + s * inv_freq
     return np.where(wavelen > L / lo, inv_freq / factor,   # long wavelengths: slowed by factor
                     np.where(wavelen < L / hi, inv_freq, blended))   # short ones: kept
@@ -53,7 +54,8 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(np.float32)
 
 
-def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, start_pos: int) -> np.ndarray:
+def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+              start_pos: int) -> np.ndarray:
     """Causal GQA attention of T new queries over the cache.
     q [T, H, D]; k_cache, v_cache [Hkv, Tmax, D] already hold positions 0..start_pos+T-1.
     Query t sits at position start_pos + t and sees cache positions 0..start_pos + t.

@@ -18,10 +18,10 @@ from . import matmul
 FORMATS = ("none", "bf16", "int8", "int4")
 GROUP_SIZES = (32, 64, 128)
 
-# Prefill: ROW_BLOCK rows at a time dequantized to an fp32 tile for BLAS sgemm (docs/stage1.md, section 7)
-PREFILL_MIN_T = 8     # from 8 tokens on, the tile beats reading each row T times (bench profile --tokens T)
-ROW_BLOCK = 1024      # 1024 rows x 1024 fp32 = 4 MB: wide enough for OpenBLAS's threads, still in L3
-QUANT_ROWS = 4096     # rows quantized at a time: bounds the fp32 temporaries (~6 x rows x in x 4 bytes)
+# Prefill: ROW_BLOCK rows at a time dequantized to an fp32 tile for BLAS (docs/stage1.md, section 7)
+PREFILL_MIN_T = 8  # from 8 tokens, the tile beats T reads of each row (bench profile --tokens T)
+ROW_BLOCK = 1024   # 1024 rows x 1024 fp32 = 4 MB: wide enough for OpenBLAS's threads, still in L3
+QUANT_ROWS = 4096  # rows quantized at once: bounds the fp32 temporaries (~6 x rows x in x 4 bytes)
 
 
 def f32_to_bf16_bits(w: np.ndarray) -> np.ndarray:
@@ -47,7 +47,8 @@ class Weight:
     out_features: int
     in_features: int
     group_size: int             # 0 for none / bf16
-    data: np.ndarray            # none [O, K] f32 | bf16 [O, K] u16 | int8 [O, G, gs] i8 | int4 [O, G/2, gs] u8
+    # none [O, K] f32 | bf16 [O, K] u16 | int8 [O, G, gs] i8 | int4 [O, G/2, gs] u8
+    data: np.ndarray
     scales: np.ndarray | None = None    # [O, G] fp16 bits (uint16): int8 / int4
     mins: np.ndarray | None = None      # [O, G] fp16 bits (uint16): int4
 
@@ -65,7 +66,8 @@ class Weight:
 
     def __repr__(self) -> str:
         gs = f", group_size={self.group_size}" if self.group_size else ""
-        return f"Weight({self.fmt}, [{self.out_features}, {self.in_features}]{gs}, {self.nbytes / 2**20:.1f} MiB)"
+        return (f"Weight({self.fmt}, [{self.out_features}, {self.in_features}]{gs}, "
+                f"{self.nbytes / 2**20:.1f} MiB)")
 
     # -- the numba kernels ----------------------------------------------------
     def matmul(self, x: np.ndarray) -> np.ndarray:
@@ -84,16 +86,18 @@ class Weight:
         elif self.fmt == "bf16":
             matmul.matmul_bf16(x, self.data, out)
         elif self.fmt == "int8":
-            matmul.matmul_int8(x.reshape(T, -1, gs), self.data, self.scales, out)        # x as [T, G, gs]
+            # x as [T, G, gs]
+            matmul.matmul_int8(x.reshape(T, -1, gs), self.data, self.scales, out)
         else:
-            matmul.matmul_int4(x.reshape(T, -1, 2, gs), self.data, self.scales, self.mins, out)  # [T, G/2, 2, gs]
+            # x as [T, G/2, 2, gs]
+            matmul.matmul_int4(x.reshape(T, -1, 2, gs), self.data, self.scales, self.mins, out)
         return out
 
     def part(self, r0: int, r1: int) -> "Weight":
         """Rows r0..r1-1 as a Weight of their own: views, no copy (one expert of a stack)."""
         view = lambda a: None if a is None else a[r0:r1]  # noqa: E731
-        return dataclasses.replace(self, out_features=r1 - r0, data=view(self.data), scales=view(self.scales),
-                                   mins=view(self.mins))
+        return dataclasses.replace(self, out_features=r1 - r0, data=view(self.data),
+                                   scales=view(self.scales), mins=view(self.mins))
 
     def _matmul_tiled(self, x: np.ndarray) -> np.ndarray:
         """Prefill: dequantize ROW_BLOCK rows at a time into one fp32 tile and
@@ -101,7 +105,7 @@ class Weight:
         byte is read once for all T tokens; only the tile is ever fp32."""
         O = self.out_features
         out = np.empty((x.shape[0], O), dtype=np.float32)                   # [T, out]
-        tile = np.empty((min(ROW_BLOCK, O), x.shape[1]), dtype=np.float32)  # [rows, Kp], stays in L2
+        tile = np.empty((min(ROW_BLOCK, O), x.shape[1]), dtype=np.float32)  # [rows, Kp], in L2
         for r0 in range(0, O, ROW_BLOCK):
             r1 = min(O, r0 + ROW_BLOCK)
             t = tile[: r1 - r0]
@@ -114,7 +118,8 @@ class Weight:
         """Dequantize only rows `ids` [T] -> [T, in] f32 (the embedding lookup)."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size and (ids.min() < 0 or ids.max() >= self.out_features):
-            raise IndexError(f"row ids must lie in [0, {self.out_features}); got {ids.min()}..{ids.max()}")
+            raise IndexError(f"row ids must lie in [0, {self.out_features}); "
+                             f"got {ids.min()}..{ids.max()}")
         if self.fmt == "none":
             return self.data[ids]
         out = np.empty((ids.size, self.padded_in), dtype=np.float32)
@@ -129,7 +134,8 @@ class Weight:
         elif self.fmt == "int8":
             matmul.dequant_rows_int8(ids, self.data, self.scales, out.reshape(R, -1, gs))
         else:
-            matmul.dequant_rows_int4(ids, self.data, self.scales, self.mins, out.reshape(R, -1, 2, gs))
+            matmul.dequant_rows_int4(ids, self.data, self.scales, self.mins,
+                                     out.reshape(R, -1, 2, gs))
 
     # -- the numpy twin that defines it ---------------------------------------
     def dequantize(self) -> np.ndarray:
@@ -144,7 +150,8 @@ class Weight:
             w = self.data.astype(np.float32) * s                              # [O, G, gs]
         else:
             b = self.data                                                     # [O, G/2, gs] bytes
-            q = np.stack([b & 15, b >> 4], axis=2).reshape(O, -1, gs)         # [O, G, gs]: group 2p low, 2p+1 high
+            # [O, G, gs]: group 2p low, 2p+1 high
+            q = np.stack([b & 15, b >> 4], axis=2).reshape(O, -1, gs)
             q = q.astype(np.float32)
             w = q * s + self.mins.view(np.float16).astype(np.float32)[:, :, None]
         return w.reshape(O, -1)[:, : self.in_features]
@@ -156,7 +163,8 @@ class Weight:
     # -- helpers ---------------------------------------------------------------
     def _check(self, x: np.ndarray) -> np.ndarray:
         if x.ndim != 2 or x.shape[1] != self.in_features:
-            raise ValueError(f"matmul expects x [T, {self.in_features}], got {list(x.shape)} for {self!r}")
+            raise ValueError(f"matmul expects x [T, {self.in_features}], got {list(x.shape)} "
+                             f"for {self!r}")
         return np.ascontiguousarray(x, dtype=np.float32)
 
     def _pad(self, x: np.ndarray) -> np.ndarray:
@@ -173,9 +181,11 @@ def quantize(w: np.ndarray, fmt: str, group_size: int = 32) -> Weight:
     """fp32 [out, in] -> Weight in format fmt (none | bf16 | int8 | int4)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown quantization {fmt!r}; choose one of {', '.join(FORMATS)}")
-    if hasattr(w, "dequantize"):    # already group-quantized in this layout (a GGUF block, common/gguf_quant.py)
+    # already group-quantized in this layout (a GGUF block, common/gguf_quant.py)
+    if hasattr(w, "dequantize"):
         if w.fmt == fmt:
-            return Weight(fmt, w.out_features, w.in_features, w.group_size, w.data, w.scales, w.mins)
+            return Weight(fmt, w.out_features, w.in_features, w.group_size, w.data, w.scales,
+                          w.mins)
         w = w.dequantize()
     w = np.asarray(w)
     if w.ndim != 2:
@@ -200,7 +210,7 @@ def quantize(w: np.ndarray, fmt: str, group_size: int = 32) -> Weight:
     else:
         data = np.empty((O, G // 2, gs), dtype=np.uint8)
         mins = np.empty((O, G), dtype=np.float16)
-    for r in range(0, O, QUANT_ROWS):                 # a 150k-row embedding needs no 4x-size temporaries
+    for r in range(0, O, QUANT_ROWS):   # a 150k-row embedding needs no 4x-size temporaries
         rows = slice(r, min(O, r + QUANT_ROWS))
         # [rows, G, gs]: split each row into groups, the last ones padded with zeros
         g = np.zeros((rows.stop - r, G * gs), dtype=np.float32)
@@ -219,7 +229,8 @@ def _quantize_int8(g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     the largest |w| of a group maps to 127."""
     # exercise 1.8 begin
     s = _to_f16(np.abs(g).max(axis=-1) / 127.0)                          # [R, G]
-    sf = s.astype(np.float32)[:, :, None]                                # quantize with the stored (fp16) scale
+    # quantize with the stored (fp16) scale
+    sf = s.astype(np.float32)[:, :, None]
     inv = np.divide(1.0, sf, out=np.zeros_like(sf), where=sf > 0)       # all-zero group: q = 0
     q = np.clip(np.rint(g * inv), -127, 127).astype(np.int8)
     return q, s
@@ -235,7 +246,8 @@ def _quantize_int4(g: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     s = _to_f16((hi - lo) / 15.0)                                       # [R, G]
     m = _to_f16(lo)
     sf = s.astype(np.float32)[:, :, None]
-    inv = np.divide(1.0, sf, out=np.zeros_like(sf), where=sf > 0)       # constant group: q = 0, W = m
+    # constant group: q = 0, W = m
+    inv = np.divide(1.0, sf, out=np.zeros_like(sf), where=sf > 0)
     q = np.clip(np.rint((g - m.astype(np.float32)[:, :, None]) * inv), 0, 15).astype(np.uint8)
     # pack pairs of groups: byte j of pair p = weight j of group 2p (low nibble)
     #                                        | weight j of group 2p+1 (high nibble)
@@ -255,5 +267,6 @@ def _padded(K: int, fmt: str, gs: int) -> int:
 def _to_f16(a: np.ndarray) -> np.ndarray:
     """fp32 -> fp16 for scales; refuses values fp16 cannot hold rather than store inf."""
     if not np.all(np.isfinite(a)) or np.abs(a).max(initial=0) > 65000:
-        raise ValueError("weights too large (or not finite) for fp16 group scales; use --quant bf16 or none")
+        raise ValueError("weights too large (or not finite) for fp16 group scales; "
+                         "use --quant bf16 or none")
     return a.astype(np.float16)

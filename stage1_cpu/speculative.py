@@ -47,21 +47,25 @@ DRAFT_TOKENS = 7
 KEEP_STATS = 4096          # finished requests whose stats the server can still ask for
 
 
-def probs(logits: np.ndarray, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> np.ndarray:
+def probs(logits: np.ndarray, params: SamplingParams, prompt_ids: list[int],
+          output_ids: list[int]) -> np.ndarray:
     """The distribution plain sampling draws from (common/sampling.py: penalties, temperature,
     top-k / top-p / min-p, softmax) [V] float64."""
-    x = filter_logits(apply_penalties(logits, params, prompt_ids, output_ids), params).astype(np.float64)
+    x = filter_logits(apply_penalties(logits, params, prompt_ids, output_ids),
+                      params).astype(np.float64)
     e = np.exp(x - x.max())
     return e / e.sum()
 
 
-def accept_draft(p: np.ndarray, q: np.ndarray, x: int, rng: np.random.Generator) -> tuple[bool, int]:
+def accept_draft(p: np.ndarray, q: np.ndarray, x: int,
+                 rng: np.random.Generator) -> tuple[bool, int]:
     """The speculative sampling rule for one drafted token x, drawn from q [V], against the model's
     distribution p [V] at that position -> (accepted, the token to emit).
 
     Keep x with probability min(1, p[x] / q[x]); otherwise emit a draw from max(0, p - q),
     normalised. A token t then comes out with probability
-        q[t] min(1, p[t] / q[t])  +  P(reject) (p[t] - q[t])+ / sum (p - q)+  =  min(p[t], q[t]) + (p[t] - q[t])+  =  p[t]
+        q[t] min(1, p[t] / q[t])  +  P(reject) (p[t] - q[t])+ / sum (p - q)+
+            =  min(p[t], q[t]) + (p[t] - q[t])+  =  p[t]
     since P(reject) = 1 - sum min(p, q) = sum (p - q)+: exactly plain sampling's distribution."""
     # exercise 1.14 begin
     if rng.random() * q[x] < p[x]:              # u < p[x] / q[x], without dividing by q[x]
@@ -96,19 +100,23 @@ class DraftLength:
     many each time it still does not pay: a loss of about one step in RETRY at first, less later."""
 
     PRIOR = (1.5, 0.5)          # a = 0.75 before any draft is checked: try drafting
-    KEEP = 0.8                  # each step keeps 80 % of the acceptance counts: a window of ~5 steps
+    KEEP = 0.8                  # each step keeps 80 % of acceptance counts: a window of ~5 steps
     JUMP = 1.5                  # a step this many times off its estimate: the machine changed
-    RETRY = 32                  # steps between plain decoding's timings, and before drafting is tried again
+    # steps between plain decoding's timings, and before drafting is tried again
+    RETRY = 32
 
     def __init__(self, k_max: int):
         self.k_max = k_max
         self.acc, self.rej = self.PRIOR
-        self.cost: dict[int, float] = {}        # T -> seconds of a forward of T tokens (running mean)
+        # T -> seconds of a forward of T tokens (running mean)
+        self.cost: dict[int, float] = {}
         self.seen: dict[int, int] = {}          # T -> the step that last measured it
-        self.off = 0                            # +1 / -1: the last step took far more / less than estimated
+        # +1 / -1: the last step took far more / less than estimated
+        self.off = 0
         self.draft_cost = 0.0                   # seconds to draft one token (running mean)
         self.steps = 0
-        self.plain_run, self.retry_after = 0, self.RETRY    # plain steps in a row; when to try drafting
+        # plain steps in a row; when to try drafting
+        self.plain_run, self.retry_after = 0, self.RETRY
 
     def new_request(self) -> None:
         self.acc, self.rej = self.PRIOR
@@ -129,7 +137,7 @@ class DraftLength:
             hi = min(above)
             return self.cost[hi] * self.napkin(T) / self.napkin(hi)
         lo = max(below)
-        if len(below) > 1:                      # on from the largest, at the slope of the largest two
+        if len(below) > 1:                      # on from the largest, at the slope of the top two
             lo2 = max(t for t in below if t != lo)
             slope = max(0.0, (self.cost[lo] - self.cost[lo2]) / (lo - lo2))
         else:
@@ -144,9 +152,11 @@ class DraftLength:
     def choose(self, room: int) -> int:
         """The k to draft, at most k_max and room."""
         ks = range(0, max(0, min(self.k_max, room)) + 1)
-        if len(ks) == 1 or 1 not in self.cost or self.steps - self.seen[1] >= self.RETRY or self.off > 0:
-            return 0                            # plain decoding: the only choice, or its cost as it is now
-            #                                     (after a surprisingly slow step: did the machine change?)
+        if (len(ks) == 1 or 1 not in self.cost or self.steps - self.seen[1] >= self.RETRY
+                or self.off > 0):
+            # plain decoding: the only choice, or its cost as it is now (after a surprisingly
+            # slow step: did the machine change?)
+            return 0
         reach = 2 * max(self.cost) - 1          # drafts grow by doubling the longest step measured
         best = max((k for k in ks if k <= reach), key=self.speed)
         if best > 0:
@@ -155,7 +165,8 @@ class DraftLength:
         self.plain_run += 1
         if self.plain_run < self.retry_after:
             return 0
-        self.plain_run, self.retry_after = 0, 2 * self.retry_after    # one short draft, then wait longer
+        # one short draft, then wait longer
+        self.plain_run, self.retry_after = 0, 2 * self.retry_after
         return 1
 
     @staticmethod
@@ -165,13 +176,14 @@ class DraftLength:
         return 1 + 0.05 * (T - 1)
 
     def update(self, T: int, verify_s: float, drafted: int, accepted: int, draft_s: float) -> None:
-        """One step: a forward of T tokens took verify_s, after drafting `drafted` tokens in draft_s,
-        of which `accepted` were kept."""
+        """One step: a forward of T tokens took verify_s, after drafting `drafted` tokens in
+        draft_s, of which `accepted` were kept."""
         self.steps += 1
         if self.steps > 1:                      # the first forward of all is a warm-up
             expected = self.estimate(T) if self.cost else verify_s
             off = (verify_s > expected * self.JUMP) - (verify_s < expected / self.JUMP)
-            if off and self.off == off:         # twice in a row far from the estimates: the machine changed
+            # twice in a row far from the estimates: the machine changed
+            if off and self.off == off:
                 self.cost = {}
             self.off = off
             old = self.cost.get(T)
@@ -183,7 +195,8 @@ class DraftLength:
             self.draft_cost = 0.7 * self.draft_cost + 0.3 * draft_s / drafted
             self.acc = self.KEEP * self.acc + accepted
             self.rej = self.KEEP * self.rej + (accepted < drafted)
-        else:                                   # not drafting: drift back to the prior, to try again later
+        else:
+            # not drafting: drift back to the prior, to try again later
             self.acc += 0.05 * (self.PRIOR[0] - self.acc)
             self.rej += 0.05 * (self.PRIOR[1] - self.rej)
 
@@ -208,26 +221,32 @@ class DraftModel:
         V, Vd = target.config.vocab_size, self.engine.config.vocab_size
         why = f"its vocabulary has {Vd} tokens, the model's {V}" if V != Vd else None
         try:
-            a, b = (Tokenizer(target.folder), Tokenizer(self.engine.folder)) if why is None else (None, None)
-            if why is None and any(a.id_to_token(i) != b.id_to_token(i) for i in range(max(a.vocab_size, b.vocab_size))):
+            a, b = ((Tokenizer(target.folder), Tokenizer(self.engine.folder)) if why is None
+                    else (None, None))
+            if why is None and any(a.id_to_token(i) != b.id_to_token(i)
+                                   for i in range(max(a.vocab_size, b.vocab_size))):
                 why = "its tokenizer gives the same ids to other tokens"
-        except TokenizerError:                  # folders of token ids only (no tokenizer.json): the sizes decide
+        except TokenizerError:
+            # folders of token ids only (no tokenizer.json): the sizes decide
             pass
         if why:
-            raise ValueError(f"--draft-model {self.engine.folder} cannot draft for {target.folder}: {why}. A draft "
-                             "model must share the model's tokenizer (e.g. a smaller model of the same family)")
+            raise ValueError(f"--draft-model {self.engine.folder} cannot draft for "
+                             f"{target.folder}: {why}. A draft model must share the model's "
+                             "tokenizer (e.g. a smaller model of the same family)")
 
     def propose(self, prompt: list[int], output: list[int], k: int, params: SamplingParams,
                 rng: np.random.Generator) -> tuple[list[int], np.ndarray | None]:
-        """-> (k drafted tokens, the distributions q [k, V] they were drawn from, or None where each
-        is the argmax: at temperature 0 the drafts are greedy, else drawn with the request's sampling)."""
+        """-> (k drafted tokens, the distributions q [k, V] they were drawn from, or None where
+        each is the argmax: at temperature 0 the drafts are greedy, else drawn with the
+        request's sampling)."""
         e, ids = self.engine, prompt + output
         n = 0
         limit = min(len(e.cached_ids), len(ids) - 1)
         while n < limit and e.cached_ids[n] == ids[n]:
             n += 1
         del e.cached_ids[n:]
-        for i in range(n, len(ids), e.prefill_chunk):     # what the draft has not seen, a chunk at a time
+        # what the draft has not seen, a chunk at a time
+        for i in range(n, len(ids), e.prefill_chunk):
             logits = e._feed(ids[i:i + e.prefill_chunk])
         drafts, qs = [], []
         for i in range(k):
@@ -247,7 +266,8 @@ class DraftModel:
 class SpeculativeEngine(LLMEngine):
     """LLMEngine, its decode step verifying drafts (the module's docstring)."""
 
-    def __init__(self, folder: str | Path, draft: DraftModel | None = None, draft_tokens: int | None = None, **kw):
+    def __init__(self, folder: str | Path, draft: DraftModel | None = None,
+                 draft_tokens: int | None = None, **kw):
         super().__init__(folder, **kw)
         k = DRAFT_TOKENS if draft_tokens is None else draft_tokens
         if not isinstance(k, int) or k < 1:
@@ -256,16 +276,19 @@ class SpeculativeEngine(LLMEngine):
             draft.check_matches(self)
         self.draft, self.lookup = draft, PromptLookup()
         self.length = DraftLength(k)
-        self.stats: OrderedDict[str, SpeculationStats] = OrderedDict()   # by request id, the last KEEP_STATS
+        # by request id, the last KEEP_STATS
+        self.stats: OrderedDict[str, SpeculationStats] = OrderedDict()
         self.last_speculation: SpeculationStats | None = None
         self.more: list[TokenEvent] = []
 
     @classmethod
     def from_args(cls, folder: Path, args, kw: dict, quant_for) -> "SpeculativeEngine":
-        """options.build_engine's: --speculative, --draft-model (in the format quant_for(folder,
-        args) gives it), --draft-tokens, and LLMEngine's options kw, which the draft model shares."""
+        """options.build_engine's: --speculative, --draft-model (in the format
+        quant_for(folder, args) gives it), --draft-tokens, and LLMEngine's options kw, which the
+        draft model shares."""
         if args.speculative and args.draft_model:
-            raise ValueError("--speculative ngram and --draft-model are two draft sources: choose one")
+            raise ValueError("--speculative ngram and --draft-model are two draft sources: "
+                             "choose one")
         draft = None
         if args.draft_model:
             path = resolve_model(args.draft_model)
@@ -274,7 +297,8 @@ class SpeculativeEngine(LLMEngine):
 
     def describe_kernels(self) -> str:
         source = f"draft model {self.draft.engine.folder.name}" if self.draft else "prompt lookup"
-        return f"{super().describe_kernels()} · speculative: {source}, up to {self.length.k_max} drafts"
+        return (f"{super().describe_kernels()} · speculative: {source}, "
+                f"up to {self.length.k_max} drafts")
 
     def reset(self) -> None:
         super().reset()
@@ -298,7 +322,8 @@ class SpeculativeEngine(LLMEngine):
         while len(self.stats) > KEEP_STATS:
             self.stats.popitem(last=False)
         # the draft model's own draws (temperature > 0), apart from the request's generator
-        self.draft_rng = np.random.default_rng(None if req.params.seed is None else [req.params.seed, 1])
+        self.draft_rng = np.random.default_rng(
+            None if req.params.seed is None else [req.params.seed, 1])
 
     def _decode(self, r: _Running) -> TokenEvent:
         """The first token comes from the prefill's logits, as in LLMEngine; each later step feeds
@@ -316,7 +341,8 @@ class SpeculativeEngine(LLMEngine):
     def _verify(self, r: _Running) -> list[TokenEvent]:
         prompt, out, params = r.req.prompt_ids, r.output_ids, r.req.params
         # the drafts must fit the context and the token limit (a step without drafts needs neither)
-        k = self.length.choose(min(self.max_ctx - len(self.cached_ids) - 2, params.max_tokens - len(out) - 1))
+        k = self.length.choose(min(self.max_ctx - len(self.cached_ids) - 2,
+                                   params.max_tokens - len(out) - 1))
         t0 = time.perf_counter()
         q = None
         if k == 0:
@@ -329,7 +355,8 @@ class SpeculativeEngine(LLMEngine):
 
         # 2. one forward: the last token (made last step, not fed yet) and the drafts, [T, V]
         tokens = [out[-1]] + drafts
-        logits = self.model.forward(np.asarray(tokens, dtype=np.int64), len(self.cached_ids), all_logits=bool(drafts))
+        logits = self.model.forward(np.asarray(tokens, dtype=np.int64), len(self.cached_ids),
+                                    all_logits=bool(drafts))
         self.cached_ids.extend(tokens)
         logits = logits.reshape(len(tokens), -1)
         t2 = time.perf_counter()
@@ -339,9 +366,10 @@ class SpeculativeEngine(LLMEngine):
         for i, x in enumerate(drafts + [None]):
             if q is None or x is None:
                 # plain decoding's own draw from row i (greedy: the argmax). Against a draft picked
-                # without chance (q one-hot at x) this *is* the rule: the draw equals x with probability
-                # p[x] = min(1, p[x] / q[x]), and a draw that is not x follows max(0, p - q) normalised,
-                # p without x. It also draws what plain decoding draws: the same seed, the same tokens
+                # without chance (q one-hot at x) this *is* the rule: the draw equals x with
+                # probability p[x] = min(1, p[x] / q[x]), and a draw that is not x follows
+                # max(0, p - q) normalised, p without x. It also draws what plain decoding draws:
+                # the same seed, the same tokens
                 y = r.sampler(logits[i], prompt, out + made)
                 accepted = y == x
             else:
@@ -351,7 +379,8 @@ class SpeculativeEngine(LLMEngine):
             made.append(y)
             if not accepted:
                 break
-        if not drafts and self.draft is None:   # would prompt lookup have guessed it? It costs nothing to ask
+        # would prompt lookup have guessed it? It costs nothing to ask
+        if not drafts and self.draft is None:
             guess = self.lookup.propose(prompt + out, 1)
             if guess:
                 self.length.observe(guess[0] == made[0])
@@ -361,13 +390,15 @@ class SpeculativeEngine(LLMEngine):
         # last (out is r.output_ids, the new tokens in it now)
         del self.cached_ids[len(prompt) + len(out) - 1:]
         s = self.last_speculation
-        s.steps, s.tokens, s.drafted, s.accepted = s.steps + 1, s.tokens + len(events), s.drafted + len(drafts), \
-            s.accepted + len(made) - 1
+        s.steps, s.tokens, s.drafted, s.accepted = (s.steps + 1, s.tokens + len(events),
+                                                    s.drafted + len(drafts),
+                                                    s.accepted + len(made) - 1)
         self.length.update(len(tokens), t2 - t1, len(drafts), len(made) - 1, t1 - t0)
         return events
 
     def _emit(self, r: _Running, tokens: list[int]) -> list[TokenEvent]:
-        """The tokens as events, each ended as LLMEngine._decode ends one; none after the first that ends it."""
+        """The tokens as events, each ended as LLMEngine._decode ends one; none after the first
+        that ends it."""
         p, events = r.req.params, []
         for token in tokens:
             if token == NO_TOKEN:               # no finite logits: an error, and no cache to reuse
@@ -378,7 +409,8 @@ class SpeculativeEngine(LLMEngine):
             finish = None
             if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
                 finish = "stop"
-            elif len(r.output_ids) >= p.max_tokens or len(r.req.prompt_ids) + len(r.output_ids) >= self.max_ctx:
+            elif (len(r.output_ids) >= p.max_tokens
+                  or len(r.req.prompt_ids) + len(r.output_ids) >= self.max_ctx):
                 finish = "length"
             events.append(TokenEvent(r.req.id, token, finish))
             if finish:

@@ -24,9 +24,9 @@ def use_folder(name: str, here: Path, env: tuple[str, ...]) -> str:
     h = hashlib.sha256(str(here.resolve()).encode() + b"\0")
     for var in env:
         h.update(f"{var}={os.environ.get(var, '')}\0".encode())
-    base = os.environ.get("NUMBA_CACHE_DIR") or \
-        os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "qwen3-stages", "numba")
-    if os.path.basename(base.rstrip("/")).startswith(name + "-"):   # set by a parent process (below)
+    base = os.environ.get("NUMBA_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "qwen3-stages", "numba")
+    if os.path.basename(base.rstrip("/")).startswith(name + "-"):  # set by a parent process (below)
         base = os.path.dirname(base.rstrip("/"))
     folder = os.path.join(base, f"{name}-{h.hexdigest()[:16]}")
     # numba reads this when it is first imported; if it already was, set its config directly
