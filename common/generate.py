@@ -8,7 +8,6 @@ import argparse
 import sys
 import time
 
-from common.chat_template import ChatTemplate
 from common.engine import Request
 from common.models import resolve_model
 from common.sampling import SamplingParams, generation_defaults
@@ -46,6 +45,17 @@ def parser(prog: str, add_args=None) -> argparse.ArgumentParser:
     return ap
 
 
+def chat_prompt(folder, args) -> str:
+    """The prompt as a user turn of the model's chat template. The template's module (Jinja and
+    transformers' rendering rules) is imported here, when a prompt is rendered: --raw starts
+    sooner without Jinja, and a first reading of stage 1 (`--raw`) goes from text to tokens
+    without it."""
+    from common.chat_template import ChatTemplate
+    return ChatTemplate.from_folder(folder).render(
+        [{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+        enable_thinking=not args.no_think)
+
+
 def main(build_engine, argv=None, prog="python -m stage1_cpu.generate", add_args=None) -> int:
     """build_engine(folder, args, progress) -> an engine; add_args as parser's."""
     args = parser(prog, add_args).parse_args(argv)
@@ -55,9 +65,7 @@ def main(build_engine, argv=None, prog="python -m stage1_cpu.generate", add_args
             raise ValueError("--n must be at least 1")
         folder = resolve_model(args.model)
         tok = Tokenizer(folder)
-        text = args.prompt if args.raw else ChatTemplate.from_folder(folder).render(
-            [{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-            enable_thinking=not args.no_think)
+        text = args.prompt if args.raw else chat_prompt(folder, args)
         params = SamplingParams.from_defaults(      # 256 tokens where no one says how many
             {"max_tokens": 256, **generation_defaults(folder)}, temperature=args.temperature,
             top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,

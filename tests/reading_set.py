@@ -3,9 +3,9 @@ safetensors folder, with its lines (docstrings and comments included).
 
     python tests/reading_set.py       # a tiny model (bench/testbed/models.py), then the list
 
-It runs `python -m stage1_cpu.generate --model <folder> --kernels plain` in a fresh
-process (stage1_cpu.generate.main with that argv) and lists the modules of this
-repository in sys.modules afterwards. tests/test_reading_set.py keeps the total under
+It runs `python -m stage1_cpu.generate --model <folder> --kernels plain --raw` in a fresh
+process (stage1_cpu.generate.main with that argv: the prompt as it is, no chat template) and
+lists the modules of this repository in sys.modules afterwards. tests/test_reading_set.py keeps the total under
 its bound and docs/stage1.md's reading list equal to the set.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ _RUN = r"""
 import json, sys
 from pathlib import Path
 root = Path(sys.argv[1])
-sys.argv = ["python -m stage1_cpu.generate", "--model", sys.argv[2], "--kernels", "plain",
+sys.argv = ["python -m stage1_cpu.generate", "--model", sys.argv[2], "--kernels", "plain", "--raw",
             "--prompt", "What is the capital of France?", "--max-tokens", "2"]
 import stage1_cpu.generate
 status = stage1_cpu.generate.main()

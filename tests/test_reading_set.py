@@ -15,8 +15,8 @@ from bench.testbed.models import make_model
 from reading_set import BOUND, ROOT, reading_set
 
 # what a safetensors folder with --kernels plain must not load: each behind the boundary where it is used
-NOT_READ = ("common/gguf.py", "common/gguf_convert.py", "common/gguf_quant.py", "common/gguf_write.py",
-            "common/fetch.py", "stage1_cpu/jit/numba_stamps.py", "stage1_cpu/fast/",
+NOT_READ = ("common/chat_template.py", "common/gguf.py", "common/gguf_convert.py",
+            "common/gguf_quant.py", "common/gguf_write.py", "common/fetch.py", "stage1_cpu/jit/numba_stamps.py", "stage1_cpu/fast/",
             "stage1_cpu/speculative.py", "stage1_cpu/draft.py", "common/model_help.py")
 
 
