@@ -236,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         f"median of {args.tokens} tokens after one warm-up", "",
         rungs_table(rows, "ms_per_token", "GB/s"), ""] + ([
         f"Prefill ladder: a {T}-token prompt through every layer's matrices (no lm_head), "
-        "median of 3 after one warm-up", "", rungs_table(prefill, "ms_per_prompt_token", "GMAC/s"), ""]
+        "median of 3 after one warm-up", "",
+        rungs_table(prefill, "ms_per_prompt_token", "GMAC/s"), ""]
         if prefill else []))
     print("\n" + text)
     if args.out:
