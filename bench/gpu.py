@@ -445,8 +445,8 @@ def table(res: dict, args) -> str:
              f"replays{'; **capture failed: ' + err + '**' if err else ''}; {st('b1')} |",
              f"| the same, eager (tok/s) | {f(eager)} | — | graphs ÷ eager "
              f"{f(b1 and eager and b1 / eager, '.2f')}; host "
-             f"{f(_get(res, 'b1', 'eager', 'host_ms_per_step'), '.3f')} ms per eager step (bench "
-             "lessons predicts ≤ 1.5) |",
+             f"{f(_get(res, 'b1', 'eager', 'host_ms_per_step'), '.3f')} ms per eager step "
+             "(bench lessons predicts ≤ 1.5) |",
              f"| transformers, static cache (tok/s) | {f(hf)} | — | stage 3 ÷ transformers "
              f"{f(b1 and hf and b1 / hf, '.2f')}×; {st('hf')} |",
              f"| batch-1 decode, 8B shape, 4 layers (tok/s) | {f(_get(res, 'b1_8b', 'tok_s'))} | ≥ "
@@ -469,8 +469,7 @@ def table(res: dict, args) -> str:
     profile = _get(res, "b1", "eager", "host_profile")
     if profile:
         lines += ["", "Host time of 10 eager decode steps of one sequence, by function (cProfile):",
-                  "", "```",
-                  *profile, "```"]
+                  "", "```", *profile, "```"]
     costs = _get(res, "setup", "host_costs_us")
     if costs:
         lines += ["", "Host µs per call (the next bench/host_costs.json): "
