@@ -856,7 +856,7 @@ def main(argv: list[str] | None = None) -> int:
     log = lambda s: print(s, flush=True)  # noqa: E731
     if args.speculative:
         from bench.speculative import run   # here: its own benchmark, sharing this command line
-        # its T curve
+        # the Qwen3-0.6B shape's model: its verify-cost (T) curve
         shape_model = prepare_models(SHAPES["0.6b"], args.cache_dir, log, quants=())["hf"]
         return run(args, POLICIES[args.omp_wait_policy], shape_model, log)
     shape = args.shape

@@ -70,7 +70,7 @@ def body(prompt: dict, model: str = "m", ignore_eos: bool = True) -> dict:
 def measure(cmd: list[str], prompts: list[dict], levels: list[int], policy: str) -> dict:
     """One server under one OpenMP policy: started, warmed up (2 requests), the prompts at each
     concurrency."""
-    # ours: loaded
+    # ready: llama.cpp's once /v1/models answers, ours once /healthz says loaded
     server = Server(cmd, policy, "/v1/models" if cmd[0] == "llama_cpp.server" else "/healthz")
     try:
         asyncio.run(drive(server.url, [(body(p), 0) for p in prompts[:2]]))
