@@ -6,21 +6,34 @@ import sys
 
 # command -> (module, what it measures); every file of bench/ serves one of these
 COMMANDS = {
-    "cpu": ("bench.cpu", "stage 1 against llama.cpp and the roofline, logits against transformers, dense or MoE"),
-    "ladder": ("bench.ladder", "the ablation ladder: naive matmul -> threads -> fused -> int4 -> int8 activations"),
-    "profile": ("bench.profile", "one stage-1 forward pass, op by op; a prefill's GEMM against its instruction's peak"),
-    "report": ("bench.report", "the results tables of README.md and docs/, written from saved JSON (--check)"),
-    "figures": ("bench.figures", "the figures of docs/ (docs/figures/*.svg), drawn from saved JSON results"),
-    "gpu": ("bench.gpu", "stages 2 and 3 on a GPU: nano-vllm's workload, batch-1 decode (bench/gpu_check.sh)"),
-    "serve": ("bench.serve", "an OpenAI server under streamed load (TTFT, TPOT, ITL), stage 1 against llama.cpp's"),
-    "lessons": ("bench.lessons", "the stage 2 -> 3 lesson ladder, counted on CPU per rung (docs/lessons/stage3)"),
+    "cpu": ("bench.cpu",
+            "stage 1 against llama.cpp and the roofline, "
+            "logits against transformers, dense or MoE"),
+    "ladder": ("bench.ladder",
+               "the ablation ladder: naive matmul -> threads -> fused -> int4 -> int8 activations"),
+    "profile": ("bench.profile",
+                "one stage-1 forward pass, op by op; "
+                "a prefill's GEMM against its instruction's peak"),
+    "report": ("bench.report",
+               "the results tables of README.md and docs/, written from saved JSON (--check)"),
+    "figures": ("bench.figures",
+                "the figures of docs/ (docs/figures/*.svg), drawn from saved JSON results"),
+    "gpu": ("bench.gpu",
+            "stages 2 and 3 on a GPU: nano-vllm's workload, batch-1 decode (bench/gpu_check.sh)"),
+    "serve": ("bench.serve",
+              "an OpenAI server under streamed load (TTFT, TPOT, ITL), "
+              "stage 1 against llama.cpp's"),
+    "lessons": ("bench.lessons",
+                "the stage 2 -> 3 lesson ladder, counted on CPU per rung (docs/lessons/stage3)"),
 }
 
 
 def usage() -> str:
     width = max(map(len, COMMANDS))
-    return "\n".join(["usage: python -m bench <command> [options]   (--help after a command for its options)", "",
-                      "commands:", *(f"  {name:{width}}  {what}" for name, (_, what) in COMMANDS.items())])
+    return "\n".join(["usage: python -m bench <command> [options]   (--help after a command "
+                      "for its options)", "",
+                      "commands:",
+                      *(f"  {name:{width}}  {what}" for name, (_, what) in COMMANDS.items())])
 
 
 def main(argv: list[str]) -> int:

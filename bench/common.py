@@ -22,7 +22,8 @@ from pathlib import Path
 
 import bench
 
-BUSY_LOAD = 0.5          # a 1-minute load above this (before we start) means someone else is running
+# a 1-minute load above this (before we start) means someone else is running
+BUSY_LOAD = 0.5
 RESULT_TAG = "BENCH-RESULT "   # the line a worker prints its JSON result on
 
 
@@ -100,7 +101,8 @@ def busy_cores(n: int):
 
 
 def cpu_flags() -> tuple[str, set[str]]:
-    """(the CPU's model name, its /proc/cpuinfo flags); ("unknown CPU", set()) where there is none."""
+    """(the CPU's model name, its /proc/cpuinfo flags); ("unknown CPU", set()) where there is
+    none."""
     cpu, flags = platform.processor() or "unknown CPU", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -117,10 +119,12 @@ def cpu_flags() -> tuple[str, set[str]]:
 def machine_description() -> str:
     """CPU model, cores, memory and the SIMD features that matter for these kernels."""
     cpu, flags = cpu_flags()
-    simd = [f for f in ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
+    simd = [f for f in ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512_vnni",
+                        "avx512_bf16", "amx_bf16")
             if f in flags]
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, SIMD: {' '.join(simd) or 'none detected'}"
+    return (f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, "
+            f"SIMD: {' '.join(simd) or 'none detected'}")
 
 
 # ---------------------------------------------------------------- bandwidth
@@ -152,8 +156,9 @@ class BandwidthProbe:
     def __init__(self, mib: int = 256, repeats: int = 3):
         env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent)
                    + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        self.proc = subprocess.Popen([sys.executable, "-m", "bench.common", "--probe", str(mib), str(repeats)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.common", "--probe", str(mib), str(repeats)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         if self.proc.stdout.readline().strip() != "ready":
             raise RuntimeError("the bandwidth probe did not start")
 
@@ -184,7 +189,8 @@ def _probe_server(mib: int, repeats: int) -> None:
         return s
 
     a = np.ones(mib * 2**20 // 4, dtype=np.float32)
-    read_sum(a[:1024])                              # compile before timing (np.ones touched every page)
+    # compile before timing (np.ones touched every page)
+    read_sum(a[:1024])
     print("ready", flush=True)
     for line in sys.stdin:
         numba.set_num_threads(min(int(line), numba.config.NUMBA_NUM_THREADS))
@@ -206,8 +212,10 @@ def stage1_bytes(weights, decode: bool = False) -> int:
     share = cfg.num_experts_per_tok / cfg.num_experts if decode and cfg.num_experts else 1.0
     names = ("wqkv", "wo", "w_gate_up", "w_down", "router", "shared_gate")
     mats = [weights.lm_head] + [getattr(l, n) for l in weights.layers for n in names]
-    mats += [m for l in weights.layers if l.shared_expert for m in (l.shared_expert.e_gate_up, l.shared_expert.e_down)]
-    routed = sum(l.experts_gate_up.nbytes + l.experts_down.nbytes for l in weights.layers if l.experts)
+    mats += [m for l in weights.layers if l.shared_expert
+             for m in (l.shared_expert.e_gate_up, l.shared_expert.e_down)]
+    routed = sum(l.experts_gate_up.nbytes + l.experts_down.nbytes for l in weights.layers
+                 if l.experts)
     return sum(w.nbytes for w in mats if w is not None) + round(routed * share)
 
 
@@ -268,7 +276,8 @@ def run_worker(module: str, spec: dict, timeout: float, log=print, omp_wait_poli
     env["PYTHONPATH"] = repo_root + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", module, "--worker", json.dumps(spec)]
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=repo_root)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
+                              cwd=repo_root)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
     result = None
@@ -306,7 +315,8 @@ def save_json(path: Path, command: str, **fields) -> None:
     """A benchmark's saved run, which `bench report` and `bench figures` read: the command that
     made it, the date (UTC), the machine, then the benchmark's own fields."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(dict(command=command, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    path.write_text(json.dumps(dict(command=command,
+                                    date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                     machine=machine_description(), **fields), indent=1) + "\n")
 
 
@@ -327,7 +337,10 @@ def fmt_num(x: float | None, digits: int = 1) -> str:
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     """A GitHub pipe table, padded so it also reads well in a terminal."""
     widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
-    line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
+
+    def line(cells):
+        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
+
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(header), sep] + [line(r) for r in rows])
 

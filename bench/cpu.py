@@ -1,9 +1,9 @@
 """CPU benchmark: stage 1 against llama.cpp and the roofline, every engine's logits against
 transformers', on a dense Qwen3 shape or a Qwen3-MoE one.
 
-    python -m bench cpu                        # Qwen3-0.6B shapes, both wait policies (~25 min idle)
-    python -m bench cpu --quick                # a small model, one thread count, PASSIVE (< 2 min)
-    python -m bench cpu --shape moe            # Qwen3-30B-A3B's layer shape, 12 layers x 32 experts
+    python -m bench cpu                      # Qwen3-0.6B shapes, both wait policies (~25 min idle)
+    python -m bench cpu --quick              # a small model, one thread count, PASSIVE (< 2 min)
+    python -m bench cpu --shape moe          # Qwen3-30B-A3B's layer shape, 12 layers x 32 experts
     python -m bench cpu --threads 2 --formats int8 --kernels plain,auto --save /tmp/cpu.json
 
 In one run, so that every number saw the same machine: a random-weight model of the shape
@@ -48,10 +48,12 @@ from common.gguf_write import write_gguf
 from common.sampling import SamplingParams
 from stage1_cpu.jit.numba_cache import set_threads as set_numba_threads
 
-CACHE = Path(os.environ.get("QWEN3_STAGES_CACHE", Path.home() / ".cache" / "qwen3-stages")) / "bench"
+CACHE = Path(os.environ.get("QWEN3_STAGES_CACHE",
+                            Path.home() / ".cache" / "qwen3-stages")) / "bench"
 CHECK_TOKENS = 16          # tokens whose logits every engine must agree on (the correctness table)
 BUILD_VERSION = 1          # bump when the HF model changes, so old caches are rebuilt
-GGUF_VERSION = 3           # bump when the GGUF writing changes (3: common/gguf_write.py writes them)
+# bump when the GGUF writing changes (3: common/gguf_write.py writes them)
+GGUF_VERSION = 3
 MAX_CTX = 1024             # every engine's context
 
 # stage-1 weight format -> the llama.cpp format that stores the same numbers
@@ -89,10 +91,12 @@ class Shape:
         """Weights of all matmuls one token goes through, the tied lm_head included: per layer
         q, k, v and o, then the dense gate, up and down, or (MoE) the router [E, C] and the k
         chosen experts' gate, up [Fe, C] and down [C, Fe]."""
-        C, H, Hkv, D = self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim
+        C, H, Hkv, D = (self.hidden_size, self.num_attention_heads, self.num_key_value_heads,
+                        self.head_dim)
         mlp = (self.num_experts * C + self.num_experts_per_tok * 3 * C * self.moe_intermediate_size
                if self.num_experts else 3 * C * self.intermediate_size)
-        return self.num_hidden_layers * (2 * C * H * D + 2 * C * Hkv * D + mlp) + self.vocab_size * C
+        return (self.num_hidden_layers * (2 * C * H * D + 2 * C * Hkv * D + mlp)
+                + self.vocab_size * C)
 
 
 SHAPES = {
@@ -102,7 +106,8 @@ SHAPES = {
     # 12 layers put the lm_head clearly under a third of the bf16 decode bytes (311 M of 991 M
     # weights read per token), 2.35 G weights in all: bf16 4.7 GB, what a 24 GiB, 2-core machine
     # builds and runs; the attention and the experts are Qwen3-30B-A3B's, 32 of its 128 experts
-    "moe": Shape("qwen3-moe-a3b-layers", 12, 2048, 32, 4, 128, 6144, 151936, [151645, 151643], 32, 8, 768),
+    "moe": Shape("qwen3-moe-a3b-layers", 12, 2048, 32, 4, 128, 6144, 151936, [151645, 151643], 32,
+                 8, 768),
     "moe-quick": Shape("qwen3-moe-quick", 4, 512, 8, 2, 64, 1024, 32000, [31999], 16, 4, 256),
     "moe-tiny": Shape("qwen3-moe-tiny", 2, 128, 4, 2, 32, 256, 512, [511], 8, 2, 64),
 }
@@ -115,15 +120,19 @@ def build_hf_model(shape: Shape, folder: Path) -> None:
     import transformers as tf
 
     torch.manual_seed(0)
-    kw = dict(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
-              num_hidden_layers=shape.num_hidden_layers, num_attention_heads=shape.num_attention_heads,
+    kw = dict(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+              intermediate_size=shape.intermediate_size,
+              num_hidden_layers=shape.num_hidden_layers,
+              num_attention_heads=shape.num_attention_heads,
               num_key_value_heads=shape.num_key_value_heads, head_dim=shape.head_dim,
-              max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+              max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+              tie_word_embeddings=True,
               initializer_range=0.02, bos_token_id=None, eos_token_id=shape.eos_token_id)
     saved = torch.get_default_dtype()
     if shape.num_experts:
         kw.update(num_experts=shape.num_experts, num_experts_per_tok=shape.num_experts_per_tok,
-                  moe_intermediate_size=shape.moe_intermediate_size, norm_topk_prob=True, decoder_sparse_step=1,
+                  moe_intermediate_size=shape.moe_intermediate_size, norm_topk_prob=True,
+                  decoder_sparse_step=1,
                   mlp_only_layers=[])
         torch.set_default_dtype(torch.bfloat16)
     try:
@@ -144,7 +153,9 @@ def prepare_models(shape: Shape, cache: Path, log=print, quants=("BF16", "Q8_0",
     which is Q8_0, as stage 1's int4 keeps its lm_head in int8."""
     root = cache / f"{shape.name}-v{BUILD_VERSION}"
     hf = root / "hf"
-    paths = {"hf": hf, **{q: root / f"{shape.name}-{q}-g{GGUF_VERSION}.gguf" for q in ("BF16", "Q8_0", "Q4_0")}}
+    paths = {"hf": hf,
+             **{q: root / f"{shape.name}-{q}-g{GGUF_VERSION}.gguf"
+                for q in ("BF16", "Q8_0", "Q4_0")}}
     if not (hf / "DONE").exists():
         t0 = time.perf_counter()
         log(f"building the random-weight {shape.name} model in {hf} ...")
@@ -182,11 +193,13 @@ class Stage1Runner:
     """Stage 1 through the Engine protocol, exactly as the chat and the server use it."""
 
     def __init__(self, folder: str, fmt: str, threads: int, kernels: str, activations: str):
-        # stage 1 is imported here, in its own worker: a worker of another engine never loads its kernels
+        # stage 1 is imported here, in its own worker: a worker of another engine never loads its
+        # kernels
         from stage1_cpu.engine import LLMEngine
         from stage1_cpu.fast import cpu
         self.kernels, self.cpu = kernels, cpu
-        self.engine = LLMEngine(folder, quant={"fp32": "none"}.get(fmt, fmt), threads=threads, max_ctx=MAX_CTX,
+        self.engine = LLMEngine(folder, quant={"fp32": "none"}.get(fmt, fmt), threads=threads,
+                                max_ctx=MAX_CTX,
                                 progress=False, kernels=kernels, activations=activations)
         self.count = 0
 
@@ -194,8 +207,9 @@ class Stage1Runner:
         set_numba_threads(n)                   # numba's thread count is process-wide
 
     def isa(self) -> str:
-        return (f"--kernels {self.kernels}: {self.engine.describe_kernels()}; numba target {self.cpu.target_name()}, "
-                f"the fast path's instructions there: {self.cpu.instructions()}")
+        return (f"--kernels {self.kernels}: {self.engine.describe_kernels()}; numba target "
+                f"{self.cpu.target_name()}, the fast path's instructions there: "
+                f"{self.cpu.instructions()}")
 
     def all_logits(self, ids: list[int]) -> np.ndarray:
         """[T, V]: the first half in one forward (the prefill path), the second half one
@@ -203,7 +217,8 @@ class Stage1Runner:
         self.engine.reset()
         model, half = self.engine.model, len(ids) // 2
         logits = [model.forward(np.asarray(ids[:half], dtype=np.int64), 0, all_logits=True)]
-        logits += [model.forward(np.asarray([t], dtype=np.int64), half + i)[None] for i, t in enumerate(ids[half:])]
+        logits += [model.forward(np.asarray([t], dtype=np.int64), half + i)[None]
+                   for i, t in enumerate(ids[half:])]
         self.engine.reset()                    # the cache holds these ids now; forget them
         return np.concatenate(logits).astype(np.float32)   # [T, V]
 
@@ -218,11 +233,13 @@ class Stage1Runner:
         event to the (n_decode+1)-th: exactly n_decode feeds and samples.
         """
         self.count += 1
-        params = SamplingParams(temperature=0.0, max_tokens=n_decode + 2 if n_decode else 1, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=n_decode + 2 if n_decode else 1,
+                                ignore_eos=True)
         tokens: list[int] = []
         times: list[float] = []                    # when each token's event arrived
         t0 = time.perf_counter()
-        self.engine.add_request(Request(id=f"bench-{self.count}", prompt_ids=list(prompt), params=params))
+        self.engine.add_request(Request(id=f"bench-{self.count}", prompt_ids=list(prompt),
+                                        params=params))
         while self.engine.has_work():
             for ev in self.engine.step():
                 if ev.token_id >= 0:
@@ -240,7 +257,8 @@ class LlamaCppRunner:
         import llama_cpp
         self.llama_cpp = llama_cpp
         batch = 64 if logits_all else 512      # every position's logits: keep that buffer small
-        self.llm = llama_cpp.Llama(model_path=path, n_ctx=64 if logits_all else MAX_CTX, n_batch=batch,
+        self.llm = llama_cpp.Llama(model_path=path, n_ctx=64 if logits_all else MAX_CTX,
+                                   n_batch=batch,
                                    n_ubatch=batch, n_threads=threads, n_threads_batch=threads,
                                    logits_all=logits_all, use_mmap=True, verbose=False)
         self.n_vocab = self.llm.n_vocab()
@@ -249,11 +267,13 @@ class LlamaCppRunner:
         self.llama_cpp.llama_set_n_threads(self.llm.ctx, n, n)
 
     def isa(self) -> str:
-        """llama.cpp's system info (the instruction sets its ggml-cpu was built with) and its library."""
+        """llama.cpp's system info (the instruction sets its ggml-cpu was built with) and its
+        library."""
         info = self.llama_cpp.llama_print_system_info()
         info = info.decode(errors="replace") if isinstance(info, bytes) else str(info)
         lib = getattr(self.llama_cpp.llama_cpp, "_base_path", "?")
-        return f"llama-cpp-python {getattr(self.llama_cpp, '__version__', '?')} from {lib}: {info.strip()}"
+        return (f"llama-cpp-python {getattr(self.llama_cpp, '__version__', '?')} from {lib}: "
+                f"{info.strip()}")
 
     def _next(self) -> int:
         ptr = self.llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)   # the last token's logits [V]
@@ -280,7 +300,8 @@ class TransformersRunner:
     """transformers fp32 on CPU: the oracle every engine's logits are checked against."""
 
     def __init__(self, folder: str):
-        import torch                           # here: a worker of another engine never pays torch's RSS
+        # here: a worker of another engine never pays torch's RSS
+        import torch
         import transformers as tf
         self.torch = torch
         self.model = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -293,7 +314,8 @@ class TransformersRunner:
 
 def make_runner(spec: dict, threads: int, check: bool = False):
     if spec["engine"] == "stage1":
-        return Stage1Runner(spec["path"], spec["fmt"], threads, spec["kernels"], spec["activations"])
+        return Stage1Runner(spec["path"], spec["fmt"], threads, spec["kernels"],
+                            spec["activations"])
     if spec["engine"] == "llama.cpp":
         return LlamaCppRunner(spec["path"], threads, logits_all=check)
     return TransformersRunner(spec["path"])
@@ -331,7 +353,8 @@ def worker(spec: dict) -> None:
             result["isa"] = runner.isa()
         except Exception as e:                  # a report line, never a failed cell
             result["isa"] = f"unknown ({type(e).__name__}: {e})"
-    except Exception as e:                      # a missing package or engine is one cell, not the run
+    # a missing package or engine is one cell, not the run
+    except Exception as e:
         emit_result({"error": f"{type(e).__name__}: {e}"})
         return
 
@@ -351,21 +374,28 @@ def worker(spec: dict) -> None:
         for r in range(spec["runs"]):
             # a fresh random prompt each time, so no engine can reuse a cached prefix
             for p in spec["prompt_lens"]:
-                _, t_prefill, _ = runner.generate(prompt_ids(vocab, p, seed=1000 * n + 10 * r + p), 0)
+                _, t_prefill, _ = runner.generate(
+                    prompt_ids(vocab, p, seed=1000 * n + 10 * r + p), 0)
                 cell["prefill"][str(p)].append(p / t_prefill)
-            for p in ttft_lens:                # time to the first token of a chat-sized prompt, seconds
-                _, t_first, _ = runner.generate(prompt_ids(vocab, p, seed=1000 * n + 10 * r + p + 3), 0)
+            # time to the first token of a chat-sized prompt, seconds
+            for p in ttft_lens:
+                _, t_first, _ = runner.generate(
+                    prompt_ids(vocab, p, seed=1000 * n + 10 * r + p + 3), 0)
                 cell["ttft"][str(p)].append(t_first)
             before = probe.read(n)
-            _, _, t_decode = runner.generate(prompt_ids(vocab, decode_prompt, seed=1000 * n + 10 * r + 5),
-                                             spec["decode_tokens"])
+            _, _, t_decode = runner.generate(
+                prompt_ids(vocab, decode_prompt, seed=1000 * n + 10 * r + 5),
+                spec["decode_tokens"])
             after = probe.read(n)
             cell["decode"].append(spec["decode_tokens"] / t_decode)
-            cell["decode_bw"].append(max(before, after))    # the better one, as for the run's figure
+            # the better one, as for the run's figure
+            cell["decode_bw"].append(max(before, after))
         result["cells"][str(n)] = cell
-        print(f"{spec['engine']} {spec['fmt']} threads={n}: decode {median(cell['decode']):.1f} tok/s", flush=True)
+        print(f"{spec['engine']} {spec['fmt']} threads={n}: "
+              f"decode {median(cell['decode']):.1f} tok/s", flush=True)
     probe.close()
-    if spec["engine"] == "stage1":              # what one decode token reads, as the engine holds it
+    # what one decode token reads, as the engine holds it
+    if spec["engine"] == "stage1":
         result["weight_bytes"] = stage1_bytes(runner.engine.weights, decode=True)
     emit_result(result)
 
@@ -386,7 +416,8 @@ def table_plans(args) -> list[dict]:
     run, only the largest thread count, so that two policies cost ~1.5x one, not 2x.
     With --busy the default policy comes first: the busy table shows it at every count."""
     policies = sorted(POLICIES[args.omp_wait_policy], key=lambda p: args.busy and p != "default")
-    return [{"policy": policy, "threads": args.threads if i == 0 or args.quick else [max(args.threads)],
+    return [{"policy": policy,
+             "threads": args.threads if i == 0 or args.quick else [max(args.threads)],
              "check": i == 0} for i, policy in enumerate(policies)]
 
 
@@ -394,16 +425,21 @@ def stage1_label(kernels: str) -> str:
     return "stage1" if kernels == "auto" else f"stage1 {kernels}"
 
 
-def jobs_for(args, shape: Shape, paths: dict, plan: dict, tmp: Path) -> list[tuple[str, int | None, dict]]:
+def jobs_for(args, shape: Shape, paths: dict, plan: dict,
+             tmp: Path) -> list[tuple[str, int | None, dict]]:
     """One table's workers: (the row's engine name, the bytes a decode token reads where they
     are known before the run (llama.cpp's, from its file; stage 1's worker counts its own),
     the worker's spec)."""
     check_ids = prompt_ids(shape.vocab_size, CHECK_TOKENS, seed=7)
-    check = lambda out: {"check_ids": check_ids, "check_out": str(tmp / out)} if plan["check"] else {}  # noqa: E731
+
+    def check(out):
+        return {"check_ids": check_ids, "check_out": str(tmp / out)} if plan["check"] else {}
+
     hf = str(paths["hf"])
     jobs = []
     if "transformers" in args.engines and plan["check"]:           # the oracle, not timed
-        jobs.append(("transformers", None, dict(engine="transformers", fmt="fp32", path=hf, **check("hf.npy"))))
+        jobs.append(("transformers", None,
+                     dict(engine="transformers", fmt="fp32", path=hf, **check("hf.npy"))))
     for fmt in args.formats:
         if "stage1" in args.engines:
             for kernels in args.kernels:
@@ -412,8 +448,10 @@ def jobs_for(args, shape: Shape, paths: dict, plan: dict, tmp: Path) -> list[tup
                                                   **check(f"{label}-{fmt}.npy"))))
         if "llama.cpp" in args.engines:
             q = LLAMA_FORMAT[fmt]
-            jobs.append(("llama.cpp", gguf_decode_bytes(paths[q], shape) if paths[q].exists() else None,
-                         dict(engine="llama.cpp", fmt=q, path=str(paths[q]), **check(f"llama.cpp-{q}.npy"))))
+            jobs.append(("llama.cpp",
+                         gguf_decode_bytes(paths[q], shape) if paths[q].exists() else None,
+                         dict(engine="llama.cpp", fmt=q, path=str(paths[q]),
+                              **check(f"llama.cpp-{q}.npy"))))
     return jobs
 
 
@@ -436,7 +474,8 @@ def run_table(args, shape: Shape, paths: dict, log, plan: dict) -> tuple[list[Ro
     """One table: every worker of the plan under its wait policy, then every engine's
     logits against transformers fp32's."""
     base = dict(vocab=shape.vocab_size, threads=plan["threads"], prompt_lens=args.prompt_lens,
-                ttft_lens=args.ttft_lens, decode_prompt=args.decode_prompt, decode_tokens=args.decode_tokens,
+                ttft_lens=args.ttft_lens, decode_prompt=args.decode_prompt,
+                decode_tokens=args.decode_tokens,
                 runs=args.runs, activations=args.activations, kernels="auto")
     tmp = Path(tempfile.mkdtemp(prefix="bench-cpu-"))
     rows, reference = [], None
@@ -467,8 +506,10 @@ def run_table(args, shape: Shape, paths: dict, log, plan: dict) -> tuple[list[Ro
 def logits_agreement(ref: np.ndarray, got: np.ndarray) -> dict:
     """How close an engine's logits [T, V] are to transformers fp32's on the same weights."""
     err = np.abs(ref - got).max() / np.abs(ref).max()
-    cos = float(np.mean(np.sum(ref * got, -1) / (np.linalg.norm(ref, axis=-1) * np.linalg.norm(got, axis=-1))))
-    return {"max_rel_err": float(err), "cosine": cos, "top1": float(np.mean(ref.argmax(-1) == got.argmax(-1)))}
+    cos = float(np.mean(np.sum(ref * got, -1)
+                        / (np.linalg.norm(ref, axis=-1) * np.linalg.norm(got, axis=-1))))
+    return {"max_rel_err": float(err), "cosine": cos,
+            "top1": float(np.mean(ref.argmax(-1) == got.argmax(-1)))}
 
 
 def llama_cpp_installed() -> bool:
@@ -476,16 +517,19 @@ def llama_cpp_installed() -> bool:
 
 
 def ik_llama_bench(args, paths: dict, log) -> list[dict]:
-    """--ik-bench BIN: ik_llama.cpp, built by hand from its sources, as a yardstick (nothing of it is in
-    this repository): its llama-bench on the same GGUF files, prefill at --prompt-lens and decode of
-    --decode-tokens from an empty context, each at its best of both wait policies and of its run-time
-    repack (-rtr 0/1). -> `best` entries as save_results writes them, engine "ik_llama.cpp"."""
+    """--ik-bench BIN: ik_llama.cpp, built by hand from its sources, as a yardstick (nothing of it
+    is in this repository): its llama-bench on the same GGUF files, prefill at --prompt-lens and
+    decode of --decode-tokens from an empty context, each at its best of both wait policies and of
+    its run-time repack (-rtr 0/1). -> `best` entries as save_results writes them, engine
+    "ik_llama.cpp"."""
     best: dict = {}
     for q in [LLAMA_FORMAT[f] for f in args.formats if paths.get(LLAMA_FORMAT[f], Path()).exists()]:
         for policy in POLICIES[args.omp_wait_policy]:
             for rtr in (0, 1):
-                cmd = [str(args.ik_bench), "-m", str(paths[q]), "-p", ",".join(map(str, args.prompt_lens)), "-n",
-                       str(args.decode_tokens), "-t", str(max(args.threads)), "-r", str(args.runs), "-rtr", str(rtr),
+                cmd = [str(args.ik_bench), "-m", str(paths[q]), "-p",
+                       ",".join(map(str, args.prompt_lens)), "-n",
+                       str(args.decode_tokens), "-t", str(max(args.threads)), "-r", str(args.runs),
+                       "-rtr", str(rtr),
                        "-o", "json"]
                 done = subprocess.run(cmd, env=policy_env(policy), capture_output=True, text=True,
                                       timeout=args.worker_timeout)
@@ -496,7 +540,8 @@ def ik_llama_bench(args, paths: dict, log) -> list[dict]:
                     metric = str(t["n_prompt"]) if t["n_prompt"] else "decode"
                     key = (q, metric)
                     if t["avg_ts"] > best.get(key, {}).get("value", 0):
-                        best[key] = dict(engine="ik_llama.cpp", format=q, threads=max(args.threads), metric=metric,
+                        best[key] = dict(engine="ik_llama.cpp", format=q, threads=max(args.threads),
+                                         metric=metric,
                                          policy=f"{policy}, -rtr {rtr}", value=t["avg_ts"])
                 log(f"ik_llama.cpp {q} ({policy}, -rtr {rtr}): " + ", ".join(
                     f"{k[1]} {v['value']:.1f}" for k, v in best.items() if k[0] == q))
@@ -526,33 +571,45 @@ def best_by_policy(args, tables: list[dict]) -> dict:
 def saved_best(best: dict) -> list[dict]:
     """best_by_policy's figures as --save writes them: the time to the first token in seconds."""
     return [dict(engine=e, format=f, threads=n, metric=str(m), policy=pol,
-                 value=1 / v if str(m).startswith("ttft") else v) for (e, f, n, m), (v, pol, _, _) in best.items()]
+                 value=1 / v if str(m).startswith("ttft") else v)
+            for (e, f, n, m), (v, pol, _, _) in best.items()]
 
 
 def at_threads(best: list[dict], n: int) -> dict:
     """A run's saved `best` at n threads -> {(engine, format, metric): (value, policy)}."""
-    return {(b["engine"], b["format"], b["metric"]): (b["value"], b["policy"]) for b in best if b["threads"] == n}
+    return {(b["engine"], b["format"], b["metric"]): (b["value"], b["policy"]) for b in best
+            if b["threads"] == n}
 
 
 def comparison(got: dict) -> str:
     """Stage 1 ÷ llama.cpp, a row per stage-1 kernel set, format and metric, each engine's figure
     with the wait policy that gave it (a ratio under one policy alone flatters whichever engine
     suffers less from it); for the time to the first token, llama.cpp's time ÷ stage 1's.
-    got: at_threads(...). The run's summary prints it, and `bench report` writes the docs' table with it."""
+    got: at_threads(...). The run's summary prints it, and `bench report` writes the docs' table
+    with it."""
     rows, has_ik = [], any(e == "ik_llama.cpp" for e, _, _ in got)
     for label in sorted({e for e, _, _ in got if e.startswith("stage1")}):
         for fmt, q in LLAMA_FORMAT.items():
             for m in sorted({m for e, f, m in got if (e, f) == (label, fmt)},
                             key=lambda m: (m[0] == "t", m != "decode", len(m), m)):
-                s, ll, ttft = got[(label, fmt, m)], got.get(("llama.cpp", q, m)), m.startswith("ttft")
-                show = lambda v: (f"{v[0] * 1e3:.0f} ms" if ttft else f"{v[0]:.1f}") + f" ({v[1]})" if v else "–"  # noqa: E731
+                s, ll, ttft = (got[(label, fmt, m)], got.get(("llama.cpp", q, m)),
+                               m.startswith("ttft"))
+
+                def show(v):
+                    return ((f"{v[0] * 1e3:.0f} ms" if ttft else f"{v[0]:.1f}") + f" ({v[1]})"
+                            if v else "–")
+
                 ratio = (ll[0] / s[0] if ttft else s[0] / ll[0]) if ll else None
-                what = (f"first token, {m[4:]}-token prompt" if ttft else "decode tok/s" if m == "decode"
+                what = (f"first token, {m[4:]}-token prompt" if ttft
+                        else "decode tok/s" if m == "decode"
                         else f"prefill {m} tok/s")
                 ik = got.get(("ik_llama.cpp", q, m))
-                rows.append([label, f"{fmt} / {q}", what, show(s), show(ll), "–" if ratio is None else f"{ratio:.2f}×"]
-                            + [show(ik), f"{s[0] / ik[0]:.2f}×" if ik and not ttft else "–"] * has_ik)
-    header = ["stage 1", "formats", "what", "stage 1", "llama.cpp", "ratio"] + ["ik_llama.cpp", "÷ ik"] * has_ik
+                rows.append([label, f"{fmt} / {q}", what, show(s), show(ll),
+                             "–" if ratio is None else f"{ratio:.2f}×"]
+                            + [show(ik), f"{s[0] / ik[0]:.2f}×" if ik and not ttft else "–"]
+                            * has_ik)
+    header = (["stage 1", "formats", "what", "stage 1", "llama.cpp", "ratio"]
+              + ["ik_llama.cpp", "÷ ik"] * has_ik)
     return markdown_table(header, rows)
 
 
@@ -577,10 +634,12 @@ def engine_table(args, best: dict, check: dict, n: int) -> str:
             c, mb = check.get((e, f)), row.weight_bytes / 1e6 if row.weight_bytes else None
             rows.append([e, f, fmt_num(mb, 0), fmt_num(v), fmt_num(mb and v * mb / 1e3),
                          fmt_num(100 * decode_roofline(cell, row.weight_bytes), 0),
-                         *(fmt_num(get(p)) for p in args.prompt_lens), *(fmt_num(1e3 / get(f"ttft{p}"), 0)
+                         *(fmt_num(get(p)) for p in args.prompt_lens),
+                         *(fmt_num(1e3 / get(f"ttft{p}"), 0)
                                                                          for p in args.ttft_lens),
                          fmt_num(row.result.get("peak_rss_mib"), 0),
-                         f"{c['max_rel_err']:.4f} / {c['cosine']:.6f} / {c['top1']:.0%}" if c else "–"])
+                         f"{c['max_rel_err']:.4f} / {c['cosine']:.6f} / {c['top1']:.0%}" if c
+                         else "–"])
     return markdown_table(["engine", "format", "MB/token", "decode tok/s", "GB/s", "% roofline",
                            *(f"prefill {p} tok/s" for p in args.prompt_lens),
                            *(f"first token {p} ms" for p in args.ttft_lens), "peak RSS MiB",
@@ -594,56 +653,72 @@ def report(args, shape: Shape, tables: list[dict], bw: dict, loads: tuple[float,
     are checked as docs/benchmarks.md says (stage 1: the first half of the tokens in one forward,
     as prefill does, the rest one at a time, as decode does)."""
     busy = lambda cores: " **busy: numbers may be low**" if cores > 0.25 else ""  # noqa: E731
-    moe = (f", E={shape.num_experts} experts of Fe={shape.moe_intermediate_size}, top-{shape.num_experts_per_tok}"
+    moe = (f", E={shape.num_experts} experts of Fe={shape.moe_intermediate_size}, "
+           f"top-{shape.num_experts_per_tok}"
            if shape.num_experts else "")
     out = [f"## CPU benchmark: {shape.name}" + (" (AVX2 machine stand-in)" if STAND_IN else ""), "",
-           f"- machine: {machine_description()}", "- command: `" + " ".join(["python -m bench cpu", *args.argv]) + "`",
-           f"- 1-minute load before {loads[0]:.2f}, after {loads[1]:.2f} (with the benchmark's own threads); other "
-           f"processes used {loads[2]:.2f} cores on average{busy(loads[2])}; per OMP_WAIT_POLICY: " + "; ".join(
-               f"{t['plan']['policy']} {t['wall_s'] / 60:.1f} min, others {t['others']:.2f} cores{busy(t['others'])}"
+           f"- machine: {machine_description()}",
+           "- command: `" + " ".join(["python -m bench cpu", *args.argv]) + "`",
+           f"- 1-minute load before {loads[0]:.2f}, after {loads[1]:.2f} (with the benchmark's own "
+           f"threads); other processes used {loads[2]:.2f} cores on average{busy(loads[2])}; per "
+           "OMP_WAIT_POLICY: " + "; ".join(
+               f"{t['plan']['policy']} {t['wall_s'] / 60:.1f} min, "
+               f"others {t['others']:.2f} cores{busy(t['others'])}"
                for t in tables),
-           f"- model: {shape.num_hidden_layers} layers, C={shape.hidden_size}, H/Hkv={shape.num_attention_heads}/"
-           f"{shape.num_key_value_heads}, D={shape.head_dim}, F={shape.intermediate_size}{moe}, V={shape.vocab_size}; "
+           f"- model: {shape.num_hidden_layers} layers, C={shape.hidden_size}, "
+           f"H/Hkv={shape.num_attention_heads}/{shape.num_key_value_heads}, D={shape.head_dim}, "
+           f"F={shape.intermediate_size}{moe}, V={shape.vocab_size}; "
            f"{shape.linear_params() / 1e6:,.0f} M weights read per decode token",
            "- read bandwidth, the better of start / end: " + ", ".join(
-               f"{t} thread{'s' * (t > 1)} {bw['read'][t]:.1f} GB/s ({bw['start']['read'][t]:.1f} / "
-               f"{bw['end']['read'][t]:.1f})" for t in args.threads)]
+               f"{t} thread{'s' * (t > 1)} {bw['read'][t]:.1f} GB/s ({bw['start']['read'][t]:.1f} "
+               f"/ {bw['end']['read'][t]:.1f})" for t in args.threads)]
     rows = [row for t in tables for row in t["rows"]]
-    out += sorted({f"- {r.engine} {r.fmt}: {r.result['isa']}" for r in tables[0]["rows"] if r.result.get("isa")})
-    out += sorted({f"- {r.engine} {r.fmt}: **{r.result['error']}**" for r in rows if "error" in r.result})
+    out += sorted({f"- {r.engine} {r.fmt}: {r.result['isa']}" for r in tables[0]["rows"]
+                   if r.result.get("isa")})
+    out += sorted({f"- {r.engine} {r.fmt}: **{r.result['error']}**" for r in rows
+                   if "error" in r.result})
     best, check = best_by_policy(args, tables), tables[0]["check"]
     out += headline(args, best, ik)
     for n in sorted({n for t in tables for n in t["plan"]["threads"]}):
-        out += [f"### every engine at {n} thread{'s' * (n > 1)}, each figure at its best wait policy", "",
+        out += [f"### every engine at {n} thread{'s' * (n > 1)}, "
+                "each figure at its best wait policy", "",
                 engine_table(args, best, check, n), ""]
-    return "\n".join(out + ["logits not checked (transformers fp32 did not run)"] * (not check)) + "\n"
+    return "\n".join(out + ["logits not checked (transformers fp32 did not run)"]
+                     * (not check)) + "\n"
 
 
 def headline(args, best: dict, ik: tuple = ()) -> list[str]:
     """Per thread count, stage 1 ÷ llama.cpp (comparison) from best_by_policy's figures."""
     out = []
     for n in sorted({k[2] for k in best}):
-        out += ["", f"### {n} thread{'s' * (n > 1)}: stage 1 ÷ llama.cpp, each engine at its own best wait policy"
-                + (f" (--activations {args.activations})" if args.activations != "auto" else ""), "",
+        out += ["",
+                f"### {n} thread{'s' * (n > 1)}: stage 1 ÷ llama.cpp, "
+                "each engine at its own best wait policy"
+                + (f" (--activations {args.activations})" if args.activations != "auto" else ""),
+                "",
                 comparison(at_threads(saved_best(best) + list(ik), n)), ""]
     return out
 
 
-def save_results(args, shape: Shape, tables: list[dict], bw: dict, others: float, ik: list[dict]) -> None:
-    """--save: the run as JSON, which `bench report` writes the docs' tables from and `bench figures`
-    the roofline: machine, SIMD flags, whether it stood in for a Haswell, date, command, versions, each engine's decode
-    at its best policy and the largest thread count (`rows`) and its best median over the policies
-    per thread count and metric (`best`; ttftP in seconds)."""
+def save_results(args, shape: Shape, tables: list[dict], bw: dict, others: float,
+                 ik: list[dict]) -> None:
+    """--save: the run as JSON, which `bench report` writes the docs' tables from and `bench
+    figures` the roofline: machine, SIMD flags, whether it stood in for a Haswell, date, command,
+    versions, each engine's decode at its best policy and the largest thread count (`rows`) and its
+    best median over the policies per thread count and metric (`best`; ttftP in seconds)."""
     found = best_by_policy(args, tables)
-    rows = [dict(policy=pol, threads=n, engine=e, format=f, mb_per_token=row.weight_bytes / 1e6, decode_tok_s=v)
+    rows = [dict(policy=pol, threads=n, engine=e, format=f, mb_per_token=row.weight_bytes / 1e6,
+                 decode_tok_s=v)
             for (e, f, n, m), (v, pol, row, _) in found.items()
             if m == "decode" and n == max(args.threads) and row.weight_bytes]
     save_json(args.save, "python -m bench cpu " + " ".join(args.argv),
               cpu_flags=sorted(f for f in cpu_flags()[1] if f.startswith(("avx", "fma", "f16c"))),
-              cpu_profile="avx2" if STAND_IN else "native", shape=shape.name, quick=args.quick, threads=args.threads,
+              cpu_profile="avx2" if STAND_IN else "native", shape=shape.name, quick=args.quick,
+              threads=args.threads,
               others_cores=round(others, 2), versions=versions(),
               bandwidth_gb_s=max(bw["read"].values()), rows=rows,
-              best=saved_best(found) + ik, isa=sorted({f"{r.engine} {r.fmt}: {r.result['isa']}" for r in tables[0]["rows"]
+              best=saved_best(found) + ik,
+              isa=sorted({f"{r.engine} {r.fmt}: {r.result['isa']}" for r in tables[0]["rows"]
                                      if r.result.get("isa")}))
 
 
@@ -694,24 +769,25 @@ def busy_table(data: dict) -> str:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench cpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=list(SHAPES), default=None,
-                   help="the model: 0.6b (Qwen3-0.6B), moe (Qwen3-30B-A3B's layers, 12 x 32 experts), their small "
-                        "versions quick and moe-quick, or tiny / moe-tiny (seconds: the tests). Default 0.6b; "
-                        "--quick: quick")
+                   help="the model: 0.6b (Qwen3-0.6B), moe (Qwen3-30B-A3B's layers, 12 x 32 "
+                        "experts), their small versions quick and moe-quick, or tiny / moe-tiny "
+                        "(seconds: the tests). Default 0.6b; --quick: quick")
     p.add_argument("--quick", action="store_true",
                    help="one thread count, 2 runs, PASSIVE only (and the quick shape)")
-    p.add_argument("--threads", type=items(int), help="comma-separated thread counts (default 1,2; quick: 2)")
+    p.add_argument("--threads", type=items(int),
+                   help="comma-separated thread counts (default 1,2; quick: 2)")
     p.add_argument("--formats", type=items(allowed=tuple(LLAMA_FORMAT)), default="bf16,int8,int4",
                    help="stage-1 formats (default %(default)s)")
     p.add_argument("--engines", type=items(allowed=("stage1", "llama.cpp", "transformers")),
                    default="stage1,llama.cpp,transformers", help="engines (default %(default)s)")
     p.add_argument("--kernels", type=items(allowed=("auto", "plain", "fast")), default="auto",
-                   help="stage 1's kernel sets, a row each: auto (the fast path where it runs), plain (the portable "
-                        "core), fast; e.g. auto,plain (default auto)")
+                   help="stage 1's kernel sets, a row each: auto (the fast path where it runs), "
+                        "plain (the portable core), fast; e.g. auto,plain (default auto)")
     p.add_argument("--activations", default="auto", choices=["auto", "int8", "fp32"],
                    help="stage 1's --activations (int8: llama.cpp's rounding, prefill on int8 too)"
                         " (default auto)")
-    p.add_argument("--runs", type=int, default=None, help="warm runs per measurement; the median is reported "
-                                                          "(default 3; quick: 2)")
+    p.add_argument("--runs", type=int, default=None, help="warm runs per measurement; the median "
+                                                          "is reported (default 3; quick: 2)")
     p.add_argument("--decode-tokens", type=int, default=128, help="decode's tokens (default 128)")
     p.add_argument("--prompt-lens", type=items(int), default="32,128,512",
                    help="prompt lengths for prefill tok/s (default %(default)s)")
@@ -729,21 +805,30 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "core busy (a busy laptop), each engine at its default wait policy and its "
                         "best; --save writes the busy table's JSON (docs/results/busy.json). "
                         "Default 0")
-    p.add_argument("--ik-bench", type=Path, default=None, help="ik_llama.cpp's llama-bench, built by hand: "
-                   "its prefill and decode on the same GGUF files, saved as a column beside llama.cpp's")
-    p.add_argument("--out", type=Path, default=None, help="also write the markdown summary to this file")
+    p.add_argument("--ik-bench", type=Path, default=None,
+                   help="ik_llama.cpp's llama-bench, built by hand: "
+                   "its prefill and decode on the same GGUF files, "
+                   "saved as a column beside llama.cpp's")
+    p.add_argument("--out", type=Path, default=None,
+                   help="also write the markdown summary to this file")
     p.add_argument("--save", type=Path, default=None,
-                   help="also write the results as JSON (docs/results/cpu-CLASS.json: python -m bench report "
-                        "writes the docs' tables from it, bench figures the roofline)")
+                   help="also write the results as JSON (docs/results/cpu-CLASS.json: python -m "
+                        "bench report writes the docs' tables from it, bench figures the "
+                        "roofline)")
     p.add_argument("--cache-dir", type=Path, default=CACHE,
                    help="where the models are built and kept (default %(default)s)")
     p.add_argument("--worker-timeout", type=float, default=2400,
                    help="seconds one engine may take in all (default 2400)")
-    p.add_argument("--speculative", action="store_true", help="bench/speculative.py instead: speculative decoding "
-                   "on real text, stage 1 (plain, ngram, --draft-model) against llama.cpp (plain, prompt lookup)")
-    for name, what in (("model", "the model (default: the default one)"), ("draft-model", "stage 1's draft model"),
-                       ("draft-tokens", "drafts at most (stage 1: default its own; llama.cpp: 10)")):
-        p.add_argument(f"--{name}", type=int if name == "draft-tokens" else str, help=f"--speculative: {what}")
+    p.add_argument("--speculative", action="store_true",
+                   help="bench/speculative.py instead: speculative decoding "
+                   "on real text, stage 1 (plain, ngram, --draft-model) "
+                   "against llama.cpp (plain, prompt lookup)")
+    for name, what in (("model", "the model (default: the default one)"),
+                       ("draft-model", "stage 1's draft model"),
+                       ("draft-tokens",
+                        "drafts at most (stage 1: default its own; llama.cpp: 10)")):
+        p.add_argument(f"--{name}", type=int if name == "draft-tokens" else str,
+                       help=f"--speculative: {what}")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.argv = argv
@@ -752,12 +837,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.runs = args.runs or (2 if args.quick else 3)
     quick = args.quick and not args.busy
     args.omp_wait_policy = args.omp_wait_policy or ("PASSIVE" if quick else "both")
-    if any(t < 1 for t in args.threads) or args.runs < 1 or args.decode_tokens < 1 or not args.prompt_lens:
+    if (any(t < 1 for t in args.threads) or args.runs < 1 or args.decode_tokens < 1
+            or not args.prompt_lens):
         p.error("--threads, --runs, --decode-tokens and --prompt-lens must be positive")
     if args.busy < 0 or args.busy and "default" not in POLICIES[args.omp_wait_policy]:
         p.error("--busy N compares each engine as users run it: N >= 0, with the default policy")
-    if max([*args.prompt_lens, *args.ttft_lens, args.decode_prompt]) + args.decode_tokens + 1 > MAX_CTX:
-        p.error(f"prompt length + decode tokens must stay under the {MAX_CTX}-token context the engines are given")
+    if (max([*args.prompt_lens, *args.ttft_lens, args.decode_prompt]) + args.decode_tokens + 1
+            > MAX_CTX):
+        p.error(f"prompt length + decode tokens must stay under the {MAX_CTX}-token context the "
+                "engines are given")
     return args
 
 
@@ -769,16 +857,19 @@ def main(argv: list[str] | None = None) -> int:
     log = lambda s: print(s, flush=True)  # noqa: E731
     if args.speculative:
         from bench.speculative import run   # here: its own benchmark, sharing this command line
-        shape_model = prepare_models(SHAPES["0.6b"], args.cache_dir, log, quants=())["hf"]   # its T curve
+        # the Qwen3-0.6B shape's model: its verify-cost (T) curve
+        shape_model = prepare_models(SHAPES["0.6b"], args.cache_dir, log, quants=())["hf"]
         return run(args, POLICIES[args.omp_wait_policy], shape_model, log)
     shape = args.shape
     t_start, load_before = time.perf_counter(), os.getloadavg()[0]
     log(check_load("before"))
     meter = NeighbourMeter()
     if not llama_cpp_installed() and "llama.cpp" in args.engines:
-        log("llama-cpp-python is not installed (pip install 'qwen3-stages[bench]'): its cells are empty")
+        log("llama-cpp-python is not installed (pip install 'qwen3-stages[bench]'): "
+            "its cells are empty")
     paths = prepare_models(shape, args.cache_dir, log, [LLAMA_FORMAT[f] for f in args.formats]
-                           if "llama.cpp" in args.engines and llama_cpp_installed() or args.ik_bench else [])
+                           if "llama.cpp" in args.engines and llama_cpp_installed() or args.ik_bench
+                           else [])
     mib = 256 if args.quick else 1024
     log("measuring memory bandwidth ...")
     bw = measure_bandwidth(args.threads, mib=mib)
@@ -798,7 +889,8 @@ def main(argv: list[str] | None = None) -> int:
     # measured again at the end: a neighbour busy at the start lowers one of the two, and
     # the roofline is what the memory *can* do, so it uses the better of the two
     end = measure_bandwidth(args.threads, mib=mib)
-    bw = {"read": {n: max(bw["read"][n], end["read"][n]) for n in args.threads}, "start": bw, "end": end}
+    bw = {"read": {n: max(bw["read"][n], end["read"][n]) for n in args.threads}, "start": bw,
+          "end": end}
     text = report(args, shape, tables, bw, (load_before, load_after, others), ik)
     busy_run = busy_results(args, loads) if args.busy else None
     text += ("\n### Beside busy processes: each engine at its default wait policy and its best\n\n"

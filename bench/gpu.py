@@ -46,7 +46,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Qwen3-0.6B's config.json (the architecture numbers; weights are random)
 QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                 max_position_embeddings=40960,
                  rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
                  bos_token_id=151643, eos_token_id=151645)
 QWEN3_8B_4L = dict(QWEN3_06B, hidden_size=4096, intermediate_size=12288, num_hidden_layers=4,
@@ -106,7 +107,8 @@ def _model(args, config: dict, name: str) -> Path:
         with torch.device(_dev(args)):
             model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**config)).to(torch.bfloat16)
         model.save_pretrained(folder)
-        (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
+        (folder / "generation_config.json").write_text(
+            json.dumps({"eos_token_id": [151645, 151643]}))
     return folder
 
 
@@ -121,7 +123,8 @@ def _greedy(n: int):
 def _throughput(eng, prompts, outputs, dev: str, partial: Path | None) -> dict:
     """All requests at once, run to the end: output tokens / s over the whole run (a timed-out
     run leaves its rate so far in `partial`)."""
-    eng.add_request(Request("warm", list(range(1, 40)), _greedy(4)))   # compile kernels, wake cuBLAS
+    # compile kernels, wake cuBLAS
+    eng.add_request(Request("warm", list(range(1, 40)), _greedy(4)))
     while eng.has_work():
         eng.step()
     _sync(dev)
@@ -134,14 +137,17 @@ def _throughput(eng, prompts, outputs, dev: str, partial: Path | None) -> dict:
         produced += sum(1 for e in eng.step() if e.token_id >= 0)
         now = time.perf_counter()
         if partial is not None and now - last_write > 2:
-            partial.write_text(json.dumps({"partial": True, "output_tokens": produced, "seconds": now - t0,
+            partial.write_text(json.dumps({"partial": True, "output_tokens": produced,
+                                           "seconds": now - t0,
                                            "tok_s": produced / (now - t0)}))
             last_write = now
     _sync(dev)
     seconds = time.perf_counter() - t0
     return {"output_tokens": produced, "expected_tokens": sum(outputs), "seconds": seconds,
-            "tok_s": produced / seconds, "steps": eng.num_steps - steps0, "preemptions": eng.num_preemptions,
-            "prefill_tokens": eng.num_prefill_tokens - pre0, "decode_tokens": eng.num_decode_tokens - dec0}
+            "tok_s": produced / seconds, "steps": eng.num_steps - steps0,
+            "preemptions": eng.num_preemptions,
+            "prefill_tokens": eng.num_prefill_tokens - pre0,
+            "decode_tokens": eng.num_decode_tokens - dec0}
 
 
 def _b1(eng, prompt, new_tokens: int) -> dict:
@@ -155,9 +161,11 @@ def _b1(eng, prompt, new_tokens: int) -> dict:
                 stamps.append(time.perf_counter())
         rates.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
     graphs = getattr(eng, "graphs", None)
-    return {"tok_s": sorted(rates)[1], "runs": rates, "graph_replays": graphs.num_replays if graphs else 0,
+    return {"tok_s": sorted(rates)[1], "runs": rates,
+            "graph_replays": graphs.num_replays if graphs else 0,
             "graph_error": graphs.error if graphs else None,
-            "bytes_per_token": eng.weights.decode_nbytes + eng.model.cache.nbytes_per_token * (len(prompt) + new_tokens // 2)}
+            "bytes_per_token": eng.weights.decode_nbytes + (
+                eng.model.cache.nbytes_per_token * (len(prompt) + new_tokens // 2))}
 
 
 # ---------------------------------------------------------------------------
@@ -195,7 +203,8 @@ def host_costs() -> dict:
     us = lambda f, n=200: round(min(_per_call(f, "cuda", n, wait=False)) * 1e6, 2)  # noqa: E731
     rng = np.random.default_rng(0)
     w = cupy.asarray(bf16_bits(rng.standard_normal((1024, 1024)).astype(np.float32)))
-    x1, x8 = (cupy.asarray(bf16_bits(rng.standard_normal((n, 1024)).astype(np.float32))) for n in (1, 8))
+    x1, x8 = (cupy.asarray(bf16_bits(rng.standard_normal((n, 1024)).astype(np.float32)))
+              for n in (1, 8))
     o1, o8 = cupy.empty((1, 1024), cupy.uint16), cupy.empty((8, 1024), cupy.uint16)
     y, small = cupy.zeros(1024, cupy.float32), cupy.zeros(16, cupy.int32)
     pinned = cupy.cuda.alloc_pinned_memory(4096 * 4)
@@ -210,11 +219,14 @@ def host_costs() -> dict:
             kernels.linear(x1, w, out=o1)
         graph = capture.end_capture()
     return {"launches": us(lambda: kernels.linear(x1, w, out=o1)),        # gemv.cu: 14 arguments
-            "blas": us(lambda: kernels.linear(x8, w, out=o8)),            # cublasGemmEx through ctypes
+            # cublasGemmEx through ctypes
+            "blas": us(lambda: kernels.linear(x8, w, out=o8)),
             "allocations": us(lambda: cupy.empty(1024, cupy.float32), 500),
             "elementwise": us(lambda: y * 2),
-            "copies": us(lambda: dev.set(host, stream=stream)),            # 16 KB from page-locked memory
-            "copy_back_and_sync": us(lambda: small.get()),                 # a D2H copy waits for the stream
+            # 16 KB from page-locked memory
+            "copies": us(lambda: dev.set(host, stream=stream)),
+            # a D2H copy waits for the stream
+            "copy_back_and_sync": us(lambda: small.get()),
             "syncs": us(lambda: event.synchronize(), 500),                 # an event already done
             "graph_launches": us(lambda: graph.launch(stream=stream), 100)}
 
@@ -224,12 +236,15 @@ def step_b1(args) -> dict:
     new = 16 if args.dry_run else 256
     out = {}
     for label, eager in (("graphs", False), ("eager", True)):
-        eng = _engine(args, args.model_folder, max_ctx=2048, slots=4, token_budget=2048, page_size=256,
+        eng = _engine(args, args.model_folder, max_ctx=2048, slots=4, token_budget=2048,
+                      page_size=256,
                       kv_memory=4 * 2**30, enforce_eager=eager)
-        _b1(eng, prompt[:32], 4)                                   # warm-up: compile, capture bucket 1
+        # warm-up: compile, capture bucket 1
+        _b1(eng, prompt[:32], 4)
         out[label] = _b1(eng, prompt, new)
         if eager:
-            out["eager"]["host_ms_per_step"], out["eager"]["host_profile"] = _eager_host_ms(args, eng, prompt)
+            (out["eager"]["host_ms_per_step"],
+             out["eager"]["host_profile"]) = _eager_host_ms(args, eng, prompt)
         del eng
     return out
 
@@ -246,7 +261,8 @@ def _eager_host_ms(args, eng, prompt) -> float:
     def enqueue():
         dt, db, dp = eng.inputs.upload(tokens, batch, params)
         logits = eng.model.forward(dt, db)
-        kernels.sample(logits, dp.temperature, dp.top_k, dp.top_p, dp.u, out=eng.model.buffers.next_tokens[:1])
+        kernels.sample(logits, dp.temperature, dp.top_k, dp.top_p, dp.u,
+                       out=eng.model.buffers.next_tokens[:1])
     best = min(_per_call(enqueue, _dev(args), wait=False))
     # where that host time goes: cProfile over 10 steps, the top functions by their own time
     prof = cProfile.Profile()
@@ -259,7 +275,8 @@ def _eager_host_ms(args, eng, prompt) -> float:
     eng.abort("h")
     while eng.has_work():
         eng.step()
-    return round(best * 1e3, 3), [line for line in text.getvalue().splitlines() if line.strip()][-13:]
+    return round(best * 1e3, 3), [line for line in text.getvalue().splitlines()
+                                  if line.strip()][-13:]
 
 
 def step_gemv(args) -> dict:
@@ -277,7 +294,8 @@ def step_gemv(args) -> dict:
             if not args.dry_run:
                 runs["cublas"] = lambda: kernels._gemm(x, w, o)
             times = {label: _per_call(f, _dev(args), 50, rounds=1)[0] for label, f in runs.items()}
-            out[f"{name} N={N}"] = {label: {"us": round(s * 1e6, 2), "gbps": round(M * K * 2 / s / 1e9, 0)}
+            out[f"{name} N={N}"] = {label: {"us": round(s * 1e6, 2),
+                                            "gbps": round(M * K * 2 / s / 1e9, 0)}
                                     for label, s in times.items()}
     return out
 
@@ -288,7 +306,8 @@ def step_hf(args) -> dict:
     import torch
     import transformers as tf
     dev = _dev(args)
-    model = tf.AutoModelForCausalLM.from_pretrained(args.model_folder, dtype=torch.bfloat16).to(dev).eval()
+    model = tf.AutoModelForCausalLM.from_pretrained(args.model_folder,
+                                                    dtype=torch.bfloat16).to(dev).eval()
     ids = torch.tensor([workload(1, seed=1)[0][0][:128]]).to(dev)
     n = 8 if args.dry_run else 64
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0, cache_implementation="static")
@@ -308,7 +327,8 @@ def step_hf(args) -> dict:
 
 def step_b1_8b(args) -> dict:
     folder = _model(args, TINY_4L if args.dry_run else QWEN3_8B_4L, "qwen3-8b-4layers-random")
-    eng = _engine(args, folder, max_ctx=2048, slots=4, token_budget=2048, page_size=256, kv_memory=4 * 2**30)
+    eng = _engine(args, folder, max_ctx=2048, slots=4, token_budget=2048, page_size=256,
+                  kv_memory=4 * 2**30)
     prompt = workload(1, seed=1)[0][0][:128]
     _b1(eng, prompt[:32], 4)
     return _b1(eng, prompt, 16 if args.dry_run else 128)
@@ -323,12 +343,15 @@ def step_attn(args) -> dict:
     k, v = (bf16_bits(rng.standard_normal((pages, P, Hkv, D)).astype(np.float32)) for _ in range(2))
     q = bf16_bits(rng.standard_normal((S * T, H, D)).astype(np.float32))
     tables = np.arange(pages, dtype=np.int32).reshape(S, T // P)
-    token_seq, positions = np.repeat(np.arange(S, dtype=np.int32), T), np.tile(np.arange(T, dtype=np.int32), S)
+    token_seq, positions = (np.repeat(np.arange(S, dtype=np.int32), T),
+                            np.tile(np.arange(T, dtype=np.int32), S))
     tile_start = np.arange(0, S * T, PREFILL_TILE, dtype=np.int32)
     tile_count = np.full(len(tile_start), PREFILL_TILE, np.int32)
     xp = np if args.dry_run else __import__("cupy")
-    arrays = [xp.asarray(a) for a in (q, k, v, tables, token_seq, positions, tile_start, tile_count)]
-    flops, out = 4 * D * H * S * (T * (T + 1) // 2), {}           # QK^T and PV over the causal triangle
+    arrays = [xp.asarray(a)
+              for a in (q, k, v, tables, token_seq, positions, tile_start, tile_count)]
+    # QK^T and PV over the causal triangle
+    flops, out = 4 * D * H * S * (T * (T + 1) // 2), {}
     for name, tc in (("tensor_cores", True), ("plain", False)):
         times = _per_call(lambda: kernels.prefill_attention(*arrays, tensor_cores=tc), _dev(args))
         out[name] = {"tflops": flops / sorted(times)[2] / 1e12}
@@ -337,8 +360,10 @@ def step_attn(args) -> dict:
 
 def step_serve(args) -> dict:
     """nano-vllm's workload, then the shared system prompt with the prefix cache."""
-    prompts, outputs = workload(args.num_seqs, **(dict(min_len=4, max_len=24) if args.dry_run else {}))
-    eng = _engine(args, args.model_folder, max_ctx=2048, slots=256, token_budget=8192, page_size=256,
+    prompts, outputs = workload(args.num_seqs,
+                                **(dict(min_len=4, max_len=24) if args.dry_run else {}))
+    eng = _engine(args, args.model_folder, max_ctx=2048, slots=256, token_budget=8192,
+                  page_size=256,
                   kv_memory=None if args.dry_run else 16 * 2**30)
     full = _throughput(eng, prompts, outputs, _dev(args), Path(args.workdir) / "serve.partial.json")
     del eng
@@ -362,18 +387,23 @@ def run_step(name: str, args, cap_s: float) -> dict:
     out, partial = Path(args.workdir) / f"{name}.json", Path(args.workdir) / f"{name}.partial.json"
     for f in (out, partial):
         f.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "bench.gpu", "--run", name, "--workdir", args.workdir, "--num-seqs",
-           str(args.num_seqs), "--model-folder", args.model_folder or ""] + (["--dry-run"] if args.dry_run else [])
+    cmd = ([sys.executable, "-m", "bench.gpu", "--run", name, "--workdir", args.workdir,
+            "--num-seqs", str(args.num_seqs), "--model-folder", args.model_folder or ""]
+           + (["--dry-run"] if args.dry_run else []))
     t0 = time.perf_counter()
     print(f"[bench.gpu] {name} (at most {cap_s:.0f} s) ...", flush=True)
     try:
         r = subprocess.run(cmd, cwd=ROOT, timeout=cap_s, capture_output=True, text=True)
-        log, status = r.stdout + r.stderr, "ok" if r.returncode == 0 and out.is_file() else f"failed (exit {r.returncode})"
+        log, status = (r.stdout + r.stderr, "ok" if r.returncode == 0 and out.is_file()
+                       else f"failed (exit {r.returncode})")
     except subprocess.TimeoutExpired as e:
-        log = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
-        status = "ok" if out.is_file() else f"timed out after {cap_s:.0f} s"   # (a slow exit after its JSON)
+        log = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+                      for x in (e.stdout, e.stderr))
+        # (a slow exit after its JSON)
+        status = "ok" if out.is_file() else f"timed out after {cap_s:.0f} s"
     (Path(args.workdir) / f"{name}.log").write_text(log)
-    result = json.loads(out.read_text()) if out.is_file() else json.loads(partial.read_text()) if partial.is_file() else {}
+    result = (json.loads(out.read_text()) if out.is_file()
+              else json.loads(partial.read_text()) if partial.is_file() else {})
     result.update(status=status, wall_s=round(time.perf_counter() - t0, 1))
     print(f"[bench.gpu] {name}: {status} in {result['wall_s']:.0f} s", flush=True)
     if status != "ok":
@@ -390,59 +420,76 @@ def _get(res, *keys):
 def table(res: dict, args) -> str:
     f = lambda x, spec=".0f": "—" if x is None else f"{x:{spec}}"  # noqa: E731
     bw = _get(res, "setup", "gbps")
-    b1, eager, hf = (_get(res, "b1", "graphs", "tok_s"), _get(res, "b1", "eager", "tok_s"), _get(res, "hf", "tok_s"))
-    roof = lambda step: (_get(res, *step, "tok_s") * _get(res, *step, "bytes_per_token") / (bw * 1e9)  # noqa: E731
-                         if bw and _get(res, *step, "tok_s") else None)
+    b1, eager, hf = (_get(res, "b1", "graphs", "tok_s"), _get(res, "b1", "eager", "tok_s"),
+                     _get(res, "hf", "tok_s"))
+
+    def roof(step):
+        return (_get(res, *step, "tok_s") * _get(res, *step, "bytes_per_token") / (bw * 1e9)
+                if bw and _get(res, *step, "tok_s") else None)
+
     st = lambda step: _get(res, step, "status") or "not run"  # noqa: E731
     err = _get(res, "b1", "graphs", "graph_error")
-    attn, serve, prefix = res.get("attn", {}), _get(res, "serve", "full") or {}, _get(res, "serve", "prefix") or {}
+    attn, serve, prefix = (res.get("attn", {}), _get(res, "serve", "full") or {},
+                           _get(res, "serve", "prefix") or {})
     gemv = _get(res, "gemv") or {}
-    lines = [f"# Stage 3 on {_get(res, 'setup', 'gpu') or 'the GPU'} ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
+    lines = [f"# Stage 3 on {_get(res, 'setup', 'gpu') or 'the GPU'} "
+             f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
              "", "--dry-run: tiny models on the CPU; the numbers mean nothing." if args.dry_run else
-             "Qwen3-0.6B shape, random bf16 weights, greedy; batch 1: 128 prompt tokens, 256 new, the median of 3.", "",
+             "Qwen3-0.6B shape, random bf16 weights, greedy; batch 1: 128 prompt tokens, 256 new, "
+             "the median of 3.", "",
              "| measurement | stage 3 | target | notes |", "|---|---|---|---|",
-             f"| batch-1 decode, CUDA graphs (tok/s) | {f(b1)} | ≥ {TARGETS['b1_tok_s']:,}, ≥ {TARGETS['b1_vs_hf']:.0f}× "
-             f"transformers | {f(roof(('b1', 'graphs')) and 100 * roof(('b1', 'graphs')))} % of the roofline ({f(bw)} GB/s "
-             f"measured); {f(_get(res, 'b1', 'graphs', 'graph_replays'), 'd')} replays"
-             f"{'; **capture failed: ' + err + '**' if err else ''}; {st('b1')} |",
-             f"| the same, eager (tok/s) | {f(eager)} | — | graphs ÷ eager {f(b1 and eager and b1 / eager, '.2f')}; host "
-             f"{f(_get(res, 'b1', 'eager', 'host_ms_per_step'), '.3f')} ms per eager step (bench lessons predicts ≤ 1.5) |",
+             f"| batch-1 decode, CUDA graphs (tok/s) | {f(b1)} | ≥ {TARGETS['b1_tok_s']:,}, ≥ "
+             f"{TARGETS['b1_vs_hf']:.0f}× transformers | "
+             f"{f(roof(('b1', 'graphs')) and 100 * roof(('b1', 'graphs')))} % of the roofline "
+             f"({f(bw)} GB/s measured); {f(_get(res, 'b1', 'graphs', 'graph_replays'), 'd')} "
+             f"replays{'; **capture failed: ' + err + '**' if err else ''}; {st('b1')} |",
+             f"| the same, eager (tok/s) | {f(eager)} | — | graphs ÷ eager "
+             f"{f(b1 and eager and b1 / eager, '.2f')}; host "
+             f"{f(_get(res, 'b1', 'eager', 'host_ms_per_step'), '.3f')} ms per eager step "
+             "(bench lessons predicts ≤ 1.5) |",
              f"| transformers, static cache (tok/s) | {f(hf)} | — | stage 3 ÷ transformers "
              f"{f(b1 and hf and b1 / hf, '.2f')}×; {st('hf')} |",
              f"| batch-1 decode, 8B shape, 4 layers (tok/s) | {f(_get(res, 'b1_8b', 'tok_s'))} | ≥ "
-             f"{TARGETS['roofline_8b']:.0%} of the roofline | {f(roof(('b1_8b',)) and 100 * roof(('b1_8b',)))} %; {st('b1_8b')} |",
-             f"| nano-vllm workload, {args.num_seqs} seqs (output tok/s) | {f(serve.get('tok_s'))} | ≥ "
-             f"{TARGETS['serve_tok_s']:,} | {f(serve.get('output_tokens'), 'd')} tokens, {f(serve.get('steps'), 'd')} steps, "
-             f"{f(serve.get('preemptions'), 'd')} preemptions{' (partial)' if serve.get('partial') else ''}; {st('serve')} |",
-             f"| prefix cache, shared system prompt | {f(prefix.get('hit_rate') and 100 * prefix['hit_rate'])} % hit | — | "
+             f"{TARGETS['roofline_8b']:.0%} of the roofline | "
+             f"{f(roof(('b1_8b',)) and 100 * roof(('b1_8b',)))} %; {st('b1_8b')} |",
+             f"| nano-vllm workload, {args.num_seqs} seqs (output tok/s) | {f(serve.get('tok_s'))} "
+             f"| ≥ {TARGETS['serve_tok_s']:,} | {f(serve.get('output_tokens'), 'd')} tokens, "
+             f"{f(serve.get('steps'), 'd')} steps, {f(serve.get('preemptions'), 'd')} "
+             f"preemptions{' (partial)' if serve.get('partial') else ''}; {st('serve')} |",
+             "| prefix cache, shared system prompt | "
+             f"{f(prefix.get('hit_rate') and 100 * prefix['hit_rate'])} % hit | — | "
              f"{f(prefix.get('tok_s'))} tok/s |",
-             f"| prefill attention, tensor cores (TFLOP/s) | {f(_get(attn, 'tensor_cores', 'tflops'), '.1f')} | ≥ "
-             f"{TARGETS['attn_tflops']} | plain kernel {f(_get(attn, 'plain', 'tflops'), '.1f')}; {st('attn')} |"]
+             "| prefill attention, tensor cores (TFLOP/s) | "
+             f"{f(_get(attn, 'tensor_cores', 'tflops'), '.1f')} | ≥ {TARGETS['attn_tflops']} | "
+             f"plain kernel {f(_get(attn, 'plain', 'tflops'), '.1f')}; {st('attn')} |"]
     for shape, row in gemv.items():
         if isinstance(row, dict) and "gemv" in row:
             lines.append(f"| gemv.cu, {shape} (GB/s) | {f(row['gemv']['gbps'])} | — | cuBLAS "
                          f"{f(_get(row, 'cublas', 'gbps'))} GB/s; {row['gemv']['us']} µs |")
     profile = _get(res, "b1", "eager", "host_profile")
     if profile:
-        lines += ["", "Host time of 10 eager decode steps of one sequence, by function (cProfile):", "", "```",
-                  *profile, "```"]
+        lines += ["", "Host time of 10 eager decode steps of one sequence, by function (cProfile):",
+                  "", "```", *profile, "```"]
     costs = _get(res, "setup", "host_costs_us")
     if costs:
-        lines += ["", "Host µs per call (the next bench/host_costs.json): " + ", ".join(f"{k} {v}" for k, v in costs.items())]
+        lines += ["", "Host µs per call (the next bench/host_costs.json): "
+                  + ", ".join(f"{k} {v}" for k, v in costs.items())]
     return "\n".join(lines + [""])
 
 
 def plan(deadline_s: float, scale: float = 1.0) -> dict[str, float]:
     """step -> cap in seconds, in run order; serve gets what the others leave (at least its cap)."""
     caps = {k: v * scale for k, v in CAPS.items()}
-    caps["serve"] = max(caps["serve"], deadline_s - 5 - sum(v for k, v in caps.items() if k != "serve"))
+    caps["serve"] = max(caps["serve"],
+                        deadline_s - 5 - sum(v for k, v in caps.items() if k != "serve"))
     return caps
 
 
 def exit_status(statuses: list[str]) -> int:
     """1 when a step broke (failed, or skipped for a reason other than time), else 3 when a step
     ran out of time (gpu_check.sh reports it, not as a failure), else 0."""
-    if any(s.startswith("failed") or (s.startswith("skipped") and s != OUT_OF_TIME) for s in statuses):
+    if any(s.startswith("failed") or (s.startswith("skipped") and s != OUT_OF_TIME)
+           for s in statuses):
         return 1
     return 3 if any(s.startswith("timed out") or s == OUT_OF_TIME for s in statuses) else 0
 
@@ -452,12 +499,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu_results"),
                     help="folder for the table (gpu_bench.md, gpu_bench.json, host_costs.json) and "
                          "nothing else (default: $OUT, else gpu_results)")
-    ap.add_argument("--workdir", default=None, help="models, per-step logs and JSON (default: under the temp dir)")
+    ap.add_argument("--workdir", default=None,
+                    help="models, per-step logs and JSON (default: under the temp dir)")
     ap.add_argument("--deadline-s", type=float, default=150, help="seconds in all (default 150)")
     ap.add_argument("--steps", default=",".join(CAPS), help="which (default: all, %(default)s)")
     ap.add_argument("--num-seqs", type=int, default=256, help="nano-vllm's sequences (default 256)")
-    ap.add_argument("--dry-run", action="store_true", help="tiny models on the CPU: checks the plumbing")
-    ap.add_argument("--run", default=None, help=argparse.SUPPRESS)        # internal: one step, in this process
+    ap.add_argument("--dry-run", action="store_true",
+                    help="tiny models on the CPU: checks the plumbing")
+    # internal: one step, in this process
+    ap.add_argument("--run", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model-folder", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.dry_run:
@@ -486,7 +536,8 @@ def main(argv: list[str] | None = None) -> int:
         if name == "setup" and res[name].get("folder"):
             args.model_folder = res[name]["folder"]
             if res[name].get("host_costs_us"):
-                (out / "host_costs.json").write_text(json.dumps(res[name]["host_costs_us"], indent=1))
+                (out / "host_costs.json").write_text(
+                    json.dumps(res[name]["host_costs_us"], indent=1))
         (out / "gpu_bench.json").write_text(json.dumps(res, indent=1))
     text = table(res, args)
     (out / "gpu_bench.md").write_text(text)

@@ -51,7 +51,7 @@ from stage1_cpu.quant import Weight, _padded
 GROUP = 32      # stage 1's default group size (options.py)
 
 
-# ------------------------------------------------------------------ rungs 1-2: dequantize, then multiply
+# ------------------------------------------------------------- rungs 1-2: dequantize, then multiply
 
 @njit(parallel=True, cache=True, error_model="numpy")
 def dequant_int8(q, s, out):
@@ -84,7 +84,8 @@ def model_matrices(shape, fmt: str, rng: np.random.Generator) -> list[Weight]:
     C, H, Hkv, D, F = (shape.hidden_size, shape.num_attention_heads, shape.num_key_value_heads,
                        shape.head_dim, shape.intermediate_size)
     per_layer = [((H + 2 * Hkv) * D, C), (C, H * D), (2 * F, C), (C, F)]
-    mats = [random_weight(O, K, fmt, rng) for _ in range(shape.num_hidden_layers) for O, K in per_layer]
+    mats = [random_weight(O, K, fmt, rng) for _ in range(shape.num_hidden_layers)
+            for O, K in per_layer]
     return mats + [random_weight(shape.vocab_size, C, "int8", rng)]
 
 
@@ -106,7 +107,8 @@ def random_weight(O: int, K: int, fmt: str, rng: np.random.Generator) -> Weight:
 def time_matrices(step, mats: list, T: int, reps: int, rng: np.random.Generator) -> list[float]:
     """ms per token of step(w, x [T, K]) over all matrices, a new random activation each pass (as
     each decode token is new): one warm-up pass (compiles, packs), then `reps` timed ones."""
-    xs = {K: rng.standard_normal((reps + 1, T, K), dtype=np.float32) for K in {w.in_features for w in mats}}
+    xs = {K: rng.standard_normal((reps + 1, T, K), dtype=np.float32)
+          for K in {w.in_features for w in mats}}
     times = []
     for r in range(reps + 1):
         t0 = time.perf_counter()
@@ -125,11 +127,12 @@ def time_rungs(rungs: list, T: int, reps: int, rng: np.random.Generator, log=pri
     for i, (name, fmt, n, mats, step) in enumerate(rungs):
         set_threads(min(n, numba.config.NUMBA_NUM_THREADS))
         ms = time_matrices(step, mats, T, reps, rng)
-        rows.append({"rung": i + 1 if T == 1 else f"P{i + 1}", "what": name, "weights": fmt, "threads": n,
+        rows.append({"rung": i + 1 if T == 1 else f"P{i + 1}", "what": name, "weights": fmt,
+                     "threads": n,
                      "mb_per_token": sum(w.nbytes for w in mats) / 1e6, key: statistics.median(ms),
                      "macs": sum(w.out_features * w.in_features for w in mats)})
-        log(f"  {name}: {rows[-1][key]:.3f} ms per {'token' if T == 1 else 'prompt token'} (min {min(ms):.3f}, "
-            f"max {max(ms):.3f})")
+        log(f"  {name}: {rows[-1][key]:.3f} ms per {'token' if T == 1 else 'prompt token'} "
+            f"(min {min(ms):.3f}, max {max(ms):.3f})")
     return rows
 
 
@@ -142,7 +145,8 @@ def prefill_rungs(shape, threads: int, log=print) -> list:
         rungs.append(("+ int8 activations, integer GEMM with register tiles (fast/gemm.py)", "int8",
                       [fast.as_fast(w, "int8", "int8") for w in int8]))
         rungs.append(("+ int4 weights, the same GEMM (vpmaddubsw, vpdpbusd on VNNI)", "int4",
-                      [fast.as_fast(w, "int8", "int8") for w in model_matrices(shape, "int4", rng)[:-1]]))
+                      [fast.as_fast(w, "int8", "int8")
+                       for w in model_matrices(shape, "int4", rng)[:-1]]))
     else:
         log("the fast path has no int8 dot product on this target: its prefill rungs are left out")
     return [(name, fmt, threads, mats, lambda w, x: w.matmul(x)) for name, fmt, mats in rungs]
@@ -162,12 +166,15 @@ def decode_rungs(shape, threads: int, log=print) -> list:
     rungs = [
         ("1 thread, dequantize to fp32 then multiply", "int8", 1, int8,
          lambda w, x: dequant_then_matmul(w, x, buf)),
-        (f"+ prange threads ({threads})", "int8", threads, int8, lambda w, x: dequant_then_matmul(w, x, buf)),
-        ("+ fused dequantization (matmul.matmul_int8)", "int8", threads, int8, lambda w, x: w.matmul(x)),
+        (f"+ prange threads ({threads})", "int8", threads, int8,
+         lambda w, x: dequant_then_matmul(w, x, buf)),
+        ("+ fused dequantization (matmul.matmul_int8)", "int8", threads, int8,
+         lambda w, x: w.matmul(x)),
         ("+ int4 weights (matmul.matmul_int4)", "int4", threads, int4, lambda w, x: w.matmul(x)),
     ]
     if cpu.INT8:
-        fast4 = [fast.as_fast(w, **fast.choose_act(w.fmt, "auto", w.in_features, lm_head=i == len(int4) - 1))
+        fast4 = [fast.as_fast(w, **fast.choose_act(w.fmt, "auto", w.in_features,
+                                                   lm_head=i == len(int4) - 1))
                  for i, w in enumerate(int4)]
         isa = {"vnni": "VNNI", "avx2": "AVX2 vpmaddubsw"}[cpu.INT8]
         rungs.append((f"+ int8 activations, {isa} (stage1_cpu/fast)", "int4", threads, fast4,
@@ -179,14 +186,19 @@ def decode_rungs(shape, threads: int, log=print) -> list:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m bench ladder", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="the small model of bench cpu --quick (4 layers, C=512)")
-    p.add_argument("--layers", type=int, default=None, help="fewer layers than the shape has (faster, less memory)")
-    p.add_argument("--threads", type=int, default=None, help="threads of rungs 2+ (default: all, at most 2)")
+    p.add_argument("--quick", action="store_true",
+                   help="the small model of bench cpu --quick (4 layers, C=512)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="fewer layers than the shape has (faster, less memory)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="threads of rungs 2+ (default: all, at most 2)")
     p.add_argument("--tokens", type=int, default=5, help="timed tokens per rung (default 5)")
     p.add_argument("--prefill-tokens", type=int, default=128, help="tokens, 0: none (default 128)")
-    p.add_argument("--out", type=Path, default=None, help="also write the markdown tables to this file")
+    p.add_argument("--out", type=Path, default=None,
+                   help="also write the markdown tables to this file")
     p.add_argument("--save", type=Path, default=None,
-                   help="also write the rows as JSON (docs/figures/stage1_ladder.json: python -m bench figures)")
+                   help="also write the rows as JSON (docs/figures/stage1_ladder.json: "
+                        "python -m bench figures)")
     args = p.parse_args(argv)
     args.argv = argv
     args.threads = args.threads or min(2, numba.config.NUMBA_NUM_THREADS)
@@ -199,34 +211,45 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     shape = SHAPES["quick" if args.quick else "0.6b"]
     if args.layers:
-        shape = replace(shape, num_hidden_layers=args.layers, name=f"{shape.name}, {args.layers} layers")
+        shape = replace(shape, num_hidden_layers=args.layers,
+                        name=f"{shape.name}, {args.layers} layers")
     log = lambda s: print(s, flush=True)  # noqa: E731
     log(check_load("before"))
     load0, meter = os.getloadavg()[0], NeighbourMeter()
-    rows = time_rungs(decode_rungs(shape, args.threads, log), 1, args.tokens, np.random.default_rng(0), log)
+    rows = time_rungs(decode_rungs(shape, args.threads, log), 1, args.tokens,
+                      np.random.default_rng(0), log)
     T = args.prefill_tokens
-    prefill = time_rungs(prefill_rungs(shape, args.threads, log), T, 3, np.random.default_rng(1), log) if T else []
+    prefill = time_rungs(prefill_rungs(shape, args.threads, log), T, 3, np.random.default_rng(1),
+                         log) if T else []
     others = meter.cores_used_by_others()
     text = "\n".join([
         f"### Ablation ladder: {shape.name}, decode matmuls of one token", "",
         "- command: `" + " ".join(["python -m bench ladder", *args.argv]) + "`",
-        f"- machine: {machine_description()}; numba target {cpu.target_name()} ({cpu.instructions()})",
-        f"- OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}; 1-minute load before {load0:.2f}; other "
-        f"processes used {others:.2f} cores on average" + ("  **busy: numbers may be low**" if others > 0.25 else ""),
-        f"- {shape.num_hidden_layers} layers × (wqkv, wo, w_gate_up, w_down) + lm_head [{shape.vocab_size}, "
-        f"{shape.hidden_size}], group size {GROUP}; median of {args.tokens} tokens after one warm-up", "",
+        f"- machine: {machine_description()}; numba target {cpu.target_name()} "
+        f"({cpu.instructions()})",
+        f"- OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}; "
+        f"1-minute load before {load0:.2f}; "
+        f"other processes used {others:.2f} cores on average"
+        + ("  **busy: numbers may be low**" if others > 0.25 else ""),
+        f"- {shape.num_hidden_layers} layers × (wqkv, wo, w_gate_up, w_down) + lm_head "
+        f"[{shape.vocab_size}, {shape.hidden_size}], group size {GROUP}; "
+        f"median of {args.tokens} tokens after one warm-up", "",
         rungs_table(rows, "ms_per_token", "GB/s"), ""] + ([
-        f"Prefill ladder: a {T}-token prompt through every layer's matrices (no lm_head), median of 3 after one "
-        "warm-up", "", rungs_table(prefill, "ms_per_prompt_token", "GMAC/s"), ""]
+        f"Prefill ladder: a {T}-token prompt through every layer's matrices (no lm_head), "
+        "median of 3 after one warm-up", "",
+        rungs_table(prefill, "ms_per_prompt_token", "GMAC/s"), ""]
         if prefill else []))
     print("\n" + text)
     if args.out:
         args.out.write_text(text)
-    if args.save:                      # (a rung's MACs, and a prefill rung's bytes, are for the table only)
+    # (a rung's MACs, and a prefill rung's bytes, are for the table only)
+    if args.save:
         save_json(args.save, "python -m bench ladder " + " ".join(args.argv),
-                  rows=[{k: r[k] for k in ("rung", "what", "weights", "threads", "mb_per_token", "ms_per_token")}
+                  rows=[{k: r[k] for k in ("rung", "what", "weights", "threads",
+                                           "mb_per_token", "ms_per_token")}
                         for r in rows],
-                  prefill=[{k: r[k] for k in ("rung", "what", "weights", "threads", "ms_per_prompt_token")}
+                  prefill=[{k: r[k] for k in ("rung", "what", "weights", "threads",
+                                              "ms_per_prompt_token")}
                            for r in prefill])
     return 0
 

@@ -1,4 +1,5 @@
-"""python -m bench lessons [--save FILE] [--layers N] [--throughput --workdir DIR]: the stage 2 -> 3 ladder.
+"""python -m bench lessons [--save FILE] [--layers N] [--throughput --workdir DIR]: the stage 2 -> 3
+ladder.
 
 Each rung of the lesson series (stage 2 plus the first k patches of docs/lessons/stage3/,
 built by course/series.py as a package of its own) is counted on the CPU, on a random Qwen3
@@ -76,13 +77,17 @@ def _requests(eng, counted):
     """The workload: A's prefill, three cache hits prefilled together, then `counted()` around
     one decode step of the four; the rest of the run finishes them. Sampled (temperature 0.8,
     top-p 0.9, seeded), so that a rung that samples on the host copies the logits back."""
-    params = lambda seed: SamplingParams(temperature=0.8, top_p=0.9, seed=seed, max_tokens=6,  # noqa: E731
-                                         ignore_eos=True)
+
+    def params(seed):
+        return SamplingParams(temperature=0.8, top_p=0.9, seed=seed, max_tokens=6,
+                              ignore_eos=True)
+
     shared = [(7 * i) % 1000 + 3 for i in range(48)]
     eng.add_request(Request("a", shared + list(range(100, 116)), params(0)))
     eng.step()
     for i in range(3):
-        eng.add_request(Request(f"b{i}", shared + list(range(200 + 16 * i, 216 + 16 * i)), params(i + 1)))
+        eng.add_request(Request(f"b{i}", shared + list(range(200 + 16 * i, 216 + 16 * i)),
+                                params(i + 1)))
     eng.step()
     out = counted()
     while eng.has_work():
@@ -101,7 +106,8 @@ def twin_counts(pkg: str, folder: Path) -> dict:
 
     def counted_decode(q, k_cache, v_cache, tables, ctx, *a, **kw):
         H, Hkv = q.shape[1], k_cache.shape[2]
-        seen["kv"] += int(ctx.sum()) * Hkv * q.shape[2] * 2 * k_cache.dtype.itemsize * (1 if split else H // Hkv)
+        seen["kv"] += (int(ctx.sum()) * Hkv * q.shape[2] * 2 * k_cache.dtype.itemsize
+                       * (1 if split else H // Hkv))
         return decode(q, k_cache, v_cache, tables, ctx, *a, **kw)
 
     def counted_prefill(q, *a, **kw):
@@ -117,13 +123,15 @@ def twin_counts(pkg: str, folder: Path) -> dict:
         eng = importlib.import_module(f"{pkg}.engine").LLMEngine(folder, device="cpu", **ENGINE)
 
         def step():
-            flops, tc_flops, prefill_tokens = seen["flops"], seen["tc_flops"], int(eng.num_prefill_tokens)
+            flops, tc_flops, prefill_tokens = (seen["flops"], seen["tc_flops"],
+                                               int(eng.num_prefill_tokens))
             seen["kv"] = 0
             eng.step()
             return dict(prefill_tokens_computed=prefill_tokens, prefill_attention_flops=flops,
                         predicted_prefill_attention_us=round(((flops - tc_flops) / PLAIN_FLOPS
                                                               + tc_flops / TC_FLOPS) * 1e6, 3),
-                        kv_bytes_per_token=seen["kv"] // 4, weight_bytes_per_token=eng.weights.decode_nbytes // 4)
+                        kv_bytes_per_token=seen["kv"] // 4,
+                        weight_bytes_per_token=eng.weights.decode_nbytes // 4)
         return _requests(eng, step)
 
 
@@ -174,7 +182,8 @@ def host_counts(pkg: str, folder: Path, graphs: bool) -> dict:
                         **({} if graphs else dict(written=seen["written"])))
         calls = _requests(eng, step)
         if graphs:
-            assert eng.graphs is not None and eng.graphs.num_replays >= 1 and eng.graphs.error is None, eng.graphs.error
+            assert (eng.graphs is not None and eng.graphs.num_replays >= 1
+                    and eng.graphs.error is None), eng.graphs.error
     return calls
 
 
@@ -192,7 +201,8 @@ def count_rung(pkg: str, folder: Path) -> dict:
     read = (row["weight_bytes_per_token"] + row["kv_bytes_per_token"]
             + 2 * row["activation_bytes_per_token"])
     gpu_us = (read * 4 / HBM_BPS + kernels * KERNEL_GAP_S) * 1e6
-    row["predicted_decode_step_us"] = round(max(gpu_us, row.get("graph_host_us", row["host_us"])), 1)
+    row["predicted_decode_step_us"] = round(
+        max(gpu_us, row.get("graph_host_us", row["host_us"])), 1)
     return row
 
 
@@ -208,12 +218,14 @@ class OutOfTime(Exception):
     pass
 
 
-def throughput_rung(pkg: str, folder: Path, dev: str, prompts, outputs, cap_s: float, workdir: Path) -> dict:
+def throughput_rung(pkg: str, folder: Path, dev: str, prompts, outputs, cap_s: float,
+                    workdir: Path) -> dict:
     """One rung on the workload, by bench/gpu.py's _throughput; a step past cap_s stops it
     (the partial rate _throughput wrote every 2 s is reported)."""
     engine = importlib.import_module(f"{pkg}.engine")
     t0 = time.perf_counter()
-    kw = (dict(max_ctx=1024, slots=64, token_budget=4096, page_size=16, kv_memory=4 * 2**30) if dev == "cuda"
+    kw = (dict(max_ctx=1024, slots=64, token_budget=4096, page_size=16, kv_memory=4 * 2**30)
+          if dev == "cuda"
           else dict(max_ctx=256, slots=8, token_budget=512, page_size=16, num_pages=64))
     eng = engine.LLMEngine(folder, device=dev, progress=False, **kw)
     load_s, end, step = time.perf_counter() - t0, t0 + cap_s, eng.step
@@ -228,7 +240,8 @@ def throughput_rung(pkg: str, folder: Path, dev: str, prompts, outputs, cap_s: f
     try:
         r = dict(gpu._throughput(eng, prompts, outputs, dev, partial), status="ok")
     except OutOfTime:
-        r = json.loads(partial.read_text()) if partial.is_file() else dict(output_tokens=0, tok_s=None)
+        r = (json.loads(partial.read_text()) if partial.is_file()
+             else dict(output_tokens=0, tok_s=None))
         r["status"] = f"timed out after {cap_s:.0f} s" + (" (partial)" if r.get("tok_s") else "")
     r["load_s"] = round(load_s, 2)
     del eng
@@ -246,7 +259,8 @@ def throughput_all(pkgs: list[str], args, started: float) -> list[dict]:
     folder = gpu._model(argparse.Namespace(workdir=str(workdir), dry_run=dev == "cpu"),
                         gpu.TINY if dev == "cpu" else gpu.QWEN3_06B, "qwen3-0.6b-random")
     # sequences, prompt lengths, output lengths: a GPU's, or the CPU dry run's
-    seqs, lens, outs = (args.seqs or 32, (384, 640), (32, 96)) if dev == "cuda" else (args.seqs or 3, (4, 12), (4, 12))
+    seqs, lens, outs = ((args.seqs or 32, (384, 640), (32, 96)) if dev == "cuda"
+                        else (args.seqs or 3, (4, 12), (4, 12)))
     prompts, _ = gpu.workload(seqs, min_len=lens[0], max_len=lens[1])
     _, outputs = gpu.workload(seqs, seed=1, min_len=outs[0], max_len=outs[1])
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
@@ -261,23 +275,30 @@ def throughput_all(pkgs: list[str], args, started: float) -> list[dict]:
         else:
             try:
                 out.append(throughput_rung(pkg, folder, dev, prompts, outputs, cap, workdir))
-            except Exception as e:                      # one rung's failure: its row says so, the rest run
-                out.append(dict(status=f"failed: {type(e).__name__}: {e}"[:200], tok_s=None, output_tokens=0))
+            # one rung's failure: its row says so, the rest run
+            except Exception as e:
+                out.append(dict(status=f"failed: {type(e).__name__}: {e}"[:200], tok_s=None,
+                                output_tokens=0))
         out[-1].update(device=dev, requested_tokens=sum(outputs))
         print(f"[lessons] {pkg}: {out[-1]['status']}, tok/s {out[-1]['tok_s']}", flush=True)
     return out
 
 
 COLUMNS = [("rung", "rung"), ("name", "name"), ("launches", "launches"), ("cuBLAS", "blas"),
-           ("allocs", "allocations"), ("elementwise", "elementwise"), ("copies", "copies"), ("syncs", "syncs"),
-           ("B to host", "bytes_to_host"), ("host µs (eager)", "host_us"), ("host µs (graph)", "graph_host_us"),
+           ("allocs", "allocations"), ("elementwise", "elementwise"), ("copies", "copies"),
+           ("syncs", "syncs"),
+           ("B to host", "bytes_to_host"), ("host µs (eager)", "host_us"),
+           ("host µs (graph)", "graph_host_us"),
            ("weight B/tok", "weight_bytes_per_token"), ("KV B/tok", "kv_bytes_per_token"),
            ("act. B/tok", "activation_bytes_per_token"),
-           ("prefill tok", "prefill_tokens_computed"), ("prefill attn MFLOP", "prefill_attention_flops"),
-           ("pred. attn µs", "predicted_prefill_attention_us"), ("pred. decode µs", "predicted_decode_step_us")]
+           ("prefill tok", "prefill_tokens_computed"),
+           ("prefill attn MFLOP", "prefill_attention_flops"),
+           ("pred. attn µs", "predicted_prefill_attention_us"),
+           ("pred. decode µs", "predicted_decode_step_us")]
 
 
-DOCS_COLUMNS = [c for c in COLUMNS if c[1] not in ("prefill_attention_flops", "predicted_prefill_attention_us")]
+DOCS_COLUMNS = [c for c in COLUMNS
+                if c[1] not in ("prefill_attention_flops", "predicted_prefill_attention_us")]
 
 
 def table(rows: list[dict], columns: list = COLUMNS) -> str:
@@ -298,14 +319,20 @@ def table(rows: list[dict], columns: list = COLUMNS) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench lessons", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--save", type=Path, help="write the rows as JSON (e.g. docs/figures/lessons.json)")
+    ap = argparse.ArgumentParser(prog="python -m bench lessons",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--save", type=Path,
+                    help="write the rows as JSON (e.g. docs/figures/lessons.json)")
     ap.add_argument("--layers", type=int, default=WORKLOAD["num_hidden_layers"],
-                    help="layers of the counting model (default 28, Qwen3-0.6B's; fewer: a quicker check)")
+                    help="layers of the counting model (default 28, Qwen3-0.6B's; fewer: "
+                         "a quicker check)")
     ap.add_argument("--throughput", action="store_true",
-                    help="also measure output tok/s per rung (a GPU if CuPy sees one, else a CPU dry run)")
-    ap.add_argument("--workdir", default=None, help="--throughput: where bench.gpu's model folder is (re)used")
-    ap.add_argument("--seqs", type=int, default=None, help="--throughput: sequences (default 32 on a GPU, 3 on CPU; "
+                    help="also measure output tok/s per rung (a GPU if CuPy sees one, "
+                         "else a CPU dry run)")
+    ap.add_argument("--workdir", default=None,
+                    help="--throughput: where bench.gpu's model folder is (re)used")
+    ap.add_argument("--seqs", type=int, default=None,
+                    help="--throughput: sequences (default 32 on a GPU, 3 on CPU; "
                     "prompts of 384..640 tokens and outputs of 32..96, on CPU 4..12 and 4..12)")
     ap.add_argument("--rung-cap-s", type=float, default=20.0,
                     help="--throughput: seconds per rung (default 20)")
@@ -327,7 +354,8 @@ def main() -> int:
                 row["throughput"] = r
                 row["output_tok_s"] = round(r["tok_s"], 1) if r.get("tok_s") else None
     print(table(rows))
-    print(f"(host µs: the counted calls x bench/host_costs.json, {COSTS['date']}, {COSTS['machine']})")
+    print(f"(host µs: the counted calls x bench/host_costs.json, {COSTS['date']}, "
+          f"{COSTS['machine']})")
     if args.save:
         layers = f" --layers {args.layers}" if args.layers != 28 else ""
         command = "python -m bench lessons" + layers + (" --throughput" if args.throughput else "")

@@ -1,5 +1,6 @@
-"""python -m bench cpu --speculative: stage 1's speculative decoding against llama.cpp's prompt lookup, end to end, on
-bench/speculative_tasks.json (code rewrite, quoting, free chat): greedy, the same token ids, the best run per policy."""
+"""python -m bench cpu --speculative: stage 1's speculative decoding against llama.cpp's prompt
+lookup, end to end, on bench/speculative_tasks.json (code rewrite, quoting, free chat): greedy, the
+same token ids, the best run per policy."""
 from __future__ import annotations
 
 import json
@@ -18,20 +19,27 @@ from stage1_cpu.draft import SpeculationStats
 
 
 def stage1_run(engine, ids: list[int], n: int) -> dict:
-    engine.reset()                                   # no prefix reuse between runs: end to end each time
-    engine.add_request(Request("bench", list(ids), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)))
+    # no prefix reuse between runs: end to end each time
+    engine.reset()
+    engine.add_request(Request("bench", list(ids),
+                               SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)))
     t0, out = time.perf_counter(), []
     while engine.has_work():
         out += [e.token_id for e in engine.step() if e.token_id >= 0]
     seconds = time.perf_counter() - t0
-    s = getattr(engine, "last_speculation", None) or SpeculationStats(steps=n - 1)   # plain: a forward per token
-    verify_ms = {T: round(c * 1e3, 2) for T, c in sorted(engine.length.cost.items())} if hasattr(engine, "length") else {}
-    return dict(seconds=seconds, tokens=out, steps=s.steps + 1, drafted=s.drafted, accepted=s.accepted,
-                verify_ms=verify_ms)         # the drafter's estimate of a forward of T tokens (why it drafts k)
+    # plain: a forward per token
+    s = getattr(engine, "last_speculation", None) or SpeculationStats(steps=n - 1)
+    verify_ms = ({T: round(c * 1e3, 2) for T, c in sorted(engine.length.cost.items())}
+                 if hasattr(engine, "length") else {})
+    return dict(seconds=seconds, tokens=out, steps=s.steps + 1, drafted=s.drafted,
+                accepted=s.accepted,
+                # the drafter's estimate of a forward of T tokens (why it drafts k)
+                verify_ms=verify_ms)
 
 
 def make_engine(spec: dict):
-    """-> run(ids, n) -> {seconds, tokens, steps (forward passes), drafted, accepted} for one engine and mode."""
+    """-> run(ids, n) -> {seconds, tokens, steps (forward passes), drafted, accepted} for one engine
+    and mode."""
     if spec["engine"] == "stage1":
         from stage1_cpu.engine import LLMEngine
         from stage1_cpu.speculative import DraftModel, SpeculativeEngine
@@ -39,32 +47,42 @@ def make_engine(spec: dict):
                             threads=spec["threads"], progress=False)
         draft = DraftModel(spec["draft"], **kw(spec["draft"])) if spec["mode"] == "draft" else None
         engine = (LLMEngine(spec["model"], **kw(spec["model"])) if spec["mode"] == "plain" else
-                  SpeculativeEngine(spec["model"], draft=draft, draft_tokens=spec["draft_tokens"], **kw(spec["model"])))
+                  SpeculativeEngine(spec["model"], draft=draft, draft_tokens=spec["draft_tokens"],
+                                    **kw(spec["model"])))
         return lambda ids, n: stage1_run(engine, ids, n)
     import llama_cpp
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
     counts, lookup = {}, None
     if spec["mode"] == "lookup":                                # its drafts counted
         propose = LlamaPromptLookupDecoding(num_pred_tokens=spec["llama_draft_tokens"])
-        lookup = lambda ids, *a, **k: (d := propose(ids, *a, **k), counts.update(drafted=counts["drafted"] + len(d)))[0]  # noqa: E731
-    llm = llama_cpp.Llama(model_path=str(gguf_path(Path(spec["model"]))), n_ctx=2048, n_threads=spec["threads"],
+
+        def lookup(ids, *a, **k):
+            d = propose(ids, *a, **k)
+            counts.update(drafted=counts["drafted"] + len(d))
+            return d
+    llm = llama_cpp.Llama(model_path=str(gguf_path(Path(spec["model"]))), n_ctx=2048,
+                          n_threads=spec["threads"],
                           n_threads_batch=spec["threads"], draft_model=lookup, verbose=False)
-    evaluate = llm.eval                                         # counted: one forward pass, prefill included
+    # counted: one forward pass, prefill included
+    evaluate = llm.eval
     llm.eval = lambda tokens: (counts.update(steps=counts["steps"] + 1), evaluate(tokens))[1]
 
     def run(ids, n):
         llm.reset(), counts.update(steps=0, drafted=0)
         t0 = time.perf_counter()
-        out = [int(t) for t in islice(llm.generate(list(ids), top_k=1, temp=0.0, reset=True), n)]  # stops at n
-        return dict(seconds=time.perf_counter() - t0, tokens=out, steps=counts["steps"], drafted=counts["drafted"],
-                    accepted=len(out) - counts["steps"])        # each forward makes its accepted drafts and one more
+        # stops at n
+        out = [int(t) for t in islice(llm.generate(list(ids), top_k=1, temp=0.0, reset=True), n)]
+        return dict(seconds=time.perf_counter() - t0, tokens=out, steps=counts["steps"],
+                    drafted=counts["drafted"],
+                    # each forward makes its accepted drafts and one more
+                    accepted=len(out) - counts["steps"])
     return run
 
 
 def verify_costs(spec: dict) -> dict:
-    """Stage 1's forward of T = 1..8 tokens (the last token and T - 1 drafts, all their logits) after a
-    128-token context, best of `runs` rounds, the T interleaved so that each sees the same machine
-    -> {T: ms}: section 15's curve, T tokens against one."""
+    """Stage 1's forward of T = 1..8 tokens (the last token and T - 1 drafts, all their logits)
+    after a 128-token context, best of `runs` rounds, the T interleaved so that each sees the same
+    machine -> {T: ms}: section 15's curve, T tokens against one."""
     from stage1_cpu.engine import LLMEngine         # here: in the worker alone
     model = LLMEngine(spec["model"], quant=spec["quant"], threads=spec["threads"], max_ctx=256,
                       progress=False).model
@@ -88,7 +106,8 @@ def worker(spec: dict) -> None:
     for task, prompts in spec["prompts"].items():
         for i, ids in enumerate(prompts):
             run(ids, spec["max_tokens"])                        # warm-up: compiles, pages, buffers
-            best = min((run(ids, spec["max_tokens"]) for _ in range(spec["runs"])), key=lambda r: r["seconds"])
+            best = min((run(ids, spec["max_tokens"]) for _ in range(spec["runs"])),
+                       key=lambda r: r["seconds"])
             rows.append(dict(task=task, prompt=i, **best))
     emit_result({"rows": rows})
 
@@ -100,41 +119,51 @@ def run(args, policies: list[str], shape_model: Path, log=print) -> int:
     model = resolve_model(args.model)
     tok, template = Tokenizer(model), ChatTemplate.from_folder(model)
     prompts = {task: [tok.encode(template.render([{"role": "user", "content": p}])) for p in ps]
-               for task, ps in json.loads(Path(__file__).with_name("speculative_tasks.json").read_text()).items()}
-    base = dict(model=str(model), draft=args.draft_model and str(resolve_model(args.draft_model)), prompts=prompts,
+               for task, ps in json.loads(
+                   Path(__file__).with_name("speculative_tasks.json").read_text()).items()}
+    base = dict(model=str(model), draft=args.draft_model and str(resolve_model(args.draft_model)),
+                prompts=prompts,
                 threads=max(args.threads), max_tokens=args.decode_tokens, runs=args.runs,
                 draft_tokens=args.draft_tokens, llama_draft_tokens=args.draft_tokens or 10)
     log(check_load("before"))
     best: dict = {}
     for policy in policies:
-        for engine, mode in [("stage1", "plain"), ("stage1", "ngram")] + [("stage1", "draft")] * bool(args.draft_model) \
-                + [("llama.cpp", "plain"), ("llama.cpp", "lookup")]:
-            res = run_worker("bench.speculative", dict(base, engine=engine, mode=mode), args.worker_timeout, log,
-                             omp_wait_policy=policy)     # a missing package or model: that engine's rows say so
-            for r in res.get("rows", [dict(task=t, prompt=i, error=res.get("error")) for t in prompts
-                                      for i in range(len(prompts[t]))]):
+        for engine, mode in ([("stage1", "plain"), ("stage1", "ngram")]
+                             + [("stage1", "draft")] * bool(args.draft_model)
+                             + [("llama.cpp", "plain"), ("llama.cpp", "lookup")]):
+            # a missing package or model: that engine's rows say so
+            res = run_worker("bench.speculative", dict(base, engine=engine, mode=mode),
+                             args.worker_timeout, log, omp_wait_policy=policy)
+            for r in res.get("rows", [dict(task=t, prompt=i, error=res.get("error"))
+                                      for t in prompts for i in range(len(prompts[t]))]):
                 key = (engine, mode, r["task"], r["prompt"])
                 if r.get("seconds", float("inf")) <= best.get(key, {}).get("seconds", float("inf")):
                     best[key] = dict(r, engine=engine, mode=mode, policy=policy)
-    curves = {}                                       # the verify step's cost by T, on both models, best policy
-    for name, folder, quant in [(model.name, model, "stored"), ("qwen3-0.6b-shape int8", shape_model, "int8")]:
+    # the verify step's cost by T, on both models, best policy
+    curves = {}
+    for name, folder, quant in [(model.name, model, "stored"),
+                                ("qwen3-0.6b-shape int8", shape_model, "int8")]:
         for policy in policies:
-            res = run_worker("bench.speculative", dict(base, mode="verify", model=str(folder), quant=quant, runs=20),
+            res = run_worker("bench.speculative",
+                             dict(base, mode="verify", model=str(folder), quant=quant, runs=20),
                              args.worker_timeout, log, omp_wait_policy=policy).get("verify_ms", {})
             curves[name] = {T: min(ms, curves.get(name, {}).get(T, ms)) for T, ms in res.items()}
         log(f"{name}: a forward of T tokens / one: " +
             ", ".join(f"T={T} {ms / curves[name]['1']:.2f}" for T, ms in curves[name].items()))
     log(check_load("after"))
-    rows, plain = list(best.values()), {k[2:]: r.get("tokens", []) for k, r in best.items() if k[:2] == ("stage1", "plain")}
-    for r in rows:                   # the same tokens as stage 1's plain greedy decoding, up to the first difference
+    rows, plain = list(best.values()), {k[2:]: r.get("tokens", []) for k, r in best.items()
+                                        if k[:2] == ("stage1", "plain")}
+    # the same tokens as stage 1's plain greedy decoding, up to the first difference
+    for r in rows:
         ref, mine = plain.get((r["task"], r["prompt"]), []), r.pop("tokens", [])
-        r["tokens"], r["same_as_plain"] = len(mine), next((i for i, (a, b) in enumerate(zip(ref, mine)) if a != b),
-                                                          min(len(ref), len(mine)))
+        r["tokens"], r["same_as_plain"] = len(mine), next(
+            (i for i, (a, b) in enumerate(zip(ref, mine)) if a != b), min(len(ref), len(mine)))
         log(f"{r['engine']:9} {r['mode']:6} {r['task']:12} #{r['prompt']}: " + (r.get("error") or (
-            f"{r['tokens'] / r['seconds']:6.1f} tok/s, {r['tokens'] / max(r['steps'], 1):.2f} tokens/step "
-            f"({r['policy']}), first {r['same_as_plain']} tokens as stage 1 plain")))
+            f"{r['tokens'] / r['seconds']:6.1f} tok/s, {r['tokens'] / max(r['steps'], 1):.2f} "
+            f"tokens/step ({r['policy']}), first {r['same_as_plain']} tokens as stage 1 plain")))
     if args.save:
-        save_json(args.save, "python -m bench cpu " + " ".join(args.argv), threads=max(args.threads), model=model.name,
+        save_json(args.save, "python -m bench cpu " + " ".join(args.argv),
+                  threads=max(args.threads), model=model.name,
                   rows=rows, verify_ms=curves,
                   peer=f"llama-cpp-python {versions().get('llama-cpp-python', 'not installed')}")
         log(f"results written to {args.save}")

@@ -6,12 +6,12 @@ the first k lessons) and the last one gives stage3_optimized/ byte for byte. Eac
 starts with a header (what it changes, saves and costs, its docs/stage3.md section) that
 `git apply` skips: it reads from the first `diff --git` line.
 
-    python course/series.py check            # do the patches still give stage3_optimized/?
-    python course/series.py unpack DIR       # DIR/00-stage2, DIR/01-entry-points, ... (the rungs)
-    python course/series.py packages DIR     # the same as packages DIR/rung00 ... DIR/rung17, so
-                                                   # PYTHONPATH=$PWD:DIR python -m rung02.chat --device cpu
-    python course/series.py pack DIR               # rewrite the patches from edited rung trees
-    python course/series.py rebase                 # after an edit to stage 3: the last patch absorbs it
+    python course/series.py check          # do the patches still give stage3_optimized/?
+    python course/series.py unpack DIR     # DIR/00-stage2, DIR/01-entry-points, ... (the rungs)
+    python course/series.py packages DIR   # the same as packages DIR/rung00 ... DIR/rung17, so
+                                           # PYTHONPATH=$PWD:DIR python -m rung02.chat --device cpu
+    python course/series.py pack DIR       # rewrite the patches from edited rung trees
+    python course/series.py rebase         # after an edit to stage 3: the last patch absorbs it
 
 After an edit to stage3_optimized/, `check` fails (tests/test_stage3_lessons.py runs it)
 and names the patch. Two ways to bring the series up to date:
@@ -67,7 +67,8 @@ def _git_env(tree: Path) -> dict:
 
 
 def apply(patch: Path, tree: Path) -> None:
-    """Apply one patch to the tree in place; RuntimeError (with git's message) if it does not apply."""
+    """Apply one patch to the tree in place; RuntimeError (with git's message) if it does not
+    apply."""
     r = subprocess.run(["git", "apply", "--whitespace=nowarn", str(patch)], cwd=tree,
                        env=_git_env(tree), capture_output=True, text=True)
     if r.returncode:
@@ -80,8 +81,9 @@ def diff(old: Path, new: Path) -> str:
         a, b = Path(tmp) / "a", Path(tmp) / "b"
         copy_tree(old, a)
         copy_tree(new, b)
-        r = subprocess.run(["git", "diff", "--no-index", "--no-prefix", "--no-color", "--no-ext-diff",
-                            "--no-renames", "a", "b"], cwd=tmp, env=_git_env(Path(tmp) / "a"),
+        r = subprocess.run(["git", "diff", "--no-index", "--no-prefix", "--no-color",
+                            "--no-ext-diff", "--no-renames", "a", "b"],
+                           cwd=tmp, env=_git_env(Path(tmp) / "a"),
                            capture_output=True, text=True)
         if r.returncode not in (0, 1):
             raise RuntimeError(f"git diff failed: {r.stderr.strip()}")
@@ -127,8 +129,9 @@ def check(series: Path = SERIES, stage2: Path = STAGE2, stage3: Path = STAGE3) -
         rungs = unpack(Path(tmp), series, stage2)
         bad = tree_differences(rungs[-1], stage3)
         if bad:
-            raise RuntimeError(f"stage 2 + every patch differs from {stage3.name}/ in {bad}; the last "
-                               f"patch, {rungs[-1].name}.patch, no longer matches (see course/series.py: rebase)")
+            raise RuntimeError(f"stage 2 + every patch differs from {stage3.name}/ in {bad}; the "
+                               f"last patch, {rungs[-1].name}.patch, no longer matches (see "
+                               "course/series.py: rebase)")
 
 
 def pack(rung_dir: Path, series: Path = SERIES) -> list[Path]:
@@ -143,7 +146,8 @@ def pack(rung_dir: Path, series: Path = SERIES) -> list[Path]:
     for prev, cur in zip(rungs, rungs[1:]):
         name = cur.name + ".patch"
         head_file = rung_dir / (cur.name + ".header")
-        head = head_file.read_text() if head_file.exists() else header(old[name]) if name in old else None
+        head = (head_file.read_text() if head_file.exists()
+                else header(old[name]) if name in old else None)
         if head is None:
             raise ValueError(f"no header for {name}: write {head_file}")
         body = diff(prev, cur)
@@ -175,7 +179,8 @@ def rebase(series: Path = SERIES, stage2: Path = STAGE2, stage3: Path = STAGE3) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python course/series.py", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python course/series.py",
+                                 description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("check", help="stage 2 + every patch == stage3_optimized/ ?")
     u = sub.add_parser("unpack", help="write the rung trees into DIR")

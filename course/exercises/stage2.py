@@ -27,7 +27,7 @@ from common.engine import Request
 from common.sampling import SamplingParams
 from stage2_batched import ops, scheduler
 
-from .base import REPO, CheckFailed, Exercise, Workspace, assert_close, assert_equal, require
+from .base import REPO, CheckFailed, Exercise, Workspace, assert_close, require
 
 
 # ---------------------------------------------------------------------------
@@ -46,8 +46,9 @@ def emulator():
                           f"bench/testbed/cuda_emulator.py, and {testbed} has none: run it from a "
                           f"checkout (git clone the project; pip install -e '.[test]')")
     if shutil.which("g++") is None:
-        raise CheckFailed("this check compiles the .cu file with g++ (C++20) under the CUDA emulator, and g++ "
-                          "is not installed: install it (Debian/Ubuntu: apt install g++), then check again")
+        raise CheckFailed("this check compiles the .cu file with g++ (C++20) under the CUDA "
+                          "emulator, and g++ is not installed: install it (Debian/Ubuntu: apt "
+                          "install g++), then check again")
     for short in ("cuda_sources", "cuda_emulator"):      # the helper first: the emulator imports it
         name = f"{package}.{short}"
         if name not in sys.modules:
@@ -69,12 +70,14 @@ def build(ws: Workspace, rel: str, prefix: str = "") -> dict:
     emu = emulator()
     src = ws.path(rel)
     if not src.is_file():
-        raise CheckFailed(f"{src} is missing: make the workspace with `python -m course.exercises start`")
+        raise CheckFailed(f"{src} is missing: make the workspace with `python -m "
+                          "course.exercises start`")
     # a new folder per build: a library loaded once stays loaded under its path (dlopen), so a
     # second build of an edited file in one process must not reuse the first one's path
     builds = ws.root / ".emulator-build"
     builds.mkdir(exist_ok=True)
-    for old in builds.iterdir():                       # earlier checks' builds (loaded ones stay mapped)
+    # earlier checks' builds (loaded ones stay mapped)
+    for old in builds.iterdir():
         shutil.rmtree(old, ignore_errors=True)
     build_dir = Path(tempfile.mkdtemp(dir=builds))
     if prefix:
@@ -86,7 +89,8 @@ def build(ws: Workspace, rel: str, prefix: str = "") -> dict:
         return emu.build([src], build_dir)
     except emu.EmulatorError as e:
         lines = str(e).strip().split("\n")
-        raise CheckFailed(f"{rel} does not compile (g++ under the CUDA emulator; the first lines):\n"
+        raise CheckFailed(f"{rel} does not compile (g++ under the CUDA emulator; "
+                          "the first lines):\n"
                           + "\n".join(lines[:25])) from None
 
 
@@ -136,13 +140,16 @@ def check_store_kvcache(ws: Workspace) -> None:
         slots = rng.permutation(NB * P)[:N].astype(np.int32)
         slots[N // 2] = -1                                   # a padding token: no slot
         fill = np.float32(7.0)                               # what the pool held before
-        pool_k = dev(np.full((2, NB, P, Hkv, D), fill, np.float32))   # [L, NB, P, Hkv, D], layer 1 is stored
+        # [L, NB, P, Hkv, D], layer 1 is stored
+        pool_k = dev(np.full((2, NB, P, Hkv, D), fill, np.float32))
         pool_v = dev(np.full((2, NB, P, Hkv, D), fill, np.float32))
         with launches("store_kvcache"):
-            kernel((N,), (128,), (dev(k), dev(v), pool_k[1], pool_v[1], dev(slots), np.int32(Hkv * D)))
+            kernel((N,), (128,),
+                   (dev(k), dev(v), pool_k[1], pool_v[1], dev(slots), np.int32(Hkv * D)))
         want_k, want_v = np.full((2, NB, P, Hkv, D), fill, np.float32)
         ops.store_kvcache(k, v, want_k, want_v, slots)                # the twin
-        for name, pool, want in (("k_cache", pool_k.get(), want_k), ("v_cache", pool_v.get(), want_v)):
+        for name, pool, want in (("k_cache", pool_k.get(), want_k),
+                                 ("v_cache", pool_v.get(), want_v)):
             got = pool[1]
             bad = np.argwhere(got != want)
             flat, ok = got.reshape(NB * P, -1), slots >= 0      # [NB P, Hkv D]; tokens with a slot
@@ -160,19 +167,22 @@ def check_store_kvcache(ws: Workspace) -> None:
                 page, off, g, d = (int(i) for i in bad[0])
                 slot = page * P + off
                 owner = np.flatnonzero(slots == slot)
-                who = (f"token {int(owner[0])}'s row ({name[0]}[{int(owner[0])}, {g}, {d}])" if len(owner)
+                who = (f"token {int(owner[0])}'s row ({name[0]}[{int(owner[0])}, {g}, {d}])"
+                       if len(owner)
                        else "nothing: no token's slot is this one, so it keeps its old value")
                 raise CheckFailed(
-                    f"store_kvcache (N = {N}, Hkv = {Hkv}, D = {D}, P = {P}): {name} page {page}, offset {off} "
-                    f"(slot {slot} = page * P + offset), kv head {g}, dim {d}: expected {want[page, off, g, d]:.6g}, "
-                    f"got {got[page, off, g, d]:.6g}; that slot should hold {who} "
-                    f"({len(bad)} of {got.size} values differ; slot_mapping = {slots.tolist()})")
+                    f"store_kvcache (N = {N}, Hkv = {Hkv}, D = {D}, P = {P}): {name} page {page}, "
+                    f"offset {off} (slot {slot} = page * P + offset), kv head {g}, dim {d}: "
+                    f"expected {want[page, off, g, d]:.6g}, got {got[page, off, g, d]:.6g}; that "
+                    f"slot should hold {who} ({len(bad)} of {got.size} values differ; slot_mapping "
+                    f"= {slots.tolist()})")
             if (pool[0] != fill).any():
                 page, off, g, d = (int(i) for i in np.argwhere(pool[0] != fill)[0])
                 raise CheckFailed(
-                    f"store_kvcache: the kernel wrote outside its layer: layer 0 of the pool, page {page}, "
-                    f"offset {off}, kv head {g}, dim {d} changed (only layer 1 was passed). Token {N // 2} has "
-                    f"slot -1: a padding token owns no slot and must be skipped, not written at slot -1")
+                    "store_kvcache: the kernel wrote outside its layer: layer 0 of the pool, page "
+                    f"{page}, offset {off}, kv head {g}, dim {d} changed (only layer 1 was "
+                    f"passed). Token {N // 2} has slot -1: a padding token owns no slot and must "
+                    "be skipped, not written at slot -1")
 
 
 # ---------------------------------------------------------------------------
@@ -180,7 +190,8 @@ def check_store_kvcache(ws: Workspace) -> None:
 # ---------------------------------------------------------------------------
 
 def _seq(mod, name: str, n: int, arrival: int = 0):
-    return mod.Sequence.from_request(Request(name, list(range(10, 10 + n)), SamplingParams(max_tokens=4)), arrival)
+    return mod.Sequence.from_request(
+        Request(name, list(range(10, 10 + n)), SamplingParams(max_tokens=4)), arrival)
 
 
 def _allocate(bm, seq, n: int, what: str) -> None:
@@ -209,11 +220,11 @@ def check_allocate(ws: Workspace) -> None:
         took_all = len(table) != pages and len(table) == len(held[seq.id]) + bm.pages_for(n)
         extra = (f"; a sequence that holds pages needs pages_for({n}) minus the pages it holds"
                  if took_all else "")
-        require(len(table) == pages, f"{what}: {seq.id}'s block table holds {len(table)} pages {table}, "
-                                     f"expected {pages} ({why}{extra})")
+        require(len(table) == pages, f"{what}: {seq.id}'s block table holds {len(table)} pages "
+                                     f"{table}, expected {pages} ({why}{extra})")
         require(table[:len(held[seq.id])] == held[seq.id],
-                f"{what}: the pages {seq.id} held before, {held[seq.id]}, must stay first in its block table "
-                f"(position t lives in block_table[t // P]), got {table}")
+                f"{what}: the pages {seq.id} held before, {held[seq.id]}, must stay first in its "
+                f"block table (position t lives in block_table[t // P]), got {table}")
         new = table[len(held[seq.id]):]
         require(all(p in free_before for p in new),
                 f"{what}: the new pages {new} must come from the free list {free_before}")
@@ -221,11 +232,14 @@ def check_allocate(ws: Workspace) -> None:
         require(len(bm.free) == len(free_before) - len(new) and not set(new) & set(bm.free),
                 f"{what}: the pages taken must leave the free list: free is now {list(bm.free)}")
         for p in new:
-            require(bm.owner.get(p) == seq.id, f"{what}: owner[{p}] is {bm.owner.get(p)!r}, expected {seq.id!r} "
-                                               f"(the block manager records who holds each page)")
-        require(bm.num_free_pages() == len(bm.free), f"{what}: num_free_pages() disagrees with the free list")
+            require(bm.owner.get(p) == seq.id, f"{what}: owner[{p}] is {bm.owner.get(p)!r}, "
+                                               f"expected {seq.id!r} (the block manager records "
+                                               "who holds each page)")
+        require(bm.num_free_pages() == len(bm.free),
+                f"{what}: num_free_pages() disagrees with the free list")
         held[seq.id] = table
-    require(not set(held["a"]) & set(held["b"]), f"a and b share a page: {held['a']} and {held['b']}")
+    require(not set(held["a"]) & set(held["b"]),
+            f"a and b share a page: {held['a']} and {held['b']}")
     # out of pages: 2 free, c needs 3 -> RuntimeError, and nothing taken
     free_before = list(bm.free)
     try:
@@ -233,18 +247,20 @@ def check_allocate(ws: Workspace) -> None:
     except RuntimeError:
         pass
     except Exception as e:
-        raise CheckFailed(f"allocate(c, 9) with {len(free_before)} free pages: raised {type(e).__name__}: {e}, "
-                          f"expected a RuntimeError (out of KV pages)") from None
+        raise CheckFailed(f"allocate(c, 9) with {len(free_before)} free pages: raised "
+                          f"{type(e).__name__}: {e}, expected a RuntimeError (out of KV "
+                          "pages)") from None
     else:
-        raise CheckFailed(f"allocate(c, 9) needs 3 pages and {len(free_before)} are free: it must raise "
-                          f"RuntimeError (the scheduler should have preempted), got block table {c.block_table}")
+        raise CheckFailed(f"allocate(c, 9) needs 3 pages and {len(free_before)} are free: it must "
+                          "raise RuntimeError (the scheduler should have preempted), got block "
+                          f"table {c.block_table}")
     require(c.block_table == [] and list(bm.free) == free_before,
-            f"allocate(c, 9) failed but still took pages: c holds {c.block_table}, free is {list(bm.free)} "
-            f"(check that they fit before taking any)")
+            f"allocate(c, 9) failed but still took pages: c holds {c.block_table}, free is "
+            f"{list(bm.free)} (check that they fit before taking any)")
     _allocate(bm, c, 8, "allocate(c, 8)")
     require(len(c.block_table) == 2 and bm.num_free_pages() == 0,
-            f"allocate(c, 8) with 2 free pages: c holds {c.block_table}, {bm.num_free_pages()} free (expected "
-            f"2 pages, 0 free)")
+            f"allocate(c, 8) with 2 free pages: c holds {c.block_table}, {bm.num_free_pages()} "
+            "free (expected 2 pages, 0 free)")
 
 
 def check_free_pages(ws: Workspace) -> None:
@@ -256,24 +272,28 @@ def check_free_pages(ws: Workspace) -> None:
     bm.allocate(b, 5)
     pages_a, pages_b = list(a.block_table), list(b.block_table)
     bm.free_pages(a)
-    require(a.block_table == [], f"after free_pages(a), a's block table is {a.block_table}, expected [] "
-                                 f"(a preempted sequence starts again with no pages)")
+    require(a.block_table == [], f"after free_pages(a), a's block table is {a.block_table}, "
+                                 "expected [] (a preempted sequence starts again with no pages)")
     require(sorted(bm.free) == sorted(set(range(NB)) - set(pages_b)),
-            f"after free_pages(a): the free list is {sorted(bm.free)}, expected every page but b's {pages_b} "
-            f"(a held {pages_a}; each page goes back once)")
+            f"after free_pages(a): the free list is {sorted(bm.free)}, expected every page but b's "
+            f"{pages_b} (a held {pages_a}; each page goes back once)")
     for p in pages_a:
-        require(p not in bm.owner, f"after free_pages(a): page {p} still has the owner {bm.owner.get(p)!r}")
+        require(p not in bm.owner,
+                f"after free_pages(a): page {p} still has the owner {bm.owner.get(p)!r}")
     require(b.block_table == pages_b and all(bm.owner.get(p) == "b" for p in pages_b),
-            f"free_pages(a) changed b: b holds {b.block_table}, owners {[bm.owner.get(p) for p in pages_b]}")
+            f"free_pages(a) changed b: b holds {b.block_table}, "
+            f"owners {[bm.owner.get(p) for p in pages_b]}")
     bm.free_pages(mod.Sequence.from_request(a.req, 5))     # a sequence with no pages: nothing to do
-    require(bm.num_free_pages() == NB - len(pages_b), "free_pages of a sequence without pages changed the free list")
+    require(bm.num_free_pages() == NB - len(pages_b),
+            "free_pages of a sequence without pages changed the free list")
     _allocate(bm, d, 16, "allocate(d, 16) after free_pages(a)")     # 4 pages: a's 3 and one more
-    require(len(d.block_table) == 4, f"allocate(d, 16) after free_pages(a): d holds {d.block_table}")
+    require(len(d.block_table) == 4,
+            f"allocate(d, 16) after free_pages(a): d holds {d.block_table}")
     bm.free_pages(b)
     bm.free_pages(d)
     require(bm.num_free_pages() == NB and sorted(bm.free) == list(range(NB)) and not bm.owner,
-            f"after freeing every sequence: free list {sorted(bm.free)}, owners {bm.owner} (expected all "
-            f"{NB} pages free once, no owners)")
+            f"after freeing every sequence: free list {sorted(bm.free)}, owners {bm.owner} "
+            f"(expected all {NB} pages free once, no owners)")
 
 
 # ---------------------------------------------------------------------------
@@ -287,7 +307,8 @@ PREEMPT_CASE = dict(num_pages=6, page_size=4, slots=3, token_budget=16,
                     arrivals=[(0, "a", 9, 8), (0, "b", 6, 8), (1, "c", 4, 6)])
 # b's second chunk (14 tokens, 4 pages) does not fit even once b's own page is freed: b is
 # preempted and the loop stops there; a, scheduled before b in the same step, keeps running
-SELF_CASE = dict(num_pages=6, page_size=4, slots=3, token_budget=16, arrivals=[(0, "a", 12, 2), (0, "b", 18, 2)])
+SELF_CASE = dict(num_pages=6, page_size=4, slots=3, token_budget=16,
+                 arrivals=[(0, "a", 12, 2), (0, "b", 18, 2)])
 
 
 def _simulate(sched_mod, case: dict, max_steps: int = 80) -> list[dict]:
@@ -300,7 +321,8 @@ def _simulate(sched_mod, case: dict, max_steps: int = 80) -> list[dict]:
         for at, name, n, out in case["arrivals"]:
             if at == step:
                 seq = sched_mod.Sequence.from_request(
-                    Request(name, list(range(10 + arrival, 10 + arrival + n)), SamplingParams(max_tokens=out)),
+                    Request(name, list(range(10 + arrival, 10 + arrival + n)),
+                            SamplingParams(max_tokens=out)),
                     arrival)
                 arrival += 1
                 want_tokens[name] = out
@@ -330,33 +352,39 @@ def _describe(rec: dict) -> str:
 
 def check_scheduler(ws: Workspace) -> None:
     mine = ws.module("stage2_batched/scheduler.py")
-    for name, case, what in (("the token budget", BUDGET_CASE, "a 20-token prompt is prefilled in chunks of "
+    for name, case, what in (("the token budget", BUDGET_CASE,
+                              "a 20-token prompt is prefilled in chunks of "
                               "what the budget leaves after the decodes"),
-                             ("preemption", PREEMPT_CASE, "6 pages of 4 for three sequences that grow: the newest "
-                              "running one is preempted (pages freed, recomputed later), possibly the sequence "
-                              "that needs the page itself"),
-                             ("preempting itself", SELF_CASE, "once the sequence that needs the pages has "
-                              "preempted itself, nothing more is preempted for it: the older sequences are already "
+                             ("preemption", PREEMPT_CASE,
+                              "6 pages of 4 for three sequences that grow: the newest running one "
+                              "is preempted (pages freed, recomputed later), possibly the "
+                              "sequence that needs the page itself"),
+                             ("preempting itself", SELF_CASE,
+                              "once the sequence that needs the pages has preempted itself, "
+                              "nothing more is preempted for it: the older sequences are already "
                               "in this step's batch")):
         want, got = _simulate(scheduler, case), _simulate(mine, case)
-        setting = (f"{case['num_pages']} pages of {case['page_size']}, slots {case['slots']}, token budget "
-                   f"{case['token_budget']}, arrivals (step, id, prompt, tokens) {case['arrivals']}")
+        setting = (f"{case['num_pages']} pages of {case['page_size']}, slots {case['slots']}, "
+                   f"token budget {case['token_budget']}, arrivals (step, id, prompt, tokens) "
+                   f"{case['arrivals']}")
         for step, (w, g) in enumerate(zip(want, got)):
             tokens, why = sum(n for _, n in g["batch"]), what
             if tokens > case["token_budget"]:
                 why = (f"{tokens} tokens is over the token budget of {case['token_budget']}: a "
                        "sequence gets min(its uncomputed tokens, what the budget leaves)")
             if w["batch"] != g["batch"] or w["preempted"] != g["preempted"]:
-                raise CheckFailed(f"scheduler, {name} ({setting}): step {step}: expected {_describe(w)}, got "
-                                  f"{_describe(g)}; running before the step: {want[step - 1]['running'] if step else []}"
-                                  f" ({why})")
+                raise CheckFailed(f"scheduler, {name} ({setting}): step {step}: expected "
+                                  f"{_describe(w)}, got {_describe(g)}; running before the step: "
+                                  f"{want[step - 1]['running'] if step else []} ({why})")
             if w["pages"] != g["pages"] or w["free"] != g["free"]:
-                raise CheckFailed(f"scheduler, {name} ({setting}): step {step} schedules {_describe(g)} as expected, "
-                                  f"but the pages held after it are {g['pages']} with {g['free']} free, expected "
-                                  f"{w['pages']} with {w['free']} free (allocate for num_computed + n; a preempted "
-                                  f"sequence frees all of its pages)")
-        require(len(got) == len(want), f"scheduler, {name} ({setting}): the work ends after {len(got)} steps, "
-                                       f"expected {len(want)} (every request runs to its last token)")
+                raise CheckFailed(f"scheduler, {name} ({setting}): step {step} schedules "
+                                  f"{_describe(g)} as expected, but the pages held after it are "
+                                  f"{g['pages']} with {g['free']} free, expected {w['pages']} with "
+                                  f"{w['free']} free (allocate for num_computed + n; a preempted "
+                                  "sequence frees all of its pages)")
+        require(len(got) == len(want), f"scheduler, {name} ({setting}): the work ends after "
+                                       f"{len(got)} steps, expected {len(want)} (every request "
+                                       "runs to its last token)")
 
 
 # ---------------------------------------------------------------------------
@@ -394,8 +422,9 @@ def check_decode_attention(ws: Workspace) -> None:
         out = dev(np.full(q.shape, np.nan, np.float32))
         with launches("paged_decode_attention"):
             kernel((len(lens), H), (128,),
-                   (dev(q), dev(k_cache), dev(v_cache), dev(tables), dev(ctx), out, np.int32(H), np.int32(Hkv),
-                    np.int32(D), np.int32(P), np.int32(tables.shape[1]), np.float32(1 / np.sqrt(D))))
+                   (dev(q), dev(k_cache), dev(v_cache), dev(tables), dev(ctx), out, np.int32(H),
+                    np.int32(Hkv), np.int32(D), np.int32(P), np.int32(tables.shape[1]),
+                    np.float32(1 / np.sqrt(D))))
         args = (q, k_cache, v_cache, tables, ctx)
         mistakes = [("query head h reads kv head h / (H / Hkv): a group of H / Hkv neighbours "
                      "shares one", _paged_attention_np(*args, kv_head=lambda h, H, Hkv: h % Hkv)),
@@ -403,25 +432,33 @@ def check_decode_attention(ws: Workspace) -> None:
                      _paged_attention_np(*args, scaled=False)),
                     ("position t was read as pool row t: its page is block_tables[s, t / P], "
                      "offset t % P", _paged_attention_np(*args, row_of=lambda table, t, P: t))]
-        assert_close(f"paged_decode_attention (H = {H}, Hkv = {Hkv}, D = {D}, P = {P}, context lengths {lens}, "
-                     f"block tables {tables.tolist()})", out.get(), ops.paged_decode_attention(q, k_cache, v_cache,
-                                                                                              tables, ctx),
+        assert_close(f"paged_decode_attention (H = {H}, Hkv = {Hkv}, D = {D}, P = {P}, "
+                     f"context lengths {lens}, block tables {tables.tolist()})", out.get(),
+                     ops.paged_decode_attention(q, k_cache, v_cache, tables, ctx),
                      atol=1e-5, rtol=1e-4, axes_names=("sequence", "head", "dim"),
                      mistakes=mistakes,
-                     hint="query head h reads kv head h / (H / Hkv); position t is at page block_tables[s, t / P], "
-                          "offset t % P; softmax over all ctx positions, scaled by 1/sqrt(D)")
+                     hint="query head h reads kv head h / (H / Hkv); position t is at page "
+                          "block_tables[s, t / P], offset t % P; softmax over all ctx positions, "
+                          "scaled by 1/sqrt(D)")
 
 
 EXERCISES: list[Exercise] = [
-    Exercise(id="2.1", title="the KV store through the slot mapping", section="docs/stage2.md#the-kernels",
-             difficulty="easy", file="stage2_batched/cuda/store_kvcache.cu", check=check_store_kvcache),
-    Exercise(id="2.2", title="the block manager's allocate", section="docs/stage2.md#one-step-end-to-end",
+    Exercise(id="2.1", title="the KV store through the slot mapping",
+             section="docs/stage2.md#the-kernels",
+             difficulty="easy", file="stage2_batched/cuda/store_kvcache.cu",
+             check=check_store_kvcache),
+    Exercise(id="2.2", title="the block manager's allocate",
+             section="docs/stage2.md#one-step-end-to-end",
              difficulty="easy", file="stage2_batched/block_manager.py", check=check_allocate),
-    Exercise(id="2.3", title="the block manager's free", section="docs/stage2.md#one-step-end-to-end",
+    Exercise(id="2.3", title="the block manager's free",
+             section="docs/stage2.md#one-step-end-to-end",
              difficulty="easy", file="stage2_batched/block_manager.py", check=check_free_pages),
     Exercise(id="2.4", title="the scheduler's token budget and preemption",
-             section="docs/stage2.md#one-step-end-to-end", difficulty="hard", file="stage2_batched/scheduler.py",
+             section="docs/stage2.md#one-step-end-to-end", difficulty="hard",
+             file="stage2_batched/scheduler.py",
              check=check_scheduler),
-    Exercise(id="2.5", title="the paged decode-attention kernel", section="docs/stage2.md#the-kernels",
-             difficulty="hard", file="stage2_batched/cuda/decode_attention.cu", check=check_decode_attention),
+    Exercise(id="2.5", title="the paged decode-attention kernel",
+             section="docs/stage2.md#the-kernels",
+             difficulty="hard", file="stage2_batched/cuda/decode_attention.cu",
+             check=check_decode_attention),
 ]

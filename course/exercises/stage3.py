@@ -41,9 +41,10 @@ def _bf16_close(name: str, got, want, axes_names, hint: str = "", min_exact: flo
     assert_close(name, ops.f32(got), ops.f32(want), atol=atol_of_scale * scale, rtol=rtol,
                  axes_names=axes_names, hint=hint, mistakes=mistakes)
     exact = float(np.mean(got == want))
-    require(exact >= min_exact, f"{name}: every value is close, but only {exact:.0%} are the same bf16 bits as the "
-                                f"twin's (expected at least {min_exact:.0%}): compute in fp32 and round once at the "
-                                f"end{'; ' + hint if hint else ''}")
+    require(exact >= min_exact, f"{name}: every value is close, but only {exact:.0%} are the same "
+                                f"bf16 bits as the twin's (expected at least {min_exact:.0%}): "
+                                "compute in fp32 and round once at the end"
+                                f"{'; ' + hint if hint else ''}")
 
 
 class _Bf16Pointers:
@@ -64,10 +65,12 @@ def fragment_shim() -> str:
     """FRAGMENT_SHIM of tests/test_stage3_cuda_emulated.py, read from the checkout."""
     path = REPO / "tests" / "test_stage3_cuda_emulated.py"
     if not path.is_file():
-        raise CheckFailed(f"this check runs the tensor-core kernel through the fragment shim of {path}, which is part "
-                          "of the repository, not of an installed package: run it from a checkout")
+        raise CheckFailed("this check runs the tensor-core kernel through the fragment shim of "
+                          f"{path}, which is part of the repository, not of an installed package: "
+                          "run it from a checkout")
     for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "FRAGMENT_SHIM" for t in node.targets):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "FRAGMENT_SHIM"
+                                                for t in node.targets):
             return ast.literal_eval(node.value)
     raise CheckFailed(f"{path} defines no FRAGMENT_SHIM")
 
@@ -93,10 +96,11 @@ def _expect_found(bm, seq, want_pages: list[int], want_keys: list, why: str) -> 
     state = (list(bm.free), list(bm.cached_free), list(bm.ref_count), dict(bm.page_of))
     pages, keys = bm.find_cached(seq)
     what = f"find_cached({seq.id}, ids {seq.token_ids}) with P = {bm.page_size}"
-    require(list(pages) == want_pages, f"{what}: expected the pages {want_pages}, got {list(pages)} ({why})")
+    require(list(pages) == want_pages,
+            f"{what}: expected the pages {want_pages}, got {list(pages)} ({why})")
     require(len(keys) == len(want_keys) and all(k is w for k, w in zip(keys, want_keys)),
-            f"{what}: the pages are right, but the keys must be the registered PageKey objects of those pages "
-            f"(bm.key_of[page]), the same objects, in order")
+            f"{what}: the pages are right, but the keys must be the registered PageKey objects of "
+            "those pages (bm.key_of[page]), the same objects, in order")
     require(state == (list(bm.free), list(bm.cached_free), list(bm.ref_count), dict(bm.page_of)),
             f"{what}: find_cached changed the block manager; it only looks (admit takes the pages)")
 
@@ -105,32 +109,36 @@ def check_prefix_key(ws: Workspace) -> None:
     mod = ws.module("stage3_optimized/block_manager.py")
     P = 4
     bm = mod.BlockManager(16, P)
-    a_ids = list(range(100, 113))                           # 13 tokens: 3 full pages, one token after
+    # 13 tokens: 3 full pages, one token after
+    a_ids = list(range(100, 113))
     a = _filled(mod, bm, "a", a_ids, 0)
     pa, ka = list(a.block_table), list(a.page_keys)
     _expect_found(bm, _probe(mod, "b", a_ids[:8] + [7, 8, 9, 10, 11]), pa[:2], ka[:2],
-                  "b shares a's first two pages; the key of page i is hash(key of page i - 1, its ids): a key "
-                  "that ignores the parent finds page 0 only")
-    _expect_found(bm, _probe(mod, "c", a_ids), pa[:3], ka[:3], "all three of a's full pages; the 13th token is "
-                  "computed again")
+                  "b shares a's first two pages; the key of page i is hash(key of page i - 1, its "
+                  "ids): a key that ignores the parent finds page 0 only")
+    _expect_found(bm, _probe(mod, "c", a_ids), pa[:3], ka[:3],
+                  "all three of a's full pages; the 13th token is computed again")
     _expect_found(bm, _probe(mod, "d", a_ids[:12]), pa[:2], ka[:2],
-                  "12 tokens are 3 full pages, but the page of the last token is never taken: at least one "
-                  "token must be computed for its logits")
+                  "12 tokens are 3 full pages, but the page of the last token is never taken: at "
+                  "least one token must be computed for its logits")
     _expect_found(bm, _probe(mod, "e", [1, 2, 3, 4] + a_ids[4:13]), [], [],
-                  "page 0 differs, so page 1 (the same ids as a's page 1, after another prefix) is not a's "
-                  "page 1: the walk stops at the first miss")
-    _expect_found(bm, _probe(mod, "f", a_ids[:3]), [], [], "fewer tokens than a page: nothing to share")
+                  "page 0 differs, so page 1 (the same ids as a's page 1, after another prefix) "
+                  "is not a's page 1: the walk stops at the first miss")
+    _expect_found(bm, _probe(mod, "f", a_ids[:3]), [], [],
+                  "fewer tokens than a page: nothing to share")
 
     # the collision guard: every key hashes alike
     bm = mod.BlockManager(16, P, hash_fn=lambda parent, ids: b"one hash for every page")
-    g = _filled(mod, bm, "g", [5, 6, 7, 8, 5, 6, 7, 8, 1, 2], 0)   # page 1 collides with page 0: unregistered
+    # page 1 collides with page 0: unregistered
+    g = _filled(mod, bm, "g", [5, 6, 7, 8, 5, 6, 7, 8, 1, 2], 0)
     pg, kg = list(g.block_table), list(g.page_keys)
     _expect_found(bm, _probe(mod, "h", [9, 9, 9, 9, 3]), [], [],
-                  "with a colliding hash, the page found under h's key holds other ids: a found page must "
-                  "hold the same P ids (key.ids == chunk), or it is a collision")
+                  "with a colliding hash, the page found under h's key holds other ids: a found "
+                  "page must hold the same P ids (key.ids == chunk), or it is a collision")
     _expect_found(bm, _probe(mod, "i", [5, 6, 7, 8, 5, 6, 7, 8, 3]), pg[:1], kg[:1],
-                  "page 1 of i has the same ids as the registered page 0, but after another prefix: a found "
-                  "page must also have the very same parent (key.parent is parent, the object itself)")
+                  "page 1 of i has the same ids as the registered page 0, but after another "
+                  "prefix: a found page must also have the very same parent (key.parent is "
+                  "parent, the object itself)")
 
 
 # ---------------------------------------------------------------------------
@@ -145,7 +153,8 @@ def check_split_merge(ws: Workspace) -> None:
     for H, Hkv, D, P, lens, split in [(4, 2, 32, 4, [3, 17, 40], 8), (2, 1, 48, 16, [1, 70], 16)]:
         k32, v32, tables = paged(rng, lens, Hkv, D, P)
         kc, vc = ops.bf16_bits(k32), ops.bf16_bits(v32 * 2)
-        q = ops.bf16_bits(rng.standard_normal((len(lens), H, D)).astype(np.float32) * 3)  # peaked: m differs by split
+        # peaked: m differs by split
+        q = ops.bf16_bits(rng.standard_normal((len(lens), H, D)).astype(np.float32) * 3)
         ctx = np.array(lens, np.int32)
         S, splits = len(lens), (max(lens) + split - 1) // split
         part_out, part_ml = ops.decode_attention_splits(q, kc, vc, tables, ctx, split, splits)
@@ -158,7 +167,8 @@ def check_split_merge(ws: Workspace) -> None:
             pm[s, :, j] = (1e4, np.nan)
         out = dev(np.zeros((S, H, D), np.uint16))
         with _Bf16Pointers(), launches("merge_attention"):
-            merge((S * H,), (32,), (dev(po), dev(pm), dev(ctx), out, np.int32(H), np.int32(D), np.int32(split),
+            merge((S * H,), (32,),
+                  (dev(po), dev(pm), dev(ctx), out, np.int32(H), np.int32(D), np.int32(split),
                                     np.int32(splits)))
         # the merge in float64 over the used splits, as two mistakes do it
         on = used[:, None, :]                                                   # [S, 1, splits]
@@ -169,14 +179,15 @@ def check_split_merge(ws: Workspace) -> None:
         mistakes = [("the sum of l must be rescaled like the outputs: l_all = sum_j l_j "
                      "exp(m_j - M)", acc / l.sum(-1, keepdims=True)),
                     ("the merged output is not divided by l_all, the rescaled sum of the l_j", acc)]
-        _bf16_close(f"merge_attention (H = {H}, D = {D}, context lengths {lens}, splits of {split}: "
-                    f"{[(int(n) + split - 1) // split for n in lens]} used of {splits})",
+        _bf16_close(f"merge_attention (H = {H}, D = {D}, context lengths {lens}, splits of "
+                    f"{split}: {[(int(n) + split - 1) // split for n in lens]} used of {splits})",
                     out.get(), ops.merge_attention(part_out, part_ml), ("sequence", "head", "dim"),
                     mistakes=mistakes, nan_hint="NaN: M or the sums took splits past the context, "
                                                 "which hold garbage: only the splits j < "
                                                 "ceil(ctx / split_len) count",
-                    hint="M = max of the used splits' m; out = sum_j acc_j exp(m_j - M) / sum_j l_j exp(m_j - M), "
-                         "over the splits j < ceil(ctx / split_len) only (the others hold garbage)")
+                    hint="M = max of the used splits' m; out = sum_j acc_j exp(m_j - M) / sum_j "
+                         "l_j exp(m_j - M), over the splits j < ceil(ctx / split_len) only (the "
+                         "others hold garbage)")
 
 
 # ---------------------------------------------------------------------------
@@ -205,7 +216,8 @@ def _prefill_np(q, kc, vc, tables, token_seq, seen_until, scaled: bool = True,
 
 
 def check_tc_tile(ws: Workspace) -> None:
-    kernel = build(ws, "stage3_optimized/cuda/prefill_attention_tc.cu", prefix=fragment_shim())["prefill_attention_tc"]
+    kernel = build(ws, "stage3_optimized/cuda/prefill_attention_tc.cu",
+                   prefix=fragment_shim())["prefill_attention_tc"]
     rng = np.random.default_rng(33)
     WARPS = 4
     # (H, Hkv, D, P, chunks (start position, tokens) per sequence): 17 + 4 tokens of two
@@ -215,7 +227,8 @@ def check_tc_tile(ws: Workspace) -> None:
         lens = [b + n for b, n in chunks]
         k32, v32, tables = paged(rng, lens, Hkv, D, P)
         kc, vc = ops.bf16_bits(k32), ops.bf16_bits(v32)
-        token_seq = np.concatenate([np.full(n, s) for s, (_, n) in enumerate(chunks)]).astype(np.int32)
+        token_seq = np.concatenate([np.full(n, s)
+                                    for s, (_, n) in enumerate(chunks)]).astype(np.int32)
         positions = np.concatenate([np.arange(b, b + n) for b, n in chunks]).astype(np.int32)
         N = len(positions)
         q = ops.bf16_bits(rng.standard_normal((N, H, D)).astype(np.float32) * 2)
@@ -239,8 +252,9 @@ def check_tc_tile(ws: Workspace) -> None:
         with _Bf16Pointers(), launches("prefill_attention_tc"):
             kernel((len(starts), Hkv * ((G + WARPS - 1) // WARPS)), (32 * min(G, WARPS),),
                    (dev(q), dev(kc), dev(vc), dev(tables), dev(token_seq), dev(positions),
-                    dev(np.array(starts, np.int32)), dev(np.array(counts, np.int32)), out, np.int32(H),
-                    np.int32(Hkv), np.int32(D), np.int32(P), np.int32(tables.shape[1]), np.float32(1 / np.sqrt(D))))
+                    dev(np.array(starts, np.int32)), dev(np.array(counts, np.int32)), out,
+                    np.int32(H), np.int32(Hkv), np.int32(D), np.int32(P),
+                    np.int32(tables.shape[1]), np.float32(1 / np.sqrt(D))))
         # the twin keeps the probabilities in fp32, the kernel rounds P to bf16 for the tensor
         # cores: as in tests/test_stage3_lessons.py, 2^-6 relative, and a third bit-identical
         want = ops.prefill_attention(q, kc, vc, tables, token_seq, positions)
@@ -265,7 +279,8 @@ def check_tc_tile(ws: Workspace) -> None:
 def check_rmsnorm(ws: Workspace) -> None:
     kernel = build(ws, "stage3_optimized/cuda/rmsnorm.cu")["rmsnorm"]
     rng = np.random.default_rng(34)
-    for N, C in [(3, 300), (2, 96)]:                       # C over the block of 256 threads, and under it
+    # C over the block of 256 threads, and under it
+    for N, C in [(3, 300), (2, 96)]:
         w = ops.bf16_bits(rng.standard_normal(C).astype(np.float32))
         residual = (rng.standard_normal((N, C)) * 5).astype(np.float32)
         what = f"rmsnorm (N = {N}, C = {C})"
@@ -273,7 +288,8 @@ def check_rmsnorm(ws: Workspace) -> None:
         h = dev(np.zeros((N, C), np.uint16))
         with _Bf16Pointers(), launches("rmsnorm"):
             kernel((N,), (256,), (res, dev(w), h, np.int32(C), np.float32(1e-6)))
-        assert_equal(f"{what}: the residual stream (read, never written)", res.get(), residual, ("row", "channel"),
+        assert_equal(f"{what}: the residual stream (read, never written)", res.get(), residual,
+                     ("row", "channel"),
                      hint="the kernel reads the residual and writes only h")
         r64, w64 = residual.astype(np.float64), ops.f32(w).astype(np.float64)
         ss = (r64 * r64).sum(-1, keepdims=True)
@@ -300,8 +316,10 @@ PAD_HINTS = {
     "positions": "a padding row sits at position 0",
     "slot_mapping": "a padding row has slot -1: the KV store skips it, it writes no page",
     "token_seq": "row i reads its own block table row: 0 .. size - 1",
-    "block_tables": "the tables are max_blocks wide (the graph's shape); padding rows and columns are page 0",
-    "context_lens": "a padding row reads one position (context length 1), so its numbers stay finite",
+    "block_tables": "the tables are max_blocks wide (the graph's shape); "
+                    "padding rows and columns are page 0",
+    "context_lens": "a padding row reads one position (context length 1), "
+                    "so its numbers stay finite",
     "query_start": "one token per row: 0, 1, .., size",
     "logits_rows": "every row gets logits: 0 .. size - 1 (the caller keeps the first b)",
     "tile_start": "a decode batch has no prefill tiles: empty int32",
@@ -315,13 +333,17 @@ def _decode_batch(BatchInfo, rng, b: int, P: int):
     width = int(max((lens + P - 1) // P))
     tables = np.zeros((b, width), np.int32)
     for s, n in enumerate(lens):
-        tables[s, :(n + P - 1) // P] = rng.choice(np.arange(1, 60), size=(n + P - 1) // P, replace=False)
+        tables[s, :(n + P - 1) // P] = rng.choice(np.arange(1, 60), size=(n + P - 1) // P,
+                                                  replace=False)
     pos = (lens - 1).astype(np.int32)
     slots = (tables[np.arange(b), pos // P] * P + pos % P).astype(np.int32)
-    batch = BatchInfo(num_decode=b, positions=pos, slot_mapping=slots, token_seq=np.arange(b, dtype=np.int32),
+    batch = BatchInfo(num_decode=b, positions=pos, slot_mapping=slots,
+                      token_seq=np.arange(b, dtype=np.int32),
                       block_tables=tables, context_lens=lens.astype(np.int32),
-                      query_start=np.arange(b + 1, dtype=np.int32), logits_rows=np.arange(b, dtype=np.int32),
-                      tile_start=np.zeros(0, np.int32), tile_count=np.zeros(0, np.int32), max_context=int(lens.max()))
+                      query_start=np.arange(b + 1, dtype=np.int32),
+                      logits_rows=np.arange(b, dtype=np.int32),
+                      tile_start=np.zeros(0, np.int32), tile_count=np.zeros(0, np.int32),
+                      max_context=int(lens.max()))
     return rng.integers(3, 200, size=b).astype(np.int32), batch
 
 
@@ -332,13 +354,16 @@ def check_graph_padding(ws: Workspace) -> None:
         seed = 35 + b
         tokens, batch = _decode_batch(mod.BatchInfo, np.random.default_rng(seed), b, P)
         tokens_r, batch_r = _decode_batch(cuda_graphs.BatchInfo, np.random.default_rng(seed), b, P)
-        what = f"pad_decode_batch({b} sequences -> the bucket of {size}, max_blocks {max_blocks}, max_context {max_ctx})"
+        what = (f"pad_decode_batch({b} sequences -> the bucket of {size}, "
+                f"max_blocks {max_blocks}, max_context {max_ctx})")
         got = mod.pad_decode_batch(tokens, batch, size, max_blocks, max_ctx)
         want = cuda_graphs.pad_decode_batch(tokens_r, batch_r, size, max_blocks, max_ctx)
-        require(isinstance(got, tuple) and len(got) == 2, f"{what}: returns (tokens [size], BatchInfo), got {type(got)}")
+        require(isinstance(got, tuple) and len(got) == 2,
+                f"{what}: returns (tokens [size], BatchInfo), got {type(got)}")
         gt, gb = got
         assert_equal(f"{what}: tokens", gt, want[0], ("row",), hint=PAD_HINTS["tokens"])
-        require(np.asarray(gt).dtype == np.int32, f"{what}: tokens are {np.asarray(gt).dtype}, expected int32")
+        require(np.asarray(gt).dtype == np.int32,
+                f"{what}: tokens are {np.asarray(gt).dtype}, expected int32")
         for name, hint in PAD_HINTS.items():
             if name == "tokens":
                 continue
@@ -346,8 +371,9 @@ def check_graph_padding(ws: Workspace) -> None:
             if isinstance(w, np.ndarray):
                 axes = ("row", "column") if name == "block_tables" else ("row",)
                 assert_equal(f"{what}: {name}", g, w, axes, hint=hint)
-                require(np.asarray(g).dtype == np.int32, f"{what}: {name} is {np.asarray(g).dtype}, expected int32 "
-                                                         f"(the kernels take int*)")
+                require(np.asarray(g).dtype == np.int32,
+                        f"{what}: {name} is {np.asarray(g).dtype}, expected int32 "
+                        "(the kernels take int*)")
             else:
                 require(g == w, f"{what}: {name} is {g!r}, expected {w!r} ({hint})")
 
@@ -359,10 +385,12 @@ EXERCISES: list[Exercise] = [
     Exercise(id="3.2", title="the split-KV merge of flash-decoding",
              section="docs/stage3.md"
                      "#10-decode-attention-shared-across-the-gqa-group-split-over-the-context",
-             difficulty="medium", file="stage3_optimized/cuda/decode_attention.cu", check=check_split_merge),
+             difficulty="medium", file="stage3_optimized/cuda/decode_attention.cu",
+             check=check_split_merge),
     Exercise(id="3.3", title="the online-softmax tile of the tensor-core prefill",
              section="docs/stage3.md#11-prefill-attention-on-tensor-cores-flashattention-2-style",
-             difficulty="hard", file="stage3_optimized/cuda/prefill_attention_tc.cu", check=check_tc_tile),
+             difficulty="hard", file="stage3_optimized/cuda/prefill_attention_tc.cu",
+             check=check_tc_tile),
     Exercise(id="3.4", title="RMSNorm of the residual stream",
              section="docs/stage3.md#16-one-kernel-per-projection-for-a-decode-batch-gemvcu",
              difficulty="medium", file="stage3_optimized/cuda/rmsnorm.cu", check=check_rmsnorm),
