@@ -82,7 +82,9 @@ def test_peaks_are_what_each_gemm_is_measured_against(tmp_path, capsys):
     done = json.loads(saved.read_text())
     gemms = [r for r in done["passes"][0]["rows"] if "gmac_s" in r]
     assert done["peaks_gmac_s"] == peaks and len(gemms) == 4
-    assert all(r["of_peak"] == pytest.approx(r["gmac_s"] / peaks[pairs]) and r["of_peak"] < 1 for r in gemms)
+    # (no bound on "of peak" itself: a GEMM and the peak are timed apart, and a busy machine
+    # slows one more than the other)
+    assert all(r["of_peak"] == pytest.approx(r["gmac_s"] / peaks[pairs]) for r in gemms)
 
 
 def test_profile_splits_the_one_region_step_by_part(capsys):
