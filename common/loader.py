@@ -63,13 +63,12 @@ GLOBAL_NAMES = {
 }
 
 
-def open_weights(path: str | Path, keep_quantized: bool = False):
-    """The one way a stage reads a model's weights, whatever the model is:
-    a Hugging Face folder -> WeightLoader; a .gguf file (or a folder holding one and no
-    config.json) -> common.gguf.GGUFWeightLoader. Both answer layer / glob / fused under
+def open_weights(path: str | Path, config: ModelConfig, keep_quantized: bool = False):
+    """The one way a stage reads a model's weights, whatever the model is, given the config the
+    engine read from it: a Hugging Face folder -> WeightLoader; a .gguf file (or a folder holding
+    one and no config.json) -> common.gguf.GGUFWeightLoader. Both answer layer / glob / fused under
     the engine's short names with float32 arrays; keep_quantized (stage 1, GGUF only)
     hands quantized matrices over in stage 1's int8 / int4 layout instead."""
-    config = ModelConfig.from_folder(path)
     g = gguf_path(path)
     if g is not None:
         from common.gguf import GGUFWeightLoader    # GGUF code loads only for a GGUF model
@@ -250,11 +249,12 @@ def stack(ws: list):
 def loading(cfg: ModelConfig, title: str, attn: int, mlp: int, show: bool = True):
     """A progress bar that advances once per matrix loaded: `with loading(...) as step:`, then
     step(matrix) -> matrix. attn, mlp: how many matrices one layer's attention and one MLP hold
-    (a MoE layer has one MLP per expert, and a shared one); 2 more for embed and lm_head."""
+    (a MoE layer has one MLP per expert, and a shared one); 3 more for embed, lm_head (the
+    embedding again when tied) and final_norm."""
     from rich.progress import Progress
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
     n_shared = n_moe if cfg.shared_expert_intermediate_size else 0
-    total = 2 + cfg.num_layers * (attn + mlp) + (n_moe * (cfg.num_experts - 1) + n_shared) * mlp
+    total = 3 + cfg.num_layers * (attn + mlp) + (n_moe * (cfg.num_experts - 1) + n_shared) * mlp
     with Progress(transient=True, disable=not show) as bar:
         task = bar.add_task(title, total=total)
 

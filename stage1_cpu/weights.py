@@ -92,13 +92,12 @@ def embedding(loader, key: str, fmt: str, group_size: int, fast, block: int = 16
     return parts[0] if len(parts) == 1 else stack(parts)
 
 
-def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
+def load_weights(folder: str | Path, cfg: ModelConfig, fmt: str = "none", group_size: int = 32,
                  progress: bool = True, kernels: str = "auto", activations: str = "auto") -> Weights:
     if fmt not in FORMATS + ("stored",):   # stored: a GGUF's blocks as they are (common/gguf_quant.py)
         raise ValueError(f"unknown --quant {fmt!r}; choose one of {', '.join(FORMATS)}")
     fast = choose_kernels(kernels, activations, fmt)  # a wrong --kernels / --activations fails before any reading
-    loader = open_weights(folder, keep_quantized=fmt == "stored")
-    cfg = loader.config
+    loader = open_weights(folder, cfg, keep_quantized=fmt == "stored")
 
     def q(a):                     # a matrix of the layers -> a Weight in this model's format
         return to_weight(a, fmt, group_size, fast)
@@ -111,7 +110,7 @@ def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
     with loading(cfg, f"loading weights ({fmt})", attn=2, mlp=2, show=progress) as step:
         embed = step(embedding(loader, "embed", embed_fmt, group_size, fast))
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in loader
-        lm_head = embed if tied else step(embedding(loader, "lm_head", embed_fmt, group_size, fast))
+        lm_head = step(embed if tied else embedding(loader, "lm_head", embed_fmt, group_size, fast))
         layers = []
         for i in range(cfg.num_layers):
             L = LayerWeights(

@@ -57,7 +57,7 @@ class LLMEngine:
                  token_budget: int = 8192, page_size: int = 256, num_pages: int | None = None,
                  kv_memory: int | None = None, device: str = "cuda", progress: bool = True):
         self.folder = Path(folder)
-        self.config: ModelConfig = ModelConfig.from_folder(folder)
+        self.config = cfg = ModelConfig.from_folder(folder)
         if max_ctx < 2:
             raise ValueError("--max-ctx must be at least 2")
         if page_size < 1:
@@ -65,7 +65,7 @@ class LLMEngine:
         self.max_ctx = max_ctx
         self.device = device
         self.xp = xp = array_module(device)
-        self.weights = load_weights(folder, xp, progress)
+        self.weights = load_weights(folder, cfg, xp, progress)
         self.page_size = page_size
         num_pages = self._pool_pages(num_pages, kv_memory)
         self.model = Model(self.weights, max_ctx, num_pages, page_size)

@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from rich.progress import Progress
 
 from common.config import ModelConfig
-from common.loader import open_weights
+from common.loader import loading, open_weights
 from . import kernels
 
 
@@ -114,24 +113,15 @@ class Weights:
         return total + round(routed * routed_share)
 
 
-def load_weights(folder: str | Path, xp=np, progress: bool = True) -> Weights:
-    loader = open_weights(folder)   # a Hugging Face folder or a GGUF file (dequantized)
-    cfg = loader.config
+def load_weights(folder: str | Path, cfg: ModelConfig, xp=np, progress: bool = True) -> Weights:
+    loader = open_weights(folder, cfg)   # a Hugging Face folder or a GGUF file (dequantized)
     dev = lambda a: xp.asarray(np.ascontiguousarray(a, dtype=np.float32))   # noqa: E731  host -> device
     q = lambda a: Weight(dev(a))                                              # noqa: E731
-    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
-    n_shared = n_moe if cfg.shared_expert_intermediate_size else 0
-    total = 2 + cfg.num_layers * 7 + n_moe * (cfg.num_experts - 1) * 3 + n_shared * 3
-    with Progress(transient=True, disable=not progress) as bar:
-        task = bar.add_task("loading weights (float32)", total=total)
-
-        def step(value):
-            bar.advance(task)
-            return value
-
+    # one step per matrix: wq, wk, wv and wo per layer (attn=4), gate, up and down per MLP (mlp=3)
+    with loading(cfg, "loading weights (float32)", attn=4, mlp=3, show=progress) as step:
         embed = step(q(loader.glob("embed")))
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in loader
-        lm_head = embed if tied else step(q(loader.glob("lm_head")))
+        lm_head = step(embed if tied else q(loader.glob("lm_head")))
         layers = []
         for i in range(cfg.num_layers):
             L = LayerWeights(

@@ -138,10 +138,13 @@ def test_unpermute_inverts_llama_cpp_rotary_permutation():
 def test_weights_read_from_the_file_equal_transformers_gguf_loading(smollm_folder, gguf_oracle):
     """Dequantized, they are transformers' tensors exactly (names, Q/K row order, values);
     kept as stage 1's int4 / int8 (the default), they dequantize to the same values."""
+    from common.config import ModelConfig
     from common.loader import open_weights
 
     ref_sd = gguf_oracle[0].state_dict()
-    flat, kept = open_weights(smollm_folder), open_weights(smollm_folder, keep_quantized=True)
+    cfg = ModelConfig.from_folder(smollm_folder)
+    flat = open_weights(smollm_folder, cfg)
+    kept = open_weights(smollm_folder, cfg, keep_quantized=True)
     for key, layer, name in (("wq", 0, "model.layers.0.self_attn.q_proj.weight"),
                              ("wk", 29, "model.layers.29.self_attn.k_proj.weight"),
                              ("w_down", 7, "model.layers.7.mlp.down_proj.weight")):
@@ -159,15 +162,17 @@ def test_stage1_logits_match_transformers_gguf_loading(smollm_folder, gguf_oracl
     """Stage 1 on the file as stored (int4 / int8 blocks, plain kernels, fp32 activations):
     the same weights, so the logits agree to float32 rounding (measured max |diff| ~1e-4 on
     logits of size ~20; bound 2e-3)."""
-    from stage1_cpu.model import Model
+    from common.config import ModelConfig
+    from stage1_cpu.model import build_model
     from stage1_cpu.weights import load_weights
 
     ref_model, ref_tok = gguf_oracle
     ids = ref_tok.encode("The quick brown fox jumps over the lazy dog. Paris is")
     with torch_threads.no_grad():
         ref = ref_model(torch_threads.tensor([ids])).logits[0, -1].numpy()
-    w = load_weights(smollm_folder, "stored", progress=False, kernels="plain")
-    ours = Model(w, 128, one_region=False).forward(np.array(ids), 0)
+    cfg = ModelConfig.from_folder(smollm_folder)
+    w = load_weights(smollm_folder, cfg, "stored", progress=False, kernels="plain")
+    ours = build_model(w, 128).forward(np.array(ids), 0)
     assert ref.std() > 1.0
     assert np.abs(ours - ref).max() < 2e-3
     assert int(np.argmax(ours)) == int(np.argmax(ref))

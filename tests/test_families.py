@@ -56,10 +56,12 @@ def rel_err(a, b):
 
 
 def stage1_model(folder, fmt="none"):
+    from common.config import ModelConfig
     from stage1_cpu.model import Model
     from stage1_cpu.weights import load_weights
-    # one_region=False: the per-op path (test_stage1_decode_step.py holds the one-region step to it)
-    return Model(load_weights(folder, fmt, progress=False), 256, one_region=False)
+    w = load_weights(folder, ModelConfig.from_folder(folder), fmt, progress=False)
+    # the per-op path, on the fast kernels (test_stage1_decode_step.py holds the one region to it)
+    return Model(w, 256, w.fast.kernels())
 
 
 def stage2_engine(folder, **kw):
@@ -107,7 +109,8 @@ def test_stage1_engine_with_chunked_prefill_equals_transformers(case):
     from stage1_cpu.engine import LLMEngine
     folder, _, _, ref = reference(case)
     eng = LLMEngine(folder, max_ctx=128, progress=False, prefill_chunk=5)
-    assert eng.model.decode_step is not None
+    from stage1_cpu.fast import OneRegionModel
+    assert isinstance(eng.model, OneRegionModel)
     eng.add_request(Request("r", PROMPT, SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)))
     out = []
     while eng.has_work():
@@ -259,26 +262,31 @@ def _moe_bytes(c, bytes_per):
 @pytest.mark.parametrize("case", ["qwen2_moe_top4_nonorm", "qwen2_moe_top2_norm_dense_middle"])
 def test_nbytes_counts_every_expert_and_decode_nbytes_only_the_routed_share(case):
     from bench.common import stage1_bytes
+    from common.config import ModelConfig
     from stage1_cpu.weights import load_weights
     from stage2_batched.weights import load_weights as load_weights2
     from stage3_optimized.weights import load_weights as load_weights3
     folder = make_model(**CASES[case])
-    w1, w2 = load_weights(folder, "none", progress=False), load_weights2(folder, progress=False)
+    cfg = ModelConfig.from_folder(folder)
+    w1 = load_weights(folder, cfg, "none", progress=False)
+    w2 = load_weights2(folder, cfg, progress=False)
     every, read = _moe_bytes(w1.config, 4)
     assert read < every
     assert (stage1_bytes(w1), stage1_bytes(w1, decode=True)) == (every, read)
     assert (w2.nbytes, w2.decode_nbytes) == (every, read)
-    w3 = load_weights3(folder, progress=False)                # bf16, q/k/v and gate/up fused: the same bytes
+    w3 = load_weights3(folder, cfg, progress=False)   # bf16, q/k/v, gate/up fused: the same bytes
     assert (w3.nbytes, w3.decode_nbytes) == _moe_bytes(w1.config, 2)
     # int8: the routed experts still count k of E, each at about a quarter of fp32 + scales
-    q = load_weights(folder, "int8", progress=False)
+    q = load_weights(folder, cfg, "int8", progress=False)
     assert 0 < stage1_bytes(q, decode=True) < stage1_bytes(q) < every
 
 
 def test_dense_decode_nbytes_equals_nbytes():
     from bench.common import stage1_bytes
+    from common.config import ModelConfig
     from stage1_cpu.weights import load_weights
-    w = load_weights(make_model("qwen2"), "none", progress=False)
+    folder = make_model("qwen2")
+    w = load_weights(folder, ModelConfig.from_folder(folder), "none", progress=False)
     c = w.config
     C, D = c.hidden_size, c.head_dim
     per_layer = (c.num_heads + 2 * c.num_kv_heads) * D * C + C * c.num_heads * D + 3 * c.intermediate_size * C

@@ -171,9 +171,10 @@ def test_every_tensor_dequantized_equals_transformers_reading_the_file(family, r
     import torch
     import transformers as tf
 
+    from common.config import ModelConfig
     from common.loader import LAYER_NAMES, GLOBAL_NAMES, WeightLoader, open_weights
     folder, path = gguf_file(family, "Q8_0", root)
-    ours = open_weights(path)
+    ours = open_weights(path, ModelConfig.from_folder(path))
     ref = tf.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
                                                   config=tf.AutoConfig.from_pretrained(folder)).state_dict()
     hf = WeightLoader(folder)
@@ -208,14 +209,17 @@ def test_config_from_metadata_equals_the_source_folders(root):
 
 def test_llama_q_rows_come_back_in_hugging_face_order_when_kept_quantized(root):
     """The row reorder applies to the packed rows too (an exact reorder, no arithmetic)."""
+    from common.config import ModelConfig
     from common.loader import WeightLoader, open_weights
     folder, path = gguf_file("llama", "Q4_1", root)
-    packed = open_weights(path, keep_quantized=True).layer("wq", 0)
+    cfg = ModelConfig.from_folder(path)
+    packed = open_weights(path, cfg, keep_quantized=True).layer("wq", 0)
     assert isinstance(packed, gq.Packed) and packed.fmt == "int4"
-    np.testing.assert_array_equal(packed.dequantize(), open_weights(path).layer("wq", 0))
+    np.testing.assert_array_equal(packed.dequantize(), open_weights(path, cfg).layer("wq", 0))
     src = WeightLoader(folder).layer("wq", 0)
     assert np.abs(packed.dequantize() - src).max() < 0.2 * np.abs(src).max()   # near the source ...
-    raw_rows = dequantize(np.asarray(open_weights(path).file.tensors["blk.0.attn_q.weight"].data), T.Q4_1)
+    raw = open_weights(path, cfg).file.tensors["blk.0.attn_q.weight"].data
+    raw_rows = dequantize(np.asarray(raw), T.Q4_1)
     assert np.abs(raw_rows - src).max() > 0.5 * np.abs(src).max()              # ... the file's order is not
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from common.config import ModelConfig
 from common.engine import Request
 from common.sampling import SamplingParams
 from models import make_model
@@ -78,12 +79,12 @@ def test_stage1_keeps_the_blocks_and_greedy_tokens_equal_transformers(family, qt
 
 
 def test_stage1_f32_file_logits_match_transformers(root):
-    from stage1_cpu.model import Model
+    from stage1_cpu.model import build_model
     from stage1_cpu.weights import load_weights
     path, ref, _ = reference("qwen3", "F32", root)
-    w = load_weights(path, "stored", progress=False, kernels="plain")
+    w = load_weights(path, ModelConfig.from_folder(path), "stored", progress=False, kernels="plain")
     assert w.layers[0].wqkv.fmt == "none"
-    ours = Model(w, 128, one_region=False).forward(np.array(PROMPT), 0)
+    ours = build_model(w, 128).forward(np.array(PROMPT), 0)
     assert np.abs(ours - ref).max() / np.abs(ref).max() < 1e-4
 
 
@@ -91,7 +92,7 @@ def test_stage1_quant_flag_requantizes_a_gguf(root):
     """--quant int4 on a Q8_0 file: dequantized, then stage 1's own int4 (the embedding int8)."""
     from stage1_cpu.weights import load_weights
     path, _, _ = reference("qwen3", "Q8_0", root)
-    w = load_weights(path, "int4", progress=False, kernels="plain")
+    w = load_weights(path, ModelConfig.from_folder(path), "int4", progress=False, kernels="plain")
     assert w.layers[0].wqkv.fmt == "int4" and w.lm_head.fmt == "int8" and w.source
 
 
@@ -171,13 +172,14 @@ KQ_LOGIT_BOUNDS = {"Q4_K_M": ({"attn_v.weight": "Q6_K", "ffn_down.weight": "Q6_K
 
 @pytest.mark.parametrize("mix", list(KQ_LOGIT_BOUNDS))
 def test_kquant_mappings_move_the_logits_by_their_stated_bound(mix, root):
-    from stage1_cpu.model import Model
+    from stage1_cpu.model import build_model
     from stage1_cpu.weights import load_weights
     kinds, bound = KQ_LOGIT_BOUNDS[mix]
     path = _kquant_file(root, kinds)
-    exact = Model(load_weights(path, "none", progress=False, kernels="plain"), 128, one_region=False)
-    w = load_weights(path, "stored", progress=False, kernels="plain")
-    mapped = Model(w, 128, one_region=False)
+    cfg = ModelConfig.from_folder(path)
+    exact = build_model(load_weights(path, cfg, "none", progress=False, kernels="plain"), 128)
+    w = load_weights(path, cfg, "stored", progress=False, kernels="plain")
+    mapped = build_model(w, 128)
     ref = exact.forward(np.array(PROMPT), 0, all_logits=True)
     ours = mapped.forward(np.array(PROMPT), 0, all_logits=True)
     err = np.abs(ours - ref).max() / np.abs(ref).max()
@@ -195,7 +197,7 @@ def test_files_from_llama_cpps_own_quantizer_run_close_to_llama_cpp(ftype, root)
     import ctypes
 
     llama_cpp = pytest.importorskip("llama_cpp")
-    from stage1_cpu.model import Model
+    from stage1_cpu.model import build_model
     from stage1_cpu.weights import load_weights
     from common.gguf_write import write_gguf
     folder = make_model("qwen3", hidden_size=256, intermediate_size=512, num_attention_heads=8,
@@ -208,8 +210,8 @@ def test_files_from_llama_cpps_own_quantizer_run_close_to_llama_cpp(ftype, root)
     llm = llama_cpp.Llama(str(out), n_ctx=64, logits_all=True, verbose=False, n_threads=2)
     llm.eval(PROMPT)
     ref = np.array(llm.scores[len(PROMPT) - 1], dtype=np.float32)
-    w = load_weights(out, "stored", progress=False, kernels="plain")
-    ours = Model(w, 128, one_region=False).forward(np.array(PROMPT), 0)
+    w = load_weights(out, ModelConfig.from_folder(out), "stored", progress=False, kernels="plain")
+    ours = build_model(w, 128).forward(np.array(PROMPT), 0)
     assert np.abs(ref).max() > 1.0
     assert np.abs(ours - ref).max() < 0.05 * np.abs(ref).max(), w.source
     assert int(np.argmax(ours)) == int(np.argmax(ref))

@@ -1,4 +1,5 @@
 """common/loader.py and common/config.py against what transformers wrote."""
+import importlib
 import json
 import shutil
 
@@ -190,3 +191,72 @@ def test_biases_and_shared_expert_tensors_equal_torch():
     assert loader.layer("w_gate", 1).shape == (160, 96)
     with pytest.raises(LoaderError, match="shared_expert"):
         loader.layer("s_gate", 1)
+
+
+# ------------------------------------------------------------ one path: config -> weights -> model
+
+def _engine(stage: str, path):
+    """Each stage's engine on `path`, as small and as quick to build as it comes (no compiling)."""
+    if stage == "stage1":
+        from stage1_cpu.engine import LLMEngine
+        return LLMEngine(path, max_ctx=64, progress=False, use_numba=False)
+    engine = importlib.import_module(f"{stage}.engine")
+    return engine.LLMEngine(path, max_ctx=64, slots=4, token_budget=64, page_size=16, num_pages=8,
+                            device="cpu", progress=False)
+
+
+@pytest.mark.parametrize("source", ["folder", "gguf"])
+@pytest.mark.parametrize("stage", ["stage1", "stage2_batched", "stage3_optimized"])
+def test_each_engine_parses_its_config_once_and_passes_it_on(stage, source, tmp_path, monkeypatch):
+    """The engine reads config.json (or the GGUF file's metadata) once; the weights and the
+    model get that config, not one the loader parsed again."""
+    from common.gguf_write import write_gguf
+    folder = make_model("qwen3_moe", decoder_sparse_step=2)
+    path = folder if source == "folder" else write_gguf(folder, tmp_path / "m.gguf", "F32")
+    parses, built = [], []
+    from_folder, post_init = ModelConfig.from_folder.__func__, ModelConfig.__post_init__
+    monkeypatch.setattr(ModelConfig, "from_folder",
+                        classmethod(lambda cls, f: parses.append(f) or from_folder(cls, f)))
+    monkeypatch.setattr(ModelConfig, "__post_init__",
+                        lambda self: built.append(self) or post_init(self))
+    engine = _engine(stage, path)
+    assert parses == [path] and len(built) == 1, (parses, len(built))
+    assert engine.weights.config is engine.config is engine.model.config
+
+
+# the families whose loaders step differently: dense (untied), dense with tied embeddings, a MoE
+# model with a dense layer between sparse ones, and one with a shared expert
+BAR_CASES = {"dense": dict(family="qwen3"), "tied": dict(family="llama", tie_word_embeddings=True),
+             "moe": dict(family="qwen3_moe", decoder_sparse_step=2),
+             "shared_expert": dict(family="qwen2_moe")}
+
+
+def _load(stage: str, folder):
+    cfg = ModelConfig.from_folder(folder)
+    if stage == "stage1":
+        from stage1_cpu.weights import load_weights
+        return load_weights(folder, cfg, "none", progress=True, kernels="plain")
+    return importlib.import_module(f"{stage}.weights").load_weights(folder, cfg, progress=True)
+
+
+@pytest.mark.parametrize("case", list(BAR_CASES))
+@pytest.mark.parametrize("stage", ["stage1", "stage2_batched", "stage3_optimized"])
+def test_the_loading_bar_ends_exactly_at_its_total(stage, case, monkeypatch):
+    """Each stage's loader advances common.loader.loading's bar once per matrix it holds: the
+    bar ends on its total, no step short and none past it, for dense and MoE models alike
+    (a MoE layer's every expert counted once, the tied lm_head too)."""
+    import rich.progress
+    bars = []
+
+    class Recorded(rich.progress.Progress):
+        def __exit__(self, *exc):
+            bars.extend((t.description, t.total, t.completed) for t in self.tasks)
+            return super().__exit__(*exc)
+
+    monkeypatch.setattr(rich.progress, "Progress", Recorded)
+    w = _load(stage, make_model(**BAR_CASES[case]))
+    ((title, total, done),) = bars
+    assert title.startswith("loading weights") and done == total, (title, total, done)
+    cfg = w.config
+    experts = sum(cfg.num_experts for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
+    assert total > cfg.num_layers * 4 + experts        # every layer's and every expert's matrices

@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 
 from common.chat_template import ChatTemplate
+from common.config import ModelConfig
 from common.engine import Request
 from common.models import resolve_model
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
 from stage1_cpu.fast import cpu
 from stage1_cpu.engine import LLMEngine
-from stage1_cpu.model import Model
+from stage1_cpu.model import build_model
 from stage1_cpu.weights import load_weights
 
 TEXT = (Path(__file__).parent / "data" / "english.txt").read_text()
@@ -38,7 +39,9 @@ def perplexities(folder):
         # with a minimum, and an int8 embedding, land exactly back on that grid: perplexity
         # 20.156 for fp32 and int4 alike. At group 64 int4 must round a second time: 29.57
         # (+47 %). A model with full-precision weights would show int4's own loss.
-        model = Model(load_weights(folder, fmt.split("_")[0], group, progress=False), 512)
+        w = load_weights(folder, ModelConfig.from_folder(folder), fmt.split("_")[0], group,
+                         progress=False)
+        model = build_model(w, 512)
         logits = model.forward(np.array(ids), 0, all_logits=True)          # [T, V]
         logits = logits - logits.max(axis=-1, keepdims=True)
         logp = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
@@ -79,7 +82,9 @@ def random_model_logits():
     ids = np.random.default_rng(0).integers(3, 500, size=64)
     out = {}
     for fmt, group in (("none", 32), ("int8", 32), ("int4", 32), ("int4_g64", 64)):
-        model = Model(load_weights(folder, fmt.split("_")[0], group, progress=False), 128)
+        w = load_weights(folder, ModelConfig.from_folder(folder), fmt.split("_")[0], group,
+                         progress=False)
+        model = build_model(w, 128)
         out[fmt] = model.forward(ids, 0, all_logits=True)
     return out
 
@@ -125,7 +130,9 @@ def test_quantized_default_model_still_knows_the_capital_of_france(folder, fmt):
 def _decode_perplexity(folder, ids, fmt, activations):
     """Perplexity with every position fed one at a time: the decode path, where
     int8 / int4 weights meet int8 activations (fast/weight.py, fast/simd.py)."""
-    model = Model(load_weights(folder, fmt, 32, progress=False, activations=activations), 512)
+    w = load_weights(folder, ModelConfig.from_folder(folder), fmt, 32, progress=False,
+                     activations=activations)
+    model = build_model(w, 512)
     nll = []
     for t in range(len(ids) - 1):
         logits = model.forward(np.array(ids[t:t + 1]), t).astype(np.float64)   # [V]

@@ -2,12 +2,13 @@
 import numpy as np
 import pytest
 
+from common.config import ModelConfig
 from common.engine import Request
 from common.sampling import SamplingParams
 from models import hf_greedy, hf_logits, make_model
 from stage1_cpu.fast import cpu
 from stage1_cpu.engine import LLMEngine
-from stage1_cpu.model import Model
+from stage1_cpu.model import Model, build_model
 from stage1_cpu.weights import load_weights
 
 PROMPT = [5, 17, 300, 42, 7, 99, 256, 3, 128, 64, 11, 480, 200, 13]
@@ -19,8 +20,9 @@ def rel_err(a, b):
 
 
 def logits_all(folder, ids, fmt="none", use_numba=True, group_size=64, activations="auto", kernels="auto"):
-    model = Model(load_weights(folder, fmt, group_size, progress=False, kernels=kernels, activations=activations),
-                  256, use_numba=use_numba)
+    w = load_weights(folder, ModelConfig.from_folder(folder), fmt, group_size, progress=False,
+                     kernels=kernels, activations=activations)
+    model = build_model(w, 256, use_numba)
     return model.forward(np.array(ids), 0, all_logits=True)
 
 
@@ -136,11 +138,12 @@ def test_quantized_engine_computes_exactly_its_numpy_twin(fmt, activations, act,
     if fell_back:                                           # no AVX-512 BF16 (vdpbf16ps): bf16 weights' prefill in fp32
         act = act.replace("bf16", "fp32")
     folder = make_model("qwen3_moe", hidden_size=128, intermediate_size=256, initializer_range=0.05)
-    w = load_weights(folder, fmt, 32, progress=False, activations=activations)
+    w = load_weights(folder, ModelConfig.from_folder(folder), fmt, 32, progress=False,
+                     activations=activations)
     layer = w.layers[0].wqkv                               # the layers' rounding (the lm_head has its own)
     assert f"{getattr(layer, 'decode_act', 'fp32')} {getattr(layer, 'prefill_act', 'fp32')}" == act
     prompt = np.array(PROMPT)
-    model = Model(w, 64)
+    model = build_model(w, 64)
     if T < len(PROMPT):
         model.forward(prompt[:-T], 0)                       # the rest of the prompt, then T tokens
     fused = model.forward(prompt[-T:], len(PROMPT) - T, all_logits=True)
@@ -151,7 +154,7 @@ def test_quantized_engine_computes_exactly_its_numpy_twin(fmt, activations, act,
                 setattr(lw, name, _Twin(getattr(lw, name)))
         if lw.experts_gate_up is not None:                  # every expert, stacked by rows
             lw.experts_gate_up, lw.experts_down = _Twin(lw.experts_gate_up), _Twin(lw.experts_down)
-    twin = Model(w, 64, one_region=False)                   # the per-op path calls the twins
+    twin = Model(w, 64, w.fast.kernels())                   # the per-op path calls the twins
     if T < len(PROMPT):
         twin.forward(prompt[:-T], 0)
     # the int16 GEMM sums its integer dot products in another order than the twin's BLAS (~1e-7 apart), and
@@ -268,5 +271,6 @@ def test_lm_head_activations_follow_the_option():
     folder = make_model("qwen3")
     for fmt, activations, head, layers in [("int4", "auto", "int16", "int8"), ("int8", "auto", "int16", "int8"),
                                            ("int4", "int8", "int8", "int8"), ("int4", "fp32", "fp32", "fp32")]:
-        w = load_weights(folder, fmt, 32, progress=False, activations=activations)
+        w = load_weights(folder, ModelConfig.from_folder(folder), fmt, 32, progress=False,
+                         activations=activations)
         assert (w.lm_head.decode_act, w.layers[0].wqkv.decode_act) == (head, layers), (fmt, activations)

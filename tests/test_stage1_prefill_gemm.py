@@ -153,15 +153,19 @@ def test_int8_prefill_logits_close_to_transformers(family):
     from models import hf_logits, make_model
     from test_stage1_model import PROMPT, QUANT_TOL, logits_all, rel_err
     folder = make_model(family, hidden_size=128, intermediate_size=256, initializer_range=0.05)
+    from common.config import ModelConfig
     from stage1_cpu.weights import load_weights
-    assert load_weights(folder, "int4", 32, progress=False, activations="int8").layers[0].wqkv.prefill_act == "int8"
+    cfg = ModelConfig.from_folder(folder)
+    w = load_weights(folder, cfg, "int4", 32, progress=False, activations="int8")
+    assert w.layers[0].wqkv.prefill_act == "int8"
     ref = hf_logits(folder, PROMPT)
     for fmt in ("int8", "int4"):
         gemm_err = rel_err(logits_all(folder, PROMPT, fmt=fmt, group_size=32, activations="int8"), ref)
         assert 0 < gemm_err < QUANT_TOL[fmt], (fmt, gemm_err)
     # --activations auto: int8 and int4 weights on int16 activations, as close as fp32 activations
     for fmt in ("int8", "int4"):
-        assert load_weights(folder, fmt, 32, progress=False).layers[0].wqkv.prefill_act == "int16"
+        w = load_weights(folder, cfg, fmt, 32, progress=False)
+        assert w.layers[0].wqkv.prefill_act == "int16"
         auto_err = rel_err(logits_all(folder, PROMPT, fmt=fmt, group_size=32), ref)
         fp32_err = rel_err(logits_all(folder, PROMPT, fmt=fmt, group_size=32, activations="fp32"), ref)
         assert 0 < auto_err < QUANT_TOL[fmt] and auto_err < 1.05 * fp32_err + 1e-4, (fmt, auto_err, fp32_err)

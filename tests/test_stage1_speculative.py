@@ -28,7 +28,7 @@ from models import make_model
 from stage1_cpu import speculative
 from stage1_cpu.engine import LLMEngine
 from stage1_cpu.fast import available as fast_unavailable
-from stage1_cpu.model import Model
+from stage1_cpu.model import build_model
 from stage1_cpu.speculative import DraftModel, SpeculativeEngine
 
 # The verify step's logits against decode's, max |difference| / max |logit| of the row, where a
@@ -202,7 +202,8 @@ def small_vocab():
     first three sampled tokens [V, V, V] after a prompt, from the model's own logits."""
     folder, draft_folder = make_model("qwen3", vocab_size=V_SMALL, seed=2), make_model("qwen3", vocab_size=V_SMALL, seed=3)
     prompt = [3, 5, 1, 6, 4]
-    model, params = Model(LLMEngine(folder, progress=False, kernels="plain").weights, 64), SamplingParams(**SAMPLING)
+    model = build_model(LLMEngine(folder, progress=False, kernels="plain").weights, 64)
+    params = SamplingParams(**SAMPLING)
     joint = np.zeros((V_SMALL,) * 3)
 
     def p_next(out):

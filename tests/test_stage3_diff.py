@@ -22,7 +22,7 @@ UNCHANGED = {
                     "Sequence.num_uncomputed"],
     "ops.py": ["rope_tables", "rope", "store_kvcache", "_gather_pages", "_attend", "silu_mul",
                "residual_add", "softmax", "route"],
-    "kernels.py": ["route"],                   # MoE routing: one function, as stage 1's K.route
+    "kernels.py": ["route"],                   # MoE routing: one function, as stage 1's kern.route
     "kv_cache.py": ["KVCache.keys", "KVCache.values"],
 }
 

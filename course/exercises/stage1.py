@@ -164,10 +164,10 @@ def check_attention(ws: Workspace) -> None:
 # ---------------------------------------------------------------------------
 
 class _ToyModel:
-    """A stand-in for model.Model whose KV cache holds token ids: the logits of a position are
+    """A stand-in for model.build_model's model whose KV cache holds token ids: the logits of a position are
     a function of the whole cache up to it, so a stale or shifted cache changes the tokens."""
 
-    def __init__(self, weights, max_ctx, use_numba=True, **kw):
+    def __init__(self, weights, max_ctx, use_numba=True):
         self.max_ctx, self.V = max_ctx, weights.config.vocab_size
         self.cache = np.full(max_ctx, -1, dtype=np.int64)
         self.calls: list[tuple[int, list[int]]] = []        # (start_pos, tokens) of every forward
@@ -212,7 +212,7 @@ def check_kv_reuse(ws: Workspace) -> None:
     folder = _toy_folder()
     cfg = ModelConfig.from_folder(folder)
     E.load_weights = lambda *a, **k: types.SimpleNamespace(config=cfg, fast=None, fmt="none", source="")
-    E.Model = _ToyModel
+    E.build_model = _ToyModel
 
     def engine():
         return E.LLMEngine(folder, max_ctx=200, prefill_chunk=8, progress=False)

@@ -74,8 +74,8 @@ def available() -> str | None:
 
 class FastPath:
     """What --kernels fast changes in the core, in the one object the core holds
-    (Weights.fast): how each matrix is stored (quantize), the model's one-region decode
-    step (decode_step), and the banner's words (describe)."""
+    (Weights.fast): how each matrix is stored (quantize), the model's kernels (kernels) and
+    one-region decode step (one_region), and the banner's words (describe)."""
 
     def __init__(self, fmt: str, activations: str):
         choose_act(fmt, activations, 0)              # a wrong --activations fails before any reading
@@ -91,9 +91,9 @@ class FastPath:
         through BLAS (attention.py)."""
         return KERNELS
 
-    def decode_step(self, model):
-        """The one-region decode step of this model (decode_step.py)."""
-        return DecodeStep(model)
+    def one_region(self, model) -> OneRegionModel:
+        """The model with its one-region decode step in front (decode_step.py)."""
+        return OneRegionModel(model)
 
     def files(self) -> list[Path]:
         """Every file whose numba code this path compiles (the warm-up mark follows them)."""
@@ -111,6 +111,24 @@ class FastPath:
     def describe(self, weights) -> str:
         """For the banner: which kernels and instructions this model uses."""
         return describe(weights)
+
+
+class OneRegionModel:
+    """The model on the fast path, built once by the core's build_model: a forward that
+    decode_step.DecodeStep takes (a decode step, or a verify step of a few tokens) runs in one
+    parallel region, any other (a prompt) op by op on the model (per_op). Both read and write
+    the model's KV cache, to the same bits (tests/test_stage1_decode_step.py)."""
+
+    def __init__(self, model):
+        self.per_op, self.decode_step = model, DecodeStep(model)
+        self.w, self.config, self.cache = model.w, model.config, model.cache   # as a Model's
+        self.kernels = model.kernels
+
+    def forward(self, tokens, start_pos: int, all_logits: bool = False):
+        """Model.forward's: tokens [T] at positions start_pos.. -> logits [V] (the last token's),
+        or [T, V] with all_logits."""
+        one = self.decode_step.takes(len(tokens), all_logits)
+        return (self.decode_step if one else self.per_op).forward(tokens, start_pos, all_logits)
 
 
 def choose_act(fmt: str, activations: str, in_features: int, lm_head: bool = False) -> dict:

@@ -291,13 +291,15 @@ def _typed_list(arrays, ty):
 
 class DecodeStep:
     """plan.plan()'s phases for up to MAX_TOKENS tokens, as the table _decode runs, built once
-    (views, no weight copies). step(x, pos): x [T, C] the tokens' embeddings, their K/V go to cache
-    positions pos .. pos + T - 1 -> logits [T, V] (all_logits) or [V] (the last token's)."""
+    (views, no weight copies). forward(tokens, pos) is Model.forward's, for the steps it takes;
+    step(x, pos): x [T, C] the tokens' embeddings, their K/V go to cache positions
+    pos .. pos + T - 1 -> logits [T, V] (all_logits) or [V] (the last token's)."""
 
     def __init__(self, model):
         cfg = model.config
         self.phases = phases = plan(model.w)
         self.cache, self.cos, self.sin = model.cache, model.cos, model.sin
+        self.embed = model.w.embed
         k = cfg.num_experts_per_tok if cfg.num_experts else 0
         weights, vecs, rows = [], [], []
         T = MAX_TOKENS
@@ -384,6 +386,14 @@ class DecodeStep:
         """Whether a forward of T tokens is a step: a decode step or a verify step (all_logits) of
         at most MAX_TOKENS tokens, or a prompt too short for the prefill path (quant.PREFILL_MIN_T)."""
         return T <= MAX_TOKENS and (all_logits or T < PREFILL_MIN_T)
+
+    def forward(self, tokens: np.ndarray, start_pos: int, all_logits: bool = False) -> np.ndarray:
+        """Model.forward's contract: tokens [T] (T <= MAX_TOKENS) at positions start_pos.. -> logits
+        [V] of the last, or [T, V] with all_logits: Model.forward's bits, in one region."""
+        if start_pos + len(tokens) > self.cache.max_ctx:      # before a write past the cache's end
+            raise ValueError(f"positions up to {start_pos + len(tokens)} exceed the cache "
+                             f"({self.cache.max_ctx}); raise --max-ctx")
+        return self.step(self.embed.rows(np.asarray(tokens, dtype=np.int64)), start_pos, all_logits)
 
     def step(self, x: np.ndarray, pos: int, all_logits: bool = False, workers: int | None = None) -> np.ndarray:
         """x [T, C] f32 (T <= MAX_TOKENS; or [C], one token) -> logits [T, V] (all_logits) or [V], a
