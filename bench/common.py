@@ -7,6 +7,8 @@ pay torch's few hundred MB of RSS.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -27,14 +29,10 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def load_1min() -> float:
-    """The 1-minute load average: roughly how many threads wanted a core lately."""
-    return os.getloadavg()[0]
-
-
 def check_load(when: str) -> str:
-    """A line for the report; warns when the machine was busy (numbers are then low)."""
-    load = load_1min()
+    """A line for the report: the 1-minute load average (roughly how many threads wanted a core
+    lately); it warns when the machine was busy (numbers are then low)."""
+    load = os.getloadavg()[0]
     line = f"1-minute load {when}: {load:.2f} on {os.cpu_count()} cores"
     if load > BUSY_LOAD:
         line += "  WARNING: the machine was busy; speeds may be low (rerun when idle)"
@@ -298,6 +296,14 @@ def save_json(path: Path, command: str, **fields) -> None:
                                     machine=machine_description(), **fields), indent=1) + "\n")
 
 
+def versions() -> dict:
+    """The versions of the engines' packages (and numba's, torch's) a saved run ran on."""
+    packages = {"llama-cpp-python": "llama_cpp", "numba": "numba", "torch": "torch",
+                "transformers": "transformers"}
+    return {pkg: importlib.metadata.version(pkg) for pkg, module in packages.items()
+            if importlib.util.find_spec(module)}
+
+
 def fmt_num(x: float | None, digits: int = 1) -> str:
     if x is None or x != x:          # None or nan: the cell was not measured
         return "–"
@@ -310,6 +316,20 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(header), sep] + [line(r) for r in rows])
+
+
+def rungs_table(rows: list[dict], ms: str, rate: str | None = None) -> str:
+    """A ladder's rungs (bench ladder's rows), each against the one before and the first, in `ms`
+    (ms_per_token, ms_per_prompt_token); rate "GB/s": of weights (rungs 1-2 also write and re-read
+    an fp32 copy), "GMAC/s": multiply-adds, None: no such column (what the saved rows lack)."""
+    speed = {"GB/s": lambda r: r["mb_per_token"] / r[ms],
+             "GMAC/s": lambda r: r["macs"] / (r[ms] * 1e6)}
+    body = [[r["rung"], r["what"], r["weights"], r["threads"], f"{r[ms]:.3g}"]
+            + ([f"{speed[rate](r):.1f}"] if rate else [])
+            + [f"{rows[i - 1][ms] / r[ms]:.2f}×" if i else "", f"{rows[0][ms] / r[ms]:.1f}×"]
+            for i, r in enumerate(rows)]
+    head = ["rung", "what", "weights", "threads", ms.replace("_", " ")] + ([rate] if rate else [])
+    return markdown_table(head + ["× previous", "× first"], body)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--probe"]:

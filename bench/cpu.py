@@ -25,7 +25,6 @@ tokens, prefill s, decode s) and a branch of make_runner.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -41,13 +40,13 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import (BandwidthProbe, NeighbourMeter, busy_cores, check_load, cpu_flags,
-                          emit_result, fmt_num, items, load_1min, machine_description,
+                          emit_result, fmt_num, items, machine_description,
                           markdown_table, measure_bandwidth, median, policy_env, run_worker,
-                          save_json, stage1_bytes)
+                          save_json, stage1_bytes, versions)
 from common.engine import Request
 from common.gguf_write import write_gguf
-from common.numba_cache import set_threads as set_numba_threads
 from common.sampling import SamplingParams
+from stage1_cpu.jit.numba_cache import set_threads as set_numba_threads
 
 CACHE = Path(os.environ.get("QWEN3_STAGES_CACHE", Path.home() / ".cache" / "qwen3-stages")) / "bench"
 CHECK_TOKENS = 16          # tokens whose logits every engine must agree on (the correctness table)
@@ -175,17 +174,6 @@ def gguf_decode_bytes(path: Path, shape: Shape) -> int:
             share = shape.num_experts_per_tok / shape.num_experts if "_exps." in t.name else 1.0
             total += round(int(t.n_bytes) * share)
     return total
-
-
-def nominal_stage1_bytes(shape: Shape, fmt: str, group_size: int = 32) -> int:
-    """What stage1_bytes(decode=True) reports for stage 1's formats (stage1_cpu/quant.py) before
-    any engine has run: bf16 2 bytes a weight; int8 a byte and an fp16 scale per group; int4 half a
-    byte and an fp16 scale and minimum per group, with the lm_head in int8; routers in fp32."""
-    per_weight = {"fp32": 4.0, "bf16": 2.0, "int8": 1 + 2 / group_size, "int4": 0.5 + 4 / group_size}[fmt]
-    head = shape.vocab_size * shape.hidden_size
-    routers = shape.num_hidden_layers * shape.num_experts * shape.hidden_size
-    rest = shape.linear_params() - head - routers
-    return int(rest * per_weight + routers * 4 + head * (1 + 2 / group_size if fmt == "int4" else per_weight))
 
 
 # ------------------------------------------------------------------ the engines
@@ -406,7 +394,9 @@ def stage1_label(kernels: str) -> str:
 
 
 def jobs_for(args, shape: Shape, paths: dict, plan: dict, tmp: Path) -> list[tuple[str, int | None, dict]]:
-    """One table's workers: (the row's engine name, nominal decode bytes, the worker's spec)."""
+    """One table's workers: (the row's engine name, the bytes a decode token reads where they
+    are known before the run (llama.cpp's, from its file; stage 1's worker counts its own),
+    the worker's spec)."""
     check_ids = prompt_ids(shape.vocab_size, CHECK_TOKENS, seed=7)
     check = lambda out: {"check_ids": check_ids, "check_out": str(tmp / out)} if plan["check"] else {}  # noqa: E731
     hf = str(paths["hf"])
@@ -414,11 +404,10 @@ def jobs_for(args, shape: Shape, paths: dict, plan: dict, tmp: Path) -> list[tup
     if "transformers" in args.engines and plan["check"]:           # the oracle, not timed
         jobs.append(("transformers", None, dict(engine="transformers", fmt="fp32", path=hf, **check("hf.npy"))))
     for fmt in args.formats:
-        nominal = nominal_stage1_bytes(shape, fmt)
         if "stage1" in args.engines:
             for kernels in args.kernels:
                 label = stage1_label(kernels)
-                jobs.append((label, nominal, dict(engine="stage1", fmt=fmt, path=hf, kernels=kernels,
+                jobs.append((label, None, dict(engine="stage1", fmt=fmt, path=hf, kernels=kernels,
                                                   **check(f"{label}-{fmt}.npy"))))
         if "llama.cpp" in args.engines:
             q = LLAMA_FORMAT[fmt]
@@ -657,14 +646,6 @@ def save_results(args, shape: Shape, tables: list[dict], bw: dict, others: float
                                      if r.result.get("isa")}))
 
 
-def versions() -> dict:
-    """The versions of the engines' packages (and numba's, torch's) a saved run ran on."""
-    packages = {"llama-cpp-python": "llama_cpp", "numba": "numba", "torch": "torch",
-                "transformers": "transformers"}
-    return {pkg: importlib.metadata.version(pkg) for pkg, module in packages.items()
-            if importlib.util.find_spec(module)}
-
-
 def busy_results(args, loads: list[dict]) -> dict:
     """A --busy run as --save writes it: per load, its busy processes, the cores they and the rest
     of the machine kept busy, each engine's best figures (`best`, as save_results saves them), those
@@ -790,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
         shape_model = prepare_models(SHAPES["0.6b"], args.cache_dir, log, quants=())["hf"]   # its T curve
         return run(args, POLICIES[args.omp_wait_policy], shape_model, log)
     shape = args.shape
-    t_start, load_before = time.perf_counter(), load_1min()
+    t_start, load_before = time.perf_counter(), os.getloadavg()[0]
     log(check_load("before"))
     meter = NeighbourMeter()
     if not llama_cpp_installed() and "llama.cpp" in args.engines:
@@ -811,7 +792,7 @@ def main(argv: list[str] | None = None) -> int:
         loads.append(dict(busy=n, busy_cores=busy["cores"], others=around, tables=tables))
     tables = loads[0]["tables"]
     ik = ik_llama_bench(args, paths, log) if args.ik_bench else []
-    load_after, others = load_1min(), meter.cores_used_by_others()
+    load_after, others = os.getloadavg()[0], meter.cores_used_by_others()
     log(check_load("after") + " (this counts the benchmark's own threads)")
     # measured again at the end: a neighbour busy at the start lowers one of the two, and
     # the roofline is what the memory *can* do, so it uses the better of the two

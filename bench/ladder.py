@@ -41,11 +41,11 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from bench.common import NeighbourMeter, check_load, machine_description, markdown_table, save_json
+from bench.common import NeighbourMeter, check_load, machine_description, rungs_table, save_json
 from bench.cpu import SHAPES
-from common.numba_cache import set_threads
 from stage1_cpu import fast, matmul
 from stage1_cpu.fast import cpu
+from stage1_cpu.jit.numba_cache import set_threads
 from stage1_cpu.quant import Weight, _padded
 
 GROUP = 32      # stage 1's default group size (options.py)
@@ -177,17 +177,6 @@ def decode_rungs(shape, threads: int, log=print) -> list:
     return rungs
 
 
-def table(rows: list[dict], ms: str, rate: str) -> str:
-    """Rungs, each against the one before and the first: ms, and GB/s of weights (decode; rungs
-    1-2 also write and re-read an fp32 copy) or GMAC/s (prefill)."""
-    def speed(r: dict) -> float:
-        return r["mb_per_token"] / r[ms] if rate == "GB/s" else r["macs"] / (r[ms] * 1e6)
-    return markdown_table(["rung", "what", "weights", "threads", ms.replace("_", " "), rate, "× previous", "× first"],
-                          [[str(r["rung"]), r["what"], r["weights"], str(r["threads"]), f"{r[ms]:.4g}",
-                            f"{speed(r):.1f}", f"{rows[i - 1][ms] / r[ms]:.2f}×" if i else "",
-                            f"{rows[0][ms] / r[ms]:.1f}×"] for i, r in enumerate(rows)])
-
-
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m bench ladder", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="the small model of bench cpu --quick (4 layers, C=512)")
@@ -226,9 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         f"processes used {others:.2f} cores on average" + ("  **busy: numbers may be low**" if others > 0.25 else ""),
         f"- {shape.num_hidden_layers} layers × (wqkv, wo, w_gate_up, w_down) + lm_head [{shape.vocab_size}, "
         f"{shape.hidden_size}], group size {GROUP}; median of {args.tokens} tokens after one warm-up", "",
-        table(rows, "ms_per_token", "GB/s"), ""] + ([
+        rungs_table(rows, "ms_per_token", "GB/s"), ""] + ([
         f"Prefill ladder: a {T}-token prompt through every layer's matrices (no lm_head), median of 3 after one "
-        "warm-up", "", table(prefill, "ms_per_prompt_token", "GMAC/s"), ""] if prefill else []))
+        "warm-up", "", rungs_table(prefill, "ms_per_prompt_token", "GMAC/s"), ""]
+        if prefill else []))
     print("\n" + text)
     if args.out:
         args.out.write_text(text)

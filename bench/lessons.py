@@ -8,7 +8,7 @@ prefilled in one step, then one decode step of the four is counted, twice per ru
 
   * on the numpy twins: the prefill tokens computed (the prefix cache skips shared pages),
     their attention FLOPs, and the K/V bytes the decode step reads;
-  * on the tests' stand-in CuPy (tests/cuda_emulator.py): the host's calls in that decode
+  * on the tests' stand-in CuPy (bench/testbed/cuda_emulator.py): the host's calls in that decode
     step by kind, priced with the per-call costs measured on the GPU machine
     (bench/host_costs.json) into a predicted host time, and the activation bytes its
     kernels write (every array a kernels.py wrapper returns, a conversion to bf16
@@ -29,7 +29,6 @@ import importlib
 import importlib.util
 import inspect
 import json
-import shutil
 import sys
 import tempfile
 import time
@@ -38,13 +37,13 @@ from pathlib import Path
 import pytest
 
 from bench import gpu
+from bench.common import markdown_table, save_json
+from bench.testbed import cuda_emulator as emu      # the stand-in CuPy and its count of host calls
+from bench.testbed.models import make_model
 from common.engine import Request
 from common.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-import cuda_emulator as emu  # noqa: E402  (tests/: the stand-in CuPy and its count of host calls)
-from models import make_model  # noqa: E402
 
 HBM_BPS = 4.8e12                      # the H200's datasheet bandwidth
 KERNEL_GAP_S = 1e-6                   # per kernel on the GPU, launched back to back
@@ -56,10 +55,14 @@ WORKLOAD = dict(num_hidden_layers=28, num_attention_heads=16, num_key_value_head
 ENGINE = dict(max_ctx=256, slots=8, token_budget=512, page_size=16, num_pages=64, progress=False)
 
 
-def series():
-    """course/series.py, read as a file (bench/ and course/ stand side by side: neither imports the other)."""
-    spec = importlib.util.spec_from_file_location("qs_lesson_series", ROOT / "course" / "series.py")
-    mod = importlib.util.module_from_spec(spec)
+def load(name: str, path: Path):
+    """The file, or the package in the folder, at `path`, imported as module `name`:
+    course/series.py (bench/ and course/ stand side by side: neither imports the other), or a
+    rung of the series."""
+    folder = [str(path)] if path.is_dir() else None
+    spec = importlib.util.spec_from_file_location(name, path / "__init__.py" if folder else path,
+                                                  submodule_search_locations=folder)
+    mod = sys.modules[name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
@@ -240,9 +243,8 @@ def throughput_all(pkgs: list[str], args, started: float) -> list[dict]:
     dev = "cuda" if gpu_present() else "cpu"
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    folder = Path(args.model_folder) if args.model_folder else gpu._model(
-        argparse.Namespace(workdir=str(workdir), dry_run=dev == "cpu"), gpu.TINY if dev == "cpu" else gpu.QWEN3_06B,
-        "qwen3-0.6b-random")
+    folder = gpu._model(argparse.Namespace(workdir=str(workdir), dry_run=dev == "cpu"),
+                        gpu.TINY if dev == "cpu" else gpu.QWEN3_06B, "qwen3-0.6b-random")
     # sequences, prompt lengths, output lengths: a GPU's, or the CPU dry run's
     seqs, lens, outs = (args.seqs or 32, (384, 640), (32, 96)) if dev == "cuda" else (args.seqs or 3, (4, 12), (4, 12))
     prompts, _ = gpu.workload(seqs, min_len=lens[0], max_len=lens[1])
@@ -292,8 +294,7 @@ def table(rows: list[dict], columns: list = COLUMNS) -> str:
             t = r["throughput"]
             return str(r[k]) if t["status"] == "ok" else f"{r[k] or '—'} ({t['status']})"
         return str(r.get(k, "—"))
-    lines = ["| " + " | ".join(h for h, _ in cols) + " |", "|" + "---|" * len(cols)]
-    return "\n".join(lines + ["| " + " | ".join(cell(r, k) for _, k in cols) + " |" for r in rows])
+    return markdown_table([h for h, _ in cols], [[cell(r, k) for _, k in cols] for r in rows])
 
 
 def main() -> int:
@@ -304,7 +305,6 @@ def main() -> int:
     ap.add_argument("--throughput", action="store_true",
                     help="also measure output tok/s per rung (a GPU if CuPy sees one, else a CPU dry run)")
     ap.add_argument("--workdir", default=None, help="--throughput: where bench.gpu's model folder is (re)used")
-    ap.add_argument("--model-folder", default=None, help="--throughput: this model instead of bench.gpu's")
     ap.add_argument("--seqs", type=int, default=None, help="--throughput: sequences (default 32 on a GPU, 3 on CPU; "
                     "prompts of 384..640 tokens and outputs of 32..96, on CPU 4..12 and 4..12)")
     ap.add_argument("--rung-cap-s", type=float, default=20.0,
@@ -314,29 +314,25 @@ def main() -> int:
                          "are skipped (default %(default)g)")
     args = ap.parse_args()
     started = time.perf_counter()
-    if args.throughput and args.workdir is None and args.model_folder is None:
-        ap.error("--throughput needs --workdir (bench.gpu's model folder goes there) or --model-folder")
+    if args.throughput and args.workdir is None:
+        ap.error("--throughput needs --workdir (bench.gpu's model folder goes there)")
     folder = make_model("qwen3", **dict(WORKLOAD, num_hidden_layers=args.layers))
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        rungs = series().unpack(Path(tmp) / "rungs")
-        sys.path.insert(0, str(Path(tmp) / "pkgs"))
-        for k, rung in enumerate(rungs):
-            pkg = f"qs_bench_rung{k:02d}"
-            shutil.copytree(rung, Path(tmp) / "pkgs" / pkg)
-            rows.append(dict(rung=k, name=rung.name, **count_rung(pkg, folder)))
+        rungs = load("qs_lesson_series", ROOT / "course" / "series.py").unpack(Path(tmp) / "rungs")
+        pkgs = [load(f"qs_bench_rung{k:02d}", rung).__name__ for k, rung in enumerate(rungs)]
+        rows = [dict(rung=k, name=rung.name, **count_rung(pkg, folder))
+                for k, (rung, pkg) in enumerate(zip(rungs, pkgs))]
         if args.throughput:
-            for row, r in zip(rows, throughput_all([f"qs_bench_rung{k:02d}" for k in range(len(rows))], args, started)):
+            for row, r in zip(rows, throughput_all(pkgs, args, started)):
                 row["throughput"] = r
                 row["output_tok_s"] = round(r["tok_s"], 1) if r.get("tok_s") else None
     print(table(rows))
     print(f"(host µs: the counted calls x bench/host_costs.json, {COSTS['date']}, {COSTS['machine']})")
     if args.save:
-        args.save.parent.mkdir(parents=True, exist_ok=True)
-        args.save.write_text(json.dumps(dict(
-            command="python -m bench lessons" + (f" --layers {args.layers}" if args.layers != 28 else "")
-            + (" --throughput" if args.throughput else ""), date=time.strftime("%Y-%m-%d"),
-            workload=dict(WORKLOAD, num_hidden_layers=args.layers), host_costs=COSTS, rows=rows), indent=1) + "\n")
+        layers = f" --layers {args.layers}" if args.layers != 28 else ""
+        command = "python -m bench lessons" + layers + (" --throughput" if args.throughput else "")
+        save_json(args.save, command, workload=dict(WORKLOAD, num_hidden_layers=args.layers),
+                  host_costs=COSTS, rows=rows)
         print(f"saved {args.save}")
     if args.throughput and any(r["throughput"]["status"].startswith("failed") for r in rows):
         return 1

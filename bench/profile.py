@@ -40,6 +40,7 @@ from bench.cpu import CACHE, SHAPES, prepare_models
 from stage1_cpu import kernels, quant
 from stage1_cpu.engine import LLMEngine
 from stage1_cpu.fast import OneRegionModel, cpu, gemm, simd, tiles
+from stage1_cpu.fast import decode_step as ds
 
 SAVED = Path(__file__).resolve().parent.parent / "docs" / "figures" / "stage1_prefill_profile.json"
 
@@ -96,6 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     model.forward(np.arange(128), 0)                     # a context to decode after
     versus = None
     if isinstance(model, OneRegionModel):                # the fast path: decode steps in one region
+        if T <= 8:
+            print_step_parts(model, T, args.steps)
         versus = one_region_against_per_op(model, args.steps) if T == 1 else None
         model = model.per_op                             # and the same steps op by op below
     timers = Timers()
@@ -180,6 +183,41 @@ def time_passes(model, T: int, steps: int, timers: Timers) -> float:
     for _ in range(steps):
         step()
     return (time.perf_counter() - t0) / steps
+
+
+def print_step_parts(model, T: int, steps: int) -> None:
+    """Where the one-region step of T tokens spends its time: the step is data (decode_step.prog),
+    so it runs again with parts of its program alone (the values are wrong, the work is not):
+    the matrix phases of the layers, the lm_head's, attention, the small ops, and none at all
+    (starting the region, Python). What the parts do not add up to is the waiting between
+    phases and what one part overlaps with another. model: the fast path's (fast.OneRegionModel)."""
+    step, full = model.decode_step, model.decode_step.prog
+    x = model.w.embed.rows(np.arange(T) % model.config.vocab_size)
+    parts = {"whole step": np.ones(len(full), bool), **step_parts(full),
+             "nothing (region, Python)": np.zeros(len(full), bool)}
+    best = dict.fromkeys(parts, float("inf"))
+    try:
+        for _ in range(steps):           # the parts interleaved: each sees the same machine
+            for name, keep in parts.items():
+                step.prog = np.ascontiguousarray(full[keep])
+                t0 = time.perf_counter()
+                step.step(x, 200, all_logits=T > 1)
+                best[name] = min(best[name], time.perf_counter() - t0)
+    finally:
+        step.prog = full
+    rest = best["whole step"] - sum(v for k, v in best.items() if k != "whole step")
+    print(f"the one-region step of {T} token{'s' * (T > 1)}, by part (best of {steps}, ms):")
+    for name, sec in [*best.items(), ("the rest (waits, overlap)", rest)]:
+        print(f"  {name:28s} {sec * 1e3:8.2f}")
+
+
+def step_parts(prog: np.ndarray) -> dict[str, np.ndarray]:
+    """The rows of a step's program by part: each row in exactly one part."""
+    op = prog[:, ds.OP]
+    matrix = np.isin(op, [ds.MATMUL, ds.EXPERTS])
+    return {"layers' matrices": matrix & (prog[:, ds.LOGITS] == 0),
+            "lm_head": matrix & (prog[:, ds.LOGITS] == 1),
+            "attention": op == ds.ATTENTION, "small ops": ~matrix & (op != ds.ATTENTION)}
 
 
 # every op of the namespace forward() calls (the fast path's replaces attention)

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from bench import lessons
-from bench.common import markdown_table
+from bench.common import markdown_table, rungs_table
 from bench.cpu import LLAMA_FORMAT, at_threads, busy_table, comparison
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,10 +90,7 @@ def ladder(root: Path, key: str = "rows") -> str:
     r, ms = d.get(key) or [], "ms_per_token" if key == "rows" else "ms_per_prompt_token"
     if not r:
         return f"The saved ladder has no {key} rungs yet: `python -m bench ladder --save docs/figures/stage1_ladder.json`.\n"
-    rows = [[x["rung"], x["what"], x["weights"], x["threads"], f"{x[ms]:.3g}",
-             f"{r[i - 1][ms] / x[ms]:.2f}×" if i else "", f"{r[0][ms] / x[ms]:.1f}×"] for i, x in enumerate(r)]
-    return (markdown_table(["rung", "what", "weights", "threads", ms.replace("_", " "), "× previous", "× first"], rows)
-            + f"\n\n- {d['machine']}; {d['date']}; `{d['command']}`\n")
+    return rungs_table(r, ms) + f"\n\n- {d['machine']}; {d['date']}; `{d['command']}`\n"
 
 
 def counted(root: Path) -> str:
@@ -109,9 +106,12 @@ def lines(root: Path, body: str) -> str:
             raise FileNotFoundError(f"{m.group(1)} names no file of the repository")
         return f"`{m.group(1)}` ({round(n, 2 - len(str(n))):,})"          # 2 digits: an edit seldom moves it
     body = re.sub(r"`([\w./*-]+)` \(([\d,]+)\)", count, body)
-    course_map = [sys.executable, "-m", "course.exercises", "map-column"]    # its exercises column
-    return subprocess.run(course_map, input=body, cwd=root, capture_output=True, text=True,
-                          check=True).stdout if "| exercises |" in body else body
+    columns = {"exercises": "course.exercises map-column", "tests": "course.chapter_tests"}
+    for column, command in columns.items():
+        if f"| {column} |" in body:                  # the course map's: the course writes them
+            body = subprocess.run([sys.executable, "-m", *command.split()], input=body, cwd=root,
+                                  capture_output=True, text=True, check=True).stdout
+    return body
 
 
 # bench serve's tables (docs/server.md): NAME -> its JSON in docs/figures, the command that saves it

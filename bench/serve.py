@@ -27,10 +27,8 @@ import numpy as np
 
 from bench.common import machine_description
 from bench.report import SERVE, serve_table
+from bench.testbed.serve_load import Server, drive, ours, rss_mib, soak, soak_ok, tiny
 from common.models import resolve_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from serve_load import Server, drive, ours, rss_mib, soak, soak_ok, tiny  # noqa: E402  (tests/: client, soak)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "figures"

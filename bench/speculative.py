@@ -2,7 +2,6 @@
 bench/speculative_tasks.json (code rewrite, quoting, free chat): greedy, the same token ids, the best run per policy."""
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import sys
 import time
@@ -11,11 +10,11 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import check_load, emit_result, run_worker, save_json
+from bench.common import check_load, emit_result, run_worker, save_json, versions
 from common.config import gguf_path
-from common.draft import SpeculationStats
 from common.engine import Request
 from common.sampling import SamplingParams
+from stage1_cpu.draft import SpeculationStats
 
 
 def stage1_run(engine, ids: list[int], n: int) -> dict:
@@ -135,8 +134,8 @@ def run(args, policies: list[str], shape_model: Path, log=print) -> int:
             f"({r['policy']}), first {r['same_as_plain']} tokens as stage 1 plain")))
     if args.save:
         save_json(args.save, "python -m bench cpu " + " ".join(args.argv), threads=max(args.threads), model=model.name,
-                  rows=rows, verify_ms=curves, peer=next((f"llama-cpp-python {d.version}" for d in
-                                        importlib.metadata.distributions(name="llama-cpp-python")), "no llama-cpp-python"))
+                  rows=rows, verify_ms=curves,
+                  peer=f"llama-cpp-python {versions().get('llama-cpp-python', 'not installed')}")
         log(f"results written to {args.save}")
     return 0
 

@@ -47,7 +47,8 @@ from common.stopping import AnswerText
 from common.tokenizer import Tokenizer
 
 HELP = """\
-Type a message and press Enter. Commands:
+Type a message and press Enter; for several lines (code, a quote), start with \"\"\" and end
+with \"\"\", or end each line but the last with a backslash. Commands:
   /think on|off   show (on) or hide (off) the model's thinking; on a Qwen3 template
                   it also switches the template's enable_thinking
   /reset          start a new conversation (forgets the history and the KV cache)
@@ -436,6 +437,27 @@ def _read_plain(stream) -> Iterator[str]:
         yield line.rstrip("\r\n")
 
 
+FENCE = '"""'
+
+
+def messages(lines: Iterator[str]) -> Iterator[str]:
+    """Lines -> messages: a line is a message, but a message that starts with three double
+    quotes runs to the line that ends with them (a code block pasted whole), and a line that
+    ends with a backslash goes on with the next (the backslash left out)."""
+    lines = iter(lines)
+    for line in lines:
+        if line.startswith(FENCE):
+            body = [line[len(FENCE):]]
+            while not body[-1].endswith(FENCE) or len(body) == 1 and body[0] == "":
+                body.append(next(lines, FENCE))
+            body[-1] = body[-1][:-len(FENCE)]
+            yield "\n".join(body).strip("\n")
+            continue
+        while line.endswith("\\"):
+            line = line[:-1] + "\n" + next(lines, "")
+        yield line
+
+
 # --------------------------------------------------------------------------- entry points
 
 def run_chat(engine, tokenizer, template, params: SamplingParams | None = None, *,
@@ -457,7 +479,7 @@ def run_chat(engine, tokenizer, template, params: SamplingParams | None = None, 
         sampling = f"Sampling: {describe_sampling(chat.params)}" + (
             f"; answers of at most {max_tokens} tokens." if max_tokens else ".")
         ui.notice("\n".join(fit_lines([sampling, "/help for commands, Ctrl-D to leave."], sep=" ")))
-    source = _read_plain(lines if lines is not None else sys.stdin) if plain else _read_tty()
+    source = messages(_read_plain(lines if lines is not None else sys.stdin) if plain else _read_tty())
     for line in source:
         if not chat.handle(line):
             break

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import numpy as np
 
-from common import numba_cache
 from common.config import ModelConfig
 from common.engine import Request, TokenEvent, check_prompt
 from common.sampling import NO_TOKEN, Sampler
 
 from . import CACHE_DIR, KERNEL_FILES, ops
+from .jit import numba_cache
 from .model import build_model
 from .weights import load_weights
 
@@ -31,7 +31,7 @@ class _Running:
     logits: np.ndarray | None = None               # [V] of the last fed position
 
 
-class LLMEngine(numba_cache.WarmUp):       # warm_up(), kernels_cold(): common/numba_cache.py
+class LLMEngine(numba_cache.WarmUp):       # warm_up(), kernels_cold(): jit/numba_cache.py
     def __init__(self, folder: str | Path, quant: str = "none", group_size: int = 32,
                  max_ctx: int = 4096, threads: int | None = None, progress: bool = True,
                  prefill_chunk: int = 512, use_numba: bool = True, kernels: str = "auto",

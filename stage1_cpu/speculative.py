@@ -3,7 +3,7 @@
 Loaded only with --speculative ngram or --draft-model (options.build_engine): a reader of the
 core never needs it. SpeculativeEngine is the stage-1 LLMEngine with its decode step changed:
 
-    1. draft    a proposer guesses the next k tokens: common/draft.py's prompt lookup, or a
+    1. draft    a proposer guesses the next k tokens: draft.py's prompt lookup, or a
                 DraftModel (a smaller model with the same tokenizer and a KV cache of its own)
     2. verify   the last token and its k drafts go through Model.forward as one step of
                 T = k+1 tokens (all_logits): row i is the distribution after draft i. Decode on
@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from common.draft import PromptLookup, SpeculationStats
 from common.engine import TokenEvent
 from common.models import resolve_model
 from common.sampling import NO_TOKEN, SamplingParams, apply_penalties, filter_logits
 from common.tokenizer import Tokenizer, TokenizerError
 
+from .draft import PromptLookup, SpeculationStats
 from .engine import LLMEngine
 
 if TYPE_CHECKING:

@@ -42,7 +42,7 @@ device="cpu" has no graphs: the engine runs every step eagerly. The pure parts (
 buckets, the padding) are tested on the CPU, and so is the replay logic, with a
 stand-in capture that records the step as a Python call; the tests' emulated CuPy also
 captures for real: it records the kernel launches and cuBLAS calls of the step and
-refuses, during a capture, what CuPy refuses (tests/cuda_emulator.py).
+refuses, during a capture, what CuPy refuses (bench/testbed/cuda_emulator.py).
 """
 from __future__ import annotations
 

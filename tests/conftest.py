@@ -12,6 +12,22 @@ os.environ.setdefault("QS_FAST_ALL_KINDS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench.testbed.qwen_tokenizer import build_qwen3_tokenizer  # noqa: E402  (the paths first)
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer_dir(tmp_path_factory) -> Path:
+    """A folder with Qwen3's tokenizer.json + tokenizer_config.json (session-wide)."""
+    return build_qwen3_tokenizer(tmp_path_factory.mktemp("qwen3-tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def qwen3_hf_tokenizer(qwen3_tokenizer_dir):
+    """transformers' tokenizer for the same folder (the oracle), loaded once per session."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir))
+
+
 # ---------------------------------------------------------------------------
 # time limits (pytest-timeout; the default, 300 s, is in pyproject.toml)
 # ---------------------------------------------------------------------------

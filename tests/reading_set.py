@@ -1,7 +1,7 @@
 """The stage-1 reading set: every project file that plain stage 1 imports to run a
 safetensors folder, with its lines (docstrings and comments included).
 
-    python tests/reading_set.py            # a tiny model made by tests/models.py, then the list
+    python tests/reading_set.py       # a tiny model (bench/testbed/models.py), then the list
 
 It runs `python -m stage1_cpu.generate --model <folder> --kernels plain` in a fresh
 process (stage1_cpu.generate.main with that argv) and lists the modules of this
@@ -49,8 +49,8 @@ def reading_set(folder: Path) -> dict[str, int]:
 
 
 def main() -> int:
-    sys.path.insert(0, str(ROOT / "tests"))
-    from models import make_model
+    sys.path.insert(0, str(ROOT))           # run as a script: the repository, for bench.testbed
+    from bench.testbed.models import make_model
     files = reading_set(make_model("qwen3", tokenizer=True))
     for f, n in sorted(files.items()):
         print(f"{n:5d}  {f}")

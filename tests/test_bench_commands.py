@@ -68,10 +68,11 @@ def test_help_lists_every_command_and_every_bench_file_serves_one():
 
 
 def test_bench_stays_within_its_line_budget():
-    """bench/ is a tool of a few commands: `wc -l bench/*` within the 3,500 lines that the serving and
-    speculative benchmarks were given on top of the rest (docs/benchmarks.md)."""
+    """bench/ is a tool of a few commands: `wc -l bench/*` within 3,800 lines (docs/benchmarks.md):
+    3,500 with the serving and speculative benchmarks, and 300 more for the busy-machine runs,
+    the verify-cost curve and the decode step's profile by part."""
     total = sum(len(p.read_bytes().splitlines()) for p in (ROOT / "bench").iterdir() if p.is_file())
-    assert total <= 3500, f"bench/ is {total} lines"
+    assert total <= 3800, f"bench/ is {total} lines"
 
 
 @pytest.mark.parametrize("shape,engines,kernels", [("tiny", "stage1", "plain,auto"),

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from models import make_model
+from bench.testbed.models import make_model
 
 
 # the fast path at 8 tokens on fp32 activations calls the plain code from inside its own: its
@@ -83,3 +83,25 @@ def test_peaks_are_what_each_gemm_is_measured_against(tmp_path, capsys):
     gemms = [r for r in done["passes"][0]["rows"] if "gmac_s" in r]
     assert done["peaks_gmac_s"] == peaks and len(gemms) == 4
     assert all(r["of_peak"] == pytest.approx(r["gmac_s"] / peaks[pairs]) and r["of_peak"] < 1 for r in gemms)
+
+
+def test_profile_splits_the_one_region_step_by_part(capsys):
+    """The step is data: bench profile runs parts of its program alone. The parts cover the program
+    once (every row in one part, the matrices and attention among them), each part's line is
+    printed, and the rest is the whole step less the parts (no assertion on how long a part takes)."""
+    from bench import profile
+    from stage1_cpu.engine import LLMEngine
+    folder = make_model("qwen3")
+    profile.main(["--model", str(folder), "--quant", "int8", "--kernels", "fast", "--tokens", "4", "--steps", "2"])
+    out = capsys.readouterr().out
+    part = {m.group(1).strip(): float(m.group(2))
+            for m in re.finditer(r"^  (\S[^\d-]*?)\s+(-?[\d.]+)$", out, re.M)}
+    names = ["whole step", "layers' matrices", "lm_head", "attention", "small ops", "nothing (region, Python)"]
+    assert all(part[n] >= 0 for n in names), part
+    rest = part["whole step"] - sum(part[n] for n in names[1:])
+    assert part["the rest (waits, overlap)"] == pytest.approx(rest, abs=0.03), part
+    engine = LLMEngine(str(folder), quant="int8", max_ctx=64, progress=False, kernels="fast")
+    prog = engine.model.decode_step.prog
+    masks = profile.step_parts(prog)
+    assert (sum(m.astype(int) for m in masks.values()) == 1).all()
+    assert all(m.any() for m in masks.values()), {k: int(m.sum()) for k, m in masks.items()}

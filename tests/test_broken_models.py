@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from bench.testbed.models import make_model
 from common.chat_template import BUILTIN_CHATML
 from common.config import ConfigError, ModelConfig
 from common.engine import Request
@@ -38,7 +39,6 @@ from common.sampling import NO_TOKEN, SamplingParams, Sampler
 from common.tiny_model import build_tokenizer
 from common.tokenizer import Tokenizer
 from model_fuzz import gguf_fields
-from models import make_model
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from models import make_model
+from bench.testbed.models import make_model
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(ROOT), TERM="xterm-256color",
@@ -332,3 +332,14 @@ def test_thinking_is_shown_with_think_on_hidden_with_off_and_kept_raw(tiny_chat_
     prompt2 = tokenizer.decode(engine.prompts[1])
     assert "The capital of France is Paris." not in prompt2          # old thinking dropped by the template
     assert prompt2.count("<think>") == 1 and prompt2.endswith("<think>\n\n</think>\n\n")
+
+
+def test_a_message_of_several_lines_between_triple_quotes_or_backslashes():
+    """A code block pasted whole is one message: from a line that starts with three double quotes
+    to the line that ends with them; a line ending in a backslash goes on with the next."""
+    from common.chat import messages
+    lines = ['hi', '"""Rename result to total:', 'def f(p):', '    result = 0', '    return result', '"""',
+             'one \\', 'two', '"""', 'x', '"""', '"""single"""', 'end']
+    assert list(messages(lines)) == ['hi', 'Rename result to total:\ndef f(p):\n    result = 0\n    return result',
+                                     'one \ntwo', 'x', 'single', 'end']
+    assert list(messages(['"""never closed', 'a'])) == ['never closed\na']        # the input ended first

@@ -6,10 +6,8 @@ import json
 
 import pytest
 
+from bench.testbed.qwen_tokenizer import TEMPLATE_PATH
 from common.chat_template import BUILTIN_CHATML, ChatTemplate, ChatTemplateError
-# tests/qwen_tokenizer.py (conftest.py puts tests/ on sys.path)
-from qwen_tokenizer import TEMPLATE_PATH
-from qwen_tokenizer import qwen3_hf_tokenizer, qwen3_tokenizer_dir  # noqa: F401  (pytest fixtures)
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant. Réponds en français si besoin."}
 WEATHER_TOOL = {

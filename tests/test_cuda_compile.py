@@ -22,9 +22,9 @@ import subprocess
 
 import pytest
 
-import cuda_emulator as emulator
-from cuda_sources import (ARCHS, STATIC_SMEM_LIMIT, cu_files, cu_id, find_nvcc, find_nvrtc,
-                          in_ci)
+from bench.testbed import cuda_emulator as emulator
+from bench.testbed.cuda_sources import (ARCHS, STATIC_SMEM_LIMIT, cu_files, cu_id, find_nvcc,
+                                        find_nvrtc, in_ci)
 from test_stage3_cuda_emulated import shimmed_copy
 
 CU_FILES = cu_files()

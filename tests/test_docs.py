@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 
 from bench import report
+from course import chapter_tests
+from course.chapter_tests import slug
 from course.exercises import EXERCISES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,7 +54,7 @@ def test_a_number_edited_by_hand_in_a_table_fails_report_check(tmp_path):
     shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", "__pycache__", "*.pyc", ".numba-cache"))
     stage3, course_map = copy / "docs" / "stage3.md", copy / "docs" / "README.md"
     text = stage3.read_text()
-    row = re.search(r"^\| 0 \| 00-stage2 \| (\d+) \|", text, re.M)
+    row = re.search(r"^\| 0 +\| 00-stage2 +\| (\d+) +\|", text, re.M)
     stage3.write_text(text.replace(row.group(0), row.group(0).replace(row.group(1), str(int(row.group(1)) + 1)), 1))
     text = course_map.read_text()
     count = re.search(r"`common/engine.py` \((\d+)\)", text)
@@ -151,12 +153,6 @@ def test_every_python_m_command_in_the_docs_answers_help():
     assert not failed, "\n".join(failed)
 
 
-def slug(heading: str) -> str:
-    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as hyphens."""
-    text = re.sub(r"[`*]|\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip().lower())
-    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
-
-
 def anchors(path: Path) -> set[str]:
     seen: dict[str, int] = {}
     out = set()
@@ -207,6 +203,54 @@ def test_every_test_the_docs_cite_exists():
     defined = set(re.findall(r"def (test_\w+)", code)) | {p.stem for p in (ROOT / "tests").glob("test_*.py")}
     cited = {(path.name, t) for path in DOCS for t in re.findall(r"`(?:tests/)?(test_\w+?)(?:\.py)?`", path.read_text())}
     assert len(cited) > 20 and {c for c in cited if c[1] not in defined} == set()
+
+
+# ---- the map's tests column ----
+
+def test_a_chapters_tests_are_those_its_part_of_the_chapter_names(tmp_path):
+    """course/chapter_tests.py on a chapter of its own: a row gathers the test files its part
+    names, by path or by a test's name (one name may stand in two files); a link to the whole
+    document leaves out the parts other rows link to; a `#` line in a code block is no heading;
+    a test or a heading that does not exist is an error, not an empty cell."""
+    tests, docs = tmp_path / "tests", tmp_path / "docs"
+    tests.mkdir(), docs.mkdir()
+    (tests / "test_a.py").write_text("def test_alpha():\n    pass\n")
+    (tests / "test_b.py").write_text("def test_beta():\n    pass\n\n\ndef test_alpha():\n"
+                                     "    pass\n")
+    (tests / "test_c.py").write_text("")
+    (docs / "ch.md").write_text(
+        "# Chapter\n\n`test_beta` checks the start.\n\n## 1. One\n\n```bash\n"
+        "# not a heading, and `tests/test_c.py` belongs to section 1\n```\n\n"
+        "## 2. Two\n\n`test_alpha`\n\n# Later\n\nThe whole chapter: `tests/test_c.py`.\n")
+    table = ("| # | chapter | tests |\n|---|---|---|\n| 1 | [ch](ch.md) | — |\n"
+             "| 2 | [one](ch.md#1-one) | x |\n| 3 | [two](ch.md#2-two) | — |")
+    cells = [line.split(" | ")[2].rstrip(" |")
+             for line in chapter_tests.tests_column(table, docs, tests).splitlines()[2:]]
+    assert cells == ["`test_b.py`, `test_c.py`", "`test_c.py`", "`test_a.py`, `test_b.py`"]
+    for text, error in (("`test_gone` proves it.", "test_gone"),
+                        ("`tests/test_gone.py`", "test_gone.py")):
+        (docs / "ch.md").write_text(f"# Chapter\n\n{text}\n\n## 1. One\n\n## 2. Two\n")
+        with pytest.raises(ValueError, match=error):
+            chapter_tests.tests_column(table, docs, tests)
+    with pytest.raises(ValueError, match="no heading #3-three"):
+        chapter_tests.tests_column(table.replace("#2-two", "#3-three"), docs, tests)
+
+
+def test_the_maps_tests_column_is_what_each_chapter_names():
+    """docs/README.md's tests column is what chapter_tests writes (bench report writes it, and
+    `report --check` fails on a cell edited by hand); every chapter names a test file of tests/."""
+    text = (ROOT / "docs" / "README.md").read_text()
+    table = text.split("<!-- report: lines -->\n", 1)[1].split("<!-- /report -->", 1)[0]
+    assert chapter_tests.tests_column(table) == table
+    edited = table.replace("`test_stage1_prefill_gemm.py`, ", "", 1)
+    assert edited != table and chapter_tests.tests_column(edited) == table
+    column = table.splitlines()[0].split(" | ").index("tests")
+    cells = [line.split(" | ")[column] for line in table.splitlines()[2:]]
+    one = r"`test_\w+\.py`"
+    assert len(cells) > 15 and all(re.fullmatch(rf"{one}(, {one})*", c) for c in cells)
+    assert all((ROOT / "tests" / f).is_file() for c in cells for f in re.findall(r"`(.+?)`", c))
+    prefix_cache = next(line for line in table.splitlines() if "prefix caching" in line)
+    assert "`test_stage3_block_manager.py`" in prefix_cache
 
 
 # ---- the rungs, one list ----

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from course.chapter_tests import slug
 from course.exercises import EXERCISES, get
 from course.exercises import base
 
@@ -19,13 +20,6 @@ ROOT = Path(__file__).resolve().parent.parent
 # a stub's prange loop cannot run in parallel, and numba says so: not what these tests are about
 pytestmark = pytest.mark.filterwarnings("ignore::numba.core.errors.NumbaPerformanceWarning")
 IDS = [e.id for e in EXERCISES]
-
-
-def slug(heading: str) -> str:
-    """GitHub's anchor for a Markdown heading."""
-    s = heading.strip().lower()
-    s = re.sub(r"[^\w\- ]", "", s)
-    return s.replace(" ", "-")
 
 
 def test_the_exercises_are_listed_in_course_order_with_sections_that_exist():

@@ -10,9 +10,9 @@ import shutil
 import numpy as np
 import pytest
 
+from bench.testbed.models import hf_greedy, hf_logits, load_hf, make_model
 from common.engine import Request
 from common.sampling import SamplingParams
-from models import hf_greedy, hf_logits, load_hf, make_model
 
 PROMPT = [5, 17, 300, 42, 7, 99, 256, 3, 128, 64, 11, 480, 200, 13]
 OTHER = [400, 2, 77, 31, 250, 9, 160, 88, 501, 6, 44, 333, 120, 71, 19, 260, 3, 90, 444]

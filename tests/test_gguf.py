@@ -15,9 +15,8 @@ import warnings
 import numpy as np
 import pytest
 
+from bench.testbed.models import make_model
 from common import gguf_quant as gq
-from models import make_model
-from qwen_tokenizer import qwen3_tokenizer_dir  # noqa: F401  (a fixture)
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize, quantize  # noqa: E402

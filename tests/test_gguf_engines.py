@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from bench.testbed.models import make_model
 from common.config import ModelConfig
 from common.engine import Request
 from common.sampling import SamplingParams
-from models import make_model
 from test_gguf import gguf_file
 
 PROMPT = [5, 17, 300, 42, 7, 99, 256, 3, 128, 64, 11, 480, 200, 13]

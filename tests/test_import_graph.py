@@ -5,6 +5,8 @@ files, never another stage; the course's tooling (course/) and bench/ stand on t
 tests/ stands on everything. And no import circle anywhere. Every import statement counts,
 at the top of a module or inside a function, because a function-level import is a
 dependency too; only an import under `if TYPE_CHECKING:` (a type annotation) does not.
+Outside tests/ a module imports by name only: none changes sys.path, which would hide an
+import from this scan (bench/testbed/ is the package bench and the tests share).
 """
 from __future__ import annotations
 
@@ -21,14 +23,14 @@ MAY_IMPORT = {
     "common": (),
     **{stage: ("common",) for stage in STAGES},
     "course": ("common", *STAGES),
-    "bench": ("common", *STAGES, "tests"),     # tests/models.py builds the tiny models bench lessons runs
+    "bench": ("common", *STAGES),
 }
 FOLDERS = (*MAY_IMPORT, "tests")
 
 
 def module_files(root: Path) -> dict[str, tuple[Path, str]]:
     """module name -> (file, its top-level folder), for every .py file of the project's folders.
-    tests/ is on sys.path when the tests run, so its files are top-level modules (`models`)."""
+    tests/ is on sys.path when the tests run, so its files are top-level modules (`reading_set`)."""
     found = {}
     for folder in FOLDERS:
         for path in sorted((root / folder).rglob("*.py")):
@@ -136,6 +138,30 @@ def test_common_imports_no_stage_and_no_stage_imports_another():
     assert floor_breaks(ROOT, edges) == []
 
 
+def path_changes(root: Path) -> list[str]:
+    """Every use of sys.path outside tests/: an import through it is one this scan cannot see."""
+    found = []
+    for module, (path, folder) in module_files(root).items():
+        if folder == "tests":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Attribute) and ast.unparse(node) == "sys.path":
+                found.append(f"{module} (line {node.lineno})")
+    return found
+
+
+def test_outside_tests_every_import_is_by_name():
+    assert path_changes(ROOT) == []
+
+
+def test_bench_and_the_tests_import_the_testbed_by_name():
+    edges = {(a, b) for a, b, _, _ in imports(ROOT)}
+    assert ("bench.lessons", "bench.testbed.cuda_emulator") in edges
+    assert ("bench.serve", "bench.testbed.serve_load") in edges
+    assert ("bench.testbed.serve_load", "bench.testbed.models") in edges       # a relative import
+    assert ("test_stage1_model", "bench.testbed.models") in edges
+
+
 # --- the checks above catch what they are for: planted in a copy of the tree ---
 
 @pytest.fixture
@@ -170,3 +196,18 @@ def test_common_importing_a_stage_in_a_function_is_found(tree):
     _plant(path, "def planted():\n    from stage1_cpu import ops\n    return ops")
     line = path.read_text().split("\n").index("    from stage1_cpu import ops") + 1
     assert floor_breaks(tree, imports(tree)) == [f"common.stopping (line {line}, in a function) imports stage1_cpu.ops"]
+
+
+def test_a_circle_through_the_testbed_is_found(tree):
+    planted = "def planted():\n    from bench import lessons\n    return lessons"
+    _plant(tree / "bench" / "testbed" / "models.py", planted)
+    assert ["bench.lessons", "bench.testbed.models"] in cycles(imports(tree))
+
+
+def test_bench_importing_a_test_module_or_changing_sys_path_is_found(tree):
+    path = tree / "bench" / "testbed" / "serve_load.py"
+    _plant(path, "import sys\nsys.path.insert(0, 'tests')\nimport test_stage3_engine  # noqa")
+    line = path.read_text().split("\n").index("import test_stage3_engine  # noqa") + 1
+    assert floor_breaks(tree, imports(tree)) == [
+        f"bench.testbed.serve_load (line {line}) imports test_stage3_engine"]
+    assert path_changes(tree) == [f"bench.testbed.serve_load (line {line - 1})"]

@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from bench.testbed.models import make_model
 from common.config import ConfigError, ModelConfig
 from common.loader import LoaderError, WeightLoader
-from models import make_model
 
 
 def test_every_tensor_of_a_sharded_bf16_folder_equals_torch_exactly():

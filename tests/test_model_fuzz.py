@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from bench.testbed.models import make_model
 from common.chat_template import BUILTIN_CHATML
 from common.gguf_write import write_gguf
 from common.tiny_model import build_tokenizer
 from model_fuzz import describe, format_table, inputs_in
-from models import make_model
 
 FAMILIES = ("qwen3", "qwen3_moe", "llama", "qwen2", "qwen2_moe")
 # rows of 128 (multiples of Q8_0's 32), as tests/test_gguf.py writes its files

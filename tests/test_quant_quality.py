@@ -75,9 +75,9 @@ def test_int4_group_64_loses_perplexity_within_a_bound(perplexities):
 
 @pytest.fixture(scope="module")
 def random_model_logits():
-    """A tiny random Qwen3 (tests/models.py) with full-precision weights, where int4 has no
+    """A tiny random Qwen3 (bench/testbed/models.py) with full-precision weights, where int4 has no
     grid to land back on: logits [64, V] of a random prompt for fp32, int8 and int4."""
-    from models import make_model
+    from bench.testbed.models import make_model
     folder = make_model("qwen3")
     ids = np.random.default_rng(0).integers(3, 500, size=64)
     out = {}

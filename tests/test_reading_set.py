@@ -11,13 +11,13 @@ from __future__ import annotations
 import re
 
 import pytest
-from models import make_model
+from bench.testbed.models import make_model
 from reading_set import BOUND, ROOT, reading_set
 
 # what a safetensors folder with --kernels plain must not load: each behind the boundary where it is used
 NOT_READ = ("common/gguf.py", "common/gguf_convert.py", "common/gguf_quant.py", "common/gguf_write.py",
-            "common/fetch.py", "common/numba_stamps.py", "stage1_cpu/fast/", "stage1_cpu/speculative.py",
-            "common/draft.py", "common/model_help.py")
+            "common/fetch.py", "stage1_cpu/jit/numba_stamps.py", "stage1_cpu/fast/",
+            "stage1_cpu/speculative.py", "stage1_cpu/draft.py", "common/model_help.py")
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +43,9 @@ def test_docs_reading_list_is_the_reading_set(files):
 
 
 def test_the_core_stays_within_1500_lines():
+    # speculative.py and draft.py load only with --speculative / --draft-model, as fast/ only with
+    # its kernels; jit/ (numba's housekeeping) stands beside the core, in the reading set
+    later = ("speculative.py", "draft.py")
     core = {p.name: len(p.read_text().splitlines()) for p in (ROOT / "stage1_cpu").glob("*.py")
-            if p.name != "speculative.py"}       # loaded only by --speculative / --draft-model, as fast/ by its kernels
+            if p.name not in later}
     assert 1000 < sum(core.values()) <= 1500, core

@@ -1,4 +1,4 @@
-"""Our servers under load and faults, in subprocesses over loopback (tests/serve_load.py):
+"""Our servers under load and faults, in subprocesses over loopback (bench/testbed/serve_load.py):
 
   * the soak: 64 streaming clients against stage 2 on CPU (a tiny qwen3), with shared prefixes, clients that
     leave mid-stream, malformed bodies and a page pool small enough to preempt: every answer equals the same
@@ -27,9 +27,9 @@ import pytest
 
 from bench import serve as bench_serve
 from bench.common import machine_description
+from bench.testbed.models import hf_greedy
+from bench.testbed.serve_load import Server, one, ours, soak, soak_ok, tiny
 from common.tokenizer import Tokenizer
-from models import hf_greedy
-from serve_load import Server, one, ours, soak, soak_ok, tiny
 
 ROOT = Path(__file__).resolve().parent.parent
 DRILLS = int(os.environ.get("QS_DRILLS", "3"))

@@ -31,7 +31,6 @@ from common.chat_template import ChatTemplate
 from common.engine import Request, TokenEvent, check_prompt
 from common.server import Limits, create_app
 from common.tokenizer import Tokenizer
-from qwen_tokenizer import qwen3_tokenizer_dir  # noqa: F401  (session fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike".split()
@@ -858,7 +857,7 @@ def test_api_key_is_enforced(model_dir, tok):
 # ============================================================================
 @pytest.fixture(scope="module")
 def tiny_qwen3() -> Path:
-    from models import make_model
+    from bench.testbed.models import make_model
     return make_model("qwen3", tokenizer=True)
 
 
@@ -875,7 +874,7 @@ def stage1(tiny_qwen3):
 
 
 def test_stage1_greedy_completion_matches_transformers(stage1, tiny_qwen3):
-    from models import hf_greedy
+    from bench.testbed.models import hf_greedy
     c = openai.OpenAI(base_url=stage1.url + "/v1", api_key="x", max_retries=0)
     ids = stage1.tok.encode("<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n")
     r = c.completions.create(model="tiny-qwen3", prompt=ids, max_tokens=8, temperature=0,

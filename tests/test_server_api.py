@@ -27,7 +27,6 @@ from common.engine import TokenEvent
 from common.engine_process import EngineProcess
 from common.server import create_app
 from common.tokenizer import Tokenizer
-from qwen_tokenizer import qwen3_tokenizer_dir  # noqa: F401  (session fixture)
 from test_server import CHAT_OK, LiveServer, ScriptedEngine, assert_error, model_dir, post_raw, script_for, \
     scripted, tok, user  # noqa: F401  (fixtures)
 

@@ -29,10 +29,10 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from bench.testbed.models import hf_greedy, make_model
 from common.chat_template import ChatTemplate
 from common.server import Limits, create_app
 from common.tokenizer import Tokenizer
-from models import hf_greedy, make_model
 from test_server import LiveServer
 
 FUZZ_SECONDS = float(os.environ.get("FUZZ_SECONDS", "60"))

@@ -1,7 +1,7 @@
 """numba's disk cache after an edit: a kernel that inlines a function from another file
-is recompiled when that file changes (common/numba_stamps.py; numba alone runs stale
+is recompiled when that file changes (stage1_cpu/jit/numba_stamps.py; numba alone runs stale
 machine code then), and the warm-up mark follows the kernel files' contents, not those
-of files without kernels (common/numba_cache.py)."""
+of files without kernels (stage1_cpu/jit/numba_cache.py)."""
 from __future__ import annotations
 
 import os
@@ -16,8 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 HELPER = "from numba import njit\n\n@njit(inline='always')\ndef value():\n    return {}\n"
 KERNEL = ("{setup}from numba import njit\nfrom helper import value\n\n"
           "@njit(cache=True)\ndef kernel():\n    return value() * 10\n\nprint(kernel())\n")
-DEPEND = ("import sys\nsys.path.insert(0, {root!r})\nfrom pathlib import Path\nfrom common import numba_stamps\n"
-          "here = Path(__file__).parent\nnumba_stamps.depend([here / 'kernel.py'], on=[here / 'helper.py'])\n")
+DEPEND = ("import sys\nsys.path.insert(0, {root!r})\nfrom pathlib import Path\n"
+          "from stage1_cpu.jit import numba_stamps\nhere = Path(__file__).parent\n"
+          "numba_stamps.depend([here / 'kernel.py'], on=[here / 'helper.py'])\n")
 
 
 def run_kernel(folder: Path, cache: Path) -> str:
@@ -41,7 +42,7 @@ def test_an_edit_to_an_inlined_helper_recompiles_the_kernel_that_depends_on_it(t
 
 
 def test_warm_mark_follows_the_kernel_files_only(tmp_path):
-    from common import numba_cache
+    from stage1_cpu.jit import numba_cache
     a, b = tmp_path / "kernels.py", tmp_path / "ops.py"
     a.write_text("x = 1\n")
     b.write_text("y = 1\n")
@@ -56,7 +57,7 @@ def test_warm_mark_follows_the_kernel_files_only(tmp_path):
 
 def test_stage1_keys_each_path_on_the_files_it_compiles():
     import stage1_cpu
-    from common import numba_stamps
+    from stage1_cpu.jit import numba_stamps
     from stage1_cpu import fast
     from stage1_cpu.fast import decode_step  # noqa: F401  (its kernels are defined, so stamped)
     names = {p.name for p in stage1_cpu.KERNEL_FILES}
@@ -81,7 +82,7 @@ def test_stage1_keys_each_path_on_the_files_it_compiles():
 
 
 def test_warm_up_runs_once_per_mark_and_forgets_the_cache(tmp_path):
-    from common import numba_cache
+    from stage1_cpu.jit import numba_cache
     kernel = tmp_path / "kernels.py"
     kernel.write_text("x = 1\n")
 

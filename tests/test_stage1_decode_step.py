@@ -8,8 +8,8 @@ import numba
 import numpy as np
 import pytest
 
+from bench.testbed.models import make_model
 from common.config import ModelConfig
-from models import make_model
 from stage1_cpu.fast import OneRegionModel, cpu, decode_step, sync
 from stage1_cpu.model import Model, build_model
 from stage1_cpu.weights import load_weights
@@ -336,3 +336,54 @@ def test_engine_with_threads_and_kernels_options(kernels):
     assert engine.describe_kernels().startswith("plain kernels ·") == (kernels == "plain")
     assert f" · {numba.threading_layer()} threads " in engine.describe_kernels()   # the layer
     numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+
+
+def run_threads(cost, steps=2000, noise=0.0, seed=0):
+    """threads.Threads on a planted machine: cost(n, i) the seconds of step i on n threads ->
+    (seconds in all, seconds had every step run on the count faster at that moment, counts used)."""
+    from stage1_cpu.fast.threads import Threads
+    rng, chooser = np.random.default_rng(seed), Threads(2)
+    spent = best = 0.0
+    used = []
+    for i in range(steps):
+        n = chooser.pick()
+        s = cost(n, i) * (1 + noise * rng.uniform(-1, 1))
+        chooser.update(n, s)
+        spent, best = spent + s, best + min(cost(1, i), cost(2, i))
+        used.append(n)
+    return spent, best, used
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.3])
+def test_a_step_runs_on_the_threads_that_are_faster_now(noise):
+    """threads.Threads, step by step on planted machines (noise: each step +-30 %):
+    - quiet: two threads take 0.6 of one's time; the probes of one thread cost under 2 %;
+    - busy (two programs on two cores): one thread gets two thirds of a core (1.5 times its quiet
+      time), two threads take 1.3 of that (each waits for the other, descheduled): the step moves
+      to one thread and stays within 3 % of the best;
+    - the machine gets busy at step 700 and quiet again at 1400: it follows, within 3 % over all
+      (5 % with the noise, which hides a change for a few steps: 1-4 % over these seeds)."""
+    quiet = lambda n, i: 0.006 if n == 2 else 0.010                          # noqa: E731
+    busy = lambda n, i: 0.0195 if n == 2 else 0.015                          # noqa: E731
+    changing = lambda n, i: (busy if 700 <= i < 1400 else quiet)(n, i)     # noqa: E731
+    spent, best, used = run_threads(quiet, noise=noise)
+    assert spent <= 1.02 * best and used[-1] == 2 and used.count(1) < 40
+    spent, best, used = run_threads(busy, noise=noise)
+    assert spent <= 1.03 * best and used[-1] == 1
+    spent, best, used = run_threads(changing, noise=noise)
+    assert spent <= (1.03 if noise == 0 else 1.05) * best, (spent, best)
+    assert used[1300] == 1 and used[-1] == 2, "it did not follow the machine"
+
+
+def test_the_step_on_fewer_threads_gives_the_same_logits_and_gives_numba_its_count_back():
+    weights = load(make_model(**CASES["qwen3"]), "int8", 32, progress=False)
+    a, b = build_model(weights, 64), build_model(weights, 64)
+    a.forward(np.array(PROMPT), 0)
+    b.forward(np.array(PROMPT), 0)
+    saved = numba.get_num_threads()
+    b.decode_step.threads.use = 1                                 # as on a busy machine
+    b.decode_step.threads.wait = 10 ** 6
+    for pos in range(len(PROMPT), len(PROMPT) + 3):
+        assert np.array_equal(a.forward(np.array([pos % 7]), pos), b.forward(np.array([pos % 7]), pos))
+        assert numba.get_num_threads() == saved
+    assert b.decode_step.threads.cost.get(1) and not b.decode_step.threads.cost.get(saved if saved > 1 else 0)

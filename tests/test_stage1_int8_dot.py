@@ -146,6 +146,6 @@ def test_compiled_kernels_contain_the_chosen_instruction(rng):
 
 
 def test_threading_layer_is_named_before_any_parallel_kernel():
-    from common.numba_cache import threads
+    from stage1_cpu.jit.numba_cache import threads
     assert threads().startswith(f"{numba.threading_layer()} threads ")
     assert numba.threading_layer() in ("omp", "tbb", "workqueue")

@@ -15,10 +15,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from common.numba_cache import set_threads
 from stage1_cpu import kernels, ops, quant
 from stage1_cpu.fast import cpu
 from stage1_cpu.fast.weight import fast_quantize
+from stage1_cpu.jit.numba_cache import set_threads
 from stage1_cpu.quant import Weight, quantize
 
 NO_INT8_DOT = "this CPU (or NUMBA_CPU_NAME) has no int8 dot product: neither AVX-512 VNNI / AVX-VNNI (vpdpbusd), AVX2 (vpmaddubsw) nor ARM dotprod (sdot)"

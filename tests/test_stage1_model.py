@@ -2,10 +2,10 @@
 import numpy as np
 import pytest
 
+from bench.testbed.models import hf_greedy, hf_logits, make_model
 from common.config import ModelConfig
 from common.engine import Request
 from common.sampling import SamplingParams
-from models import hf_greedy, hf_logits, make_model
 from stage1_cpu.fast import cpu
 from stage1_cpu.engine import LLMEngine
 from stage1_cpu.model import Model, build_model

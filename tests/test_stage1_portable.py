@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from models import hf_greedy, make_model
+from bench.testbed.models import hf_greedy, make_model
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "The quick brown fox jumps over the lazy dog because"

@@ -150,7 +150,7 @@ def test_int8_prefill_refused_without_an_int8_dot(rng):
 def test_int8_prefill_logits_close_to_transformers(family):
     """A whole prompt (14 tokens: the prefill path) through the int8 GEMM, against
     transformers' fp32 logits: within the int8 / int4 bounds test_stage1_model.py uses."""
-    from models import hf_logits, make_model
+    from bench.testbed.models import hf_logits, make_model
     from test_stage1_model import PROMPT, QUANT_TOL, logits_all, rel_err
     folder = make_model(family, hidden_size=128, intermediate_size=256, initializer_range=0.05)
     from common.config import ModelConfig

@@ -1,4 +1,4 @@
-"""Speculative decoding in stage 1 (stage1_cpu/speculative.py, common/draft.py): the output is
+"""Speculative decoding in stage 1 (stage1_cpu/speculative.py, stage1_cpu/draft.py): the output is
 plain decoding's, greedy token for token and sampled in distribution, whichever drafts come.
 
 Plain decoding, the reference, is LLMEngine on the same weights. A verify step of T = k+1 < 8
@@ -19,13 +19,13 @@ import httpx
 import numpy as np
 import pytest
 
+from bench.testbed.models import make_model
 from common.config import ModelConfig
-from common.draft import PromptLookup, SpeculationStats
 from common.engine import Request
 from common.sampling import SamplingParams, apply_penalties
 from course.exercises.stage1 import P_FAIL, chi_square_p
-from models import make_model
 from stage1_cpu import speculative
+from stage1_cpu.draft import PromptLookup, SpeculationStats
 from stage1_cpu.engine import LLMEngine
 from stage1_cpu.fast import available as fast_unavailable
 from stage1_cpu.model import build_model

@@ -1,5 +1,5 @@
 """The CUDA sources themselves, launched by kernels.py, run on the CPU under the
-emulator of tests/cuda_emulator.py (one OS thread per CUDA thread; blocks in a seeded,
+emulator of bench/testbed/cuda_emulator.py (one OS thread per CUDA thread; blocks in a seeded,
 shuffled order, 2-4 live at once; per-block shared memory poisoned at the block's start;
 shared-memory, launch and shuffle-mask limits checked; a watchdog for deadlocks).
 
@@ -30,11 +30,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-import cuda_emulator as emu
 from bench import lessons
-from cuda_emulator import Dev, EmulatorError, dev, fake_cupy
-from cuda_sources import cu_files, cu_id
-from models import make_model
+from bench.testbed import cuda_emulator as emu
+from bench.testbed.cuda_emulator import Dev, EmulatorError, dev, fake_cupy
+from bench.testbed.cuda_sources import cu_files, cu_id
+from bench.testbed.models import make_model
 from stage2_batched import kernels, ops
 from test_stage2_kernels import paged
 
@@ -174,7 +174,7 @@ def test_engine_on_emulated_kernels_equals_engine_on_twins(gpu, monkeypatch):
     whose layer 1 is dense, so both MLP paths run."""
     from common.engine import Request
     from common.sampling import SamplingParams
-    from models import make_model
+    from bench.testbed.models import make_model
     from stage2_batched import engine as engine_module
 
     folder = make_model("qwen3_moe", mlp_only_layers=[1])

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from bench.testbed.models import load_hf, make_model
 from common.engine import Request
 from common.sampling import SamplingParams
-from models import load_hf, make_model
 from stage2_batched.engine import LLMEngine
 
 # prompt lengths around the page size 16: 1 token, one short of / exactly / one past a
@@ -180,7 +180,7 @@ def test_all_logits_of_a_packed_batch_equal_transformers():
     every position close to transformers' (relative error). The logits are the caller's:
     they still hold after a second forward pass of as many tokens (which reuses every
     buffer of the model's Scratch) has run."""
-    from models import hf_logits
+    from bench.testbed.models import hf_logits
     from stage2_batched.batch import build_batch
     from stage2_batched.sequence import Sequence
     folder = make_model("qwen3")
@@ -245,7 +245,7 @@ def test_seeded_sampling_in_a_batch_equals_the_sampler_on_transformers_logits():
     its own RNG: batched with other requests, a seeded request draws what the same Sampler
     draws from transformers' logits one token at a time."""
     from common.sampling import Sampler
-    from models import hf_logits
+    from bench.testbed.models import hf_logits
     folder, prompts, ref = reference("qwen3")
     params = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, repetition_penalty=1.1,
                             seed=1234, max_tokens=6, ignore_eos=True)

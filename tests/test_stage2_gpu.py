@@ -213,7 +213,7 @@ def test_second_engine_in_one_process_sizes_its_kv_pool():
     import gc
 
     import cupy
-    from models import make_model
+    from bench.testbed.models import make_model
     from stage2_batched.engine import LLMEngine
     folder = make_model("qwen3")
     first = LLMEngine(folder, max_ctx=512, device="cuda", progress=False)

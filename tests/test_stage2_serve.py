@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from models import hf_greedy, make_model
+from bench.testbed.models import hf_greedy, make_model
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,6 +1,6 @@
 """Stage 3's CUDA sources run on the CPU under the g++ emulator, each against its numpy twin.
 
-The emulator is tests/cuda_emulator.py (one OS thread per CUDA thread, blocks in a seeded
+The emulator is bench/testbed/cuda_emulator.py (one OS thread per CUDA thread, blocks in a seeded
 shuffled order, poisoned shared memory, checked barriers and shuffle masks), used as it is.
 The tensor-core kernel, which it cannot run by itself, gets a fragment shim here: a copy
 of prefill_attention_tc.cu with the CPU versions of its five PTX wmma helpers in front
@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import cuda_emulator as emu
+from bench.testbed import cuda_emulator as emu
 from stage3_optimized import kernels, ops
 from stage3_optimized.ops import bf16_bits, f32
 from test_stage2_kernels import paged
@@ -519,7 +519,7 @@ def test_engine_on_emulated_kernels_equals_engine_on_twins(gpu, monkeypatch, fam
     q/k/v biases (fp32 add, then the device rounding) and the gated shared expert."""
     from common.engine import Request
     from common.sampling import SamplingParams
-    from models import make_model
+    from bench.testbed.models import make_model
     from stage3_optimized import engine as engine_module
 
     folder = make_model(family, mlp_only_layers=[1])
@@ -587,7 +587,7 @@ def test_decode_graphs_capture_on_the_emulated_cupy_and_give_the_eager_twins_tok
     would fail here. Padded buckets, block tables as wide as max_ctx, the decode grid sized
     for max_ctx (splits of 8 positions: most of a short context's splits are empty), padding
     rows with slot -1: the tokens must be those of the eager twins."""
-    from models import make_model
+    from bench.testbed.models import make_model
     folder = make_model("qwen3")
     prompts, lengths = [list(range(40, 50)), [5, 9, 3], [300, 301, 302, 303]], [5, 2, 4]
     expect = _drive(_graph_engine(folder, "cpu", False), prompts, lengths)
@@ -607,7 +607,7 @@ def test_a_refused_call_planted_in_the_captured_step_fails_the_capture(gpu, monk
     fails with that call's own error, the engine says why (DecodeGraphs.error) and goes on
     eagerly with the right tokens. This is the class of bug the first GPU run found (CuPy's
     cuBLAS wrapper inside the graph): the stand-in must not be kinder than CuPy."""
-    from models import make_model
+    from bench.testbed.models import make_model
     from stage3_optimized.model import Model
     folder = make_model("qwen3")
     prompts, lengths = [[5, 9, 3]], [4]
@@ -695,7 +695,7 @@ def test_an_engine_whose_graph_lost_its_buffers_stops_replaying(gpu, monkeypatch
     The graph still points at the old ones, freed: its replay fails (on the GPU it would read
     freed memory and give wrong tokens), the engine says why and runs eagerly, with the twins'
     tokens."""
-    from models import make_model
+    from bench.testbed.models import make_model
     from stage3_optimized.buffers import Activations
     folder = make_model("qwen3")
     prompts, lengths = [[5, 9, 3], [40, 41]], [6, 6]
@@ -725,7 +725,7 @@ def test_a_graph_decode_step_makes_one_replay_two_copies_and_no_allocation(gpu, 
     one input copy, the forward pass's launches (gemv.cu for every projection: no cuBLAS call),
     the sampling kernel, the ids copied back, and no allocation; as a graph replay, the same
     two copies and one graph launch, no kernel launched from the host."""
-    from models import make_model
+    from bench.testbed.models import make_model
     folder = make_model("qwen3")
     eng = _graph_engine(folder, "cuda", True, monkeypatch)
     L = eng.config.num_layers
@@ -915,7 +915,7 @@ def test_engine_reports_a_degenerate_logits_row_as_an_error_for_that_request_onl
     and finish_reason "error", and no token; "ok" gets its tokens as if alone; every page is freed."""
     from common.engine import Request
     from common.sampling import SamplingParams
-    from models import make_model
+    from bench.testbed.models import make_model
     from stage3_optimized.engine import LLMEngine
 
     folder = make_model("qwen3")
@@ -991,7 +991,7 @@ def test_every_step_sends_its_inputs_in_one_copy_at_addresses_fixed_by_their_siz
     """StepInputs: each step (eager prefill, eager decode, graph decode) makes exactly one
     host-to-device copy, and two uploads with the same sizes put every field at the same
     address (what a graph's recorded pointers rely on)."""
-    from models import make_model
+    from bench.testbed.models import make_model
     from stage3_optimized.batch import build_batch
     from stage3_optimized.buffers import StepInputs
     copies = []

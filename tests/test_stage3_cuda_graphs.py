@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from bench.testbed.models import make_model
 from common.engine import Request
 from common.sampling import SamplingParams
-from models import make_model
 from stage3_optimized import options
 from stage3_optimized.batch import build_batch
 from stage3_optimized.cuda_graphs import DecodeGraphs, batch_buckets, pad_decode_batch, pick_bucket

@@ -24,29 +24,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from bench.testbed.models import BF16_MARGIN, hf_on_bf16_weights, make_model
 from common.engine import Request
 from common.sampling import SamplingParams
-from models import load_hf, make_model
 from stage3_optimized.batch import build_batch
 from stage3_optimized.engine import LLMEngine
-from stage3_optimized.ops import round_bf16
 from stage3_optimized.sequence import Sequence
 
 FAMILIES = ["qwen3", "qwen3_moe", "llama", "qwen2", "qwen2_moe"]
 PROMPT = [5, 9, 3, 17, 22, 100, 7, 8, 40, 41, 300, 12, 250]
 GREEDY_PROMPTS = {"qwen3": PROMPT, "qwen3_moe": [1, 2, 3], "llama": PROMPT, "qwen2": PROMPT,
                   "qwen2_moe": [250, 12, 300]}
-MARGIN = 0.2
-
-
-def hf_on_bf16_weights(folder, dtype="float32"):
-    """transformers' model with every parameter rounded to bf16 (and kept as dtype)."""
-    import torch
-    model = load_hf(folder)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.from_numpy(round_bf16(p.numpy())))
-    return model.to(getattr(torch, dtype))
 
 
 def engine(folder, **kw):
@@ -109,7 +97,8 @@ def test_greedy_tokens_match_transformers_until_a_near_tie(family):
             margins.append(top2[1] - top2[0])
             expect.append(int(logits.argmax()))
             ids.append(expect[-1])
-    clear = next((i for i, m in enumerate(margins) if m < MARGIN), steps)   # tokens before the first near-tie
+    # the tokens before the first near-tie
+    clear = next((i for i, m in enumerate(margins) if m < BF16_MARGIN), steps)
     assert clear >= 5, f"the prompt gives a near-tie at step {clear}; choose another prompt"
     got = run(engine(folder), [prompt], steps)["0"]
     assert len(got) == steps

@@ -14,10 +14,10 @@ from pathlib import Path
 import httpx
 import openai
 
+from bench.testbed.models import make_model
 from common.engine import Request, TokenEvent
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
-from models import make_model
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OPENBLAS_NUM_THREADS": "1"}

@@ -9,7 +9,7 @@ more under compute-sanitizer, with CuPy's memory pool off so that memcheck sees 
 own bounds. With QS_REQUIRE_GPU=1 a tensor-core prefill that falls back to the plain kernel
 is a failure too (kernels._tc_available).
 
-Without a GPU the kernel tests run on the emulated kernels (tests/cuda_emulator.py, the
+Without a GPU the kernel tests run on the emulated kernels (bench/testbed/cuda_emulator.py, the
 stand-in CuPy of test_stage3_cuda_emulated.py) where QS_GPU_DRY_RUN=1 (gpu_check.sh
 --dry-run), on a subset of the shapes that the emulator's thread per CUDA thread can carry;
 elsewhere they skip (test_stage3_cuda_emulated.py runs the kernels on CPU in CI). The engine
@@ -46,9 +46,9 @@ needs_gpu = pytest.mark.skipif(not ON_GPU, reason=str(WHY_NO_GPU))
 kernel_test = pytest.mark.skipif(not (ON_GPU or EMULATED), reason=f"{WHY_NO_GPU} (the emulator runs these "
                                  "kernels in test_stage3_cuda_emulated.py; QS_GPU_DRY_RUN=1 runs them here)")
 
+from bench.testbed.models import BF16_MARGIN, hf_on_bf16_weights, make_model  # noqa: E402
 from common.engine import Request                          # noqa: E402
 from common.sampling import SamplingParams                 # noqa: E402
-from models import make_model                              # noqa: E402
 from stage3_optimized import kernels, ops                  # noqa: E402
 from stage3_optimized.batch import PREFILL_TILE            # noqa: E402
 from stage3_optimized.ops import bf16_bits, f32            # noqa: E402
@@ -62,7 +62,7 @@ from test_stage3_cuda_emulated import (                    # noqa: E402, F401  (
     test_sample_kernel_equals_twin_on_the_same_uniform_numbers as check_sample,
     test_sample_owner_finds_its_token_where_chunk_start_plus_each_weight_rounds_away as check_sample_owner,
     test_swiglu_equals_twin as check_swiglu)
-from test_stage3_engine import GREEDY_PROMPTS, MARGIN, engine, hf_on_bf16_weights, run   # noqa: E402
+from test_stage3_engine import GREEDY_PROMPTS, engine, run   # noqa: E402
 
 
 @pytest.fixture
@@ -296,7 +296,7 @@ MIN_CLEAR = 5                                            # steps before the firs
 
 def greedy_reference(folder, prompt, steps):
     """transformers' greedy tokens on the bf16-rounded weights, and how many come before the
-    first near-tie (top-2 margin < MARGIN), where bf16 noise may pick the other token."""
+    first near-tie (top-2 margin < BF16_MARGIN), where bf16 noise may pick the other token."""
     import torch
     hf = hf_on_bf16_weights(folder)
     ids, expect, margins = list(prompt), [], []
@@ -307,7 +307,7 @@ def greedy_reference(folder, prompt, steps):
             margins.append(float(top2[1] - top2[0]))
             expect.append(int(logits.argmax()))
             ids.append(expect[-1])
-    clear = next((i for i, m in enumerate(margins) if m < MARGIN), steps)
+    clear = next((i for i, m in enumerate(margins) if m < BF16_MARGIN), steps)
     return expect, clear, margins
 
 

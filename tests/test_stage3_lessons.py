@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.testbed.models import BF16_MARGIN, load_hf, make_model
 from common.engine import Request
 from common.sampling import SamplingParams
-from models import load_hf, make_model
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("qs_lesson_series", ROOT / "course" / "series.py")
@@ -38,7 +38,6 @@ _spec.loader.exec_module(series)
 FAMILIES = ["qwen3", "qwen3_moe"]
 PROMPTS = {"qwen3": [5, 9, 3, 17, 22, 100, 7, 8, 40, 41, 300, 12, 250], "qwen3_moe": [1, 2, 3]}
 STEPS = 6
-MARGIN = 0.2          # as in tests/test_stage3_engine.py: twice the largest bf16 logit error seen
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +207,7 @@ def test_every_rung_gives_transformers_greedy_tokens_until_a_near_tie(packages, 
                                    num_pages=40, device="cpu", progress=False)
         bf16 = eng.weights.embed.data.dtype == np.uint16     # bf16 weights (lesson 06 on)
         expect, margins = oracle(family, bf16)
-        clear = next((i for i, m in enumerate(margins) if m < MARGIN), STEPS)
+        clear = next((i for i, m in enumerate(margins) if m < BF16_MARGIN), STEPS)
         assert clear >= 4, f"{family}: a near-tie at step {clear}; choose another prompt"
         eng.add_request(Request("r", list(PROMPTS[family]),
                                 SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)))
@@ -275,7 +274,7 @@ def _new_kernels(rungs: list[Path], k: int) -> dict[str, str]:
 def _gpu(kernels, emulated, monkeypatch):
     """The rung's kernels.py on the stand-in CuPy, cuBLAS and the emulated kernels (as in
     tests/test_stage3_cuda_emulated.py's `gpu` fixture)."""
-    import cuda_emulator as emu
+    from bench.testbed import cuda_emulator as emu
     monkeypatch.setattr(kernels, "GEMV_MAX_BLOCKS", 4, raising=False)   # the emulator: 256 threads a block
     return emu.install(monkeypatch, kernels, emulated).dev
 
@@ -405,7 +404,7 @@ def _case(name, K, ops, dev, emulated):
 
 
 def test_each_rungs_new_kernels_equal_its_twins_in_the_emulator(rungs, packages, monkeypatch, tmp_path):
-    import cuda_emulator as emu
+    from bench.testbed import cuda_emulator as emu
     from test_stage3_cuda_emulated import shimmed_copy
     if shutil.which("g++") is None:
         pytest.skip("g++ is not installed")
@@ -513,7 +512,7 @@ def test_bench_lessons_throughput_runs_every_rung_to_the_requested_tokens_on_cpu
     from bench import gpu, lessons
     pkgs = ["stage2_batched"] + [p.__name__ for p in packages.values()] + ["stage3_optimized"]
     assert len(pkgs) == len(series.patches()) + 1
-    args = argparse.Namespace(workdir=str(tmp_path), model_folder=None, seqs=3, rung_cap_s=30.0, deadline_s=600.0)
+    args = argparse.Namespace(workdir=str(tmp_path), seqs=3, rung_cap_s=30.0, deadline_s=600.0)
     requested = sum(gpu.workload(3, seed=1, min_len=4, max_len=12)[1])
     rows = lessons.throughput_all(pkgs, args, time.perf_counter())
     assert (tmp_path / "tiny-qwen3-0.6b-random" / "config.json").is_file()   # bench.gpu's model

@@ -13,10 +13,9 @@ import unicodedata
 
 import pytest
 
+from bench.testbed.qwen_tokenizer import (ADDED_TOKEN_IDS, ADDED_TOKENS, load_ranks,
+                                          tiktoken_reference)
 from common.tokenizer import Tokenizer, TokenizerError
-# tests/qwen_tokenizer.py (conftest.py puts tests/ on sys.path)
-from qwen_tokenizer import ADDED_TOKEN_IDS, ADDED_TOKENS, load_ranks, tiktoken_reference
-from qwen_tokenizer import qwen3_hf_tokenizer, qwen3_tokenizer_dir  # noqa: F401  (pytest fixtures)
 
 SAMPLES = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",

@@ -1,5 +1,5 @@
 """Stage 1 chooses how numba's idle OpenMP threads wait, so that a user sets nothing
-(stage1_cpu/__init__.py calls common/numba_cache.py's wait_policy as the package loads).
+(stage1_cpu/__init__.py calls stage1_cpu/jit/numba_cache.py's wait_policy as the package loads).
 
 libgomp, numba's omp layer, reads OMP_WAIT_POLICY once, in its constructor, when numba loads it
 to start its threads (the first parallel kernel or thread-count call): the choice must be in the
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 import stage1_cpu
-from common import numba_cache
 from common.tiny_model import write_tiny_model
+from stage1_cpu.jit import numba_cache
 
 ROOT = Path(__file__).resolve().parent.parent
 SPINCOUNT = {"PASSIVE": "0", "ACTIVE": "30000000000"}        # what libgomp reads for each

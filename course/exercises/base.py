@@ -415,7 +415,7 @@ _models: dict = {}
 def tiny_model(family: str = "qwen3", **overrides) -> Path:
     """A tiny random transformers model saved to a folder (real architecture, real file
     layout), built once per process and shared by every check that asks for it: the
-    oracle the project's tests use (tests/models.py builds the same kind). Needs torch
+    oracle the project's tests use (bench/testbed/models.py builds the same kind). Needs torch
     and transformers (pip install -e '.[test]')."""
     key = (family, repr(sorted(overrides.items())))
     if key in _models:

@@ -3,14 +3,14 @@
 The Python checks import the student's copy (ws.module) and compare it with the
 installed package's own code: the scheduler is run side by side with the reference
 one, step by step. The .cu checks compile the workspace's kernel under the g++ CUDA
-emulator of tests/cuda_emulator.py (one OS thread per CUDA thread, blocks in a shuffled
+emulator of bench/testbed/cuda_emulator.py (one OS thread per CUDA thread, blocks in a shuffled
 order, poisoned shared memory, checked barriers and shuffles, a race detector between
 blocks), launch it with the grid its header documents, and compare it with its numpy
 twin in stage2_batched/ops.py, as tests/test_stage2_cuda_emulated.py does.
 
-The emulator is test code and ships with the repository, not with the package: it is
-loaded by path from the checkout the exercises come from (`emulator()`), and a check
-run from an installed copy without tests/ fails with a message that says so.
+The emulator is the tests' and the benchmarks' (bench/testbed/), and the course imports nothing
+of bench/: it is loaded by path from the copy the exercises come from (`emulator()`), and a
+check run from a copy without it fails with a message that says so.
 """
 from __future__ import annotations
 
@@ -35,22 +35,23 @@ from .base import REPO, CheckFailed, Exercise, Workspace, assert_close, assert_e
 # ---------------------------------------------------------------------------
 
 def emulator():
-    """tests/cuda_emulator.py of the checkout, imported as `cuda_emulator` (with its helper
-    `cuda_sources`), as the project's tests import it; the same module when they already did,
-    so one process compiles each source once (it also keeps a cache of built kernels on disk)."""
-    if "cuda_emulator" in sys.modules:
-        return sys.modules["cuda_emulator"]
-    tests = REPO / "tests"
-    if not (tests / "cuda_emulator.py").is_file() or not (tests / "cuda_sources.py").is_file():
-        raise CheckFailed(f"this check runs the .cu file in the CUDA emulator, tests/cuda_emulator.py, which is "
-                          f"part of the repository, not of an installed package ({tests} has none): run it from "
-                          f"a checkout (git clone the project; pip install -e '.[test]')")
+    """bench/testbed/cuda_emulator.py of the checkout, loaded under the name the tests import it by
+    (with its helper cuda_sources); the same module when they already did, so one process
+    compiles each source once (it also keeps a cache of built kernels on disk)."""
+    package, testbed = "bench.testbed", REPO / "bench" / "testbed"
+    if f"{package}.cuda_emulator" in sys.modules:
+        return sys.modules[f"{package}.cuda_emulator"]
+    if not (testbed / "cuda_emulator.py").is_file() or not (testbed / "cuda_sources.py").is_file():
+        raise CheckFailed(f"this check runs the .cu file in the CUDA emulator, "
+                          f"bench/testbed/cuda_emulator.py, and {testbed} has none: run it from a "
+                          f"checkout (git clone the project; pip install -e '.[test]')")
     if shutil.which("g++") is None:
         raise CheckFailed("this check compiles the .cu file with g++ (C++20) under the CUDA emulator, and g++ "
                           "is not installed: install it (Debian/Ubuntu: apt install g++), then check again")
-    for name in ("cuda_sources", "cuda_emulator"):
+    for short in ("cuda_sources", "cuda_emulator"):      # the helper first: the emulator imports it
+        name = f"{package}.{short}"
         if name not in sys.modules:
-            spec = importlib.util.spec_from_file_location(name, tests / f"{name}.py")
+            spec = importlib.util.spec_from_file_location(name, testbed / f"{short}.py")
             mod = importlib.util.module_from_spec(spec)
             sys.modules[name] = mod
             try:
@@ -58,7 +59,7 @@ def emulator():
             except BaseException:
                 del sys.modules[name]
                 raise
-    return sys.modules["cuda_emulator"]
+    return sys.modules[f"{package}.cuda_emulator"]
 
 
 def build(ws: Workspace, rel: str, prefix: str = "") -> dict:

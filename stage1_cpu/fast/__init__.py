@@ -32,13 +32,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from common import numba_stamps
-
 from .. import KERNEL_FILES
+from ..jit import numba_stamps
 from ..quant import Weight
 
 # The one-region step inlines the core's row bodies and this package's kernels: every
-# function cached from here is stamped with all of those files (common/numba_stamps.py).
+# function cached from here is stamped with all of those files (stage1_cpu/jit/numba_stamps.py).
 HERE = Path(__file__).parent
 FILES = sorted(HERE.glob("*.py"))
 numba_stamps.depend(FILES, on=KERNEL_FILES)

@@ -70,6 +70,7 @@ _worker, one to an int8 matmul kernel _matvec.
 from __future__ import annotations
 
 import os
+import time
 
 import numba
 import numpy as np
@@ -83,6 +84,7 @@ from ..quant import PREFILL_MIN_T
 from . import sync
 from .matvec import ACT, BIG, FMT, KINDS, TAIL_ITEMS, _items, _matvec, kinds  # noqa: F401 (tests, FastPath)
 from .plan import plan
+from .threads import Threads
 
 MAX_TOKENS = 8                 # tokens a step takes at most: the last one and up to 7 drafts (section 15)
 # the phases of plan.plan(), as opcodes
@@ -106,7 +108,9 @@ def _attention(qkv, kv, layer, pos, T, cos, sin, q_norm, k_norm, qk_norm, eps, H
     (position pos + t), its q heads and k normed and rotated in place in qkv [T, (H + 2 Hkv) D],
     its k and v stored in the cache at pos + t. The second, one item per (KV head, token): the
     token's q heads attend to positions 0 .. pos + t (causal within the step too), the group's
-    heads sharing each key and value read. qbuf [T, H, D]: this worker's copy of an item's q heads."""
+    heads sharing each key and value read. One token (a decode step) attends in the first phase's
+    item, which stored what it reads: no second wait. qbuf [T, H, D]: this worker's copy of an
+    item's q heads."""
     width = (H + 2 * Hkv) * D
     group = H // Hkv
     i = sync.claim(counts, phase)
@@ -128,9 +132,16 @@ def _attention(qkv, kv, layer, pos, T, cos, sin, q_norm, k_norm, qk_norm, eps, H
             for d in range(D):
                 kv[layer, 0, i, pos + t, d] = k3[0, i, d]
                 kv[layer, 1, i, pos + t, d] = v3[0, i, d]
+        if T == 1:                                             # one token: it attends in this item,
+            for h in range(i * group, (i + 1) * group):       # no second phase to wait for
+                for d in range(D):
+                    qbuf[0, h, d] = qkv[h * D + d]
+            kernels.attention_item(qbuf, kv[layer, 0], kv[layer, 1], pos, att.reshape(1, H, D), i)
         sync.finish(counts, phase)
         i = sync.claim(counts, phase)
     sync.wait(counts, phase, Hkv)
+    if T == 1:
+        return
     out3 = att.reshape(T, H, D)
     i = sync.claim(counts, phase + 1)
     while i < Hkv * T:                                         # item i: KV head i // T, token i % T
@@ -369,6 +380,7 @@ class DecodeStep:
         self.shared = np.zeros(self.shared_size, dtype=np.float32)
         self.eps = np.float32(cfg.rms_norm_eps)
         self.worker = self.matvec = None             # Pointers, made at the first step
+        self.threads = Threads(numba.get_num_threads())    # how many threads a step runs on (threads.py)
         self.dims = np.array([cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, k, int(cfg.norm_topk_prob)],
                              dtype=np.int64)
 
@@ -397,20 +409,32 @@ class DecodeStep:
 
     def step(self, x: np.ndarray, pos: int, all_logits: bool = False, workers: int | None = None) -> np.ndarray:
         """x [T, C] f32 (T <= MAX_TOKENS; or [C], one token) -> logits [T, V] (all_logits) or [V], a
-        new array. workers: worker iterations of the region (default: numba's threads; any number
-        gives the same result)."""
+        new array. workers: worker iterations of the region (default: as many as the threads the
+        step runs on, numba's or fewer where that is faster now: threads.py); any number gives
+        the same result."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         x = x.reshape(-1, x.shape[-1])
         T = x.shape[0]
         if not 1 <= T <= MAX_TOKENS:
             raise ValueError(f"a step takes 1 to {MAX_TOKENS} tokens, not {T}")
-        args = (workers or numba.get_num_threads(), x.reshape(-1), T, not all_logits, pos, self.prog,
+        most = numba.get_num_threads()
+        if self.threads.most != most:                # numba's count changed (--threads): start over
+            self.threads = Threads(most)
+        n = workers or (self.threads.pick() if T == 1 else self.threads.use)   # fewer where faster now
+        args = (n, x.reshape(-1), T, not all_logits, pos, self.prog,
                 self.meta, self.data, self.scales, self.mins, self.vecs, self.shared, self.own_size,
                 self.cache.data, self.cos[pos:pos + T], self.sin[pos:pos + T], self.eps, self.dims,
                 sync.counters(self.n_counters), *self.kinds, *self.ops)
         if self.worker is None:
             self.worker, self.matvec = self._pointers(args)
-        _decode(self.worker, self.matvec, *args)
+        numba.set_num_threads(min(n, most))
+        t0 = time.perf_counter()
+        try:
+            _decode(self.worker, self.matvec, *args)
+        finally:
+            numba.set_num_threads(most)
+        if T == 1 and not workers:
+            self.threads.update(n, time.perf_counter() - t0)
         _, off, n = self.logits
         rows = T if all_logits else 1
         logits = self.shared[off:off + rows * n].reshape(rows, n).copy()

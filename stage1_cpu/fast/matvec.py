@@ -8,7 +8,7 @@ fp32 activations the core's row bodies (stage1_cpu/matmul.py: row_f32, row_int8,
 fast/blocks.py: rows_bf16), one token after another on rows still in L1.
 
 _matvec is a file of its own because numba stamps a cached function with the file that
-defines it, and common/numba_stamps.py widens that stamp to the files it inlines: here
+defines it, and stage1_cpu/jit/numba_stamps.py widens that stamp to the files it inlines: here
 the matmul files, not the norms or attention (fast/__init__.py). decode_step.py's worker
 calls it through a function pointer (decode_step.Pointer), so an edit to a matmul kernel
 recompiles this and not the worker, and an edit to RMSNorm the worker and not this.

@@ -208,6 +208,7 @@ def _tile_codegen(int4: bool, q16: bool, RB: int, TT: int):
         maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", SHORTS16, [BYTES32, BYTES32])
         maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", INTS8, [SHORTS16, SHORTS16])
         psign = _fn(builder, "llvm.x86.avx2.psign.b", BYTES32, [BYTES32, BYTES32])
+        prefetch = _fn(builder, "llvm.prefetch.p0i8", ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
         ones = ir.Constant(SHORTS16, [1] * 16)
         n_acc = 2 if q16 else 1                                             # q16: rows 0-3 and 4-7 apart
         H = 2 if int4 else 1            # groups a pass over the bytes serves: int4's pair, low and high nibbles
@@ -261,6 +262,12 @@ def _tile_codegen(int4: bool, q16: bool, RB: int, TT: int):
                 acc = [[[[builder.load(a) for a in iacc[h][r][t]] for t in range(TT)] for r in range(RB)]
                        for h in range(H)]
                 acc16 = [[[ir.Constant(SHORTS16, None) for t in range(TT)] for r in range(RB)] for h in range(H)]
+                if TT > 1:                          # the next tile's bytes (RB blocks on), this chunk's
+                    ahead = builder.add(builder.mul(vbytes, c(RB)), cw)     # lines, while this one multiplies
+                    for p in wps:
+                        for line in range(0, CHUNK * ROWS, 64):
+                            builder.call(prefetch, [builder.gep(p, [builder.add(ahead, c(line))]),
+                                                    ir.Constant(I32, 0), ir.Constant(I32, 2), ir.Constant(I32, 1)])
                 for j in range(CHUNK // 4):         # a step: 4 values of 8 rows, one 32-byte vector
                     raw = [builder.load(builder.bitcast(builder.gep(p, [builder.add(cw, c(32 * j))]),
                                                         BYTES32.as_pointer()), align=1) for p in wps]

@@ -157,8 +157,7 @@ smoke() {   # CI's form: --kernels plain on one tiny qwen3 against transformers'
     # the model and transformers' greedy continuation, made on this machine (no torch in the root)
     want=$("${PYTHON:-python3}" - "$ROOT/tmp/qs-smoke-model" "$PROMPT_IDS" "$STEPS" 2>/var/tmp/qs-arm64-smoke-host.err <<'EOF'
 import shutil, sys
-sys.path.insert(0, "tests")
-from models import hf_greedy, make_model
+from bench.testbed.models import hf_greedy, make_model
 src = make_model("qwen3")
 shutil.copytree(src, sys.argv[1])
 print(",".join(map(str, hf_greedy(src, [int(t) for t in sys.argv[2].split(",")], int(sys.argv[3])))))

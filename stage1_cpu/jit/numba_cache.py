@@ -7,7 +7,7 @@ kernel files the same way: after an edit to any file that holds kernels, the nex
 start warms up again (compiling, before the first prompt, only what the edit made
 stale); after an edit to a file without kernels (the chat, ops.py) nothing compiles
 and no warm-up runs. (stage1_cpu/fast/ widens numba's stamps to the files a kernel
-inlines from elsewhere: common/numba_stamps.py.)
+inlines from elsewhere: stage1_cpu/jit/numba_stamps.py.)
 """
 from __future__ import annotations
 

@@ -15,6 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from .qwen_tokenizer import build_qwen3_tokenizer
+
 ROOT = Path(tempfile.mkdtemp(prefix="qwen3-stages-models-"))
 # the 0.6B-shape model alone is 2.4 GB: a session's models go when the session ends
 atexit.register(shutil.rmtree, ROOT, ignore_errors=True)
@@ -26,6 +28,9 @@ BASE = dict(vocab_size=512, hidden_size=96, intermediate_size=160, num_hidden_la
             rms_norm_eps=1e-6, initializer_range=0.2, tie_word_embeddings=False,
             bos_token_id=1, eos_token_id=2)
 QWEN3_VOCAB = 151936      # the real Qwen3 vocabulary size, used with the real tokenizer
+# a greedy step whose top two logits differ by less than this is a near-tie for a bf16 engine
+# (stage 3): either token is right; twice the largest bf16 logit error seen
+BF16_MARGIN = 0.2
 
 
 def make_model(family: str = "qwen3", dtype: str = "float32", sharded: bool = False,
@@ -81,7 +86,6 @@ def make_model(family: str = "qwen3", dtype: str = "float32", sharded: bool = Fa
     gen = {"bos_token_id": kw.get("bos_token_id"), "eos_token_id": kw["eos_token_id"], "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen))
     if tokenizer:
-        from qwen_tokenizer import build_qwen3_tokenizer  # tests/qwen_tokenizer.py
         build_qwen3_tokenizer(out)
     _cache[key] = out
     return out
@@ -110,3 +114,14 @@ def hf_greedy(folder: Path, ids: list[int], steps: int, dtype: str = "float32") 
         out = model.generate(torch.tensor([ids]), max_new_tokens=steps, min_new_tokens=steps,
                              do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(ids):].tolist()
+
+
+def hf_on_bf16_weights(folder: Path, dtype: str = "float32"):
+    """transformers' model with every parameter rounded to bf16 (to nearest even, as stage 3
+    rounds) and kept as dtype: the oracle for an engine that stores bf16 weights."""
+    import torch
+    model = load_hf(folder)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    return model.to(getattr(torch, dtype))

@@ -69,7 +69,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cuda_sources import OPTIN_SMEM_LIMIT, STATIC_SMEM_LIMIT
+from .cuda_sources import OPTIN_SMEM_LIMIT, STATIC_SMEM_LIMIT
 
 SEED = int(os.environ.get("QS_EMU_SEED") or random.SystemRandom().randrange(2**31))
 WATCHDOG_S = float(os.environ.get("QS_EMU_WATCHDOG_S", "20"))
@@ -87,7 +87,7 @@ class EmulatorError(AssertionError):
 
 
 EMULATOR_H = r"""
-// --- the CUDA execution model on CPU threads (tests/cuda_emulator.py) ---
+// --- the CUDA execution model on CPU threads (bench/testbed/cuda_emulator.py) ---
 #include <algorithm>
 #include <atomic>
 #include <bit>
@@ -1426,6 +1426,13 @@ def fake_cupy() -> types.ModuleType:
         return np.where(*(np.asarray(v).view(np.ndarray) if isinstance(v, Dev) else v
                           for v in (condition, a, b))).view(Dev)
     cp.where = where
+
+    def isfinite(a):
+        STATE.refuse("cupy.isfinite (an elementwise kernel, and its output's allocation)")
+        STATE.calls.elementwise += 1
+        STATE.calls.allocations += 1
+        return np.isfinite(np.asarray(a).view(np.ndarray)).view(Dev)
+    cp.isfinite = isfinite
     cp.float32, cp.int32, cp.int64, cp.uint16, cp.uint32, cp.uint8 = (np.float32, np.int32, np.int64, np.uint16,
                                                                       np.uint32, np.uint8)
     cp.get_default_memory_pool = lambda: _Pool()

@@ -11,10 +11,10 @@ import ctypes
 import ctypes.util
 import os
 import shutil
-import sys
+from importlib import metadata
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # per-block limits of the targets we compile for (CUDA C Programming Guide, "Technical
 # Specifications per Compute Capability"): static __shared__ is capped at 48 KB on every
@@ -48,13 +48,14 @@ def in_ci() -> bool:
 
 def _wheel_roots() -> list[Path]:
     """site-packages/nvidia/cu13 (the layout of the CUDA 13 wheels: nvidia-cuda-nvcc,
-    nvidia-cuda-nvrtc, ...), and the CUDA 12 layout as a fallback."""
+    nvidia-cuda-nvrtc, ...), and the CUDA 12 layout as a fallback, for every installed
+    distribution of NVIDIA's."""
     roots = []
-    for entry in sys.path:
-        base = Path(entry or ".") / "nvidia"
-        if base.is_dir():
+    for dist in metadata.distributions():
+        if (dist.metadata["Name"] or "").lower().startswith("nvidia-"):
+            base = Path(dist.locate_file("nvidia"))
             roots += [base / "cu13", base / "cuda_nvcc", base / "cuda_nvrtc"]
-    return [r for r in roots if r.is_dir()]
+    return [r for r in dict.fromkeys(roots) if r.is_dir()]          # in order, each once
 
 
 def find_nvcc() -> str | None:

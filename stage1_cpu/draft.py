@@ -1,10 +1,10 @@
 """Drafts for speculative decoding: cheap guesses of the next tokens, which an engine then
-checks k+1 at a time in one forward pass (stage 1: stage1_cpu/speculative.py, docs/stage1.md).
+checks k+1 at a time in one forward pass (speculative.py, docs/stage1.md, section 15).
 
 Prompt lookup (`--speculative ngram`) needs no second model. Text that quotes, edits or
 summarises reuses runs of tokens it has seen: when the last n tokens of prompt + output
 occurred before, the tokens that followed them then are a good guess for what follows now.
-Token ids in, token ids out, so any stage can use it.
+Token ids in, token ids out: it needs nothing of the model.
 
     ids   ... the cat sat on the mat . the cat [sat on the mat] ...
                   ^^^^^^^ an earlier "the cat": propose what followed it, "sat on the mat"

@@ -1,6 +1,6 @@
 """A real server under load and faults, over loopback: a streaming OpenAI client that times every text chunk,
 a server in a subprocess, and the soak. tests/test_serve_faults.py runs them briefly; `python -m bench serve`
-(bench/serve.py) runs them long and against llama.cpp's server (bench imports this file as it does models.py).
+(bench/serve.py) runs them long and against llama.cpp's server.
 """
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ import httpx
 
 from common.config import ModelConfig
 from common.tokenizer import Tokenizer
-from models import make_model
-from test_stage3_engine import MARGIN, hf_on_bf16_weights
 
-ROOT = Path(__file__).resolve().parent.parent
+from .models import BF16_MARGIN, hf_on_bf16_weights, make_model
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------- the client
@@ -198,15 +198,15 @@ def soak(stage: str, family: str, requests: int, clients: int = 64, pages: int =
 
 
 def near_tie_text(hf, tokenizer: Tokenizer, prompt: list[int], steps: int) -> str | None:
-    """Stage 3 computes in bf16, so from a greedy step whose top-two margin is below MARGIN on (hf: transformers on
-    the bf16-rounded weights, as in tests/test_stage3_engine.py) either token is right -> the text before the first
-    such step; None when all `steps` are clear (then only the one answer is right)."""
+    """Stage 3 computes in bf16, so from a greedy step whose top-two margin is below BF16_MARGIN
+    (hf: transformers on the bf16-rounded weights) either token is right -> the text before the
+    first such step; None when all `steps` are clear (then only the one answer is right)."""
     import torch
     out = hf.generate(torch.tensor([prompt]), max_new_tokens=steps, min_new_tokens=steps,
                                               do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
                                               return_dict_in_generate=True)
     margins = [float(x) for x in (lg[0].topk(2).values[0] - lg[0].topk(2).values[1] for lg in out.logits)]
-    tie = next((k for k, m in enumerate(margins) if m < MARGIN), None)
+    tie = next((k for k, m in enumerate(margins) if m < BF16_MARGIN), None)
     return None if tie is None else tokenizer.decode(out.sequences[0, len(prompt):len(prompt) + tie].tolist())
 
 

