@@ -2,9 +2,12 @@
 
     OMP_WAIT_POLICY=PASSIVE python -m bench profile --quant int4 --threads 2            # decode
     OMP_WAIT_POLICY=PASSIVE python -m bench profile --quant bf16 --tokens 512           # prefill
-    OMP_WAIT_POLICY=PASSIVE python -m bench profile --kernels plain --activations fp32  # the core's kernels
-    python -m bench profile --peaks --save docs/figures/stage1_prefill_profile.json       # the peaks first
-    python -m bench profile --quant int4 --tokens 512 --save docs/figures/stage1_prefill_profile.json
+    # the core's kernels
+    OMP_WAIT_POLICY=PASSIVE python -m bench profile --kernels plain --activations fp32
+    # the peaks first, then a prefill pass beside them
+    python -m bench profile --peaks --save docs/figures/stage1_prefill_profile.json
+    python -m bench profile --quant int4 --tokens 512 \
+        --save docs/figures/stage1_prefill_profile.json
 
 On bench cpu's Qwen3-0.6B-shape model (or --model): first what an empty parallel region
 costs (what the one-region step saves once per op), then --steps forward passes after a
@@ -67,8 +70,10 @@ def parallel_start_cost() -> float:
 
 
 def parse_args(argv: list[str] | None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="model folder (default: the benchmark's 0.6B-shape model)")
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None,
+                    help="model folder (default: the benchmark's 0.6B-shape model)")
     ap.add_argument("--quant", default="int4", choices=("none", "bf16", "int8", "int4"),
                     help="stage 1's --quant (default int4)")
     ap.add_argument("--activations", default="auto", choices=("auto", "int8", "fp32"),
@@ -78,9 +83,12 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--threads", type=int, default=2, help="numba threads (default 2)")
     ap.add_argument("--tokens", type=int, default=1, help="tokens a pass: 1 = decode (default 1)")
     ap.add_argument("--steps", type=int, default=20, help="passes timed (+ a warm-up; default 20)")
-    ap.add_argument("--save", type=Path, default=None, help="add this pass to a JSON file (bench report reads it)")
-    ap.add_argument("--peaks", action="store_true", help="instead: measure the G MAC/s of the instructions the "
-                    "GEMM's tiles issue (--save keeps them for this machine's passes, which show each GEMM against them)")
+    ap.add_argument("--save", type=Path, default=None,
+                    help="add this pass to a JSON file (bench report reads it)")
+    ap.add_argument("--peaks", action="store_true",
+                    help="instead: measure the G MAC/s of the instructions the GEMM's tiles issue "
+                    "(--save keeps them for this machine's passes, which show each GEMM against "
+                    "them)")
     return ap.parse_args(argv)
 
 
@@ -89,7 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.peaks:
         peaks_main(args)
         return
-    folder = Path(args.model) if args.model else prepare_models(SHAPES["0.6b"], CACHE, quants=())["hf"]
+    folder = (Path(args.model) if args.model
+              else prepare_models(SHAPES["0.6b"], CACHE, quants=())["hf"])
     engine = LLMEngine(folder, quant=args.quant, threads=args.threads, max_ctx=2048, progress=False,
                        kernels=args.kernels, activations=args.activations)
     model = engine.model
@@ -269,7 +278,8 @@ class Timers:
         return label
 
     def gemm_label(self, x, xs, xcorr, xsum, data, scales, mins, out, workers, *kinds) -> str:
-        # named as PEAK_OF names the kinds: weights x activations (int8.q16, the default, is gemm_int8)
+        # named as PEAK_OF names the kinds: weights x activations (int8.q16, the default,
+        # is gemm_int8)
         name = GEMM_NAMES[[k is not None for k in kinds].index(True)]
         label = f"{name} [{out.shape[1]}, {x.shape[1]}]"
         self.macs[label] = x.shape[0] * out.shape[1] * x.shape[1]
@@ -335,11 +345,15 @@ def save_pass(args, T: int, total: float, rows: list[dict]) -> None:
     print(f"added to {args.save}")
 
 
-# gemm_tiled's kinds (int8 . int8, int8 . int16, int4 . int8, int4 . int16), as the profile names them
+# gemm_tiled's kinds (int8 . int8, int8 . int16, int4 . int8, int4 . int16), as the profile
+# names them
 GEMM_NAMES = ("gemm_int8_q8", "gemm_int8", "gemm_int4", "gemm_int4_16")
-# a GEMM kernel and whether the CPU has VNNI -> the instruction its tile issues per multiply-add step
-PEAK_OF = {("gemm_int8", False): "maddwd+add", ("gemm_int4_16", False): "maddwd+add", ("gemm_int4", False): "maddubs",
-           ("gemm_int8", True): "dpwssd", ("gemm_int4_16", True): "dpwssd", ("gemm_int4", True): "dpbusd",
+# a GEMM kernel and whether the CPU has VNNI -> the instruction its tile issues per
+# multiply-add step
+PEAK_OF = {("gemm_int8", False): "maddwd+add", ("gemm_int4_16", False): "maddwd+add",
+           ("gemm_int4", False): "maddubs",
+           ("gemm_int8", True): "dpwssd", ("gemm_int4_16", True): "dpwssd",
+           ("gemm_int4", True): "dpbusd",
            ("gemm_int8_q8", True): "dpbusd", ("gemm_int8_q8", False): "maddubs"}
 
 
@@ -349,31 +363,39 @@ CHAINS = 12 if tiles.REGISTERS == 32 else 8
 
 
 def _peak_codegen(quads: bool):
-    """The body of _peak_pairs / _peak_quads: n steps, each CHAINS multiply-adds, chain c's on vector
-    (step + c) % 64 of a (32 bytes each, in L1) and a fixed one w (a[64]), into its accumulator, by the
-    instruction the GEMM's tile issues: pairs, vpmaddwd + vpaddd (vpdpwssd on VNNI); quads, vpmaddubsw
-    + vpaddw (vpdpbusd on VNNI). The sums go to out [CHAINS x 8] int32, so none is optimised away."""
+    """The body of _peak_pairs / _peak_quads: n steps, each CHAINS multiply-adds, chain c's on
+    vector (step + c) % 64 of a (32 bytes each, in L1) and a fixed one w (a[64]), into its
+    accumulator, by the instruction the GEMM's tile issues: pairs, vpmaddwd + vpaddd (vpdpwssd on
+    VNNI); quads, vpmaddubsw + vpaddw (vpdpbusd on VNNI). The sums go to out [CHAINS x 8] int32, so
+    none is optimised away."""
     def codegen(context, builder, sig, args):
         a, n, out = args
-        ap = builder.bitcast(context.make_array(sig.args[0])(context, builder, a).data, simd.BYTES32.as_pointer())
-        op = builder.bitcast(context.make_array(sig.args[2])(context, builder, out).data, simd.INTS8.as_pointer())
+        ap = builder.bitcast(context.make_array(sig.args[0])(context, builder, a).data,
+                             simd.BYTES32.as_pointer())
+        op = builder.bitcast(context.make_array(sig.args[2])(context, builder, out).data,
+                             simd.INTS8.as_pointer())
         acc_ty = simd.SHORTS16 if quads and not simd.VNNI else simd.INTS8
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(acc_ty, None)) for _ in range(CHAINS)]
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(acc_ty, None))
+                for _ in range(CHAINS)]
         w = builder.load(builder.gep(ap, [ir.Constant(simd.I64, 64)]), align=1)
-        maddubs = simd._declare(builder, "llvm.x86.avx2.pmadd.ub.sw", simd.SHORTS16, [simd.BYTES32] * 2)
-        with cgutils.for_range(builder, context.cast(builder, n, sig.args[1], numba.types.int64)) as loop:
+        maddubs = simd._declare(builder, "llvm.x86.avx2.pmadd.ub.sw",
+                                simd.SHORTS16, [simd.BYTES32] * 2)
+        with cgutils.for_range(builder,
+                               context.cast(builder, n, sig.args[1], numba.types.int64)) as loop:
             for c, acc in enumerate(accs):
-                at = builder.and_(builder.add(loop.index, ir.Constant(simd.I64, c)), ir.Constant(simd.I64, 63))
+                at = builder.and_(builder.add(loop.index, ir.Constant(simd.I64, c)),
+                                  ir.Constant(simd.I64, 63))
                 x = builder.load(builder.gep(ap, [at]), align=1)
                 old = builder.load(acc)
                 if quads and not simd.VNNI:
                     new = builder.add(old, builder.call(maddubs, [x, w]))
                 else:
-                    new = simd._vpdpbusd(builder, x, w, old) if quads else simd._vpdpwssd(builder, old, x, w)
+                    new = (simd._vpdpbusd(builder, x, w, old) if quads
+                           else simd._vpdpwssd(builder, old, x, w))
                 builder.store(new, acc)
         for c, acc in enumerate(accs):
-            builder.store(builder.bitcast(builder.load(acc), simd.INTS8), builder.gep(op, [ir.Constant(simd.I64, c)]),
-                          align=4)
+            builder.store(builder.bitcast(builder.load(acc), simd.INTS8),
+                          builder.gep(op, [ir.Constant(simd.I64, c)]), align=4)
         return context.get_dummy_value()
     return codegen
 
@@ -401,15 +423,17 @@ _peaks_pairs, _peaks_quads = _on_every_thread(_peak_pairs), _on_every_thread(_pe
 
 
 def measure_peaks(threads: int, steps: int = 20_000_000) -> dict:
-    """G multiply-adds per second of the instructions the GEMM's tiles issue, on all threads at once:
-    CHAINS independent chains a thread, best of 5 -> {name: G MAC/s}, the names PEAK_OF gives them.
-    x86 with an int8 dot product only (cpu.INT8 "avx2" or "vnni")."""
+    """G multiply-adds per second of the instructions the GEMM's tiles issue, on all threads at
+    once: CHAINS independent chains a thread, best of 5 -> {name: G MAC/s}, the names PEAK_OF gives
+    them. x86 with an int8 dot product only (cpu.INT8 "avx2" or "vnni")."""
     if cpu.INT8 not in ("avx2", "vnni"):
-        raise SystemExit(f"bench profile --peaks: x86 with AVX2 only (this CPU's int8 dot product: {cpu.INT8})")
+        raise SystemExit("bench profile --peaks: x86 with AVX2 only (this CPU's int8 dot "
+                         f"product: {cpu.INT8})")
     a = np.random.default_rng(0).integers(0, 100, size=65 * 32, dtype=np.int8)
     out = np.zeros((threads, CHAINS * 8), dtype=np.int32)
     peaks = {}
-    vnni = bool(tiles.VNNI)                                  # the pairs tile's instruction, then the quads'
+    # the pairs tile's instruction, then the quads'
+    vnni = bool(tiles.VNNI)
     for name, run, macs in ((PEAK_OF[("gemm_int8", vnni)], _peaks_pairs, 16),
                             (PEAK_OF[("gemm_int4", vnni)], _peaks_quads, 32)):
         run(a, 1000, out)                                    # compiles
@@ -425,11 +449,14 @@ def measure_peaks(threads: int, steps: int = 20_000_000) -> dict:
 def this_machines(path: Path) -> dict:
     """The saved passes and peaks of `path` where this machine wrote them; another machine's go."""
     saved = json.loads(path.read_text()) if path.is_file() else {}
-    return saved if saved.get("machine") == machine_description() else dict(machine=machine_description(), passes=[])
+    if saved.get("machine") == machine_description():
+        return saved
+    return dict(machine=machine_description(), passes=[])
 
 
 def instruction_peaks(path: Path = SAVED) -> dict:
-    """G MAC/s of each instruction on all threads, as `--peaks --save` measured them on this machine."""
+    """G MAC/s of each instruction on all threads, as `--peaks --save` measured them on this
+    machine."""
     return this_machines(path).get("peaks_gmac_s", {})
 
 

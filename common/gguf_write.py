@@ -29,12 +29,14 @@ import numpy as np
 ARCH = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe", "LlamaForCausalLM": "llama",
         "Qwen2ForCausalLM": "qwen2", "Qwen2MoeForCausalLM": "qwen2moe"}
 NAMES = {
-    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
     "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate.weight": "ffn_gate_inp.weight",
     "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
@@ -43,12 +45,14 @@ NAMES = {
     "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
 }
 EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
-KEEP_F32 = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")    # llama.cpp never quantizes the router
+# llama.cpp never quantizes the router
+KEEP_F32 = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 
 
 def _byte_level_alphabet() -> list[str]:
     """GPT-2's 256 printable stand-ins for the bytes 0..255 (byte-level BPE)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
     chars, extra = {}, 0
     for b in range(256):
         if b in keep:
@@ -121,8 +125,9 @@ def _tokenizer_metadata(w, folder: Path, cfg: dict, pre: str) -> None:
         w.add_chat_template((folder / "chat_template.jinja").read_text())
 
 
-def write_gguf(folder: str | Path, path: str | Path, qtype: str = "F32", embed_qtype: str | None = None,
-               pre: str | None = None, tokenizer: bool = True) -> Path:
+def write_gguf(folder: str | Path, path: str | Path, qtype: str = "F32",
+               embed_qtype: str | None = None, pre: str | None = None,
+               tokenizer: bool = True) -> Path:
     """The Hugging Face folder `folder` as a GGUF file at `path`; -> path. Each tensor is
     spooled to a temporary file as it is converted, and a layer's experts are stacked as soon
     as the last of them is read, so a large model needs about one layer in memory."""
@@ -228,8 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Write a Hugging Face folder as a GGUF file.")
     ap.add_argument("folder", type=Path)
     ap.add_argument("out", type=Path)
-    ap.add_argument("--type", default="Q8_0", help="F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (default Q8_0)")
-    ap.add_argument("--embed-type", default=None, help="the token embedding / output's type (default: --type)")
+    ap.add_argument("--type", default="Q8_0",
+                    help="F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (default Q8_0)")
+    ap.add_argument("--embed-type", default=None,
+                    help="the token embedding / output's type (default: --type)")
     args = ap.parse_args(argv)
     print(write_gguf(args.folder, args.out, args.type, args.embed_type))
     return 0

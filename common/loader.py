@@ -54,7 +54,8 @@ LAYER_NAMES = {
     "s_gate": "model.layers.{i}.mlp.shared_expert.gate_proj.weight",  # [Fs, C] (qwen2_moe only)
     "s_up": "model.layers.{i}.mlp.shared_expert.up_proj.weight",      # [Fs, C]
     "s_down": "model.layers.{i}.mlp.shared_expert.down_proj.weight",  # [C, Fs]
-    "shared_gate": "model.layers.{i}.mlp.shared_expert_gate.weight",  # [1, C]  sigmoid gate of the shared expert
+    # [1, C]  sigmoid gate of the shared expert
+    "shared_gate": "model.layers.{i}.mlp.shared_expert_gate.weight",
 }
 GLOBAL_NAMES = {
     "embed": "model.embed_tokens.weight",   # [V, C]
@@ -96,7 +97,8 @@ class _File:
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise LoaderError(f"{path}: file is truncated (no safetensors header); download it again")
+                raise LoaderError(f"{path}: file is truncated (no safetensors header); "
+                                  "download it again")
             (n,) = struct.unpack("<Q", head)
             if n > size - 8:
                 raise LoaderError(f"{path}: header length {n} exceeds the file size {size}; "
@@ -127,7 +129,8 @@ class _File:
         shape = tuple(info["shape"])
         if end > self.data_size:
             raise LoaderError(f"{self.path}: tensor {name!r} ends at byte {end} but the file holds "
-                              f"{self.data_size} data bytes: the file is truncated, download it again")
+                              f"{self.data_size} data bytes: the file is truncated, "
+                              "download it again")
         if end - begin != (n := width * int(np.prod(shape, dtype=object))):   # exact for any size
             raise LoaderError(f"{self.path}: tensor {name!r} has {end - begin} bytes, "
                               f"expected {n} for shape {list(shape)}")
@@ -175,8 +178,9 @@ class WeightLoader:
             f = _File(single)
             self._where = {name: f for name in f.header}
         else:
-            raise LoaderError(f"{self.folder}: no model.safetensors or model.safetensors.index.json; "
-                              "--model must be a Hugging Face model folder with safetensors weights")
+            raise LoaderError(f"{self.folder}: no model.safetensors or "
+                              "model.safetensors.index.json; --model must be a Hugging Face model "
+                              "folder with safetensors weights")
         # each layer config.json declares has tensors: checked before anything loops over the layers
         L = self.config.num_layers
         layers = {n.split(".")[2] for n in self._where if n.startswith("model.layers.")}
@@ -201,13 +205,13 @@ class WeightLoader:
 
     def get(self, name: str, dtype=np.float32, shape: tuple[int, ...] | None = None,
             rows: slice | None = None) -> np.ndarray:
-        """One tensor, converted to dtype (float32, or 'bfloat16' to keep the raw bf16 bits as uint16).
-        shape, when given, is checked; rows, when given, reads only those rows (the rest of
+        """One tensor, converted to dtype (float32, or 'bfloat16' to keep the raw bf16 bits as
+        uint16). shape, when given, is checked; rows, when given, reads only those rows (the rest of
         the tensor is never touched)."""
         raw, st_dtype = self._file(name).raw(name)
         if shape is not None and tuple(raw.shape) != tuple(shape):
-            raise LoaderError(f"{self._file(name).path}: tensor {name!r} has shape {list(raw.shape)}, "
-                              f"expected {list(shape)} from config.json")
+            raise LoaderError(f"{self._file(name).path}: tensor {name!r} has shape "
+                              f"{list(raw.shape)}, expected {list(shape)} from config.json")
         if rows is not None:
             raw = raw[rows]
         if dtype == "bfloat16":
@@ -218,17 +222,20 @@ class WeightLoader:
         return out if out.dtype == dtype else out.astype(dtype)
 
     # --- the rename table, with the shapes config.json implies ---
-    def layer(self, key: str, layer: int, expert: int | None = None, dtype=np.float32) -> np.ndarray:
+    def layer(self, key: str, layer: int,
+              expert: int | None = None, dtype=np.float32) -> np.ndarray:
         name = LAYER_NAMES[key].format(i=layer, e=expert)
         return self.get(name, dtype, self.config.expected_shape(key))
 
     def glob(self, key: str, dtype=np.float32, rows: slice | None = None) -> np.ndarray:
         """A model-wide tensor: embed, final_norm, lm_head (the embedding when tied)."""
-        if key == "lm_head" and (self.config.tie_word_embeddings or GLOBAL_NAMES["lm_head"] not in self):
+        if key == "lm_head" and (self.config.tie_word_embeddings
+                                 or GLOBAL_NAMES["lm_head"] not in self):
             key = "embed"
         return self.get(GLOBAL_NAMES[key], dtype, self.config.expected_shape(key), rows)
 
-    def fused(self, keys: list[str], layer: int, expert: int | None = None, dtype=np.float32) -> np.ndarray:
+    def fused(self, keys: list[str], layer: int,
+              expert: int | None = None, dtype=np.float32) -> np.ndarray:
         """Several projections of one layer stacked along the output axis, e.g.
         ["wq", "wk", "wv"] -> [(H + 2*Hkv) * D, C] so one matmul computes q, k and v
         (of one MoE expert, with expert: ["e_gate", "e_up"] -> [2 * Fe, C]; the biases
@@ -241,8 +248,8 @@ def stack(ws: list):
     stage 1's quant.Weight) -> one matrix, their rows stacked in order."""
     cat = lambda name: (None if getattr(ws[0], name) is None  # noqa: E731
                         else np.concatenate([getattr(w, name) for w in ws]))
-    return dataclasses.replace(ws[0], out_features=sum(w.out_features for w in ws), data=cat("data"),
-                               scales=cat("scales"), mins=cat("mins"))
+    return dataclasses.replace(ws[0], out_features=sum(w.out_features for w in ws),
+                               data=cat("data"), scales=cat("scales"), mins=cat("mins"))
 
 
 @contextmanager

@@ -61,7 +61,8 @@ class Model:
         for layer, lw in enumerate(w.layers):
             # ---- attention block ----
             h = kern.rmsnorm(x, lw.attn_norm, eps)             # [T, C]
-            qkv = lw.wqkv.matmul(h)                            # [T, (H + 2 Hkv) D]: q, k, v in one matmul
+            # [T, (H + 2 Hkv) D]: q, k, v in one matmul
+            qkv = lw.wqkv.matmul(h)
             if lw.bqkv is not None:
                 qkv = qkv + lw.bqkv                            # Qwen2: q, k and v have biases
             q = qkv[:, :H * D].reshape(T, H, D)                # [T, H, D]
@@ -99,7 +100,8 @@ class Model:
         cfg, kern = self.config, self.kernels
         # router in fp32: softmax over all E experts, top k [T, k] (renormalised: norm_topk_prob)
         top, weight = kern.route(lw.router.matmul(h), cfg.num_experts_per_tok, cfg.norm_topk_prob)
-        gu = self.experts(lw.experts_gate_up, h, top)          # [T k, 2Fe]: slot j of token t in row t k + j
+        # [T k, 2Fe]: slot j of token t in row t k + j
+        gu = self.experts(lw.experts_gate_up, h, top)
         y = self.experts(lw.experts_down, kern.silu_mul(gu), top)  # [T k, C]
         out = kern.mix(y, weight)                              # [T, C] = sum_j weight_j y_j
         if lw.shared_expert is not None:

@@ -24,7 +24,8 @@ def test_every_tensor_of_a_sharded_bf16_folder_equals_torch_exactly():
             assert t.dtype == torch.bfloat16
             ours = loader.get(name)
             np.testing.assert_array_equal(ours, t.float().numpy())
-            np.testing.assert_array_equal(loader.get(name, "bfloat16"), t.view(torch.int16).numpy().view(np.uint16))
+            np.testing.assert_array_equal(loader.get(name, "bfloat16"),
+                                          t.view(torch.int16).numpy().view(np.uint16))
             count += 1
     assert count == len(loader.names()) > 20
 
@@ -76,7 +77,8 @@ def test_broken_folders_give_clear_errors(tmp_path):
     d = _copy(single, tmp_path / "d")
     raw = bytearray((d / "model.safetensors").read_bytes())
     n = int.from_bytes(raw[:8], "little")
-    header = raw[8:8 + n].decode().replace('"F32"', '"I64"', 1)   # same length: one tensor now claims int64
+    # same length: one tensor now claims int64
+    header = raw[8:8 + n].decode().replace('"F32"', '"I64"', 1)
     raw[8:8 + n] = header.encode()
     (d / "model.safetensors").write_bytes(bytes(raw))
     with pytest.raises(LoaderError, match="dtype I64"):
@@ -93,7 +95,8 @@ def test_broken_folders_give_clear_errors(tmp_path):
 
 
 def test_config_reads_4x_and_5x_keys_and_generation_eos():
-    base = json.loads((make_model("qwen3_moe") / "config.json").read_text())   # 5.x: rope_parameters, num_local_experts
+    # 5.x: rope_parameters, num_local_experts
+    base = json.loads((make_model("qwen3_moe") / "config.json").read_text())
     new = ModelConfig.from_dict(base)
     old = dict(base)
     old.pop("rope_parameters")
@@ -112,10 +115,12 @@ def test_config_reads_4x_and_5x_keys_and_generation_eos():
     ({"num_key_value_heads": 3}, "multiple of"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
     ({"rope_scaling": {"type": "linear", "factor": 4.0}}, "'linear' is not supported"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}},
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                       "high_freq_factor": 4.0}},
      "needs original_max_position_embeddings"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0,
-                       "original_max_position_embeddings": 8192}}, r"high_freq_factor \(4.0\) > low_freq_factor"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+     r"high_freq_factor \(4.0\) > low_freq_factor"),
     ({"attention_bias": True}, "attention_bias=true is not supported for qwen3"),
     ({"use_sliding_window": True, "sliding_window": 4096}, "sliding-window"),
 ])
@@ -135,7 +140,8 @@ def test_config_reads_llama3_rope_scaling_from_4x_and_5x_keys():
     """Real checkpoints (DeepSeek-R1-Distill-Llama) write rope_theta and rope_scaling;
     transformers 5.x writes one rope_parameters dict. Both give the same config."""
     from common.config import RopeScaling
-    scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+    scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8192)
     folder = make_model("llama", rope_scaling=dict(rope_type="llama3", **scaling))
     new = json.loads((folder / "config.json").read_text())
     assert new["rope_parameters"]["rope_type"] == "llama3" and "rope_scaling" not in new
@@ -152,13 +158,17 @@ def test_config_of_a_real_qwen2_moe_checkpoint_shape():
     """4.x keys as Qwen1.5-MoE-A2.7B's config.json has them (num_experts, rope_theta,
     use_sliding_window false), written here by hand from its documented shape."""
     d = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "vocab_size": 151936,
-         "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24, "num_attention_heads": 16,
-         "num_key_value_heads": 16, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+         "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,
+         "num_attention_heads": 16, "num_key_value_heads": 16, "rope_theta": 1000000.0,
+         "rms_norm_eps": 1e-6, "hidden_act": "silu",
          "use_sliding_window": False, "sliding_window": 32768, "max_window_layers": 21,
-         "decoder_sparse_step": 1, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
-         "num_experts_per_tok": 4, "num_experts": 60, "norm_topk_prob": False, "tie_word_embeddings": False}
+         "decoder_sparse_step": 1, "moe_intermediate_size": 1408,
+         "shared_expert_intermediate_size": 5632,
+         "num_experts_per_tok": 4, "num_experts": 60, "norm_topk_prob": False,
+         "tie_word_embeddings": False}
     c = ModelConfig.from_dict(d)
-    assert (c.family, c.num_experts, c.head_dim, c.qkv_bias, c.qk_norm) == ("qwen2_moe", 60, 128, True, False)
+    assert (c.family, c.num_experts, c.head_dim,
+            c.qkv_bias, c.qk_norm) == ("qwen2_moe", 60, 128, True, False)
     assert all(c.is_moe_layer(i) for i in range(24)) and c.shared_expert_intermediate_size == 5632
     d.pop("shared_expert_intermediate_size")
     with pytest.raises(ConfigError, match="shared_expert_intermediate_size"):
@@ -178,12 +188,14 @@ def test_biases_and_shared_expert_tensors_equal_torch():
         att = f"model.layers.{i}.self_attn."
         for key, proj in (("bq", "q_proj"), ("bk", "k_proj"), ("bv", "v_proj")):
             np.testing.assert_array_equal(loader.layer(key, i), sd[att + proj + ".bias"])
-            assert np.abs(sd[att + proj + ".bias"]).max() > 0.1          # the test model's biases are not zero
+            # the test model's biases are not zero
+            assert np.abs(sd[att + proj + ".bias"]).max() > 0.1
         fused = loader.fused(["bq", "bk", "bv"], i)
         parts = [sd[att + p + ".bias"] for p in ("q_proj", "k_proj", "v_proj")]
         np.testing.assert_array_equal(fused, np.concatenate(parts))
     mlp = "model.layers.0.mlp."
-    assert loader.layer("s_gate", 0).shape == (80, 96) and loader.layer("s_down", 0).shape == (96, 80)
+    assert loader.layer("s_gate", 0).shape == (80, 96)
+    assert loader.layer("s_down", 0).shape == (96, 80)
     for key, name in (("s_gate", "shared_expert.gate_proj"), ("s_up", "shared_expert.up_proj"),
                       ("s_down", "shared_expert.down_proj"), ("shared_gate", "shared_expert_gate")):
         np.testing.assert_array_equal(loader.layer(key, 0), sd[mlp + name + ".weight"])

@@ -91,7 +91,8 @@ def random_model_logits():
 
 def _agreement_and_error(logits, fmt):
     ref, q = logits["none"], logits[fmt]
-    agree = float(np.mean(q.argmax(-1) == ref.argmax(-1)))           # top-1 agreement over 64 positions
+    # top-1 agreement over 64 positions
+    agree = float(np.mean(q.argmax(-1) == ref.argmax(-1)))
     rel_rms = float(np.sqrt(np.mean((q - ref) ** 2) / np.mean(ref ** 2)))
     max_err = float(np.abs(q - ref).max() / np.abs(ref).max())
     return agree, rel_rms, max_err
@@ -103,14 +104,16 @@ def test_int8_on_a_random_model_keeps_the_top_token_and_the_logits(random_model_
     assert agree >= 0.9 and rel_rms < 0.04 and max_err < 0.06, (agree, rel_rms, max_err)
 
 
-def test_int4_on_a_random_model_against_fp32_by_top1_agreement_and_a_logit_bound(random_model_logits):
+def test_int4_on_a_random_model_against_fp32_by_top1_agreement_and_a_logit_bound(
+        random_model_logits):
     # measured (group 32): top-1 agreement 0.594 (chance: 1/512), relative RMS error 0.258, max
     # error 0.267 of the scale; group 64: 0.594, 0.287, 0.336. Bounds: agreement >= 0.45, RMS
     # < 0.35, max < 0.45; and group 64 must lose more than group 32 (it rounds coarser)
     agree, rel_rms, max_err = _agreement_and_error(random_model_logits, "int4")
     assert agree >= 0.45 and rel_rms < 0.35 and max_err < 0.45, (agree, rel_rms, max_err)
     agree64, rel_rms64, max_err64 = _agreement_and_error(random_model_logits, "int4_g64")
-    assert agree64 >= 0.45 and rel_rms64 < 0.35 and max_err64 < 0.45, (agree64, rel_rms64, max_err64)
+    assert agree64 >= 0.45 and rel_rms64 < 0.35 and max_err64 < 0.45, (agree64, rel_rms64,
+                                                                        max_err64)
     assert rel_rms64 > rel_rms
 
 
@@ -120,7 +123,8 @@ def test_quantized_default_model_still_knows_the_capital_of_france(folder, fmt):
     prompt = ChatTemplate.from_folder(folder).render(
         [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True)
     engine = LLMEngine(folder, quant=fmt, group_size=32, max_ctx=256, progress=False)
-    engine.add_request(Request("q", tok.encode(prompt), SamplingParams(temperature=0, max_tokens=16)))
+    engine.add_request(Request("q", tok.encode(prompt),
+                               SamplingParams(temperature=0, max_tokens=16)))
     out = []
     while engine.has_work():
         out += [e.token_id for e in engine.step() if e.finish_reason != "stop"]

@@ -20,7 +20,8 @@ CASES = {
     # llama: no q/k norm; 3 heads on 1 KV head, hidden 72 (int4 pads it to 2 groups of 64)
     "llama_odd": dict(family="llama", head_dim=64, num_attention_heads=3, num_key_value_heads=1,
                       hidden_size=72, intermediate_size=100),
-    "qwen2": dict(family="qwen2"),                            # q/k/v biases, added as rows are written
+    # q/k/v biases, added as rows are written
+    "qwen2": dict(family="qwen2"),
     # MoE: top-2 of 8 renormalised, every other layer dense
     "qwen3_moe": dict(family="qwen3_moe", decoder_sparse_step=2),
     # top-4 of 8 not renormalised, a shared expert wider than the routed ones, with its gate
@@ -40,7 +41,8 @@ def per_op_model(weights, max_ctx):
 
 def decode_both(weights, steps=6):
     """Prefill PROMPT, then decode `steps` greedy tokens with the one-region step and
-    with the per-op path, each on its own cache. -> [(logits_one, logits_per_op)], the two models."""
+    with the per-op path, each on its own cache. -> [(logits_one, logits_per_op)], the two
+    models."""
     one, per_op = build_model(weights, 64), per_op_model(weights, 64)
     assert isinstance(one, OneRegionModel) and isinstance(per_op, Model)
     a, b = one.forward(np.array(PROMPT), 0), per_op.forward(np.array(PROMPT), 0)
@@ -63,7 +65,8 @@ def test_one_region_equals_per_op_bit_for_bit(case, fmt, activations):
         assert np.abs(b).max() > 1.0                 # real logits, not zeros
         assert np.array_equal(a, b)
     assert np.array_equal(one.cache.data, per_op.cache.data)
-    assert len({int(np.argmax(b)) for _, b in pairs}) > 1, "the tokens must vary for this to mean anything"
+    assert len({int(np.argmax(b))
+                for _, b in pairs}) > 1, "the tokens must vary for this to mean anything"
 
 
 def test_300_tokens_at_two_threads_stay_bit_for_bit():
@@ -90,7 +93,8 @@ def steps_of_T_against_single_steps(weights, Ts=(2, 8, 3, 5, 1)):
     many, single = build_model(weights, 64), build_model(weights, 64)
     many.forward(np.array(PROMPT), 0)
     single.forward(np.array(PROMPT), 0)
-    tokens, pos, out = [9, 31, 77, 5, 200, 3, 41, 8, 61, 2, 19, 400, 6, 111, 27, 90, 33, 4, 15], len(PROMPT), []
+    tokens, pos, out = [9, 31, 77, 5, 200, 3, 41, 8, 61, 2, 19, 400, 6,
+                        111, 27, 90, 33, 4, 15], len(PROMPT), []
     for T in Ts:
         ids = np.array(tokens[:T])
         tokens = tokens[T:]
@@ -109,7 +113,8 @@ def test_a_step_of_T_tokens_equals_T_single_steps_bit_for_bit(case, fmt, activat
     fp32 ones), attention causal within the step. Its T rows of logits and the cache it writes are
     those of T steps of one token, bit for bit, so drafting never changes a greedy answer."""
     weights = load(make_model(**CASES[case]), fmt, 32, progress=False, activations=activations)
-    assert (weights.layers[0].wqkv.decode_act != "fp32") == (activations == "auto" and bool(cpu.INT8))
+    assert (weights.layers[0].wqkv.decode_act != "fp32") == (activations == "auto"
+                                                             and bool(cpu.INT8))
     results, many, single = steps_of_T_against_single_steps(weights)
     for T, got, want in results:
         assert got.shape == want.shape == (T, weights.config.vocab_size)
@@ -139,7 +144,8 @@ def test_a_step_of_T_tokens_equals_single_steps_on_avx2_too():
             "    assert np.array_equal(a.cache.data, b.cache.data)\nprint('ok')\n")
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, QS_FAST_ISA="avx2")
-    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=900)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
@@ -155,7 +161,8 @@ def test_any_number_of_worker_iterations_gives_the_same_logits(workers):
     x = weights.embed.rows(np.array([7]))[0]
     pos = len(PROMPT)
     assert np.array_equal(step.step(x, pos, workers=workers), ref)
-    ids = np.array([7, 19, 3, 250])                            # four tokens, all logits, the same way
+    # four tokens, all logits, the same way
+    ids = np.array([7, 19, 3, 250])
     ref4 = build_model(weights, 64)
     ref4.forward(np.array(PROMPT), 0)
     want = ref4.forward(ids, pos, all_logits=True)
@@ -258,7 +265,8 @@ def test_items_cover_every_block_once_big_first_small_last(workers):
             ends = [min(nb, s + (big if i < n_big else small)) for i, s in enumerate(starts)]
             assert starts[0] == 0 and ends[-1] == nb
             assert all(e > s for s, e in zip(starts, ends)) and starts[1:] == ends[:-1]
-            # the phase ends on small items: at least TAIL_ITEMS per worker unless the matrix is small
+            # the phase ends on small items: at least TAIL_ITEMS per worker unless the matrix
+            # is small
             assert n - n_big >= min(decode_step.TAIL_ITEMS * workers, -(-nb // small))
 
 
@@ -280,19 +288,22 @@ def test_fast_path_with_fp32_activations_equals_plain_path_bit_for_bit(fmt, monk
     assert isinstance(fast, OneRegionModel) and isinstance(plain, Model) and plain.w.fast is None
     assert plain.w.kernels == "plain" and fast.w.kernels == "fast"
     if fmt == "int4":
-        assert sum(k is not None for k in fast.decode_step.kinds) == 2     # int4 layers, the int8 lm_head
+        # int4 layers, the int8 lm_head
+        assert sum(k is not None for k in fast.decode_step.kinds) == 2
     def same(a, b):
         if fmt != "bf16":
             return np.array_equal(a, b)
         return np.abs(a - b).max() < 1e-5 * np.abs(b).max()
 
     a, b = fast.forward(np.array(PROMPT), 0), plain.forward(np.array(PROMPT), 0)
-    assert same(a, b)                                  # prefill (its lm_head reads one row of x: a matvec)
+    # prefill (its lm_head reads one row of x: a matvec)
+    assert same(a, b)
     for pos in range(len(PROMPT), len(PROMPT) + 4):
         tok = np.array([int(np.argmax(b))])
         a, b = fast.forward(tok, pos), plain.forward(tok, pos)
         assert same(a, b), pos
-    assert len(np.unique(np.round(b, 3))) > 10, "logits must vary for the comparison to mean anything"
+    assert len(np.unique(np.round(b, 3))) > 10, ("logits must vary for the comparison to mean "
+                                                 "anything")
 
 
 def test_plain_kernels_never_import_the_fast_path():
@@ -313,7 +324,8 @@ def test_plain_kernels_never_import_the_fast_path():
             "bad = sorted(k for k in sys.modules if k.startswith('stage1_cpu.fast'))\n"
             "assert not bad, bad\nprint('ok')\n")
     root = Path(__file__).resolve().parent.parent
-    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                         text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
@@ -329,8 +341,8 @@ def test_unknown_kernels_and_plain_with_int8_activations_are_refused():
 def test_engine_with_threads_and_kernels_options(kernels):
     """--threads and --kernels together (the chat's and the server's options)."""
     from stage1_cpu.engine import LLMEngine
-    engine = LLMEngine(make_model(**CASES["qwen3"]), quant="int8", max_ctx=64, threads=1, progress=False,
-                       kernels=kernels)
+    engine = LLMEngine(make_model(**CASES["qwen3"]), quant="int8", max_ctx=64, threads=1,
+                       progress=False, kernels=kernels)
     assert numba.get_num_threads() == 1
     assert engine.weights.kernels == kernels
     assert engine.describe_kernels().startswith("plain kernels ·") == (kernels == "plain")
@@ -384,6 +396,8 @@ def test_the_step_on_fewer_threads_gives_the_same_logits_and_gives_numba_its_cou
     b.decode_step.threads.use = 1                                 # as on a busy machine
     b.decode_step.threads.wait = 10 ** 6
     for pos in range(len(PROMPT), len(PROMPT) + 3):
-        assert np.array_equal(a.forward(np.array([pos % 7]), pos), b.forward(np.array([pos % 7]), pos))
+        assert np.array_equal(a.forward(np.array([pos % 7]), pos),
+                              b.forward(np.array([pos % 7]), pos))
         assert numba.get_num_threads() == saved
-    assert b.decode_step.threads.cost.get(1) and not b.decode_step.threads.cost.get(saved if saved > 1 else 0)
+    assert b.decode_step.threads.cost.get(1)
+    assert not b.decode_step.threads.cost.get(saved if saved > 1 else 0)
