@@ -68,7 +68,8 @@ class LayerWeights:
     w_down: Weight | None = None    # [C, F]
     router: Weight | None = None    # [E, C] MoE router (its logits go to the host for top-k)
     experts: list[ExpertWeights] = field(default_factory=list)
-    shared_expert: ExpertWeights | None = None  # qwen2_moe: [Fs, C] x 2, [C, Fs]; every token goes through it
+    # qwen2_moe: [Fs, C] x 2, [C, Fs]; every token goes through it
+    shared_expert: ExpertWeights | None = None
     shared_gate: Weight | None = None           # [1, C] its sigmoid gate
 
 
@@ -115,7 +116,8 @@ class Weights:
 
 def load_weights(folder: str | Path, cfg: ModelConfig, xp=np, progress: bool = True) -> Weights:
     loader = open_weights(folder, cfg)   # a Hugging Face folder or a GGUF file (dequantized)
-    dev = lambda a: xp.asarray(np.ascontiguousarray(a, dtype=np.float32))   # noqa: E731  host -> device
+    # host -> device
+    dev = lambda a: xp.asarray(np.ascontiguousarray(a, dtype=np.float32))  # noqa: E731
     q = lambda a: Weight(dev(a))                                              # noqa: E731
     # one step per matrix: wq, wk, wv and wo per layer (attn=4), gate, up and down per MLP (mlp=3)
     with loading(cfg, "loading weights (float32)", attn=4, mlp=3, show=progress) as step:

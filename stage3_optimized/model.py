@@ -21,13 +21,13 @@ Changed from stage 2, lesson by lesson (docs/lessons/stage3):
     x = embed(tokens)                                   [N, C]
     for each layer:
         qkv = rmsnorm(x) @ wqkv.T                       [N, (H + 2 Hkv) D], one GEMM (+ bqkv: qwen2)
-        q = qk_norm_rope_store(qkv)                     q/k RMSNorm (qwen3), RoPE, k/v into their pages
+        q = qk_norm_rope_store(qkv)                     q/k RMSNorm (qwen3), RoPE, k/v into pages
         attend causally over each sequence's pages (GQA)
         x = x + attn @ wo.T
         gate_up = rmsnorm(x) @ w_gate_up.T              MLP block
         x = x + swiglu(gate_up) @ w_down.T              (or the routed experts of a MoE layer,
                                                          plus a gated shared expert: qwen2_moe)
-    logits = rmsnorm(x) @ lm_head.T                     [S', V] for the last position of each sequence
+    logits = rmsnorm(x) @ lm_head.T                     [S', V] for each sequence's last position
 
 Weight names follow Hugging Face's (wqkv is q_proj, k_proj, v_proj stacked, ...); the
 rename table is in common/loader.py and the fusing in weights.py.
@@ -55,7 +55,8 @@ class Model:
         self.buffers = Activations.allocate(xp, cfg, max_tokens, max_seqs, max_ctx)
         # CUDA kernels on cupy arrays, their numpy twins on numpy arrays
         self.kernels = kernels
-        cos, sin = ops.rope_tables(max_ctx, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)   # [T_max, D/2]
+        # [T_max, D/2]
+        cos, sin = ops.rope_tables(max_ctx, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.cos, self.sin = xp.asarray(cos), xp.asarray(sin)
         # what each layer's q/k norm, RoPE and KV store need, besides the step's rows
         self.heads = [ops.LayerHeads(lw.q_norm, lw.k_norm, self.cos, self.sin, self.cache.keys(i),
@@ -86,8 +87,9 @@ class Model:
             # Qwen3's per-head q/k RMSNorm, RoPE at each token's own position, and the new
             # positions' k, v into their pages: one kernel, q comes back for attention
             q = kern.qk_norm_rope_store(qkv, self.heads[layer], batch.positions, batch.slot_mapping,
-                                     out=b.q)                  # [N, H, D] bf16
-            att = self.attention(q, layer, batch, out=b.att)   # ... and every query attends over its pages
+                                        out=b.q)                  # [N, H, D] bf16
+            # ... and every query attends over its pages
+            att = self.attention(q, layer, batch, out=b.att)
             x = lw.wo.matmul(att.reshape(N, H * D), add_into=x)   # x + att @ wo.T, in the GEMM
 
             # ---- MLP block ----
@@ -115,13 +117,13 @@ class Model:
         kern, d = self.kernels, batch.num_decode
         keys, values = self.cache.keys(layer), self.cache.values(layer)
         if d:
-            kern.paged_decode_attention(q[:d], keys, values, batch.block_tables[:d], batch.context_lens[:d],
-                                     max_len=batch.max_context, out=out[:d],
-                                     scratch=self.buffers.attn_scratch)
+            kern.paged_decode_attention(q[:d], keys, values, batch.block_tables[:d],
+                                        batch.context_lens[:d], max_len=batch.max_context,
+                                        out=out[:d], scratch=self.buffers.attn_scratch)
         if d < q.shape[0]:
             kern.prefill_attention(q[d:], keys, values, batch.block_tables, batch.token_seq[d:],
-                                batch.positions[d:], batch.tile_start, batch.tile_count,
-                                out=out[d:])
+                                   batch.positions[d:], batch.tile_start, batch.tile_count,
+                                   out=out[d:])
         return out
 
     def moe(self, h, lw: LayerWeights, add_into):
@@ -139,7 +141,8 @@ class Model:
         out = add_into                                         # [T, C] fp32: the stream itself
         # group tokens by expert: each chosen expert's weights are read once per step
         for e in np.unique(top):
-            rows, slot = np.nonzero(top == e)                  # tokens routed to e, and which of their k
+            # tokens routed to e, and which of their k
+            rows, slot = np.nonzero(top == e)
             ex = lw.experts[e]
             he = h[xp.asarray(rows)]                           # [Te, C]
             y = ex.e_down.matmul(kern.swiglu(ex.e_gate_up.matmul(he)), out_f32=True)     # [Te, C]
@@ -147,7 +150,8 @@ class Model:
         if lw.shared_expert is not None:
             # the shared expert: every token, weighted by sigmoid(h . shared_gate) in (0, 1)
             ex = lw.shared_expert
-            y = ex.e_down.matmul(kern.swiglu(ex.e_gate_up.matmul(h)), out_f32=True)     # [T, C] fp32
+            # [T, C] fp32
+            y = ex.e_down.matmul(kern.swiglu(ex.e_gate_up.matmul(h)), out_f32=True)
             gate = lw.shared_gate.matmul(h, out_f32=True)      # [T, 1] fp32
             out += y / (1 + xp.exp(-gate))
         return out

@@ -87,8 +87,10 @@ class LayerWeights:
     w_down: Weight | None = None    # [C, F]
     router: Weight | None = None    # [E, C] MoE router (its logits go to the host for top-k)
     experts: list[ExpertWeights] = field(default_factory=list)
-    bqkv: object | None = None      # [(H + 2*Hkv)*D] float32: q, k, v biases stacked (qwen2, qwen2_moe)
-    shared_expert: ExpertWeights | None = None  # qwen2_moe: [2Fs, C], [C, Fs]; every token goes through it
+    # [(H + 2*Hkv)*D] float32: q, k, v biases stacked (qwen2, qwen2_moe)
+    bqkv: object | None = None
+    # qwen2_moe: [2Fs, C], [C, Fs]; every token goes through it
+    shared_expert: ExpertWeights | None = None
     shared_gate: Weight | None = None           # [1, C] its sigmoid gate
 
 
@@ -134,7 +136,8 @@ class Weights:
 
 def load_weights(folder: str | Path, cfg: ModelConfig, xp=np, progress: bool = True) -> Weights:
     loader = open_weights(folder, cfg)   # a Hugging Face folder or a GGUF file (dequantized)
-    dev = lambda a: xp.asarray(np.ascontiguousarray(a, dtype=np.float32))   # noqa: E731  host -> device
+    # host -> device
+    dev = lambda a: xp.asarray(np.ascontiguousarray(a, dtype=np.float32))  # noqa: E731
     # the matrices: rounded to bf16 on the host (round to nearest even), one copy of the bits each
     q = lambda a: Weight(xp.asarray(np.ascontiguousarray(bf16_bits(a))))     # noqa: E731
     fuse = lambda *ps: q(np.concatenate([np.asarray(p, np.float32) for p in ps]))  # noqa: E731
