@@ -27,21 +27,49 @@ def python_files() -> list[Path]:
     return [ROOT / f for f in out.stdout.split()]
 
 
-def long_functions() -> dict[tuple[str, str], int]:
-    """(file, function) -> lines, of every function or method over LIMIT lines."""
+def long_functions(files: list[Path] | None = None,
+                   root: Path = ROOT) -> dict[tuple[str, str], int]:
+    """(file, function) -> lines, of every function or method over LIMIT lines in files (default:
+    the project's)."""
     found = {}
-    for path in python_files():
+    for path in python_files() if files is None else files:
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 lines = node.end_lineno - node.lineno + 1
                 if lines > LIMIT:
-                    found[(str(path.relative_to(ROOT)), node.name)] = lines
+                    found[(str(path.relative_to(root)), node.name)] = lines
     return found
+
+
+def test_the_scan_reads_the_whole_project():
+    files = {str(p.relative_to(ROOT)) for p in python_files()}
+    assert len(files) > 100, "the project's files were not found"
+    # every floor: the stages, their fast layer, common/, the course, bench/ and its testbed, tests/
+    for f in ("stage1_cpu/model.py", "stage1_cpu/fast/tiles.py", "stage2_batched/engine.py",
+              "stage3_optimized/cuda_graphs.py", "common/loader.py", "course/series.py",
+              "bench/profile.py", "bench/testbed/models.py", "tests/test_function_length.py"):
+        assert f in files, f
+
+
+def test_a_planted_function_of_81_lines_is_found_and_one_of_80_is_not(tmp_path):
+    """The count runs from `def` to the last line, docstring and comments included, for
+    functions, methods and async functions alike."""
+    def body(name: str, lines: int, indent: str = "") -> str:
+        inner = indent + "    "
+        rest = [f'{inner}"""A docstring line."""', f"{inner}# a comment"]
+        rest += [f"{inner}x = {i}" for i in range(lines - 1 - len(rest))]
+        return "\n".join([f"{indent}def {name}():"] + rest) + "\n"
+
+    path = tmp_path / "planted.py"
+    path.write_text(body("eighty", 80) + "\n\n" + body("eighty_one", 81) + "\n\nclass C:\n"
+                    + body("method", 81, "    ") + "\n\nasync " + body("waits", 90))
+    found = long_functions([path], root=tmp_path)
+    assert found == {("planted.py", "eighty_one"): 81, ("planted.py", "method"): 81,
+                     ("planted.py", "waits"): 90}
 
 
 def test_no_function_runs_over_80_lines_but_the_kernels_the_docs_explain():
     found = long_functions()
-    assert len(python_files()) > 100, "the project's files were not found"
     unexplained = sorted(f"{file}: {name} ({n} lines)" for (file, name), n in found.items()
                          if (file, name) not in ALLOWED)
     assert not unexplained, f"split these into well-named functions: {unexplained}"
