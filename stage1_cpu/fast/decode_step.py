@@ -183,8 +183,7 @@ def _worker(matvec, workers, x0, T, last_only, pos, prog, meta, data, scales, mi
     own = np.zeros(own_size, dtype=np.float32)       # this worker's private buffers; x first
     for c in range(x0.size):                         # (a loop: a slice assignment compiles numba's
         own[c] = x0[c]                               # error-message formatting, seconds of LLVM)
-    # [T, k] the experts of the current MoE layer ...
-    top = np.zeros((T, kk), dtype=np.int64)
+    top = np.zeros((T, kk), dtype=np.int64)          # [T, k] the current MoE layer's experts ...
     weight = np.zeros((T, kk), dtype=np.float32)     # ... and their weights
     segs = np.zeros((T * kk, 4), dtype=np.int64)     # a matrix phase's segments (matvec.py)
     qbuf = np.empty((T, H, D), dtype=np.float32)
@@ -192,8 +191,7 @@ def _worker(matvec, workers, x0, T, last_only, pos, prog, meta, data, scales, mi
     for p in range(prog.shape[0]):
         row = prog[p]
         op = row[OP]
-        # the input's rows: a row per token (or per slot)
-        S = T * row[ROWS]
+        S = T * row[ROWS]                            # the input's rows: one per token (or slot)
         src = _buf(own, shared, row[SRC:SRC + 3], S)
         dst = _buf(own, shared, row[DST:DST + 3], S)
         if op == NORM:
@@ -231,8 +229,7 @@ def _worker(matvec, workers, x0, T, last_only, pos, prog, meta, data, scales, mi
             else:                                    # a constant False: LLVM drops the norms
                 _attention(src, kv, row[LAYER], pos, T, cos, sin, none, none, False, eps, H, Hkv, D,
                            dst, qbuf, counts, row[COUNTER])
-        # MATMUL, EXPERTS: one call, through the pointer
-        else:
+        else:                                        # MATMUL, EXPERTS: one call through the pointer
             w = row[WEIGHT]
             bias = vecs[row[VEC]] if row[VEC] >= 0 else none
             if op == EXPERTS:                        # a segment per token and chosen expert
@@ -244,8 +241,7 @@ def _worker(matvec, workers, x0, T, last_only, pos, prog, meta, data, scales, mi
                             top[t, j] * n, s if row[ROWS] > 1 else t, s, 1)
                 n_segs = T * k
                 out = _buf(own, shared, row[DST:DST + 3], T * k)
-            # all T tokens on every row (the logits: maybe the last)
-            else:
+            else:                                    # T tokens on every row (logits: maybe last)
                 n, n_segs = row[DST + 2], 1
                 first = T - 1 if last_only and row[LOGITS] else 0
                 segs[0, 0], segs[0, 1], segs[0, 2], segs[0, 3] = 0, first, 0, T - first
@@ -386,20 +382,11 @@ class DecodeStep:
         self.prog = np.array(rows, dtype=np.int64)
         self.n_counters = n_counters
 
-        no16 = np.zeros(0, dtype=np.uint16)
-        self.meta = np.array([_format_row(w) for w in weights], dtype=np.int64)
+        self._tables(weights, vecs)
         # the row bodies _matvec compiles for this model
         self.kinds = kinds(weights)
         # (k_moe, k_qk): the ops _worker compiles for it
         self.ops = ops(cfg)
-        self.data = _typed_list([np.ascontiguousarray(w.data).reshape(-1).view(np.uint8)
-                                 for w in weights], _READONLY)
-        self.scales = _typed_list([no16 if w.scales is None
-                                   else w.scales.reshape(-1).view(np.uint16)
-                                   for w in weights], _READONLY16)
-        self.mins = _typed_list([no16 if w.mins is None else w.mins.reshape(-1).view(np.uint16)
-                                 for w in weights], _READONLY16)
-        self.vecs = _typed_list([np.array(v, dtype=np.float32).reshape(-1) for v in vecs], _VEC)
         self.shared = np.zeros(self.shared_size, dtype=np.float32)
         self.eps = np.float32(cfg.rms_norm_eps)
         self.worker = self.matvec = None             # Pointers, made at the first step
@@ -408,6 +395,21 @@ class DecodeStep:
         self.dims = np.array([cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, k,
                               int(cfg.norm_topk_prob)],
                              dtype=np.int64)
+
+    def _tables(self, weights: list, vecs: list) -> None:
+        """The program's weights and vectors as _decode reads them: a row of meta per weight
+        (_format_row), its bytes, scales and mins as typed lists of flat views (no copies), and
+        the norm and bias vectors."""
+        no16 = np.zeros(0, dtype=np.uint16)
+        self.meta = np.array([_format_row(w) for w in weights], dtype=np.int64)
+        self.data = _typed_list([np.ascontiguousarray(w.data).reshape(-1).view(np.uint8)
+                                 for w in weights], _READONLY)
+        self.scales = _typed_list([no16 if w.scales is None
+                                   else w.scales.reshape(-1).view(np.uint16)
+                                   for w in weights], _READONLY16)
+        self.mins = _typed_list([no16 if w.mins is None else w.mins.reshape(-1).view(np.uint16)
+                                 for w in weights], _READONLY16)
+        self.vecs = _typed_list([np.array(v, dtype=np.float32).reshape(-1) for v in vecs], _VEC)
 
     def _pointers(self, args):
         """_worker and _matvec compiled for the types of this model's arguments (the first
