@@ -20,6 +20,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import bench
+
 BUSY_LOAD = 0.5          # a 1-minute load above this (before we start) means someone else is running
 RESULT_TAG = "BENCH-RESULT "   # the line a worker prints its JSON result on
 
@@ -237,6 +239,18 @@ def policy_env(omp_wait_policy: str, extra: dict | None = None) -> dict:
     else:
         env["OMP_WAIT_POLICY"] = omp_wait_policy
     return env
+
+
+def as_users_run(engine: str) -> None:
+    """In a worker of a peer (llama.cpp, transformers): OMP_WAIT_POLICY as this process was
+    started with (policy_env's), not stage 1's choice, which importing stage1_cpu sets in the
+    environment; the peer's OpenMP reads it when its library loads, after this."""
+    if engine == "stage1":
+        return
+    if bench.STARTED_WITH_OMP_WAIT_POLICY is None:
+        os.environ.pop("OMP_WAIT_POLICY", None)
+    else:
+        os.environ["OMP_WAIT_POLICY"] = bench.STARTED_WITH_OMP_WAIT_POLICY
 
 
 def run_worker(module: str, spec: dict, timeout: float, log=print, omp_wait_policy: str = "PASSIVE",

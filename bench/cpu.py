@@ -39,8 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import (BandwidthProbe, NeighbourMeter, busy_cores, check_load, cpu_flags,
-                          emit_result, fmt_num, items, machine_description,
+from bench.common import (BandwidthProbe, NeighbourMeter, as_users_run, busy_cores, check_load,
+                          cpu_flags, emit_result, fmt_num, items, machine_description,
                           markdown_table, measure_bandwidth, median, policy_env, run_worker,
                           save_json, stage1_bytes, versions)
 from common.engine import Request
@@ -306,6 +306,7 @@ def prompt_ids(vocab: int, length: int, seed: int) -> list[int]:
 
 def worker(spec: dict) -> None:
     """Runs in its own process: one engine, one format, every thread count."""
+    as_users_run(spec["engine"])                # a peer: its wait policy as given, not stage 1's
     result = {"cells": {}}
     n0, vocab = spec["threads"][0], spec["vocab"]
     try:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import check_load, emit_result, run_worker, save_json, versions
+from bench.common import as_users_run, check_load, emit_result, run_worker, save_json, versions
 from common.config import gguf_path
 from common.engine import Request
 from common.sampling import SamplingParams
@@ -81,6 +81,7 @@ def verify_costs(spec: dict) -> dict:
 
 
 def worker(spec: dict) -> None:
+    as_users_run(spec.get("engine", "stage1"))  # a peer: its wait policy as given, not stage 1's
     if spec["mode"] == "verify":
         return emit_result({"verify_ms": verify_costs(spec)})
     run, rows = make_engine(spec), []

@@ -88,3 +88,23 @@ def test_wait_policy_keeps_a_users_value_and_names_what_libgomp_does_with_it(mon
     monkeypatch.setattr(numba_cache, "OMP_IDLE", numba_cache.OMP_IDLE)   # put back afterwards
     numba_cache.wait_policy("PASSIVE", "why")
     assert os.environ["OMP_WAIT_POLICY"] == policy and numba_cache.OMP_IDLE == words
+
+
+@pytest.mark.parametrize("started_with", [None, "ACTIVE"])
+def test_a_benchmarks_peer_runs_with_the_policy_it_was_given_not_stage_1s(started_with):
+    """A bench worker imports stage1_cpu (for its helpers), which puts stage 1's choice in the
+    environment; a llama.cpp or transformers worker must run as users run it (unset: OpenMP's
+    own default), so as_users_run puts back what the worker was started with. Stage 1's own
+    worker keeps stage 1's choice."""
+    code = ("import os, bench.cpu\nfrom bench.common import as_users_run\n"
+            "stage1 = os.environ.get('OMP_WAIT_POLICY')\nas_users_run('llama.cpp')\n"
+            "print(stage1, os.environ.get('OMP_WAIT_POLICY'))")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if started_with:
+        env["OMP_WAIT_POLICY"] = started_with
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    stage1, peer = out.stdout.split()
+    assert stage1 == (started_with or stage1_cpu.WAIT_POLICY)
+    assert peer == str(started_with)

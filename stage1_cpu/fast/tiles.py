@@ -38,7 +38,8 @@ Which sums, by the activations' rounding (fast/kernels.py: quantize_token) and c
           lanes, added once per group.
 
 A tile is RB blocks of 8 rows by TT tokens of int32 accumulators in registers (AVX2 has
-16 ymm registers, AVX-512VL 32): RB x TT x 4 values per weight load and broadcast.
+16 ymm registers, AVX-512VL 32): RB x TT x 4 values per weight load and broadcast. TT is 1
+(decode), 4, or 8 (a verify step of 5 to 8 tokens, where 8 tokens' accumulators fit).
 Compiled for one (kind, RB, TT) each; nothing here is compiled where cpu.INT8 is None.
 The numpy twin: tiles_ref below (and FastWeight.matmul_ref).
 """
@@ -64,7 +65,11 @@ SHAPES = {("int8.q8", 1): (8, 1), ("int8.q8", 4): (4, 4) if REGISTERS == 32 else
           ("int4.q8", 1): (8, 1) if REGISTERS == 32 else (4, 1),
           ("int4.q8", 4): (2, 4) if REGISTERS == 32 else (1, 4),
           ("int8.q16", 1): (4, 1), ("int8.q16", 4): (2, 4) if REGISTERS == 32 else (1, 4),
-          ("int4.q16", 1): (2, 1), ("int4.q16", 4): (1, 4)}
+          ("int4.q16", 1): (2, 1), ("int4.q16", 4): (1, 4),
+          # 8 tokens at once where their accumulators fit beside the weights; else two tiles of 4
+          ("int8.q8", 8): (2, 8) if REGISTERS == 32 else (1, 8),
+          ("int4.q8", 8): None,
+          ("int8.q16", 8): (1, 8) if REGISTERS == 32 else None, ("int4.q16", 8): None}
 
 I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 BYTES32, BYTES16 = ir.VectorType(I8, 32), ir.VectorType(I8, 16)
@@ -262,12 +267,13 @@ def _tile_codegen(int4: bool, q16: bool, RB: int, TT: int):
                 acc = [[[[builder.load(a) for a in iacc[h][r][t]] for t in range(TT)] for r in range(RB)]
                        for h in range(H)]
                 acc16 = [[[ir.Constant(SHORTS16, None) for t in range(TT)] for r in range(RB)] for h in range(H)]
-                if TT > 1:                          # the next tile's bytes (RB blocks on), this chunk's
-                    ahead = builder.add(builder.mul(vbytes, c(RB)), cw)     # lines, while this one multiplies
-                    for p in wps:
-                        for line in range(0, CHUNK * ROWS, 64):
-                            builder.call(prefetch, [builder.gep(p, [builder.add(ahead, c(line))]),
-                                                    ir.Constant(I32, 0), ir.Constant(I32, 2), ir.Constant(I32, 1)])
+                # the next tile's bytes (RB blocks on), this chunk's lines, asked for while this
+                # one multiplies, for one token as for several: the reads overlap the arithmetic
+                ahead = builder.add(builder.mul(vbytes, c(RB)), cw)
+                for p in wps:
+                    for line in range(0, CHUNK * ROWS, 64):
+                        builder.call(prefetch, [builder.gep(p, [builder.add(ahead, c(line))]),
+                                                ir.Constant(I32, 0), ir.Constant(I32, 2), ir.Constant(I32, 1)])
                 for j in range(CHUNK // 4):         # a step: 4 values of 8 rows, one 32-byte vector
                     raw = [builder.load(builder.bitcast(builder.gep(p, [builder.add(cw, c(32 * j))]),
                                                         BYTES32.as_pointer()), align=1) for p in wps]
@@ -342,7 +348,11 @@ _TILE_DOC = """{what}: out[ooff + t ostride + 8 i + l] = row l of block i, token
 
 
 def _make_tile(int4: bool, q16: bool, TT: int):
-    RB = SHAPES[(f"{'int4' if int4 else 'int8'}.{'q16' if q16 else 'q8'}", TT)][0]
+    """-> (the tile, RB, TT); TT = 8 where SHAPES has no room for 8 tokens gives the tile of 4."""
+    shape = SHAPES[(f"{'int4' if int4 else 'int8'}.{'q16' if q16 else 'q8'}", TT)]
+    if shape is None:
+        return _make_tile(int4, q16, 4)
+    RB = shape[0]
 
     def tile(typingctx, w, woff, x, xoff, Kp, s, soff, xs, xsoff, G, gs, m, xcorr, xsum, out, ooff, ostride,
              n_rb, n_tok):
@@ -351,43 +361,40 @@ def _make_tile(int4: bool, q16: bool, TT: int):
         return sig, _tile_codegen(int4, q16, RB, TT)
     what = f"{'int4' if int4 else 'int8'} weights x {'int16' if q16 else 'int8'} activations"
     tile.__doc__ = _TILE_DOC.format(what=what, RB=RB, TT=TT)
-    return intrinsic(tile), RB
+    return intrinsic(tile), RB, TT
 
 
-tile_int8_q8_1, RB88_1 = _make_tile(False, False, 1)
-tile_int8_q8_4, RB88_4 = _make_tile(False, False, 4)
-tile_int8_q16_1, RB816_1 = _make_tile(False, True, 1)
-tile_int8_q16_4, RB816_4 = _make_tile(False, True, 4)
-tile_int4_q8_1, RB48_1 = _make_tile(True, False, 1)
-tile_int4_q8_4, RB48_4 = _make_tile(True, False, 4)
-tile_int4_q16_1, RB416_1 = _make_tile(True, True, 1)
-tile_int4_q16_4, RB416_4 = _make_tile(True, True, 4)
-
-
-def _blocks(tile1, RB1, tile4, RB4):
+def _blocks(int4: bool, q16: bool):
     """The loops around one kind's tiles: blocks v0..v1 of a tiled matrix by T tokens."""
+    (tile1, RB1, _), (tile4, RB4, _), (tile8, RB8, TT8) = (_make_tile(int4, q16, TT) for TT in (1, 4, 8))
+
     @njit(inline="always", fastmath=FAST, error_model="numpy")
     def blocks(w, wblock, x, xoff, Kp, s, xs, xcorr, xsum, xsoff, m, G, gs, out, ooff, ostride, v0, v1, T):
         """out[ooff + t ostride + 8 (v - v0) + l] = row l of block v . token t, for v0 <= v < v1, t < T:
-        one token in tiles of RB1 blocks, more in tiles of RB4 blocks by 4 tokens (each block's bytes
-        read from memory once: the tiles after the first find them in L1 or L2). Flat arrays and
-        offsets, no views: a view of an array the threads share costs an atomic count on one
-        cache line that every thread writes."""
+        one token in tiles of RB1 blocks, up to 4 in tiles of RB4 blocks by 4 tokens, 5 to 8 (a verify
+        step) in one tile of 8 where its accumulators fit the registers, else (and a prompt's 48)
+        in tiles of 4 (each block's bytes read from memory once: the tiles after the first find
+        them in L1 or L2). Flat arrays and offsets, no views: a view of an array the threads share
+        costs an atomic count on one cache line that every thread writes."""
         if T == 1:
             for v in range(v0, v1, RB1):
                 tile1(w, v * wblock, x, xoff, Kp, s, v * G * ROWS, xs, xsoff, G, gs, m, xcorr, xsum, out,
                       ooff + ROWS * (v - v0), ostride, min(RB1, v1 - v), 1)
-        else:
+        elif T <= 4 or T > 8 or TT8 == 4:
             for v in range(v0, v1, RB4):
                 for t in range(0, T, 4):
                     tile4(w, v * wblock, x, xoff + t * Kp, Kp, s, v * G * ROWS, xs, xsoff + t * G, G, gs, m,
                           xcorr, xsum, out, ooff + t * ostride + ROWS * (v - v0), ostride, min(RB4, v1 - v),
                           min(4, T - t))
+        else:
+            for v in range(v0, v1, RB8):
+                tile8(w, v * wblock, x, xoff, Kp, s, v * G * ROWS, xs, xsoff, G, gs, m, xcorr, xsum, out,
+                      ooff + ROWS * (v - v0), ostride, min(RB8, v1 - v), T)
     return blocks
 
 
-blocks_int8_q8 = _blocks(tile_int8_q8_1, RB88_1, tile_int8_q8_4, RB88_4)
-blocks_int8_q16 = _blocks(tile_int8_q16_1, RB816_1, tile_int8_q16_4, RB816_4)
-blocks_int4_q8 = _blocks(tile_int4_q8_1, RB48_1, tile_int4_q8_4, RB48_4)
-blocks_int4_q16 = _blocks(tile_int4_q16_1, RB416_1, tile_int4_q16_4, RB416_4)
+blocks_int8_q8 = _blocks(False, False)
+blocks_int8_q16 = _blocks(False, True)
+blocks_int4_q8 = _blocks(True, False)
+blocks_int4_q16 = _blocks(True, True)
 BIAS = 128 if VNNI else 0       # xcorr = -BIAS sum(xq): the int8 x int8 tiles' sums start from it (VNNI)
