@@ -29,12 +29,14 @@ import numpy as np
 ARCH = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe", "LlamaForCausalLM": "llama",
         "Qwen2ForCausalLM": "qwen2", "Qwen2MoeForCausalLM": "qwen2moe"}
 NAMES = {
-    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
     "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate.weight": "ffn_gate_inp.weight",
     "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
@@ -43,12 +45,14 @@ NAMES = {
     "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
 }
 EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
-KEEP_F32 = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")    # llama.cpp never quantizes the router
+# llama.cpp never quantizes the router
+KEEP_F32 = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 
 
 def _byte_level_alphabet() -> list[str]:
     """GPT-2's 256 printable stand-ins for the bytes 0..255 (byte-level BPE)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
     chars, extra = {}, 0
     for b in range(256):
         if b in keep:
@@ -121,26 +125,43 @@ def _tokenizer_metadata(w, folder: Path, cfg: dict, pre: str) -> None:
         w.add_chat_template((folder / "chat_template.jinja").read_text())
 
 
-def write_gguf(folder: str | Path, path: str | Path, qtype: str = "F32", embed_qtype: str | None = None,
-               pre: str | None = None, tokenizer: bool = True) -> Path:
+def write_gguf(folder: str | Path, path: str | Path, qtype: str = "F32",
+               embed_qtype: str | None = None, pre: str | None = None,
+               tokenizer: bool = True) -> Path:
     """The Hugging Face folder `folder` as a GGUF file at `path`; -> path. Each tensor is
     spooled to a temporary file as it is converted, and a layer's experts are stacked as soon
     as the last of them is read, so a large model needs about one layer in memory."""
     import gguf
-    from gguf.quants import quantize
 
     folder, path = Path(folder), Path(path)
     cfg = json.loads((folder / "config.json").read_text())
     arch = ARCH[cfg["architectures"][0]]
-    rope = cfg.get("rope_parameters") or {}
-    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
-    kv_heads = cfg.get("num_key_value_heads") or heads
-    head_dim = cfg.get("head_dim") or hidden // heads
-    n_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
     w = gguf.GGUFWriter(str(path), arch, use_temp_file=True)
+    _model_metadata(w, folder, cfg, arch)
+    if tokenizer:
+        _tokenizer_metadata(w, folder, cfg, pre or ("smollm" if arch == "llama" else "qwen2"))
+    _add_tensors(w, folder, cfg, arch, qtype, embed_qtype or qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _heads(cfg: dict) -> tuple[int, int, int]:
+    """(query heads, KV heads, head_dim) of a config.json."""
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return heads, cfg.get("num_key_value_heads") or heads, head_dim
+
+
+def _model_metadata(w, folder: Path, cfg: dict, arch: str) -> None:
+    """The model's shape and hyperparameters, under GGUF's keys for `arch`."""
+    rope = cfg.get("rope_parameters") or {}
+    heads, kv_heads, head_dim = _heads(cfg)
     w.add_name(folder.name)
     w.add_context_length(cfg.get("max_position_embeddings", 2048))
-    w.add_embedding_length(hidden)
+    w.add_embedding_length(cfg["hidden_size"])
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(heads)
@@ -153,40 +174,48 @@ def write_gguf(folder: str | Path, path: str | Path, qtype: str = "F32", embed_q
     w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
     w.add_vocab_size(cfg["vocab_size"])
     if arch in ("qwen3moe", "qwen2moe"):
-        w.add_expert_count(n_experts)
+        w.add_expert_count(cfg.get("num_experts", cfg.get("num_local_experts")))
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     if arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
-    if tokenizer:
-        _tokenizer_metadata(w, folder, cfg, pre or ("smollm" if arch == "llama" else "qwen2"))
 
-    embed_qtype = embed_qtype or qtype
 
-    def add(name: str, data: np.ndarray, kind: str) -> None:
-        t = gguf.GGMLQuantizationType[kind]
-        if t == gguf.GGMLQuantizationType.F32:
-            w.add_tensor(name, np.ascontiguousarray(data, np.float32))
-        elif t == gguf.GGMLQuantizationType.F16:
-            w.add_tensor(name, np.ascontiguousarray(data, np.float16))
-        else:
-            w.add_tensor(name, quantize(np.ascontiguousarray(data, np.float32), t), raw_dtype=t)
+def _add(w, name: str, data: np.ndarray, kind: str) -> None:
+    """One tensor into the writer, as GGUF type `kind` (F32, F16 or a quantized type)."""
+    import gguf
+    from gguf.quants import quantize
+    t = gguf.GGMLQuantizationType[kind]
+    if t == gguf.GGMLQuantizationType.F32:
+        w.add_tensor(name, np.ascontiguousarray(data, np.float32))
+    elif t == gguf.GGMLQuantizationType.F16:
+        w.add_tensor(name, np.ascontiguousarray(data, np.float16))
+    else:
+        w.add_tensor(name, quantize(np.ascontiguousarray(data, np.float32), t), raw_dtype=t)
 
+
+def _add_tensors(w, folder: Path, cfg: dict, arch: str, qtype: str, embed_qtype: str) -> None:
+    """Every tensor of the folder under its GGUF name and type: the embedding and output
+    embed_qtype, 1-D tensors and KEEP_F32 F32, the other matrices qtype; a layer's experts
+    stacked into one [E, rows, C] tensor as soon as the last of them is read."""
+    heads, kv_heads, _ = _heads(cfg)
+    n_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
     experts: dict = {}
     for name, data in _tensors(folder):
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            add("token_embd.weight" if "embed" in name else "output.weight", data, embed_qtype)
+            _add(w, "token_embd.weight" if "embed" in name else "output.weight", data, embed_qtype)
             continue
         if name == "model.norm.weight":
-            add("output_norm.weight", data, "F32")
+            _add(w, "output_norm.weight", data, "F32")
             continue
         _, _, layer, rest = name.split(".", 3)
         m = EXPERT.fullmatch(rest)
         if m:
             by_e = experts.setdefault((int(layer), m.group(2)), {})
             by_e[int(m.group(1))] = data
-            if len(by_e) == n_experts:                                   # the layer's last expert: [E, rows, C]
-                add(f"blk.{layer}.ffn_{m.group(2)}_exps.weight", np.stack([by_e[e] for e in range(n_experts)]), qtype)
+            if len(by_e) == n_experts:                # the layer's last expert: [E, rows, C]
+                stacked = np.stack([by_e[e] for e in range(n_experts)])
+                _add(w, f"blk.{layer}.ffn_{m.group(2)}_exps.weight", stacked, qtype)
                 del experts[(int(layer), m.group(2))]
             continue
         gname = NAMES[rest]
@@ -195,22 +224,19 @@ def write_gguf(folder: str | Path, path: str | Path, qtype: str = "F32", embed_q
         if gname == "ffn_gate_inp_shexp.weight":
             data = data.reshape(-1)
         kind = "F32" if data.ndim == 1 or gname in KEEP_F32 else qtype
-        add(f"blk.{layer}.{gname}", data, kind)
+        _add(w, f"blk.{layer}.{gname}", data, kind)
     if experts:
         raise ValueError(f"{folder}: experts missing from the weights: {sorted(experts)}")
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Write a Hugging Face folder as a GGUF file.")
     ap.add_argument("folder", type=Path)
     ap.add_argument("out", type=Path)
-    ap.add_argument("--type", default="Q8_0", help="F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (default Q8_0)")
-    ap.add_argument("--embed-type", default=None, help="the token embedding / output's type (default: --type)")
+    ap.add_argument("--type", default="Q8_0",
+                    help="F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (default Q8_0)")
+    ap.add_argument("--embed-type", default=None,
+                    help="the token embedding / output's type (default: --type)")
     args = ap.parse_args(argv)
     print(write_gguf(args.folder, args.out, args.type, args.embed_type))
     return 0

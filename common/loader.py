@@ -54,7 +54,8 @@ LAYER_NAMES = {
     "s_gate": "model.layers.{i}.mlp.shared_expert.gate_proj.weight",  # [Fs, C] (qwen2_moe only)
     "s_up": "model.layers.{i}.mlp.shared_expert.up_proj.weight",      # [Fs, C]
     "s_down": "model.layers.{i}.mlp.shared_expert.down_proj.weight",  # [C, Fs]
-    "shared_gate": "model.layers.{i}.mlp.shared_expert_gate.weight",  # [1, C]  sigmoid gate of the shared expert
+    # [1, C]  sigmoid gate of the shared expert
+    "shared_gate": "model.layers.{i}.mlp.shared_expert_gate.weight",
 }
 GLOBAL_NAMES = {
     "embed": "model.embed_tokens.weight",   # [V, C]
@@ -63,13 +64,12 @@ GLOBAL_NAMES = {
 }
 
 
-def open_weights(path: str | Path, keep_quantized: bool = False):
-    """The one way a stage reads a model's weights, whatever the model is:
-    a Hugging Face folder -> WeightLoader; a .gguf file (or a folder holding one and no
-    config.json) -> common.gguf.GGUFWeightLoader. Both answer layer / glob / fused under
+def open_weights(path: str | Path, config: ModelConfig, keep_quantized: bool = False):
+    """The one way a stage reads a model's weights, whatever the model is, given the config the
+    engine read from it: a Hugging Face folder -> WeightLoader; a .gguf file (or a folder holding
+    one and no config.json) -> common.gguf.GGUFWeightLoader. Both answer layer / glob / fused under
     the engine's short names with float32 arrays; keep_quantized (stage 1, GGUF only)
     hands quantized matrices over in stage 1's int8 / int4 layout instead."""
-    config = ModelConfig.from_folder(path)
     g = gguf_path(path)
     if g is not None:
         from common.gguf import GGUFWeightLoader    # GGUF code loads only for a GGUF model
@@ -97,7 +97,8 @@ class _File:
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise LoaderError(f"{path}: file is truncated (no safetensors header); download it again")
+                raise LoaderError(f"{path}: file is truncated (no safetensors header); "
+                                  "download it again")
             (n,) = struct.unpack("<Q", head)
             if n > size - 8:
                 raise LoaderError(f"{path}: header length {n} exceeds the file size {size}; "
@@ -128,7 +129,8 @@ class _File:
         shape = tuple(info["shape"])
         if end > self.data_size:
             raise LoaderError(f"{self.path}: tensor {name!r} ends at byte {end} but the file holds "
-                              f"{self.data_size} data bytes: the file is truncated, download it again")
+                              f"{self.data_size} data bytes: the file is truncated, "
+                              "download it again")
         if end - begin != (n := width * int(np.prod(shape, dtype=object))):   # exact for any size
             raise LoaderError(f"{self.path}: tensor {name!r} has {end - begin} bytes, "
                               f"expected {n} for shape {list(shape)}")
@@ -176,8 +178,9 @@ class WeightLoader:
             f = _File(single)
             self._where = {name: f for name in f.header}
         else:
-            raise LoaderError(f"{self.folder}: no model.safetensors or model.safetensors.index.json; "
-                              "--model must be a Hugging Face model folder with safetensors weights")
+            raise LoaderError(f"{self.folder}: no model.safetensors or "
+                              "model.safetensors.index.json; --model must be a Hugging Face model "
+                              "folder with safetensors weights")
         # each layer config.json declares has tensors: checked before anything loops over the layers
         L = self.config.num_layers
         layers = {n.split(".")[2] for n in self._where if n.startswith("model.layers.")}
@@ -202,13 +205,13 @@ class WeightLoader:
 
     def get(self, name: str, dtype=np.float32, shape: tuple[int, ...] | None = None,
             rows: slice | None = None) -> np.ndarray:
-        """One tensor, converted to dtype (float32, or 'bfloat16' to keep the raw bf16 bits as uint16).
-        shape, when given, is checked; rows, when given, reads only those rows (the rest of
+        """One tensor, converted to dtype (float32, or 'bfloat16' to keep the raw bf16 bits as
+        uint16). shape, when given, is checked; rows, when given, reads only those rows (the rest of
         the tensor is never touched)."""
         raw, st_dtype = self._file(name).raw(name)
         if shape is not None and tuple(raw.shape) != tuple(shape):
-            raise LoaderError(f"{self._file(name).path}: tensor {name!r} has shape {list(raw.shape)}, "
-                              f"expected {list(shape)} from config.json")
+            raise LoaderError(f"{self._file(name).path}: tensor {name!r} has shape "
+                              f"{list(raw.shape)}, expected {list(shape)} from config.json")
         if rows is not None:
             raw = raw[rows]
         if dtype == "bfloat16":
@@ -219,17 +222,20 @@ class WeightLoader:
         return out if out.dtype == dtype else out.astype(dtype)
 
     # --- the rename table, with the shapes config.json implies ---
-    def layer(self, key: str, layer: int, expert: int | None = None, dtype=np.float32) -> np.ndarray:
+    def layer(self, key: str, layer: int,
+              expert: int | None = None, dtype=np.float32) -> np.ndarray:
         name = LAYER_NAMES[key].format(i=layer, e=expert)
         return self.get(name, dtype, self.config.expected_shape(key))
 
     def glob(self, key: str, dtype=np.float32, rows: slice | None = None) -> np.ndarray:
         """A model-wide tensor: embed, final_norm, lm_head (the embedding when tied)."""
-        if key == "lm_head" and (self.config.tie_word_embeddings or GLOBAL_NAMES["lm_head"] not in self):
+        if key == "lm_head" and (self.config.tie_word_embeddings
+                                 or GLOBAL_NAMES["lm_head"] not in self):
             key = "embed"
         return self.get(GLOBAL_NAMES[key], dtype, self.config.expected_shape(key), rows)
 
-    def fused(self, keys: list[str], layer: int, expert: int | None = None, dtype=np.float32) -> np.ndarray:
+    def fused(self, keys: list[str], layer: int,
+              expert: int | None = None, dtype=np.float32) -> np.ndarray:
         """Several projections of one layer stacked along the output axis, e.g.
         ["wq", "wk", "wv"] -> [(H + 2*Hkv) * D, C] so one matmul computes q, k and v
         (of one MoE expert, with expert: ["e_gate", "e_up"] -> [2 * Fe, C]; the biases
@@ -242,19 +248,20 @@ def stack(ws: list):
     stage 1's quant.Weight) -> one matrix, their rows stacked in order."""
     cat = lambda name: (None if getattr(ws[0], name) is None  # noqa: E731
                         else np.concatenate([getattr(w, name) for w in ws]))
-    return dataclasses.replace(ws[0], out_features=sum(w.out_features for w in ws), data=cat("data"),
-                               scales=cat("scales"), mins=cat("mins"))
+    return dataclasses.replace(ws[0], out_features=sum(w.out_features for w in ws),
+                               data=cat("data"), scales=cat("scales"), mins=cat("mins"))
 
 
 @contextmanager
 def loading(cfg: ModelConfig, title: str, attn: int, mlp: int, show: bool = True):
     """A progress bar that advances once per matrix loaded: `with loading(...) as step:`, then
     step(matrix) -> matrix. attn, mlp: how many matrices one layer's attention and one MLP hold
-    (a MoE layer has one MLP per expert, and a shared one); 2 more for embed and lm_head."""
+    (a MoE layer has one MLP per expert, and a shared one); 3 more for embed, lm_head (the
+    embedding again when tied) and final_norm."""
     from rich.progress import Progress
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
     n_shared = n_moe if cfg.shared_expert_intermediate_size else 0
-    total = 2 + cfg.num_layers * (attn + mlp) + (n_moe * (cfg.num_experts - 1) + n_shared) * mlp
+    total = 3 + cfg.num_layers * (attn + mlp) + (n_moe * (cfg.num_experts - 1) + n_shared) * mlp
     with Progress(transient=True, disable=not show) as bar:
         task = bar.add_task(title, total=total)
 

@@ -18,7 +18,7 @@ from common.sampling import NO_TOKEN, Sampler
 
 from . import CACHE_DIR, KERNEL_FILES, ops
 from .jit import numba_cache
-from .model import Model
+from .model import build_model
 from .weights import load_weights
 
 
@@ -39,12 +39,12 @@ class LLMEngine(numba_cache.WarmUp):       # warm_up(), kernels_cold(): jit/numb
         if threads:
             numba_cache.set_threads(threads)
         self.folder = Path(folder)
-        self.config: ModelConfig = ModelConfig.from_folder(folder)
+        self.config = cfg = ModelConfig.from_folder(folder)
         if max_ctx < 2:
             raise ValueError("--max-ctx must be at least 2")
         self.max_ctx = max_ctx
-        self.weights = load_weights(folder, quant, group_size, progress, kernels, activations)
-        self.model = Model(self.weights, max_ctx, use_numba=use_numba)
+        self.weights = load_weights(folder, cfg, quant, group_size, progress, kernels, activations)
+        self.model = build_model(self.weights, max_ctx, use_numba)
         self.prefill_chunk = prefill_chunk
         self.eos_ids = set(self.config.eos_token_ids)
         self.queue: deque[Request] = deque()
@@ -86,7 +86,7 @@ class LLMEngine(numba_cache.WarmUp):       # warm_up(), kernels_cold(): jit/numb
     def warm_key(self) -> tuple | None:
         """What the warm-up mark follows (numba_cache.WarmUp): the files the chosen kernels compile
         from, the format, the kernels, the model kind (MoE layers run kernels of their own)."""
-        if self.model.k is ops:                   # the numpy definitions: nothing to compile
+        if self.model.kernels is ops:             # the numpy definitions: nothing to compile
             return None
         w, mlp = self.weights, "moe" if self.config.num_experts else "dense"
         files, kinds = (w.fast.files(), w.fast.kinds(w)) if w.fast else (KERNEL_FILES, "fp32")

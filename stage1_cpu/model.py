@@ -13,9 +13,9 @@
                                                          plus a gated shared expert: qwen2_moe)
     logits = rmsnorm(x) @ lm_head.T                     [V] for the last position
 
-Each step is one numba kernel (kernels.py), each matmul a quant.Weight in any format; with
---kernels fast a step of a few tokens runs in one parallel region instead (fast/decode_step.py),
-bit for bit the same. Weight names are Hugging Face's (wq is q_proj; common/loader.py).
+Each step is one kernel of `kern` (build_model picks them), each matmul a quant.Weight in any
+format; with --kernels fast a step of a few tokens runs in one parallel region instead
+(fast/decode_step.py), bit for bit the same. Weight names are Hugging Face's (common/loader.py).
 """
 from __future__ import annotations
 
@@ -27,40 +27,42 @@ from .quant import Weight
 from .weights import LayerWeights, Weights
 
 
+def build_model(weights: Weights, max_ctx: int, use_numba: bool = True):
+    """The model with its kernels, chosen once: kernels.py's, ops.py's numpy definitions to check
+    them (use_numba=False), or the fast path's with its one-region decode step in front."""
+    if weights.fast is None or not use_numba:
+        return Model(weights, max_ctx, kernels if use_numba else ops)
+    return weights.fast.one_region(Model(weights, max_ctx, weights.fast.kernels()))
+
+
 class Model:
-    def __init__(self, weights: Weights, max_ctx: int, use_numba: bool = True, one_region: bool = True):
+    def __init__(self, weights: Weights, max_ctx: int, kern):
         self.w = weights
         self.config = cfg = weights.config
-        self.max_ctx = max_ctx
         self.cache = KVCache(cfg, max_ctx)
-        # the numba kernels by default (the fast path's, if chosen); ops (the numpy definitions) for checking them
-        fast = weights.fast if use_numba else None
-        self.k = (fast.kernels() if fast else kernels) if use_numba else ops
+        self.kernels = kern                                    # the namespace of the per-op kernels
         self.cos, self.sin = ops.rope_tables(max_ctx, cfg.head_dim, cfg.rope_theta,   # [T_max, D/2]
                                              cfg.rope_scaling)
-        # the fast path's one-region decode step; one_region=False keeps decode here (the tests compare)
-        self.decode_step = fast.decode_step(self) if fast and one_region else None
 
     def forward(self, tokens: np.ndarray, start_pos: int, all_logits: bool = False) -> np.ndarray:
         """tokens [T] at positions start_pos..start_pos+T-1 (the cache already holds
         0..start_pos-1) -> logits [V] of the last position, or [T, V] with all_logits."""
-        cfg, w, K = self.config, self.w, self.k
+        cfg, w, kern = self.config, self.w, self.kernels
         T = len(tokens)
         H, Hkv, D, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
-        if start_pos + T > self.max_ctx:
-            raise ValueError(f"positions up to {start_pos + T} exceed the cache ({self.max_ctx}); "
-                             "raise --max-ctx")
+        if start_pos + T > self.cache.max_ctx:
+            raise ValueError(f"positions up to {start_pos + T} exceed the cache "
+                             f"({self.cache.max_ctx}); raise --max-ctx")
         # token embedding: dequantize only the T rows we need
         x = w.embed.rows(np.asarray(tokens, dtype=np.int64))   # [T, C]
-        if self.decode_step and self.decode_step.takes(T, all_logits):
-            return self.decode_step.step(x, start_pos, all_logits)   # all of the below, in one region
         cos = self.cos[start_pos:start_pos + T]                # [T, D/2] the new positions' angles
         sin = self.sin[start_pos:start_pos + T]
 
         for layer, lw in enumerate(w.layers):
             # ---- attention block ----
-            h = K.rmsnorm(x, lw.attn_norm, eps)                # [T, C]
-            qkv = lw.wqkv.matmul(h)                            # [T, (H + 2 Hkv) D]: q, k, v in one matmul
+            h = kern.rmsnorm(x, lw.attn_norm, eps)             # [T, C]
+            # [T, (H + 2 Hkv) D]: q, k, v in one matmul
+            qkv = lw.wqkv.matmul(h)
             if lw.bqkv is not None:
                 qkv = qkv + lw.bqkv                            # Qwen2: q, k and v have biases
             q = qkv[:, :H * D].reshape(T, H, D)                # [T, H, D]
@@ -68,26 +70,26 @@ class Model:
             v = qkv[:, (H + Hkv) * D:].reshape(T, Hkv, D)      # [T, Hkv, D]
             if cfg.qk_norm:
                 # Qwen3: RMSNorm over each head's D values, before RoPE, keeps q.k well scaled
-                q = K.rmsnorm(q, lw.q_norm, eps)
-                k = K.rmsnorm(k, lw.k_norm, eps)
-            q = K.rope(q, cos, sin)                            # rotate each pair by its position's angle
-            k = K.rope(k, cos, sin)
-            self.cache.store(layer, start_pos, k, v)           # the new positions join the cache ...
-            att = K.attention(q, self.cache.keys(layer), self.cache.values(layer), start_pos)  # ... [T, H, D]
+                q = kern.rmsnorm(q, lw.q_norm, eps)
+                k = kern.rmsnorm(k, lw.k_norm, eps)
+            q = kern.rope(q, cos, sin)                         # rotate by each position's angle
+            k = kern.rope(k, cos, sin)
+            self.cache.store(layer, start_pos, k, v)           # the new positions join the cache
+            att = kern.attention(q, self.cache.keys(layer), self.cache.values(layer), start_pos)
             x = x + lw.wo.matmul(att.reshape(T, H * D))        # [T, C] residual
 
             # ---- MLP block ----
-            h = K.rmsnorm(x, lw.mlp_norm, eps)                 # [T, C]
+            h = kern.rmsnorm(x, lw.mlp_norm, eps)              # [T, C]
             if lw.experts:
                 x = x + self.moe(h, lw)
             else:
                 # SwiGLU: down(silu(gate(h)) * up(h)), gate and up in one matmul [T, 2F]
-                x = x + lw.w_down.matmul(K.silu_mul(lw.w_gate_up.matmul(h)))
+                x = x + lw.w_down.matmul(kern.silu_mul(lw.w_gate_up.matmul(h)))
 
         # only the last position's logits are needed to pick the next token
         if not all_logits:
             x = x[-1:]                                         # [1, C]
-        x = K.rmsnorm(x, w.final_norm, eps)
+        x = kern.rmsnorm(x, w.final_norm, eps)
         logits = w.lm_head.matmul(x)                           # [T or 1, V]
         return logits if all_logits else logits[0]
 
@@ -95,17 +97,18 @@ class Model:
         """Qwen3-MoE: each token goes to its top-k experts, weighted by the router.
         Qwen2-MoE adds a shared expert that every token goes through, scaled by a
         sigmoid gate of its own. h [T, C] -> [T, C]."""
-        cfg, K = self.config, self.k
-        # router in fp32: softmax over all E experts, keep the top k (renormalised: norm_topk_prob)
-        top, weight = K.route(lw.router.matmul(h), cfg.num_experts_per_tok, cfg.norm_topk_prob)  # [T, k] each
-        gu = self.experts(lw.experts_gate_up, h, top)          # [T k, 2Fe]: slot j of token t in row t k + j
-        y = self.experts(lw.experts_down, K.silu_mul(gu), top)  # [T k, C]
-        out = K.mix(y, weight)                                 # [T, C] = sum_j weight_j y_j
+        cfg, kern = self.config, self.kernels
+        # router in fp32: softmax over all E experts, top k [T, k] (renormalised: norm_topk_prob)
+        top, weight = kern.route(lw.router.matmul(h), cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        # [T k, 2Fe]: slot j of token t in row t k + j
+        gu = self.experts(lw.experts_gate_up, h, top)
+        y = self.experts(lw.experts_down, kern.silu_mul(gu), top)  # [T k, C]
+        out = kern.mix(y, weight)                              # [T, C] = sum_j weight_j y_j
         if lw.shared_expert is not None:
             # the shared expert: every token, weighted by sigmoid(h . shared_gate) in (0, 1)
             ex = lw.shared_expert
-            y = ex.e_down.matmul(K.silu_mul(ex.e_gate_up.matmul(h)))   # [T, C]
-            out = K.gated_add(out, y, lw.shared_gate.matmul(h))        # gate [T, 1], fp32 like the router
+            y = ex.e_down.matmul(kern.silu_mul(ex.e_gate_up.matmul(h)))   # [T, C]
+            out = kern.gated_add(out, y, lw.shared_gate.matmul(h))  # gate [T, 1] in fp32
         return out
 
     def experts(self, w: Weight, x: np.ndarray, top: np.ndarray) -> np.ndarray:

@@ -29,16 +29,21 @@ class LayerWeights:
     wqkv: Weight                    # [(H + 2*Hkv) * D, C]: q_proj, k_proj, v_proj stacked by rows
     wo: Weight                      # [C, H*D]
     mlp_norm: np.ndarray            # [C]
-    bqkv: np.ndarray | None = None          # [(H + 2*Hkv) * D] q, k, v biases stacked (qwen2, qwen2_moe)
+    # [(H + 2*Hkv) * D] q, k, v biases stacked (qwen2, qwen2_moe)
+    bqkv: np.ndarray | None = None
     q_norm: np.ndarray | None = None        # [D]   qwen3 only
     k_norm: np.ndarray | None = None        # [D]   qwen3 only
     w_gate_up: Weight | None = None         # [2F, C] dense MLP: gate_proj, up_proj stacked
     w_down: Weight | None = None            # [C, F]
-    router: Weight | None = None            # [E, C] MoE router, kept in fp32 (it is tiny and decides everything)
+    # [E, C] MoE router, kept in fp32 (it is tiny and decides everything)
+    router: Weight | None = None
     experts: list[ExpertWeights] = field(default_factory=list)   # views into the two stacks below
-    experts_gate_up: Weight | None = None   # [E * 2Fe, C] every routed expert's gate_up, stacked by rows
-    experts_down: Weight | None = None      # [E * C, Fe] every routed expert's down, stacked by rows
-    shared_expert: ExpertWeights | None = None  # qwen2_moe: [2Fs, C] and [C, Fs], every token goes through it
+    # [E * 2Fe, C] every routed expert's gate_up, stacked by rows
+    experts_gate_up: Weight | None = None
+    # [E * C, Fe] every routed expert's down, stacked by rows
+    experts_down: Weight | None = None
+    # qwen2_moe: [2Fs, C] and [C, Fs], every token goes through it
+    shared_expert: ExpertWeights | None = None
     shared_gate: Weight | None = None       # [1, C] its sigmoid gate, fp32 like the router
 
 
@@ -50,7 +55,8 @@ class Weights:
     final_norm: np.ndarray          # [C]
     layers: list[LayerWeights]
     fmt: str                        # none | bf16 | int8 | int4
-    fast: object = None             # the fast path (stage1_cpu.fast.FastPath) with --kernels fast, else None
+    # the fast path (stage1_cpu.fast.FastPath) with --kernels fast, else None
+    fast: object = None
     source: str = ""                # a GGUF's types and what each became, for the banner
 
     @property
@@ -66,7 +72,8 @@ def choose_kernels(kernels: str, activations: str, fmt: str):
         raise ValueError(f"unknown --kernels {kernels!r}; choose one of {', '.join(KERNELS)}")
     if kernels == "plain":
         if activations not in ("auto", "fp32"):
-            raise ValueError(f"--activations {activations} needs the fast kernels; use --kernels fast or auto")
+            raise ValueError(f"--activations {activations} needs the fast kernels; use "
+                             "--kernels fast or auto")
         return None
     from . import fast
     why_not = fast.available()
@@ -76,42 +83,48 @@ def choose_kernels(kernels: str, activations: str, fmt: str):
 
 
 def to_weight(a, fmt: str, group_size: int, fast, lm_head: bool = False) -> Weight:
-    """A matrix from the loader, fp32 [O, K] or a GGUF's int8 / int4 blocks kept as they are (--quant
-    stored, common/gguf_quant.py) -> Weight (the core) or FastWeight (fast: choose_kernels' FastPath)."""
+    """A matrix from the loader, fp32 [O, K] or a GGUF's int8 / int4 blocks kept as they are
+    (--quant stored, common/gguf_quant.py) -> Weight (the core) or FastWeight (fast: choose_kernels'
+    FastPath)."""
     kept = getattr(a, "fmt", "none") if fmt == "stored" else fmt
     return fast.quantize(a, kept, group_size, lm_head) if fast else quantize(a, kept, group_size)
 
 
 def embedding(loader, key: str, fmt: str, group_size: int, fast, block: int = 16384) -> Weight:
-    """The embedding / lm_head [V, C], by far the largest tensor (Qwen3-0.6B: 622 MB in fp32), a block of
-    rows at a time straight from the mapped file, so its fp32 form never exists whole; then stacked."""
+    """The embedding / lm_head [V, C], by far the largest tensor (Qwen3-0.6B: 622 MB in fp32), a
+    block of rows at a time straight from the mapped file, so its fp32 form never exists whole; then
+    stacked."""
     if fmt == "none":                                  # fp32 is the format itself
         return to_weight(loader.glob(key), fmt, group_size, fast, lm_head=True)
-    parts = [to_weight(loader.glob(key, rows=slice(r, r + block)), fmt, group_size, fast, lm_head=True)
+    parts = [to_weight(loader.glob(key, rows=slice(r, r + block)), fmt,
+                       group_size, fast, lm_head=True)
              for r in range(0, loader.config.vocab_size, block)]
     return parts[0] if len(parts) == 1 else stack(parts)
 
 
-def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
-                 progress: bool = True, kernels: str = "auto", activations: str = "auto") -> Weights:
-    if fmt not in FORMATS + ("stored",):   # stored: a GGUF's blocks as they are (common/gguf_quant.py)
+def load_weights(folder: str | Path, cfg: ModelConfig, fmt: str = "none", group_size: int = 32,
+                 progress: bool = True, kernels: str = "auto",
+                 activations: str = "auto") -> Weights:
+    # stored: a GGUF's blocks as they are (common/gguf_quant.py)
+    if fmt not in FORMATS + ("stored",):
         raise ValueError(f"unknown --quant {fmt!r}; choose one of {', '.join(FORMATS)}")
-    fast = choose_kernels(kernels, activations, fmt)  # a wrong --kernels / --activations fails before any reading
-    loader = open_weights(folder, keep_quantized=fmt == "stored")
-    cfg = loader.config
+    # a wrong --kernels / --activations fails before any reading
+    fast = choose_kernels(kernels, activations, fmt)
+    loader = open_weights(folder, cfg, keep_quantized=fmt == "stored")
 
     def q(a):                     # a matrix of the layers -> a Weight in this model's format
         return to_weight(a, fmt, group_size, fast)
 
-    # The embedding / lm_head, the one matrix every logit goes through, stays int8 when the rest is int4
-    # (as llama.cpp's Q4 files keep it at Q8_0), and the fast path rounds its decode activations to int16,
-    # not int8: on the default model either flips the first answer token (docs/stage1.md, sections 6, 12).
+    # The embedding / lm_head, the one matrix every logit goes through, stays int8 when the rest is
+    # int4 (as llama.cpp's Q4 files keep it at Q8_0), and the fast path rounds its decode
+    # activations to int16, not int8: on the default model either flips the first answer token
+    # (docs/stage1.md, sections 6, 12).
     embed_fmt = "int8" if fmt == "int4" else fmt
     # one step per Weight: wqkv and wo per layer (attn=2), gate_up and down per MLP (mlp=2)
     with loading(cfg, f"loading weights ({fmt})", attn=2, mlp=2, show=progress) as step:
         embed = step(embedding(loader, "embed", embed_fmt, group_size, fast))
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in loader
-        lm_head = embed if tied else step(embedding(loader, "lm_head", embed_fmt, group_size, fast))
+        lm_head = step(embed if tied else embedding(loader, "lm_head", embed_fmt, group_size, fast))
         layers = []
         for i in range(cfg.num_layers):
             L = LayerWeights(
@@ -121,7 +134,8 @@ def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
                 mlp_norm=loader.layer("mlp_norm", i),
             )
             if cfg.qkv_bias:
-                L.bqkv = loader.fused(["bq", "bk", "bv"], i)   # biases stay fp32: they are added, not multiplied
+                # biases stay fp32: they are added, not multiplied
+                L.bqkv = loader.fused(["bq", "bk", "bv"], i)
             if cfg.qk_norm:
                 L.q_norm, L.k_norm = loader.layer("q_norm", i), loader.layer("k_norm", i)
             if cfg.is_moe_layer(i):
@@ -129,11 +143,13 @@ def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
                 # one matrix per projection for all E experts, each expert a view of its rows: the
                 # one-region decode step reads the k chosen experts' rows as one work list
                 E = cfg.num_experts
-                L.experts_gate_up = stack([step(q(loader.fused(["e_gate", "e_up"], i, e))) for e in range(E)])
+                L.experts_gate_up = stack([step(q(loader.fused(["e_gate", "e_up"], i, e)))
+                                           for e in range(E)])
                 L.experts_down = stack([step(q(loader.layer("e_down", i, e))) for e in range(E)])
                 Fe2, C = L.experts_gate_up.out_features // E, L.experts_down.out_features // E
                 L.experts = [ExpertWeights(L.experts_gate_up.part(e * Fe2, (e + 1) * Fe2),
-                                           L.experts_down.part(e * C, (e + 1) * C)) for e in range(E)]
+                                           L.experts_down.part(e * C, (e + 1) * C))
+                             for e in range(E)]
                 if cfg.shared_expert_intermediate_size:
                     L.shared_expert = ExpertWeights(step(q(loader.fused(["s_gate", "s_up"], i))),
                                                     step(q(loader.layer("s_down", i))))
@@ -145,6 +161,8 @@ def load_weights(folder: str | Path, fmt: str = "none", group_size: int = 32,
         final_norm = step(loader.glob("final_norm"))
     if fmt == "stored":     # e.g. int4+int8: what the warm-up mark and the banner name
         fmt = "+".join(sorted({w.fmt for l in layers for w in (l.wqkv, l.wo, l.w_gate_up, l.w_down,
-                                                                 l.experts_gate_up, l.experts_down) if w}))
-    return Weights(cfg, embed, lm_head, final_norm, layers, fmt, fast, getattr(loader, "describe", lambda: "")())
+                                                                 l.experts_gate_up,
+                                                                 l.experts_down) if w}))
+    return Weights(cfg, embed, lm_head, final_norm, layers, fmt, fast,
+                   getattr(loader, "describe", lambda: "")())
 

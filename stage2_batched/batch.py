@@ -42,8 +42,8 @@ class BatchInfo:
 
 def build_batch(seqs: list[Sequence], num_tokens: list[int],
                 page_size: int) -> tuple[list[Sequence], np.ndarray, BatchInfo]:
-    """The scheduler's (sequence, tokens to feed) pairs -> (seqs in batch order, token ids [N], BatchInfo).
-    Batch order: decode sequences (one token) first, so the decode kernel takes a prefix
+    """The scheduler's (sequence, tokens to feed) pairs -> (seqs in batch order, token ids [N],
+    BatchInfo). Batch order: decode sequences (one token) first, so the decode kernel takes a prefix
     of the batch and the prefill kernel the rest."""
     order = sorted(range(len(seqs)), key=lambda i: num_tokens[i] != 1)   # stable: decodes first
     seqs = [seqs[i] for i in order]
@@ -61,7 +61,8 @@ def build_batch(seqs: list[Sequence], num_tokens: list[int],
         slots.append(table[pos // page_size] * page_size + pos % page_size)
         token_seq.append(np.full(n, s))
         query_start.append(query_start[-1] + n)
-        if start + n == len(seq.token_ids):         # the whole sequence is in: sample its next token
+        # the whole sequence is in: sample its next token
+        if start + n == len(seq.token_ids):
             logits_rows.append(query_start[-1] - 1)
 
     max_blocks = max(len(seq.block_table) for seq in seqs)
@@ -75,7 +76,8 @@ def build_batch(seqs: list[Sequence], num_tokens: list[int],
         slot_mapping=i32(slots),
         token_seq=i32(token_seq),
         block_tables=block_tables,
-        context_lens=np.array([seq.num_computed + n for seq, n in zip(seqs, counts)], dtype=np.int32),
+        context_lens=np.array([seq.num_computed + n
+                               for seq, n in zip(seqs, counts)], dtype=np.int32),
         query_start=np.array(query_start, dtype=np.int32),
         logits_rows=np.array(logits_rows, dtype=np.int32),
     )

@@ -1,6 +1,7 @@
 """The terminal chat on the stage-2 batched engine:
 
-    python -m stage2_batched.chat [--model DIR|NAME] [--device cuda|cpu] [--page-size P] [--kv-memory GIB]
+    python -m stage2_batched.chat [--model DIR|NAME] [--device cuda|cpu] [--page-size P]
+    [--kv-memory GIB]
 
 Changed from stage 1: the options come from stage2_batched/options.py (device and
 paged KV cache). The chat itself is common/chat.py; one user means a batch of

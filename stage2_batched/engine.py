@@ -39,7 +39,8 @@ DEVICES = ("cuda", "cpu")
 def array_module(device: str):
     """numpy for "cpu"; cupy for "cuda", with a message that says what to do when it is missing."""
     if device not in DEVICES:
-        raise ValueError(f"unknown device {device!r}; choose 'cuda' (NVIDIA GPU with CuPy) or 'cpu'")
+        raise ValueError(f"unknown device {device!r}; "
+                         "choose 'cuda' (NVIDIA GPU with CuPy) or 'cpu'")
     if device == "cpu":
         return np
     try:
@@ -47,8 +48,8 @@ def array_module(device: str):
         cupy.cuda.runtime.getDeviceCount()
     except Exception as e:  # ImportError, or CUDARuntimeError when no GPU / driver
         raise RuntimeError(f"device='cuda' needs CuPy and an NVIDIA GPU ({type(e).__name__}: {e}); "
-                           "install it with `pip install cupy-cuda13x` (CUDA 13), or run with --device cpu "
-                           "(the numpy twins, slow but complete)") from None
+                           "install it with `pip install cupy-cuda13x` (CUDA 13), or run with "
+                           "--device cpu (the numpy twins, slow but complete)") from None
     return cupy
 
 
@@ -57,7 +58,7 @@ class LLMEngine:
                  token_budget: int = 8192, page_size: int = 256, num_pages: int | None = None,
                  kv_memory: int | None = None, device: str = "cuda", progress: bool = True):
         self.folder = Path(folder)
-        self.config: ModelConfig = ModelConfig.from_folder(folder)
+        self.config = cfg = ModelConfig.from_folder(folder)
         if max_ctx < 2:
             raise ValueError("--max-ctx must be at least 2")
         if page_size < 1:
@@ -65,7 +66,7 @@ class LLMEngine:
         self.max_ctx = max_ctx
         self.device = device
         self.xp = xp = array_module(device)
-        self.weights = load_weights(folder, xp, progress)
+        self.weights = load_weights(folder, cfg, xp, progress)
         self.page_size = page_size
         num_pages = self._pool_pages(num_pages, kv_memory)
         self.model = Model(self.weights, max_ctx, num_pages, page_size)
@@ -95,8 +96,8 @@ class LLMEngine:
         if num_pages < need:
             raise ValueError(
                 f"the KV cache pool holds {num_pages} pages of {self.page_size} positions "
-                f"({per_page / 2**20:.1f} MiB each) but one sequence of --max-ctx {self.max_ctx} needs "
-                f"{need}; give it more memory (--kv-memory) or lower --max-ctx")
+                f"({per_page / 2**20:.1f} MiB each) but one sequence of --max-ctx {self.max_ctx} "
+                f"needs {need}; give it more memory (--kv-memory) or lower --max-ctx")
         return num_pages
 
     def _free_gpu_bytes(self) -> int:
@@ -177,7 +178,8 @@ class LLMEngine:
             p = seq.req.params
             finish = None
             if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
-                finish = "stop"                       # the event carries the stop token; it is not answer text
+                # the event carries the stop token; it is not answer text
+                finish = "stop"
             elif len(seq.output_ids) >= p.max_tokens or len(seq.token_ids) >= self.max_ctx:
                 finish = "length"
             if finish is not None:

@@ -141,11 +141,13 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, out=
     """q [S, H, D] (one query per sequence), pages [NB, P, Hkv, D], block_tables [S, max_blocks],
     context_lens [S] -> [S, H, D]"""
     if not _on_gpu(q):
-        return _twin(ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens), out)
+        return _twin(ops.paged_decode_attention(q, k_cache, v_cache,
+                                                block_tables, context_lens), out)
     q = _f32(q)
     S, H, D = q.shape
     P, Hkv = k_cache.shape[1], k_cache.shape[2]
-    assert D <= MAX_HEAD_DIM, f"head_dim {D} > {MAX_HEAD_DIM} is not supported by the attention kernels"
+    assert D <= MAX_HEAD_DIM, (
+        f"head_dim {D} > {MAX_HEAD_DIM} is not supported by the attention kernels")
     out = _output(out, q.shape)
     if S:
         block_tables = _i32(block_tables)
@@ -161,11 +163,13 @@ def prefill_attention(q, k_cache, v_cache, block_tables, token_seq, positions, o
     """q [N, H, D] packed prefill tokens; token n reads the block table row token_seq[n] and
     sees positions 0..positions[n] -> [N, H, D]"""
     if not _on_gpu(q):
-        return _twin(ops.prefill_attention(q, k_cache, v_cache, block_tables, token_seq, positions), out)
+        return _twin(ops.prefill_attention(q, k_cache, v_cache, block_tables,
+                                           token_seq, positions), out)
     q = _f32(q)
     N, H, D = q.shape
     P, Hkv = k_cache.shape[1], k_cache.shape[2]
-    assert D <= MAX_HEAD_DIM, f"head_dim {D} > {MAX_HEAD_DIM} is not supported by the attention kernels"
+    assert D <= MAX_HEAD_DIM, (
+        f"head_dim {D} > {MAX_HEAD_DIM} is not supported by the attention kernels")
     out = _output(out, q.shape)
     if N:
         block_tables = _i32(block_tables)

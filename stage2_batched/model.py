@@ -6,7 +6,7 @@ of N, and a BatchInfo says where each one belongs: its position (RoPE, causality
 its slot in the page pool (where its K/V go), and per sequence the block table
 and context length (where its K/V are read from). Every matmul sees all N tokens
 at once (one GEMM per weight per step, whoever they belong to); only attention
-needs to know about sequences. Each K.op runs a CUDA kernel on cupy arrays and
+needs to know about sequences. Each kern.op runs a CUDA kernel on cupy arrays and
 its numpy twin on numpy arrays.
 
     x = embed(tokens)                                   [N, C]
@@ -19,7 +19,7 @@ its numpy twin on numpy arrays.
         h = rmsnorm(x)                                  MLP block
         x = x + down(silu(gate(h)) * up(h))             (or the routed experts of a MoE layer,
                                                          plus a gated shared expert: qwen2_moe)
-    logits = rmsnorm(x) @ lm_head.T                     [S', V] for the last position of each sequence
+    logits = rmsnorm(x) @ lm_head.T                     [S', V] for each sequence's last position
 
 Every kernel and GEMM of the layer loop writes into a buffer of the step's Scratch
 (`out=b.h`, ...), kept from step to step, instead of a new array per op.
@@ -73,8 +73,10 @@ class Scratch:
 def scratch_widths(cfg) -> dict[str, tuple[int, ...]]:
     """One token's row of each buffer the layer loop writes, by the name model.py uses."""
     H, Hkv, D, C = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
-    widths = dict(x=(C,), x_mid=(C,),              # the residual stream entering a layer; after its attention add
-                  h=(C,), y=(C,),                  # a block's normed input; what it adds to the stream
+    # the residual stream entering a layer; after its attention add
+    widths = dict(x=(C,), x_mid=(C,),
+                  # a block's normed input; what it adds to the stream
+                  h=(C,), y=(C,),
                   q=(H * D,), k=(Hkv * D,), v=(Hkv * D,),            # the projections
                   q_normed=(H, D), k_normed=(Hkv, D), q_rot=(H, D), k_rot=(Hkv, D), att=(H, D))
     if not all(cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
@@ -92,14 +94,15 @@ class Model:
         self.cache = KVCache(cfg, num_pages, page_size, xp)
         self.scratch = Scratch(xp, scratch_widths(cfg))
         # CUDA kernels on cupy arrays, their numpy twins on numpy arrays
-        self.k = kernels
-        cos, sin = ops.rope_tables(max_ctx, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)   # [T_max, D/2]
+        self.kernels = kernels
+        # [T_max, D/2]
+        cos, sin = ops.rope_tables(max_ctx, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.cos, self.sin = xp.asarray(cos), xp.asarray(sin)
 
     def forward(self, tokens, batch: BatchInfo, all_logits: bool = False):
         """tokens [N] of S sequences, packed as batch describes (its arrays on this model's
         device) -> logits [S', V] of the rows batch.logits_rows, or [N, V] with all_logits."""
-        cfg, w, K = self.config, self.w, self.k
+        cfg, w, kern = self.config, self.w, self.kernels
         N = len(tokens)
         H, Hkv, D, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
         if int(batch.context_lens.max()) > self.max_ctx:
@@ -115,7 +118,7 @@ class Model:
 
         for layer, lw in enumerate(w.layers):
             # ---- attention block ----
-            h = K.rmsnorm(x, lw.attn_norm, eps, out=b.h)       # [N, C]
+            h = kern.rmsnorm(x, lw.attn_norm, eps, out=b.h)    # [N, C]
             q, k, v = lw.wq.matmul(h, out=b.q), lw.wk.matmul(h, out=b.k), lw.wv.matmul(h, out=b.v)
             if lw.bq is not None:
                 # Qwen2: q, k and v have biases (one broadcast add each, cupy's own elementwise
@@ -128,29 +131,35 @@ class Model:
             v = v.reshape(N, Hkv, D)                           # [N, Hkv, D]
             if cfg.qk_norm:
                 # Qwen3: RMSNorm over each head's D values, before RoPE, keeps q.k well scaled
-                q = K.rmsnorm(q, lw.q_norm, eps, out=b.q_normed)
-                k = K.rmsnorm(k, lw.k_norm, eps, out=b.k_normed)
-            q = K.rope(q, cos, sin, out=b.q_rot)               # rotate each pair by its position's angle
-            k = K.rope(k, cos, sin, out=b.k_rot)
-            self.cache.store(layer, k, v, batch.slot_mapping)  # the new positions join their pages ...
-            att = self.attention(q, layer, batch, out=b.att)   # ... and every query attends over its pages
-            x = K.residual_add(x, lw.wo.matmul(att.reshape(N, H * D), out=b.y), out=b.x_mid)   # [N, C] residual
+                q = kern.rmsnorm(q, lw.q_norm, eps, out=b.q_normed)
+                k = kern.rmsnorm(k, lw.k_norm, eps, out=b.k_normed)
+            # rotate each pair by its position's angle
+            q = kern.rope(q, cos, sin, out=b.q_rot)
+            k = kern.rope(k, cos, sin, out=b.k_rot)
+            # the new positions join their pages ...
+            self.cache.store(layer, k, v, batch.slot_mapping)
+            # ... and every query attends over its pages
+            att = self.attention(q, layer, batch, out=b.att)
+            # [N, C] residual
+            x = kern.residual_add(x, lw.wo.matmul(att.reshape(N, H * D), out=b.y), out=b.x_mid)
 
             # ---- MLP block ----
-            h = K.rmsnorm(x, lw.mlp_norm, eps, out=b.h)        # [N, C]
+            h = kern.rmsnorm(x, lw.mlp_norm, eps, out=b.h)     # [N, C]
             if lw.experts:
-                x = K.residual_add(x, self.moe(h, lw), out=b.x)
+                x = kern.residual_add(x, self.moe(h, lw), out=b.x)
             else:
                 # SwiGLU: down(silu(gate(h)) * up(h))
-                act = K.silu_mul(lw.w_gate.matmul(h, out=b.gate), lw.w_up.matmul(h, out=b.up), out=b.act)
-                x = K.residual_add(x, lw.w_down.matmul(act, out=b.y), out=b.x)
+                act = kern.silu_mul(lw.w_gate.matmul(h, out=b.gate),
+                                    lw.w_up.matmul(h, out=b.up), out=b.act)
+                x = kern.residual_add(x, lw.w_down.matmul(act, out=b.y), out=b.x)
 
         # only the last position of each sequence that samples needs logits (a decode step
         # samples every row: nothing to gather)
         if not all_logits and len(batch.logits_rows) < N:
             x = x[batch.logits_rows]                           # [S', C]
-        x = K.rmsnorm(x, w.final_norm, eps, out=b.h[:len(x)])
-        logits = w.lm_head.matmul(x)                           # [N or S', V] a new array: it outlives the step
+        x = kern.rmsnorm(x, w.final_norm, eps, out=b.h[:len(x)])
+        # [N or S', V] a new array: it outlives the step
+        logits = w.lm_head.matmul(x)
         return logits
 
     def attention(self, q, layer: int, batch: BatchInfo, out):
@@ -159,14 +168,14 @@ class Model:
         the whole context is visible), then the prefill chunks (causal within the chunk,
         earlier chunks read from the pages like any other position). Each kernel writes
         its rows of out."""
-        K, d = self.k, batch.num_decode
+        kern, d = self.kernels, batch.num_decode
         keys, values = self.cache.keys(layer), self.cache.values(layer)
         if d:
-            K.paged_decode_attention(q[:d], keys, values, batch.block_tables[:d], batch.context_lens[:d],
-                                     out=out[:d])
+            kern.paged_decode_attention(q[:d], keys, values, batch.block_tables[:d],
+                                        batch.context_lens[:d], out=out[:d])
         if d < q.shape[0]:
-            K.prefill_attention(q[d:], keys, values, batch.block_tables, batch.token_seq[d:],
-                                batch.positions[d:], out=out[d:])
+            kern.prefill_attention(q[d:], keys, values, batch.block_tables, batch.token_seq[d:],
+                                   batch.positions[d:], out=out[d:])
         return out
 
     def moe(self, h, lw: LayerWeights):
@@ -175,22 +184,24 @@ class Model:
         sigmoid gate of its own.
         h [N, C] -> [N, C]. The routing decision is made on the host (a small [N, E]
         copy); the experts' matmuls run on the device, one GEMM per chosen expert."""
-        cfg, xp = self.config, self.xp
+        cfg, xp, kern = self.config, self.xp, self.kernels
         # router in fp32: softmax over all experts, then keep the top k (on the host)
-        top, weight = self.k.route(lw.router.matmul(h), cfg.num_experts_per_tok,
-                                   cfg.norm_topk_prob)         # [T, k] each
+        top, weight = kern.route(lw.router.matmul(h), cfg.num_experts_per_tok,
+                                 cfg.norm_topk_prob)           # [T, k] each
         out = xp.zeros_like(h)                                 # [T, C]
         # group tokens by expert: each chosen expert's weights are read once per step
         for e in np.unique(top):
-            rows, slot = np.nonzero(top == e)                  # tokens routed to e, and which of their k
+            # tokens routed to e, and which of their k
+            rows, slot = np.nonzero(top == e)
             ex = lw.experts[e]
             he = h[xp.asarray(rows)]                           # [Te, C]
-            y = ex.e_down.matmul(self.k.silu_mul(ex.e_gate.matmul(he), ex.e_up.matmul(he)))  # [Te, C]
+            # [Te, C]
+            y = ex.e_down.matmul(kern.silu_mul(ex.e_gate.matmul(he), ex.e_up.matmul(he)))
             out[xp.asarray(rows)] += xp.asarray(weight[rows, slot][:, None]) * y
         if lw.shared_expert is not None:
             # the shared expert: every token, weighted by sigmoid(h . shared_gate) in (0, 1)
             ex = lw.shared_expert
-            y = ex.e_down.matmul(self.k.silu_mul(ex.e_gate.matmul(h), ex.e_up.matmul(h)))   # [T, C]
+            y = ex.e_down.matmul(kern.silu_mul(ex.e_gate.matmul(h), ex.e_up.matmul(h)))     # [T, C]
             gate = lw.shared_gate.matmul(h)                    # [T, 1]
             out += y / (1 + xp.exp(-gate))
         return out

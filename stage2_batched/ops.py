@@ -28,7 +28,8 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return (x / np.sqrt(var + np.float32(eps))).astype(np.float32) * w
 
 
-def rope_tables(max_pos: int, head_dim: int, theta: float, scaling=None) -> tuple[np.ndarray, np.ndarray]:
+def rope_tables(max_pos: int, head_dim: int,
+                theta: float, scaling=None) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin [max_pos, D/2]: the rotation angle of pair i at position p is p * theta^(-2i/D).
     scaling (config.RopeScaling, Llama 3's) changes the frequencies, see llama3_inv_freq.
     Computed once per model; positions index rows."""
@@ -50,7 +51,8 @@ def llama3_inv_freq(inv_freq: np.ndarray, scaling) -> np.ndarray:
     L, lo, hi, factor = (scaling.original_max_position_embeddings, scaling.low_freq_factor,
                          scaling.high_freq_factor, scaling.factor)
     wavelen = 2 * np.pi / inv_freq                         # [D/2] positions per full turn
-    s = (L / wavelen - lo) / (hi - lo)                     # [D/2] blend weight, in [0, 1] in the band
+    # [D/2] blend weight, in [0, 1] in the band
+    s = (L / wavelen - lo) / (hi - lo)
     blended = (1 - s) * inv_freq / factor + s * inv_freq
     return np.where(wavelen > L / lo, inv_freq / factor,   # long wavelengths: slowed by factor
                     np.where(wavelen < L / hi, inv_freq, blended))   # short ones: kept

@@ -16,9 +16,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("stage 2 (batched, paged KV cache)")
     g.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cuda: CuPy and the CUDA kernels; cpu: numpy twins, slow (default cuda)")
-    g.add_argument("--page-size", type=int, default=256, metavar="P", help="positions per KV page (default 256)")
+    g.add_argument("--page-size", type=int, default=256, metavar="P",
+                   help="positions per KV page (default 256)")
     g.add_argument("--kv-memory", type=float, default=None, metavar="GIB",
-                   help="GiB for the KV page pool (default: most of the free GPU memory; 1 GiB on cpu)")
+                   help="GiB for the KV page pool (default: most of the free GPU "
+                        "memory; 1 GiB on cpu)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -23,7 +23,8 @@ class Status(Enum):
 @dataclass
 class Sequence:
     req: Request
-    arrival: int                       # admission order: lower is older (preemption takes the highest)
+    # admission order: lower is older (preemption takes the highest)
+    arrival: int
     sampler: Sampler                   # the request's own sampler (its own RNG)
     token_ids: list[int] = field(default_factory=list)   # prompt + generated so far
     num_prompt: int = 0
@@ -51,6 +52,6 @@ class Sequence:
 
     @property
     def num_uncomputed(self) -> int:
-        """Tokens still to feed: the rest of the prompt, or 1 (the last sampled token) when decoding.
-        After a preemption this is the whole prompt plus the output so far (recompute)."""
+        """Tokens still to feed: the rest of the prompt, or 1 (the last sampled token) when
+        decoding. After a preemption this is the whole prompt plus the output so far (recompute)."""
         return len(self.token_ids) - self.num_computed

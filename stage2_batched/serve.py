@@ -1,6 +1,8 @@
-"""python -m stage2_batched.serve --model DIR [--addr 127.0.0.1:8000] [--slots N] [--token-budget N]
+"""python -m stage2_batched.serve --model DIR [--addr 127.0.0.1:8000] [--slots N]
+    [--token-budget N]
 
-The OpenAI-compatible server (common/server.py, command line: common/serve_cli.py) over the stage-2 batched engine.
+The OpenAI-compatible server (common/server.py, command line: common/serve_cli.py) over the
+stage-2 batched engine.
 Changed from stage 1: --slots and --token-budget now matter (every concurrent
 request joins the running batch), plus the paged KV cache's options. This file
 only builds the engine: HTTP, templates, tokenization, parsing and streaming are

@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from rich.progress import Progress
 
 from common.config import ModelConfig
-from common.loader import open_weights
+from common.loader import loading, open_weights
 from . import kernels
 
 
@@ -69,7 +68,8 @@ class LayerWeights:
     w_down: Weight | None = None    # [C, F]
     router: Weight | None = None    # [E, C] MoE router (its logits go to the host for top-k)
     experts: list[ExpertWeights] = field(default_factory=list)
-    shared_expert: ExpertWeights | None = None  # qwen2_moe: [Fs, C] x 2, [C, Fs]; every token goes through it
+    # qwen2_moe: [Fs, C] x 2, [C, Fs]; every token goes through it
+    shared_expert: ExpertWeights | None = None
     shared_gate: Weight | None = None           # [1, C] its sigmoid gate
 
 
@@ -114,24 +114,16 @@ class Weights:
         return total + round(routed * routed_share)
 
 
-def load_weights(folder: str | Path, xp=np, progress: bool = True) -> Weights:
-    loader = open_weights(folder)   # a Hugging Face folder or a GGUF file (dequantized)
-    cfg = loader.config
-    dev = lambda a: xp.asarray(np.ascontiguousarray(a, dtype=np.float32))   # noqa: E731  host -> device
+def load_weights(folder: str | Path, cfg: ModelConfig, xp=np, progress: bool = True) -> Weights:
+    loader = open_weights(folder, cfg)   # a Hugging Face folder or a GGUF file (dequantized)
+    # host -> device
+    dev = lambda a: xp.asarray(np.ascontiguousarray(a, dtype=np.float32))  # noqa: E731
     q = lambda a: Weight(dev(a))                                              # noqa: E731
-    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
-    n_shared = n_moe if cfg.shared_expert_intermediate_size else 0
-    total = 2 + cfg.num_layers * 7 + n_moe * (cfg.num_experts - 1) * 3 + n_shared * 3
-    with Progress(transient=True, disable=not progress) as bar:
-        task = bar.add_task("loading weights (float32)", total=total)
-
-        def step(value):
-            bar.advance(task)
-            return value
-
+    # one step per matrix: wq, wk, wv and wo per layer (attn=4), gate, up and down per MLP (mlp=3)
+    with loading(cfg, "loading weights (float32)", attn=4, mlp=3, show=progress) as step:
         embed = step(q(loader.glob("embed")))
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in loader
-        lm_head = embed if tied else step(q(loader.glob("lm_head")))
+        lm_head = step(embed if tied else q(loader.glob("lm_head")))
         layers = []
         for i in range(cfg.num_layers):
             L = LayerWeights(

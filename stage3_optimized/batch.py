@@ -45,7 +45,7 @@ class BatchInfo:
                                   #             the first prefill token (the batch's num_decode-th)
     tile_count: np.ndarray        # [n_tiles] int32  its tokens (1..16), all of one sequence
     max_context: int = 0          # max(context_lens), kept on the host: sizing a launch grid or
-                                  #             checking max_ctx from it needs no device-to-host copy
+                                  #             checking max_ctx needs no device-to-host copy
 
     @property
     def num_tokens(self) -> int:
@@ -73,8 +73,8 @@ class SamplingInputs:
 
 def build_batch(seqs: list[Sequence], num_tokens: list[int],
                 page_size: int) -> tuple[list[Sequence], np.ndarray, BatchInfo]:
-    """The scheduler's (sequence, tokens to feed) pairs -> (seqs in batch order, token ids [N], BatchInfo).
-    Batch order: decode sequences (one token) first, so the decode kernel takes a prefix
+    """The scheduler's (sequence, tokens to feed) pairs -> (seqs in batch order, token ids [N],
+    BatchInfo). Batch order: decode sequences (one token) first, so the decode kernel takes a prefix
     of the batch and the prefill kernel the rest."""
     order = sorted(range(len(seqs)), key=lambda i: num_tokens[i] != 1)   # stable: decodes first
     seqs = [seqs[i] for i in order]
@@ -92,7 +92,8 @@ def build_batch(seqs: list[Sequence], num_tokens: list[int],
         slots.append(table[pos // page_size] * page_size + pos % page_size)
         token_seq.append(np.full(n, s))
         query_start.append(query_start[-1] + n)
-        if start + n == len(seq.token_ids):         # the whole sequence is in: sample its next token
+        # the whole sequence is in: sample its next token
+        if start + n == len(seq.token_ids):
             logits_rows.append(query_start[-1] - 1)
 
     # prefill tiles: each chunk (the sequences after the decodes) cut into runs of <= 16 tokens
@@ -113,7 +114,8 @@ def build_batch(seqs: list[Sequence], num_tokens: list[int],
         slot_mapping=i32(slots),
         token_seq=i32(token_seq),
         block_tables=block_tables,
-        context_lens=np.array([seq.num_computed + n for seq, n in zip(seqs, counts)], dtype=np.int32),
+        context_lens=np.array([seq.num_computed + n
+                               for seq, n in zip(seqs, counts)], dtype=np.int32),
         query_start=np.array(query_start, dtype=np.int32),
         logits_rows=np.array(logits_rows, dtype=np.int32),
         tile_start=np.array(tile_start, dtype=np.int32),

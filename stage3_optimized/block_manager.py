@@ -115,7 +115,8 @@ class BlockManager:
         return fresh <= self.num_free_pages() - taken_from_free
 
     def admit(self, seq: Sequence, cached: list[int], keys: list[PageKey]) -> None:
-        """seq (holding no pages) starts with the cached pages: their positions count as computed."""
+        """seq (holding no pages) starts with the cached pages:
+        their positions count as computed."""
         assert not seq.block_table and seq.num_computed == 0, f"{seq.id} already holds pages"
         for page in cached:
             if self.ref_count[page] == 0:
@@ -146,8 +147,10 @@ class BlockManager:
                 key = PageKey(h, parent, chunk)
                 self.page_of[h] = page
                 self.key_of[page] = key
-            elif other is not None and self.key_of[other].ids == chunk and self.key_of[other].parent is parent:
-                key = self.key_of[other]                  # same content elsewhere: share its identity
+            elif (other is not None and self.key_of[other].ids == chunk
+                  and self.key_of[other].parent is parent):
+                # same content elsewhere: share its identity
+                key = self.key_of[other]
             else:
                 key = PageKey(h, parent, chunk)           # a collision: stays unregistered
             seq.page_keys.append(key)
@@ -177,8 +180,8 @@ class BlockManager:
         # exercise 2.2 begin
         need = self.pages_for(num_tokens) - len(seq.block_table)
         if need > self.num_free_pages():
-            raise RuntimeError(f"out of KV pages: {seq.id} needs {need}, {self.num_free_pages()} free "
-                               "(the scheduler should have preempted)")
+            raise RuntimeError(f"out of KV pages: {seq.id} needs {need}, {self.num_free_pages()} "
+                               "free (the scheduler should have preempted)")
         for _ in range(need):
             page = self._take_fresh()
             assert self.ref_count[page] == 0, f"page {page} is already held"

@@ -49,19 +49,25 @@ class Activations:
     next_tokens: object   # [S] int32       the sampled ids
 
     @classmethod
-    def allocate(cls, xp, cfg: ModelConfig, max_tokens: int, max_seqs: int, max_ctx: int) -> "Activations":
+    def allocate(cls, xp, cfg: ModelConfig, max_tokens: int,
+                 max_seqs: int, max_ctx: int) -> "Activations":
         T, S = max_tokens, max_seqs
-        H, Hkv, D, C, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+        H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        C, F = cfg.hidden_size, cfg.intermediate_size
         return cls(x=xp.zeros((T, C), np.float32), h=xp.zeros((T, C), BF16),
                    qkv=xp.zeros((T, (H + 2 * Hkv) * D), BF16), q=xp.zeros((T, H, D), BF16),
-                   att=xp.zeros((T, H, D), BF16), gate_up=xp.zeros((T, 2 * F), BF16), act=xp.zeros((T, F), BF16),
-                   attn_scratch=xp.zeros(S * H * kernels.decode_splits(max_ctx) * (D + 2), np.float32),
-                   logits=xp.zeros((S, cfg.vocab_size), np.float32), next_tokens=xp.zeros(S, np.int32))
+                   att=xp.zeros((T, H, D), BF16), gate_up=xp.zeros((T, 2 * F), BF16),
+                   act=xp.zeros((T, F), BF16),
+                   attn_scratch=xp.zeros(S * H * kernels.decode_splits(max_ctx) * (D + 2),
+                                         np.float32),
+                   logits=xp.zeros((S, cfg.vocab_size), np.float32),
+                   next_tokens=xp.zeros(S, np.int32))
 
     def take(self, N: int, S: int) -> "Activations":
         """Views of the first N token rows and S sequence rows (the scratch whole)."""
         per_seq = ("logits", "next_tokens")
-        return replace(self, **{f.name: getattr(self, f.name)[:S] if f.name in per_seq else getattr(self, f.name)[:N]
+        return replace(self, **{f.name: getattr(self, f.name)[:S] if f.name in per_seq
+                                else getattr(self, f.name)[:N]
                                 for f in fields(self) if f.name != "attn_scratch"})
 
     @property
@@ -71,8 +77,8 @@ class Activations:
 
 # a step's inputs, in the order they are packed: BatchInfo's arrays, the token ids, and the
 # sampling parameters of the S' rows that sample (float fields travel as their 32 bits)
-INT_FIELDS = ("tokens", "positions", "slot_mapping", "token_seq", "context_lens", "query_start", "logits_rows",
-              "tile_start", "tile_count", "top_k", "block_tables")
+INT_FIELDS = ("tokens", "positions", "slot_mapping", "token_seq", "context_lens", "query_start",
+              "logits_rows", "tile_start", "tile_count", "top_k", "block_tables")
 FLOAT_FIELDS = ("temperature", "top_p", "u")
 
 
@@ -86,17 +92,20 @@ class StepInputs:
         n = 4 * T + 4 * S + 1 + 2 * (T // 16 + S) + S * max_blocks + 3 * S
         self.xp = xp
         self.device = xp.zeros(n, np.int32)
-        if not kernels._on_gpu(self.device):                     # numpy: the host buffer is the device's
+        # numpy: the host buffer is the device's
+        if not kernels._on_gpu(self.device):
             self.pinned, self.host = None, self.device
         else:
             self.pinned = xp.cuda.alloc_pinned_memory(n * 4)
-            self.host = np.ndarray(n, np.int32, buffer=self.pinned)   # (what cupyx.empty_pinned does)
+            # (what cupyx.empty_pinned does)
+            self.host = np.ndarray(n, np.int32, buffer=self.pinned)
         self.copied = None                    # a CUDA event after the last copy (it reads `host`)
 
     def upload(self, tokens: np.ndarray, batch: BatchInfo, sampling: SamplingInputs | None = None):
         """Host arrays -> (tokens, batch, sampling) as views of the device buffer: one copy."""
         if self.copied is not None:
-            self.copied.synchronize()                          # the last copy has read the host buffer
+            # the last copy has read the host buffer
+            self.copied.synchronize()
         arrays = dict(tokens=tokens, **{f.name: getattr(batch, f.name) for f in fields(batch)
                                         if isinstance(getattr(batch, f.name), np.ndarray)})
         if sampling is not None:
@@ -114,12 +123,14 @@ class StepInputs:
         self._copy(at)
         view = {name: self.device[a:a + int(np.prod(shape))].view(dtype).reshape(shape)
                 for name, (a, shape, dtype) in places.items()}
-        dev_batch = replace(batch, **{f.name: view[f.name] for f in fields(batch) if f.name in view})
-        dev_sampling = None if sampling is None else SamplingInputs(*(view[f.name] for f in fields(SamplingInputs)))
+        dev_batch = replace(batch,
+                            **{f.name: view[f.name] for f in fields(batch) if f.name in view})
+        dev_sampling = (None if sampling is None
+                        else SamplingInputs(*(view[f.name] for f in fields(SamplingInputs))))
         return view["tokens"], dev_batch, dev_sampling
 
     def _copy(self, n: int) -> None:
-        """host[:n] -> device[:n]: one asynchronous copy from page-locked memory (none on the CPU)."""
+        """host[:n] -> device[:n]: one asynchronous copy from pinned memory (none on the CPU)."""
         if self.pinned is None:
             return
         stream = self.xp.cuda.get_current_stream()

@@ -81,7 +81,8 @@ def pad_decode_batch(tokens: np.ndarray, batch: BatchInfo, size: int,
     tokens [b] int32 -> [size] int32."""
     # exercise 3.5 begin
     b = len(tokens)
-    assert batch.num_decode == b == batch.block_tables.shape[0], "only decode-only batches are captured"
+    assert batch.num_decode == b == batch.block_tables.shape[0], (
+        "only decode-only batches are captured")
     assert b <= size and batch.block_tables.shape[1] <= max_blocks
 
     def pad(a, fill):                                  # [b] -> [size]
@@ -115,7 +116,8 @@ def pad_sampling(sampling: SamplingInputs, size: int) -> SamplingInputs:
         out[:len(a)] = a
         return out
     return SamplingInputs(temperature=pad(sampling.temperature, 0.0, np.float32),
-                          top_k=pad(sampling.top_k, 0, np.int32), top_p=pad(sampling.top_p, 1.0, np.float32),
+                          top_k=pad(sampling.top_k, 0, np.int32),
+                          top_p=pad(sampling.top_p, 1.0, np.float32),
                           u=pad(sampling.u, 0.0, np.float32))
 
 
@@ -130,7 +132,8 @@ class CupyCapture:
 
     def __call__(self, fn):
         cp = self.cupy
-        cp.cuda.get_current_stream().synchronize()    # the warm-up step (and its input copy) is done
+        # the warm-up step (and its input copy) is done
+        cp.cuda.get_current_stream().synchronize()
         with self.stream:
             self.stream.begin_capture()
             try:
@@ -168,7 +171,8 @@ class DecodeGraphs:
         self.capture = capture if capture is not None else CupyCapture()
         self.graphs: dict[int, Captured] = {}        # bucket -> its graph and output buffers
         self.num_replays = self.num_eager = 0
-        self.error: str | None = None                # why capturing failed (then every step is eager)
+        # why capturing failed (then every step is eager)
+        self.error: str | None = None
 
     @staticmethod
     def capturable(model) -> bool:
@@ -186,8 +190,8 @@ class DecodeGraphs:
     def step(self, tokens, batch: BatchInfo, sampling: SamplingInputs):
         """The recorded step: the forward pass, then the sampling kernel (device arrays)."""
         logits = self.model.forward(tokens, batch)
-        ids = kernels.sample(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.u,
-                             out=self.model.buffers.next_tokens[:len(tokens)])
+        ids = kernels.sample(logits, sampling.temperature, sampling.top_k, sampling.top_p,
+                             sampling.u, out=self.model.buffers.next_tokens[:len(tokens)])
         return logits, ids
 
     def run(self, tokens: np.ndarray, batch: BatchInfo, sampling: SamplingInputs):
@@ -212,7 +216,8 @@ class DecodeGraphs:
             try:
                 graph = self.capture(lambda: self.step(*inputs))
                 self.graphs[size] = Captured(graph, logits, ids)
-            except Exception as e:  # a CUDA or CuPy error: this engine goes on eagerly, and says why
+            # a CUDA or CuPy error: this engine goes on eagerly, and says why
+            except Exception as e:
                 self._give_up(e)
         return logits[:b], ids[:b]
 
@@ -220,4 +225,5 @@ class DecodeGraphs:
         """A capture or replay failed: keep the reason, drop the graphs, warn once."""
         self.error = f"{type(e).__name__}: {str(e)[:300]}"
         self.graphs.clear()
-        warnings.warn(f"a CUDA graph capture or replay failed ({self.error}); every step runs eagerly now")
+        warnings.warn(f"a CUDA graph capture or replay failed ({self.error}); every step "
+                      "runs eagerly now")

@@ -63,7 +63,8 @@ DEVICES = ("cuda", "cpu")
 def array_module(device: str):
     """numpy for "cpu"; cupy for "cuda", with a message that says what to do when it is missing."""
     if device not in DEVICES:
-        raise ValueError(f"unknown device {device!r}; choose 'cuda' (NVIDIA GPU with CuPy) or 'cpu'")
+        raise ValueError(f"unknown device {device!r}; "
+                         "choose 'cuda' (NVIDIA GPU with CuPy) or 'cpu'")
     if device == "cpu":
         return np
     try:
@@ -71,8 +72,8 @@ def array_module(device: str):
         cupy.cuda.runtime.getDeviceCount()
     except Exception as e:  # ImportError, or CUDARuntimeError when no GPU / driver
         raise RuntimeError(f"device='cuda' needs CuPy and an NVIDIA GPU ({type(e).__name__}: {e}); "
-                           "install it with `pip install cupy-cuda13x` (CUDA 13), or run with --device cpu "
-                           "(the numpy twins, slow but complete)") from None
+                           "install it with `pip install cupy-cuda13x` (CUDA 13), or run with "
+                           "--device cpu (the numpy twins, slow but complete)") from None
     return cupy
 
 
@@ -82,7 +83,7 @@ class LLMEngine:
                  kv_memory: int | None = None, device: str = "cuda", progress: bool = True,
                  enable_prefix_caching: bool = True, enforce_eager: bool = False):
         self.folder = Path(folder)
-        self.config: ModelConfig = ModelConfig.from_folder(folder)
+        self.config = cfg = ModelConfig.from_folder(folder)
         if max_ctx < 2:
             raise ValueError("--max-ctx must be at least 2")
         if page_size < 1:
@@ -90,10 +91,11 @@ class LLMEngine:
         self.max_ctx = max_ctx
         self.device = device
         self.xp = xp = array_module(device)
-        self.weights = load_weights(folder, xp, progress)
+        self.weights = load_weights(folder, cfg, xp, progress)
         self.page_size = page_size
         num_pages = self._pool_pages(num_pages, kv_memory)
-        self.model = Model(self.weights, max_ctx, num_pages, page_size, max_tokens=token_budget, max_seqs=slots)
+        self.model = Model(self.weights, max_ctx, num_pages, page_size,
+                           max_tokens=token_budget, max_seqs=slots)
         # every step's inputs in one upload: up to token_budget tokens of up to `slots` sequences
         self.inputs = StepInputs(xp, token_budget, slots, (max_ctx + page_size - 1) // page_size)
         self.block_manager = BlockManager(num_pages, page_size, enable_prefix_caching)
@@ -105,8 +107,10 @@ class LLMEngine:
         self.num_steps = 0
         self.num_prefill_tokens = self.num_decode_tokens = 0
         self.forward_s = 0.0
-        self.cached_tokens: OrderedDict[str, int] = OrderedDict()   # request id -> prompt tokens hit
-        self.device_sampling = True                  # False: every row to the host Sampler (stage 2's way)
+        # request id -> prompt tokens hit
+        self.cached_tokens: OrderedDict[str, int] = OrderedDict()
+        # False: every row to the host Sampler (stage 2's way)
+        self.device_sampling = True
         # decode steps as CUDA graphs, one per batch-size bucket up to `slots` sequences
         self.graphs = None
         if device == "cuda" and not enforce_eager and DecodeGraphs.capturable(self.model):
@@ -128,8 +132,8 @@ class LLMEngine:
         if num_pages < need:
             raise ValueError(
                 f"the KV cache pool holds {num_pages} pages of {self.page_size} positions "
-                f"({per_page / 2**20:.1f} MiB each) but one sequence of --max-ctx {self.max_ctx} needs "
-                f"{need}; give it more memory (--kv-memory) or lower --max-ctx")
+                f"({per_page / 2**20:.1f} MiB each) but one sequence of --max-ctx {self.max_ctx} "
+                f"needs {need}; give it more memory (--kv-memory) or lower --max-ctx")
         return num_pages
 
     def _free_gpu_bytes(self) -> int:
@@ -190,7 +194,8 @@ class LLMEngine:
         if not scheduled.seqs:
             return events
         seqs, tokens, batch = build_batch(scheduled.seqs, scheduled.num_tokens, self.page_size)
-        for seq in seqs:                                 # what each request found cached (its first admission)
+        # what each request found cached (its first admission)
+        for seq in seqs:
             if seq.num_preemptions == 0:
                 self.cached_tokens[seq.id] = seq.num_cached_tokens
         while len(self.cached_tokens) > 4096:
@@ -198,20 +203,25 @@ class LLMEngine:
 
         # the sequences whose whole prompt is in after this step sample their next token
         counts = np.diff(batch.query_start).tolist()
-        sampling = [seq for seq, n in zip(seqs, counts) if seq.num_computed + n == len(seq.token_ids)]
+        sampling = [seq for seq, n in zip(seqs, counts)
+                    if seq.num_computed + n == len(seq.token_ids)]
         params = self._sampling_inputs(sampling)
 
         # one forward pass for everybody, then the sampling kernel: logits and ids on the device
         t0 = time.perf_counter()
         if self.graphs is not None and self.graphs.can_run(batch):
-            logits, ids = self.graphs.run(tokens, batch, params)                 # a decode step: one replay
+            # a decode step: one replay
+            logits, ids = self.graphs.run(tokens, batch, params)
         else:
-            dev_tokens, dev_batch, dev_params = self.inputs.upload(tokens, batch, params)   # one copy
-            logits = self.model.forward(dev_tokens, dev_batch)                 # [S', V] on the device
+            # one copy
+            dev_tokens, dev_batch, dev_params = self.inputs.upload(tokens, batch, params)
+            # [S', V] on the device
+            logits = self.model.forward(dev_tokens, dev_batch)
             ids = None
             if self.device_sampling and any(self._plain(s) for s in sampling):
-                ids = kernels.sample(logits, dev_params.temperature, dev_params.top_k, dev_params.top_p,
-                                     dev_params.u, out=self.model.buffers.next_tokens[:len(sampling)])
+                ids = kernels.sample(logits, dev_params.temperature, dev_params.top_k,
+                                     dev_params.top_p, dev_params.u,
+                                     out=self.model.buffers.next_tokens[:len(sampling)])
         self.num_steps += 1
 
         for seq, n in zip(seqs, counts):
@@ -220,7 +230,8 @@ class LLMEngine:
             else:
                 self.num_prefill_tokens += n
             seq.num_computed += n
-            self.block_manager.register(seq)             # its newly full pages join the prefix cache
+            # its newly full pages join the prefix cache
+            self.block_manager.register(seq)
         assert len(sampling) == logits.shape[0]
         chosen = self._pick(sampling, logits, ids)
         self.forward_s += time.perf_counter() - t0
@@ -236,7 +247,8 @@ class LLMEngine:
             p = seq.req.params
             finish = None
             if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
-                finish = "stop"                       # the event carries the stop token; it is not answer text
+                # the event carries the stop token; it is not answer text
+                finish = "stop"
             elif len(seq.output_ids) >= p.max_tokens or len(seq.token_ids) >= self.max_ctx:
                 finish = "length"
             if finish is not None:
@@ -259,10 +271,12 @@ class LLMEngine:
         host samples, draw nothing here: their generators stay where the host path leaves them."""
         device = [self.device_sampling and self._plain(s) for s in seqs]
         ps = [s.req.params for s in seqs]
-        u = [s.sampler.rng.random() if d and p.temperature != 0 else 0.0 for s, p, d in zip(seqs, ps, device)]
+        u = [s.sampler.rng.random() if d and p.temperature != 0 else 0.0
+             for s, p, d in zip(seqs, ps, device)]
         return SamplingInputs(temperature=np.array([p.temperature for p in ps], np.float32),
                               top_k=np.array([p.top_k for p in ps], np.int32),
-                              top_p=np.array([p.top_p for p in ps], np.float32), u=np.array(u, np.float32))
+                              top_p=np.array([p.top_p for p in ps], np.float32),
+                              u=np.array(u, np.float32))
 
     def _pick(self, seqs: list[Sequence], logits, ids) -> list[int]:
         """The next token of each sequence that samples, from the device's ids (one copy of S'
@@ -276,7 +290,8 @@ class LLMEngine:
         rest = [i for i, s in enumerate(seqs) if not (device and self._plain(s))]
         if rest:
             host = kernels.to_host(logits[xp.asarray(np.array(rest, np.int32))])   # [S'', V]
-            bad = kernels.ops.degenerate_rows(host)                     # as the device path answers them
+            # as the device path answers them
+            bad = kernels.ops.degenerate_rows(host)
             for row, i, degenerate in zip(host, rest, bad.tolist()):
                 s = seqs[i]
                 tokens[i] = -1 if degenerate else s.sampler(row, s.prompt_ids, s.output_ids)

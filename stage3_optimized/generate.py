@@ -18,12 +18,14 @@ from .options import add_args, build_engine
 def add_generate_args(ap: argparse.ArgumentParser) -> None:
     """Stage 3's options, and the batch's size (the server adds these two itself)."""
     add_args(ap)
-    ap.add_argument("--slots", type=int, default=None, help="sequences admitted at once (default 256)")
+    ap.add_argument("--slots", type=int, default=None,
+                    help="sequences admitted at once (default 256)")
     ap.add_argument("--token-budget", type=int, default=None, help="tokens per step (default 8192)")
 
 
 def main(argv=None) -> int:
-    return generate_main(build_engine, argv, prog="python -m stage3_optimized.generate", add_args=add_generate_args)
+    return generate_main(build_engine, argv, prog="python -m stage3_optimized.generate",
+                         add_args=add_generate_args)
 
 
 if __name__ == "__main__":

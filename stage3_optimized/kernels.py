@@ -102,7 +102,8 @@ def _on_gpu(x) -> bool:
 
 def _check(x, dtype, what: str):
     """x must be a contiguous array of dtype: a wrapper never converts (a conversion is a copy)."""
-    assert x.dtype == dtype and x.flags.c_contiguous, f"{what}: expected a contiguous {np.dtype(dtype)} array"
+    assert x.dtype == dtype and x.flags.c_contiguous, (
+        f"{what}: expected a contiguous {np.dtype(dtype)} array")
     return x
 
 
@@ -161,23 +162,24 @@ def _gemv_fits(N: int, K: int) -> bool:
     return 0 < N <= GEMV_MAX_ROWS and K % 8 == 0 and N * K * 2 <= GEMV_SMEM
 
 
-def _gemv(w, N: int, K: int, *, x=None, norm_in=None, norm_w=None, bias=None, out_bf16=None, out_f32=None,
-          eps: float = 0.0, prologue: int = 0, epilogue: int = 0) -> None:
+def _gemv(w, N: int, K: int, *, x=None, norm_in=None, norm_w=None, bias=None, out_bf16=None,
+          out_f32=None, eps: float = 0.0, prologue: int = 0, epilogue: int = 0) -> None:
     """One gemv.cu launch (its header says what each prologue / epilogue does). The pointers a
     mode leaves unused get w viewed as their type: never read, never written."""
     M = w.shape[0]
     any16, any32 = w, w.view(np.float32)
     args = (_bf16(x) if x is not None else any16, _f32(norm_in) if norm_in is not None else any32,
-            _bf16(norm_w) if norm_w is not None else any16, _bf16(w), _f32(bias) if bias is not None else any32,
+            _bf16(norm_w) if norm_w is not None else any16, _bf16(w),
+            _f32(bias) if bias is not None else any32,
             out_bf16 if out_bf16 is not None else any16, out_f32 if out_f32 is not None else any32,
-            np.int32(N), np.int32(M), np.int32(K), np.float32(eps), np.int32(prologue), np.int32(epilogue),
-            np.int32(bias is not None))
+            np.int32(N), np.int32(M), np.int32(K), np.float32(eps), np.int32(prologue),
+            np.int32(epilogue), np.int32(bias is not None))
     _kernel("gemv")((min((M + 7) // 8, GEMV_MAX_BLOCKS),), (256,), args, shared_mem=N * K * 2)
 
 
 def _gemm(x, w, c, accumulate: bool = False) -> None:
-    """c [N, M] (bf16 or float32) = x [N, K] bf16 @ w [M, K] bf16 .T (+ c when accumulate), by cuBLAS.
-    cuBLAS is column-major: the row-major c [N, M] is, to cuBLAS, the column-major
+    """c [N, M] (bf16 or float32) = x [N, K] bf16 @ w [M, K] bf16 .T (+ c when accumulate), by
+    cuBLAS. cuBLAS is column-major: the row-major c [N, M] is, to cuBLAS, the column-major
     c^T [M, N] = W [M, K] . x^T [K, N]; the row-major W [M, K] is to it a K x M matrix,
     so it is read with op T, and x [N, K] is a K x N matrix read as is."""
     N, K = x.shape
@@ -248,7 +250,8 @@ def rmsnorm_linear(x, norm_w, eps: float, w, h=None, bias=None, out_f32: bool = 
         return out
     if _gemv_fits(N, K):
         _gemv(w, N, K, norm_in=x, norm_w=norm_w, bias=bias, eps=eps, prologue=1,
-              out_bf16=None if out_f32 else out, out_f32=out if out_f32 else None, epilogue=1 if out_f32 else 0)
+              out_bf16=None if out_f32 else out, out_f32=out if out_f32 else None,
+              epilogue=1 if out_f32 else 0)
         return out
     h = rmsnorm(x, norm_w, eps, out=h)
     if bias is None:
@@ -287,7 +290,8 @@ def qk_norm_rope_store(qkv, heads: ops.LayerHeads, positions, slot_mapping, out=
 
 # decode attention splits each context into pieces of SPLIT_LEN positions (flash-decoding)
 SPLIT_LEN = 512
-DECODE_TILE = 32                      # positions per shared-memory tile (TILE in decode_attention.cu)
+# positions per shared-memory tile (TILE in decode_attention.cu)
+DECODE_TILE = 32
 
 
 def decode_shared_bytes(D: int) -> int:
@@ -313,12 +317,15 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, spli
     scratch: a float32 array of at least S * H * splits * (D + 2) values for the partial
     results (buffers.py sizes one); without it they are allocated."""
     if not _on_gpu(q):
-        return _twin(ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens), out)
+        return _twin(ops.paged_decode_attention(q, k_cache, v_cache,
+                                                block_tables, context_lens), out)
     q = _bf16(q)
     S, H, D = q.shape
     P, Hkv = k_cache.shape[1], k_cache.shape[2]
-    assert D <= MAX_HEAD_DIM, f"head_dim {D} > {MAX_HEAD_DIM} is not supported by the attention kernels"
-    assert H // Hkv <= 16, "the decode kernel gives each query head of a group one of 16 warps at most"
+    assert D <= MAX_HEAD_DIM, (
+        f"head_dim {D} > {MAX_HEAD_DIM} is not supported by the attention kernels")
+    assert H // Hkv <= 16, (
+        "the decode kernel gives each query head of a group one of 16 warps at most")
     out = _output(out, (S, H, D), np.uint16)
     if S == 0:
         return out
@@ -339,7 +346,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, spli
          np.int32(split_len), np.int32(splits), np.float32(1.0 / np.sqrt(D))),
         shared_mem=decode_shared_bytes(D))
     _kernel("merge_attention")((S * H,), (32,), (part_out, part_ml, context_lens, out, np.int32(H),
-                                                 np.int32(D), np.int32(split_len), np.int32(splits)))
+                                                 np.int32(D), np.int32(split_len),
+                                                 np.int32(splits)))
     return out
 
 
@@ -351,17 +359,20 @@ def prefill_attention(q, k_cache, v_cache, block_tables, token_seq, positions,
     the tensor-core kernel runs (prefill_attention_tc.cu); otherwise, or with
     tensor_cores=False, the plain one (prefill_attention.cu), which it is tested against."""
     if not _on_gpu(q):
-        return _twin(ops.prefill_attention(q, k_cache, v_cache, block_tables, token_seq, positions), out)
+        return _twin(ops.prefill_attention(q, k_cache, v_cache, block_tables,
+                                           token_seq, positions), out)
     q = _bf16(q)
     N, H, D = q.shape
     P, Hkv = k_cache.shape[1], k_cache.shape[2]
-    assert D <= MAX_HEAD_DIM, f"head_dim {D} > {MAX_HEAD_DIM} is not supported by the attention kernels"
+    assert D <= MAX_HEAD_DIM, (
+        f"head_dim {D} > {MAX_HEAD_DIM} is not supported by the attention kernels")
     out = _output(out, (N, H, D), np.uint16)
     if N == 0:
         return out
     block_tables = _i32(block_tables)
     scale = np.float32(1.0 / np.sqrt(D))
-    if tensor_cores and tile_start is not None and D % 16 == 0 and D <= TC_MAX_HEAD_DIM and _tc_available():
+    if (tensor_cores and tile_start is not None and D % 16 == 0 and D <= TC_MAX_HEAD_DIM
+            and _tc_available()):
         G = H // Hkv
         warps = min(G, TC_WARPS)                     # query heads per block (WARPS in the .cu)
         _kernel("prefill_attention_tc")(
@@ -390,8 +401,8 @@ def _tc_available() -> bool:
         return True
     except Exception as e:  # cupy's CompileException, or a missing toolkit
         if os.environ.get("QS_REQUIRE_GPU") == "1":
-            raise RuntimeError(f"QS_REQUIRE_GPU=1 and the tensor-core prefill kernel does not compile here "
-                               f"({type(e).__name__}: {str(e)[:300]})") from e
+            raise RuntimeError("QS_REQUIRE_GPU=1 and the tensor-core prefill kernel does not "
+                               f"compile here ({type(e).__name__}: {str(e)[:300]})") from e
         warnings.warn(f"the tensor-core prefill kernel does not compile here ({type(e).__name__}: "
                       f"{str(e)[:200]}); using the plain prefill kernel")
         return False
@@ -436,8 +447,8 @@ def sample(logits, temperature, top_k, top_p, u, out=None):
     S, V = _f32(logits).shape
     tokens = _output(out, (S,), np.int32)
     if S:
-        _kernel("sample")((S,), (256,), (logits, _f32(temperature), _i32(top_k), _f32(top_p), _f32(u),
-                                         tokens, np.int32(V)))
+        _kernel("sample")((S,), (256,), (logits, _f32(temperature), _i32(top_k), _f32(top_p),
+                                         _f32(u), tokens, np.int32(V)))
     return tokens
 
 

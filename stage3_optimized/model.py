@@ -21,13 +21,13 @@ Changed from stage 2, lesson by lesson (docs/lessons/stage3):
     x = embed(tokens)                                   [N, C]
     for each layer:
         qkv = rmsnorm(x) @ wqkv.T                       [N, (H + 2 Hkv) D], one GEMM (+ bqkv: qwen2)
-        q = qk_norm_rope_store(qkv)                     q/k RMSNorm (qwen3), RoPE, k/v into their pages
+        q = qk_norm_rope_store(qkv)                     q/k RMSNorm (qwen3), RoPE, k/v into pages
         attend causally over each sequence's pages (GQA)
         x = x + attn @ wo.T
         gate_up = rmsnorm(x) @ w_gate_up.T              MLP block
         x = x + swiglu(gate_up) @ w_down.T              (or the routed experts of a MoE layer,
                                                          plus a gated shared expert: qwen2_moe)
-    logits = rmsnorm(x) @ lm_head.T                     [S', V] for the last position of each sequence
+    logits = rmsnorm(x) @ lm_head.T                     [S', V] for each sequence's last position
 
 Weight names follow Hugging Face's (wqkv is q_proj, k_proj, v_proj stacked, ...); the
 rename table is in common/loader.py and the fusing in weights.py.
@@ -54,8 +54,9 @@ class Model:
         # every intermediate of a step of up to max_tokens tokens and max_seqs sequences
         self.buffers = Activations.allocate(xp, cfg, max_tokens, max_seqs, max_ctx)
         # CUDA kernels on cupy arrays, their numpy twins on numpy arrays
-        self.k = kernels
-        cos, sin = ops.rope_tables(max_ctx, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)   # [T_max, D/2]
+        self.kernels = kernels
+        # [T_max, D/2]
+        cos, sin = ops.rope_tables(max_ctx, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.cos, self.sin = xp.asarray(cos), xp.asarray(sin)
         # what each layer's q/k norm, RoPE and KV store need, besides the step's rows
         self.heads = [ops.LayerHeads(lw.q_norm, lw.k_norm, self.cos, self.sin, self.cache.keys(i),
@@ -67,7 +68,7 @@ class Model:
         """tokens [N] of S sequences, packed as batch describes (its arrays on this model's
         device) -> logits [S', V] of the rows batch.logits_rows, or [N, V] with all_logits.
         The logits are a view of this model's buffer: the next step overwrites them."""
-        cfg, w, K = self.config, self.w, self.k
+        cfg, w, kern = self.config, self.w, self.kernels
         N = len(tokens)
         H, D, eps = cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
         if batch.max_context > self.max_ctx:
@@ -85,14 +86,15 @@ class Model:
             qkv = lw.wqkv.norm_matmul(x, lw.attn_norm, eps, h=b.h, bias=lw.bqkv, out=b.qkv)
             # Qwen3's per-head q/k RMSNorm, RoPE at each token's own position, and the new
             # positions' k, v into their pages: one kernel, q comes back for attention
-            q = K.qk_norm_rope_store(qkv, self.heads[layer], batch.positions, batch.slot_mapping,
-                                     out=b.q)                  # [N, H, D] bf16
-            att = self.attention(q, layer, batch, out=b.att)   # ... and every query attends over its pages
+            q = kern.qk_norm_rope_store(qkv, self.heads[layer], batch.positions, batch.slot_mapping,
+                                        out=b.q)                  # [N, H, D] bf16
+            # ... and every query attends over its pages
+            att = self.attention(q, layer, batch, out=b.att)
             x = lw.wo.matmul(att.reshape(N, H * D), add_into=x)   # x + att @ wo.T, in the GEMM
 
             # ---- MLP block ----
             if lw.experts:
-                x = self.moe(K.rmsnorm(x, lw.mlp_norm, eps, out=b.h), lw, add_into=x)
+                x = self.moe(kern.rmsnorm(x, lw.mlp_norm, eps, out=b.h), lw, add_into=x)
             else:
                 # SwiGLU: x + down(silu(gate(h)) * up(h)), gate and up from one GEMM on rmsnorm(x)
                 gate_up = lw.w_gate_up.norm_matmul(x, lw.mlp_norm, eps, h=b.h, out=b.gate_up)
@@ -112,16 +114,16 @@ class Model:
         the whole context is visible), then the prefill chunks (causal within the chunk,
         earlier chunks read from the pages like any other position). Each kernel writes
         its rows of out."""
-        K, d = self.k, batch.num_decode
+        kern, d = self.kernels, batch.num_decode
         keys, values = self.cache.keys(layer), self.cache.values(layer)
         if d:
-            K.paged_decode_attention(q[:d], keys, values, batch.block_tables[:d], batch.context_lens[:d],
-                                     max_len=batch.max_context, out=out[:d],
-                                     scratch=self.buffers.attn_scratch)
+            kern.paged_decode_attention(q[:d], keys, values, batch.block_tables[:d],
+                                        batch.context_lens[:d], max_len=batch.max_context,
+                                        out=out[:d], scratch=self.buffers.attn_scratch)
         if d < q.shape[0]:
-            K.prefill_attention(q[d:], keys, values, batch.block_tables, batch.token_seq[d:],
-                                batch.positions[d:], batch.tile_start, batch.tile_count,
-                                out=out[d:])
+            kern.prefill_attention(q[d:], keys, values, batch.block_tables, batch.token_seq[d:],
+                                   batch.positions[d:], batch.tile_start, batch.tile_count,
+                                   out=out[d:])
         return out
 
     def moe(self, h, lw: LayerWeights, add_into):
@@ -132,22 +134,24 @@ class Model:
         residual stream), which is returned. The routing decision is made on the host (a
         small [N, E] copy); the experts' matmuls run on the device, one GEMM per chosen expert
         (this path allocates: a MoE step is never a graph)."""
-        cfg, xp = self.config, self.xp
+        cfg, xp, kern = self.config, self.xp, self.kernels
         # router in fp32: softmax over all experts, then keep the top k (on the host)
-        top, weight = self.k.route(lw.router.matmul(h, out_f32=True), cfg.num_experts_per_tok,
-                                   cfg.norm_topk_prob)         # [T, k] each
+        top, weight = kern.route(lw.router.matmul(h, out_f32=True), cfg.num_experts_per_tok,
+                                 cfg.norm_topk_prob)           # [T, k] each
         out = add_into                                         # [T, C] fp32: the stream itself
         # group tokens by expert: each chosen expert's weights are read once per step
         for e in np.unique(top):
-            rows, slot = np.nonzero(top == e)                  # tokens routed to e, and which of their k
+            # tokens routed to e, and which of their k
+            rows, slot = np.nonzero(top == e)
             ex = lw.experts[e]
             he = h[xp.asarray(rows)]                           # [Te, C]
-            y = ex.e_down.matmul(self.k.swiglu(ex.e_gate_up.matmul(he)), out_f32=True)   # [Te, C]
+            y = ex.e_down.matmul(kern.swiglu(ex.e_gate_up.matmul(he)), out_f32=True)     # [Te, C]
             out[xp.asarray(rows)] += xp.asarray(weight[rows, slot][:, None]) * y
         if lw.shared_expert is not None:
             # the shared expert: every token, weighted by sigmoid(h . shared_gate) in (0, 1)
             ex = lw.shared_expert
-            y = ex.e_down.matmul(self.k.swiglu(ex.e_gate_up.matmul(h)), out_f32=True)   # [T, C] fp32
+            # [T, C] fp32
+            y = ex.e_down.matmul(kern.swiglu(ex.e_gate_up.matmul(h)), out_f32=True)
             gate = lw.shared_gate.matmul(h, out_f32=True)      # [T, 1] fp32
             out += y / (1 + xp.exp(-gate))
         return out

@@ -51,7 +51,8 @@ def round_bf16(x) -> np.ndarray:
 
 
 def embedding(ids: np.ndarray, table: np.ndarray) -> np.ndarray:
-    """ids [N] -> rows of table [V, C] bf16, widened -> [N, C] float32: the residual stream's start."""
+    """ids [N] -> rows of table [V, C] bf16, widened -> [N, C] float32:
+    the residual stream's start."""
     return f32(table[ids])
 
 
@@ -68,7 +69,8 @@ def rmsnorm_bf16(residual: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return bf16_bits(rmsnorm(residual, w, eps))
 
 
-def rope_tables(max_pos: int, head_dim: int, theta: float, scaling=None) -> tuple[np.ndarray, np.ndarray]:
+def rope_tables(max_pos: int, head_dim: int,
+                theta: float, scaling=None) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin [max_pos, D/2]: the rotation angle of pair i at position p is p * theta^(-2i/D).
     scaling (config.RopeScaling, Llama 3's) changes the frequencies, see llama3_inv_freq.
     Computed once per model; positions index rows."""
@@ -90,7 +92,8 @@ def llama3_inv_freq(inv_freq: np.ndarray, scaling) -> np.ndarray:
     L, lo, hi, factor = (scaling.original_max_position_embeddings, scaling.low_freq_factor,
                          scaling.high_freq_factor, scaling.factor)
     wavelen = 2 * np.pi / inv_freq                         # [D/2] positions per full turn
-    s = (L / wavelen - lo) / (hi - lo)                     # [D/2] blend weight, in [0, 1] in the band
+    # [D/2] blend weight, in [0, 1] in the band
+    s = (L / wavelen - lo) / (hi - lo)
     blended = (1 - s) * inv_freq / factor + s * inv_freq
     return np.where(wavelen > L / lo, inv_freq / factor,   # long wavelengths: slowed by factor
                     np.where(wavelen < L / hi, inv_freq, blended))   # short ones: kept
@@ -213,7 +216,8 @@ def decode_attention_splits(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndar
         k = f32(_gather_pages(k_cache, block_tables[s], n))     # [Hkv, n, D]
         v = f32(_gather_pages(v_cache, block_tables[s], n))
         qs = f32(q[s]) * np.float32(1 / np.sqrt(D))            # [H, D]
-        kh = np.repeat(k, H // Hkv, axis=0)                    # [H, n, D] kv head of each query head
+        # [H, n, D] kv head of each query head
+        kh = np.repeat(k, H // Hkv, axis=0)
         vh = np.repeat(v, H // Hkv, axis=0)
         for j in range(min(splits, (n + split_len - 1) // split_len)):
             a, b = j * split_len, min(n, (j + 1) * split_len)
@@ -334,7 +338,8 @@ def degenerate_rows(logits: np.ndarray) -> np.ndarray:
     return (np.isnan(logits) | np.isposinf(logits)).any(axis=-1) | np.isneginf(logits).all(axis=-1)
 
 
-def sampling_set(l: np.ndarray, temperature: float, top_k: int, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+def sampling_set(l: np.ndarray, temperature: float,
+                 top_k: int, top_p: float) -> tuple[np.ndarray, np.ndarray]:
     """One row's kept tokens and weights for sample(): l [V] -> (keep [V] bool, w [V] float32)."""
     V = l.shape[0]
     l = l.astype(np.float32)

@@ -19,13 +19,17 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group(RUNG)
     g.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cuda: CuPy and the CUDA kernels; cpu: numpy twins, slow (default cuda)")
-    g.add_argument("--page-size", type=int, default=256, metavar="P", help="positions per KV page (default 256)")
+    g.add_argument("--page-size", type=int, default=256, metavar="P",
+                   help="positions per KV page (default 256)")
     g.add_argument("--kv-memory", type=float, default=None, metavar="GIB",
-                   help="GiB for the KV page pool (default: most of the free GPU memory; 1 GiB on cpu)")
+                   help="GiB for the KV page pool (default: most of the free GPU "
+                        "memory; 1 GiB on cpu)")
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
-                   help="compute every prompt in full instead of reusing the KV pages of a common prefix")
+                   help="compute every prompt in full instead of reusing the KV pages of "
+                        "a common prefix")
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                   help="launch every decode step kernel by kernel instead of replaying a captured CUDA graph")
+                   help="launch every decode step kernel by kernel instead of replaying a "
+                        "captured CUDA graph")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -45,5 +49,6 @@ def build_engine(folder: Path, args: argparse.Namespace, progress: bool = True):
 
 def describe(args: argparse.Namespace) -> str:
     cache = "prefix cache" if getattr(args, "prefix_caching", True) else "no prefix cache"
-    graphs = " · cuda graphs" if args.device == "cuda" and getattr(args, "cuda_graphs", True) else ""
+    graphs = " · cuda graphs" if args.device == "cuda" and getattr(args,
+                                                                   "cuda_graphs", True) else ""
     return f"{RUNG} · {args.device} · bf16 · {cache}{graphs}"

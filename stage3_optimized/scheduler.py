@@ -100,7 +100,8 @@ class Scheduler:
         # exercise 2.4 begin
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:   # preempted earlier in this loop
-                break                              # (only newer ones are preempted, so all after it are too)
+                # (only newer ones are preempted, so all after it are too)
+                break
             if budget == 0:
                 break
             n = min(seq.num_uncomputed, budget)

@@ -24,7 +24,8 @@ class Status(Enum):
 @dataclass
 class Sequence:
     req: Request
-    arrival: int                       # admission order: lower is older (preemption takes the highest)
+    # admission order: lower is older (preemption takes the highest)
+    arrival: int
     sampler: Sampler                   # the request's own sampler (its own RNG)
     token_ids: list[int] = field(default_factory=list)   # prompt + generated so far
     num_prompt: int = 0
@@ -32,8 +33,10 @@ class Sequence:
     block_table: list[int] = field(default_factory=list) # page of positions [i*P, (i+1)*P)
     status: Status = Status.WAITING
     num_preemptions: int = 0
-    page_keys: list = field(default_factory=list)        # PageKey of each full page (block_manager.py)
-    num_cached_tokens: int = 0         # prompt tokens found in the prefix cache at (first) admission
+    # PageKey of each full page (block_manager.py)
+    page_keys: list = field(default_factory=list)
+    # prompt tokens found in the prefix cache at (first) admission
+    num_cached_tokens: int = 0
 
     @classmethod
     def from_request(cls, req: Request, arrival: int) -> "Sequence":
@@ -54,6 +57,6 @@ class Sequence:
 
     @property
     def num_uncomputed(self) -> int:
-        """Tokens still to feed: the rest of the prompt, or 1 (the last sampled token) when decoding.
-        After a preemption this is the whole prompt plus the output so far (recompute)."""
+        """Tokens still to feed: the rest of the prompt, or 1 (the last sampled token) when
+        decoding. After a preemption this is the whole prompt plus the output so far (recompute)."""
         return len(self.token_ids) - self.num_computed

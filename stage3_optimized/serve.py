@@ -1,6 +1,8 @@
-"""python -m stage3_optimized.serve --model DIR [--addr 127.0.0.1:8000] [--slots N] [--token-budget N]
+"""python -m stage3_optimized.serve --model DIR [--addr 127.0.0.1:8000] [--slots N]
+    [--token-budget N]
 
-The OpenAI-compatible server (common/server.py, command line: common/serve_cli.py) over the stage-3 engine.
+The OpenAI-compatible server (common/server.py, command line: common/serve_cli.py) over the
+stage-3 engine.
 Changed from stage 2: only the engine and its options (options.py); the usage of each
 answer reports prompt_tokens_details.cached_tokens (the engine's num_cached_tokens). HTTP,
 templates, tokenization, parsing and streaming are the same for every stage.

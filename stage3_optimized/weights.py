@@ -25,10 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from rich.progress import Progress
 
 from common.config import ModelConfig
-from common.loader import open_weights
+from common.loader import loading, open_weights
 from . import kernels
 from .ops import bf16_bits, round_bf16
 
@@ -88,8 +87,10 @@ class LayerWeights:
     w_down: Weight | None = None    # [C, F]
     router: Weight | None = None    # [E, C] MoE router (its logits go to the host for top-k)
     experts: list[ExpertWeights] = field(default_factory=list)
-    bqkv: object | None = None      # [(H + 2*Hkv)*D] float32: q, k, v biases stacked (qwen2, qwen2_moe)
-    shared_expert: ExpertWeights | None = None  # qwen2_moe: [2Fs, C], [C, Fs]; every token goes through it
+    # [(H + 2*Hkv)*D] float32: q, k, v biases stacked (qwen2, qwen2_moe)
+    bqkv: object | None = None
+    # qwen2_moe: [2Fs, C], [C, Fs]; every token goes through it
+    shared_expert: ExpertWeights | None = None
     shared_gate: Weight | None = None           # [1, C] its sigmoid gate
 
 
@@ -133,34 +134,27 @@ class Weights:
         return total + round(routed * routed_share)
 
 
-def load_weights(folder: str | Path, xp=np, progress: bool = True) -> Weights:
-    loader = open_weights(folder)   # a Hugging Face folder or a GGUF file (dequantized)
-    cfg = loader.config
-    dev = lambda a: xp.asarray(np.ascontiguousarray(a, dtype=np.float32))   # noqa: E731  host -> device
+def load_weights(folder: str | Path, cfg: ModelConfig, xp=np, progress: bool = True) -> Weights:
+    loader = open_weights(folder, cfg)   # a Hugging Face folder or a GGUF file (dequantized)
+    # host -> device
+    dev = lambda a: xp.asarray(np.ascontiguousarray(a, dtype=np.float32))  # noqa: E731
     # the matrices: rounded to bf16 on the host (round to nearest even), one copy of the bits each
     q = lambda a: Weight(xp.asarray(np.ascontiguousarray(bf16_bits(a))))     # noqa: E731
     fuse = lambda *ps: q(np.concatenate([np.asarray(p, np.float32) for p in ps]))  # noqa: E731
     # the norms, stored as bf16 too; the biases, bf16-rounded and held as float32 for their add
     vec = lambda a: xp.asarray(np.ascontiguousarray(bf16_bits(a)))         # noqa: E731
     bias = lambda *ps: dev(np.concatenate([round_bf16(p) for p in ps]))   # noqa: E731
-    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
-    n_shared = n_moe if cfg.shared_expert_intermediate_size else 0
-    total = 2 + cfg.num_layers * 7 + n_moe * cfg.num_experts * 3 + n_shared * 3
-    with Progress(transient=True, disable=not progress) as bar:
-        task = bar.add_task("loading weights (bf16)", total=total)
-
-        def step(value):
-            bar.advance(task)
-            return value
-
+    # one step per matrix: wqkv and wo per layer (attn=2), gate_up and down per MLP (mlp=2)
+    with loading(cfg, "loading weights (bf16)", attn=2, mlp=2, show=progress) as step:
         embed = step(q(loader.glob("embed")))
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in loader
-        lm_head = embed if tied else step(q(loader.glob("lm_head")))
+        lm_head = step(embed if tied else q(loader.glob("lm_head")))
         layers = []
         for i in range(cfg.num_layers):
             L = LayerWeights(
                 attn_norm=vec(loader.layer("attn_norm", i)),
-                wqkv=step(step(step(fuse(loader.layer("wq", i), loader.layer("wk", i), loader.layer("wv", i))))),
+                wqkv=step(fuse(loader.layer("wq", i), loader.layer("wk", i),
+                               loader.layer("wv", i))),
                 wo=step(q(loader.layer("wo", i))),
                 mlp_norm=vec(loader.layer("mlp_norm", i)),
             )
@@ -170,17 +164,17 @@ def load_weights(folder: str | Path, xp=np, progress: bool = True) -> Weights:
                 L.q_norm, L.k_norm = vec(loader.layer("q_norm", i)), vec(loader.layer("k_norm", i))
             if cfg.is_moe_layer(i):
                 L.router = q(loader.layer("router", i))
-                L.experts = [ExpertWeights(step(step(fuse(loader.layer("e_gate", i, e),
-                                                          loader.layer("e_up", i, e)))),
+                L.experts = [ExpertWeights(step(fuse(loader.layer("e_gate", i, e),
+                                                     loader.layer("e_up", i, e))),
                                            step(q(loader.layer("e_down", i, e))))
                              for e in range(cfg.num_experts)]
                 if cfg.shared_expert_intermediate_size:
-                    L.shared_expert = ExpertWeights(step(step(fuse(loader.layer("s_gate", i),
-                                                                   loader.layer("s_up", i)))),
+                    L.shared_expert = ExpertWeights(step(fuse(loader.layer("s_gate", i),
+                                                              loader.layer("s_up", i))),
                                                     step(q(loader.layer("s_down", i))))
                     L.shared_gate = q(loader.layer("shared_gate", i))
             else:
-                L.w_gate_up = step(step(fuse(loader.layer("w_gate", i), loader.layer("w_up", i))))
+                L.w_gate_up = step(fuse(loader.layer("w_gate", i), loader.layer("w_up", i)))
                 L.w_down = step(q(loader.layer("w_down", i)))
             layers.append(L)
         final_norm = step(vec(loader.glob("final_norm")))

@@ -137,7 +137,7 @@ def test_num_hidden_layers_of_10_12_fails_at_once_naming_the_key(tmp_path, famil
     t0 = time.perf_counter()
     says = r"config.json: num_hidden_layers is 1000000000000, but the weights hold the tensors of 2"
     with pytest.raises(LoaderError, match=says):
-        open_weights(folder)
+        open_weights(folder, ModelConfig.from_folder(folder))
     assert time.perf_counter() - t0 < 5
 
 
@@ -232,7 +232,7 @@ def rewrite_header(folder: Path, edit) -> Path:
 def test_a_malformed_safetensors_header_is_refused_by_name(tmp_path, edit, says):
     f = rewrite_header(model_folder(tmp_path / "m"), edit)
     with pytest.raises(LoaderError, match=says) as e:
-        open_weights(f.parent)
+        open_weights(f.parent, ModelConfig.from_folder(f.parent))
     assert str(f) in str(e.value)
 
 

@@ -64,7 +64,8 @@ def gguf_oracle(smollm_gguf, torch_threads):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kw = dict(gguf_file=smollm_gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(smollm_gguf.parent, dtype=torch_threads.float32, **kw).eval()
+    model = AutoModelForCausalLM.from_pretrained(smollm_gguf.parent,
+                                                 dtype=torch_threads.float32, **kw).eval()
     tok = AutoTokenizer.from_pretrained(smollm_gguf.parent, **kw)
     return model, tok
 
@@ -80,7 +81,8 @@ def test_default_folder_holds_the_gguf_itself_and_is_reused_instantly(smollm_fol
     assert files == ["SmolLM2-135M-Instruct.Q4_1.gguf", "generation_config.json", fetch.MARKER]
     file = smollm_folder / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert file.stat().st_size < 100e6
-    assert file.stat().st_ino == smollm_gguf.stat().st_ino or file.stat().st_size == smollm_gguf.stat().st_size
+    assert (file.stat().st_ino == smollm_gguf.stat().st_ino
+            or file.stat().st_size == smollm_gguf.stat().st_size)
     marker = (smollm_folder / fetch.MARKER).stat().st_mtime_ns
 
     def no_fetch(*args, **kwargs):
@@ -98,15 +100,19 @@ def test_config_matches_transformers_gguf_config(smollm_folder, gguf_oracle):
     ref = gguf_oracle[0].config              # the config transformers read from the GGUF metadata
     assert ours.family == "llama"
     # SmolLM2-135M: 30 layers, 576 wide, 9 query heads sharing 3 KV heads, tied embeddings
-    assert (ours.num_layers, ours.hidden_size, ours.num_heads, ours.num_kv_heads, ours.vocab_size) == \
+    assert (ours.num_layers, ours.hidden_size, ours.num_heads,
+            ours.num_kv_heads, ours.vocab_size) == \
         (30, 576, 9, 3, 49152)
     for key, ref_key in (("num_layers", "num_hidden_layers"), ("hidden_size", "hidden_size"),
-                         ("intermediate_size", "intermediate_size"), ("num_heads", "num_attention_heads"),
+                         ("intermediate_size",
+                          "intermediate_size"), ("num_heads", "num_attention_heads"),
                          ("num_kv_heads", "num_key_value_heads"), ("vocab_size", "vocab_size"),
-                         ("max_position_embeddings", "max_position_embeddings"), ("bos_token_id", "bos_token_id")):
+                         ("max_position_embeddings", "max_position_embeddings"),
+                         ("bos_token_id", "bos_token_id")):
         assert getattr(ours, key) == getattr(ref, ref_key), key
     assert ours.eos_token_ids[0] == ref.eos_token_id
-    theta = ref.rope_parameters["rope_theta"] if getattr(ref, "rope_parameters", None) else ref.rope_theta
+    theta = (ref.rope_parameters["rope_theta"] if getattr(ref, "rope_parameters", None)
+             else ref.rope_theta)
     assert ours.rope_theta == pytest.approx(theta) == 100000.0
     assert ours.rms_norm_eps == pytest.approx(ref.rms_norm_eps, rel=1e-6)
     assert ours.tie_word_embeddings is True
@@ -138,10 +144,13 @@ def test_unpermute_inverts_llama_cpp_rotary_permutation():
 def test_weights_read_from_the_file_equal_transformers_gguf_loading(smollm_folder, gguf_oracle):
     """Dequantized, they are transformers' tensors exactly (names, Q/K row order, values);
     kept as stage 1's int4 / int8 (the default), they dequantize to the same values."""
+    from common.config import ModelConfig
     from common.loader import open_weights
 
     ref_sd = gguf_oracle[0].state_dict()
-    flat, kept = open_weights(smollm_folder), open_weights(smollm_folder, keep_quantized=True)
+    cfg = ModelConfig.from_folder(smollm_folder)
+    flat = open_weights(smollm_folder, cfg)
+    kept = open_weights(smollm_folder, cfg, keep_quantized=True)
     for key, layer, name in (("wq", 0, "model.layers.0.self_attn.q_proj.weight"),
                              ("wk", 29, "model.layers.29.self_attn.k_proj.weight"),
                              ("w_down", 7, "model.layers.7.mlp.down_proj.weight")):
@@ -159,15 +168,17 @@ def test_stage1_logits_match_transformers_gguf_loading(smollm_folder, gguf_oracl
     """Stage 1 on the file as stored (int4 / int8 blocks, plain kernels, fp32 activations):
     the same weights, so the logits agree to float32 rounding (measured max |diff| ~1e-4 on
     logits of size ~20; bound 2e-3)."""
-    from stage1_cpu.model import Model
+    from common.config import ModelConfig
+    from stage1_cpu.model import build_model
     from stage1_cpu.weights import load_weights
 
     ref_model, ref_tok = gguf_oracle
     ids = ref_tok.encode("The quick brown fox jumps over the lazy dog. Paris is")
     with torch_threads.no_grad():
         ref = ref_model(torch_threads.tensor([ids])).logits[0, -1].numpy()
-    w = load_weights(smollm_folder, "stored", progress=False, kernels="plain")
-    ours = Model(w, 128, one_region=False).forward(np.array(ids), 0)
+    cfg = ModelConfig.from_folder(smollm_folder)
+    w = load_weights(smollm_folder, cfg, "stored", progress=False, kernels="plain")
+    ours = build_model(w, 128).forward(np.array(ids), 0)
     assert ref.std() > 1.0
     assert np.abs(ours - ref).max() < 2e-3
     assert int(np.argmax(ours)) == int(np.argmax(ref))
@@ -180,7 +191,8 @@ def test_greedy_chat_answer_says_paris(smollm_folder):
     from stage1_cpu.engine import LLMEngine
 
     tok = Tokenizer(smollm_folder)
-    prompt = tok.encode(ChatTemplate.from_folder(smollm_folder).render(QUESTION, add_generation_prompt=True))
+    prompt = tok.encode(ChatTemplate.from_folder(smollm_folder).render(QUESTION,
+                                                                       add_generation_prompt=True))
     eng = LLMEngine(smollm_folder, quant="stored", max_ctx=256, progress=False)
     eng.add_request(Request("q", prompt, SamplingParams(temperature=0, max_tokens=16,
                                                         stop_token_ids=tok.eos_token_ids)))
@@ -216,7 +228,8 @@ def test_chat_template_renders_like_gguf_template(smollm_folder, gguf_oracle):
     assert tok.bos_token == "<|im_start|>" and tok.eos_token == "<|im_end|>"
     text = ChatTemplate.from_folder(smollm_folder).render(QUESTION, add_generation_prompt=True)
     assert text == ref.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
-    assert text.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+    assert text.endswith("<|im_start|>user\nWhat is the capital of "
+                         "France?<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_digits_are_split_one_by_one_like_llama_cpp_smollm(smollm_folder, gguf_oracle):
@@ -263,8 +276,10 @@ def test_wrong_folders_say_what_a_model_folder_needs(tmp_path):
     assert "no config.json" in cases["no config"]
     assert "no weights" in cases["no weights"] and "pytorch_model.bin" in cases["no weights"]
     for msg in cases.values():
-        assert "config.json" in msg and "model.safetensors" in msg and "huggingface-cli download" in msg
-    with pytest.raises(ModelResolveError, match="huggingface-cli download Qwen/Qwen3-0.6B --local-dir ./Qwen3-0.6B"):
+        assert ("config.json" in msg and "model.safetensors" in msg
+                and "huggingface-cli download" in msg)
+    with pytest.raises(ModelResolveError,
+                       match="huggingface-cli download Qwen/Qwen3-0.6B --local-dir ./Qwen3-0.6B"):
         resolve_model("Qwen/Qwen3-0.6B", progress=False)
     # a real folder is returned as it is
     (tmp_path / "model.safetensors").write_bytes(b"")
@@ -303,7 +318,8 @@ def test_old_float32_folder_is_replaced_by_the_gguf_folder(tmp_path, monkeypatch
     (final / fetch.MARKER).write_text(json.dumps({"converter_version": 4}))
     calls = []
     real_link = fetch.os.link
-    monkeypatch.setattr("common.fetch.os.link", lambda a, b: (calls.append(Path(a).name), real_link(a, b)))
+    monkeypatch.setattr("common.fetch.os.link",
+                        lambda a, b: (calls.append(Path(a).name), real_link(a, b)))
     assert resolve_model(progress=False) == final
     assert calls == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
     assert not (final / "config.json").exists() and not (final / "model.safetensors").exists()
@@ -341,7 +357,8 @@ def judge(text: str) -> bool:
     return "Paris" in first_sentence and not babble(text)
 
 
-def first_answers(folder, model, torch, params_by_seed: dict, max_tokens: int = 24) -> dict[int, str]:
+def first_answers(folder, model, torch, params_by_seed: dict,
+                  max_tokens: int = 24) -> dict[int, str]:
     """The chat's first answer to QUESTION for each seed: our chat template, tokenizer and
     Sampler, drawing from transformers' logits (the oracle model) one token at a time,
     with transformers' KV cache (past_key_values: 5.x accepts it; later versions name it
@@ -351,18 +368,21 @@ def first_answers(folder, model, torch, params_by_seed: dict, max_tokens: int = 
     from common.tokenizer import Tokenizer
 
     tok = Tokenizer(folder)
-    prompt = tok.encode(ChatTemplate.from_folder(folder).render(QUESTION, add_generation_prompt=True))
+    prompt = tok.encode(ChatTemplate.from_folder(folder).render(QUESTION,
+                                                                add_generation_prompt=True))
     answers = {}
     for seed, params in params_by_seed.items():
         sampler, out = Sampler(params), []
         with torch.no_grad():
-            step = model(torch.tensor([prompt]), use_cache=True)       # the prefill, a fresh KV cache
+            # the prefill, a fresh KV cache
+            step = model(torch.tensor([prompt]), use_cache=True)
             while len(out) < max_tokens:
                 token = sampler(step.logits[0, -1].numpy(), prompt, out)
                 if token in tok.eos_token_ids:
                     break
                 out.append(token)
-                step = model(torch.tensor([[token]]), past_key_values=step.past_key_values, use_cache=True)
+                step = model(torch.tensor([[token]]),
+                             past_key_values=step.past_key_values, use_cache=True)
         answers[seed] = tok.decode(out)
     return answers
 
@@ -382,7 +402,8 @@ def test_chat_defaults_for_the_default_model_are_greedy_with_a_presence_penalty(
     assert describe_sampling(card) == "temperature 0.2, top-p 0.9, seed 3"
 
 
-def test_default_sampling_answers_paris_first_time_for_every_seed(smollm_folder, gguf_oracle, torch_threads):
+def test_default_sampling_answers_paris_first_time_for_every_seed(smollm_folder,
+                                                                  gguf_oracle, torch_threads):
     """The newcomer's first question gets the right answer with the chat's default
     sampling, for each of a handful of seeds; judge() says whether it is right (Paris in
     the first sentence, no loop)."""
@@ -398,14 +419,16 @@ def test_default_sampling_answers_paris_first_time_for_every_seed(smollm_folder,
         assert text.startswith("The capital of France is Paris"), (seed, text)
 
 
-def test_model_card_sampling_goes_french_on_some_of_the_same_seeds(smollm_folder, gguf_oracle, torch_threads):
+def test_model_card_sampling_goes_french_on_some_of_the_same_seeds(smollm_folder,
+                                                                   gguf_oracle, torch_threads):
     """Why the default changed, and proof that the check above can fail: on the same
     seeds the model card's temperature 0.2, top-p 0.9 (the chat's sampling before) starts
     two answers of four with a French "L'" and falls into a loop ("la femme, la femme, …")."""
     from common.sampling import SamplingParams
 
     answers = first_answers(smollm_folder, gguf_oracle[0], torch_threads,
-                            {seed: SamplingParams(temperature=0.2, top_p=0.9, seed=seed) for seed in range(4)})
+                            {seed: SamplingParams(temperature=0.2, top_p=0.9, seed=seed)
+                             for seed in range(4)})
     wrong = {seed: text for seed, text in answers.items() if not judge(text)}
     assert sorted(wrong) == [2, 3], answers
     assert all(text.startswith("L'") for text in wrong.values()), wrong

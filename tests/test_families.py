@@ -26,15 +26,17 @@ LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_fac
 
 CASES = {
     "qwen2": dict(family="qwen2"),
-    "qwen2_hd64_one_kv_head": dict(family="qwen2", head_dim=64, num_attention_heads=3, num_key_value_heads=1,
-                                   hidden_size=72, intermediate_size=100),
+    "qwen2_hd64_one_kv_head": dict(family="qwen2", head_dim=64, num_attention_heads=3,
+                                   num_key_value_heads=1, hidden_size=72, intermediate_size=100),
     # Qwen2-MoE's defaults: top 4 of 8, not renormalised; shared expert 80 wide, routed 48
     "qwen2_moe_top4_nonorm": dict(family="qwen2_moe"),
     # a dense layer between two MoE layers, top 2 renormalised
-    "qwen2_moe_top2_norm_dense_middle": dict(family="qwen2_moe", num_experts_per_tok=2, norm_topk_prob=True,
-                                             num_hidden_layers=3, mlp_only_layers=[1]),
+    "qwen2_moe_top2_norm_dense_middle": dict(family="qwen2_moe", num_experts_per_tok=2,
+                                             norm_topk_prob=True, num_hidden_layers=3,
+                                             mlp_only_layers=[1]),
     # every second layer MoE, one KV head, a shared expert narrower than a routed one, no q/k/v bias
-    "qwen2_moe_step2_one_kv_head_nobias": dict(family="qwen2_moe", decoder_sparse_step=2, num_key_value_heads=1,
+    "qwen2_moe_step2_one_kv_head_nobias": dict(family="qwen2_moe", decoder_sparse_step=2,
+                                               num_key_value_heads=1,
                                                shared_expert_intermediate_size=24, qkv_bias=False),
     "llama3_rope": dict(family="llama", rope_scaling=LLAMA3),
 }
@@ -56,15 +58,18 @@ def rel_err(a, b):
 
 
 def stage1_model(folder, fmt="none"):
+    from common.config import ModelConfig
     from stage1_cpu.model import Model
     from stage1_cpu.weights import load_weights
-    # one_region=False: the per-op path (test_stage1_decode_step.py holds the one-region step to it)
-    return Model(load_weights(folder, fmt, progress=False), 256, one_region=False)
+    w = load_weights(folder, ModelConfig.from_folder(folder), fmt, progress=False)
+    # the per-op path, on the fast kernels (test_stage1_decode_step.py holds the one region to it)
+    return Model(w, 256, w.fast.kernels())
 
 
 def stage2_engine(folder, **kw):
     from stage2_batched.engine import LLMEngine
-    args = dict(max_ctx=256, slots=4, token_budget=16, page_size=16, num_pages=64, device="cpu", progress=False)
+    args = dict(max_ctx=256, slots=4, token_budget=16, page_size=16, num_pages=64,
+                device="cpu", progress=False)
     args.update(kw)
     return LLMEngine(folder, **args)
 
@@ -76,7 +81,8 @@ def reference(case):
     """(folder, transformers' logits of PROMPT and OTHER, its greedy continuation of PROMPT)."""
     if case not in _refs:
         folder = make_model(**CASES[case])
-        _refs[case] = (folder, hf_logits(folder, PROMPT), hf_logits(folder, OTHER), hf_greedy(folder, PROMPT, STEPS))
+        _refs[case] = (folder, hf_logits(folder, PROMPT), hf_logits(folder, OTHER),
+                       hf_greedy(folder, PROMPT, STEPS))
     return _refs[case]
 
 
@@ -107,8 +113,10 @@ def test_stage1_engine_with_chunked_prefill_equals_transformers(case):
     from stage1_cpu.engine import LLMEngine
     folder, _, _, ref = reference(case)
     eng = LLMEngine(folder, max_ctx=128, progress=False, prefill_chunk=5)
-    assert eng.model.decode_step is not None
-    eng.add_request(Request("r", PROMPT, SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)))
+    from stage1_cpu.fast import OneRegionModel
+    assert isinstance(eng.model, OneRegionModel)
+    eng.add_request(Request("r", PROMPT,
+                            SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)))
     out = []
     while eng.has_work():
         out += [e.token_id for e in eng.step()]
@@ -123,7 +131,8 @@ def test_stage2_cpu_logits_of_a_packed_batch_match_transformers(case):
     folder, ref_a, ref_b, _ = reference(case)
     eng = stage2_engine(folder)
     greedy1 = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    seqs = [Sequence.from_request(Request(str(i), p, greedy1), i) for i, p in enumerate([PROMPT, OTHER])]
+    seqs = [Sequence.from_request(Request(str(i), p, greedy1), i)
+            for i, p in enumerate([PROMPT, OTHER])]
     for s in seqs:
         eng.block_manager.allocate(s, len(s.token_ids))
     _, tokens, batch = build_batch(seqs, [len(PROMPT), len(OTHER)], 16)
@@ -180,14 +189,16 @@ def test_each_new_piece_moves_the_reference_logits(case, what, tmp_path):
         plain = tmp_path / "plain"
         shutil.copytree(folder, plain)
         cfg = json.loads((plain / "config.json").read_text())
-        cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg["rope_parameters"]["rope_theta"]}
+        cfg["rope_parameters"] = {"rope_type": "default",
+                                  "rope_theta": cfg["rope_parameters"]["rope_theta"]}
         (plain / "config.json").write_text(json.dumps(cfg))
         other = hf_logits(plain, PROMPT)
     else:
         names = {"q/k/v biases": ["_proj.bias"], "shared expert": ["shared_expert.down_proj"],
                  "shared expert gate": ["shared_expert_gate"]}[what]
         other = _hf_logits_changed(folder, _zero(names))
-    assert rel_err(other, ref) > 0.05, f"{what} barely changes the logits: the test would not see it missing"
+    assert rel_err(other, ref) > 0.05, (f"{what} barely changes the logits: the test would not see "
+                                        "it missing")
 
 
 def test_config_of_each_case_reads_the_new_fields():
@@ -216,7 +227,8 @@ def test_llama3_rope_tables_equal_transformers_rotary_embedding():
     cfg = model.config
     pos = torch.arange(0, 2000)[None]
     with torch.no_grad():
-        cos_ref, sin_ref = model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), pos)   # [1, T, D]
+        # [1, T, D]
+        cos_ref, sin_ref = model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), pos)
     half = cfg.head_dim // 2
     from common.config import ModelConfig
     c = ModelConfig.from_folder(folder)
@@ -247,7 +259,8 @@ def _moe_bytes(c, bytes_per):
         every += attn
         read += attn
         if c.is_moe_layer(i):
-            small = c.num_experts * C + shared + (C if shared else 0)   # router, shared expert and its gate
+            # router, shared expert and its gate
+            small = c.num_experts * C + shared + (C if shared else 0)
             every += small + c.num_experts * expert
             read += small + c.num_experts_per_tok * expert
         else:
@@ -259,30 +272,37 @@ def _moe_bytes(c, bytes_per):
 @pytest.mark.parametrize("case", ["qwen2_moe_top4_nonorm", "qwen2_moe_top2_norm_dense_middle"])
 def test_nbytes_counts_every_expert_and_decode_nbytes_only_the_routed_share(case):
     from bench.common import stage1_bytes
+    from common.config import ModelConfig
     from stage1_cpu.weights import load_weights
     from stage2_batched.weights import load_weights as load_weights2
     from stage3_optimized.weights import load_weights as load_weights3
     folder = make_model(**CASES[case])
-    w1, w2 = load_weights(folder, "none", progress=False), load_weights2(folder, progress=False)
+    cfg = ModelConfig.from_folder(folder)
+    w1 = load_weights(folder, cfg, "none", progress=False)
+    w2 = load_weights2(folder, cfg, progress=False)
     every, read = _moe_bytes(w1.config, 4)
     assert read < every
     assert (stage1_bytes(w1), stage1_bytes(w1, decode=True)) == (every, read)
     assert (w2.nbytes, w2.decode_nbytes) == (every, read)
-    w3 = load_weights3(folder, progress=False)                # bf16, q/k/v and gate/up fused: the same bytes
+    w3 = load_weights3(folder, cfg, progress=False)   # bf16, q/k/v, gate/up fused: the same bytes
     assert (w3.nbytes, w3.decode_nbytes) == _moe_bytes(w1.config, 2)
     # int8: the routed experts still count k of E, each at about a quarter of fp32 + scales
-    q = load_weights(folder, "int8", progress=False)
+    q = load_weights(folder, cfg, "int8", progress=False)
     assert 0 < stage1_bytes(q, decode=True) < stage1_bytes(q) < every
 
 
 def test_dense_decode_nbytes_equals_nbytes():
     from bench.common import stage1_bytes
+    from common.config import ModelConfig
     from stage1_cpu.weights import load_weights
-    w = load_weights(make_model("qwen2"), "none", progress=False)
+    folder = make_model("qwen2")
+    w = load_weights(folder, ModelConfig.from_folder(folder), "none", progress=False)
     c = w.config
     C, D = c.hidden_size, c.head_dim
-    per_layer = (c.num_heads + 2 * c.num_kv_heads) * D * C + C * c.num_heads * D + 3 * c.intermediate_size * C
-    assert stage1_bytes(w) == stage1_bytes(w, decode=True) == 4 * (c.vocab_size * C + c.num_layers * per_layer)
+    per_layer = ((c.num_heads + 2 * c.num_kv_heads) * D * C + C * c.num_heads * D
+                 + 3 * c.intermediate_size * C)
+    assert (stage1_bytes(w) == stage1_bytes(w, decode=True)
+            == 4 * (c.vocab_size * C + c.num_layers * per_layer))
 
 
 def test_int8_qwen2_moe_logits_close_to_fp32():
@@ -300,7 +320,8 @@ def test_int8_qwen2_moe_logits_close_to_fp32():
 # the reasoning. The engine renders whatever template the model folder carries.
 DISTILL_STYLE = (
     "{% set ns = namespace(system='') %}"
-    "{% for m in messages %}{% if m['role'] == 'system' %}{% set ns.system = m['content'] %}{% endif %}{% endfor %}"
+    "{% for m in messages %}{% if m['role'] == 'system' %}{% set ns.system = m['content'] %}"
+    "{% endif %}{% endfor %}"
     "{{ bos_token }}{{ ns.system }}"
     "{% for m in messages %}"
     "{% if m['role'] == 'user' %}{{ '<｜User｜>' + m['content'] }}"
@@ -324,5 +345,6 @@ def test_a_qwen2_folder_renders_its_own_distill_style_chat_template(tmp_path):
                             {"role": "user", "content": "2+2?"},
                             {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"},
                             {"role": "user", "content": "and 3+3?"}])
-    assert text == ("<｜begin▁of▁sentence｜>Be brief.<｜User｜>2+2?<｜Assistant｜>\n\n4<｜end▁of▁sentence｜>"
+    assert text == ("<｜begin▁of▁sentence｜>Be brief.<｜User｜>2+2?<｜Assistant｜>\n\n4"
+                    "<｜end▁of▁sentence｜>"
                     "<｜User｜>and 3+3?<｜Assistant｜><think>\n")

@@ -55,7 +55,8 @@ def _weights(rows=6, cols=96, seed=0):
     return np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
 
 
-@pytest.mark.parametrize("qtype,fmt", [("Q8_0", "int8"), ("Q5_0", "int8"), ("Q4_0", "int4"), ("Q4_1", "int4")])
+@pytest.mark.parametrize("qtype,fmt",
+                         [("Q8_0", "int8"), ("Q5_0", "int8"), ("Q4_0", "int4"), ("Q4_1", "int4")])
 def test_exact_mappings_are_bit_exact_against_gguf_dequantize(qtype, fmt):
     raw = quantize(_weights(), T[qtype])
     ref = dequantize(raw, T[qtype])                     # the gguf package's reading of the bytes
@@ -84,13 +85,15 @@ def test_repacked_arrays_are_stage1s_own_layout(qtype):
         np.testing.assert_array_equal(again.scales, p.scales)
 
 
-def _kquant_blocks(qtype: str, rows: int, n_blocks: int, seed: int = 0, scale: float = 1.0) -> np.ndarray:
+def _kquant_blocks(qtype: str, rows: int, n_blocks: int,
+                   seed: int = 0, scale: float = 1.0) -> np.ndarray:
     """Valid K-quant bytes: random everywhere, the fp16 super-block scales set to small
     finite values (random bits could be inf / NaN)."""
     size = gguf.GGML_QUANT_SIZES[T[qtype]][1]
     rng = np.random.default_rng(seed)
     b = rng.integers(0, 256, (rows, n_blocks, size), dtype=np.uint8)
-    scales = ((rng.random((rows, n_blocks, 2)) * 0.01 + 1e-3) * scale).astype(np.float16).view(np.uint8)
+    scales = ((rng.random((rows, n_blocks, 2)) * 0.01 + 1e-3) * scale).astype(np.float16)
+    scales = scales.view(np.uint8)
     if qtype == "Q6_K":
         b[..., -2:] = scales[..., :2]                    # d is the last field
     else:
@@ -101,7 +104,8 @@ def _kquant_blocks(qtype: str, rows: int, n_blocks: int, seed: int = 0, scale: f
 # the largest error of each mapping, relative to the largest |weight| of the tensor (measured
 # on these random blocks: Q4_K 3.5e-4 (fp16 rounding of d*sc and dmin*m), Q5_K 3.7e-3,
 # Q6_K 3.9e-3, Q5_1 ~4e-3 (int8's rounding, at most half of max|W| / 127 per group))
-KQUANT_BOUNDS = {"Q4_K": ("int4", 1e-3), "Q5_K": ("int8", 4e-3), "Q6_K": ("int8", 4e-3), "Q5_1": ("int8", 4e-3)}
+KQUANT_BOUNDS = {"Q4_K": ("int4", 1e-3), "Q5_K": ("int8", 4e-3), "Q6_K": ("int8", 4e-3),
+                 "Q5_1": ("int8", 4e-3)}
 
 
 @pytest.mark.parametrize("qtype", list(KQUANT_BOUNDS))
@@ -115,7 +119,8 @@ def test_kquant_and_q5_1_mappings_stay_within_their_stated_error(qtype):
     fmt, bound = KQUANT_BOUNDS[qtype]
     err = np.abs(p.dequantize() - ref).max() / np.abs(ref).max()
     assert p.fmt == fmt
-    assert 0 < err < bound, err                          # not exact (so the test measures something)
+    # not exact (so the test measures something)
+    assert 0 < err < bound, err
 
 
 def test_q4_k_keeps_its_nibbles_byte_for_byte():
@@ -170,15 +175,17 @@ def test_every_tensor_dequantized_equals_transformers_reading_the_file(family, r
     import torch
     import transformers as tf
 
+    from common.config import ModelConfig
     from common.loader import LAYER_NAMES, GLOBAL_NAMES, WeightLoader, open_weights
     folder, path = gguf_file(family, "Q8_0", root)
-    ours = open_weights(path)
-    ref = tf.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
-                                                  config=tf.AutoConfig.from_pretrained(folder)).state_dict()
+    ours = open_weights(path, ModelConfig.from_folder(path))
+    ref = tf.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32,
+        config=tf.AutoConfig.from_pretrained(folder)).state_dict()
     hf = WeightLoader(folder)
     cfg = ours.config
-    assert cfg == hf.config or (cfg.family, cfg.num_layers, cfg.num_experts) == (hf.config.family, 2,
-                                                                                   hf.config.num_experts)
+    assert cfg == hf.config or ((cfg.family, cfg.num_layers, cfg.num_experts)
+                                == (hf.config.family, 2, hf.config.num_experts))
     checked = 0
     for key, pattern in LAYER_NAMES.items():
         for e in (range(cfg.num_experts) if key.startswith("e_") else [None]):
@@ -207,18 +214,22 @@ def test_config_from_metadata_equals_the_source_folders(root):
 
 def test_llama_q_rows_come_back_in_hugging_face_order_when_kept_quantized(root):
     """The row reorder applies to the packed rows too (an exact reorder, no arithmetic)."""
+    from common.config import ModelConfig
     from common.loader import WeightLoader, open_weights
     folder, path = gguf_file("llama", "Q4_1", root)
-    packed = open_weights(path, keep_quantized=True).layer("wq", 0)
+    cfg = ModelConfig.from_folder(path)
+    packed = open_weights(path, cfg, keep_quantized=True).layer("wq", 0)
     assert isinstance(packed, gq.Packed) and packed.fmt == "int4"
-    np.testing.assert_array_equal(packed.dequantize(), open_weights(path).layer("wq", 0))
+    np.testing.assert_array_equal(packed.dequantize(), open_weights(path, cfg).layer("wq", 0))
     src = WeightLoader(folder).layer("wq", 0)
     assert np.abs(packed.dequantize() - src).max() < 0.2 * np.abs(src).max()   # near the source ...
-    raw_rows = dequantize(np.asarray(open_weights(path).file.tensors["blk.0.attn_q.weight"].data), T.Q4_1)
-    assert np.abs(raw_rows - src).max() > 0.5 * np.abs(src).max()              # ... the file's order is not
+    raw = open_weights(path, cfg).file.tensors["blk.0.attn_q.weight"].data
+    raw_rows = dequantize(np.asarray(raw), T.Q4_1)
+    # ... the file's order is not
+    assert np.abs(raw_rows - src).max() > 0.5 * np.abs(src).max()
 
 
-# ----------------------------------------------------------------------------- tokenizer and template
+# ------------------------------------------------------------------- tokenizer and template
 
 def _tokenizer_file(tmp_path, folder, arch="qwen3", pre="qwen2"):
     """A GGUF file that holds the folder's tokenizer and template and one tiny tensor."""
@@ -235,7 +246,8 @@ def _tokenizer_file(tmp_path, folder, arch="qwen3", pre="qwen2"):
     return path
 
 
-def test_qwen_tokenizer_from_metadata_encodes_like_its_tokenizer_json(qwen3_tokenizer_dir, tmp_path):
+def test_qwen_tokenizer_from_metadata_encodes_like_its_tokenizer_json(qwen3_tokenizer_dir,
+                                                                       tmp_path):
     """tokenizer.ggml.* + pre 'qwen2' rebuilt into the same pipeline as Qwen's tokenizer.json
     (NFC, Qwen's regex, byte-level BPE, the special tokens), checked id for id, and the
     template and special ids from the file."""
@@ -243,15 +255,17 @@ def test_qwen_tokenizer_from_metadata_encodes_like_its_tokenizer_json(qwen3_toke
     from common.tokenizer import Tokenizer
     path = _tokenizer_file(tmp_path, qwen3_tokenizer_dir)
     ours, ref = Tokenizer(path), Tokenizer(qwen3_tokenizer_dir)
-    texts = ["Hello world", "The year 2024 had 366 days; pi is 3.14159!", "  spaces\n\n\ttabs\r\n  ",
-             "héllo wörld, 日本語 🤗", "e\u0301 (combining)", "<|im_start|>user\nhi<|im_end|>",
-             "I'm sure they've said it'll work", "x = 12345678 + y_1"]
+    texts = ["Hello world", "The year 2024 had 366 days; pi is 3.14159!",
+             "  spaces\n\n\ttabs\r\n  ", "héllo wörld, 日本語 🤗", "e\u0301 (combining)",
+             "<|im_start|>user\nhi<|im_end|>", "I'm sure they've said it'll work",
+             "x = 12345678 + y_1"]
     for text in texts:
         assert ours.encode(text) == ref.encode(text), text
         assert ours.decode(ours.encode(text)) == ref.decode(ref.encode(text))
     assert ours.eos_token_ids[:2] == [151645, 151643]
     msgs = [{"role": "user", "content": "What is 2+2?"}]
-    assert ChatTemplate.from_folder(path).render(msgs) == ChatTemplate.from_folder(qwen3_tokenizer_dir).render(msgs)
+    assert (ChatTemplate.from_folder(path).render(msgs)
+            == ChatTemplate.from_folder(qwen3_tokenizer_dir).render(msgs))
 
 
 def test_the_pre_tokenizer_the_file_names_is_the_one_that_runs(tmp_path):
@@ -288,7 +302,8 @@ def _write(path, arch="qwen3", tensors=None, tokenizer=True, raw_types=None):
         w.add_tokenizer_model("gpt2")
         w.add_token_list(["a", "b", "ab"])
         w.add_token_merges(["a b"])
-    for name, (arr, t) in (tensors or {"token_embd.weight": (np.zeros((2, 32), np.float32), None)}).items():
+    for name, (arr, t) in (tensors
+                           or {"token_embd.weight": (np.zeros((2, 32), np.float32), None)}).items():
         if t is None:
             w.add_tensor(name, arr)
         else:
@@ -305,7 +320,8 @@ def private_cache(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     monkeypatch.setenv("QWEN3_STAGES_CACHE", str(cache))
     yield cache
-    assert not cache.exists() or not any(cache.rglob("*")), "a bad file must write nothing to the cache"
+    assert not cache.exists() or not any(cache.rglob("*")), ("a bad file must write nothing to "
+                                                              "the cache")
 
 
 def _error(path) -> str:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from bench.testbed.models import make_model
+from common.config import ModelConfig
 from common.engine import Request
 from common.sampling import SamplingParams
 from test_gguf import gguf_file
@@ -20,7 +21,8 @@ from test_gguf import gguf_file
 PROMPT = [5, 17, 300, 42, 7, 99, 256, 3, 128, 64, 11, 480, 200, 13]
 STEPS = 16
 # one file type per family, so every exact mapping runs end to end once
-CASES = [("qwen3", "Q8_0"), ("llama", "Q4_1"), ("qwen2", "Q5_0"), ("qwen3_moe", "Q4_0"), ("qwen2_moe", "Q4_1")]
+CASES = [("qwen3", "Q8_0"), ("llama", "Q4_1"), ("qwen2", "Q5_0"), ("qwen3_moe", "Q4_0"),
+         ("qwen2_moe", "Q4_1")]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -46,8 +48,9 @@ def reference(family, qtype, root):
     import transformers as tf
     if (family, qtype) not in _refs:
         folder, path = gguf_file(family, qtype, root)
-        model = tf.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
-                                                        config=tf.AutoConfig.from_pretrained(folder)).eval()
+        model = tf.AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32,
+            config=tf.AutoConfig.from_pretrained(folder)).eval()
         with torch.no_grad():
             logits = model(torch.tensor([PROMPT])).logits[0, -1].numpy()
             out = model.generate(torch.tensor([PROMPT]), max_new_tokens=STEPS, min_new_tokens=STEPS,
@@ -57,7 +60,8 @@ def reference(family, qtype, root):
 
 
 def run(engine) -> list[int]:
-    engine.add_request(Request("r", PROMPT, SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)))
+    engine.add_request(Request("r", PROMPT,
+                               SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)))
     out = []
     while engine.has_work():
         out += [e.token_id for e in engine.step()]
@@ -78,12 +82,12 @@ def test_stage1_keeps_the_blocks_and_greedy_tokens_equal_transformers(family, qt
 
 
 def test_stage1_f32_file_logits_match_transformers(root):
-    from stage1_cpu.model import Model
+    from stage1_cpu.model import build_model
     from stage1_cpu.weights import load_weights
     path, ref, _ = reference("qwen3", "F32", root)
-    w = load_weights(path, "stored", progress=False, kernels="plain")
+    w = load_weights(path, ModelConfig.from_folder(path), "stored", progress=False, kernels="plain")
     assert w.layers[0].wqkv.fmt == "none"
-    ours = Model(w, 128, one_region=False).forward(np.array(PROMPT), 0)
+    ours = build_model(w, 128).forward(np.array(PROMPT), 0)
     assert np.abs(ours - ref).max() / np.abs(ref).max() < 1e-4
 
 
@@ -91,7 +95,7 @@ def test_stage1_quant_flag_requantizes_a_gguf(root):
     """--quant int4 on a Q8_0 file: dequantized, then stage 1's own int4 (the embedding int8)."""
     from stage1_cpu.weights import load_weights
     path, _, _ = reference("qwen3", "Q8_0", root)
-    w = load_weights(path, "int4", progress=False, kernels="plain")
+    w = load_weights(path, ModelConfig.from_folder(path), "int4", progress=False, kernels="plain")
     assert w.layers[0].wqkv.fmt == "int4" and w.lm_head.fmt == "int8" and w.source
 
 
@@ -99,8 +103,8 @@ def test_stage2_cpu_greedy_tokens_equal_transformers_on_a_llama_file(root):
     """Dequantized to fp32, llama's Q/K rows un-permuted."""
     from stage2_batched.engine import LLMEngine
     path, _, ref = reference("llama", "Q8_0", root)
-    eng = LLMEngine(path, max_ctx=256, slots=4, token_budget=16, page_size=16, num_pages=64, device="cpu",
-                    progress=False)
+    eng = LLMEngine(path, max_ctx=256, slots=4, token_budget=16, page_size=16, num_pages=64,
+                    device="cpu", progress=False)
     assert run(eng) == ref
 
 
@@ -110,7 +114,8 @@ def test_stage3_cpu_runs_a_gguf_as_it_runs_the_same_weights_from_a_folder(root):
     by stage 2 against transformers; stage 3's loader reads it through the same interface)."""
     from stage3_optimized.engine import LLMEngine
     folder, path = gguf_file("qwen2_moe", "F32", root)
-    kw = dict(max_ctx=256, slots=4, token_budget=16, page_size=16, num_pages=64, device="cpu", progress=False)
+    kw = dict(max_ctx=256, slots=4, token_budget=16, page_size=16, num_pages=64,
+              device="cpu", progress=False)
     assert run(LLMEngine(path, **kw)) == run(LLMEngine(folder, **kw))
 
 
@@ -136,7 +141,8 @@ def _kquant_file(root, kinds: dict):
         kind = field.types[0]
         if kind == gguf.GGUFValueType.ARRAY:
             sub = field.types[-1]
-            vals = [bytes(field.parts[i]).decode() if sub == gguf.GGUFValueType.STRING else field.parts[i][0].item()
+            vals = [bytes(field.parts[i]).decode() if sub == gguf.GGUFValueType.STRING
+                    else field.parts[i][0].item()
                     for i in field.data]
             w.add_array(key, vals)
         elif kind == gguf.GGUFValueType.STRING:
@@ -145,7 +151,8 @@ def _kquant_file(root, kinds: dict):
             w.add_key_value(key, field.parts[field.data[0]][0].item(), kind)
     for n, t in enumerate(src.tensors):
         data = np.asarray(t.data)
-        kind = next((k for s, k in kinds.items() if t.name.endswith(s)), None) if data.ndim == 2 else None
+        kind = next((k for s, k in kinds.items()
+                     if t.name.endswith(s)), None) if data.ndim == 2 else None
         if kind is None:
             w.add_tensor(t.name, np.array(data))
             continue
@@ -164,24 +171,27 @@ def _kquant_file(root, kinds: dict):
 # what was measured on these crafted files: Q4_K 2.3e-4 (fp16-rounded scales only), Q5_K 7.7e-4,
 # Q6_K 2.4e-2 (int8 g32 spans two Q6_K sub-blocks of 16 whose random scales differ up to 128x:
 # a worst case), the Q4_K_M mix 5.5e-3 (docs/gguf.md)
-KQ_LOGIT_BOUNDS = {"Q4_K_M": ({"attn_v.weight": "Q6_K", "ffn_down.weight": "Q6_K", ".weight": "Q4_K"}, 1.5e-2),
+KQ_LOGIT_BOUNDS = {"Q4_K_M": ({"attn_v.weight": "Q6_K",
+                               "ffn_down.weight": "Q6_K", ".weight": "Q4_K"}, 1.5e-2),
                    "Q4_K": ({".weight": "Q4_K"}, 1e-3), "Q5_K": ({".weight": "Q5_K"}, 3e-3),
                    "Q6_K": ({".weight": "Q6_K"}, 5e-2)}
 
 
 @pytest.mark.parametrize("mix", list(KQ_LOGIT_BOUNDS))
 def test_kquant_mappings_move_the_logits_by_their_stated_bound(mix, root):
-    from stage1_cpu.model import Model
+    from stage1_cpu.model import build_model
     from stage1_cpu.weights import load_weights
     kinds, bound = KQ_LOGIT_BOUNDS[mix]
     path = _kquant_file(root, kinds)
-    exact = Model(load_weights(path, "none", progress=False, kernels="plain"), 128, one_region=False)
-    w = load_weights(path, "stored", progress=False, kernels="plain")
-    mapped = Model(w, 128, one_region=False)
+    cfg = ModelConfig.from_folder(path)
+    exact = build_model(load_weights(path, cfg, "none", progress=False, kernels="plain"), 128)
+    w = load_weights(path, cfg, "stored", progress=False, kernels="plain")
+    mapped = build_model(w, 128)
     ref = exact.forward(np.array(PROMPT), 0, all_logits=True)
     ours = mapped.forward(np.array(PROMPT), 0, all_logits=True)
     err = np.abs(ours - ref).max() / np.abs(ref).max()
-    print(f"{mix}: largest logit difference {err:.2e} of max |logit| {np.abs(ref).max():.1f}; {w.source}")
+    print(f"{mix}: largest logit difference {err:.2e} of max |logit| "
+          f"{np.abs(ref).max():.1f}; {w.source}")
     assert np.abs(ref).max() > 0.5 and np.std(ref) > 0
     assert 0 < err < bound
 
@@ -195,7 +205,7 @@ def test_files_from_llama_cpps_own_quantizer_run_close_to_llama_cpp(ftype, root)
     import ctypes
 
     llama_cpp = pytest.importorskip("llama_cpp")
-    from stage1_cpu.model import Model
+    from stage1_cpu.model import build_model
     from stage1_cpu.weights import load_weights
     from common.gguf_write import write_gguf
     folder = make_model("qwen3", hidden_size=256, intermediate_size=512, num_attention_heads=8,
@@ -204,12 +214,13 @@ def test_files_from_llama_cpps_own_quantizer_run_close_to_llama_cpp(ftype, root)
     out = root / f"lq-{ftype}.gguf"
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype, params.nthread = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}"), 2
-    assert llama_cpp.llama_model_quantize(str(f32).encode(), str(out).encode(), ctypes.byref(params)) == 0
+    assert llama_cpp.llama_model_quantize(str(f32).encode(), str(out).encode(),
+                                          ctypes.byref(params)) == 0
     llm = llama_cpp.Llama(str(out), n_ctx=64, logits_all=True, verbose=False, n_threads=2)
     llm.eval(PROMPT)
     ref = np.array(llm.scores[len(PROMPT) - 1], dtype=np.float32)
-    w = load_weights(out, "stored", progress=False, kernels="plain")
-    ours = Model(w, 128, one_region=False).forward(np.array(PROMPT), 0)
+    w = load_weights(out, ModelConfig.from_folder(out), "stored", progress=False, kernels="plain")
+    ours = build_model(w, 128).forward(np.array(PROMPT), 0)
     assert np.abs(ref).max() > 1.0
     assert np.abs(ours - ref).max() < 0.05 * np.abs(ref).max(), w.source
     assert int(np.argmax(ours)) == int(np.argmax(ref))

@@ -1,4 +1,5 @@
 """common/loader.py and common/config.py against what transformers wrote."""
+import importlib
 import json
 import shutil
 
@@ -23,7 +24,8 @@ def test_every_tensor_of_a_sharded_bf16_folder_equals_torch_exactly():
             assert t.dtype == torch.bfloat16
             ours = loader.get(name)
             np.testing.assert_array_equal(ours, t.float().numpy())
-            np.testing.assert_array_equal(loader.get(name, "bfloat16"), t.view(torch.int16).numpy().view(np.uint16))
+            np.testing.assert_array_equal(loader.get(name, "bfloat16"),
+                                          t.view(torch.int16).numpy().view(np.uint16))
             count += 1
     assert count == len(loader.names()) > 20
 
@@ -75,7 +77,8 @@ def test_broken_folders_give_clear_errors(tmp_path):
     d = _copy(single, tmp_path / "d")
     raw = bytearray((d / "model.safetensors").read_bytes())
     n = int.from_bytes(raw[:8], "little")
-    header = raw[8:8 + n].decode().replace('"F32"', '"I64"', 1)   # same length: one tensor now claims int64
+    # same length: one tensor now claims int64
+    header = raw[8:8 + n].decode().replace('"F32"', '"I64"', 1)
     raw[8:8 + n] = header.encode()
     (d / "model.safetensors").write_bytes(bytes(raw))
     with pytest.raises(LoaderError, match="dtype I64"):
@@ -92,7 +95,8 @@ def test_broken_folders_give_clear_errors(tmp_path):
 
 
 def test_config_reads_4x_and_5x_keys_and_generation_eos():
-    base = json.loads((make_model("qwen3_moe") / "config.json").read_text())   # 5.x: rope_parameters, num_local_experts
+    # 5.x: rope_parameters, num_local_experts
+    base = json.loads((make_model("qwen3_moe") / "config.json").read_text())
     new = ModelConfig.from_dict(base)
     old = dict(base)
     old.pop("rope_parameters")
@@ -111,10 +115,12 @@ def test_config_reads_4x_and_5x_keys_and_generation_eos():
     ({"num_key_value_heads": 3}, "multiple of"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
     ({"rope_scaling": {"type": "linear", "factor": 4.0}}, "'linear' is not supported"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}},
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                       "high_freq_factor": 4.0}},
      "needs original_max_position_embeddings"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0,
-                       "original_max_position_embeddings": 8192}}, r"high_freq_factor \(4.0\) > low_freq_factor"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+     r"high_freq_factor \(4.0\) > low_freq_factor"),
     ({"attention_bias": True}, "attention_bias=true is not supported for qwen3"),
     ({"use_sliding_window": True, "sliding_window": 4096}, "sliding-window"),
 ])
@@ -134,7 +140,8 @@ def test_config_reads_llama3_rope_scaling_from_4x_and_5x_keys():
     """Real checkpoints (DeepSeek-R1-Distill-Llama) write rope_theta and rope_scaling;
     transformers 5.x writes one rope_parameters dict. Both give the same config."""
     from common.config import RopeScaling
-    scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+    scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8192)
     folder = make_model("llama", rope_scaling=dict(rope_type="llama3", **scaling))
     new = json.loads((folder / "config.json").read_text())
     assert new["rope_parameters"]["rope_type"] == "llama3" and "rope_scaling" not in new
@@ -151,13 +158,17 @@ def test_config_of_a_real_qwen2_moe_checkpoint_shape():
     """4.x keys as Qwen1.5-MoE-A2.7B's config.json has them (num_experts, rope_theta,
     use_sliding_window false), written here by hand from its documented shape."""
     d = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "vocab_size": 151936,
-         "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24, "num_attention_heads": 16,
-         "num_key_value_heads": 16, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+         "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,
+         "num_attention_heads": 16, "num_key_value_heads": 16, "rope_theta": 1000000.0,
+         "rms_norm_eps": 1e-6, "hidden_act": "silu",
          "use_sliding_window": False, "sliding_window": 32768, "max_window_layers": 21,
-         "decoder_sparse_step": 1, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
-         "num_experts_per_tok": 4, "num_experts": 60, "norm_topk_prob": False, "tie_word_embeddings": False}
+         "decoder_sparse_step": 1, "moe_intermediate_size": 1408,
+         "shared_expert_intermediate_size": 5632,
+         "num_experts_per_tok": 4, "num_experts": 60, "norm_topk_prob": False,
+         "tie_word_embeddings": False}
     c = ModelConfig.from_dict(d)
-    assert (c.family, c.num_experts, c.head_dim, c.qkv_bias, c.qk_norm) == ("qwen2_moe", 60, 128, True, False)
+    assert (c.family, c.num_experts, c.head_dim,
+            c.qkv_bias, c.qk_norm) == ("qwen2_moe", 60, 128, True, False)
     assert all(c.is_moe_layer(i) for i in range(24)) and c.shared_expert_intermediate_size == 5632
     d.pop("shared_expert_intermediate_size")
     with pytest.raises(ConfigError, match="shared_expert_intermediate_size"):
@@ -177,12 +188,14 @@ def test_biases_and_shared_expert_tensors_equal_torch():
         att = f"model.layers.{i}.self_attn."
         for key, proj in (("bq", "q_proj"), ("bk", "k_proj"), ("bv", "v_proj")):
             np.testing.assert_array_equal(loader.layer(key, i), sd[att + proj + ".bias"])
-            assert np.abs(sd[att + proj + ".bias"]).max() > 0.1          # the test model's biases are not zero
+            # the test model's biases are not zero
+            assert np.abs(sd[att + proj + ".bias"]).max() > 0.1
         fused = loader.fused(["bq", "bk", "bv"], i)
         parts = [sd[att + p + ".bias"] for p in ("q_proj", "k_proj", "v_proj")]
         np.testing.assert_array_equal(fused, np.concatenate(parts))
     mlp = "model.layers.0.mlp."
-    assert loader.layer("s_gate", 0).shape == (80, 96) and loader.layer("s_down", 0).shape == (96, 80)
+    assert loader.layer("s_gate", 0).shape == (80, 96)
+    assert loader.layer("s_down", 0).shape == (96, 80)
     for key, name in (("s_gate", "shared_expert.gate_proj"), ("s_up", "shared_expert.up_proj"),
                       ("s_down", "shared_expert.down_proj"), ("shared_gate", "shared_expert_gate")):
         np.testing.assert_array_equal(loader.layer(key, 0), sd[mlp + name + ".weight"])
@@ -190,3 +203,72 @@ def test_biases_and_shared_expert_tensors_equal_torch():
     assert loader.layer("w_gate", 1).shape == (160, 96)
     with pytest.raises(LoaderError, match="shared_expert"):
         loader.layer("s_gate", 1)
+
+
+# ------------------------------------------------------------ one path: config -> weights -> model
+
+def _engine(stage: str, path):
+    """Each stage's engine on `path`, as small and as quick to build as it comes (no compiling)."""
+    if stage == "stage1":
+        from stage1_cpu.engine import LLMEngine
+        return LLMEngine(path, max_ctx=64, progress=False, use_numba=False)
+    engine = importlib.import_module(f"{stage}.engine")
+    return engine.LLMEngine(path, max_ctx=64, slots=4, token_budget=64, page_size=16, num_pages=8,
+                            device="cpu", progress=False)
+
+
+@pytest.mark.parametrize("source", ["folder", "gguf"])
+@pytest.mark.parametrize("stage", ["stage1", "stage2_batched", "stage3_optimized"])
+def test_each_engine_parses_its_config_once_and_passes_it_on(stage, source, tmp_path, monkeypatch):
+    """The engine reads config.json (or the GGUF file's metadata) once; the weights and the
+    model get that config, not one the loader parsed again."""
+    from common.gguf_write import write_gguf
+    folder = make_model("qwen3_moe", decoder_sparse_step=2)
+    path = folder if source == "folder" else write_gguf(folder, tmp_path / "m.gguf", "F32")
+    parses, built = [], []
+    from_folder, post_init = ModelConfig.from_folder.__func__, ModelConfig.__post_init__
+    monkeypatch.setattr(ModelConfig, "from_folder",
+                        classmethod(lambda cls, f: parses.append(f) or from_folder(cls, f)))
+    monkeypatch.setattr(ModelConfig, "__post_init__",
+                        lambda self: built.append(self) or post_init(self))
+    engine = _engine(stage, path)
+    assert parses == [path] and len(built) == 1, (parses, len(built))
+    assert engine.weights.config is engine.config is engine.model.config
+
+
+# the families whose loaders step differently: dense (untied), dense with tied embeddings, a MoE
+# model with a dense layer between sparse ones, and one with a shared expert
+BAR_CASES = {"dense": dict(family="qwen3"), "tied": dict(family="llama", tie_word_embeddings=True),
+             "moe": dict(family="qwen3_moe", decoder_sparse_step=2),
+             "shared_expert": dict(family="qwen2_moe")}
+
+
+def _load(stage: str, folder):
+    cfg = ModelConfig.from_folder(folder)
+    if stage == "stage1":
+        from stage1_cpu.weights import load_weights
+        return load_weights(folder, cfg, "none", progress=True, kernels="plain")
+    return importlib.import_module(f"{stage}.weights").load_weights(folder, cfg, progress=True)
+
+
+@pytest.mark.parametrize("case", list(BAR_CASES))
+@pytest.mark.parametrize("stage", ["stage1", "stage2_batched", "stage3_optimized"])
+def test_the_loading_bar_ends_exactly_at_its_total(stage, case, monkeypatch):
+    """Each stage's loader advances common.loader.loading's bar once per matrix it holds: the
+    bar ends on its total, no step short and none past it, for dense and MoE models alike
+    (a MoE layer's every expert counted once, the tied lm_head too)."""
+    import rich.progress
+    bars = []
+
+    class Recorded(rich.progress.Progress):
+        def __exit__(self, *exc):
+            bars.extend((t.description, t.total, t.completed) for t in self.tasks)
+            return super().__exit__(*exc)
+
+    monkeypatch.setattr(rich.progress, "Progress", Recorded)
+    w = _load(stage, make_model(**BAR_CASES[case]))
+    ((title, total, done),) = bars
+    assert title.startswith("loading weights") and done == total, (title, total, done)
+    cfg = w.config
+    experts = sum(cfg.num_experts for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
+    assert total > cfg.num_layers * 4 + experts        # every layer's and every expert's matrices

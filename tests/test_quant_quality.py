@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 
 from common.chat_template import ChatTemplate
+from common.config import ModelConfig
 from common.engine import Request
 from common.models import resolve_model
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
 from stage1_cpu.fast import cpu
 from stage1_cpu.engine import LLMEngine
-from stage1_cpu.model import Model
+from stage1_cpu.model import build_model
 from stage1_cpu.weights import load_weights
 
 TEXT = (Path(__file__).parent / "data" / "english.txt").read_text()
@@ -38,7 +39,9 @@ def perplexities(folder):
         # with a minimum, and an int8 embedding, land exactly back on that grid: perplexity
         # 20.156 for fp32 and int4 alike. At group 64 int4 must round a second time: 29.57
         # (+47 %). A model with full-precision weights would show int4's own loss.
-        model = Model(load_weights(folder, fmt.split("_")[0], group, progress=False), 512)
+        w = load_weights(folder, ModelConfig.from_folder(folder), fmt.split("_")[0], group,
+                         progress=False)
+        model = build_model(w, 512)
         logits = model.forward(np.array(ids), 0, all_logits=True)          # [T, V]
         logits = logits - logits.max(axis=-1, keepdims=True)
         logp = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
@@ -79,14 +82,17 @@ def random_model_logits():
     ids = np.random.default_rng(0).integers(3, 500, size=64)
     out = {}
     for fmt, group in (("none", 32), ("int8", 32), ("int4", 32), ("int4_g64", 64)):
-        model = Model(load_weights(folder, fmt.split("_")[0], group, progress=False), 128)
+        w = load_weights(folder, ModelConfig.from_folder(folder), fmt.split("_")[0], group,
+                         progress=False)
+        model = build_model(w, 128)
         out[fmt] = model.forward(ids, 0, all_logits=True)
     return out
 
 
 def _agreement_and_error(logits, fmt):
     ref, q = logits["none"], logits[fmt]
-    agree = float(np.mean(q.argmax(-1) == ref.argmax(-1)))           # top-1 agreement over 64 positions
+    # top-1 agreement over 64 positions
+    agree = float(np.mean(q.argmax(-1) == ref.argmax(-1)))
     rel_rms = float(np.sqrt(np.mean((q - ref) ** 2) / np.mean(ref ** 2)))
     max_err = float(np.abs(q - ref).max() / np.abs(ref).max())
     return agree, rel_rms, max_err
@@ -98,14 +104,16 @@ def test_int8_on_a_random_model_keeps_the_top_token_and_the_logits(random_model_
     assert agree >= 0.9 and rel_rms < 0.04 and max_err < 0.06, (agree, rel_rms, max_err)
 
 
-def test_int4_on_a_random_model_against_fp32_by_top1_agreement_and_a_logit_bound(random_model_logits):
+def test_int4_on_a_random_model_against_fp32_by_top1_agreement_and_a_logit_bound(
+        random_model_logits):
     # measured (group 32): top-1 agreement 0.594 (chance: 1/512), relative RMS error 0.258, max
     # error 0.267 of the scale; group 64: 0.594, 0.287, 0.336. Bounds: agreement >= 0.45, RMS
     # < 0.35, max < 0.45; and group 64 must lose more than group 32 (it rounds coarser)
     agree, rel_rms, max_err = _agreement_and_error(random_model_logits, "int4")
     assert agree >= 0.45 and rel_rms < 0.35 and max_err < 0.45, (agree, rel_rms, max_err)
     agree64, rel_rms64, max_err64 = _agreement_and_error(random_model_logits, "int4_g64")
-    assert agree64 >= 0.45 and rel_rms64 < 0.35 and max_err64 < 0.45, (agree64, rel_rms64, max_err64)
+    assert agree64 >= 0.45 and rel_rms64 < 0.35 and max_err64 < 0.45, (agree64, rel_rms64,
+                                                                        max_err64)
     assert rel_rms64 > rel_rms
 
 
@@ -115,7 +123,8 @@ def test_quantized_default_model_still_knows_the_capital_of_france(folder, fmt):
     prompt = ChatTemplate.from_folder(folder).render(
         [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True)
     engine = LLMEngine(folder, quant=fmt, group_size=32, max_ctx=256, progress=False)
-    engine.add_request(Request("q", tok.encode(prompt), SamplingParams(temperature=0, max_tokens=16)))
+    engine.add_request(Request("q", tok.encode(prompt),
+                               SamplingParams(temperature=0, max_tokens=16)))
     out = []
     while engine.has_work():
         out += [e.token_id for e in engine.step() if e.finish_reason != "stop"]
@@ -125,7 +134,9 @@ def test_quantized_default_model_still_knows_the_capital_of_france(folder, fmt):
 def _decode_perplexity(folder, ids, fmt, activations):
     """Perplexity with every position fed one at a time: the decode path, where
     int8 / int4 weights meet int8 activations (fast/weight.py, fast/simd.py)."""
-    model = Model(load_weights(folder, fmt, 32, progress=False, activations=activations), 512)
+    w = load_weights(folder, ModelConfig.from_folder(folder), fmt, 32, progress=False,
+                     activations=activations)
+    model = build_model(w, 512)
     nll = []
     for t in range(len(ids) - 1):
         logits = model.forward(np.array(ids[t:t + 1]), t).astype(np.float64)   # [V]

@@ -21,7 +21,8 @@ from stage1_cpu.fast import AUTO_GEMM_PREFILL, choose_act, cpu
 from stage1_cpu.fast import kernels as fk
 from stage1_cpu.fast.weight import as_fast, fast_quantize
 
-NEEDS_INT8 = pytest.mark.skipif(not cpu.INT8, reason="no int8 dot product on this target (VNNI, AVX2 or ARM dotprod)")
+NEEDS_INT8 = pytest.mark.skipif(not cpu.INT8, reason="no int8 dot product on this target (VNNI, "
+                                                     "AVX2 or ARM dotprod)")
 EPS = 2.0 ** -23
 
 
@@ -32,13 +33,14 @@ def rng():
 
 def _weight(rng, fmt, gs, O, K, **act):
     if act.get("prefill_act") in ("int8", "int16"):
-        act.setdefault("decode_act", "int8")                   # the integer GEMM reads the decode tiles
+        # the integer GEMM reads the decode tiles
+        act.setdefault("decode_act", "int8")
     return fast_quantize((rng.standard_normal((O, K)) * 0.5).astype(np.float32), fmt, gs, **act)
 
 
 def _rounded(w, x, act="int8"):
-    """x [T, K] -> xq, xs, xsum as the kernel sees them (padded to whole groups); act int16: x16, xs and
-    xsum = xs sum(x16), computed here in float64 from the integers."""
+    """x [T, K] -> xq, xs, xsum as the kernel sees them (padded to whole groups); act int16: x16, xs
+    and xsum = xs sum(x16), computed here in float64 from the integers."""
     xp = np.zeros((x.shape[0], w.padded_in), dtype=np.float32)
     xp[:, : x.shape[1]] = x
     if act == "int16":
@@ -61,13 +63,16 @@ def _abs_terms(w, xq, xs, xsum):
     Abs.scales = np.abs(scales.view(np.float16)).view(np.uint16)
     Abs.data = np.abs(data.astype(np.int16)).astype(np.int8) if w.fmt == "int8" else data
     Abs.mins = None if mins is None else np.abs(mins.view(np.float16)).view(np.uint16)
-    return gemm.gemm_ref(np.abs(xq.astype(np.int32)), xs, None if xsum is None else np.abs(xsum), Abs)
+    return gemm.gemm_ref(np.abs(xq.astype(np.int32)), xs,
+                         None if xsum is None else np.abs(xsum), Abs)
 
 
 @NEEDS_INT8
-@pytest.mark.parametrize("fmt,act", [("int8", "int8"), ("int4", "int8"), ("int8", "int16"), ("int4", "int16")])
+@pytest.mark.parametrize("fmt,act",
+                         [("int8", "int8"), ("int4", "int8"), ("int8", "int16"), ("int4", "int16")])
 @pytest.mark.parametrize("gs", [32, 64, 128])
-@pytest.mark.parametrize("O,K,T", [(37, 200, 11), (64, 256, 8), (70, 384, 67)])  # row / token / group tails
+# row / token / group tails
+@pytest.mark.parametrize("O,K,T", [(37, 200, 11), (64, 256, 8), (70, 384, 67)])
 def test_prefill_gemm_equals_its_integer_definition(rng, fmt, act, gs, O, K, T):
     from stage1_cpu.fast import gemm
     w = _weight(rng, fmt, gs, O, K, decode_act="int8", prefill_act=act)
@@ -86,7 +91,8 @@ def test_prefill_gemm_equals_its_integer_definition(rng, fmt, act, gs, O, K, T):
 
 
 @NEEDS_INT8
-@pytest.mark.parametrize("fmt,gs,act", [("int8", 32, "int8"), ("int4", 64, "int8"), ("int8", 128, "int8"),
+@pytest.mark.parametrize("fmt,gs,act", [("int8", 32, "int8"), ("int4", 64, "int8"),
+                                        ("int8", 128, "int8"),
                                         ("int8", 32, "int16"), ("int4", 64, "int16")])
 def test_prefill_gemm_within_the_activation_rounding_of_fp32(rng, fmt, gs, act):
     """Against fp32 activations: no more than the rounding of each x to its group's grid allows
@@ -100,7 +106,8 @@ def test_prefill_gemm_within_the_activation_rounding_of_fp32(rng, fmt, gs, act):
     step = np.repeat(xs, gs, axis=1)[:, :K] / 2                # |x - xq xs| <= xs / 2
     bound = step @ np.abs(w.dequantize()).T.astype(np.float64)
     err = np.abs(got - exact)
-    slack = (1e-4 if act == "int8" else 2e-6) * np.abs(exact).max()      # fp32 sums (the int16 rounding is smaller)
+    # fp32 sums (the int16 rounding is smaller)
+    slack = (1e-4 if act == "int8" else 2e-6) * np.abs(exact).max()
     assert (err <= bound * (1 + 1e-3) + slack).all()
     if act == "int8":      # and the rounding does show (the path taken is the int8 one, not fp32)
         assert err.max() > 1e-4 * np.abs(exact).max()
@@ -108,8 +115,8 @@ def test_prefill_gemm_within_the_activation_rounding_of_fp32(rng, fmt, gs, act):
 
 @NEEDS_INT8
 def test_only_prefill_int8_takes_the_gemm(rng):
-    """prefill_act fp32 keeps the core's tile + sgemm bit for bit (on rows read back from the tiles);
-    int8 changes only T >= PREFILL_MIN_T."""
+    """prefill_act fp32 keeps the core's tile + sgemm bit for bit (on rows read back from the
+    tiles); int8 changes only T >= PREFILL_MIN_T."""
     K = 96
     x = (rng.standard_normal((quant.PREFILL_MIN_T + 3, K))).astype(np.float32)
     plain = quant.quantize((rng.standard_normal((40, K))).astype(np.float32), "int8", 32)
@@ -120,16 +127,18 @@ def test_only_prefill_int8_takes_the_gemm(rng):
     assert not np.array_equal(gem.matmul(x), plain.matmul(x))
     np.testing.assert_array_equal(gem.matmul(x[:3]), tiled.matmul(x[:3]))   # decode: untouched
     with pytest.raises(ValueError, match="decode activations to int8 or int16"):
-        as_fast(plain, "fp32", "int8")                         # the GEMM reads the tiles decode makes
+        # the GEMM reads the tiles decode makes
+        as_fast(plain, "fp32", "int8")
     assert choose_act("int8", "fp32", K)["prefill_act"] == "fp32"
     assert choose_act("int4", "fp32", K)["prefill_act"] == "fp32"
-    # where AVX-512 BF16 exists too, the integer GEMM ranks ahead of the bf16 one for int8 / int4 weights
-    # (docs/stage1.md, section 14, "What did not pay off"); bf16 weights keep theirs
+    # where AVX-512 BF16 exists too, the integer GEMM ranks ahead of the bf16 one for int8 / int4
+    # weights (docs/stage1.md, section 14, "What did not pay off"); bf16 weights keep theirs
     assert choose_act("int8", "int8", K)["prefill_act"] == "int8"
     assert choose_act("int4", "int8", K)["prefill_act"] == "int8"
     for fmt in ("int8", "int4"):                               # auto: both, on int16 activations
-        assert choose_act(fmt, "auto", K)["prefill_act"] == ("int16" if fmt in AUTO_GEMM_PREFILL and cpu.INT16_GEMM
-                                                             else "fp32")     # ARM64: sgemm (cpu.INT16_GEMM)
+        # ARM64: sgemm (cpu.INT16_GEMM)
+        assert choose_act(fmt, "auto", K)["prefill_act"] == (
+            "int16" if fmt in AUTO_GEMM_PREFILL and cpu.INT16_GEMM else "fp32")
     assert AUTO_GEMM_PREFILL == ("int8", "int4")
     assert choose_act("bf16", "auto", K)["prefill_act"] == ("bf16" if cpu.BF16 else "fp32")
 
@@ -153,23 +162,32 @@ def test_int8_prefill_logits_close_to_transformers(family):
     from bench.testbed.models import hf_logits, make_model
     from test_stage1_model import PROMPT, QUANT_TOL, logits_all, rel_err
     folder = make_model(family, hidden_size=128, intermediate_size=256, initializer_range=0.05)
+    from common.config import ModelConfig
     from stage1_cpu.weights import load_weights
-    assert load_weights(folder, "int4", 32, progress=False, activations="int8").layers[0].wqkv.prefill_act == "int8"
+    cfg = ModelConfig.from_folder(folder)
+    w = load_weights(folder, cfg, "int4", 32, progress=False, activations="int8")
+    assert w.layers[0].wqkv.prefill_act == "int8"
     ref = hf_logits(folder, PROMPT)
     for fmt in ("int8", "int4"):
-        gemm_err = rel_err(logits_all(folder, PROMPT, fmt=fmt, group_size=32, activations="int8"), ref)
+        gemm_err = rel_err(logits_all(folder, PROMPT, fmt=fmt,
+                                      group_size=32, activations="int8"), ref)
         assert 0 < gemm_err < QUANT_TOL[fmt], (fmt, gemm_err)
     # --activations auto: int8 and int4 weights on int16 activations, as close as fp32 activations
     for fmt in ("int8", "int4"):
-        assert load_weights(folder, fmt, 32, progress=False).layers[0].wqkv.prefill_act == "int16"
+        w = load_weights(folder, cfg, fmt, 32, progress=False)
+        assert w.layers[0].wqkv.prefill_act == "int16"
         auto_err = rel_err(logits_all(folder, PROMPT, fmt=fmt, group_size=32), ref)
-        fp32_err = rel_err(logits_all(folder, PROMPT, fmt=fmt, group_size=32, activations="fp32"), ref)
-        assert 0 < auto_err < QUANT_TOL[fmt] and auto_err < 1.05 * fp32_err + 1e-4, (fmt, auto_err, fp32_err)
+        fp32_err = rel_err(logits_all(folder, PROMPT, fmt=fmt,
+                                      group_size=32, activations="fp32"), ref)
+        assert 0 < auto_err < QUANT_TOL[fmt] and auto_err < 1.05 * fp32_err + 1e-4, (fmt, auto_err,
+                                                                                    fp32_err)
 
 
 @NEEDS_INT8
-@pytest.mark.parametrize("O,K,seg", [(21, 128, 21), (24, 512, 24), (36, 128, 12)])   # a part-filled last block;
-@pytest.mark.parametrize("fmt", ["int8", "int4"])                                    # full ones; 3 segments of 12
+# a part-filled last block;
+@pytest.mark.parametrize("O,K,seg", [(21, 128, 21), (24, 512, 24), (36, 128, 12)])
+# full ones; 3 segments of 12
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_tiles_put_eight_rows_side_by_side(rng, fmt, O, K, seg):
     """tiles.to_tiles (made once per matrix at load): block v, step u holds 4 values of 8 rows
     side by side (int4: the bytes of nibble pairs), each segment of seg rows (one expert) padded
@@ -180,15 +198,18 @@ def test_tiles_put_eight_rows_side_by_side(rng, fmt, O, K, seg):
     data, scales, mins = tiles.to_tiles(w.data, w.scales, w.mins, seg)
     seg8 = -(-seg // 8) * 8
     assert data.shape[0] == (O // seg) * seg8 // 8 and scales.shape == (data.shape[0], K // 64, 8)
-    stored = w.data.reshape(O, -1)                             # [O, Kp] bytes (int4: Kp / 2 nibble pairs)
+    # [O, Kp] bytes (int4: Kp / 2 nibble pairs)
+    stored = w.data.reshape(O, -1)
     for r in range(O):
         t = (r // seg) * seg8 + r % seg                        # the row's place in the tiles
-        np.testing.assert_array_equal(data[t // 8, :, 4 * (t % 8):4 * (t % 8) + 4].reshape(-1), stored[r])
+        np.testing.assert_array_equal(data[t // 8, :,
+                                           4 * (t % 8):4 * (t % 8) + 4].reshape(-1), stored[r])
         np.testing.assert_array_equal(scales[t // 8, :, t % 8], w.scales[r].view(np.uint16))
         if fmt == "int4":
             np.testing.assert_array_equal(mins[t // 8, :, t % 8], w.mins[r].view(np.uint16))
     padding = [t for t in range(data.shape[0] * 8) if t % seg8 >= seg]
-    assert all(not data[t // 8, :, 4 * (t % 8):4 * (t % 8) + 4].any() and not scales[t // 8, :, t % 8].any()
+    assert all(not data[t // 8, :,
+                        4 * (t % 8):4 * (t % 8) + 4].any() and not scales[t // 8, :, t % 8].any()
                for t in padding)
     fw = as_fast(w, "int8", "fp32")
     np.testing.assert_array_equal(fw.dequantize(), w.dequantize())
@@ -203,12 +224,14 @@ def test_expert_parts_equal_the_part_alone(rng, fmt, act):
     tiled and multiplied on its own, at decode and at prefill. A part across experts is refused."""
     from common.loader import stack
     K, n = 128, 20
-    experts = [quant.quantize((rng.standard_normal((n, K)) * 0.5).astype(np.float32), fmt, 32) for _ in range(4)]
+    experts = [quant.quantize((rng.standard_normal((n, K)) * 0.5).astype(np.float32), fmt, 32)
+               for _ in range(4)]
     w = stack([as_fast(e, "int8", act) for e in experts])      # as the loader stacks them
     assert w.seg == n and w.data.shape[0] == 4 * 3
     for T in (3, quant.PREFILL_MIN_T + 5):
         x = rng.standard_normal((T, K)).astype(np.float32)
         for e in (1, 3):
-            np.testing.assert_array_equal(w.part(e * n, (e + 1) * n).matmul(x), as_fast(experts[e], "int8", act).matmul(x))
+            np.testing.assert_array_equal(w.part(e * n, (e + 1) * n).matmul(x),
+                                          as_fast(experts[e], "int8", act).matmul(x))
     with pytest.raises(ValueError, match="segments"):
         w.part(4, 4 + n)

@@ -28,7 +28,7 @@ from stage1_cpu import speculative
 from stage1_cpu.draft import PromptLookup, SpeculationStats
 from stage1_cpu.engine import LLMEngine
 from stage1_cpu.fast import available as fast_unavailable
-from stage1_cpu.model import Model
+from stage1_cpu.model import build_model
 from stage1_cpu.speculative import DraftModel, SpeculativeEngine
 
 # The verify step's logits against decode's, max |difference| / max |logit| of the row, where a
@@ -73,19 +73,22 @@ def compare_greedy(plain, rows, spec, prompt, bound, params) -> str | None:
     logits = apply_penalties(rows[j], SamplingParams(temperature=0.0, **params), prompt, plain[:j])
     top2 = np.sort(logits)[-2:]
     margin, allowed = float(top2[1] - top2[0]), bound * float(np.abs(logits).max())
-    assert margin < allowed, (f"token {j}: speculative {spec[j]}, plain {plain[j]}, and plain's top two logits "
-                              f"are {margin:.3g} apart, not a near-tie (bound {allowed:.3g})")
+    assert margin < allowed, (f"token {j}: speculative {spec[j]}, plain {plain[j]}, and plain's "
+                              f"top two logits are {margin:.3g} apart, not a near-tie "
+                              f"(bound {allowed:.3g})")
     return f"near-tie at token {j}: top-2 margin {margin:.2e} < bound {allowed:.2e}"
 
 
 @pytest.fixture(scope="module")
 def prompts():
     """Per family: random ids, and the same followed by the model's own greedy text, which loops:
-    greedy, prompt lookup finds what comes next there; with penalties against repeating, it fails."""
+    greedy, prompt lookup finds what comes next there; with penalties against repeating, it
+    fails."""
     out = {}
     for family in ("qwen3", "qwen3_moe"):
         ids = np.random.default_rng(3).integers(3, 500, 16).tolist()
-        own = run(LLMEngine(folder_for(family), max_ctx=MAX_CTX, progress=False, kernels="plain"), ids, 64)
+        own = run(LLMEngine(folder_for(family), max_ctx=MAX_CTX,
+                            progress=False, kernels="plain"), ids, 64)
         out[family] = {"random": ids, "own": ids + own}
     return out
 
@@ -103,12 +106,17 @@ def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
     ids = [5, 1, 2, 3, 9, 8, 4, 3, 6, 1, 2, 3, 7, 5, 0, 1, 2, 3]
     # [1, 2, 3] occurred at 1 and 9: the latest wins (the first would give [9, 8])
     assert lookup.propose(ids, 2) == [7, 5]
-    # n = 3 before n = 1: the latest [3] alone is at 11, followed by [7, 5, 0]; [4, 3] matches nothing longer
-    assert lookup.propose(ids[:8], 3) == [9, 8, 4]            # tail [8, 4, 3] -> only "3" matches, at 3
-    assert lookup.propose(ids, 8) == [7, 5, 0, 1, 2, 3, 7, 5]  # what follows runs into the present: a loop
+    # n = 3 before n = 1: the latest [3] alone is at 11, followed by [7, 5, 0]; [4, 3] matches
+    # nothing longer
+    # tail [8, 4, 3] -> only "3" matches, at 3
+    assert lookup.propose(ids[:8], 3) == [9, 8, 4]
+    # what follows runs into the present: a loop
+    assert lookup.propose(ids, 8) == [7, 5, 0, 1, 2, 3, 7, 5]
     assert lookup.propose([4, 1, 2, 1, 2, 1], 5) == [2, 1, 2, 1, 2]
-    assert lookup.propose([1, 2, 3, 4], 3) == [] and lookup.propose([7], 3) == [] and lookup.propose(ids, 0) == []
-    assert PromptLookup(max_n=2, min_n=2).propose([1, 2, 9, 5, 2], 2) == []   # a 1-token match is too short
+    assert lookup.propose([1, 2, 3, 4], 3) == [] and lookup.propose([7], 3) == []
+    assert lookup.propose(ids, 0) == []
+    # a 1-token match is too short
+    assert PromptLookup(max_n=2, min_n=2).propose([1, 2, 9, 5, 2], 2) == []
 
 
 # ------------------------------------------------------------------ greedy: token for token
@@ -121,22 +129,28 @@ def test_greedy_output_is_plain_greedy_token_for_token(family, kernels, fmt, sou
     kw = dict(quant=fmt, max_ctx=MAX_CTX, progress=False, kernels=kernels_or_skip(kernels))
     folder = folder_for(family)
     other = "int4" if fmt == "int8" else "int8"
-    # the drafts succeed: prompt lookup in the model's own loops, or the same weights in the other format
-    # (under penalties, which it applies too: they then decide tokens inside a step); they fail: prompt
-    # lookup under penalties that break the loops, or a draft model of other weights
+    # the drafts succeed: prompt lookup in the model's own loops, or the same weights in the other
+    # format (under penalties, which it applies too: they then decide tokens inside a step); they
+    # fail: prompt lookup under penalties that break the loops, or a draft model of other weights
     penalties = dict(presence_penalty=0.5, repetition_penalty=1.3)
-    cases = [("succeed", penalties if source == "draft model" else {}, DraftModel(folder, **dict(kw, quant=other))),
-             ("fail", penalties if source == "ngram" else {}, DraftModel(folder_for(family, seed=1), **kw))]
+    cases = [("succeed", penalties if source == "draft model" else {},
+              DraftModel(folder, **dict(kw, quant=other))),
+             ("fail", penalties if source == "ngram" else {},
+              DraftModel(folder_for(family, seed=1), **kw))]
     prompt = prompts[family]["own"]
-    for name, params, draft in cases:        # fresh engines: each prefills the whole prompt in one step
-        plain, spec = LLMEngine(folder, **kw), SpeculativeEngine(folder, draft=draft if source == "draft model" else None, **kw)
-        lengths = itertools.cycle(range(1, 7))                 # every verify length on the decode kernels, T = 2..7
+    # fresh engines: each prefills the whole prompt in one step
+    for name, params, draft in cases:
+        plain = LLMEngine(folder, **kw)
+        spec = SpeculativeEngine(folder, draft=draft if source == "draft model" else None, **kw)
+        # every verify length on the decode kernels, T = 2..7
+        lengths = itertools.cycle(range(1, 7))
         spec.length.choose = lambda room: min(next(lengths), room)
         want, _ = plain_greedy(plain, prompt, 40, **params)
         got = run(spec, prompt, 40, **params)
         assert got == want, (name, spec.last_speculation)
         s = spec.last_speculation
-        assert s.tokens == 39 and s.drafted > 0, s              # the first token comes from the prefill
+        # the first token comes from the prefill
+        assert s.tokens == 39 and s.drafted > 0, s
         if name == "succeed":
             assert s.accepted >= 0.2 * s.drafted and s.tokens >= 1.5 * s.steps, s
         else:
@@ -154,9 +168,11 @@ def test_long_drafts_on_the_prefill_path_differ_only_at_near_ties(family, kernel
     kw = dict(quant=fmt, max_ctx=MAX_CTX, progress=False, kernels=kernels_or_skip(kernels))
     plain = LLMEngine(folder_for(family), **kw)
     spec = SpeculativeEngine(folder_for(family), draft_tokens=10, **kw)
-    spec.length.choose = lambda room: min(10, room)          # always the longest drafts: the prefill path
+    # always the longest drafts: the prefill path
+    spec.length.choose = lambda room: min(10, room)
     steps, forward = [], spec.model.forward
-    spec.model.forward = lambda tokens, *a, **k: (steps.append(len(tokens)), forward(tokens, *a, **k))[1]
+    spec.model.forward = lambda tokens, *a, **k: (steps.append(len(tokens)),
+                                                  forward(tokens, *a, **k))[1]
     reports = []
     for name in ("own", "random"):
         prompt = prompts[family][name]
@@ -173,7 +189,8 @@ def test_seeded_sampling_with_prompt_lookup_draws_plain_samplings_tokens(prompts
     """A draft picked without chance is checked by plain sampling's own draw: the same seed gives
     the same tokens as plain decoding, with every filter and penalty."""
     folder = folder_for("qwen3")
-    # a low temperature, so that the draws follow the model's loops now and then, and drafts are kept
+    # a low temperature, so that the draws follow the model's loops now and then, and drafts
+    # are kept
     params = dict(temperature=0.2, top_k=40, top_p=0.95, min_p=0.05, presence_penalty=0.05, seed=11)
     plain = LLMEngine(folder, max_ctx=MAX_CTX, progress=False, kernels="plain")
     spec = SpeculativeEngine(folder, max_ctx=MAX_CTX, progress=False, kernels="plain")
@@ -200,9 +217,11 @@ SAMPLING = dict(temperature=1.0, top_k=5, presence_penalty=0.4)
 def small_vocab():
     """A model and a draft model (other weights) over 8 tokens, and the exact distribution of the
     first three sampled tokens [V, V, V] after a prompt, from the model's own logits."""
-    folder, draft_folder = make_model("qwen3", vocab_size=V_SMALL, seed=2), make_model("qwen3", vocab_size=V_SMALL, seed=3)
+    folder = make_model("qwen3", vocab_size=V_SMALL, seed=2)
+    draft_folder = make_model("qwen3", vocab_size=V_SMALL, seed=3)
     prompt = [3, 5, 1, 6, 4]
-    model, params = Model(LLMEngine(folder, progress=False, kernels="plain").weights, 64), SamplingParams(**SAMPLING)
+    model = build_model(LLMEngine(folder, progress=False, kernels="plain").weights, 64)
+    params = SamplingParams(**SAMPLING)
     joint = np.zeros((V_SMALL,) * 3)
 
     def p_next(out):
@@ -232,7 +251,8 @@ def sample_counts(small_vocab, rule, monkeypatch) -> tuple[np.ndarray, Speculati
 
 
 @pytest.mark.timeout(900)
-def test_speculative_sampling_keeps_the_distribution_and_the_naive_rule_does_not(small_vocab, monkeypatch):
+def test_speculative_sampling_keeps_the_distribution_and_the_naive_rule_does_not(small_vocab,
+                                                                                 monkeypatch):
     """The first three tokens of 500 seeded runs, each verify step drafting 2 tokens from a draft
     model of other weights (q is not one-hot), against the model's exact joint distribution:
     Pearson's chi-square at P_FAIL = 1e-6 (a right rule fails for one seed set in a million).
@@ -257,12 +277,15 @@ def test_draft_length_follows_what_pays():
     length = speculative.DraftLength(6)
     cost = lambda T: 0.010 + 0.001 * (T - 1)                      # noqa: E731
     assert length.choose(10) == 0                                  # plain decoding's cost first ...
-    length.update(1, 5.0, 0, 0, 0.0)                               # (the first forward compiles: not counted)
+    # (the first forward compiles: not counted)
+    length.update(1, 5.0, 0, 0, 0.0)
     assert length.choose(10) == 0 and 1 not in length.cost
     length.update(1, cost(1), 0, 0, 0.0)
-    seen = [length.choose(10)]                                     # ... then drafts, doubling while they pay
+    # ... then drafts, doubling while they pay
+    seen = [length.choose(10)]
     for _ in range(4):
-        length.update(seen[-1] + 1, cost(seen[-1] + 1), seen[-1], seen[-1], 0.0)   # every draft kept
+        # every draft kept
+        length.update(seen[-1] + 1, cost(seen[-1] + 1), seen[-1], seen[-1], 0.0)
         seen.append(length.choose(10))
     assert seen == [1, 3, 6, 6, 6], seen
     assert length.choose(3) == 3                                   # never more than fit
@@ -270,28 +293,34 @@ def test_draft_length_follows_what_pays():
         length.update(7, cost(7), 6, 1, 0.0)                       # one of six kept
     assert 0 < length.choose(10) < 6
     for _ in range(16):
-        length.update(2, cost(2), 1, 0, 0.0)                       # none kept (one in ten would pay for T = 2)
-    length.update(1, cost(1), 0, 0, 0.0)                           # (plain decoding, timed again meanwhile)
+        # none kept (one in ten would pay for T = 2)
+        length.update(2, cost(2), 1, 0, 0.0)
+    # (plain decoding, timed again meanwhile)
+    length.update(1, cost(1), 0, 0, 0.0)
     assert length.choose(10) == 0
     for _ in range(8):
-        length.observe(True)                                       # prompt lookup would have guessed right
+        # prompt lookup would have guessed right
+        length.observe(True)
     assert length.choose(10) > 0
     for _ in range(16):
         length.update(2, cost(2), 1, 0, 0.0)
     length.update(1, cost(1), 0, 0, 0.0)
-    length.new_request()                                           # a new text: the prior chance again
+    # a new text: the prior chance again
+    length.new_request()
     assert length.choose(10) > 0
-    slow = speculative.DraftLength(6)                               # a draft model as slow as the model
+    # a draft model as slow as the model
+    slow = speculative.DraftLength(6)
     for T in (1, 1, 2, 3, 5, 7):
         slow.update(T, cost(T), T - 1, (T - 1) * 3 // 4, 0.010 * (T - 1))
     assert slow.choose(10) == 0
 
 
 def simulate(cost, accept, steps=600, k_max=6, seed=0, noise=0.0):
-    """A request of `steps` steps driven by DraftLength, on a planted machine: cost(T, i) the seconds
-    of a step of T tokens at step i, each draft kept with probability accept(i) (prompt lookup: the
-    next token is checked against a guess when not drafting) -> (tokens per second, the same for
-    plain decoding over the same steps, tokens per second from step 200 on, plain's there)."""
+    """A request of `steps` steps driven by DraftLength, on a planted machine: cost(T, i) the
+    seconds of a step of T tokens at step i, each draft kept with probability accept(i) (prompt
+    lookup: the next token is checked against a guess when not drafting) -> (tokens per second, the
+    same for plain decoding over the same steps, tokens per second from step 200 on, plain's
+    there)."""
     rng = np.random.default_rng(seed)
     length = speculative.DraftLength(k_max)
     made = seconds = plain_s = 0.0
@@ -307,7 +336,8 @@ def simulate(cost, accept, steps=600, k_max=6, seed=0, noise=0.0):
             length.observe(bool(rng.random() < accept(i)))
         made, seconds, plain_s = made + kept + 1, seconds + s, plain_s + cost(1, i)
         if i >= 200:
-            half_made, half_s, half_plain = half_made + kept + 1, half_s + s, half_plain + cost(1, i)
+            half_made, half_s = half_made + kept + 1, half_s + s
+            half_plain += cost(1, i)
     return made / seconds, steps / plain_s, half_made / half_s, (steps - 200) / half_plain
 
 
@@ -317,7 +347,8 @@ def test_drafting_never_loses_to_plain_decoding(noise, seed):
     """Planted machines, step by step (noise: each step +-30 % at random, as on a busy machine):
     - verify steps slower than the tokens they bring (a draft costs 1.5 steps; 15 % accepted, what
       the busy laptop saw): within 3 % of plain decoding, having stopped drafting;
-    - verify steps nearly free (the one-region step of T tokens) and 83 % accepted: well above plain;
+    - verify steps nearly free (the one-region step of T tokens) and 83 % accepted: well
+      above plain;
     - a third of the way in, the machine gets busy (another program takes a core: a step of one
       token costs twice as much, a draft 0.6 of those) and the text stops repeating (15 %
       accepted): after it, within 3 % of plain's (7 % with the noise, 94-99 % over these seeds:
@@ -338,7 +369,8 @@ def test_drafting_never_loses_to_plain_decoding(noise, seed):
     assert after >= 2.0 * plain_after, (after, plain_after)
 
 
-def test_the_engine_times_its_verify_steps_and_stops_drafting_where_they_do_not_pay(monkeypatch, prompts):
+def test_the_engine_times_its_verify_steps_and_stops_drafting_where_they_do_not_pay(monkeypatch,
+                                                                                    prompts):
     """The engine's own timing feeds DraftLength: a planted clock makes every verify step of T > 1
     tokens cost 3 steps of one. The request's clock time per token ends within 3 % of plain
     decoding's (the few steps that try drafting again included), and its tokens are plain's."""
@@ -370,8 +402,10 @@ def with_tokenizer():
 
 def test_a_draft_model_must_share_the_tokenizer(tmp_path):
     kw = dict(max_ctx=MAX_CTX, progress=False, kernels="plain")
-    with pytest.raises(ValueError, match="vocabulary has 8 tokens, the model.s 512.*share the model.s tokenizer"):
-        SpeculativeEngine(folder_for("qwen3"), draft=DraftModel(make_model("qwen3", vocab_size=8), **kw), **kw)
+    with pytest.raises(ValueError, match="vocabulary has 8 tokens, the model.s 512.*share the "
+                                         "model.s tokenizer"):
+        SpeculativeEngine(folder_for("qwen3"),
+                          draft=DraftModel(make_model("qwen3", vocab_size=8), **kw), **kw)
     target = with_tokenizer()
     swapped = tmp_path / "swapped"
     shutil.copytree(target, swapped)
@@ -380,7 +414,8 @@ def test_a_draft_model_must_share_the_tokenizer(tmp_path):
     a, b = [k for k, v in vocab.items() if v in (300, 301)]
     vocab[a], vocab[b] = vocab[b], vocab[a]                    # two tokens trade ids
     (swapped / "tokenizer.json").write_text(json.dumps(tok))
-    engine = SimpleNamespace(config=ModelConfig.from_folder(target), folder=target)   # what check_matches reads
+    # what check_matches reads
+    engine = SimpleNamespace(config=ModelConfig.from_folder(target), folder=target)
     with pytest.raises(ValueError, match="same ids to other tokens"):
         DraftModel(swapped, **kw).check_matches(engine)
     DraftModel(target, **kw).check_matches(engine)                    # the same tokenizer: fine
@@ -389,12 +424,13 @@ def test_a_draft_model_must_share_the_tokenizer(tmp_path):
 def test_the_options_build_it_and_refuse_bad_combinations(capsys):
     from stage1_cpu.generate import main
     folder = with_tokenizer()
-    args = ["--model", str(folder), "--kernels", "plain", "--prompt", "Say something", "--max-tokens", "40",
-            "--ignore-eos", "--temperature", "0"]
+    args = ["--model", str(folder), "--kernels", "plain", "--prompt", "Say something",
+            "--max-tokens", "40", "--ignore-eos", "--temperature", "0"]
     assert main(args + ["--speculative", "ngram"]) == 0
     err = capsys.readouterr().err
     assert "speculative: prompt lookup" in err and "tokens/step" in err, err
-    assert main(args + ["--draft-model", str(folder)]) == 0              # drafts it makes for certain
+    # drafts it makes for certain
+    assert main(args + ["--draft-model", str(folder)]) == 0
     err = capsys.readouterr().err
     assert f"speculative: draft model {folder.name}" in err and "% of drafts accepted" in err, err
     assert main(args + ["--speculative", "ngram", "--draft-model", str(folder)]) == 2
@@ -412,14 +448,17 @@ def test_chat_and_server_show_the_stats(capsys):
     folder = with_tokenizer()
     tok, template = Tokenizer(folder), ChatTemplate.from_folder(folder)
     engine = SpeculativeEngine(folder, max_ctx=MAX_CTX, progress=False, kernels="plain")
-    run_chat(engine, tok, template, SamplingParams(temperature=0.0), max_tokens=20, lines=["Hello there"])
+    run_chat(engine, tok, template, SamplingParams(temperature=0.0), max_tokens=20,
+             lines=["Hello there"])
     err = capsys.readouterr().err
     assert engine.last_speculation.line() in err and "tokens/step" in err, err
 
     server = LiveServer(create_app(engine, tok, template, "tiny", folder=folder, max_ctx=MAX_CTX))
     try:
-        r = httpx.post(server.url + "/v1/completions", json={"prompt": "one two three one two three one two",
-                                                                "max_tokens": 16, "temperature": 0}, timeout=60)
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "one two three one "
+                                                                       "two three one two",
+                                                                "max_tokens": 16, "temperature": 0},
+                       timeout=60)
         usage = r.json()["usage"]
         s = usage["speculative_decoding"]
         assert r.status_code == 200 and s["tokens"] == usage["completion_tokens"] - 1, usage

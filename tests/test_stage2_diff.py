@@ -29,8 +29,8 @@ CLAIMED = {
     "qkv": "the stacked projection is sliced into q, k, v",
     "w_gate_up": "gate and up stacked in stage 1, apart in stage 2",
     "cache.store": "store through the slot mapping",
-    "K.attention": "self.attention(q, layer, batch): paged decode and prefill kernels",
-    "x = x +": "K.residual_add: the residual add is a kernel on the device",
+    "kern.attention": "self.attention(q, layer, batch): paged decode and prefill kernels",
+    "x = x +": "kern.residual_add: the residual add is a kernel on the device",
 }
 
 

@@ -22,19 +22,21 @@ UNCHANGED = {
                     "Sequence.num_uncomputed"],
     "ops.py": ["rope_tables", "rope", "store_kvcache", "_gather_pages", "_attend", "silu_mul",
                "residual_add", "softmax", "route"],
-    "kernels.py": ["route"],                   # MoE routing: one function, as stage 1's K.route
+    "kernels.py": ["route"],                   # MoE routing: one function, as stage 1's kern.route
     "kv_cache.py": ["KVCache.keys", "KVCache.values"],
 }
 
 
 def functions(path: Path) -> dict[str, str]:
-    """'Class.method' or 'function' -> its parsed body, docstrings dropped, stage names normalised."""
+    """'Class.method' or 'function' -> its parsed body, docstrings dropped, stage names
+    normalised."""
     tree = ast.parse(path.read_text().replace("stage3_optimized", "stage2_batched"))
     out = {}
 
     def strip(fn):
         body = fn.body[1:] if fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(
-            getattr(fn.body[0], "value", None), ast.Constant) and isinstance(fn.body[0].value.value, str) else fn.body
+            getattr(fn.body[0], "value", None),
+            ast.Constant) and isinstance(fn.body[0].value.value, str) else fn.body
         return ast.dump(ast.Module(body=body, type_ignores=[]))
 
     for node in tree.body:
@@ -54,7 +56,8 @@ def test_stage3_has_every_stage2_file():
 @pytest.mark.parametrize("name", sorted(p.name for p in S3.glob("*.py") if p.name != "__init__.py"))
 def test_every_module_says_what_changed(name):
     doc = ast.get_docstring(ast.parse((S3 / name).read_text())) or ""
-    assert "Changed from stage" in doc, f"{name}: the docstring should say what changed from stage 2"
+    assert "Changed from stage" in doc, (f"{name}: the docstring should say what changed from "
+                                         "stage 2")
 
 
 @pytest.mark.parametrize("name", sorted(UNCHANGED))

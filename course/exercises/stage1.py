@@ -89,7 +89,8 @@ def _rope_interleaved(x, cos, sin):
 # ---------------------------------------------------------------------------
 
 def _attention_cases(large_first: bool):
-    """(name, T, H, Hkv, D, start_pos, q scale): decode, prefill, a second chunk, MQA, large scores."""
+    """(name, T, H, Hkv, D, start_pos, q scale): decode, prefill, a second chunk, MQA, large
+    scores."""
     cases = [("decode: 1 query at position 9", 1, 4, 2, 16, 9, 1.0),
              ("prefill: 6 queries from position 0 (causal)", 6, 4, 2, 16, 0, 1.0),
              ("a second chunk: 3 queries from position 5", 3, 4, 2, 16, 5, 1.0),
@@ -131,7 +132,8 @@ def _check_attention(ws: Workspace, large_first: bool) -> None:
         hint = (f"query t sits at position {start} + t and sees positions 0 .. {start} + t; query "
                 f"head h reads KV head h // {H // Hkv}; scores are q . k / sqrt(D)")
         if "large" in name:
-            hint = "subtract each row's largest score before exp, or exp overflows (exp_f32 clamps at 88)"
+            hint = ("subtract each row's largest score before exp, or exp overflows "
+                    "(exp_f32 clamps at 88)")
         if np.isnan(np.asarray(got, dtype=np.float64)).any() and not np.isnan(want).any():
             hint += "; NaN: an output never written, or a cache position past start_pos + T read"
         args = (q, kc, vc, start)
@@ -164,10 +166,11 @@ def check_attention(ws: Workspace) -> None:
 # ---------------------------------------------------------------------------
 
 class _ToyModel:
-    """A stand-in for model.Model whose KV cache holds token ids: the logits of a position are
-    a function of the whole cache up to it, so a stale or shifted cache changes the tokens."""
+    """A stand-in for model.build_model's model whose KV cache holds token ids: the logits of a
+    position are a function of the whole cache up to it, so a stale or shifted cache changes the
+    tokens."""
 
-    def __init__(self, weights, max_ctx, use_numba=True, **kw):
+    def __init__(self, weights, max_ctx, use_numba=True):
         self.max_ctx, self.V = max_ctx, weights.config.vocab_size
         self.cache = np.full(max_ctx, -1, dtype=np.int64)
         self.calls: list[tuple[int, list[int]]] = []        # (start_pos, tokens) of every forward
@@ -181,7 +184,8 @@ class _ToyModel:
         seen = self.cache[:start_pos + len(tokens)]
         if (seen < 0).any():
             raise CheckFailed(f"forward at position {start_pos} with positions "
-                                      f"{int(np.argmax(seen < 0))}.. never written: the cache would hold garbage there")
+                                      f"{int(np.argmax(seen < 0))}.. never written: the cache "
+                                      "would hold garbage there")
         h = int((seen * (np.arange(seen.size) * 7919 + 104729)).sum() % 1_000_003)
         logits = np.zeros(self.V, dtype=np.float32)
         logits[h % self.V] = 1.0
@@ -211,15 +215,17 @@ def check_kv_reuse(ws: Workspace) -> None:
     E = ws.module("stage1_cpu/engine.py")
     folder = _toy_folder()
     cfg = ModelConfig.from_folder(folder)
-    E.load_weights = lambda *a, **k: types.SimpleNamespace(config=cfg, fast=None, fmt="none", source="")
-    E.Model = _ToyModel
+    E.load_weights = lambda *a, **k: types.SimpleNamespace(config=cfg, fast=None,
+                                                           fmt="none", source="")
+    E.build_model = _ToyModel
 
     def engine():
         return E.LLMEngine(folder, max_ctx=200, prefill_chunk=8, progress=False)
 
     def run(eng, rid, prompt, n=3):
         eng.model.calls.clear()
-        eng.add_request(Request(rid, list(prompt), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)))
+        eng.add_request(Request(rid, list(prompt),
+                                SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)))
         out = []
         while eng.has_work():
             out += [e.token_id for e in eng.step() if e.request_id == rid]
@@ -230,8 +236,10 @@ def check_kv_reuse(ws: Workspace) -> None:
     eng = engine()
     ans1, _ = run(eng, "turn 1", a)
     turns = []
-    p2 = a + ans1 + [int(t) for t in r.integers(3, 97, 6)]          # the chat re-sends all, adds a turn
-    turns.append(("turn 2 (the conversation so far plus a new message)", p2, len(a) + len(ans1) - 1))
+    # the chat re-sends all, adds a turn
+    p2 = a + ans1 + [int(t) for t in r.integers(3, 97, 6)]
+    turns.append(("turn 2 (the conversation so far plus a new message)", p2,
+                  len(a) + len(ans1) - 1))
     p3 = p2[:5] + [(p2[5] + 1) % 94 + 3] + p2[6:]                    # an earlier message edited
     turns.append(("turn 3 (the prompt differs from the cache at position 5)", p3, 5))
     turns.append(("turn 4 (the same prompt again)", p3, len(p3) - 1))
@@ -253,8 +261,8 @@ def check_kv_reuse(ws: Workspace) -> None:
         fed = [t for _, ts in calls for t in ts][:len(prompt) - reused]
         require(fed == prompt[reused:], f"{name}: fed tokens {fed}, expected the prompt's tokens "
                                         f"{prompt[reused:]} from position {reused}")
-        require(out == want, f"{name}: the tokens {out} differ from those of a fresh engine fed the whole "
-                             f"prompt, {want}: the cache held stale positions")
+        require(out == want, f"{name}: the tokens {out} differ from those of a fresh engine fed "
+                             f"the whole prompt, {want}: the cache held stale positions")
 
 
 # ---------------------------------------------------------------------------
@@ -265,17 +273,21 @@ def check_route(ws: Workspace) -> None:
     K = ws.module("stage1_cpu/kernels.py")
     r = _rng(6)
     ties = np.round(r.normal(0, 1, (4, 16)) * 2) / 2                     # many equal logits
-    for name, logits, k, norm in (("8 experts, top 2, renormalised", r.normal(0, 2, (5, 8)), 2, True),
-                                  ("8 experts, top 2, not renormalised", r.normal(0, 2, (5, 8)), 2, False),
+    for name, logits, k, norm in (("8 experts, top 2, renormalised",
+                                   r.normal(0, 2, (5, 8)), 2, True),
+                                  ("8 experts, top 2, not renormalised",
+                                   r.normal(0, 2, (5, 8)), 2, False),
                                   ("16 experts, top 4, ties (the lower id first)", ties, 4, True),
-                                  ("128 experts, top 8, large logits", r.normal(0, 30, (3, 128)), 8, True),
+                                  ("128 experts, top 8, large logits",
+                                   r.normal(0, 30, (3, 128)), 8, True),
                                   ("top 1", r.normal(0, 1, (3, 6)), 1, False)):
         logits = logits.astype(np.float32)
         top, weight = K.route(logits, k, norm)
         want_top, want_w = ops.route(logits, k, norm)
         # ties to the higher id: the order of the reversed logits, read back as ids
         higher = logits.shape[1] - 1 - np.argsort(-logits[:, ::-1], axis=1, kind="stable")[:, :k]
-        assert_equal(f"route, {name}: the chosen experts", top, want_top, axes_names=("token", "slot"),
+        assert_equal(f"route, {name}: the chosen experts", top, want_top,
+                     axes_names=("token", "slot"),
                      hint="the k largest logits, best first; a tie goes to the lower expert id",
                      mistakes=[("a tie went to the higher id: among equal logits the lower "
                                 "expert id comes first (compare with >, not >=)", higher)])
@@ -318,7 +330,8 @@ def check_experts(ws: Workspace) -> None:
     r = _rng(7)
     E, k, T, C, n = 6, 2, 7, 10, 5
     logits = r.normal(0, 1, (T, E))
-    logits[:, 3] += 3                                                    # expert 3: every token's choice
+    # expert 3: every token's choice
+    logits[:, 3] += 3
     logits[:, 5] -= 9                                                    # expert 5: nobody's
     top = np.argsort(-logits, axis=1)[:, :k].astype(np.int64)             # [T, k]
     fake = types.SimpleNamespace(config=types.SimpleNamespace(num_experts=E, num_experts_per_tok=k))
@@ -337,11 +350,13 @@ def check_experts(ws: Workspace) -> None:
                 token_rows[t * k + j] = x64[t] @ rows_e
         for r0, r1 in log:
             require(r0 % n == 0 and r1 == r0 + n,
-                    f"experts, {name}: part({r0}, {r1}) is not one expert's rows (expert e is rows e*{n} .. (e+1)*{n})")
+                    f"experts, {name}: part({r0}, {r1}) is not one expert's rows (expert e is rows "
+                    f"e*{n} .. (e+1)*{n})")
         taken = [r0 // n for r0, _ in log]
         for e in sorted(set(taken)):
-            require(taken.count(e) == 1, f"experts, {name}: expert {e}'s rows were taken {taken.count(e)} times; "
-                                         "group the slots per expert so that each chosen expert is read once")
+            require(taken.count(e) == 1, f"experts, {name}: expert {e}'s rows were taken "
+                                         f"{taken.count(e)} times; group the slots per expert so "
+                                         "that each chosen expert is read once")
         require(5 not in taken, f"experts, {name}: expert 5, which no token chose, was read")
         mistakes = [("down reads a row per slot: slot t k + j multiplies row t k + j of x, not "
                      "token t's row", token_rows)] if rows == T * k else []
@@ -391,7 +406,8 @@ def _check_types(name, got, dtypes):
             f"{name} returns {type(got).__name__}, expected a tuple of {len(dtypes)} arrays")
     for i, (a, dt) in enumerate(zip(got, dtypes)):
         require(isinstance(a, np.ndarray) and a.dtype == dt,
-                f"{name}: result {i} is {getattr(a, 'dtype', type(a).__name__)}, expected {np.dtype(dt).name}")
+                f"{name}: result {i} is {getattr(a, 'dtype', type(a).__name__)}, expected "
+                f"{np.dtype(dt).name}")
 
 
 def check_quantize_int8(ws: Workspace) -> None:
@@ -421,7 +437,8 @@ def check_quantize_int8(ws: Workspace) -> None:
     bad = (q.astype(np.int64) != want_q) & ~(_near_half(ratio) & (np.abs(q - want_q) == 1))
     assert_equal("int8 q", np.where(bad, q, want_q).astype(np.int64), want_q.astype(np.int64),
                  axes_names=("row", "group", "index"),
-                 hint="q = round(w / s) with the stored fp16 scale, clipped to [-127, 127]; an all-zero group is 0")
+                 hint="q = round(w / s) with the stored fp16 scale, clipped to [-127, 127]; an "
+                      "all-zero group is 0")
 
 
 def check_quantize_int4(ws: Workspace) -> None:
@@ -439,11 +456,12 @@ def check_quantize_int4(ws: Workspace) -> None:
     assert_equal("int4 min", m, want_m, axes_names=("row", "group"), show=_f16,
                  hint="m = the group's minimum, stored as fp16")
     sf = want_s.astype(np.float32)[:, :, None]
-    ratio = np.divide(g - want_m.astype(np.float32)[:, :, None], sf, out=np.zeros_like(g), where=sf > 0)
+    ratio = np.divide(g - want_m.astype(np.float32)[:, :, None], sf,
+                      out=np.zeros_like(g), where=sf > 0)
     want_q = np.clip(np.rint(ratio), 0, 15).astype(np.int64)             # [R, G, gs]
     require(packed.shape == (g.shape[0], g.shape[1] // 2, g.shape[2]),
-            f"int4 packed: shape {list(packed.shape)}, expected {[g.shape[0], g.shape[1] // 2, g.shape[2]]} "
-            "(two groups per byte)")
+            f"int4 packed: shape {list(packed.shape)}, expected "
+            f"{[g.shape[0], g.shape[1] // 2, g.shape[2]]} (two groups per byte)")
     lo_n, hi_n = (packed & 15).astype(np.int64), (packed >> 4).astype(np.int64)   # [R, G/2, gs]
     def nibbles_hold(low, high) -> bool:          # the low and high nibbles round these ratios
         return _rounds_as(lo_n, low, np.rint, 0, 15) and _rounds_as(hi_n, high, np.rint, 0, 15)
@@ -457,15 +475,16 @@ def check_quantize_int4(ws: Workspace) -> None:
         bad = (nib != want) & ~(_near_half(r) & (np.abs(nib - want) == 1))
         assert_equal(f"int4 packed, the {half} nibbles", np.where(bad, nib, want), want,
                      axes_names=("row", "pair", "index"),
-                     hint=f"byte j of pair p holds weight j of group {groups} in its {half} nibble; "
-                          "q = round((w - m) / s) in [0, 15]")
+                     hint=f"byte j of pair p holds weight j of group {groups} in its {half} "
+                          "nibble; q = round((w - m) / s) in [0, 15]")
 
 
 def _matvec_case(fmt: str, seed: int):
     r = _rng(seed)
     O, K, gs = 37, 100, 32                              # 100 inputs: groups padded with zeros
     w = r.normal(0, 0.2, (O, K)).astype(np.float32)
-    w[:, 64:96] *= 8.0                                  # one group per row much larger: its scale matters
+    # one group per row much larger: its scale matters
+    w[:, 64:96] *= 8.0
     W = quant.quantize(w, fmt, gs)
     x = np.zeros((3, W.padded_in), dtype=np.float32)
     x[:, :K] = r.normal(0, 1, (3, K))
@@ -528,8 +547,8 @@ def check_matvec_int4(ws: Workspace) -> None:
         Mm.matmul_int4(x[:T].reshape(T, -1, 2, gs), W.data, W.scales, W.mins, out)
         assert_close(f"matmul_int4, {T} token(s)", out, want[:T], atol=1e-4, rtol=1e-4,
                      axes_names=("token", "row"), mistakes=mistakes,
-                     hint="W = nibble * s + m per group, so a group adds s * sum(nibble x) + m * sum(x); "
-                          "the low nibble is group 2p, the high one group 2p+1")
+                     hint="W = nibble * s + m per group, so a group adds s * sum(nibble x) + m * "
+                          "sum(x); the low nibble is group 2p, the high one group 2p+1")
 
 
 # ---------------------------------------------------------------------------
@@ -562,11 +581,12 @@ def check_penalties(ws: Workspace) -> None:
             ("frequency penalty 0.3 (per occurrence in the output)", 1.0, 0.0, 0.3, output),
             ("all three: repetition 1.2, presence 0.4, frequency 0.25", 1.2, 0.4, 0.25, output),
             ("presence 0.5 with no output yet", 1.0, 0.5, 0.0, [])):
-        params = S.SamplingParams(repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq)
+        params = S.SamplingParams(repetition_penalty=rep, presence_penalty=pres,
+                                  frequency_penalty=freq)
         before = logits.copy()
         got = S.apply_penalties(logits, params, list(prompt), list(out_ids))
-        require(np.array_equal(logits, before), f"apply_penalties, {name}: it changed the caller's logits "
-                                                "(return a penalised copy)")
+        require(np.array_equal(logits, before), f"apply_penalties, {name}: it changed the caller's "
+                                                "logits (return a penalised copy)")
         args = (logits, rep, pres, freq, prompt, out_ids)
         mistakes = [("presence counts once per distinct token of the output; frequency per "
                      "occurrence", _penalised(*args, presence_once=False)),
@@ -612,19 +632,25 @@ def check_filters(ws: Workspace) -> None:
     # so it stays (and takes the kept mass past top_p)
     halves = np.log(np.array([0.5, 0.25, 0.125, 0.0625, 0.0625])).astype(np.float32)
     for name, lg, kw in (("temperature 0.7, top_k 5", logits, dict(temperature=0.7, top_k=5)),
-                         ("top_k 3 with ties at the 3rd value (all tied tokens stay)", ties, dict(top_k=3)),
+                         ("top_k 3 with ties at the 3rd value (all tied tokens stay)",
+                          ties, dict(top_k=3)),
                          ("top_p 0.8", logits, dict(top_p=0.8)),
-                         ("top_p 0.76: the token whose mass crosses it stays", halves, dict(top_p=0.76)),
-                         ("top_p 0.5 over four equal tokens: the third's preceding mass is 0.5 exactly, it goes",
+                         ("top_p 0.76: the token whose mass crosses it stays",
+                          halves, dict(top_p=0.76)),
+                         ("top_p 0.5 over four equal tokens: the third's preceding mass is 0.5 "
+                          "exactly, it goes",
                           np.zeros(4, dtype=np.float32), dict(top_p=0.5)),
                          ("min_p 0.1 at temperature 1.5", logits, dict(temperature=1.5, min_p=0.1)),
-                         ("top_k 10, top_p 0.9, min_p 0.05", logits, dict(top_k=10, top_p=0.9, min_p=0.05)),
-                         ("top_k 100 (more than the vocabulary: no effect)", logits, dict(top_k=100))):
+                         ("top_k 10, top_p 0.9, min_p 0.05", logits,
+                          dict(top_k=10, top_p=0.9, min_p=0.05)),
+                         ("top_k 100 (more than the vocabulary: no effect)",
+                          logits, dict(top_k=100))):
         kw = dict(dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0), **kw)
         got = np.asarray(S.filter_logits(lg.copy(), S.SamplingParams(**kw)), dtype=np.float64)
         want = _filtered(lg, kw["temperature"], kw["top_k"], kw["top_p"], kw["min_p"])
         opts = ", ".join(f"{k_}={v}" for k_, v in kw.items())
-        require(got.shape == want.shape, f"filter_logits, {name}: shape {list(got.shape)}, expected {list(want.shape)}")
+        require(got.shape == want.shape,
+                f"filter_logits, {name}: shape {list(got.shape)}, expected {list(want.shape)}")
         kept_got, kept_want = np.isfinite(got), np.isfinite(want)
         mistakes = {"mass": "the token whose mass takes the kept mass past top_p stays: keep every "
                             "token whose preceding mass is below top_p",
@@ -635,27 +661,34 @@ def check_filters(ws: Workspace) -> None:
             kept_got, np.isfinite(_filtered(lg, *kw.values(), mistake=mistake)))), "")
         if (kept_got != kept_want).any():
             t = int(np.argmax(kept_got != kept_want))
-            raise CheckFailed(f"filter_logits, {name} ({opts}): token {t} (logit {float(lg[t]):.4g}) should be "
-                              f"{'kept' if kept_want[t] else 'dropped'}, got {'kept' if kept_got[t] else 'dropped'}; "
-                              f"{int(kept_want.sum())} tokens should stay, "
-                              f"{int(kept_got.sum())} did{f' ({named})' if named else ''}")
-        assert_close(f"filter_logits, {name}: the kept logits", np.where(kept_want, got, 0), np.where(kept_want, want, 0),
-                     atol=1e-5, rtol=1e-5, axes_names=("token id",), hint="kept logits are logits / temperature")
+            raise CheckFailed(f"filter_logits, {name} ({opts}): token {t} (logit "
+                              f"{float(lg[t]):.4g}) should be "
+                              f"{'kept' if kept_want[t] else 'dropped'}, got "
+                              f"{'kept' if kept_got[t] else 'dropped'}; {int(kept_want.sum())} "
+                              f"tokens should stay, {int(kept_got.sum())} "
+                              f"did{f' ({named})' if named else ''}")
+        assert_close(f"filter_logits, {name}: the kept logits", np.where(kept_want, got, 0),
+                     np.where(kept_want, want, 0),
+                     atol=1e-5, rtol=1e-5, axes_names=("token id",),
+                     hint="kept logits are logits / temperature")
 
 
 # ---------------------------------------------------------------------------
 # 1.14 the acceptance rule of speculative sampling (stage1_cpu/speculative.py)
 # ---------------------------------------------------------------------------
 
-P_FAIL = 1e-6       # a right answer fails a chi-square case for one seed in a million (the seeds are fixed)
+# a right answer fails a chi-square case for one seed in a million (the seeds are fixed)
+P_FAIL = 1e-6
 
 
 def chi_square_p(counts: np.ndarray, expected: np.ndarray) -> tuple[float, int]:
     """Pearson's chi-square test of counts [cells] against the distribution expected [cells]:
     each cell expected 5 times or more on its own, the rarer ones pooled (into the smallest cell
     when the pool itself is expected under 5 times) -> (p-value, degrees of freedom)."""
-    import torch    # here, as in tiny_model: only the checks that count draws need its incomplete gamma
-    counts, e = np.asarray(counts, dtype=np.float64).ravel(), counts.sum() * np.asarray(expected).ravel()
+    # here, as in tiny_model: only the checks that count draws need its incomplete gamma
+    import torch
+    counts = np.asarray(counts, dtype=np.float64).ravel()
+    e = counts.sum() * np.asarray(expected).ravel()
     big, rare = e >= 5, (e < 5) & (e > 0)
     obs, exp = list(counts[big]), list(e[big])
     if e[rare].sum() >= 5:
@@ -665,20 +698,23 @@ def chi_square_p(counts: np.ndarray, expected: np.ndarray) -> tuple[float, int]:
         obs[j], exp[j] = obs[j] + counts[rare].sum(), exp[j] + e[rare].sum()
     x = float(sum((o - m) ** 2 / m for o, m in zip(obs, exp)))
     df = len(obs) - 1
-    sf = torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(x / 2, dtype=torch.float64))
+    sf = torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                 torch.tensor(x / 2, dtype=torch.float64))
     return float(sf), df
 
 
 def _speculate(accept, P: np.ndarray, Q: np.ndarray, n: int, seed: int) -> tuple[np.ndarray, int]:
     """n runs of speculative sampling on a toy model over V tokens whose next-token distribution
     depends on the previous token only: P [V+1, V] the model's (row V: after the prompt), Q the
-    draft's. Each run drafts 3 tokens from Q's chain, checks them in order with accept(p, q, x, rng),
-    and after a rejection draws plainly from P -> (counts of the first 3 tokens [V, V, V], how many
-    runs kept their first draft)."""
+    draft's. Each run drafts 3 tokens from Q's chain, checks them in order with accept(p, q, x,
+    rng), and after a rejection draws plainly from P -> (counts of the first 3 tokens [V, V, V], how
+    many runs kept their first draft)."""
     V, r = P.shape[1], _rng(seed)
-    draw = lambda rows, u: (u[:, None] > np.cumsum(rows, -1)[:, :-1]).sum(-1)  # noqa: E731  (inverse cdf)
+    # a draw from each row by the inverse cdf
+    draw = lambda rows, u: (u[:, None] > np.cumsum(rows, -1)[:, :-1]).sum(-1)  # noqa: E731
     drafts = [draw(Q[np.full(n, V)], r.random(n))]
-    for _ in range(2):                          # every run's 3 drafts at once, each from q after the last
+    # every run's 3 drafts at once, each from q after the last
+    for _ in range(2):
         drafts.append(draw(Q[drafts[-1]], r.random(n)))
     counts, kept_first = np.zeros((V, V, V), dtype=np.int64), 0
     for run in range(n):
@@ -686,7 +722,8 @@ def _speculate(accept, P: np.ndarray, Q: np.ndarray, n: int, seed: int) -> tuple
         for x in (int(d[run]) for d in drafts):
             ok, y = accept(P[prev].copy(), Q[prev].copy(), x, r)
             require(0 <= int(y) < V and (not ok or int(y) == x),
-                    f"accept_draft returned ({ok!r}, {y!r}) for draft {x}: (True, x) or (False, a token id in 0..{V - 1})")
+                    f"accept_draft returned ({ok!r}, {y!r}) for draft {x}: (True, x) or (False, a "
+                    f"token id in 0..{V - 1})")
             kept_first += bool(ok) and not out
             out.append(int(y))
             prev = int(y)
@@ -705,13 +742,16 @@ def check_acceptance(ws: Workspace) -> None:
     r = _rng(14)
     soft = lambda z: np.exp(z) / np.exp(z).sum(-1, keepdims=True)  # noqa: E731
     P = soft(r.normal(0, 1.2, (V + 1, V)))
-    for name, Q, seed in (("a draft drawn from another model's distribution q", soft(r.normal(0, 1.2, (V + 1, V))), 15),
+    for name, Q, seed in (("a draft drawn from another model's distribution q",
+                           soft(r.normal(0, 1.2, (V + 1, V))), 15),
                           ("a draft picked without chance (q one-hot, as prompt lookup's)",
                            np.eye(V)[r.integers(0, V, V + 1)], 16)):
         counts, kept = _speculate(S.accept_draft, P, Q, N, seed)
-        joint = P[V][:, None, None] * P[:V][:, :, None] * P[:V][None, :, :]     # p(a) p(b | a) p(c | b)
+        # p(a) p(b | a) p(c | b)
+        joint = P[V][:, None, None] * P[:V][:, :, None] * P[:V][None, :, :]
         p_value, df = chi_square_p(counts, joint)
-        want = np.minimum(P[V], Q[V]).sum()                     # the rule's acceptance: sum min(p, q)
+        # the rule's acceptance: sum min(p, q)
+        want = np.minimum(P[V], Q[V]).sum()
         got, sd = kept / N, np.sqrt(want * (1 - want) / N)
         wrong = (f"{name}: the first three tokens of {N} runs do not follow the model's "
                  f"distribution (chi-square p = {p_value:.1e} over {df + 1} cells)")
@@ -722,8 +762,9 @@ def check_acceptance(ws: Workspace) -> None:
                                   "should be: replace a rejected draft by a draw from the "
                                   "residual max(0, p - q), normalised")
         require(abs(got - want) < 5.3 * sd + 1e-12,
-                f"{name}: the tokens follow the model's distribution, but {got:.1%} of first drafts were accepted "
-                f"where min(1, p[x] / q[x]) accepts {want:.1%}: accept by that probability, not by another test")
+                f"{name}: the tokens follow the model's distribution, but {got:.1%} of first "
+                f"drafts were accepted where min(1, p[x] / q[x]) accepts {want:.1%}: accept by "
+                "that probability, not by another test")
 
 
 S1 = "docs/stage1.md"
@@ -734,29 +775,33 @@ QUANT = f"{S1}#6-quantpy-fewer-bytes-per-token"
 SAMPLING = "docs/chat.md#sampling-defaults"
 
 EXERCISES: list[Exercise] = [
-    Exercise("1.1", "RMSNorm of one row", MODEL, "easy", "stage1_cpu/norms.py", check=check_rmsnorm),
-    Exercise("1.2", "RoPE, rotate-half, of one head", MODEL, "easy", "stage1_cpu/kernels.py", check=check_rope),
-    Exercise("1.3", "a numerically safe softmax (inside attention)", KERNELS, "easy", "stage1_cpu/kernels.py",
-             check=check_softmax),
-    Exercise("1.4", "causal GQA attention over the KV cache", MODEL, "medium", "stage1_cpu/kernels.py",
-             check=check_attention),
+    Exercise("1.1", "RMSNorm of one row", MODEL, "easy", "stage1_cpu/norms.py",
+             check=check_rmsnorm),
+    Exercise("1.2", "RoPE, rotate-half, of one head", MODEL, "easy",
+             "stage1_cpu/kernels.py", check=check_rope),
+    Exercise("1.3", "a numerically safe softmax (inside attention)", KERNELS, "easy",
+             "stage1_cpu/kernels.py", check=check_softmax),
+    Exercise("1.4", "causal GQA attention over the KV cache", MODEL, "medium",
+             "stage1_cpu/kernels.py", check=check_attention),
     Exercise("1.5", "KV reuse across chat turns", f"{S1}#2-enginepy-prefill-then-decode", "easy",
              "stage1_cpu/engine.py", check=check_kv_reuse),
-    Exercise("1.6", "MoE top-k routing with renormalisation", MOE, "medium", "stage1_cpu/kernels.py",
-             check=check_route),
+    Exercise("1.6", "MoE top-k routing with renormalisation", MOE, "medium",
+             "stage1_cpu/kernels.py", check=check_route),
     Exercise("1.7", "grouping a prefill's tokens per expert", MOE, "medium", "stage1_cpu/model.py",
              check=check_experts),
-    Exercise("1.8", "int8 group quantization", QUANT, "easy", "stage1_cpu/quant.py", check=check_quantize_int8),
+    Exercise("1.8", "int8 group quantization", QUANT, "easy", "stage1_cpu/quant.py",
+             check=check_quantize_int8),
     Exercise("1.9", "the fused int8 dequantize-matvec row", QUANT, "medium", "stage1_cpu/matmul.py",
              check=check_matvec_int8),
     Exercise("1.10", "int4 quantization and packing", QUANT, "medium", "stage1_cpu/quant.py",
              check=check_quantize_int4),
     Exercise("1.11", "the fused int4 dequantize-matvec row", QUANT, "hard", "stage1_cpu/matmul.py",
              check=check_matvec_int4),
-    Exercise("1.12", "repetition, presence and frequency penalties", SAMPLING, "easy", "common/sampling.py",
-             check=check_penalties),
+    Exercise("1.12", "repetition, presence and frequency penalties", SAMPLING, "easy",
+             "common/sampling.py", check=check_penalties),
     Exercise("1.13", "top-k, top-p and min-p filters", SAMPLING, "medium", "common/sampling.py",
              check=check_filters),
-    Exercise("1.14", "the acceptance rule of speculative sampling", f"{S1}#15-speculativepy-several-tokens-per-step",
-             "medium", "stage1_cpu/speculative.py", check=check_acceptance),
+    Exercise("1.14", "the acceptance rule of speculative sampling",
+             f"{S1}#15-speculativepy-several-tokens-per-step", "medium",
+             "stage1_cpu/speculative.py", check=check_acceptance),
 ]

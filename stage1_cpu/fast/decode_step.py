@@ -82,28 +82,32 @@ from .. import kernels
 from ..kernels import FAST
 from ..quant import PREFILL_MIN_T
 from . import sync
-from .matvec import ACT, BIG, FMT, KINDS, TAIL_ITEMS, _items, _matvec, kinds  # noqa: F401 (tests, FastPath)
+# names the tests and FastPath import from here
+from .matvec import ACT, BIG, FMT, KINDS, TAIL_ITEMS, _items, _matvec, kinds  # noqa: F401
 from .plan import plan
 from .threads import Threads
 
-MAX_TOKENS = 8                 # tokens a step takes at most: the last one and up to 7 drafts (section 15)
+# tokens a step takes at most: the last one and up to 7 drafts (section 15)
+MAX_TOKENS = 8
 # the phases of plan.plan(), as opcodes
-OPS = {"norm": 0, "matmul": 1, "attention": 2, "add": 3, "silu_mul": 4, "route": 5, "experts": 6, "mix": 7,
-       "gated_add": 8}
+OPS = {"norm": 0, "matmul": 1, "attention": 2, "add": 3, "silu_mul": 4, "route": 5, "experts": 6,
+       "mix": 7, "gated_add": 8}
 NORM, MATMUL, ATTENTION, ADD, SILU_MUL, ROUTE, EXPERTS, MIX, GATED_ADD = range(9)
-SHARED = {"matmul", "experts", "attention"}      # split into items across the workers; the rest is private
+# split into items across the workers; the rest is private
+SHARED = {"matmul", "experts", "attention"}
 # a row of the program: the op, three buffers as (arena, offset, row length) with arena 0 the
 # worker's own and 1 the shared one, then weight, vector, second vector (-1: none), layer,
 # counter (shared phases), rows of the input per token (experts: 1, or k slots), and whether the
 # phase makes the logits (only the last token's unless all are asked for)
-OP, SRC, DST, AUX, WEIGHT, VEC, VEC2, LAYER, COUNTER, ROWS, LOGITS = 0, 1, 4, 7, 10, 11, 12, 13, 14, 15, 16
+OP, SRC, DST, AUX, WEIGHT, VEC, VEC2, LAYER, COUNTER, ROWS, LOGITS = (
+    0, 1, 4, 7, 10, 11, 12, 13, 14, 15, 16)
 FIELDS = 17
 _inline = numba.njit(inline="always", fastmath=FAST, error_model="numpy")
 
 
 @_inline
-def _attention(qkv, kv, layer, pos, T, cos, sin, q_norm, k_norm, qk_norm, eps, H, Hkv, D, att, qbuf, counts,
-               phase):
+def _attention(qkv, kv, layer, pos, T, cos, sin, q_norm, k_norm, qk_norm, eps, H, Hkv, D, att, qbuf,
+               counts, phase):
     """Phases `phase` and `phase + 1`. The first, one item per KV head: for each of the T tokens
     (position pos + t), its q heads and k normed and rotated in place in qkv [T, (H + 2 Hkv) D],
     its k and v stored in the cache at pos + t. The second, one item per (KV head, token): the
@@ -164,8 +168,9 @@ def _buf(own, shared, ref, rows):
 
 
 @numba.njit(cache=True, fastmath=FAST, error_model="numpy")
-def _worker(matvec, workers, x0, T, last_only, pos, prog, meta, data, scales, mins, vecs, shared, own_size, kv,
-            cos, sin, eps, dims, counts, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4, k_moe, k_qk):
+def _worker(matvec, workers, x0, T, last_only, pos, prog, meta, data, scales, mins, vecs, shared,
+            own_size, kv, cos, sin, eps, dims, counts, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16,
+            k_q4, k_moe, k_qk):
     """Everything one worker does in a step of T tokens: the program, phase by phase, each on
     all T tokens' rows (x0 [T C], positions pos .. pos + T - 1; last_only: the logits of the
     last token alone). matvec: _matvec, compiled for this model's kinds, as a function pointer
@@ -178,7 +183,7 @@ def _worker(matvec, workers, x0, T, last_only, pos, prog, meta, data, scales, mi
     own = np.zeros(own_size, dtype=np.float32)       # this worker's private buffers; x first
     for c in range(x0.size):                         # (a loop: a slice assignment compiles numba's
         own[c] = x0[c]                               # error-message formatting, seconds of LLVM)
-    top = np.zeros((T, kk), dtype=np.int64)          # [T, k] the experts of the current MoE layer ...
+    top = np.zeros((T, kk), dtype=np.int64)          # [T, k] the current MoE layer's experts ...
     weight = np.zeros((T, kk), dtype=np.float32)     # ... and their weights
     segs = np.zeros((T * kk, 4), dtype=np.int64)     # a matrix phase's segments (matvec.py)
     qbuf = np.empty((T, H, D), dtype=np.float32)
@@ -186,7 +191,7 @@ def _worker(matvec, workers, x0, T, last_only, pos, prog, meta, data, scales, mi
     for p in range(prog.shape[0]):
         row = prog[p]
         op = row[OP]
-        S = T * row[ROWS]                            # the input's rows: a row per token (or per slot)
+        S = T * row[ROWS]                            # the input's rows: one per token (or slot)
         src = _buf(own, shared, row[SRC:SRC + 3], S)
         dst = _buf(own, shared, row[DST:DST + 3], S)
         if op == NORM:
@@ -212,18 +217,19 @@ def _worker(matvec, workers, x0, T, last_only, pos, prog, meta, data, scales, mi
             if k_moe is not None:
                 gate = _buf(own, shared, row[AUX:AUX + 3], T)
                 for t in range(T):
-                    kernels.gated_add_row(dst.reshape(T, -1), src.reshape(T, -1), gate.reshape(T, 1), t)
+                    kernels.gated_add_row(dst.reshape(T, -1), src.reshape(T, -1),
+                                          gate.reshape(T, 1), t)
         elif op == ATTENTION:
             if k_qk is not None:
                 qk = row[VEC] >= 0
                 q_norm = vecs[row[VEC]] if qk else none
                 k_norm = vecs[row[VEC2]] if qk else none
-                _attention(src, kv, row[LAYER], pos, T, cos, sin, q_norm, k_norm, qk, eps, H, Hkv, D, dst, qbuf,
-                           counts, row[COUNTER])
+                _attention(src, kv, row[LAYER], pos, T, cos, sin, q_norm, k_norm, qk, eps, H, Hkv,
+                           D, dst, qbuf, counts, row[COUNTER])
             else:                                    # a constant False: LLVM drops the norms
-                _attention(src, kv, row[LAYER], pos, T, cos, sin, none, none, False, eps, H, Hkv, D, dst, qbuf,
-                           counts, row[COUNTER])
-        else:                                        # MATMUL, EXPERTS: one call, through the pointer
+                _attention(src, kv, row[LAYER], pos, T, cos, sin, none, none, False, eps, H, Hkv, D,
+                           dst, qbuf, counts, row[COUNTER])
+        else:                                        # MATMUL, EXPERTS: one call through the pointer
             w = row[WEIGHT]
             bias = vecs[row[VEC]] if row[VEC] >= 0 else none
             if op == EXPERTS:                        # a segment per token and chosen expert
@@ -231,25 +237,30 @@ def _worker(matvec, workers, x0, T, last_only, pos, prog, meta, data, scales, mi
                 for t in range(T):
                     for j in range(k):
                         s = t * k + j
-                        segs[s, 0], segs[s, 1], segs[s, 2], segs[s, 3] = top[t, j] * n, s if row[ROWS] > 1 else t, s, 1
+                        segs[s, 0], segs[s, 1], segs[s, 2], segs[s, 3] = (
+                            top[t, j] * n, s if row[ROWS] > 1 else t, s, 1)
                 n_segs = T * k
                 out = _buf(own, shared, row[DST:DST + 3], T * k)
-            else:                                    # all T tokens on every row (the logits: maybe the last)
+            else:                                    # T tokens on every row (logits: maybe last)
                 n, n_segs = row[DST + 2], 1
                 first = T - 1 if last_only and row[LOGITS] else 0
                 segs[0, 0], segs[0, 1], segs[0, 2], segs[0, 3] = 0, first, 0, T - first
                 out = _buf(own, shared, row[DST:DST + 3], T - first)
-            matvec(meta[w], data[w], scales[w], mins[w], src, segs[:n_segs], n, bias, out, counts, row[COUNTER],
-                   workers, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4)
+            matvec(meta[w], data[w], scales[w], mins[w], src, segs[:n_segs], n, bias, out, counts,
+                   row[COUNTER], workers, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4)
 
 
 @numba.njit(parallel=True, cache=True, fastmath=FAST, error_model="numpy")
-def _decode(worker, matvec, workers, x0, T, last_only, pos, prog, meta, data, scales, mins, vecs, shared, own_size,
-            kv, cos, sin, eps, dims, counts, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4, k_moe, k_qk):
-    # workers: numba.get_num_threads(), passed in (called in here, it would keep this from the disk cache)
-    for _ in prange(workers):                        # one iteration per thread: the one parallel region
-        worker(matvec, workers, x0, T, last_only, pos, prog, meta, data, scales, mins, vecs, shared, own_size, kv,
-               cos, sin, eps, dims, counts, k_f32, k_bf16, k_int8, k_int4, k_q8, k_q16, k_q4, k_moe, k_qk)
+def _decode(worker, matvec, workers, x0, T, last_only, pos, prog, meta, data, scales, mins, vecs,
+            shared, own_size, kv, cos, sin, eps, dims, counts, k_f32, k_bf16, k_int8, k_int4, k_q8,
+            k_q16, k_q4, k_moe, k_qk):
+    # workers: numba.get_num_threads(), passed in (called in here, it would keep this from the
+    # disk cache)
+    # one iteration per thread: the one parallel region
+    for _ in prange(workers):
+        worker(matvec, workers, x0, T, last_only, pos, prog, meta, data, scales, mins, vecs, shared,
+               own_size, kv, cos, sin, eps, dims, counts, k_f32, k_bf16, k_int8, k_int4, k_q8,
+               k_q16, k_q4, k_moe, k_qk)
 
 
 def ops(cfg) -> tuple:
@@ -265,7 +276,8 @@ class Pointer(WrapperAddressProtocol):
     not link the callee's code into its own, so LLVM optimizes and emits each body once, in
     the callee's own compile. (A callee numba links in is optimized and emitted again by every
     caller above it: _matvec, inside _worker inside the parallel region's body inside _decode,
-    was compiled four times.) A call through the pointer costs nanoseconds; a phase, microseconds."""
+    was compiled four times.) A call through the pointer costs nanoseconds; a phase,
+    microseconds."""
 
     def __init__(self, fn, arg_types):
         self._sig = types.void(*arg_types)
@@ -288,8 +300,8 @@ _VEC = types.Array(types.float32, 1, "C")
 def _format_row(w) -> list[int]:
     """A Weight as the kernel sees it: (fmt, act, O, K, Kp, gs, seg), a row of meta (seg: 0 stored
     as the core stores it, else the rows of a segment of its 8-row tiles)."""
-    return [FMT[w.fmt], ACT[getattr(w, "decode_act", "fp32")], w.out_features, w.in_features, w.padded_in,
-            w.group_size, getattr(w, "seg", 0)]
+    return [FMT[w.fmt], ACT[getattr(w, "decode_act", "fp32")], w.out_features, w.in_features,
+            w.padded_in, w.group_size, getattr(w, "seg", 0)]
 
 
 def _typed_list(arrays, ty):
@@ -302,19 +314,23 @@ def _typed_list(arrays, ty):
 
 class DecodeStep:
     """plan.plan()'s phases for up to MAX_TOKENS tokens, as the table _decode runs, built once
-    (views, no weight copies). step(x, pos): x [T, C] the tokens' embeddings, their K/V go to cache
-    positions pos .. pos + T - 1 -> logits [T, V] (all_logits) or [V] (the last token's)."""
+    (views, no weight copies). forward(tokens, pos) is Model.forward's, for the steps it takes;
+    step(x, pos): x [T, C] the tokens' embeddings, their K/V go to cache positions
+    pos .. pos + T - 1 -> logits [T, V] (all_logits) or [V] (the last token's)."""
 
     def __init__(self, model):
         cfg = model.config
         self.phases = phases = plan(model.w)
         self.cache, self.cos, self.sin = model.cache, model.cos, model.sin
+        self.embed = model.w.embed
         k = cfg.num_experts_per_tok if cfg.num_experts else 0
         weights, vecs, rows = [], [], []
         T = MAX_TOKENS
         own = {"x": (0, cfg.hidden_size)}           # private buffers: name -> (offset, row length)
-        where = {"x": (0, 0, cfg.hidden_size)}      # every buffer: name -> (arena, offset, row length)
-        n_rows = {"x": 1}                           # rows of each buffer per token (experts' outputs: k)
+        # every buffer: name -> (arena, offset, row length)
+        where = {"x": (0, 0, cfg.hidden_size)}
+        # rows of each buffer per token (experts' outputs: k)
+        n_rows = {"x": 1}
         self.shared_size, self.own_size = 0, T * cfg.hidden_size
         n_counters = 0
 
@@ -331,10 +347,12 @@ class DecodeStep:
         for ph in phases:
             src = where[ph.src]
             size = {"norm": src[2], "matmul": ph.weight.out_features if ph.weight else 0,
-                    "experts": ph.weight.out_features // max(cfg.num_experts, 1) if ph.weight else 0,
+                    "experts": (ph.weight.out_features // max(cfg.num_experts, 1)
+                                if ph.weight else 0),
                     "attention": cfg.num_heads * cfg.head_dim, "silu_mul": src[2] // 2,
                     "mix": src[2]}.get(ph.op)
-            n_rows[ph.dst] = {"experts": k, "silu_mul": n_rows[ph.src]}.get(ph.op, n_rows.get(ph.dst, 1))
+            n_rows[ph.dst] = {"experts": k,
+                              "silu_mul": n_rows[ph.src]}.get(ph.op, n_rows.get(ph.dst, 1))
             room = T * n_rows[ph.dst] * (size or 0)  # the buffer's floats for MAX_TOKENS tokens
             if ph.op == "route":                      # top and weight live in the worker itself
                 dst = where[ph.dst] = (0, 0, 0)
@@ -364,40 +382,63 @@ class DecodeStep:
         self.prog = np.array(rows, dtype=np.int64)
         self.n_counters = n_counters
 
+        self._tables(weights, vecs)
+        # the row bodies _matvec compiles for this model
+        self.kinds = kinds(weights)
+        # (k_moe, k_qk): the ops _worker compiles for it
+        self.ops = ops(cfg)
+        self.shared = np.zeros(self.shared_size, dtype=np.float32)
+        self.eps = np.float32(cfg.rms_norm_eps)
+        self.worker = self.matvec = None             # Pointers, made at the first step
+        # how many threads a step runs on (threads.py)
+        self.threads = Threads(numba.get_num_threads())
+        self.dims = np.array([cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, k,
+                              int(cfg.norm_topk_prob)],
+                             dtype=np.int64)
+
+    def _tables(self, weights: list, vecs: list) -> None:
+        """The program's weights and vectors as _decode reads them: a row of meta per weight
+        (_format_row), its bytes, scales and mins as typed lists of flat views (no copies), and
+        the norm and bias vectors."""
         no16 = np.zeros(0, dtype=np.uint16)
         self.meta = np.array([_format_row(w) for w in weights], dtype=np.int64)
-        self.kinds = kinds(weights)                  # the row bodies _matvec compiles for this model
-        self.ops = ops(cfg)                          # (k_moe, k_qk): the ops _worker compiles for it
-        self.data = _typed_list([np.ascontiguousarray(w.data).reshape(-1).view(np.uint8) for w in weights],
-                                _READONLY)
-        self.scales = _typed_list([no16 if w.scales is None else w.scales.reshape(-1).view(np.uint16)
+        self.data = _typed_list([np.ascontiguousarray(w.data).reshape(-1).view(np.uint8)
+                                 for w in weights], _READONLY)
+        self.scales = _typed_list([no16 if w.scales is None
+                                   else w.scales.reshape(-1).view(np.uint16)
                                    for w in weights], _READONLY16)
         self.mins = _typed_list([no16 if w.mins is None else w.mins.reshape(-1).view(np.uint16)
                                  for w in weights], _READONLY16)
         self.vecs = _typed_list([np.array(v, dtype=np.float32).reshape(-1) for v in vecs], _VEC)
-        self.shared = np.zeros(self.shared_size, dtype=np.float32)
-        self.eps = np.float32(cfg.rms_norm_eps)
-        self.worker = self.matvec = None             # Pointers, made at the first step
-        self.threads = Threads(numba.get_num_threads())    # how many threads a step runs on (threads.py)
-        self.dims = np.array([cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, k, int(cfg.norm_topk_prob)],
-                             dtype=np.int64)
 
     def _pointers(self, args):
         """_worker and _matvec compiled for the types of this model's arguments (the first
         call compiles them, or loads them from the disk cache) -> (worker, matvec) Pointers."""
         t = [numba.typeof(a) for a in args]
-        f32, i64, i64_2d = types.Array(types.float32, 1, "C"), types.int64, types.Array(types.int64, 2, "C")
+        f32, i64 = types.Array(types.float32, 1, "C"), types.int64
+        i64_2d = types.Array(types.int64, 2, "C")
         # _matvec(m, data, scales, mins, x, segs, n, bias, out, counts, phase, workers, kinds...)
-        matvec = Pointer(_matvec, [types.Array(types.int64, 1, "C"), _READONLY, _READONLY16, _READONLY16, f32,
-                                   i64_2d, i64, f32, f32, t[18], i64, t[0]] + t[19:26])
+        matvec = Pointer(_matvec, [types.Array(types.int64, 1, "C"), _READONLY, _READONLY16,
+                                   _READONLY16, f32, i64_2d, i64, f32, f32, t[18], i64, t[0]]
+                         + t[19:26])
         return Pointer(_worker, [numba.typeof(matvec)] + t), matvec
 
     def takes(self, T: int, all_logits: bool) -> bool:
         """Whether a forward of T tokens is a step: a decode step or a verify step (all_logits) of
-        at most MAX_TOKENS tokens, or a prompt too short for the prefill path (quant.PREFILL_MIN_T)."""
+        at most MAX_TOKENS tokens, or a prompt too short for the prefill path
+        (quant.PREFILL_MIN_T)."""
         return T <= MAX_TOKENS and (all_logits or T < PREFILL_MIN_T)
 
-    def step(self, x: np.ndarray, pos: int, all_logits: bool = False, workers: int | None = None) -> np.ndarray:
+    def forward(self, tokens: np.ndarray, start_pos: int, all_logits: bool = False) -> np.ndarray:
+        """Model.forward's contract: tokens [T] (T <= MAX_TOKENS) at positions start_pos.. -> logits
+        [V] of the last, or [T, V] with all_logits: Model.forward's bits, in one region."""
+        if start_pos + len(tokens) > self.cache.max_ctx:      # before a write past the cache's end
+            raise ValueError(f"positions up to {start_pos + len(tokens)} exceed the cache "
+                             f"({self.cache.max_ctx}); raise --max-ctx")
+        return self.step(self.embed.rows(np.asarray(tokens, dtype=np.int64)), start_pos, all_logits)
+
+    def step(self, x: np.ndarray, pos: int, all_logits: bool = False,
+             workers: int | None = None) -> np.ndarray:
         """x [T, C] f32 (T <= MAX_TOKENS; or [C], one token) -> logits [T, V] (all_logits) or [V], a
         new array. workers: worker iterations of the region (default: as many as the threads the
         step runs on, numba's or fewer where that is faster now: threads.py); any number gives
@@ -410,7 +451,8 @@ class DecodeStep:
         most = numba.get_num_threads()
         if self.threads.most != most:                # numba's count changed (--threads): start over
             self.threads = Threads(most)
-        n = workers or (self.threads.pick() if T == 1 else self.threads.use)   # fewer where faster now
+        # fewer where faster now
+        n = workers or (self.threads.pick() if T == 1 else self.threads.use)
         args = (n, x.reshape(-1), T, not all_logits, pos, self.prog,
                 self.meta, self.data, self.scales, self.mins, self.vecs, self.shared, self.own_size,
                 self.cache.data, self.cos[pos:pos + T], self.sin[pos:pos + T], self.eps, self.dims,
