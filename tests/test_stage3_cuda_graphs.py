@@ -40,15 +40,8 @@ class CallCapture:
 
 
 def engine(folder, graphs: bool, **kw):
-    args = dict(
-        max_ctx=64,
-        slots=6,
-        token_budget=32,
-        page_size=4,
-        num_pages=60,
-        device="cpu",
-        progress=False,
-    )
+    args = dict(max_ctx=64, slots=6, token_budget=32, page_size=4, num_pages=60, device="cpu",
+                progress=False)
     args.update(kw)
     eng = LLMEngine(folder, **args)
     assert eng.graphs is None                   # device="cpu": eager unless a test puts graphs in
