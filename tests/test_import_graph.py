@@ -34,11 +34,8 @@ def module_files(root: Path) -> dict[str, tuple[Path, str]]:
     found = {}
     for folder in FOLDERS:
         for path in sorted((root / folder).rglob("*.py")):
-            parts = list(
-                path.relative_to(root / "tests" if folder == "tests" else root)
-                .with_suffix("")
-                .parts
-            )
+            rel = path.relative_to(root / "tests" if folder == "tests" else root)
+            parts = list(rel.with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts = parts[:-1]
             found[".".join(parts)] = (path, folder)
@@ -73,9 +70,8 @@ def imports(root: Path) -> list[tuple[str, str, int, bool]]:
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
-                    base = ".".join(
-                        package[: len(package) - node.level + 1] + ([base] if base else [])
-                    )
+                    base = ".".join(package[:len(package) - node.level + 1]
+                                    + ([base] if base else []))
                 targets = [
                     f"{base}.{a.name}" if f"{base}.{a.name}" in modules else known(base)
                     for a in node.names

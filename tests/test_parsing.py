@@ -101,11 +101,8 @@ def test_unclosed_tool_call_at_the_end():
 
 def test_output_that_starts_inside_thinking():
     # the prompt opened <think>; the output only closes it
-    assert parse_output("I reason here.\n</think>\n\nThe answer.") == (
-        "The answer.",
-        "I reason here.",
-        [],
-    )
+    assert (parse_output("I reason here.\n</think>\n\nThe answer.")
+            == ("The answer.", "I reason here.", []))
     assert prompt_opens_think("<|im_start|>assistant\n<think>\n")
     assert not prompt_opens_think("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert not prompt_opens_think("<|im_start|>assistant\n")

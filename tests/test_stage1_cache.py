@@ -67,9 +67,8 @@ def test_stage1_keys_each_path_on_the_files_it_compiles():
     assert names == {"norms.py", "kernels.py", "matmul.py"}
     fp = fast.FastPath("int8", "fp32")
     assert set(stage1_cpu.KERNEL_FILES) <= set(fp.files())
-    assert {"decode_step.py", "simd.py", "kernels.py", "plan.py", "blocks.py"} <= {
-        p.name for p in fast.FILES
-    }
+    assert ({"decode_step.py", "simd.py", "kernels.py", "plan.py", "blocks.py"}
+            <= {p.name for p in fast.FILES})
     def group(name):
         return {p.name if p.parent.name == "stage1_cpu" else "fast/" + p.name
                 for p in numba_stamps._GROUPS[str((ROOT / "stage1_cpu/fast" / name).resolve())]}

@@ -16,11 +16,8 @@ from stage2_batched.sequence import Sequence, Status
 
 
 def seq(i: int, prompt_len: int, max_tokens: int = 4) -> Sequence:
-    req = Request(
-        f"r{i}",
-        list(range(3, 3 + prompt_len)),
-        SamplingParams(temperature=0, max_tokens=max_tokens),
-    )
+    req = Request(f"r{i}", list(range(3, 3 + prompt_len)),
+                  SamplingParams(temperature=0, max_tokens=max_tokens))
     return Sequence.from_request(req, arrival=i)
 
 

@@ -97,8 +97,8 @@ def test_stage3_chat_on_cpu_shows_the_cached_prompt_tokens_of_a_repeated_turn(ti
 def test_prefix_cache_rung_chats_on_the_tiny_model_bounded_with_cached_tokens(tiny, tmp_path):
     """Rung 02 (stage 2 + the entry points and the prefix cache), as
     docs/lessons/README.md runs it."""
+    # as docs/stage3.md says
     r = subprocess.run([sys.executable, "course/series.py", "packages", str(tmp_path / "rungs")],
-                       # as docs/stage3.md says
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr
     turns, seconds = chat_twice(
