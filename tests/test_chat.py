@@ -184,11 +184,8 @@ def test_piped_prompts_are_exactly_the_qwen3_template_rendering_thinking_on_and_
     assert [m["role"] for m in final] == ["system", "user", "assistant", "user", "assistant",
                                           "user"]
     assert final[0]["content"] == "You are terse."
-    assert [m["content"] for m in final if m["role"] == "user"] == [
-        "Hello, who are you?",
-        "What is 2+2?",
-        "Thanks!",
-    ]
+    assert [m["content"] for m in final if m["role"] == "user"] == ["Hello, who are you?",
+                                                                    "What is 2+2?", "Thanks!"]
     assert all(m["content"] for m in final if m["role"] == "assistant")
     # the answer is kept as the model wrote it: turn 2's prompt extends turn 1's prompt + answer ...
     assert records[1]["prompt_ids"][:len(records[0]["prompt_ids"])] == records[0]["prompt_ids"]

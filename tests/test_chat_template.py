@@ -102,9 +102,8 @@ def test_qwen3_template_output_has_expected_pieces(qwen3):
 def test_content_none_with_tool_calls_renders_as_empty(qwen3):
     # OpenAI clients send content=null next to tool_calls
     with_none = [dict(m, content=None) if m.get("tool_calls") else m for m in TOOL_CHAIN]
-    assert qwen3.render(with_none, tools=[WEATHER_TOOL]) == qwen3.render(
-        TOOL_CHAIN, tools=[WEATHER_TOOL]
-    )
+    assert (qwen3.render(with_none, tools=[WEATHER_TOOL])
+            == qwen3.render(TOOL_CHAIN, tools=[WEATHER_TOOL]))
 
 
 @pytest.mark.parametrize("name,messages,tools,gen,thinking", CASES, ids=[c[0] for c in CASES])
@@ -140,8 +139,8 @@ def test_from_folder_sources(tmp_path, qwen3_tokenizer_dir):
     cfg = {"eos_token": {"content": "</s>"}, "bos_token": "<s>",
            "chat_template": [{"name": "tool_use", "template": "TOOLS"},
                              {"name": "default",
-                              "template": "{{ bos_token }}{{ messages[0].content }}{{ eos_token }}"}
-                             ]}
+                              "template": "{{ bos_token }}{{ messages[0].content }}"
+                                          "{{ eos_token }}"}]}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
     assert (
         ChatTemplate.from_folder(tmp_path).render([{"role": "user", "content": "hi"}])
@@ -154,9 +153,8 @@ def test_from_folder_sources(tmp_path, qwen3_tokenizer_dir):
         template.render([{"role": "user", "content": "hi"}]) == "[1]" and not template.has_thinking
     )
     # the Qwen3 test folder carries the real template
-    assert ChatTemplate.from_folder(qwen3_tokenizer_dir).source == TEMPLATE_PATH.read_text(
-        encoding="utf-8"
-    )
+    assert (ChatTemplate.from_folder(qwen3_tokenizer_dir).source
+            == TEMPLATE_PATH.read_text(encoding="utf-8"))
 
 
 def test_template_helpers_match_transformers():

@@ -61,11 +61,8 @@ def test_a_number_edited_by_hand_in_a_table_fails_report_check(tmp_path):
     stage3, course_map = copy / "docs" / "stage3.md", copy / "docs" / "README.md"
     text = stage3.read_text()
     row = re.search(r"^\| 0 +\| 00-stage2 +\| (\d+) +\|", text, re.M)
-    stage3.write_text(
-        text.replace(
-            row.group(0), row.group(0).replace(row.group(1), str(int(row.group(1)) + 1)), 1
-        )
-    )
+    bumped = row.group(0).replace(row.group(1), str(int(row.group(1)) + 1))
+    stage3.write_text(text.replace(row.group(0), bumped, 1))
     text = course_map.read_text()
     count = re.search(r"`common/engine.py` \((\d+)\)", text)
     course_map.write_text(text.replace(count.group(0), "`common/engine.py` (1)", 1))
@@ -228,17 +225,15 @@ def test_every_relative_link_and_image_resolves():
 def test_a_broken_link_or_anchor_would_be_caught(tmp_path):
     assert "14-fastgemmpy-prefill-on-integers" in anchors(ROOT / "docs" / "stage1.md")
     assert "5-kv_cachepy" in anchors(ROOT / "docs" / "stage1.md")
-    assert "the-fast-path" in anchors(
-        ROOT / "docs" / "stage1.md"
-    ) and "no-such-section" not in anchors(ROOT / "docs" / "stage1.md")
+    assert ("the-fast-path" in anchors(ROOT / "docs" / "stage1.md")
+            and "no-such-section" not in anchors(ROOT / "docs" / "stage1.md"))
 
 
 def test_every_test_the_docs_cite_exists():
     """A chapter that cites `test_x` as its proof cites a test function or file of tests/."""
     code = "\n".join(p.read_text() for p in (ROOT / "tests").glob("*.py"))
-    defined = set(re.findall(r"def (test_\w+)", code)) | {
-        p.stem for p in (ROOT / "tests").glob("test_*.py")
-    }
+    defined = (set(re.findall(r"def (test_\w+)", code))
+               | {p.stem for p in (ROOT / "tests").glob("test_*.py")})
     cited = {
         (path.name, t)
         for path in DOCS

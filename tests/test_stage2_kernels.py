@@ -201,10 +201,8 @@ def test_twins_stage2_does_not_change_are_stage1_ops_as_parsed_code():
         tree = ast.parse(path.read_text())
         return {n.name: ast.dump(n) for n in tree.body if isinstance(n, ast.FunctionDef)}
 
-    one, two = (
-        functions(root / "stage1_cpu" / "ops.py"),
-        functions(root / "stage2_batched" / "ops.py"),
-    )
+    one = functions(root / "stage1_cpu" / "ops.py")
+    two = functions(root / "stage2_batched" / "ops.py")
     for name in ("rmsnorm", "rope_tables", "rope", "softmax", "route"):   # route: K.route's twin
         assert two[name] == one[name], f"ops.{name} differs from stage 1's"
     # stage 1 multiplies gate and up as one fused matrix, so its silu_mul takes [T, 2F];

@@ -428,8 +428,5 @@ def test_engine_graph_replay_makes_one_host_to_device_copy_on_gpu(monkeypatch):
     assert eng.inputs.pinned is not None
     got = run(eng, [[5, 9, 3], [40, 41]], 6)
     assert eng.graphs.num_replays > 0 and len(uploads) == eng.num_steps
-    assert got == run(
-        engine(make_model("qwen3"), device="cuda", slots=2, enforce_eager=True),
-        [[5, 9, 3], [40, 41]],
-        6,
-    )
+    assert got == run(engine(make_model("qwen3"), device="cuda", slots=2, enforce_eager=True),
+                      [[5, 9, 3], [40, 41]], 6)
