@@ -38,7 +38,8 @@ def qwen3_hf_tokenizer(qwen3_tokenizer_dir):
 SLOW_FILES = {
     "test_quant_quality.py": 1200, "test_default_model.py": 1200, "test_families.py": 1200,
     "test_gguf_engines.py": 1200,
-    "test_chat.py": 900, "test_server.py": 900, "test_stage2_serve.py": 900, "test_serve_faults.py": 900,
+    "test_chat.py": 900, "test_server.py": 900, "test_stage2_serve.py": 900,
+    "test_serve_faults.py": 900,
     "test_stage2_cuda_emulated.py": 900, "test_cuda_compile.py": 600,
     "test_stage2_gpu.py": 600, "test_stage3_gpu.py": 600, "test_gpu_check.py": 900,
 }
@@ -52,7 +53,8 @@ REQUIRE_GPU = os.environ.get("QS_REQUIRE_GPU") == "1"
 def pytest_collection_modifyitems(config, items):
     for item in items:
         name = item.path.name
-        limit = SLOW_FILES.get(name, 1200 if name.startswith("test_stage1_") else None)  # numba, cold
+        # numba, cold
+        limit = SLOW_FILES.get(name, 1200 if name.startswith("test_stage1_") else None)
         if limit is not None and item.get_closest_marker("timeout") is None:
             kw = {"method": "thread"} if name in THREAD_METHOD_FILES else {}
             item.add_marker(pytest.mark.timeout(limit, **kw))

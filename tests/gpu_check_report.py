@@ -48,7 +48,8 @@ def counts(paths: list[str]) -> dict[str, int]:
 
 
 def passed_per_file(path: str) -> dict[str, int]:
-    """test file stem (pytest's classname starts with it, e.g. tests.test_stage3_gpu) -> tests passed."""
+    """test file stem (pytest's classname starts with it, e.g. tests.test_stage3_gpu)
+    -> tests passed."""
     out: dict[str, int] = {}
     for suite in suites(path):
         for case in suite.iter("testcase"):
@@ -84,8 +85,13 @@ def failures(path: str, lines: int = 25) -> str:
                     continue
                 text = (child.text or child.get("message") or "").rstrip().splitlines()
                 cut = text[-lines:]
-                more = f"    ... ({len(text) - lines} lines above, in logs.tar.gz)\n" if len(text) > lines else ""
-                parts.append(f"--- {child.tag.upper()}: {case.get('classname', '')}::{case.get('name', '')}\n"
+                more = (
+                    f"    ... ({len(text) - lines} lines above, in logs.tar.gz)\n"
+                    if len(text) > lines
+                    else ""
+                )
+                parts.append(f"--- {child.tag.upper()}: "
+                             f"{case.get('classname', '')}::{case.get('name', '')}\n"
                              + more + "\n".join("    " + x for x in cut))
     return "\n".join(parts)
 

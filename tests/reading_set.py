@@ -27,7 +27,8 @@ sys.argv = ["python -m stage1_cpu.generate", "--model", sys.argv[2], "--kernels"
 import stage1_cpu.generate
 status = stage1_cpu.generate.main()
 packages = ("common", "stage1_cpu", "stage2_batched", "stage3_optimized")
-paths = [Path(m.__file__).resolve() for m in list(sys.modules.values()) if getattr(m, "__file__", None)]
+paths = [Path(m.__file__).resolve() for m in list(sys.modules.values())
+         if getattr(m, "__file__", None)]
 # (the project's own .py files: a virtual environment inside the clone is not the project)
 files = {str(p.relative_to(root)) for p in paths if p.suffix == ".py" and p.is_relative_to(root)
          and p.relative_to(root).parts[0] in packages}
@@ -37,14 +38,16 @@ print("READING-SET " + json.dumps({"status": status, "files": sorted(files)}))
 
 def reading_set(folder: Path) -> dict[str, int]:
     """{path relative to the repository: lines} of what plain stage 1 imports to run `folder`."""
-    out = subprocess.run([sys.executable, "-c", _RUN, str(ROOT), str(folder)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=900)
+    out = subprocess.run([sys.executable, "-c", _RUN, str(ROOT), str(folder)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=900)
     line = next((x for x in out.stdout.splitlines() if x.startswith("READING-SET ")), None)
     if out.returncode != 0 or line is None:
         raise RuntimeError(f"stage 1 did not run (exit {out.returncode}):\n{out.stderr[-3000:]}")
     result = json.loads(line[len("READING-SET "):])
     if result["status"] != 0:
-        raise RuntimeError(f"stage1_cpu.generate exited with {result['status']}:\n{out.stderr[-3000:]}")
+        raise RuntimeError(
+            f"stage1_cpu.generate exited with {result['status']}:\n{out.stderr[-3000:]}"
+        )
     return {f: len((ROOT / f).read_text().splitlines()) for f in result["files"]}
 
 

@@ -1,4 +1,5 @@
-"""bench/cpu.py's plans, workers and headline, and bench/ladder.py's naive rung, without running any engine.
+"""bench/cpu.py's plans, workers and headline, and bench/ladder.py's naive rung, without running
+any engine.
 
 The benchmark's numbers come from subprocess workers; what decides which runs are made
 and which figure the headline quotes is plain Python, checked here on made-up results.
@@ -24,8 +25,8 @@ needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="re
 
 
 def _cell(decode: float, p128: float, p512: float, ttft37: float = 0.5) -> dict:
-    return {"prefill": {"32": [p128 / 2], "128": [p128], "512": [p512]}, "decode": [decode], "decode_bw": [30.0],
-            "ttft": {"37": [ttft37], "300": [2 * ttft37]}, "runs": 1}
+    return {"prefill": {"32": [p128 / 2], "128": [p128], "512": [p512]}, "decode": [decode],
+            "decode_bw": [30.0], "ttft": {"37": [ttft37], "300": [2 * ttft37]}, "runs": 1}
 
 
 def test_full_run_measures_both_policies_and_the_second_one_smaller():
@@ -37,26 +38,31 @@ def test_full_run_measures_both_policies_and_the_second_one_smaller():
 
 
 def test_quick_run_is_passive_only_unless_asked():
-    assert [p["policy"] for p in bench_cpu.table_plans(bench_cpu.parse_args(["--quick"]))] == ["PASSIVE"]
+    quick = bench_cpu.table_plans(bench_cpu.parse_args(["--quick"]))
+    assert [p["policy"] for p in quick] == ["PASSIVE"]
     both = bench_cpu.table_plans(bench_cpu.parse_args(["--quick", "--omp-wait-policy", "both"]))
     assert [p["policy"] for p in both] == ["PASSIVE", "default"]
 
 
 def _tables(args, stage1_passive, llama_passive, stage1_default, llama_default, label="stage1"):
     plans = bench_cpu.table_plans(args)
-    return [{"plan": plans[0], "rows": [bench_cpu.Row(label, "int8", 1, {"cells": {"2": stage1_passive}}),
-                                        bench_cpu.Row("llama.cpp", "Q8_0", 1, {"cells": {"2": llama_passive}})]},
-            {"plan": plans[1], "rows": [bench_cpu.Row(label, "int8", 1, {"cells": {"2": stage1_default}}),
-                                        bench_cpu.Row("llama.cpp", "Q8_0", 1, {"cells": {"2": llama_default}})]}]
+    return [{"plan": plans[0],
+             "rows": [bench_cpu.Row(label, "int8", 1, {"cells": {"2": stage1_passive}}),
+                      bench_cpu.Row("llama.cpp", "Q8_0", 1, {"cells": {"2": llama_passive}})]},
+            {"plan": plans[1],
+             "rows": [bench_cpu.Row(label, "int8", 1, {"cells": {"2": stage1_default}}),
+                      bench_cpu.Row("llama.cpp", "Q8_0", 1, {"cells": {"2": llama_default}})]}]
 
 
 def _headline_rows(args, tables) -> dict[str, str]:
     best = bench_cpu.best_by_policy(args, tables)
     text = "\n".join(bench_cpu.headline(args, best))
     header = next(line for line in text.splitlines() if line.startswith("| stage 1"))
-    assert [c.strip() for c in header.strip("|").split("|")] == ["stage 1", "formats", "what", "stage 1", "llama.cpp",
-                                                                "ratio"]           # no target column
-    return {line.split("|")[3].strip(): line for line in text.splitlines() if line.startswith("| stage1")}
+    # no target column
+    assert [c.strip() for c in header.strip("|").split("|")] == ["stage 1", "formats", "what",
+                                                                "stage 1", "llama.cpp", "ratio"]
+    return {line.split("|")[3].strip(): line for line in text.splitlines()
+            if line.startswith("| stage1")}
 
 
 def test_headline_takes_each_engine_at_its_own_best_policy():
@@ -69,7 +75,8 @@ def test_headline_takes_each_engine_at_its_own_best_policy():
     assert best[("llama.cpp", "Q8_0", 2, 512)][:2] == (250.0, "default")
     rows = _headline_rows(args, tables)
     assert "40.0 (PASSIVE)" in rows["decode tok/s"] and "32.0 (default)" in rows["decode tok/s"]
-    assert "1.25×" in rows["decode tok/s"]                                           # 40 PASSIVE / 32 default
+    # 40 PASSIVE / 32 default
+    assert "1.25×" in rows["decode tok/s"]
     assert "0.80×" in rows["prefill 512 tok/s"]                                      # 200 / 250
 
 
@@ -77,11 +84,15 @@ def test_headline_ranks_time_to_first_token_by_the_smaller_time():
     """TTFT: the smaller time wins, the ratio is llama.cpp's time / stage 1's; the prefill and
     decode ratios are read off the best-policy figures."""
     args = bench_cpu.parse_args(["--threads", "2", "--formats", "int8"])
-    rows = _headline_rows(args, _tables(args, _cell(40.0, 170.0, 200.0, ttft37=0.25), _cell(20.0, 100.0, 150.0, ttft37=0.6),
-                                        _cell(38.0, 110.0, 190.0, ttft37=0.4), _cell(32.0, 80.0, 100.0, ttft37=0.5)))
+    rows = _headline_rows(args, _tables(args, _cell(40.0, 170.0, 200.0, ttft37=0.25),
+                                        _cell(20.0, 100.0, 150.0, ttft37=0.6),
+                                        _cell(38.0, 110.0, 190.0, ttft37=0.4),
+                                        _cell(32.0, 80.0, 100.0, ttft37=0.5)))
     first = rows["first token, 37-token prompt"]
-    assert "250 ms (PASSIVE)" in first and "500 ms (default)" in first and "2.00×" in first    # 0.5 s / 0.25 s
-    assert "1.70×" in rows["prefill 128 tok/s"]                                      # 170 PASSIVE / 100 PASSIVE
+    # 0.5 s / 0.25 s
+    assert "250 ms (PASSIVE)" in first and "500 ms (default)" in first and "2.00×" in first
+    # 170 PASSIVE / 100 PASSIVE
+    assert "1.70×" in rows["prefill 128 tok/s"]
     assert "1.33×" in rows["prefill 512 tok/s"]                                      # 200 / 150
     assert "1.25×" in rows["decode tok/s"]
 
@@ -89,22 +100,30 @@ def test_headline_ranks_time_to_first_token_by_the_smaller_time():
 def test_moe_headline_has_a_row_per_kernel_set_and_the_engine_table_its_roofline():
     """On a MoE shape: one row per kernel set, and decode's fraction of its roofline in the engine
     table: 30 tok/s x 1 GB a token at 40 GB/s is 75 %."""
-    args = bench_cpu.parse_args(["--shape", "moe", "--threads", "2", "--formats", "int8", "--kernels", "plain"])
+    args = bench_cpu.parse_args(
+        ["--shape", "moe", "--threads", "2", "--formats", "int8", "--kernels", "plain"]
+    )
     stage1 = dict(_cell(30.0, 100.0, 90.0), decode_bw=[40.0])
-    tables = _tables(args, stage1, _cell(20.0, 90.0, 100.0), stage1, _cell(20.0, 90.0, 100.0), label="stage1 plain")
+    tables = _tables(args, stage1, _cell(20.0, 90.0, 100.0), stage1, _cell(20.0, 90.0, 100.0),
+                     label="stage1 plain")
     for t in tables:
         t["rows"][0].weight_bytes = 10**9
     rows = _headline_rows(args, tables)
-    assert set(rows) >= {"decode tok/s", "prefill 512 tok/s"} and rows["decode tok/s"].startswith("| stage1 plain")
+    assert (
+        set(rows) >= {"decode tok/s", "prefill 512 tok/s"}
+        and rows["decode tok/s"].startswith("| stage1 plain")
+    )
     assert "1.50×" in rows["decode tok/s"] and "0.90×" in rows["prefill 512 tok/s"]
-    table = bench_cpu.engine_table(args, bench_cpu.best_by_policy(args, tables), {}, 2)   # and its % roofline
-    assert [c.strip() for c in table.splitlines()[2].split("|")][1:7] == ["stage1 plain", "int8", "1,000", "30.0",
-                                                                          "30.0", "75"]
+    # and its % roofline
+    table = bench_cpu.engine_table(args, bench_cpu.best_by_policy(args, tables), {}, 2)
+    assert [c.strip() for c in table.splitlines()[2].split("|")][1:7] == ["stage1 plain", "int8",
+                                                                          "1,000", "30.0", "30.0",
+                                                                          "75"]
 
 
 def test_each_worker_gets_the_activations_and_its_kernel_set(tmp_path, monkeypatch):
-    """--activations int8 --kernels auto,plain: stage 1's workers (one per kernel set) get int8; without
-    llama-cpp-python llama.cpp's cell says so and no worker starts for it."""
+    """--activations int8 --kernels auto,plain: stage 1's workers (one per kernel set) get int8;
+    without llama-cpp-python llama.cpp's cell says so and no worker starts for it."""
     seen = []
 
     def fake_worker(module, spec, timeout, log, omp_wait_policy):
@@ -114,10 +133,15 @@ def test_each_worker_gets_the_activations_and_its_kernel_set(tmp_path, monkeypat
     monkeypatch.setattr(bench_cpu, "llama_cpp_installed", lambda: True)
     plan = {"policy": "PASSIVE", "threads": [2], "check": False}
     paths = {"hf": tmp_path, "Q8_0": tmp_path / "q8.gguf"}
-    args = bench_cpu.parse_args(["--shape", "moe-quick", "--quick", "--engines", "stage1,llama.cpp", "--formats",
-                                 "int8", "--kernels", "auto,plain", "--activations", "int8"])
+    args = bench_cpu.parse_args(["--shape", "moe-quick", "--quick", "--engines", "stage1,llama.cpp",
+                                 "--formats", "int8", "--kernels", "auto,plain",
+                                 "--activations", "int8"])
     rows, _ = bench_cpu.run_table(args, args.shape, paths, lambda s: None, plan)
-    assert seen == [("stage1", "auto", "int8"), ("stage1", "plain", "int8"), ("llama.cpp", "auto", "int8")]
+    assert seen == [
+        ("stage1", "auto", "int8"),
+        ("stage1", "plain", "int8"),
+        ("llama.cpp", "auto", "int8"),
+    ]
     assert [r.engine for r in rows] == ["stage1", "stage1 plain", "llama.cpp"]
     seen.clear()
     monkeypatch.setattr(bench_cpu, "llama_cpp_installed", lambda: False)
@@ -139,7 +163,8 @@ def test_decode_bytes_count_the_k_chosen_experts_of_a_moe_token():
 def test_ladder_naive_rung_equals_the_weights_own_definition():
     from bench import ladder
     rng = np.random.default_rng(3)
-    w = ladder.random_weight(70, 100, "int8", rng)          # 100 is not a multiple of the group: padded
+    # 100 is not a multiple of the group: padded
+    w = ladder.random_weight(70, 100, "int8", rng)
     x = rng.standard_normal((1, 100), dtype=np.float32)
     buf = np.empty(w.out_features * w.padded_in, dtype=np.float32)
     got = ladder.dequant_then_matmul(w, x, buf)
@@ -164,25 +189,33 @@ def test_speculative_table_measures_each_engine_against_its_own_plain_decoding(t
     run of the same prompt, tokens per forward pass and drafts accepted, from a saved run."""
     (tmp_path / "docs" / "figures").mkdir(parents=True)
     row = lambda engine, mode, seconds, steps, drafted, accepted: dict(  # noqa: E731
-        engine=engine, mode=mode, task="code rewrite", prompt=0, tokens=64, seconds=seconds, steps=steps,
-        drafted=drafted, accepted=accepted)
+        engine=engine, mode=mode, task="code rewrite", prompt=0, tokens=64, seconds=seconds,
+        steps=steps, drafted=drafted, accepted=accepted)
     saved = dict(model="m.gguf", threads=2, peer="llama-cpp-python 0", machine="cpu", date="d",
-                 rows=[row("stage1", "plain", 2.0, 64, 0, 0), row("stage1", "ngram", 0.8, 20, 60, 45),
-                       row("llama.cpp", "plain", 1.0, 64, 0, 0), row("llama.cpp", "lookup", 1.5, 30, 50, 20)])
+                 rows=[row("stage1", "plain", 2.0, 64, 0, 0),
+                       row("stage1", "ngram", 0.8, 20, 60, 45),
+                       row("llama.cpp", "plain", 1.0, 64, 0, 0),
+                       row("llama.cpp", "lookup", 1.5, 30, 50, 20)])
     (tmp_path / "docs" / "figures" / "stage1_speculative.json").write_text(json.dumps(saved))
-    cells = {tuple(c.strip() for c in line.strip("|").split("|"))[:2]: [c.strip() for c in line.strip("|").split("|")][3:]
+    cells = {tuple(c.strip() for c in line.strip("|").split("|"))[:2]:
+             [c.strip() for c in line.strip("|").split("|")][3:]
              for line in report.speculative(tmp_path).splitlines() if line.startswith("| ")}
-    assert cells[("stage1", "ngram")] == ["80.0", "2.50x", "3.20", "75%"]        # 80 tok/s over stage 1's own 32
-    assert cells[("llama.cpp", "lookup")] == ["42.7", "0.67x", "2.13", "40%"]    # over llama.cpp's own 64
+    # 80 tok/s over stage 1's own 32
+    assert cells[("stage1", "ngram")] == ["80.0", "2.50x", "3.20", "75%"]
+    # over llama.cpp's own 64
+    assert cells[("llama.cpp", "lookup")] == ["42.7", "0.67x", "2.13", "40%"]
     assert cells[("stage1", "plain")] == ["32.0", "1.00x", "1.00", "–"]
 
 
 def test_older_saved_runs_with_read_only_rows_read_as_without_them(tmp_path):
-    """Saved runs from before the read-only ceiling went carry "read only" rows in `rows` and `best`:
-    bench report's CPU tables and the roofline figure read past them, as if they were not there."""
+    """Saved runs from before the read-only ceiling went carry "read only" rows in `rows` and
+    `best`: bench report's CPU tables and the roofline figure read past them, as if they were not
+    there."""
     saved = json.loads((report.ROOT / "docs" / "results" / "cpu-avx2.json").read_text())
-    old = dict(saved, rows=saved["rows"] + [dict(saved["rows"][0], engine="read only", mb_per_token=9e3)],
-               best=saved["best"] + [dict(b, engine="read only", value=99.0) for b in saved["best"]])
+    old = dict(saved,
+               rows=saved["rows"] + [dict(saved["rows"][0], engine="read only", mb_per_token=9e3)],
+               best=saved["best"] + [dict(b, engine="read only", value=99.0)
+                                     for b in saved["best"]])
     for name, run in (("new", saved), ("old", old)):
         (tmp_path / name / "docs" / "results").mkdir(parents=True)
         (tmp_path / name / "docs" / "results" / "cpu-avx2.json").write_text(json.dumps(run))

@@ -54,7 +54,8 @@ def default_model() -> Path:
 def spawn_chat(args: list[str], timeout: float = 120, preexec_fn=None):
     import pexpect
     child = pexpect.spawn(sys.executable, ["-m", "stage1_cpu.chat", *args], cwd=str(ROOT), env=ENV,
-                          encoding="utf-8", timeout=timeout, dimensions=(50, 200), preexec_fn=preexec_fn)
+                          encoding="utf-8", timeout=timeout, dimensions=(50, 200),
+                          preexec_fn=preexec_fn)
     child.logfile_read = io.StringIO()     # the whole session, for the failure message
     return child
 
@@ -63,7 +64,7 @@ def screen(child) -> str:
     return ANSI.sub("", child.logfile_read.getvalue())
 
 
-# ----------------------------------------------------------------------------- a person at a terminal
+# ------------------------------------------------------------------ a person at a terminal
 
 def test_terminal_chat_default_model_multi_turn_reset_think_ctrl_c_exit(default_model):
     pexpect = pytest.importorskip("pexpect")
@@ -75,7 +76,9 @@ def test_terminal_chat_default_model_multi_turn_reset_think_ctrl_c_exit(default_
         # turn 1: the answer streams, then the stats line, then a new prompt
         child.sendline("What is the capital of France?")
         child.expect("Paris")
-        child.expect(r"(\d+) prompt tokens · (\d+) generated · prefill [\d.]+ tok/s .* decode [\d.]+ tok/s")
+        child.expect(
+            r"(\d+) prompt tokens · (\d+) generated · prefill [\d.]+ tok/s .* decode [\d.]+ tok/s"
+        )
         first_prompt = int(child.match.group(1))
         child.expect_exact(PROMPT)
 
@@ -84,7 +87,9 @@ def test_terminal_chat_default_model_multi_turn_reset_think_ctrl_c_exit(default_
         child.expect("Paris")
         child.expect(r"(\d+) prompt tokens \((\d+) cached\) · (\d+) generated")
         prompt2, cached2 = int(child.match.group(1)), int(child.match.group(2))
-        assert first_prompt < cached2 < prompt2, "turn 2 should re-use turn 1's prompt and answer from the KV cache"
+        assert first_prompt < cached2 < prompt2, (
+            "turn 2 should re-use turn 1's prompt and answer from the KV cache"
+        )
         child.expect_exact(PROMPT)
 
         # /reset forgets turn 1: the same follow-up no longer knows the city
@@ -93,7 +98,8 @@ def test_terminal_chat_default_model_multi_turn_reset_think_ctrl_c_exit(default_
         child.expect_exact(PROMPT)
         child.sendline("Repeat the city you just named.")
         child.expect_exact("Repeat the city you just named.")        # the terminal's echo
-        child.expect(r"(\d+) prompt tokens · (\d+) generated")        # no "(… cached)": a fresh conversation
+        # no "(… cached)": a fresh conversation
+        child.expect(r"(\d+) prompt tokens · (\d+) generated")
         assert "Paris" not in child.before
         assert int(child.match.group(1)) < prompt2
         child.expect_exact(PROMPT)
@@ -114,7 +120,9 @@ def test_terminal_chat_default_model_multi_turn_reset_think_ctrl_c_exit(default_
         child.sendline("/exit")
         child.expect(pexpect.EOF)
     except (pexpect.TIMEOUT, pexpect.EOF, AssertionError) as e:
-        raise AssertionError(f"{type(e).__name__}; the terminal showed:\n{screen(child)[-4000:]}") from None
+        raise AssertionError(
+            f"{type(e).__name__}; the terminal showed:\n{screen(child)[-4000:]}"
+        ) from None
     finally:
         child.close()
     assert child.exitstatus == 0, screen(child)[-2000:]
@@ -147,16 +155,17 @@ def test_ctrl_d_or_ctrl_c_at_empty_prompt_leaves_with_exit_code_0(qwen3_folder, 
     assert "Traceback" not in screen(child)
 
 
-# ----------------------------------------------------------------------------- piped input, exact prompts
+# ------------------------------------------------------------------ piped input, exact prompts
 
 def test_piped_prompts_are_exactly_the_qwen3_template_rendering_thinking_on_and_off(qwen3_folder):
     from transformers import AutoTokenizer
 
     lines = ["Hello, who are you?", "/think off", "What is 2+2?", "/think on", "Thanks!"]
     run = subprocess.run(
-        [sys.executable, "-m", "stage1_cpu.chat", "--model", str(qwen3_folder), "--temperature", "0",
-         "--max-tokens", "6", "--system", "You are terse.", "--show-prompt"],
-        input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=COLD, env=ENV, cwd=ROOT)
+        [sys.executable, "-m", "stage1_cpu.chat", "--model", str(qwen3_folder),
+         "--temperature", "0", "--max-tokens", "6", "--system", "You are terse.", "--show-prompt"],
+        input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=COLD, env=ENV,
+        cwd=ROOT)
     assert run.returncode == 0, run.stderr
     records = [json.loads(line[len("[prompt] "):]) for line in run.stderr.splitlines()
                if line.startswith("[prompt] ")]
@@ -172,9 +181,11 @@ def test_piped_prompts_are_exactly_the_qwen3_template_rendering_thinking_on_and_
 
     # the conversation is the system message, the typed lines, and the model's answers
     final = records[-1]["messages"]
-    assert [m["role"] for m in final] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert [m["role"] for m in final] == ["system", "user", "assistant", "user", "assistant",
+                                          "user"]
     assert final[0]["content"] == "You are terse."
-    assert [m["content"] for m in final if m["role"] == "user"] == ["Hello, who are you?", "What is 2+2?", "Thanks!"]
+    assert [m["content"] for m in final if m["role"] == "user"] == ["Hello, who are you?",
+                                                                    "What is 2+2?", "Thanks!"]
     assert all(m["content"] for m in final if m["role"] == "assistant")
     # the answer is kept as the model wrote it: turn 2's prompt extends turn 1's prompt + answer ...
     assert records[1]["prompt_ids"][:len(records[0]["prompt_ids"])] == records[0]["prompt_ids"]
@@ -190,7 +201,7 @@ def test_piped_prompts_are_exactly_the_qwen3_template_rendering_thinking_on_and_
     assert len(run.stdout.strip()) > 0
 
 
-# ----------------------------------------------------------------------------- in-process: abort, full context
+# ------------------------------------------------------------------ in-process: abort, full context
 
 @pytest.fixture(scope="module")
 def tiny_chat_parts(qwen3_folder):
@@ -204,7 +215,9 @@ def stage1_engine(folder, max_ctx):
     return LLMEngine(folder, max_ctx=max_ctx, progress=False, use_numba=False)
 
 
-def test_ctrl_c_mid_answer_aborts_and_keeps_the_partial_answer(qwen3_folder, tiny_chat_parts, capsys):
+def test_ctrl_c_mid_answer_aborts_and_keeps_the_partial_answer(
+    qwen3_folder, tiny_chat_parts, capsys
+):
     from common.chat import run_chat
     from common.sampling import SamplingParams
 
@@ -217,7 +230,12 @@ def test_ctrl_c_mid_answer_aborts_and_keeps_the_partial_answer(qwen3_folder, tin
         # a person pressing Ctrl-C after the third token of the first answer
         events = real_step()
         produced.extend(e.token_id for e in events if e.request_id == "chat-1" and e.token_id >= 0)
-        if len(produced) == 3 and events and events[0].request_id == "chat-1" and events[0].finish_reason is None:
+        if (
+            len(produced) == 3
+            and events
+            and events[0].request_id == "chat-1"
+            and events[0].finish_reason is None
+        ):
             os.kill(os.getpid(), signal.SIGINT)
         return events
 
@@ -225,7 +243,8 @@ def test_ctrl_c_mid_answer_aborts_and_keeps_the_partial_answer(qwen3_folder, tin
     prompts = []
     real_add = engine.add_request
     engine.add_request = lambda req: (prompts.append(req.prompt_ids), real_add(req))[1]
-    params = SamplingParams(temperature=0.0, ignore_eos=True)   # random weights: never stop on their own
+    # random weights: never stop on their own
+    params = SamplingParams(temperature=0.0, ignore_eos=True)
     code = run_chat(engine, tokenizer, template, params, max_tokens=50, lines=["first", "second"])
     assert code == 0
     stats = [line for line in capsys.readouterr().err.splitlines() if "prompt tokens" in line]
@@ -272,7 +291,9 @@ def test_full_context_says_reset_instead_of_crashing(qwen3_folder, tiny_chat_par
     engine = stage1_engine(qwen3_folder, 40)
     params = SamplingParams(temperature=0.0, ignore_eos=True)
     # turn 1 (9 prompt tokens) fills the context; turn 2 no longer fits; /reset; turn 3 fits again
-    code = run_chat(engine, tokenizer, template, params, lines=["hi", "and now?", "/reset", "hello"])
+    code = run_chat(
+        engine, tokenizer, template, params, lines=["hi", "and now?", "/reset", "hello"]
+    )
     assert code == 0
     out = capsys.readouterr()
     assert "The context is full (40 of 40 tokens)" in out.err
@@ -318,7 +339,10 @@ def test_thinking_is_shown_with_think_on_hidden_with_off_and_kept_raw(tiny_chat_
     tokenizer, template = tiny_chat_parts
     raw = "<think>\nThe capital of France is Paris.\n</think>\n\nParis."
     engine = ScriptedEngine(tokenizer.encode(raw) + [tokenizer.token_to_id("<|im_end|>")])
-    assert run_chat(engine, tokenizer, template, lines=["Capital of France?", "/think off", "Again?"]) == 0
+    assert (
+        run_chat(engine, tokenizer, template, lines=["Capital of France?", "/think off", "Again?"])
+        == 0
+    )
     answers = capsys.readouterr().out
     # think on: the reasoning is printed (marked as such); think off: only the answer
     assert answers == ("<think>\nThe capital of France is Paris.\n</think>\n\nParis.\n"
@@ -330,7 +354,8 @@ def test_thinking_is_shown_with_think_on_hidden_with_off_and_kept_raw(tiny_chat_
                                 {"role": "user", "content": "Again?"}], enable_thinking=False)
     assert engine.prompts[1] == tokenizer.encode(expected)
     prompt2 = tokenizer.decode(engine.prompts[1])
-    assert "The capital of France is Paris." not in prompt2          # old thinking dropped by the template
+    # old thinking dropped by the template
+    assert "The capital of France is Paris." not in prompt2
     assert prompt2.count("<think>") == 1 and prompt2.endswith("<think>\n\n</think>\n\n")
 
 
@@ -338,8 +363,11 @@ def test_a_message_of_several_lines_between_triple_quotes_or_backslashes():
     """A code block pasted whole is one message: from a line that starts with three double quotes
     to the line that ends with them; a line ending in a backslash goes on with the next."""
     from common.chat import messages
-    lines = ['hi', '"""Rename result to total:', 'def f(p):', '    result = 0', '    return result', '"""',
-             'one \\', 'two', '"""', 'x', '"""', '"""single"""', 'end']
-    assert list(messages(lines)) == ['hi', 'Rename result to total:\ndef f(p):\n    result = 0\n    return result',
+    lines = ['hi', '"""Rename result to total:', 'def f(p):', '    result = 0', '    return result',
+             '"""', 'one \\', 'two', '"""', 'x', '"""', '"""single"""', 'end']
+    assert list(messages(lines)) == ['hi',
+                                     'Rename result to total:\ndef f(p):\n    result = 0\n'
+                                     '    return result',
                                      'one \ntwo', 'x', 'single', 'end']
-    assert list(messages(['"""never closed', 'a'])) == ['never closed\na']        # the input ended first
+    # the input ended first
+    assert list(messages(['"""never closed', 'a'])) == ['never closed\na']

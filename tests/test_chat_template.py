@@ -9,15 +9,20 @@ import pytest
 from bench.testbed.qwen_tokenizer import TEMPLATE_PATH
 from common.chat_template import BUILTIN_CHATML, ChatTemplate, ChatTemplateError
 
-SYSTEM = {"role": "system", "content": "You are a helpful assistant. Réponds en français si besoin."}
+SYSTEM = {
+    "role": "system",
+    "content": "You are a helpful assistant. Réponds en français si besoin.",
+}
 WEATHER_TOOL = {
     "type": "function",
     "function": {
         "name": "get_weather",
         "description": "Current weather for a city. Use <city> names & 'quotes' as given.",
         "parameters": {"type": "object",
-                       "properties": {"city": {"type": "string", "description": "城市, e.g. Zürich"},
-                                      "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                       "properties": {"city": {"type": "string",
+                                               "description": "城市, e.g. Zürich"},
+                                      "unit": {"type": "string",
+                                               "enum": ["celsius", "fahrenheit"]}},
                        "required": ["city"]},
     },
 }
@@ -62,10 +67,13 @@ def qwen3(qwen3_tokenizer_dir) -> ChatTemplate:
 
 
 @pytest.mark.parametrize("name,messages,tools,gen,thinking", CASES, ids=[c[0] for c in CASES])
-def test_qwen3_template_matches_transformers(qwen3, qwen3_hf_tokenizer, name, messages, tools, gen, thinking):
+def test_qwen3_template_matches_transformers(
+    qwen3, qwen3_hf_tokenizer, name, messages, tools, gen, thinking
+):
     ours = qwen3.render(messages, add_generation_prompt=gen, enable_thinking=thinking, tools=tools)
-    theirs = qwen3_hf_tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                          add_generation_prompt=gen, enable_thinking=thinking)
+    theirs = qwen3_hf_tokenizer.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=gen, enable_thinking=thinking
+    )
     assert ours == theirs
     assert ours.count("<|im_start|>") >= 2
 
@@ -76,12 +84,17 @@ def test_qwen3_template_output_has_expected_pieces(qwen3):
     assert text.startswith("<|im_start|>system\nYou are a helpful assistant.")
     assert "\n<tools>\n" + json.dumps(WEATHER_TOOL, ensure_ascii=False) + "\n</tools>" in text
     # the reasoning of the current tool chain is kept, the calls follow it
-    assert ("<|im_start|>assistant\n<think>\nI need the weather tool twice.\n</think>\n\n<tool_call>\n"
-            '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>\n'
-            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call><|im_end|>\n') in text
+    assert ("<|im_start|>assistant\n<think>\nI need the weather tool twice.\n</think>\n\n"
+            "<tool_call>\n"
+            '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
+            "</tool_call>\n"
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n'
+            "</tool_call><|im_end|>\n") in text
     # consecutive tool results share one user turn
-    assert ("<|im_start|>user\n<tool_response>\n{\"temp\": 21, \"sky\": \"sunny\"}\n</tool_response>\n"
-            "<tool_response>\n{\"temp\": 15, \"sky\": \"rain\"}\n</tool_response><|im_end|>\n") in text
+    assert ("<|im_start|>user\n"
+            "<tool_response>\n{\"temp\": 21, \"sky\": \"sunny\"}\n</tool_response>\n"
+            "<tool_response>\n{\"temp\": 15, \"sky\": \"rain\"}\n</tool_response>"
+            "<|im_end|>\n") in text
     assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert qwen3.has_thinking
 
@@ -89,7 +102,8 @@ def test_qwen3_template_output_has_expected_pieces(qwen3):
 def test_content_none_with_tool_calls_renders_as_empty(qwen3):
     # OpenAI clients send content=null next to tool_calls
     with_none = [dict(m, content=None) if m.get("tool_calls") else m for m in TOOL_CHAIN]
-    assert qwen3.render(with_none, tools=[WEATHER_TOOL]) == qwen3.render(TOOL_CHAIN, tools=[WEATHER_TOOL])
+    assert (qwen3.render(with_none, tools=[WEATHER_TOOL])
+            == qwen3.render(TOOL_CHAIN, tools=[WEATHER_TOOL]))
 
 
 @pytest.mark.parametrize("name,messages,tools,gen,thinking", CASES, ids=[c[0] for c in CASES])
@@ -110,7 +124,9 @@ def test_builtin_chatml_documented_format():
         "<|im_start|>assistant\nHello!<|im_end|>\n"           # old reasoning dropped
         "<|im_start|>user\nBye<|im_end|>\n"
         "<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    assert builtin.render(messages[1:2]) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        builtin.render(messages[1:2]) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert builtin.has_thinking and builtin.is_builtin
     with pytest.raises(ChatTemplateError, match="unknown message role"):
         builtin.render([{"role": "narrator", "content": "x"}])
@@ -122,23 +138,35 @@ def test_from_folder_sources(tmp_path, qwen3_tokenizer_dir):
     # a list of named templates: "default"
     cfg = {"eos_token": {"content": "</s>"}, "bos_token": "<s>",
            "chat_template": [{"name": "tool_use", "template": "TOOLS"},
-                             {"name": "default", "template": "{{ bos_token }}{{ messages[0].content }}{{ eos_token }}"}]}
+                             {"name": "default",
+                              "template": "{{ bos_token }}{{ messages[0].content }}"
+                                          "{{ eos_token }}"}]}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
-    assert ChatTemplate.from_folder(tmp_path).render([{"role": "user", "content": "hi"}]) == "<s>hi</s>"
+    assert (
+        ChatTemplate.from_folder(tmp_path).render([{"role": "user", "content": "hi"}])
+        == "<s>hi</s>"
+    )
     # chat_template.jinja wins over tokenizer_config.json, as in transformers
     (tmp_path / "chat_template.jinja").write_text("[{{ messages | length }}]")
     template = ChatTemplate.from_folder(tmp_path)
-    assert template.render([{"role": "user", "content": "hi"}]) == "[1]" and not template.has_thinking
+    assert (
+        template.render([{"role": "user", "content": "hi"}]) == "[1]" and not template.has_thinking
+    )
     # the Qwen3 test folder carries the real template
-    assert ChatTemplate.from_folder(qwen3_tokenizer_dir).source == TEMPLATE_PATH.read_text(encoding="utf-8")
+    assert (ChatTemplate.from_folder(qwen3_tokenizer_dir).source
+            == TEMPLATE_PATH.read_text(encoding="utf-8"))
 
 
 def test_template_helpers_match_transformers():
-    template = ChatTemplate("{{ tools | tojson(indent=2) }}|{{ 'x' if strftime_now('%Y') | int > 2000 }}"
-                            "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.content }}"
+    template = ChatTemplate("{{ tools | tojson(indent=2) }}|"
+                            "{{ 'x' if strftime_now('%Y') | int > 2000 }}"
+                            "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}"
+                            "{{ m.content }}"
                             "{% endfor %}{% generation %}G{% endgeneration %}")
     tools = [{"name": "f", "description": "<b> & 'é'"}]
-    out = template.render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], tools=tools)
+    out = template.render(
+        [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], tools=tools
+    )
     assert out == json.dumps(tools, ensure_ascii=False, indent=2) + "|xaG"
 
 

@@ -55,7 +55,9 @@ def test_cu_files_are_found_per_stage():
 
 
 PTXAS_ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(\w+)'")
-PTXAS_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+PTXAS_SPILL = re.compile(
+    r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads"
+)
 PTXAS_USED = re.compile(r"Used (\d+) registers(?:.*?, (\d+) bytes smem)?")
 
 
@@ -90,7 +92,8 @@ def test_cu_file_compiles_to_a_cubin_without_spills(cu, arch, tmp_path, request)
     if nvcc is None:
         _missing("nvcc", "pip install nvidia-cuda-nvcc, or a CUDA 13 toolkit on the PATH")
     r = subprocess.run([nvcc, "-cubin", f"-arch={arch}", "--std=c++17", "-Xptxas", "-v", str(cu),
-                        "-o", str(tmp_path / "out.cubin")], capture_output=True, text=True, timeout=240)
+                        "-o", str(tmp_path / "out.cubin")],
+                       capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, f"{cu_id(cu)} for {arch}:\n{r.stderr}"
     assert (tmp_path / "out.cubin").stat().st_size > 0
     kernels = parse_ptxas(r.stderr)

@@ -28,7 +28,11 @@ from course.chapter_tests import slug
 from course.exercises import EXERCISES
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "docs" / "lessons" / "README.md"]
+DOCS = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    ROOT / "docs" / "lessons" / "README.md",
+]
 PACKAGES = ("common", "stage1_cpu", "stage2_batched", "stage3_optimized", "bench", "course")
 WITH_SUBCOMMANDS = ("bench", "course.exercises")
 
@@ -41,8 +45,8 @@ def prose(path: Path) -> str:
 # ---- the tables come from the saved results ----
 
 def test_report_check_passes_on_the_docs_as_committed():
-    r = subprocess.run([sys.executable, "-m", "bench", "report", "--check"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-m", "bench", "report", "--check"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr + r.stdout
 
 
@@ -51,19 +55,27 @@ def test_a_number_edited_by_hand_in_a_table_fails_report_check(tmp_path):
     docs/stage3.md) and one line count in the course's map: --check names both and exits 1,
     and `report` writes them back."""
     copy = tmp_path / "repo"
-    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", "__pycache__", "*.pyc", ".numba-cache"))
+    shutil.copytree(
+        ROOT, copy, ignore=shutil.ignore_patterns(".git", "__pycache__", "*.pyc", ".numba-cache")
+    )
     stage3, course_map = copy / "docs" / "stage3.md", copy / "docs" / "README.md"
     text = stage3.read_text()
     row = re.search(r"^\| 0 +\| 00-stage2 +\| (\d+) +\|", text, re.M)
-    stage3.write_text(text.replace(row.group(0), row.group(0).replace(row.group(1), str(int(row.group(1)) + 1)), 1))
+    bumped = row.group(0).replace(row.group(1), str(int(row.group(1)) + 1))
+    stage3.write_text(text.replace(row.group(0), bumped, 1))
     text = course_map.read_text()
     count = re.search(r"`common/engine.py` \((\d+)\)", text)
     course_map.write_text(text.replace(count.group(0), "`common/engine.py` (1)", 1))
 
     check = [sys.executable, "-m", "bench", "report", "--check", "--root", str(copy)]
     r = subprocess.run(check, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 1 and "docs/stage3.md (lessons)" in r.stderr and "docs/README.md (lines)" in r.stderr
-    subprocess.run(check[:4] + check[5:], cwd=ROOT, check=True, capture_output=True, timeout=300)   # write them
+    assert (
+        r.returncode == 1
+        and "docs/stage3.md (lessons)" in r.stderr
+        and "docs/README.md (lines)" in r.stderr
+    )
+    # write them
+    subprocess.run(check[:4] + check[5:], cwd=ROOT, check=True, capture_output=True, timeout=300)
     assert stage3.read_text() == (ROOT / "docs" / "stage3.md").read_text()
     assert subprocess.run(check, cwd=ROOT, capture_output=True, timeout=300).returncode == 0
 
@@ -76,20 +88,27 @@ def test_report_cpu_table_divides_stage1_by_llamacpp_each_at_its_best_policy(tmp
     """From a saved run's best-policy medians: int8 decode 30 / 20 tok/s is 1.50×, prefill 512
     90 / 120 is 0.75×; the 1-thread figures and transformers' are not the table's; the class
     comes from --cpu-profile and the flags; a busy run says so in its caption."""
-    best = [_run("stage1", "int8", "decode", 30.0, "PASSIVE"), _run("llama.cpp", "Q8_0", "decode", 20.0, "default"),
-            _run("stage1", "int8", "512", 90.0, "default"), _run("llama.cpp", "Q8_0", "512", 120.0, "PASSIVE"),
+    best = [_run("stage1", "int8", "decode", 30.0, "PASSIVE"),
+            _run("llama.cpp", "Q8_0", "decode", 20.0, "default"),
+            _run("stage1", "int8", "512", 90.0, "default"),
+            _run("llama.cpp", "Q8_0", "512", 120.0, "PASSIVE"),
             _run("transformers", "bf16", "decode", 99.0, "PASSIVE"),
             dict(_run("stage1", "int8", "128", 5.0, "PASSIVE"), threads=1)]
     run = dict(command="python -m bench cpu --cpu-profile avx2 --save x", date="D", machine="M",
-               cpu_flags=["avx2", "avx512f"], cpu_profile="avx2", shape="qwen3-0.6b-shape", quick=False,
-               threads=[1, 2], others_cores=0.4, versions={"llama-cpp-python": "0.3.36"}, best=best)
+               cpu_flags=["avx2", "avx512f"], cpu_profile="avx2", shape="qwen3-0.6b-shape",
+               quick=False, threads=[1, 2], others_cores=0.4,
+               versions={"llama-cpp-python": "0.3.36"}, best=best)
     (tmp_path / "docs" / "results").mkdir(parents=True)
     (tmp_path / "docs" / "results" / "cpu-avx2.json").write_text(json.dumps(run))
     table = report.cpu_table(tmp_path)
     row = next(line for line in table.splitlines() if line.startswith("| AVX2"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[0] == "AVX2 (AVX-512 host as stand-in)" and cells[1] == "int8 ÷ Q8_0"
-    assert cells[2] == "**1.50×** (30.0 / 20.0 tok/s)" and cells[3] == "–" and cells[4].startswith("**0.75×**")
+    assert (
+        cells[2] == "**1.50×** (30.0 / 20.0 tok/s)"
+        and cells[3] == "–"
+        and cells[4].startswith("**0.75×**")
+    )
     assert "**busy**" in table and "python -m bench cpu --cpu-profile avx2" in table
     full = report.cpu_full(tmp_path)
     assert "30.0 (PASSIVE)" in full and "20.0 (default)" in full and "99.0" not in full
@@ -101,8 +120,9 @@ LAB = [(re.compile(r"\bissues? #?\d+", re.I), "an issue number"),
        (re.compile(r"\b(?:[01]?\d|2[0-3]):[0-5]\d(?::[0-5]\d)?\s*(?:UTC|h\b)|\b(?:[01]\d|2[0-3]):[0-5]\d\b(?![\d.:])"),
         "a clock time"),
        (re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b"), "a date outside a table `report` writes"),
-       (re.compile(r"\bUTC\b|lab log|benchmarks-log|this session|next session|earlier session|an hour earlier|"
-                   r"later that day|this morning|yesterday|the same day|we measured|I measured", re.I),
+       (re.compile(r"\bUTC\b|lab log|benchmarks-log|this session|next session|earlier session|"
+                   r"an hour earlier|later that day|this morning|yesterday|the same day|"
+                   r"we measured|I measured", re.I),
         "narration of who measured what and when")]
 
 
@@ -116,32 +136,38 @@ def test_no_lab_notes(path):
 
 def test_the_lab_note_patterns_catch_what_they_are_for():
     """The patterns are not vacuous: each catches its kind, and the prose of a chapter passes."""
-    for text in ("(issue 28)", "10:11-12:11 UTC", "at 16:36", "on 2026-12-03", "the lab log", "an hour earlier"):
+    for text in ("(issue 28)", "10:11-12:11 UTC", "at 16:36", "on 2026-12-03", "the lab log",
+                 "an hour earlier"):
         assert any(rx.search(text) for rx, _ in LAB), text
-    for text in ("--addr 127.0.0.1:8000", "GQA 16:8", "8 `vpmaddwd` per step", "a session of the chat"):
+    for text in ("--addr 127.0.0.1:8000", "GQA 16:8", "8 `vpmaddwd` per step",
+                 "a session of the chat"):
         assert not any(rx.search(text) for rx, _ in LAB), text
 
 
 # ---- commands and links ----
 
 def commands() -> list[list[str]]:
-    """Every `python -m MODULE [SUBCOMMAND]` of this repository the docs write, and `python course/series.py`."""
+    """Every `python -m MODULE [SUBCOMMAND]` of this repository the docs write, and
+    `python course/series.py`."""
     found = set()
     for path in DOCS:
         for m in re.finditer(r"python3? -m ([A-Za-z_][\w.]*)((?: [a-z][\w-]*)?)", path.read_text()):
             module, sub = m.group(1), m.group(2).strip()
             if module.split(".")[0] not in PACKAGES:
-                continue                    # pytest, another project's server, a rungNN package course/series.py writes
+                # pytest, another project's server, a rungNN package course/series.py writes
+                continue
             found.add((module, sub if module in WITH_SUBCOMMANDS else ""))
         if "python course/series.py" in path.read_text():
             found.add(("course/series.py", ""))
-    return [([sys.executable, mod] if mod.endswith(".py") else [sys.executable, "-m", mod]) + ([sub] if sub else [])
+    return [([sys.executable, mod] if mod.endswith(".py") else [sys.executable, "-m", mod])
+            + ([sub] if sub else [])
             for mod, sub in sorted(found)]
 
 
 def test_every_python_m_command_in_the_docs_answers_help():
     cmds = commands()
-    assert len(cmds) >= 15 and [sys.executable, "-m", "bench", "report"] in cmds          # the scan found them
+    # the scan found them
+    assert len(cmds) >= 15 and [sys.executable, "-m", "bench", "report"] in cmds
     assert [sys.executable, "-m", "common.tiny_model"] in cmds
 
     def help_of(cmd):
@@ -149,7 +175,8 @@ def test_every_python_m_command_in_the_docs_answers_help():
         return cmd, r
     with ThreadPoolExecutor(4) as pool:
         failed = [f"{' '.join(c[1:])} --help: exit {r.returncode}: {(r.stderr or r.stdout)[-300:]}"
-                  for c, r in pool.map(help_of, cmds) if r.returncode != 0 or "usage" not in r.stdout.lower()]
+                  for c, r in pool.map(help_of, cmds)
+                  if r.returncode != 0 or "usage" not in r.stdout.lower()]
     assert not failed, "\n".join(failed)
 
 
@@ -170,9 +197,11 @@ def anchors(path: Path) -> set[str]:
 def links() -> list[tuple[Path, str]]:
     out = []
     for path in DOCS:
-        text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)       # code blocks hold no links
+        # code blocks hold no links
+        text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
         out += [(path, t) for t in re.findall(r"!?\[[^\]]*\]\(([^)\s]+)\)", text)]
-    out += [(ROOT / "README.md", e.section) for e in EXERCISES]           # each exercise's chapter section
+    # each exercise's chapter section
+    out += [(ROOT / "README.md", e.section) for e in EXERCISES]
     return out
 
 
@@ -187,21 +216,29 @@ def test_every_relative_link_and_image_resolves():
         if not dest.exists():
             broken.append(f"{path.relative_to(ROOT)}: {target} (no such file)")
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
-            broken.append(f"{path.relative_to(ROOT)}: {target} (no heading #{anchor} in {dest.name})")
+            broken.append(
+                f"{path.relative_to(ROOT)}: {target} (no heading #{anchor} in {dest.name})"
+            )
     assert not broken, "\n".join(broken)
 
 
 def test_a_broken_link_or_anchor_would_be_caught(tmp_path):
     assert "14-fastgemmpy-prefill-on-integers" in anchors(ROOT / "docs" / "stage1.md")
     assert "5-kv_cachepy" in anchors(ROOT / "docs" / "stage1.md")
-    assert "the-fast-path" in anchors(ROOT / "docs" / "stage1.md") and "no-such-section" not in anchors(ROOT / "docs" / "stage1.md")
+    assert ("the-fast-path" in anchors(ROOT / "docs" / "stage1.md")
+            and "no-such-section" not in anchors(ROOT / "docs" / "stage1.md"))
 
 
 def test_every_test_the_docs_cite_exists():
     """A chapter that cites `test_x` as its proof cites a test function or file of tests/."""
     code = "\n".join(p.read_text() for p in (ROOT / "tests").glob("*.py"))
-    defined = set(re.findall(r"def (test_\w+)", code)) | {p.stem for p in (ROOT / "tests").glob("test_*.py")}
-    cited = {(path.name, t) for path in DOCS for t in re.findall(r"`(?:tests/)?(test_\w+?)(?:\.py)?`", path.read_text())}
+    defined = (set(re.findall(r"def (test_\w+)", code))
+               | {p.stem for p in (ROOT / "tests").glob("test_*.py")})
+    cited = {
+        (path.name, t)
+        for path in DOCS
+        for t in re.findall(r"`(?:tests/)?(test_\w+?)(?:\.py)?`", path.read_text())
+    }
     assert len(cited) > 20 and {c for c in cited if c[1] not in defined} == set()
 
 
@@ -272,14 +309,23 @@ def test_rung_names_and_numbers_come_from_the_series():
              for m in re.finditer(r"rung00 *(?:\.\.\.?|…) *(?:\S*/)?(rung\d\d)", path.read_text())]
     assert len(spans) >= 3
     for path, m in spans:
-        assert m.group(1) == last, f"{path.relative_to(ROOT)} says {m.group(0)!r}; the series ends at {last}"
+        assert m.group(1) == last, (
+            f"{path.relative_to(ROOT)} says {m.group(0)!r}; the series ends at {last}"
+        )
 
 
 # ---- sizes ----
 
 def test_the_front_door_sizes():
     lines = lambda p: len((ROOT / p).read_text().splitlines())  # noqa: E731
-    assert lines("README.md") <= 120 and lines("docs/benchmarks.md") <= 300 and lines("docs/stage1.md") <= 800
-    assert not (ROOT / "docs" / "benchmarks-log.md").exists() and (ROOT / "docs" / "README.md").is_file()
+    assert (
+        lines("README.md") <= 120
+        and lines("docs/benchmarks.md") <= 300
+        and lines("docs/stage1.md") <= 800
+    )
+    assert (
+        not (ROOT / "docs" / "benchmarks-log.md").exists()
+        and (ROOT / "docs" / "README.md").is_file()
+    )
     assert "docs/README.md" in (ROOT / "README.md").read_text()
     assert (ROOT / "README.md").read_text().count("<!-- report: cpu -->") == 1

@@ -26,7 +26,9 @@ def test_the_exercises_are_listed_in_course_order_with_sections_that_exist():
     assert len(EXERCISES) >= 9
     for stage in "123":
         ns = [int(e.id.split(".")[1]) for e in EXERCISES if e.id.startswith(stage + ".")]
-        assert ns == list(range(1, len(ns) + 1)), f"stage {stage}'s ids are not 1, 2, ... in order: {ns}"
+        assert ns == list(range(1, len(ns) + 1)), (
+            f"stage {stage}'s ids are not 1, 2, ... in order: {ns}"
+        )
     assert [e.id[0] for e in EXERCISES] == sorted(e.id[0] for e in EXERCISES)
     for e in EXERCISES:
         doc, _, anchor = e.section.partition("#")
@@ -43,14 +45,19 @@ def test_every_marker_in_the_code_belongs_to_a_listed_exercise():
     for folder in ("stage1_cpu", "stage2_batched", "stage3_optimized", "common"):
         for p in (ROOT / folder).rglob("*"):
             if p.suffix in (".py", ".cu") and p.is_file() and "exercises" not in p.parts:
-                for m in re.finditer(r"^\s*(#|//) exercise (\d+\.\d+) (begin|end)$", p.read_text(), flags=re.M):
+                for m in re.finditer(
+                    r"^\s*(#|//) exercise (\d+\.\d+) (begin|end)$", p.read_text(), flags=re.M
+                ):
                     found.add((m.group(2), str(p.relative_to(ROOT))))
     listed = {(e.id, e.file) for e in EXERCISES}
     # a stage-2 region in code that stage 3 keeps has its markers in stage 3's file too, so that
     # the lesson series (docs/lessons) carries them instead of showing them removed
     found -= {(i, f.replace("stage2_batched/", "stage3_optimized/", 1)) for i, f in listed
               if f.startswith("stage2_batched/")}
-    assert found == listed, f"markers without an exercise: {found - listed}; exercises without markers: {listed - found}"
+    assert found == listed, (
+        f"markers without an exercise: {found - listed}; "
+        f"exercises without markers: {listed - found}"
+    )
 
 
 @pytest.mark.timeout(600)
@@ -163,7 +170,8 @@ WRONG = [
     ("2.5", "qr[r] = d < D ? qs[d] * scale : 0.0f;", "qr[r] = d < D ? qs[d] : 0.0f;", "1/sqrt(D)"),
     ("2.5", "(size_t)table[t / P] * P + t % P", "(size_t)t", "block_tables[s, t / P]"),
     ("3.1", "self._key(parent, chunk)", "self._key(None, chunk)", "ignores the parent"),
-    ("3.1", "key.ids != chunk or key.parent is not parent", "key.parent is not parent", "same P ids"),
+    ("3.1", "key.ids != chunk or key.parent is not parent", "key.parent is not parent",
+     "same P ids"),
     ("3.1", "key.ids != chunk or key.parent is not parent", "key.ids != chunk", "very same parent"),
     ("3.2", "ml[2 * j + 1] * expf(ml[2 * j] - m_all);", "ml[2 * j + 1];", "l_j exp(m_j - M)"),
     ("3.2", "j < used; j++) m_all", "j < splits; j++) m_all", "past the context"),
@@ -189,7 +197,9 @@ def planted(ex, old: str, new: str, folder: Path) -> base.Outcome:
     body = "\n".join(base.reference_region(ex))
     assert old in body, f"{ex.id}: {old!r} is not in the reference region"
     p = ws.path(ex.file)
-    p.write_text(base.replace_region(p.read_text(), ex.id, ex.file, body.replace(old, new, 1).split("\n")))
+    p.write_text(
+        base.replace_region(p.read_text(), ex.id, ex.file, body.replace(old, new, 1).split("\n"))
+    )
     return base.run_check(ex, base.Workspace(ws.root))
 
 
@@ -214,8 +224,8 @@ def test_each_planted_mistake_fails_with_a_message_that_names_it_and_no_other(ex
 
 def cli(*args, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "course.exercises", *args], capture_output=True, text=True,
-                          env=env, cwd=cwd, timeout=300)
+    return subprocess.run([sys.executable, "-m", "course.exercises", *args], capture_output=True,
+                          text=True, env=env, cwd=cwd, timeout=300)
 
 
 @pytest.mark.timeout(600)
@@ -238,7 +248,9 @@ def test_the_command_line_lists_starts_refuses_and_checks(tmp_path):
     assert again.returncode != 0 and "not empty" in again.stderr
 
     stub = cli("check", ex.id, str(ws))
-    assert stub.returncode == 1 and "fail" in stub.stdout and "not written yet" in stub.stdout, stub.stdout
+    assert stub.returncode == 1 and "fail" in stub.stdout and "not written yet" in stub.stdout, (
+        stub.stdout
+    )
 
     base.put_back_reference(ex, base.Workspace(ws))
     ok = cli("check", ex.id, str(ws))
@@ -259,7 +271,8 @@ def test_a_workspace_module_shadows_only_its_own_files(tmp_path):
     qa, qb = a.module(ex.file), b.module(ex.file)
     assert qa is not qb and qa is not real and sys.modules["stage1_cpu.quant"] is real
     assert Path(qa.__file__).resolve() == (tmp_path / "a" / ex.file).resolve()
-    # the relative import `from . import matmul` found the installed file, under the workspace's package
+    # the relative import `from . import matmul` found the installed file, under the workspace's
+    # package
     assert Path(qa.matmul.__file__).resolve() == (ROOT / "stage1_cpu" / "matmul.py").resolve()
     assert qa.matmul is not sys.modules.get("stage1_cpu.matmul")
     import numpy as np
@@ -275,7 +288,9 @@ def test_a_workspace_module_shadows_only_its_own_files(tmp_path):
 def test_docs_exercises_md_describes_every_exercise_in_course_order():
     text = (ROOT / "docs/exercises.md").read_text()
     headings = re.findall(r"^### (\d+\.\d+) ", text, flags=re.M)
-    assert headings == IDS, "docs/exercises.md needs one '### ID title' section per exercise, in course order"
+    assert headings == IDS, (
+        "docs/exercises.md needs one '### ID title' section per exercise, in course order"
+    )
     # its tables: one row per exercise, as the list has it
     rows = re.findall(r"^\| (\d+\.\d+) \| (.+?) \| `(.+?)` \| (\w+) \|$", text, flags=re.M)
     assert rows == [(e.id, e.title, e.file, e.difficulty) for e in EXERCISES]
@@ -297,14 +312,15 @@ def test_a_check_that_skips_or_misses_something_is_a_failure_that_says_so(troubl
         if trouble == "missing package":
             import qs_no_such_package  # noqa: F401
         ws.module("stage1_cpu/not_there.py")
-    ex = base.Exercise("1.99", "a check in trouble", "docs/stage1.md#reading-order", "easy", "common/sampling.py",
-                       check=check)
+    ex = base.Exercise("1.99", "a check in trouble", "docs/stage1.md#reading-order", "easy",
+                       "common/sampling.py", check=check)
     ws = base.Workspace(tmp_path)
     (tmp_path / "common").mkdir()
     (tmp_path / "common/sampling.py").write_text((ROOT / "common/sampling.py").read_text())
     out = base.run_check(ex, ws)
     assert not out.passed
-    words = {"skip": "skipped", "missing package": "pip install", "missing file": "not_there.py is missing"}
+    words = {"skip": "skipped", "missing package": "pip install",
+             "missing file": "not_there.py is missing"}
     assert words[trouble] in out.message, out.message
 
 

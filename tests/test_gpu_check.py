@@ -17,7 +17,8 @@ import gpu_check_report as report      # tests/: the junit helpers of bench/gpu_
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
-OUT_NAMES = {"summary.md", "logs.tar.gz", "gpu_bench.md", "gpu_bench.json", "gpu_tests.xml", "host_costs.json"}
+OUT_NAMES = {"summary.md", "logs.tar.gz", "gpu_bench.md", "gpu_bench.json", "gpu_tests.xml",
+             "host_costs.json"}
 
 
 @pytest.fixture(scope="module")
@@ -40,14 +41,16 @@ def fake_sanitizer(folder: Path, refuses: bool = False, hangs: str = "") -> str:
     return str(path)
 
 
-def run(out: Path, work: Path, *args: str, timeout: int = 600, **env) -> subprocess.CompletedProcess:
+def run(
+    out: Path, work: Path, *args: str, timeout: int = 600, **env
+) -> subprocess.CompletedProcess:
     full_env = dict(os.environ, OUT=str(out), QS_WORK=str(work), **env)
     for k in ("QS_DRY_FAIL", "QS_DRY_HANG", "QS_DRY_STANDINS", "QS_REQUIRE_GPU", "QS_GPU_DRY_RUN",
               "COMPUTE_SANITIZER"):
         if k not in env:
             full_env.pop(k, None)
-    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
-                          env=full_env, cwd=ROOT)
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True,
+                          timeout=timeout, env=full_env, cwd=ROOT)
 
 
 def test_dry_run_passes_and_brings_back_at_most_six_small_files(tmp_path, work):
@@ -55,7 +58,8 @@ def test_dry_run_passes_and_brings_back_at_most_six_small_files(tmp_path, work):
     r = run(out, work, "--dry-run")
     assert r.returncode == 0, r.stdout + r.stderr
     files = {p.name for p in out.iterdir()}
-    assert files == OUT_NAMES - {"host_costs.json"} and all(p.is_file() for p in out.iterdir())   # (costs: a GPU)
+    # (costs: a GPU)
+    assert files == OUT_NAMES - {"host_costs.json"} and all(p.is_file() for p in out.iterdir())
     assert all(p.stat().st_size < 2**20 for p in out.iterdir())
     summary = (out / "summary.md").read_text()
     # a dry run passes its CPU part and names what it could not run
@@ -80,12 +84,14 @@ def test_dry_run_passes_and_brings_back_at_most_six_small_files(tmp_path, work):
     kernel_row = next(l for l in summary.splitlines() if l.startswith("| kernel_tests |"))
     passed = int(kernel_row.split("|")[4].split()[0])
     assert passed >= 20 and " 0 failed, 0 errors" in kernel_row, kernel_row
-    assert "1 passed, 0 failed" in next(l for l in summary.splitlines() if l.startswith("| engine_tests |"))
+    engine_row = next(l for l in summary.splitlines() if l.startswith("| engine_tests |"))
+    assert "1 passed, 0 failed" in engine_row
     # stdout: the summary and the benchmark table, every row of it run on the twins
     assert "Result: PASS on the CPU" in r.stdout and "# Stage 3 on CPU (--dry-run)" in r.stdout
     bench = (out / "gpu_bench.md").read_text()
-    for row in ("batch-1 decode, CUDA graphs", "the same, eager", "transformers, static cache", "8B shape, 4 layers",
-                "nano-vllm workload, 4 seqs", "prefill attention, tensor cores"):
+    for row in ("batch-1 decode, CUDA graphs", "the same, eager", "transformers, static cache",
+                "8B shape, 4 layers", "nano-vllm workload, 4 seqs",
+                "prefill attention, tensor cores"):
         line = next(l for l in bench.splitlines() if row in l)
         assert line.split("|")[2].strip() != "—" and "not run" not in line, line
     # the host-time profile: cProfile's table of the functions with the most own time
@@ -100,24 +106,31 @@ def test_dry_run_passes_and_brings_back_at_most_six_small_files(tmp_path, work):
     assert not any("tiny-qwen3" in n for n in names)
     junit = (out / "gpu_tests.xml").read_text()
     assert "test_kernel_stand_in_passes" in junit and "test_engine_stand_in_passes" in junit
-    for name in ("test_prefill_tensor_cores_equal_the_plain_kernel_and_the_twin", "test_decode_attention_with_splits_of_8",
-                 "test_sample_equals_twin_with_temperature_top_k_and_top_p", "test_bf16_linear_equals_twin",
-                 "test_gemv_projections_equal_twins", "for_the_sanitizer"):
+    for name in ("test_prefill_tensor_cores_equal_the_plain_kernel_and_the_twin",
+                 "test_decode_attention_with_splits_of_8",
+                 "test_sample_equals_twin_with_temperature_top_k_and_top_p",
+                 "test_bf16_linear_equals_twin", "test_gemv_projections_equal_twins",
+                 "for_the_sanitizer"):
         assert name in junit, name
 
 
 def test_dry_run_reports_failures_gpu_skips_and_timeouts(tmp_path, work):
     out = tmp_path / "out"
-    r = run(out, work, "--dry-run", QS_DRY_FAIL="1", QS_DRY_HANG="1", QS_DRY_STANDINS="1", QS_CAP_ENGINE="5",
-            QS_CAP_BENCH="5", QS_CAP_LESSONS="5", COMPUTE_SANITIZER=fake_sanitizer(tmp_path, refuses=True))
+    r = run(out, work, "--dry-run", QS_DRY_FAIL="1", QS_DRY_HANG="1", QS_DRY_STANDINS="1",
+            QS_CAP_ENGINE="5", QS_CAP_BENCH="5", QS_CAP_LESSONS="5",
+            COMPUTE_SANITIZER=fake_sanitizer(tmp_path, refuses=True))
     assert r.returncode == 1, r.stdout + r.stderr
     summary = (out / "summary.md").read_text()
     assert "Result: FAIL" in summary
     assert "**1 passed, 1 failed, 1 errors" in summary          # the skipped GPU test is an error
     assert "| engine_tests | 5 |" in summary and "**timed out** after 25 s" in summary
-    assert "compute-sanitizer refuses this machine (========= Error: Device not supported)" in summary
+    assert (
+        "compute-sanitizer refuses this machine (========= Error: Device not supported)" in summary
+    )
     # the failing test's traceback and the skip's reason reach stdout
-    assert "gpu_check_dry::test_kernel_stand_in_fails" in r.stdout and "a planted failure" in r.stdout
+    assert (
+        "gpu_check_dry::test_kernel_stand_in_fails" in r.stdout and "a planted failure" in r.stdout
+    )
     assert "QS_REQUIRE_GPU=1 and this GPU test skipped" in r.stdout
     assert len(list(out.iterdir())) <= 6
 
@@ -184,7 +197,8 @@ def test_bench_gpu_step_skipped_for_lack_of_time_is_not_a_failure():
 
 
 def test_report_names_a_stage_none_of_whose_gpu_tests_passed(tmp_path):
-    """The kernel step fails when a stage's GPU test file passed nothing (all skipped, or absent)."""
+    """The kernel step fails when a stage's GPU test file passed nothing (all skipped, or
+    absent)."""
     xml = tmp_path / "k.xml"
     xml.write_text('<testsuites><testsuite>'
                    '<testcase classname="tests.test_stage2_gpu" name="a"/>'

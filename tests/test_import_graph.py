@@ -34,7 +34,8 @@ def module_files(root: Path) -> dict[str, tuple[Path, str]]:
     found = {}
     for folder in FOLDERS:
         for path in sorted((root / folder).rglob("*.py")):
-            parts = list(path.relative_to(root / "tests" if folder == "tests" else root).with_suffix("").parts)
+            rel = path.relative_to(root / "tests" if folder == "tests" else root)
+            parts = list(rel.with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts = parts[:-1]
             found[".".join(parts)] = (path, folder)
@@ -69,8 +70,12 @@ def imports(root: Path) -> list[tuple[str, str, int, bool]]:
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
-                    base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else known(base) for a in node.names]
+                    base = ".".join(package[:len(package) - node.level + 1]
+                                    + ([base] if base else []))
+                targets = [
+                    f"{base}.{a.name}" if f"{base}.{a.name}" in modules else known(base)
+                    for a in node.names
+                ]
             else:
                 continue
             above = list(_ancestors(node, parents))
@@ -123,7 +128,8 @@ def floor_breaks(root: Path, edges) -> list[str]:
     folder = {m: f for m, (_, f) in module_files(root).items()}
     return [f"{a} (line {line}{', in a function' if in_function else ''}) imports {b}"
             for a, b, line, in_function in edges
-            if folder[a] != "tests" and folder[b] != folder[a] and folder[b] not in MAY_IMPORT[folder[a]]]
+            if folder[a] != "tests" and folder[b] != folder[a]
+            and folder[b] not in MAY_IMPORT[folder[a]]]
 
 
 def test_no_import_circle_among_the_project_modules():
@@ -167,7 +173,9 @@ def test_bench_and_the_tests_import_the_testbed_by_name():
 @pytest.fixture
 def tree(tmp_path) -> Path:
     for folder in FOLDERS:
-        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__", "data"))
+        shutil.copytree(
+            ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__", "data")
+        )
     return tmp_path
 
 
@@ -179,14 +187,18 @@ def test_a_circle_through_a_function_level_import_is_found(tree):
     assert cycles(imports(tree)) == []
     # engine.py imports sampling.py at the top; sampling.py imports engine.py inside a function
     _plant(tree / "common" / "engine.py", "from common.sampling import SamplingParams  # noqa")
-    _plant(tree / "common" / "sampling.py", "def planted():\n    from common import engine\n    return engine")
+    _plant(
+        tree / "common" / "sampling.py",
+        "def planted():\n    from common import engine\n    return engine",
+    )
     assert cycles(imports(tree)) == [["common.engine", "common.sampling"]]
 
 
 def test_a_type_only_import_is_no_edge(tree):
     _plant(tree / "common" / "engine.py", "from common.sampling import SamplingParams  # noqa")
     _plant(tree / "common" / "sampling.py",
-           "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from common.engine import Request  # noqa")
+           "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+           "    from common.engine import Request  # noqa")
     assert cycles(imports(tree)) == []
 
 
@@ -195,7 +207,9 @@ def test_common_importing_a_stage_in_a_function_is_found(tree):
     path = tree / "common" / "stopping.py"
     _plant(path, "def planted():\n    from stage1_cpu import ops\n    return ops")
     line = path.read_text().split("\n").index("    from stage1_cpu import ops") + 1
-    assert floor_breaks(tree, imports(tree)) == [f"common.stopping (line {line}, in a function) imports stage1_cpu.ops"]
+    assert floor_breaks(tree, imports(tree)) == [
+        f"common.stopping (line {line}, in a function) imports stage1_cpu.ops"
+    ]
 
 
 def test_a_circle_through_the_testbed_is_found(tree):

@@ -44,7 +44,8 @@ def summary(deltas: list[Delta]):
 
 
 EXPECTED = [("reasoning", "The user wants the weather."), ("content", "Let me check."),
-            ("tool_call", ("get_weather", {"city": "Paris"})), ("tool_call", ("get_time", {"tz": "CET"}))]
+            ("tool_call", ("get_weather", {"city": "Paris"})),
+            ("tool_call", ("get_time", {"tz": "CET"}))]
 
 
 @pytest.mark.parametrize("sizes", [[len(FULL)], [1], [2], [3], [5, 1, 7], [13]])
@@ -70,7 +71,8 @@ def test_partial_tags_are_held_back_until_decided():
     assert [d.kind for d in out] == ["tool_call"] and out[0].tool_call["function"]["name"] == "f"
     p = StreamParser()
     assert p.feed("a <thin") == [Delta("content", "a")]
-    assert p.feed("g> b") == [Delta("content", " <thing> b")]   # not a tag after all: released as text
+    # not a tag after all: released as text
+    assert p.feed("g> b") == [Delta("content", " <thing> b")]
 
 
 def test_reasoning_close_tag_split_across_pieces():
@@ -99,7 +101,8 @@ def test_unclosed_tool_call_at_the_end():
 
 def test_output_that_starts_inside_thinking():
     # the prompt opened <think>; the output only closes it
-    assert parse_output("I reason here.\n</think>\n\nThe answer.") == ("The answer.", "I reason here.", [])
+    assert (parse_output("I reason here.\n</think>\n\nThe answer.")
+            == ("The answer.", "I reason here.", []))
     assert prompt_opens_think("<|im_start|>assistant\n<think>\n")
     assert not prompt_opens_think("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert not prompt_opens_think("<|im_start|>assistant\n")

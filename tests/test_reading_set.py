@@ -3,8 +3,9 @@
 The reading set (tests/reading_set.py) is every project file plain stage 1 imports to run a
 safetensors folder: it stays under 3,000 lines, it holds none of the code that loads only
 where it is used (GGUF, the default-model fetcher, numba's widened cache stamps, the fast
-path, speculative decoding, the help for a --model that names no model), and docs/stage1.md's reading list names exactly its files. The
-core itself, stage1_cpu/*.py but the speculative decoding its flags load, stays within 1,500 lines.
+path, speculative decoding, the help for a --model that names no model), and docs/stage1.md's
+reading list names exactly its files. The core itself, stage1_cpu/*.py but the speculative
+decoding its flags load, stays within 1,500 lines.
 """
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ import pytest
 from bench.testbed.models import make_model
 from reading_set import BOUND, ROOT, reading_set
 
-# what a safetensors folder with --kernels plain must not load: each behind the boundary where it is used
+# what a safetensors folder with --kernels plain must not load: each behind the boundary where it
+# is used
 NOT_READ = ("common/chat_template.py", "common/gguf.py", "common/gguf_convert.py",
-            "common/gguf_quant.py", "common/gguf_write.py", "common/fetch.py", "stage1_cpu/jit/numba_stamps.py", "stage1_cpu/fast/",
+            "common/gguf_quant.py", "common/gguf_write.py", "common/fetch.py",
+            "stage1_cpu/jit/numba_stamps.py", "stage1_cpu/fast/",
             "stage1_cpu/speculative.py", "stage1_cpu/draft.py", "common/model_help.py")
 
 
@@ -26,7 +29,8 @@ def files() -> dict[str, int]:
 
 
 def test_plain_stage1_reads_under_3000_lines(files):
-    assert "stage1_cpu/model.py" in files and "common/tokenizer.py" in files    # it ran the whole path
+    # it ran the whole path
+    assert "stage1_cpu/model.py" in files and "common/tokenizer.py" in files
     assert sum(files.values()) <= BOUND, sorted(files.items(), key=lambda kv: -kv[1])
 
 
@@ -37,7 +41,8 @@ def test_gguf_fetcher_stamps_and_fast_path_stay_out_of_the_reading_set(files):
 def test_docs_reading_list_is_the_reading_set(files):
     text = (ROOT / "docs" / "stage1.md").read_text()
     section = text.split("### The reading set", 1)[1]
-    the_list = section[section.index("\n- "):].split("\n\n", 1)[0]        # the bullet list that follows
+    # the bullet list that follows
+    the_list = section[section.index("\n- "):].split("\n\n", 1)[0]
     listed = set(re.findall(r"`((?:common|stage1_cpu)/[\w/]+\.py)`", the_list))
     assert listed == set(files), (sorted(set(files) - listed), sorted(listed - set(files)))
 

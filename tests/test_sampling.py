@@ -61,7 +61,8 @@ def test_top_p_drops_a_token_whose_preceding_mass_equals_top_p():
         out = filter_logits(logits, SamplingParams(temperature=1.0, top_p=top_p))
         assert np.isfinite(out).sum() == kept, (top_p, out)
     sampler = Sampler(SamplingParams(temperature=1.0, top_p=0.5, seed=5))
-    assert {sampler(logits, [], []) for _ in range(200)} == {0, 1}      # ties: the first in id order stay
+    # ties: the first in id order stay
+    assert {sampler(logits, [], []) for _ in range(200)} == {0, 1}
 
 
 def test_filters_mark_excluded_tokens_minus_inf():
@@ -73,19 +74,25 @@ def test_filters_mark_excluded_tokens_minus_inf():
 
 def test_penalties_change_logits_as_defined():
     logits = np.array([2.0, -2.0, 1.0, 0.5], dtype=np.float32)
-    rep = apply_penalties(logits, SamplingParams(repetition_penalty=2.0), prompt_ids=[0], output_ids=[1])
-    np.testing.assert_allclose(rep, [1.0, -4.0, 1.0, 0.5])       # positive / p, negative * p, unseen unchanged
+    rep = apply_penalties(
+        logits, SamplingParams(repetition_penalty=2.0), prompt_ids=[0], output_ids=[1]
+    )
+    # positive / p, negative * p, unseen unchanged
+    np.testing.assert_allclose(rep, [1.0, -4.0, 1.0, 0.5])
     pf = apply_penalties(logits, SamplingParams(presence_penalty=0.5, frequency_penalty=0.25),
                          prompt_ids=[2], output_ids=[0, 0, 3])
-    np.testing.assert_allclose(pf, [2.0 - 0.5 - 0.5, -2.0, 1.0, 0.5 - 0.5 - 0.25])   # prompt tokens untouched
+    # prompt tokens untouched
+    np.testing.assert_allclose(pf, [2.0 - 0.5 - 0.5, -2.0, 1.0, 0.5 - 0.5 - 0.25])
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-3),
-                                 dict(min_p=2), dict(max_tokens=0), dict(presence_penalty=3),
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5),
+                                 dict(top_k=-3), dict(min_p=2), dict(max_tokens=0),
+                                 dict(presence_penalty=3),
                                  dict(repetition_penalty=0), dict(stop=[""]),
                                  dict(temperature=float("nan")), dict(temperature=float("inf")),
                                  dict(top_p=float("nan")), dict(min_p=float("nan")),
-                                 dict(repetition_penalty=float("inf")), dict(presence_penalty=float("nan")),
+                                 dict(repetition_penalty=float("inf")),
+                                 dict(presence_penalty=float("nan")),
                                  dict(frequency_penalty=float("-inf")), dict(temperature="0.5")])
 def test_invalid_params_are_rejected(bad):
     with pytest.raises(ValueError):
@@ -94,7 +101,8 @@ def test_invalid_params_are_rejected(bad):
 
 @pytest.mark.parametrize("t", [1e-30, 1e-8])
 def test_a_temperature_next_to_zero_is_greedy_not_nan(t):
-    """logits / 1e-30 overflow float32 to inf, and inf - inf is NaN: such a temperature is greedy."""
+    """logits / 1e-30 overflow float32 to inf, and inf - inf is NaN: such a temperature is
+    greedy."""
     logits = np.array([1.0, 3.0, -2.0, 2.9], dtype=np.float32)
     params = SamplingParams(temperature=t, seed=0)
     assert params.temperature == 0.0
@@ -116,7 +124,7 @@ def test_generation_config_gives_defaults_and_requests_override(tmp_path):
         SamplingParams.from_generation_config(tmp_path, temprature=1.0)
 
 
-# --------------------------------------------------------------------------- the draw, proven by counting
+# --------------------------------------------------------------------- the draw, proven by counting
 #
 # The sampler is right when the frequencies of many draws match the distribution
 # that the definitions give. The definitions are written out again below, in float64
@@ -137,7 +145,9 @@ def exact_distribution(logits, params, prompt_ids=(), output_ids=()) -> np.ndarr
     l = np.asarray(logits, dtype=np.float64).copy()
     if params.repetition_penalty != 1.0:
         for t in set(prompt_ids) | set(output_ids):
-            l[t] = l[t] / params.repetition_penalty if l[t] > 0 else l[t] * params.repetition_penalty
+            l[t] = (
+                l[t] / params.repetition_penalty if l[t] > 0 else l[t] * params.repetition_penalty
+            )
     for t in set(output_ids):
         l[t] -= params.presence_penalty + params.frequency_penalty * list(output_ids).count(t)
     V = len(l)
@@ -223,10 +233,14 @@ CASES = {
     "T 0.7 top-k 10 top-p 0.9": dict(temperature=0.7, top_k=10, top_p=0.9),
     "T 1.3 top-p 0.95 min-p 0.02": dict(temperature=1.3, top_p=0.95, min_p=0.02),
     "T 0.8 top-k 20 top-p 0.85 min-p 0.05": dict(temperature=0.8, top_k=20, top_p=0.85, min_p=0.05),
-    "T 1.5 repetition 1.3 presence 0.5 frequency 0.25": dict(temperature=1.5, repetition_penalty=1.3,
-                                                             presence_penalty=0.5, frequency_penalty=0.25),
+    "T 1.5 repetition 1.3 presence 0.5 frequency 0.25": dict(
+        temperature=1.5, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25
+    ),
 }
-PROMPT_IDS, OUTPUT_IDS = [int(i) for i in np.argsort(-LOGITS)[:3]], [int(np.argmax(LOGITS))] * 2 + [5]
+PROMPT_IDS, OUTPUT_IDS = (
+    [int(i) for i in np.argsort(-LOGITS)[:3]],
+    [int(np.argmax(LOGITS))] * 2 + [5],
+)
 
 
 def test_chi2_sf_matches_the_tables():
@@ -263,7 +277,10 @@ def test_chi_square_check_rejects_a_slightly_wrong_distribution():
     of temperature 0.55, and top-p 0.8 draws fail against a top-p that keeps one token more."""
     _, right, counts = case_draws("temperature 0.5")
     assert chi_square_p_value(counts, right)[0] > P_FAIL
-    assert chi_square_p_value(counts, exact_distribution(LOGITS, SamplingParams(temperature=0.55)))[0] < P_FAIL
+    assert (
+        chi_square_p_value(counts, exact_distribution(LOGITS, SamplingParams(temperature=0.55)))[0]
+        < P_FAIL
+    )
     _, right, counts = case_draws("top-p 0.8")
     assert chi_square_p_value(counts, right)[0] > P_FAIL
     kept = int((right > 0).sum())

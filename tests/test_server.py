@@ -34,10 +34,12 @@ from common.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike".split()
-WEATHER_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+WEATHER_CALL = ('<tool_call>\n{"name": "get_weather", '
+                '"arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>')
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
+    "parameters": {"type": "object",
+                   "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
                    "required": ["city"]}}}]
 
 
@@ -122,7 +124,9 @@ class LiveServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = app
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
         self.thread.start()
         deadline = time.time() + 20
         while not self.server.started:
@@ -164,7 +168,9 @@ def tok(model_dir) -> Tokenizer:
 @pytest.fixture(scope="module")
 def scripted(model_dir, tok):
     engine = ScriptedEngine(tok, max_ctx=512)
-    app = create_app(engine, tok, ChatTemplate.from_folder(model_dir), "scripted", folder=model_dir, max_ctx=512)
+    app = create_app(
+        engine, tok, ChatTemplate.from_folder(model_dir), "scripted", folder=model_dir, max_ctx=512
+    )
     server = LiveServer(app)
     server.engine = engine
     yield server
@@ -199,7 +205,9 @@ def stream_text(stream) -> tuple[str, str, list, str | None, object]:
 # Chat: plain, streamed, usage
 # ============================================================================
 def test_chat_non_streaming_returns_the_scripted_text_and_usage(client, scripted, tok):
-    r = client.chat.completions.create(model="scripted", messages=user("hello"), seed=3, max_tokens=200)
+    r = client.chat.completions.create(
+        model="scripted", messages=user("hello"), seed=3, max_tokens=200
+    )
     expected = script_for("<|im_start|>user\nhello", 3)
     assert r.choices[0].message.content == expected
     assert r.choices[0].finish_reason == "stop"
@@ -209,13 +217,18 @@ def test_chat_non_streaming_returns_the_scripted_text_and_usage(client, scripted
     assert r.usage.completion_tokens == len(tok.encode(expected)) + 1     # + <|im_end|>
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     # the prompt the engine saw is the chat template's rendering
-    assert tok.decode(req.prompt_ids) == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        tok.decode(req.prompt_ids) == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_streamed_text_equals_non_streamed_text_for_the_same_seed(client):
-    full = client.chat.completions.create(model="scripted", messages=user("hi there"), seed=11, max_tokens=200)
-    stream = client.chat.completions.create(model="scripted", messages=user("hi there"), seed=11, max_tokens=200,
-                                            stream=True, stream_options={"include_usage": True})
+    full = client.chat.completions.create(
+        model="scripted", messages=user("hi there"), seed=11, max_tokens=200
+    )
+    stream = client.chat.completions.create(model="scripted", messages=user("hi there"), seed=11,
+                                            max_tokens=200, stream=True,
+                                            stream_options={"include_usage": True})
     content, reasoning, calls, finish, usage = stream_text(stream)
     assert content == full.choices[0].message.content and len(content) > 50
     assert finish == "stop" and not calls and not reasoning
@@ -224,7 +237,9 @@ def test_streamed_text_equals_non_streamed_text_for_the_same_seed(client):
 
 
 def test_max_tokens_gives_finish_reason_length(client, tok):
-    r = client.chat.completions.create(model="scripted", messages=user("hello"), seed=3, max_tokens=5)
+    r = client.chat.completions.create(
+        model="scripted", messages=user("hello"), seed=3, max_tokens=5
+    )
     assert r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 5
     assert r.choices[0].message.content == tok.decode(tok.encode(script_for("user\nhello", 3))[:5])
@@ -234,12 +249,14 @@ def test_sampling_defaults_come_from_generation_config_and_requests_override_the
     client.chat.completions.create(model="scripted", messages=user("hello"), max_tokens=3)
     p = scripted.engine.requests[-1].params
     assert (p.temperature, p.top_p, p.top_k) == (0.6, 0.95, 20)
-    client.chat.completions.create(model="scripted", messages=user("hello"), max_completion_tokens=3,
-                                   temperature=0.0, top_p=0.5, presence_penalty=0.5, frequency_penalty=0.25,
+    client.chat.completions.create(model="scripted", messages=user("hello"),
+                                   max_completion_tokens=3, temperature=0.0, top_p=0.5,
+                                   presence_penalty=0.5, frequency_penalty=0.25,
                                    extra_body={"top_k": 7, "min_p": 0.1, "repetition_penalty": 1.1})
     p = scripted.engine.requests[-1].params
     assert (p.temperature, p.top_p, p.top_k, p.min_p) == (0.0, 0.5, 7, 0.1)
-    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.max_tokens) == (0.5, 0.25, 1.1, 3)
+    penalties = (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.max_tokens)
+    assert penalties == (0.5, 0.25, 1.1, 3)
 
 
 def test_max_tokens_not_given_is_generation_configs_max_new_tokens_else_the_room(client, scripted,
@@ -256,9 +273,13 @@ def test_max_tokens_not_given_is_generation_configs_max_new_tokens_else_the_room
 
 
 def test_n_choices_use_seeds_seed_plus_i(client, scripted):
-    r = client.chat.completions.create(model="scripted", messages=user("hello"), seed=40, n=3, max_tokens=200)
+    r = client.chat.completions.create(
+        model="scripted", messages=user("hello"), seed=40, n=3, max_tokens=200
+    )
     assert [c.index for c in r.choices] == [0, 1, 2]
-    assert [c.message.content for c in r.choices] == [script_for("user\nhello", 40 + i) for i in range(3)]
+    assert [c.message.content for c in r.choices] == [
+        script_for("user\nhello", 40 + i) for i in range(3)
+    ]
     assert sorted(q.params.seed for q in scripted.engine.requests[-3:]) == [40, 41, 42]
 
 
@@ -266,8 +287,8 @@ def test_stop_string_across_tokens_is_cut_and_the_engine_request_ends(client, sc
     # "STOP" is several tokens; the stop string also spans the space before it
     assert len(tok.encode(" STOP")) >= 1 and len(tok.encode("three STOP")) > 1
     for stream in (False, True):
-        r = client.chat.completions.create(model="scripted", messages=user("stop test"), stop=["e STO", "zzz"],
-                                           max_tokens=100, stream=stream)
+        r = client.chat.completions.create(model="scripted", messages=user("stop test"),
+                                           stop=["e STO", "zzz"], max_tokens=100, stream=stream)
         if stream:
             content, _, _, finish, _ = stream_text(r)
         else:
@@ -280,7 +301,8 @@ def test_stop_string_across_tokens_is_cut_and_the_engine_request_ends(client, sc
 # Tools and thinking
 # ============================================================================
 def test_tool_call_round_trip(client, scripted, tok):
-    r = client.chat.completions.create(model="scripted", messages=user("What is the weather in Paris?"),
+    r = client.chat.completions.create(model="scripted",
+                                       messages=user("What is the weather in Paris?"),
                                        tools=TOOLS, max_tokens=200)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
@@ -298,28 +320,36 @@ def test_tool_call_round_trip(client, scripted, tok):
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
         {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18}'},
     ]
-    r2 = client.chat.completions.create(model="scripted", messages=messages, tools=TOOLS, max_tokens=200)
+    r2 = client.chat.completions.create(
+        model="scripted", messages=messages, tools=TOOLS, max_tokens=200
+    )
     assert r2.choices[0].message.content == "It is 18 degrees in Paris."
     assert r2.choices[0].finish_reason == "stop"
     prompt = tok.decode(scripted.engine.requests[-1].prompt_ids)
-    assert ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
-            in prompt)
-    assert '<|im_start|>user\n<tool_response>\n{"temperature": 18}\n</tool_response><|im_end|>' in prompt
+    assert ('<tool_call>\n{"name": "get_weather", '
+            '"arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>' in prompt)
+    assert (
+        '<|im_start|>user\n<tool_response>\n{"temperature": 18}\n</tool_response><|im_end|>'
+        in prompt
+    )
 
 
 def test_tool_call_streamed(client):
-    stream = client.chat.completions.create(model="scripted", messages=user("weather in Paris?"), tools=TOOLS,
-                                            max_tokens=200, stream=True)
+    stream = client.chat.completions.create(model="scripted", messages=user("weather in Paris?"),
+                                            tools=TOOLS, max_tokens=200, stream=True)
     content, reasoning, calls, finish, _ = stream_text(stream)
-    assert finish == "tool_calls" and content == "" and reasoning == "I should call the weather tool."
+    assert (
+        finish == "tool_calls" and content == "" and reasoning == "I should call the weather tool."
+    )
     (call,) = calls
     assert call.index == 0 and call.id.startswith("call_") and call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "celsius"}
 
 
 def test_malformed_tool_call_is_left_as_content(client):
-    r = client.chat.completions.create(model="scripted", messages=user("broken tool please"), tools=TOOLS,
-                                       max_tokens=200)
+    r = client.chat.completions.create(
+        model="scripted", messages=user("broken tool please"), tools=TOOLS, max_tokens=200
+    )
     m = r.choices[0].message
     assert not m.tool_calls and r.choices[0].finish_reason == "stop"
     assert m.content.startswith("<tool_call>") and "{city: Paris}" in m.content
@@ -327,21 +357,29 @@ def test_malformed_tool_call_is_left_as_content(client):
 
 def test_without_tools_a_tool_call_tag_is_plain_content(client):
     r = client.chat.completions.create(model="scripted", messages=user("weather?"), max_tokens=200,
-                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
-    assert r.choices[0].message.content.startswith("<think>") and WEATHER_CALL in r.choices[0].message.content
+                                       extra_body={"chat_template_kwargs":
+                                                   {"enable_thinking": False}})
+    assert (
+        r.choices[0].message.content.startswith("<think>")
+        and WEATHER_CALL in r.choices[0].message.content
+    )
     assert r.choices[0].finish_reason == "stop"
 
 
 def test_thinking_goes_to_reasoning_content_and_reasoning(client, scripted):
-    r = client.chat.completions.create(model="scripted", messages=user("think about 2+2"), max_tokens=200)
+    r = client.chat.completions.create(
+        model="scripted", messages=user("think about 2+2"), max_tokens=200
+    )
     m = r.choices[0].message
     assert m.content == "The answer is 4."
     assert m.reasoning_content == "Let me think: 2 + 2 = 4." and m.reasoning == m.reasoning_content
-    stream = client.chat.completions.create(model="scripted", messages=user("think about 2+2"), max_tokens=200,
-                                            stream=True)
+    stream = client.chat.completions.create(
+        model="scripted", messages=user("think about 2+2"), max_tokens=200, stream=True
+    )
     chunks = list(stream)
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    both = [(getattr(c.choices[0].delta, "reasoning_content", None), getattr(c.choices[0].delta, "reasoning", None))
+    both = [(getattr(c.choices[0].delta, "reasoning_content", None),
+             getattr(c.choices[0].delta, "reasoning", None))
             for c in chunks if c.choices]
     assert content == "The answer is 4."
     assert "".join(a or "" for a, _ in both) == "Let me think: 2 + 2 = 4."
@@ -349,8 +387,10 @@ def test_thinking_goes_to_reasoning_content_and_reasoning(client, scripted):
 
 
 def test_thinking_off_puts_everything_in_content(client, scripted, tok):
-    r = client.chat.completions.create(model="scripted", messages=user("think about 2+2"), max_tokens=200,
-                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    r = client.chat.completions.create(model="scripted", messages=user("think about 2+2"),
+                                       max_tokens=200,
+                                       extra_body={"chat_template_kwargs":
+                                                   {"enable_thinking": False}})
     m = r.choices[0].message
     assert m.content == "<think>\nLet me think: 2 + 2 = 4.\n</think>\n\nThe answer is 4."
     assert not getattr(m, "reasoning_content", None)
@@ -362,14 +402,18 @@ def test_thinking_off_puts_everything_in_content(client, scripted, tok):
 # Completions and models
 # ============================================================================
 def test_completions_with_text_ids_echo_and_stream(client, scripted, tok):
-    r = client.completions.create(model="scripted", prompt="<|im_start|>user\nhello", seed=5, max_tokens=300)
+    r = client.completions.create(
+        model="scripted", prompt="<|im_start|>user\nhello", seed=5, max_tokens=300
+    )
     expected = script_for("<|im_start|>user\nhello", 5)
     assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
     assert r.usage.prompt_tokens == len(tok.encode("<|im_start|>user\nhello"))
     ids = tok.encode("<|im_start|>user\nhello")
     r2 = client.completions.create(model="scripted", prompt=ids, seed=5, max_tokens=300, echo=True)
     assert r2.choices[0].text == "<|im_start|>user\nhello" + expected
-    chunks = list(client.completions.create(model="scripted", prompt=ids, seed=5, max_tokens=300, stream=True))
+    chunks = list(
+        client.completions.create(model="scripted", prompt=ids, seed=5, max_tokens=300, stream=True)
+    )
     assert "".join(c.choices[0].text for c in chunks) == expected
     assert chunks[-1].choices[0].finish_reason == "stop"
 
@@ -394,12 +438,14 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(client, scrip
         ("messages not a list", json.dumps({**ok, "messages": "hi"}).encode(), 400),
         ("unknown model", json.dumps({**ok, "model": "gpt-4"}).encode(), 404),
         ("empty messages", json.dumps({**ok, "messages": []}).encode(), 400),
-        ("bad role", json.dumps({**ok, "messages": [{"role": "wizard", "content": "x"}]}).encode(), 400),
+        ("bad role", json.dumps({**ok, "messages": [{"role": "wizard", "content": "x"}]}).encode(),
+         400),
         ("prompt too long", json.dumps({**ok, "messages": user("word " * 600)}).encode(), 400),
         ("negative max_tokens", json.dumps({**ok, "max_tokens": -1}).encode(), 400),
         ("temperature < 0", json.dumps({**ok, "temperature": -1}).encode(), 400),
         ("bad stop", json.dumps({**ok, "stop": [1, 2]}).encode(), 400),
-        ("tool_choice required", json.dumps({**ok, "tools": TOOLS, "tool_choice": "required"}).encode(), 400),
+        ("tool_choice required",
+         json.dumps({**ok, "tools": TOOLS, "tool_choice": "required"}).encode(), 400),
     ]
     for name, body, status in cases:
         r = httpx.post(url, content=body, headers={"Content-Type": "application/json"})
@@ -407,9 +453,14 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(client, scrip
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["message"], name
         # and a good request right after still works
-        good = client.chat.completions.create(model="scripted", messages=user("hello"), max_tokens=3)
+        good = client.chat.completions.create(
+            model="scripted", messages=user("hello"), max_tokens=3
+        )
         assert good.choices[0].finish_reason == "length", name
-    r = httpx.post(scripted.url + "/v1/completions", json={"model": "scripted", "prompt": [10**7], "max_tokens": 2})
+    r = httpx.post(
+        scripted.url + "/v1/completions",
+        json={"model": "scripted", "prompt": [10**7], "max_tokens": 2},
+    )
     assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
     r = httpx.get(scripted.url + "/v1/nothing")
     assert r.status_code == 404 and "error" in r.json()
@@ -429,7 +480,9 @@ CHAT_OK = {"model": "scripted", "messages": [{"role": "user", "content": "hello"
 
 def post_raw(url: str, body: bytes, **kw) -> tuple[httpx.Response, float]:
     t = time.perf_counter()
-    r = httpx.post(url, content=body, headers={"Content-Type": "application/json"}, timeout=60, **kw)
+    r = httpx.post(
+        url, content=body, headers={"Content-Type": "application/json"}, timeout=60, **kw
+    )
     return r, time.perf_counter() - t
 
 
@@ -482,9 +535,12 @@ def test_a_body_over_the_limit_gets_413_before_it_is_parsed(client, scripted, to
 
 def test_deep_nesting_gets_400_naming_the_field(client, scripted):
     url = scripted.url + "/v1/chat/completions"
-    # 100,000 '[' (the report: 500 RecursionError): past Python's recursion limit, the scan stops at level 65
+    # 100,000 '[' (the report: 500 RecursionError): past Python's recursion limit, the scan stops
+    # at level 65
     r, _ = post_raw(url, b"[" * 100_000)
-    err = assert_error(r, 400, says="the request body nests arrays/objects more than 64 levels deep (at [0][0]")
+    err = assert_error(
+        r, 400, says="the request body nests arrays/objects more than 64 levels deep (at [0][0]"
+    )
     assert err["param"] is None
     head = b'{"model": "scripted", "messages": [{"role": "user", "content": '
     r, _ = post_raw(url, head + b"[" * 100_000 + b"]" * 100_000 + b"}]}")
@@ -492,13 +548,19 @@ def test_deep_nesting_gets_400_naming_the_field(client, scripted):
     assert "(at messages[0].content[0][0][0]" in err["message"], err
     # deep enough for our limit but not for the parsers' own: the same answer
     r, _ = post_raw(url, json.dumps({**CHAT_OK, "tools": [{"type": "function", "function": {
-        "name": "f", "parameters": {"x": functools.reduce(lambda v, _: [v], range(80), 0)}}}]}).encode())
-    err = assert_error(r, 400, param="tools[0].function.parameters", says="more than 64 levels deep")
+        "name": "f",
+        "parameters": {"x": functools.reduce(lambda v, _: [v], range(80), 0)}}}]}).encode())
+    err = assert_error(
+        r, 400, param="tools[0].function.parameters", says="more than 64 levels deep"
+    )
     assert "(at tools[0].function.parameters.x[0][0]" in err["message"], err
     # a tool schema about 25 levels deep is fine
-    deep_ok = functools.reduce(lambda v, _: {"type": "object", "properties": {"a": v}}, range(10), {"type": "string"})
+    deep_ok = functools.reduce(
+        lambda v, _: {"type": "object", "properties": {"a": v}}, range(10), {"type": "string"}
+    )
     r = httpx.post(url, json={**CHAT_OK, "tools": [{"type": "function",
-                                                    "function": {"name": "f", "parameters": deep_ok}}]})
+                                                    "function": {"name": "f",
+                                                                 "parameters": deep_ok}}]})
     assert r.status_code == 200, r.text
     assert_still_serves(client)
 
@@ -507,21 +569,28 @@ def test_lone_surrogates_get_400_naming_the_field(client, scripted):
     """Lone UTF-16 surrogates are refused, not replaced by U+FFFD (see docs/server.md)."""
     url = scripted.url + "/v1/chat/completions"
     # the report: "\ud800" escapes in a message got 500 TypeError from the tokenizer
-    body = b'{"model": "scripted", "max_tokens": 3, "messages": [{"role": "user", "content": "ab\\ud800cd"}]}'
-    assert_error(post_raw(url, body)[0], 400, param="messages[0].content", says="lone UTF-16 surrogate (\\ud800")
+    body = (b'{"model": "scripted", "max_tokens": 3, '
+            b'"messages": [{"role": "user", "content": "ab\\ud800cd"}]}')
+    assert_error(post_raw(url, body)[0], 400, param="messages[0].content",
+                 says="lone UTF-16 surrogate (\\ud800")
     body = b'{"model": "scripted", "max_tokens": 3, "messages": [{"role": "user", "content": [' \
            b'{"type": "text", "text": "ok"}, {"type": "text", "text": "\\udfff"}]}]}'
     assert_error(post_raw(url, body)[0], 400, param="messages[0].content[1].text")
     # the surrogate's UTF-8 bytes written raw (ED A0 80): the same
-    body = b'{"model": "scripted", "max_tokens": 3, "messages": [{"role": "user", "content": "\xed\xa0\x80"}]}'
+    body = (b'{"model": "scripted", "max_tokens": 3, '
+            b'"messages": [{"role": "user", "content": "\xed\xa0\x80"}]}')
     assert_error(post_raw(url, body)[0], 400, param="messages[0].content")
     # in a key
-    body = b'{"model": "scripted", "max_tokens": 3, "messages": [{"role": "user", "content": "x", "\\ud800": 1}]}'
+    body = (b'{"model": "scripted", "max_tokens": 3, '
+            b'"messages": [{"role": "user", "content": "x", "\\ud800": 1}]}')
     assert_error(post_raw(url, body)[0], 400, param="messages[0]", says="key")
     # bytes that are not UTF-8 at all
-    assert_error(post_raw(url, b'{"model": "scripted", "messages": "\xff"}')[0], 400, says="not valid JSON")
+    assert_error(
+        post_raw(url, b'{"model": "scripted", "messages": "\xff"}')[0], 400, says="not valid JSON"
+    )
     # a surrogate *pair* is a character like any other
-    body = b'{"model": "scripted", "max_tokens": 3, "messages": [{"role": "user", "content": "smile \\ud83d\\ude00"}]}'
+    body = (b'{"model": "scripted", "max_tokens": 3, '
+            b'"messages": [{"role": "user", "content": "smile \\ud83d\\ude00"}]}')
     r, _ = post_raw(url, body)
     assert r.status_code == 200, r.text
     assert "smile \U0001F600" in scripted.engine.tok.decode(scripted.engine.requests[-1].prompt_ids)
@@ -534,11 +603,14 @@ def test_lone_surrogates_get_400_naming_the_field(client, scripted):
      "messages[0].content[0]"),
     ("chat", {"messages": [{"role": ["user"], "content": "x"}]}, "messages[0].role"),
     ("chat", {"messages": ["hello"]}, "messages[0]"),
-    ("chat", {"messages": [{"role": "user", "content": "x", "name": {"a": 1}}]}, "messages[0].name"),
-    ("chat", {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": 3}}]}]},
+    ("chat", {"messages": [{"role": "user", "content": "x", "name": {"a": 1}}]},
+     "messages[0].name"),
+    ("chat", {"messages": [{"role": "assistant", "content": None,
+                            "tool_calls": [{"function": {"name": 3}}]}]},
      "messages[0].tool_calls[0]"),
     ("chat", {"tools": [{"type": "function", "function": "get_weather"}]}, "tools[0]"),
-    ("chat", {"chat_template_kwargs": {"enable_thinking": "yes"}}, "chat_template_kwargs.enable_thinking"),
+    ("chat", {"chat_template_kwargs": {"enable_thinking": "yes"}},
+     "chat_template_kwargs.enable_thinking"),
     ("chat", {"chat_template_kwargs": {"self": 1}}, "messages"),
     ("chat", {"chat_template_kwargs": {"not a name": 1}}, "chat_template_kwargs"),
     ("chat", {"chat_template_kwargs": []}, "chat_template_kwargs"),
@@ -574,25 +646,32 @@ def test_wrong_types_and_values_anywhere_get_400_naming_the_field(scripted, endp
     if endpoint == "chat":
         url, body = scripted.url + "/v1/chat/completions", {**CHAT_OK, **patch}
     else:
-        url, body = scripted.url + "/v1/completions", {"model": "scripted", "prompt": "hi", "max_tokens": 3, **patch}
+        url, body = (
+            scripted.url + "/v1/completions",
+            {"model": "scripted", "prompt": "hi", "max_tokens": 3, **patch},
+        )
     r, _ = post_raw(url, json.dumps(body).encode())
     assert_error(r, 400, param=param)
 
 
 def test_json_without_nan_or_huge_integers(client, scripted):
     url = scripted.url + "/v1/chat/completions"
-    assert_error(post_raw(url, b'{"model": "scripted", "temperature": NaN, "messages": []}')[0], 400,
-                 says="NaN is not valid JSON")
-    assert_error(post_raw(url, b'{"model": "scripted", "seed": ' + b"9" * 5000 + b', "messages": []}')[0], 400,
-                 says="not valid JSON")
+    assert_error(post_raw(url, b'{"model": "scripted", "temperature": NaN, "messages": []}')[0],
+                 400, says="NaN is not valid JSON")
+    assert_error(post_raw(url, b'{"model": "scripted", "seed": ' + b"9" * 5000
+                          + b', "messages": []}')[0],
+                 400, says="not valid JSON")
     # 1e999 is a valid JSON number that Python reads as infinity
-    body = b'{"model": "scripted", "temperature": 1e999, "messages": [{"role": "user", "content": "x"}]}'
+    body = (b'{"model": "scripted", "temperature": 1e999, '
+            b'"messages": [{"role": "user", "content": "x"}]}')
     assert_error(post_raw(url, body)[0], 400, param="temperature")
 
 
 def test_a_tiny_temperature_is_greedy_and_does_not_break_the_engine_step(client, scripted):
     # 1e-300 is 0 in float32: dividing logits by it would fail the whole batch's step
-    r = client.chat.completions.create(model="scripted", messages=user("hello"), max_tokens=3, temperature=1e-300)
+    r = client.chat.completions.create(
+        model="scripted", messages=user("hello"), max_tokens=3, temperature=1e-300
+    )
     assert r.choices[0].finish_reason == "length"
     assert scripted.engine.requests[-1].params.temperature == 0.0
 
@@ -611,7 +690,7 @@ class CountingTokenizer:
         return getattr(self.tok, name)
 
 
-def test_prompt_too_long_for_the_context_is_refused_from_its_length_and_each_prompt_is_tokenized_once(
+def test_prompt_too_long_for_the_context_is_refused_from_its_length_and_each_prompt_is_tokenized_once(  # noqa: E501
         client, scripted, tok, monkeypatch):
     state = scripted.app.state.server
     counting = CountingTokenizer(tok)
@@ -627,8 +706,10 @@ def test_prompt_too_long_for_the_context_is_refused_from_its_length_and_each_pro
         assert_error(r, 400, param=param, says=f"holds at most {bound}")
         assert counting.calls == []
     # under it but still too many tokens: tokenized once, then refused
-    r, _ = post_raw(scripted.url + "/v1/completions",
-                    json.dumps({"model": "scripted", "prompt": "word " * 600, "max_tokens": 3}).encode())
+    r, _ = post_raw(
+        scripted.url + "/v1/completions",
+        json.dumps({"model": "scripted", "prompt": "word " * 600, "max_tokens": 3}).encode(),
+    )
     assert_error(r, 400, param="prompt", says="context holds 512")
     assert counting.calls == [3000]
     # a chat request: the rendered prompt tokenized once, for n choices
@@ -652,8 +733,8 @@ def wait_until_served(app, timeout: float = 10.0) -> None:
 
 def test_concurrent_requests_over_the_limit_get_429(model_dir, tok):
     engine = ScriptedEngine(tok)
-    app = create_app(engine, tok, ChatTemplate.from_folder(model_dir), "scripted", folder=model_dir, max_ctx=512,
-                     limits=Limits(max_concurrent=2))
+    app = create_app(engine, tok, ChatTemplate.from_folder(model_dir), "scripted", folder=model_dir,
+                     max_ctx=512, limits=Limits(max_concurrent=2))
     server = LiveServer(app)
     stalled = []
     try:
@@ -661,14 +742,15 @@ def test_concurrent_requests_over_the_limit_get_429(model_dir, tok):
         # clients that send half a body and stall do not count: they cannot lock others out
         for _ in range(5):
             sock = socket.create_connection(("127.0.0.1", server.port))
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\n"
                          b"Content-Length: 1000\r\n\r\n{\"model\": ")
             stalled.append(sock)
         r = c.chat.completions.create(model="scripted", messages=user("hello"), max_tokens=3)
         assert r.usage.completion_tokens == 3
         wait_until_served(app)
-        streams = [c.chat.completions.create(model="scripted", messages=user(f"endless {i}"), max_tokens=400,
-                                             stream=True) for i in range(2)]
+        streams = [c.chat.completions.create(model="scripted", messages=user(f"endless {i}"),
+                                             max_tokens=400, stream=True) for i in range(2)]
         for s in streams:
             next(iter(s))                      # both are being served
         r = httpx.post(server.url + "/v1/chat/completions", json=CHAT_OK)
@@ -689,7 +771,9 @@ def test_concurrent_requests_over_the_limit_get_429(model_dir, tok):
         server.close()
 
 
-def test_health_and_a_small_chat_answer_within_1s_while_a_max_size_request_is_prepared(model_dir, tok, capsys):
+def test_health_and_a_small_chat_answer_within_1s_while_a_max_size_request_is_prepared(
+    model_dir, tok, capsys
+):
     """A request of the largest body this server takes, with a context large enough that
     the character pre-check lets it through: it is parsed, rendered and tokenized (seconds
     of work) and then refused for its token count. Meanwhile /healthz and a small chat
@@ -710,8 +794,8 @@ def test_health_and_a_small_chat_answer_within_1s_while_a_max_size_request_is_pr
 
         def send_big():
             t = time.perf_counter()
-            big["response"] = httpx.post(server.url + "/v1/chat/completions", content=body, timeout=300,
-                                         headers={"Content-Type": "application/json"})
+            big["response"] = httpx.post(server.url + "/v1/chat/completions", content=body,
+                                         timeout=300, headers={"Content-Type": "application/json"})
             big["seconds"], big["end"] = time.perf_counter() - t, time.perf_counter()
 
         def probe(h: httpx.Client, i: int) -> tuple[float, float, float]:
@@ -736,15 +820,18 @@ def test_health_and_a_small_chat_answer_within_1s_while_a_max_size_request_is_pr
                 time.sleep(0.05)
         thread.join(timeout=300)
         assert_error(big["response"], 400, param="messages", says=f"context holds {big_ctx}")
-        during = [p for p in probes if p[2] < big["end"]]      # the probes answered while it was in flight
+        # the probes answered while it was in flight
+        during = [p for p in probes if p[2] < big["end"]]
         assert len(during) >= 3, (big, probes)
         health, chat = sorted(p[0] for p in during), sorted(p[1] for p in during)
         base_health, base_chat = max(p[0] for p in baseline), max(p[1] for p in baseline)
         with capsys.disabled():
-            print(f"\n[server] a {len(body) / 2**20:.2f} MiB chat request took {big['seconds']:.1f} s "
-                  f"(refused after tokenizing); meanwhile {len(during)} probes: /healthz max "
-                  f"{health[-1] * 1000:.0f} ms (median {health[len(health) // 2] * 1000:.0f}), small chat max "
-                  f"{chat[-1] * 1000:.0f} ms (median {chat[len(chat) // 2] * 1000:.0f}); before it: /healthz max "
+            print(f"\n[server] a {len(body) / 2**20:.2f} MiB chat request took "
+                  f"{big['seconds']:.1f} s (refused after tokenizing); "
+                  f"meanwhile {len(during)} probes: /healthz max "
+                  f"{health[-1] * 1000:.0f} ms (median {health[len(health) // 2] * 1000:.0f}), "
+                  f"small chat max {chat[-1] * 1000:.0f} ms "
+                  f"(median {chat[len(chat) // 2] * 1000:.0f}); before it: /healthz max "
                   f"{base_health * 1000:.0f} ms, small chat max {base_chat * 1000:.0f} ms")
         # /healthz is the event loop alone: every probe. The small chat also needs a prepare
         # thread and the engine thread, and on a shared VM one of those can miss the CPU for
@@ -759,7 +846,9 @@ def max_size_chat_body(limit: int) -> bytes:
     """A chat request of just under `limit` bytes: made-up words in random order, text
     the tokenizer has to work through (it caches a word's pieces, as it would for prose)."""
     rng = random.Random(0)
-    words = ["".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(2, 9))) for _ in range(3000)]
+    words = [
+        "".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(2, 9))) for _ in range(3000)
+    ]
     text = " ".join(rng.choices(words, k=limit // 6))[:limit - 200]
     body = json.dumps({"model": "scripted", "messages": user(text), "max_tokens": 3}).encode()
     assert limit - 300 < len(body) <= limit
@@ -771,8 +860,9 @@ def max_size_chat_body(limit: int) -> bytes:
 # ============================================================================
 def test_32_concurrent_streams_all_complete(scripted):
     async def one(aclient, i):
-        stream = await aclient.chat.completions.create(model="scripted", messages=user(f"hello {i}"), seed=i,
-                                                       max_tokens=200, stream=True)
+        stream = await aclient.chat.completions.create(
+            model="scripted", messages=user(f"hello {i}"), seed=i, max_tokens=200, stream=True
+        )
         text, finish = "", None
         async for chunk in stream:
             if chunk.choices:
@@ -802,8 +892,9 @@ def test_clients_that_disconnect_mid_request_abort_their_requests(scripted):
 
     def leave_early(i):
         c = openai.OpenAI(base_url=scripted.url + "/v1", api_key="x", max_retries=0)
-        stream = c.chat.completions.create(model="scripted", messages=user(f"endless {i}"), max_tokens=2000,
-                                           stream=True)
+        stream = c.chat.completions.create(
+            model="scripted", messages=user(f"endless {i}"), max_tokens=2000, stream=True
+        )
         got = 0
         for chunk in stream:
             got += bool(chunk.choices and chunk.choices[0].delta.content)
@@ -816,7 +907,8 @@ def test_clients_that_disconnect_mid_request_abort_their_requests(scripted):
         # a non-streaming client that times out: its request is aborted too
         with pytest.raises(httpx.TimeoutException):
             httpx.post(scripted.url + "/v1/chat/completions", timeout=0.5,
-                       json={"model": "scripted", "messages": user(f"endless wait {i}"), "max_tokens": 2000})
+                       json={"model": "scripted", "messages": user(f"endless wait {i}"),
+                             "max_tokens": 2000})
 
     threads = [threading.Thread(target=leave_early, args=(i,)) for i in range(10)]
     threads += [threading.Thread(target=give_up_waiting, args=(i,)) for i in range(2)]
@@ -847,7 +939,8 @@ def test_api_key_is_enforced(model_dir, tok):
         good = openai.OpenAI(base_url=server.url + "/v1", api_key="sekrit", max_retries=0)
         r = good.chat.completions.create(model="scripted", messages=user("hello"), max_tokens=4)
         assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
-        assert engine.requests and len(engine.requests) == 1     # the refused calls never reached it
+        # the refused calls never reached it
+        assert engine.requests and len(engine.requests) == 1
     finally:
         server.close()
 
@@ -866,7 +959,9 @@ def stage1(tiny_qwen3):
     from stage1_cpu.engine import LLMEngine
     engine = LLMEngine(tiny_qwen3, max_ctx=256, progress=False)
     tok = Tokenizer(tiny_qwen3)
-    app = create_app(engine, tok, ChatTemplate.from_folder(tiny_qwen3), "tiny-qwen3", folder=tiny_qwen3)
+    app = create_app(
+        engine, tok, ChatTemplate.from_folder(tiny_qwen3), "tiny-qwen3", folder=tiny_qwen3
+    )
     server = LiveServer(app)
     server.engine, server.tok = engine, tok
     yield server
@@ -887,7 +982,8 @@ def test_stage1_greedy_completion_matches_transformers(stage1, tiny_qwen3):
 
 def test_stage1_chat_stream_equals_non_stream_for_the_same_seed(stage1):
     c = openai.OpenAI(base_url=stage1.url + "/v1", api_key="x", max_retries=0)
-    kw = dict(model="tiny-qwen3", messages=user("Tell me a story"), max_tokens=12, temperature=1.0, seed=123,
+    kw = dict(model="tiny-qwen3", messages=user("Tell me a story"), max_tokens=12, temperature=1.0,
+              seed=123,
               extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}})
     full = c.chat.completions.create(**kw)
     content, _, _, finish, usage = stream_text(c.chat.completions.create(
@@ -906,7 +1002,8 @@ def test_stage1_serve_command_health_and_api_key(tiny_qwen3):
     the API key enforced, a chat answered, --max-body-mb enforced."""
     proc = subprocess.Popen([sys.executable, "-m", "stage1_cpu.serve", "--model", str(tiny_qwen3),
                              "--addr", "127.0.0.1:0", "--max-ctx", "128", "--api-key", "k3y",
-                             "--served-model-name", "tiny", "--log-level", "warning", "--max-body-mb", "0.01"],
+                             "--served-model-name", "tiny", "--log-level", "warning",
+                             "--max-body-mb", "0.01"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:

@@ -27,13 +27,14 @@ from common.engine import TokenEvent
 from common.engine_process import EngineProcess
 from common.server import create_app
 from common.tokenizer import Tokenizer
-from test_server import CHAT_OK, LiveServer, ScriptedEngine, assert_error, model_dir, post_raw, script_for, \
-    scripted, tok, user  # noqa: F401  (fixtures)
+from test_server import CHAT_OK, LiveServer, ScriptedEngine, assert_error, model_dir, post_raw, \
+    script_for, scripted, tok, user  # noqa: F401  (fixtures)
 
 # the fields of our request models that are not OpenAI's: vLLM's extensions, with vLLM's names
-EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "chat_template_kwargs"}
-COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "temperature", "top_p", "presence_penalty",
-          "frequency_penalty", "seed", "stop", "user", "logprobs", "logit_bias"}
+EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids",
+              "chat_template_kwargs"}
+COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "temperature", "top_p",
+          "presence_penalty", "frequency_penalty", "seed", "stop", "user", "logprobs", "logit_bias"}
 CHAT = COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice", "top_logprobs"}
 COMPLETION = COMMON | {"prompt", "echo", "suffix"}
 
@@ -50,41 +51,53 @@ def json_types(prop: dict) -> set[str]:
     return {k["type"] for k in kinds if "type" in k} - {"null"}
 
 
-def test_openapi_schema_is_open_with_an_api_key_and_matches_the_openai_clients_params(model_dir, tok):
-    app = create_app(ScriptedEngine(tok), tok, ChatTemplate.from_folder(model_dir), "scripted", folder=model_dir,
-                     max_ctx=512, api_key="sekrit")
+def test_openapi_schema_is_open_with_an_api_key_and_matches_the_openai_clients_params(
+    model_dir, tok
+):
+    app = create_app(ScriptedEngine(tok), tok, ChatTemplate.from_folder(model_dir), "scripted",
+                     folder=model_dir, max_ctx=512, api_key="sekrit")
     server = LiveServer(app)
     try:
-        assert httpx.get(server.url + "/v1/models").status_code == 401          # /v1 is behind the key ...
+        # /v1 is behind the key ...
+        assert httpx.get(server.url + "/v1/models").status_code == 401
         docs = httpx.get(server.url + "/docs")
-        assert docs.status_code == 200 and "swagger" in docs.text.lower()       # ... the docs are not
+        # ... the docs are not
+        assert docs.status_code == 200 and "swagger" in docs.text.lower()
         r = httpx.get(server.url + "/openapi.json")
         assert r.status_code == 200
         schema = r.json()
     finally:
         server.close()
     components = schema["components"]["schemas"]
-    for path, ours, theirs in [("/v1/chat/completions", CHAT, chat_create_params.CompletionCreateParamsStreaming),
-                               ("/v1/completions", COMPLETION, completion_create_params.CompletionCreateParamsStreaming)]:
+    for path, ours, theirs in [
+        ("/v1/chat/completions", CHAT, chat_create_params.CompletionCreateParamsStreaming),
+        ("/v1/completions", COMPLETION, completion_create_params.CompletionCreateParamsStreaming),
+    ]:
         op = schema["paths"][path]["post"]
         ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
         props = components[ref.rsplit("/", 1)[1]]["properties"]
         fields = openai_fields(theirs)
-        assert ours <= set(props), ours - set(props)               # every field we support is declared
+        # every field we support is declared
+        assert ours <= set(props), ours - set(props)
         assert ours <= set(fields), ours - set(fields)             # ... under OpenAI's name
-        assert set(props) - set(fields) <= EXTENSIONS, set(props) - set(fields)   # no field with a made-up name
+        # no field with a made-up name
+        assert set(props) - set(fields) <= EXTENSIONS, set(props) - set(fields)
         # and the scalar ones with OpenAI's type
-        for name, kind, py in [("n", "integer", "int"), ("max_tokens", "integer", "int"), ("seed", "integer", "int"),
+        for name, kind, py in [("n", "integer", "int"), ("max_tokens", "integer", "int"),
+                               ("seed", "integer", "int"),
                                ("temperature", "number", "float"), ("top_p", "number", "float"),
-                               ("stream", "boolean", "Literal[True]"), ("echo" if "echo" in ours else "n", *(
+                               ("stream", "boolean", "Literal[True]"),
+                               ("echo" if "echo" in ours else "n", *(
                                    ("boolean", "bool") if "echo" in ours else ("integer", "int")))]:
-            assert kind in json_types(props[name]) and py in fields[name], (path, name, props[name], fields[name])
+            assert kind in json_types(props[name]) and py in fields[name], (
+                path, name, props[name], fields[name])
         assert op["security"] == [{"HTTPBearer": []}]
         assert "200" in op["responses"]
     assert components["ChatCompletionRequest"]["properties"]["n"]["maximum"] == 64
     assert "security" not in schema["paths"]["/healthz"]["get"]
     refs = set(re.findall(r'"#/components/schemas/([^"]+)"', json.dumps(schema)))
-    assert {"Message", "Tool", "TextPart"} <= refs and refs <= set(components)    # every $ref resolves
+    # every $ref resolves
+    assert {"Message", "Tool", "TextPart"} <= refs and refs <= set(components)
     assert "/v1/models" in schema["paths"]
 
 
@@ -92,11 +105,13 @@ def test_generation_config_is_read_once_at_start_up(model_dir, tok, tmp_path):
     folder = tmp_path / "model"
     shutil.copytree(model_dir, folder)
     engine = ScriptedEngine(tok)
-    server = LiveServer(create_app(engine, tok, ChatTemplate.from_folder(folder), "scripted", folder=folder,
-                                   max_ctx=512))
+    server = LiveServer(create_app(engine, tok, ChatTemplate.from_folder(folder), "scripted",
+                                   folder=folder, max_ctx=512))
     try:
         # the file changes after start-up: requests keep the defaults the server started with
-        (folder / "generation_config.json").write_text(json.dumps({"temperature": 1.5, "top_p": 0.5, "top_k": 3}))
+        (folder / "generation_config.json").write_text(
+            json.dumps({"temperature": 1.5, "top_p": 0.5, "top_k": 3})
+        )
         c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
         c.chat.completions.create(model="scripted", messages=user("hello"), max_tokens=2)
         p = engine.requests[-1].params
@@ -109,26 +124,32 @@ def test_what_pydantics_json_parser_reads_differently_keeps_the_documented_answe
     """pydantic's parser reads NaN and Infinity, nests ~200 levels and takes any field;
     the documented answers (docs/server.md) stay: NaN is not JSON, 64 levels at most."""
     url = scripted.url + "/v1/chat/completions"
-    head = b'{"model": "scripted", "max_tokens": 3, "messages": [{"role": "user", "content": "x"}], '
+    head = (
+        b'{"model": "scripted", "max_tokens": 3, "messages": [{"role": "user", "content": "x"}], '
+    )
     tool = b'"tools": [{"type": "function", "function": {"name": "f", "parameters": {"x": %s}}}]}'
-    # NaN / Infinity inside a free-form value (a tool's JSON schema), which pydantic takes as a float
+    # NaN / Infinity inside a free-form value (a tool's JSON schema), which pydantic takes as a
+    # float
     for constant in (b"NaN", b"-Infinity"):
         assert_error(post_raw(url, head + tool % constant)[0], 400, says="is not valid JSON")
     # 1e999 and 10**30 are JSON numbers: accepted there
     for number in (b"1e999", b"1" + b"0" * 30):
         r, _ = post_raw(url, head + tool % number)
         assert r.status_code == 200, r.text
-    # 100 levels: past our 64, within pydantic's own limit; in an unknown field, and in a template variable
+    # 100 levels: past our 64, within pydantic's own limit; in an unknown field, and in a template
+    # variable
     deep = b"[" * 100 + b"]" * 100
-    err = assert_error(post_raw(url, head + b'"extra": ' + deep + b"}")[0], 400, param="extra[0][0][0]",
-                       says="more than 64 levels deep")
+    err = assert_error(post_raw(url, head + b'"extra": ' + deep + b"}")[0], 400,
+                       param="extra[0][0][0]", says="more than 64 levels deep")
     assert "(at extra[0][0][0][0]" in err["message"]
     assert_error(post_raw(url, head + b'"chat_template_kwargs": {"v": ' + deep + b"}}")[0], 400,
                  param="chat_template_kwargs.v[0][0]", says="more than 64 levels deep")
     # unknown fields anywhere are accepted and ignored, as OpenAI does
-    r = httpx.post(url, json={**CHAT_OK, "service_tier": "auto", "metadata": {"k": [1, {"a": None}]},
+    r = httpx.post(url, json={**CHAT_OK, "service_tier": "auto",
+                              "metadata": {"k": [1, {"a": None}]},
                               "messages": [{"role": "user", "content": "hello", "audio": None}],
-                              "stream_options": {"include_usage": False, "continuous_usage_stats": True}})
+                              "stream_options": {"include_usage": False,
+                                                 "continuous_usage_stats": True}})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
 
 
@@ -137,8 +158,8 @@ def test_what_pydantics_json_parser_reads_differently_keeps_the_documented_answe
 # ============================================================================
 def serve(engine, model_dir, tok) -> tuple[LiveServer, openai.OpenAI]:
     """The real server over `engine` (one of the scripted engines below), and a client for it."""
-    server = LiveServer(create_app(engine, tok, ChatTemplate.from_folder(model_dir), "scripted", folder=model_dir,
-                                   max_ctx=512))
+    server = LiveServer(create_app(engine, tok, ChatTemplate.from_folder(model_dir), "scripted",
+                                   folder=model_dir, max_ctx=512))
     return server, openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
 
 
@@ -170,13 +191,15 @@ class FaultyEngine(ScriptedEngine):
         return super().step()
 
 
-def test_an_exception_in_engine_step_fails_the_requests_in_flight_and_new_ones_are_served(model_dir, tok):
+def test_an_exception_in_engine_step_fails_the_requests_in_flight_and_new_ones_are_served(
+    model_dir, tok
+):
     engine = FaultyEngine(tok, step_delay=0.005)
     server, c = serve(engine, model_dir, tok)
     try:
         thread, waiting = post_in_background(server)
-        stream = iter(c.chat.completions.create(model="scripted", messages=user("endless"), max_tokens=2000,
-                                                stream=True))
+        stream = iter(c.chat.completions.create(model="scripted", messages=user("endless"),
+                                                max_tokens=2000, stream=True))
         assert [next(stream) for _ in range(3)]
         wait_until_running(engine, 2)             # both are in the engine
         engine.fail = True
@@ -189,7 +212,9 @@ def test_an_exception_in_engine_step_fails_the_requests_in_flight_and_new_ones_a
         # the engine holds nothing of them, and serves the next request
         server.wait_idle()
         assert not engine.running
-        r = c.chat.completions.create(model="scripted", messages=user("hello"), seed=3, max_tokens=200)
+        r = c.chat.completions.create(
+            model="scripted", messages=user("hello"), seed=3, max_tokens=200
+        )
         assert r.choices[0].message.content == script_for("<|im_start|>user\nhello", 3)
     finally:
         server.close()
@@ -213,8 +238,8 @@ def test_an_error_event_from_the_engine_fails_that_request_only_with_a_server_er
     engine = DegenerateEngine(tok, step_delay=0.005)
     server, c = serve(engine, model_dir, tok)
     try:
-        other = iter(c.chat.completions.create(model="scripted", messages=user("endless"), max_tokens=2000,
-                                               stream=True))
+        other = iter(c.chat.completions.create(model="scripted", messages=user("endless"),
+                                               max_tokens=2000, stream=True))
         assert next(other)
         thread, waiting = post_in_background(server)
         wait_until_running(engine, 2)
@@ -234,16 +259,21 @@ def scripted_engine(folder, args):
     return ScriptedEngine(Tokenizer(folder), max_ctx=512, step_delay=args.step_delay)
 
 
-def test_killing_the_engine_process_during_a_stream_fails_it_and_the_restarted_child_serves(model_dir, tok):
+def test_killing_the_engine_process_during_a_stream_fails_it_and_the_restarted_child_serves(
+    model_dir, tok
+):
     engine = EngineProcess(scripted_engine, model_dir, SimpleNamespace(step_delay=0.005))
     server, c = serve(engine, model_dir, tok)
     try:
-        r = c.chat.completions.create(model="scripted", messages=user("hello"), seed=3, max_tokens=200)
-        assert r.choices[0].message.content == script_for("<|im_start|>user\nhello", 3)   # through the child
+        r = c.chat.completions.create(
+            model="scripted", messages=user("hello"), seed=3, max_tokens=200
+        )
+        # through the child
+        assert r.choices[0].message.content == script_for("<|im_start|>user\nhello", 3)
         assert httpx.get(server.url + "/healthz").json()["engine_restarts"] == 0
         first = engine.proc.pid
-        stream = iter(c.chat.completions.create(model="scripted", messages=user("endless"), max_tokens=2000,
-                                                stream=True))
+        stream = iter(c.chat.completions.create(model="scripted", messages=user("endless"),
+                                                max_tokens=2000, stream=True))
         assert [next(stream) for _ in range(3)]
         os.kill(first, signal.SIGKILL)
         with pytest.raises(openai.APIError, match="engine process died"):
@@ -258,8 +288,9 @@ def test_killing_the_engine_process_during_a_stream_fails_it_and_the_restarted_c
             assert h.json()["status"] == "restarting" and time.time() < deadline, h.text
             time.sleep(0.05)
         assert h.json()["engine_restarts"] == 1 and engine.proc.pid != first
-        r = c.chat.completions.create(model="scripted", messages=user("hello"), seed=5, max_tokens=200,
-                                      stream=True)
+        r = c.chat.completions.create(
+            model="scripted", messages=user("hello"), seed=5, max_tokens=200, stream=True
+        )
         assert "".join(ch.choices[0].delta.content or "" for ch in r if ch.choices) == \
             script_for("<|im_start|>user\nhello", 5)
         # a child that dies while idle: the next request finds it dead, and the new child serves it
@@ -267,7 +298,9 @@ def test_killing_the_engine_process_during_a_stream_fails_it_and_the_restarted_c
         second = dead.pid
         os.kill(second, signal.SIGKILL)
         dead.join(10)                # (the reader thread may have started the next child by now)
-        r = c.chat.completions.create(model="scripted", messages=user("hello"), seed=6, max_tokens=200)
+        r = c.chat.completions.create(
+            model="scripted", messages=user("hello"), seed=6, max_tokens=200
+        )
         assert r.choices[0].message.content == script_for("<|im_start|>user\nhello", 6)
         assert engine.restarts == 2 and engine.proc.pid not in (first, second)
         server.wait_idle()
@@ -277,11 +310,13 @@ def test_killing_the_engine_process_during_a_stream_fails_it_and_the_restarted_c
 
 
 def test_the_server_stays_within_its_size_limits():
-    """docs/server.md's bound: the server's files (common/api_*.py, engine_loop.py, engine_process.py,
-    server.py) total at most 1,060 lines at 100 columns, none over 400."""
+    """docs/server.md's bound: the server's files (common/api_*.py, engine_loop.py,
+    engine_process.py, server.py) total at most 1,060 lines at 100 columns, none over 400."""
     root = os.path.join(os.path.dirname(__file__), "..", "common")
-    files = sorted(f for f in os.listdir(root) if re.fullmatch(r"api_\w+\.py", f))      # a new api_ module too
-    assert {"api_protocol.py", "api_state.py", "api_chat.py", "api_completions.py"} <= set(files), files
+    # every api_*.py, a new one too
+    files = sorted(f for f in os.listdir(root) if re.fullmatch(r"api_\w+\.py", f))
+    assert ({"api_protocol.py", "api_state.py", "api_chat.py", "api_completions.py"}
+            <= set(files)), files
     files += ["engine_loop.py", "engine_process.py", "server.py"]
     lines = {}
     for name in files:

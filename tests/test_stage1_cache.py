@@ -23,14 +23,16 @@ DEPEND = ("import sys\nsys.path.insert(0, {root!r})\nfrom pathlib import Path\n"
 
 def run_kernel(folder: Path, cache: Path) -> str:
     env = dict(os.environ, NUMBA_CACHE_DIR=str(cache), PYTHONPATH=str(folder))
-    out = subprocess.run([sys.executable, str(folder / "kernel.py")], capture_output=True, text=True, env=env,
-                         timeout=300)
+    out = subprocess.run([sys.executable, str(folder / "kernel.py")], capture_output=True,
+                         text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout.strip()
 
 
 @pytest.mark.parametrize("with_depend", [True, False])
-def test_an_edit_to_an_inlined_helper_recompiles_the_kernel_that_depends_on_it(tmp_path, with_depend):
+def test_an_edit_to_an_inlined_helper_recompiles_the_kernel_that_depends_on_it(
+    tmp_path, with_depend
+):
     (tmp_path / "helper.py").write_text(HELPER.format(1))
     setup = DEPEND.format(root=str(ROOT)) if with_depend else ""
     (tmp_path / "kernel.py").write_text(KERNEL.format(setup=setup))
@@ -61,19 +63,24 @@ def test_stage1_keys_each_path_on_the_files_it_compiles():
     from stage1_cpu import fast
     from stage1_cpu.fast import decode_step  # noqa: F401  (its kernels are defined, so stamped)
     names = {p.name for p in stage1_cpu.KERNEL_FILES}
-    assert names == {"norms.py", "kernels.py", "matmul.py"}         # ops.py, chat.py hold no numba code
+    # ops.py, chat.py hold no numba code
+    assert names == {"norms.py", "kernels.py", "matmul.py"}
     fp = fast.FastPath("int8", "fp32")
     assert set(stage1_cpu.KERNEL_FILES) <= set(fp.files())
-    assert {"decode_step.py", "simd.py", "kernels.py", "plan.py", "blocks.py"} <= {p.name for p in fast.FILES}
+    assert ({"decode_step.py", "simd.py", "kernels.py", "plan.py", "blocks.py"}
+            <= {p.name for p in fast.FILES})
     def group(name):
         return {p.name if p.parent.name == "stage1_cpu" else "fast/" + p.name
                 for p in numba_stamps._GROUPS[str((ROOT / "stage1_cpu/fast" / name).resolve())]}
     # the one-region step's halves call each other through a function pointer, so each is
     # stamped with the files it inlines: an RMSNorm edit recompiles the worker, not the matrix
     # phases; an int8 matmul edit the matrix phases, not the worker
-    assert {"norms.py", "kernels.py", "fast/sync.py", "fast/decode_step.py"} <= group("decode_step.py")
-    assert "matmul.py" not in group("decode_step.py") and "fast/matvec.py" not in group("decode_step.py")
-    assert {"matmul.py", "fast/blocks.py", "fast/kernels.py", "fast/simd.py", "fast/matvec.py"} <= group("matvec.py")
+    assert ({"norms.py", "kernels.py", "fast/sync.py", "fast/decode_step.py"}
+            <= group("decode_step.py"))
+    assert ("matmul.py" not in group("decode_step.py")
+            and "fast/matvec.py" not in group("decode_step.py"))
+    assert ({"matmul.py", "fast/blocks.py", "fast/kernels.py", "fast/simd.py", "fast/matvec.py"}
+            <= group("matvec.py"))
     assert not {"norms.py", "kernels.py"} & group("matvec.py")
     # the rest of fast/ keeps the stamp of every stage-1 kernel file
     assert {p.name for p in stage1_cpu.KERNEL_FILES} <= group("attention.py")
@@ -88,7 +95,9 @@ def test_warm_up_runs_once_per_mark_and_forgets_the_cache(tmp_path):
 
     class Engine(numba_cache.WarmUp):
         max_ctx, fed, resets, key = 100, [], 0, (str(tmp_path), [kernel], "int8", "plain")
-        model = type("M", (), {"forward": lambda self, tokens, pos: Engine.fed.append((len(tokens), pos))})()
+        model = type(
+            "M", (), {"forward": lambda self, tokens, pos: Engine.fed.append((len(tokens), pos))}
+        )()
 
         def warm_key(self):
             return self.key

@@ -19,11 +19,13 @@ import numpy as np
 import pytest
 
 from stage1_cpu import matmul, quant
-from stage1_cpu.fast import cpu, simd
+from stage1_cpu.fast import cpu
 from stage1_cpu.fast import kernels as fk
 from stage1_cpu.fast.weight import as_fast
 
-NEEDS_INT8 = pytest.mark.skipif(not cpu.INT8, reason="no int8 dot product on this target (VNNI, AVX2 or dotprod)")
+NEEDS_INT8 = pytest.mark.skipif(
+    not cpu.INT8, reason="no int8 dot product on this target (VNNI, AVX2 or dotprod)"
+)
 # the instruction each choice multiplies bytes with, as the disassembly names it
 MNEMONIC = {"vnni": "vpdpbusd", "avx2": "vpmaddubsw", "sdot": "sdot"}
 
@@ -37,12 +39,14 @@ def test_choice_follows_the_target_features(monkeypatch):
     monkeypatch.delenv("QS_FAST_ISA", raising=False)
     monkeypatch.setattr(cpu, "ARM64", True)
     assert cpu._choose_int8({"neon", "dotprod", "i8mm"}) == "sdot"
-    assert cpu._choose_int8({"neon", "fp-armv8"}) is None          # a Cortex-A53 / A72: the float kernels
+    # a Cortex-A53 / A72: the float kernels
+    assert cpu._choose_int8({"neon", "fp-armv8"}) is None
     monkeypatch.setenv("QS_FAST_ISA", "none")
     assert cpu._choose_int8({"neon", "dotprod"}) is None           # lowered, never raised
     monkeypatch.delenv("QS_FAST_ISA")
     monkeypatch.setattr(cpu, "ARM64", False)
-    assert cpu._choose_int8({"dotprod"}) is None                   # an ARM feature name means nothing on x86
+    # an ARM feature name means nothing on x86
+    assert cpu._choose_int8({"dotprod"}) is None
     assert cpu._choose_int8({"avx2"}) == "avx2"
     assert cpu._choose_int8({"avx2", "avx512vnni", "avx512vl"}) == "vnni"
 
@@ -50,7 +54,8 @@ def test_choice_follows_the_target_features(monkeypatch):
 def test_this_target_gets_what_its_features_allow():
     expected = cpu._choose_int8(cpu.FEATURES) if (cpu.X86 or cpu.ARM64) else None
     assert cpu.INT8 == expected
-    assert cpu.INT16_GEMM == (cpu.INT8 in ("vnni", "avx2"))       # ARM64 prefill stays on sgemm under auto
+    # ARM64 prefill stays on sgemm under auto
+    assert cpu.INT16_GEMM == (cpu.INT8 in ("vnni", "avx2"))
     if cpu.INT8 == "sdot":
         assert "dotprod" in cpu.FEATURES and "sdot" in cpu.instructions()
     if cpu.INT8 is None:
@@ -69,13 +74,14 @@ def _on_grid(rng, fmt, O, K, gs):
         w[:, ::gs], w[:, 1::gs] = 15, 0
     w = w[:, :K].astype(np.float32)
     W = quant.quantize(w, fmt, gs)
-    np.testing.assert_array_equal(W.dequantize(), w)               # the grid is exact: scales 1, minima 0
+    # the grid is exact: scales 1, minima 0
+    np.testing.assert_array_equal(W.dequantize(), w)
     return W, w
 
 
 def _activations(rng, T, K, gs, qmax):
-    """Integers in -qmax..qmax with a qmax in every group: the rounding keeps them as they are (scale 1).
-    int16: the other values stay within 127, so that a row's products sum below 2^24."""
+    """Integers in -qmax..qmax with a qmax in every group: the rounding keeps them as they are
+    (scale 1). int16: the other values stay within 127, so that a row's products sum below 2^24."""
     x = rng.integers(-min(qmax, 127), min(qmax, 127) + 1, (T, K))
     x[:, ::gs] = qmax
     return x.astype(np.float32)
@@ -91,23 +97,29 @@ def _exact(x, w):
 @NEEDS_INT8
 @pytest.mark.parametrize("fmt,act", [("int8", "int8"), ("int4", "int8"), ("int8", "int16")])
 @pytest.mark.parametrize("gs", [32, 128])
-@pytest.mark.parametrize("O,K", [(37, 200), (64, 1000)])        # row tails (4-row calls), group tails, 8-group blocks
+# row tails (4-row calls), group tails, 8-group blocks
+@pytest.mark.parametrize("O,K", [(37, 200), (64, 1000)])
 def test_decode_kernels_equal_the_integer_definition_bit_for_bit(rng, fmt, act, gs, O, K):
-    K = K if act == "int8" else 2 * gs - 5                        # int16: two groups stay below 2^24
+    # int16: two groups stay below 2^24
+    K = K if act == "int8" else 2 * gs - 5
     W, w = _on_grid(rng, fmt, O, K, gs)
     x = _activations(rng, 3, K, gs, 127 if act == "int8" else 32767)
-    got = as_fast(W, decode_act=act).matmul(x)                     # T = 3 < PREFILL_MIN_T: the decode kernels
+    # T = 3 < PREFILL_MIN_T: the decode kernels
+    got = as_fast(W, decode_act=act).matmul(x)
     np.testing.assert_array_equal(got, _exact(x, w))
 
 
 @NEEDS_INT8
-@pytest.mark.parametrize("fmt,act", [("int8", "int8"), ("int4", "int8"), ("int8", "int16"), ("int4", "int16")])
+@pytest.mark.parametrize(
+    "fmt,act", [("int8", "int8"), ("int4", "int8"), ("int8", "int16"), ("int4", "int16")]
+)
 @pytest.mark.parametrize("gs", [32, 128])
 def test_prefill_gemm_equals_the_integer_definition_bit_for_bit(rng, fmt, act, gs):
     K = 400 if act == "int8" else 2 * gs - 5
     W, w = _on_grid(rng, fmt, 70, K, gs)                           # 70 rows: a partial 8-row vector
     x = _activations(rng, quant.PREFILL_MIN_T + 11, K, gs, 127 if act == "int8" else 32767)
-    decode = "int16" if fmt == "int8" else "int8"                  # the integer GEMM reads the tiles
+    # the integer GEMM reads the tiles
+    decode = "int16" if fmt == "int8" else "int8"
     got = as_fast(W, decode_act=decode, prefill_act=act).matmul(x)  # T >= PREFILL_MIN_T: gemm.py
     np.testing.assert_array_equal(got, _exact(x, w))
 
@@ -127,7 +139,8 @@ def _asm(kernel, sig=None) -> str:
 @NEEDS_INT8
 def test_compiled_kernels_contain_the_chosen_instruction(rng):
     mnemonic = MNEMONIC[cpu.INT8]
-    for fmt in ("int8", "int4"):                                    # compile each kernel by running it
+    # compile each kernel by running it
+    for fmt in ("int8", "int4"):
         W, _ = _on_grid(rng, fmt, 16, 64, 32)
         x = _activations(rng, quant.PREFILL_MIN_T, 64, 32, 127)
         as_fast(W, decode_act="int8", prefill_act="int8").matmul(x[:1])
@@ -136,10 +149,13 @@ def test_compiled_kernels_contain_the_chosen_instruction(rng):
     for name, kernel in {"matmul_tiled": fk.matmul_tiled, "gemm_tiled": gemm.gemm_tiled}.items():
         # one signature per kind (k8_8, k8_16, k4_8, k4_16 last): those of int8 activations
         q8 = [sig for sig in kernel.signatures if str(sig[-3]) == str(sig[-1]) == "none"]
-        assert len(q8) == 2, f"{name} was not compiled for int8 and int4 weights on int8 activations"
+        assert len(q8) == 2, (
+            f"{name} was not compiled for int8 and int4 weights on int8 activations"
+        )
         for sig in q8:
             assert mnemonic in _asm(kernel, sig), f"{name}{sig}: no {mnemonic} in its machine code"
-    # the check can tell: the core's int8 kernel (int8 weights to float, float multiply-adds) has none
+    # the check can tell: the core's int8 kernel (int8 weights to float, float multiply-adds) has
+    # none
     W, _ = _on_grid(rng, "int8", 16, 64, 32)
     W.matmul(x[:1])
     assert matmul.matmul_int8.signatures and mnemonic not in _asm(matmul.matmul_int8)

@@ -21,7 +21,8 @@ from stage1_cpu.fast.weight import fast_quantize
 from stage1_cpu.jit.numba_cache import set_threads
 from stage1_cpu.quant import Weight, quantize
 
-NO_INT8_DOT = "this CPU (or NUMBA_CPU_NAME) has no int8 dot product: neither AVX-512 VNNI / AVX-VNNI (vpdpbusd), AVX2 (vpmaddubsw) nor ARM dotprod (sdot)"
+NO_INT8_DOT = ("this CPU (or NUMBA_CPU_NAME) has no int8 dot product: neither AVX-512 VNNI / "
+               "AVX-VNNI (vpdpbusd), AVX2 (vpmaddubsw) nor ARM dotprod (sdot)")
 NO_BF16 = "this CPU (or NUMBA_CPU_NAME) has no AVX-512 BF16 (vdpbf16ps)"
 
 RTOL = 1e-5  # fp32, different summation order
@@ -50,7 +51,9 @@ def randn(rng, *shape, scale=1.0):
 # ---------------------------------------------------------------- element-wise ops
 
 
-@pytest.mark.parametrize("shape", [(1, 64), (5, 72), (70, 96), (1, 16, 128), (7, 3, 64), (5, 16, 8)])
+@pytest.mark.parametrize(
+    "shape", [(1, 64), (5, 72), (70, 96), (1, 16, 128), (7, 3, 64), (5, 16, 8)]
+)
 def test_rmsnorm_matches_ops(rng, shape):
     # 2-D is the residual stream ([T, C]), 3-D the per-head q/k norm ([T, H, D], w [D]);
     # 70 rows and 5*16 rows take the parallel path, the rest the serial one
@@ -81,10 +84,14 @@ def test_rope_matches_ops(rng, T, H, D):
     (5, 6, 2, 32, 11),       # prefill that continues a cached prefix
     (8, 16, 8, 128, 600),    # few queries over a long cache
     (64, 4, 4, 64, 3),       # no GQA; the fast path's prefill in tiles (T >= ATT_BLAS_MIN_T)
-    (130, 3, 1, 32, 9),      # BLAS: two of its query blocks of ATT_BLOCK, the second one partial; tiles: 3 blocks
-    (40, 16, 8, 128, 21),    # tiles: Qwen3-0.6B's heads, 32-query blocks, the second partial, after a prefix
-    (33, 9, 3, 64, 2),       # tiles: SmolLM2's 9 / 3 heads, 63 rows a block (padded to 64), not a multiple of 6
-    (19, 8, 1, 16, 0),       # tiles: 8 heads a KV head, 8-query blocks: three, taken in the order 0, 2, 1
+    # BLAS: two of its query blocks of ATT_BLOCK, the second one partial; tiles: 3 blocks
+    (130, 3, 1, 32, 9),
+    # tiles: Qwen3-0.6B's heads, 32-query blocks, the second partial, after a prefix
+    (40, 16, 8, 128, 21),
+    # tiles: SmolLM2's 9 / 3 heads, 63 rows a block (padded to 64), not a multiple of 6
+    (33, 9, 3, 64, 2),
+    # tiles: 8 heads a KV head, 8-query blocks: three, taken in the order 0, 2, 1
+    (19, 8, 1, 16, 0),
     (20, 2, 1, 40, 0),       # D = 40, not a multiple of 16: BLAS
 ])
 def test_attention_matches_ops(rng, T, H, Hkv, D, start_pos):
@@ -94,17 +101,23 @@ def test_attention_matches_ops(rng, T, H, Hkv, D, start_pos):
     v_cache = randn(rng, Hkv, Tmax, D)
     ref = ops.attention(q, k_cache, v_cache, start_pos)
     close(kernels.attention(q, k_cache, v_cache, start_pos), ref)
-    from stage1_cpu.fast import attention       # the fast path's: tiles (or BLAS) from ATT_BLAS_MIN_T queries
+    # the fast path's: tiles (or BLAS) from ATT_BLAS_MIN_T queries
+    from stage1_cpu.fast import attention
     close(attention.attention(q, k_cache, v_cache, start_pos), ref)
-    if T >= attention.ATT_BLAS_MIN_T:          # each version on its own, into NaNs: every output must be written
+    # each version on its own, into NaNs: every output must be written
+    if T >= attention.ATT_BLAS_MIN_T:
         tiled = attention.TILED and D % 16 == 0
-        for run in [attention.attention_blas] + [lambda *a: attention.attention_tiled(*a, max(1, attention.ROWS // (H // Hkv)))] * tiled:
+        rows = max(1, attention.ROWS // (H // Hkv))
+        for run in [attention.attention_blas] + [
+                lambda *a: attention.attention_tiled(*a, rows)] * tiled:
             out = np.full_like(q, np.nan)
             run(q, k_cache, v_cache, start_pos, out)
             close(out, ref)
 
 
-@pytest.mark.parametrize("T,E,k,norm", [(1, 8, 2, True), (5, 8, 4, False), (3, 128, 8, True), (2, 6, 1, False)])
+@pytest.mark.parametrize(
+    "T,E,k,norm", [(1, 8, 2, True), (5, 8, 4, False), (3, 128, 8, True), (2, 6, 1, False)]
+)
 def test_route_matches_ops(rng, T, E, k, norm):
     """The router's choice: the same experts, best first, and weights to fp32 rounding
     (ops.softmax uses np.exp, the kernel exp_f32, ~2 ulp)."""
@@ -124,7 +137,8 @@ def test_mix_and_gated_add_match_ops(rng, T, k, C):
     y = rng.standard_normal((T * k, C)).astype(np.float32)
     w = rng.random((T, k)).astype(np.float32)
     close(kernels.mix(y, w), ops.mix(y, w))
-    out, ys, gate = (rng.standard_normal((T, C)).astype(np.float32), rng.standard_normal((T, C)).astype(np.float32),
+    out, ys, gate = (rng.standard_normal((T, C)).astype(np.float32),
+                     rng.standard_normal((T, C)).astype(np.float32),
                      rng.standard_normal((T, 1)).astype(np.float32) * 4)
     close(kernels.gated_add(out, ys, gate), ops.gated_add(out, ys, gate))
 
@@ -150,7 +164,8 @@ def test_quantized_matmul_matches_dequantized_twin(rng, fmt, gs, O, K):
         close(W.matmul(x), W.matmul_ref(x))
 
 
-@pytest.mark.parametrize("O,K", [(96, 256), (37, 72)])   # 37 rows: blocks whose last group of four is part-filled
+# 37 rows: blocks whose last group of four is part-filled
+@pytest.mark.parametrize("O,K", [(96, 256), (37, 72)])
 def test_fast_bf16_four_rows_per_pass_match_the_twin_and_the_core(rng, O, K):
     """fast/blocks.py's bf16 decode (four rows per pass, whole blocks of rows): each row
     is the twin's and the core's one-row kernel's to fp32 rounding."""
@@ -165,12 +180,14 @@ def test_fast_bf16_four_rows_per_pass_match_the_twin_and_the_core(rng, O, K):
         close(out, Weight.matmul(W, x))                               # the core's one row at a time
 
 
-ACT_CASES = ([("bf16", 0, "fp32", "bf16")] + [(f, gs, "int8", "fp32") for f in ("int8", "int4") for gs in (32, 128)]
+ACT_CASES = ([("bf16", 0, "fp32", "bf16")]
+             + [(f, gs, "int8", "fp32") for f in ("int8", "int4") for gs in (32, 128)]
              + [("int8", gs, "int16", "fp32") for gs in (32, 128)])
 
 
 @pytest.mark.parametrize("fmt,gs,decode_act,prefill_act", ACT_CASES)
-@pytest.mark.parametrize("O,K", [(96, 256), (37, 96), (40, 72)])   # 37 rows: a part-filled bf16 panel
+# 37 rows: a part-filled bf16 panel
+@pytest.mark.parametrize("O,K", [(96, 256), (37, 96), (40, 72)])
 def test_rounded_activation_matmul_matches_its_twin(rng, fmt, gs, decode_act, prefill_act, O, K):
     """simd.py's int8 (decode) and bf16 (prefill) dot products against the twin that
     rounds x (and for bf16, W) the same way, then multiplies in fp32: equal to fp32 rounding."""
@@ -180,13 +197,17 @@ def test_rounded_activation_matmul_matches_its_twin(rng, fmt, gs, decode_act, pr
         pytest.skip(NO_BF16)
     if fmt == "bf16" and K % 2:
         pytest.skip("bf16 pairs need an even in_features")
-    W = fast_quantize(randn(rng, O, K), fmt, gs or 64, decode_act=decode_act, prefill_act=prefill_act)
+    W = fast_quantize(
+        randn(rng, O, K), fmt, gs or 64, decode_act=decode_act, prefill_act=prefill_act
+    )
     rounded = []
     for T in (1, 3, quant.PREFILL_MIN_T, 21):             # 21 tokens: a part-filled block of 8
         x = randn(rng, T, K, scale=3.0)
         close(W.matmul(x), W.matmul_ref(x))
         as_fp32 = x @ W.dequantize().T
-        rounded.append(not np.allclose(W.matmul(x), as_fp32, rtol=0, atol=1e-5 * np.abs(as_fp32).max()))
+        rounded.append(
+            not np.allclose(W.matmul(x), as_fp32, rtol=0, atol=1e-5 * np.abs(as_fp32).max())
+        )
     # the rounding shows exactly on the paths that round: decode (T=1, 3), prefill (T=8, 21)
     assert rounded == [decode_act != "fp32"] * 2 + [prefill_act != "fp32"] * 2
 
@@ -195,12 +216,14 @@ def test_rounded_activations_refused_where_they_cannot_run(rng):
     with pytest.raises(ValueError, match="not available"):
         fast_quantize(randn(rng, 4, 64), "none", decode_act="int8")
     with pytest.raises(ValueError, match="not available"):
-        fast_quantize(randn(rng, 4, 63), "bf16", prefill_act="bf16")     # odd in_features: no bf16 pairs
+        # odd in_features: no bf16 pairs
+        fast_quantize(randn(rng, 4, 63), "bf16", prefill_act="bf16")
     with pytest.raises(ValueError, match="fp32, int8 or int16"):
         fast_quantize(randn(rng, 4, 64), "int8", decode_act="int4")
     with pytest.raises(ValueError, match="not available"):
         fast_quantize(randn(rng, 4, 64), "int4", decode_act="int16")
-    with pytest.raises(ValueError, match="not available"):                  # int8 / int4 prefill: integers
+    # int8 / int4 prefill: integers
+    with pytest.raises(ValueError, match="not available"):
         fast_quantize(randn(rng, 4, 64), "int8", prefill_act="bf16")
 
 
@@ -307,8 +330,9 @@ def test_bf16_rounding_equals_torch(rng):
     u = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
     # plus the hard cases: exact ties (low half 0x8000) with even and odd kept bit,
     # values that round up to inf, signed zeros, subnormals, infinities
-    special = np.array([0x3F808000, 0x3F818000, 0x3F80_7FFF, 0x7F7FFFFF, 0xFF7FFFFF, 0x0, 0x80000000,
-                        0x00000001, 0x00008000, 0x00018000, 0x7F800000, 0xFF800000], dtype=np.uint32)
+    special = np.array([0x3F808000, 0x3F818000, 0x3F80_7FFF, 0x7F7FFFFF, 0xFF7FFFFF, 0x0,
+                        0x80000000, 0x00000001, 0x00008000, 0x00018000, 0x7F800000, 0xFF800000],
+                       dtype=np.uint32)
     w = np.concatenate([u, special]).view(np.float32)
     finite_or_inf = ~np.isnan(w)
     ours = quant.f32_to_bf16_bits(w)

@@ -36,10 +36,14 @@ def generic_env():
     yield env
 
 
-def run(args: list[str], env: dict, stdin: str | None = None, timeout: float = 1200) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, input=stdin, capture_output=True,
-                         text=True, timeout=timeout)
-    assert out.returncode == 0, f"exit {out.returncode}\nstdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-3000:]}"
+def run(
+    args: list[str], env: dict, stdin: str | None = None, timeout: float = 1200
+) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, input=stdin,
+                         capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, (
+        f"exit {out.returncode}\nstdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-3000:]}"
+    )
     assert "LLVM ERROR" not in out.stderr
     return out
 
@@ -66,7 +70,8 @@ def test_generate_on_a_generic_cpu_gives_transformers_greedy_tokens(generic_env,
 def test_plain_kernels_on_a_generic_cpu_equal_transformers(generic_env):
     folder = make_model("qwen3", tokenizer=True)
     out = run(["-m", "stage1_cpu.generate", "--model", str(folder), "--raw", "--prompt", PROMPT,
-               "--temperature", "0", "--ignore-eos", "--max-tokens", str(STEPS), "--kernels", "plain"], generic_env)
+               "--temperature", "0", "--ignore-eos", "--max-tokens", str(STEPS),
+               "--kernels", "plain"], generic_env)
     assert "plain kernels" in out.stderr
     from common.tokenizer import Tokenizer
     tok = Tokenizer(folder)
@@ -87,12 +92,14 @@ def test_two_turn_chat_on_the_default_model_on_a_generic_cpu(generic_env):
 
 def test_windows_runs_the_plain_kernels(monkeypatch):
     """The one-region step naps with the C library's usleep (fast/sync.py), which Windows lacks:
-    where os.name is not "posix", --kernels auto takes the core's kernels and --kernels fast says why."""
+    where os.name is not "posix", --kernels auto takes the core's kernels and --kernels fast
+    says why."""
     from types import SimpleNamespace
 
     from stage1_cpu import fast
     from stage1_cpu.weights import choose_kernels
-    assert choose_kernels("auto", "auto", "int8") is not None         # here, on POSIX: the fast path
+    # here, on POSIX: the fast path
+    assert choose_kernels("auto", "auto", "int8") is not None
     monkeypatch.setattr(fast, "os", SimpleNamespace(name="nt"))
     assert choose_kernels("auto", "auto", "int8") is None
     with pytest.raises(ValueError, match="usleep"):

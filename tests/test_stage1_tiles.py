@@ -23,12 +23,14 @@ import pytest
 from numba import njit
 
 from stage1_cpu import quant
-from stage1_cpu.fast import cpu, gemm, tiles
+from stage1_cpu.fast import cpu, gemm
 from stage1_cpu.fast import kernels as fk
 from stage1_cpu.fast.weight import as_fast
 
-pytestmark = pytest.mark.skipif(not cpu.INT8, reason="the CPU (or NUMBA_CPU_NAME) has no int8 dot product: "
-                                "neither AVX-512 VNNI / AVX-VNNI (vpdpbusd), AVX2 (vpmaddubsw) nor ARM dotprod (sdot)")
+pytestmark = pytest.mark.skipif(not cpu.INT8,
+                                reason="the CPU (or NUMBA_CPU_NAME) has no int8 dot product: "
+                                "neither AVX-512 VNNI / AVX-VNNI (vpdpbusd), AVX2 (vpmaddubsw) "
+                                "nor ARM dotprod (sdot)")
 RTOL = 1e-5
 KINDS = [("int8", "int8"), ("int8", "int16"), ("int4", "int8"), ("int4", "int16")]
 
@@ -39,7 +41,8 @@ def rng():
 
 
 def weight(rng, fmt, O, K, gs, s_range=(1e-3, 2e-2)):
-    """A stored int8 / int4 Weight with random values and scales in s_range (int4 minima negative)."""
+    """A stored int8 / int4 Weight with random values and scales in s_range (int4 minima
+    negative)."""
     G = -(-K // gs)
     G += G % 2 if fmt == "int4" else 0
     if fmt == "int8":
@@ -47,7 +50,9 @@ def weight(rng, fmt, O, K, gs, s_range=(1e-3, 2e-2)):
         mins = None
     else:
         data = rng.integers(0, 256, (O, G // 2, gs)).astype(np.uint8)
-        mins = np.maximum(-8 * rng.uniform(*s_range, (O, G)), -6e4).astype(np.float16).view(np.uint16)
+        mins = (
+            np.maximum(-8 * rng.uniform(*s_range, (O, G)), -6e4).astype(np.float16).view(np.uint16)
+        )
     scales = rng.uniform(*s_range, (O, G)).astype(np.float16).view(np.uint16)
     return quant.Weight(fmt, O, K, gs, data, scales, mins)
 
@@ -74,8 +79,8 @@ def terms(w, xint, xs, xsum):
     t = np.einsum("ogj,tgj->tog", q.astype(np.float64), xg)
     t = t * w.scales.view(np.float16).astype(np.float64)[None] * xs.astype(np.float64)[:, None, :]
     if w.fmt == "int4":
-        t = np.concatenate([t, w.mins.view(np.float16).astype(np.float64)[None] * xsum.astype(np.float64)[:, None]],
-                           axis=-1)
+        mins = w.mins.view(np.float16).astype(np.float64)
+        t = np.concatenate([t, mins[None] * xsum.astype(np.float64)[:, None]], axis=-1)
     return t
 
 
@@ -88,12 +93,14 @@ def check(out, t, rtol=RTOL):
 
 
 @njit(cache=False)
-def run_tiles(x, xs, xcorr, xsum, data, scales, mins, out, ooff, ostride, v0, v1, T, k8_8, k8_16, k4_8, k4_16):
+def run_tiles(
+    x, xs, xcorr, xsum, data, scales, mins, out, ooff, ostride, v0, v1, T, k8_8, k8_16, k4_8, k4_16
+):
     """kernels.tile_rows on one thread: blocks v0..v1, T tokens, into out (flat)."""
     G = scales.shape[1]
-    fk.tile_rows(x.reshape(-1), 0, xs.reshape(-1), xcorr.reshape(-1), xsum.reshape(-1), 0, data.reshape(-1),
-                 data.size // data.shape[0], scales.reshape(-1), mins.reshape(-1), G, x.shape[1] // G, out, ooff,
-                 ostride, v0, v1, T, k8_8, k8_16, k4_8, k4_16)
+    fk.tile_rows(x.reshape(-1), 0, xs.reshape(-1), xcorr.reshape(-1), xsum.reshape(-1), 0,
+                 data.reshape(-1), data.size // data.shape[0], scales.reshape(-1), mins.reshape(-1),
+                 G, x.shape[1] // G, out, ooff, ostride, v0, v1, T, k8_8, k8_16, k4_8, k4_16)
 
 
 def kind_flags(fmt, act):
@@ -104,7 +111,8 @@ def kind_flags(fmt, act):
 
 # ---------------------------------------------------------------- tests
 
-SHAPES = [(1, 40, 32), (5, 32, 64), (13, 200, 32), (22, 5 * 128, 128), (37, 9 * 64 - 7, 64)]   # (O, K, gs)
+# (O, K, gs)
+SHAPES = [(1, 40, 32), (5, 32, 64), (13, 200, 32), (22, 5 * 128, 128), (37, 9 * 64 - 7, 64)]
 
 
 @pytest.mark.parametrize("fmt,act", KINDS)
@@ -118,8 +126,8 @@ def test_tiles_equal_the_definition_and_each_token_alone(rng, fmt, act, O, K, gs
     xint, xs, xcorr, xsum = rounded(x, W, act)
     for T in (1, 2, 3, 4, 5, 7, 8):
         out = np.full((T, 8 * V), -7.0, dtype=np.float32)
-        run_tiles(xint[:T], xs[:T], xcorr[:T], xsum[:T], data, scales, mins, out.reshape(-1), 0, 8 * V, 0, V, T,
-                  *kind_flags(fmt, act))
+        run_tiles(xint[:T], xs[:T], xcorr[:T], xsum[:T], data, scales, mins, out.reshape(-1), 0,
+                  8 * V, 0, V, T, *kind_flags(fmt, act))
         check(out[:, :O], terms(W, xint[:T], xs[:T], xsum[:T]))
         for t in range(T):                                       # each token alone: the same bits
             one = np.empty((1, 8 * V), dtype=np.float32)
@@ -147,7 +155,8 @@ def guarded(a: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("T", [1, 3, 6])
 def test_tiles_read_no_block_past_the_last_and_write_only_their_own(rng, fmt, act, T):
     # 3 blocks; tiles over blocks 1..3 (a tile of 4 or 8 blocks covers them: the rest repeat the
-    # last, read, never stored); the data ends at an unreadable page, the output has a sentinel around
+    # last, read, never stored); the data ends at an unreadable page, the output has a sentinel
+    # around
     O, K, gs = 21, 96, 32
     W = weight(rng, fmt, O, K, gs)
     F = as_fast(W, decode_act="int8" if act == "int8" or fmt == "int4" else "int16")
@@ -157,7 +166,9 @@ def test_tiles_read_no_block_past_the_last_and_write_only_their_own(rng, fmt, ac
     xint, xs, xcorr, xsum = rounded(x, W, act)
     ostride = 2 * 8 + 5
     out = np.full(3 + T * ostride, 12345.0, dtype=np.float32)
-    run_tiles(xint, xs, xcorr, xsum, data, scales, mins, out, 3, ostride, 1, 3, T, *kind_flags(fmt, act))
+    run_tiles(
+        xint, xs, xcorr, xsum, data, scales, mins, out, 3, ostride, 1, 3, T, *kind_flags(fmt, act)
+    )
     got = out[3:].reshape(T, ostride)
     assert (out[:3] == 12345.0).all() and (got[:, 16:] == 12345.0).all()
     check(got[:, :O - 8], terms(W, xint, xs, xsum)[:, 8:])
@@ -174,13 +185,15 @@ def test_nan_reaches_its_token_only(rng, fmt, act):
     xint, xs, xcorr, xsum = rounded(x, W, act)
     assert np.isnan(xs[1, 4]) and np.isnan(xs[3, 9])
     out = np.zeros((5, 16), dtype=np.float32)
-    run_tiles(xint, xs, xcorr, xsum, F.data, F.scales, F.scales if F.mins is None else F.mins, out.reshape(-1), 0,
-              16, 0, 2, 5, *kind_flags(fmt, act))
+    run_tiles(xint, xs, xcorr, xsum, F.data, F.scales, F.scales if F.mins is None else F.mins,
+              out.reshape(-1), 0, 16, 0, 2, 5, *kind_flags(fmt, act))
     assert np.isnan(out[[1, 3], :O]).all() and np.isfinite(out[[0, 2, 4], :O]).all()
 
 
 @pytest.mark.parametrize("fmt,act", KINDS)
-@pytest.mark.parametrize("x_scale,s_range", [(1e20, (1e3, 6e4)), (1e-20, (1e-4, 1e-3)), (1e-12, (2e-7, 1e-6))])
+@pytest.mark.parametrize(
+    "x_scale,s_range", [(1e20, (1e3, 6e4)), (1e-20, (1e-4, 1e-3)), (1e-12, (2e-7, 1e-6))]
+)
 def test_extreme_magnitudes_keep_their_precision(rng, fmt, act, x_scale, s_range):
     O, K, gs = 9, 12 * 64, 64
     W = weight(rng, fmt, O, K, gs, s_range=s_range)
@@ -188,8 +201,8 @@ def test_extreme_magnitudes_keep_their_precision(rng, fmt, act, x_scale, s_range
     x = (rng.standard_normal((2, K)) * x_scale).astype(np.float32)
     xint, xs, xcorr, xsum = rounded(x, W, act)
     out = np.zeros((2, 16), dtype=np.float32)
-    run_tiles(xint, xs, xcorr, xsum, F.data, F.scales, F.scales if F.mins is None else F.mins, out.reshape(-1), 0,
-              16, 0, 2, 2, *kind_flags(fmt, act))
+    run_tiles(xint, xs, xcorr, xsum, F.data, F.scales, F.scales if F.mins is None else F.mins,
+              out.reshape(-1), 0, 16, 0, 2, 2, *kind_flags(fmt, act))
     t = terms(W, xint, xs, xsum)
     check(out[:, :O], t)
 
@@ -202,5 +215,7 @@ def test_the_twin_is_the_integer_definition(rng):
         xint, xs, xcorr, xsum = rounded(x, W, "int8")
         F = as_fast(W, decode_act="int8")
         x3 = xint.reshape(3, -1, 32)
-        np.testing.assert_array_equal(gemm.gemm_ref(x3, xs, xsum, F), gemm.gemm_ref(x3, xs, xsum, W))
+        np.testing.assert_array_equal(
+            gemm.gemm_ref(x3, xs, xsum, F), gemm.gemm_ref(x3, xs, xsum, W)
+        )
         check(F.matmul(x), terms(W, xint, xs, xsum))

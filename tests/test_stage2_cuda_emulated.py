@@ -64,7 +64,10 @@ def emulated_stages(tmp_path_factory):
     sources = [cu for cu in ALL_CU if emu.unsupported(cu.read_text()) is None]
     root = tmp_path_factory.mktemp("cuda-emulated")
     stages = sorted({cu.parent.parent.name for cu in sources})
-    return {st: emu.build([cu for cu in sources if cu.parent.parent.name == st], root / st) for st in stages}
+    return {
+        st: emu.build([cu for cu in sources if cu.parent.parent.name == st], root / st)
+        for st in stages
+    }
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +106,8 @@ DECODE_CASES = [(H, Hkv, D, P, lens)
                 if not (H >= 16 and max(lens) > 100)]
 PREFILL_CASES = [(H, Hkv, D, P, chunks)
                  for H, Hkv, D in [(1, 1, 32), (4, 2, 64), (16, 8, 128), (2, 1, 48)]
-                 for P, chunks in [(16, [(0, 1)]), (16, [(0, 17), (5, 3), (16, 6)]), (5, [(0, 7), (12, 1), (3, 9)])]
+                 for P, chunks in [(16, [(0, 1)]), (16, [(0, 17), (5, 3), (16, 6)]),
+                                   (5, [(0, 7), (12, 1), (3, 9)])]
                  if not (H >= 16 and P == 5)]
 
 
@@ -115,7 +119,9 @@ def test_emulated_decode_attention_equals_twin(gpu, H, Hkv, D, P, lens):
     ctx = np.array(lens, np.int32)
     out = kernels.paged_decode_attention(gpu(q), gpu(k_cache), gpu(v_cache), gpu(tables), gpu(ctx))
     assert isinstance(out, Dev)
-    np.testing.assert_allclose(out.get(), ops.paged_decode_attention(q, k_cache, v_cache, tables, ctx), **TOL)
+    np.testing.assert_allclose(
+        out.get(), ops.paged_decode_attention(q, k_cache, v_cache, tables, ctx), **TOL
+    )
 
 
 @pytest.mark.parametrize("H,Hkv,D,P,chunks", PREFILL_CASES)
@@ -136,24 +142,32 @@ def test_emulated_small_kernels_equal_twins(gpu):
     rng = np.random.default_rng(0)
     table = rng.standard_normal((50, 96)).astype(np.float32)
     ids = rng.integers(0, 50, size=7).astype(np.int32)
-    np.testing.assert_array_equal(kernels.embedding(gpu(ids), gpu(table)).get(), ops.embedding(ids, table))
+    np.testing.assert_array_equal(
+        kernels.embedding(gpu(ids), gpu(table)).get(), ops.embedding(ids, table)
+    )
     # rmsnorm: residual rows (C = 300 > the block of 256) and per-head rows (D = 32)
     for shape in [(3, 300), (5, 4, 32), (1, 1, 128)]:
         x = rng.standard_normal(shape).astype(np.float32)
         w = rng.standard_normal(shape[-1]).astype(np.float32)
-        np.testing.assert_allclose(kernels.rmsnorm(gpu(x), gpu(w), 1e-6).get(), ops.rmsnorm(x, w, 1e-6), **TOL)
+        np.testing.assert_allclose(
+            kernels.rmsnorm(gpu(x), gpu(w), 1e-6).get(), ops.rmsnorm(x, w, 1e-6), **TOL
+        )
     # rope, each token at its own position
     x = rng.standard_normal((6, 3, 64)).astype(np.float32)
     pos = rng.integers(0, 500, size=6)
     cos, sin = ops.rope_tables(500, 64, 1e6)
     np.testing.assert_allclose(kernels.rope(gpu(x), gpu(cos)[pos], gpu(sin)[pos]).get(),
                                ops.rope(x, cos[pos], sin[pos]), **TOL)
-    # store_kvcache through a slot mapping, into one layer of a [L, NB, P, Hkv, D] pool, a skipped slot
+    # store_kvcache through a slot mapping, into one layer of a [L, NB, P, Hkv, D] pool, a skipped
+    # slot
     k = rng.standard_normal((9, 2, 32)).astype(np.float32)
     v = rng.standard_normal((9, 2, 32)).astype(np.float32)
     slots = rng.permutation(5 * 4)[:9].astype(np.int32)
     slots[3] = -1
-    pool_k, pool_v = gpu(np.zeros((2, 5, 4, 2, 32), np.float32)), gpu(np.zeros((2, 5, 4, 2, 32), np.float32))
+    pool_k, pool_v = (
+        gpu(np.zeros((2, 5, 4, 2, 32), np.float32)),
+        gpu(np.zeros((2, 5, 4, 2, 32), np.float32)),
+    )
     expect_k, expect_v = np.zeros((5, 4, 2, 32), np.float32), np.zeros((5, 4, 2, 32), np.float32)
     kernels.store_kvcache(gpu(k), gpu(v), pool_k[1], pool_v[1], gpu(slots))
     ops.store_kvcache(k, v, expect_k, expect_v, slots)
@@ -164,7 +178,9 @@ def test_emulated_small_kernels_equal_twins(gpu):
     g = rng.standard_normal((10, 100)).astype(np.float32)
     u = rng.standard_normal((10, 100)).astype(np.float32)
     np.testing.assert_allclose(kernels.silu_mul(gpu(g), gpu(u)).get(), ops.silu_mul(g, u), **TOL)
-    np.testing.assert_array_equal(kernels.residual_add(gpu(g), gpu(u)).get(), ops.residual_add(g, u))
+    np.testing.assert_array_equal(
+        kernels.residual_add(gpu(g), gpu(u)).get(), ops.residual_add(g, u)
+    )
 
 
 def test_engine_on_emulated_kernels_equals_engine_on_twins(gpu, monkeypatch):
@@ -184,7 +200,9 @@ def test_engine_on_emulated_kernels_equals_engine_on_twins(gpu, monkeypatch):
         eng = engine_module.LLMEngine(folder, max_ctx=64, slots=3, token_budget=8, page_size=4,
                                       num_pages=32, device=device, progress=False)
         for i, p in enumerate(prompts):
-            eng.add_request(Request(str(i), p, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)))
+            eng.add_request(
+                Request(str(i), p, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+            )
         out = {str(i): [] for i in range(len(prompts))}
         while eng.has_work():
             for ev in eng.step():
@@ -211,7 +229,8 @@ def test_a_decode_step_allocates_once_per_step_not_once_per_op():
                                       graphs=False) for L in (1, 3))
     assert one["allocations"] == three["allocations"] == 14
     assert three["launches"] - one["launches"] == 2 * 11 and three["blas"] - one["blas"] == 2 * 7
-    assert three["elementwise"] == one["elementwise"] == 4     # the max, the two gathers, the rows' gather
+    # the max, the two gathers, the rows' gather
+    assert three["elementwise"] == one["elementwise"] == 4
 
 
 def test_engine_sizes_its_kv_pool_from_what_cupys_pool_holds():
@@ -232,7 +251,9 @@ def test_engine_sizes_its_kv_pool_from_what_cupys_pool_holds():
     pool = Pool()
     device = SimpleNamespace(mem_info=(2 * 2**30, 141 * 2**30))
     eng = LLMEngine.__new__(LLMEngine)
-    eng.xp = SimpleNamespace(get_default_memory_pool=lambda: pool, cuda=SimpleNamespace(Device=lambda: device))
+    eng.xp = SimpleNamespace(
+        get_default_memory_pool=lambda: pool, cuda=SimpleNamespace(Device=lambda: device)
+    )
     assert eng._free_gpu_bytes() == 5 * 2**30 and pool.freed
 
 
@@ -269,14 +290,17 @@ PLANTED = {
         ("__shfl_xor_sync(0xffffffffu, x, offset)", "__shfl_xor_sync(0x0000ffffu, x, offset)")]),
     # threads that have no element return before the block's barrier
     "rmsnorm_early_exit": ("rmsnorm.cu", "rmsnorm", [
-        ("    partial[threadIdx.x] = ss;", "    if (threadIdx.x >= C) return;\n    partial[threadIdx.x] = ss;")]),
+        ("    partial[threadIdx.x] = ss;",
+         "    if (threadIdx.x >= C) return;\n    partial[threadIdx.x] = ss;")]),
     # every block writes the first blockDim outputs (an index without blockIdx): a write/write race
     "silu_mul_overlap": ("silu_mul.cu", "silu_mul", [
-        ("out[i] = g / (1.0f + expf(-g)) * up[i];", "out[threadIdx.x] = g / (1.0f + expf(-g)) * up[i];")]),
+        ("out[i] = g / (1.0f + expf(-g)) * up[i];",
+         "out[threadIdx.x] = g / (1.0f + expf(-g)) * up[i];")]),
     # lane 0 waits in a shuffle for lanes that wait at the barrier for lane 0
     "rmsnorm_deadlock": ("rmsnorm.cu", "rmsnorm", [
         ("    partial[threadIdx.x] = ss;",
-         "    if (threadIdx.x == 0) ss += __shfl_xor_sync(0xffffffffu, ss, 1);\n    partial[threadIdx.x] = ss;")]),
+         "    if (threadIdx.x == 0) ss += __shfl_xor_sync(0xffffffffu, ss, 1);\n"
+         "    partial[threadIdx.x] = ss;")]),
 }
 
 
@@ -304,7 +328,9 @@ def test_planted_dependency_between_blocks_is_revealed_by_the_shuffled_order(pla
     out = dev(np.zeros(n, np.float32))
     planted["residual_add_chain"]((n // threads,), (threads,), (x, y, out, np.int64(n)))
     firsts = out.get()[threads::threads]                  # the first element of blocks 1..23
-    assert not np.array_equal(firsts, np.full_like(firsts, 3.0)), "every block ran after its predecessor"
+    assert not np.array_equal(firsts, np.full_like(firsts, 3.0)), (
+        "every block ran after its predecessor"
+    )
     assert set(np.unique(firsts).tolist()) <= {1.0, 3.0}
 
 
@@ -314,9 +340,12 @@ def test_planted_read_of_another_blocks_output_is_a_race(planted):
     b - 1 writes; the launch fails whatever order the blocks ran in, and names the element."""
     n, threads = 32 * 24, 32
     x, y = dev(np.ones(n, np.float32)), dev(np.ones(n, np.float32))
-    with pytest.raises(EmulatorError, match=r"race: block \(\d+,0,0\) thread \(\d+,0,0\) (reads|writes) "
-                                            r"out\[(\d+)\], which block \(\d+,0,0\) (wrote|read)"):
-        planted["residual_add_chain"]((n // threads,), (threads,), (x, y, dev(np.zeros(n, np.float32)), np.int64(n)))
+    with pytest.raises(EmulatorError,
+                       match=r"race: block \(\d+,0,0\) thread \(\d+,0,0\) (reads|writes) "
+                             r"out\[(\d+)\], which block \(\d+,0,0\) (wrote|read)"):
+        planted["residual_add_chain"](
+            (n // threads,), (threads,), (x, y, dev(np.zeros(n, np.float32)), np.int64(n))
+        )
 
 
 @pytest.mark.skipif(not emu.RACE, reason="QS_EMU_RACE=0: built without the race detector")
@@ -325,11 +354,15 @@ def test_planted_write_write_race_between_blocks_is_reported(planted, emulated):
     the real kernel, each block on its own slice, passes the same detector."""
     n = 32 * 5
     g, u = dev(np.ones(n, np.float32)), dev(np.ones(n, np.float32))
-    with pytest.raises(EmulatorError, match=r"race: .* writes out\[\d+\], which block \(\d,0,0\) (wrote|read)"):
+    with pytest.raises(
+        EmulatorError, match=r"race: .* writes out\[\d+\], which block \(\d,0,0\) (wrote|read)"
+    ):
         planted["silu_mul_overlap"]((5,), (32,), (g, u, dev(np.zeros(n, np.float32)), np.int64(n)))
     out = dev(np.zeros(n, np.float32))
     emulated["silu_mul"]((5,), (32,), (g, u, out, np.int64(n)))
-    np.testing.assert_allclose(out.get(), ops.silu_mul(np.ones(n, np.float32), np.ones(n, np.float32)), **TOL)
+    np.testing.assert_allclose(
+        out.get(), ops.silu_mul(np.ones(n, np.float32), np.ones(n, np.float32)), **TOL
+    )
 
 
 @pytest.mark.skipif(not emu.RACE, reason="QS_EMU_RACE=0: built without the race detector")
@@ -338,8 +371,10 @@ def test_atomics_of_many_blocks_on_one_address_are_not_a_race(tmp_path):
     sum with a plain += is one."""
     _need_gxx()
     src = tmp_path / "count.cu"
-    src.write_text('extern "C" __global__ void count_atomic(float* total) { atomicAdd(total, 1.0f); }\n'
-                   'extern "C" __global__ void count_plain(float* total) { if (threadIdx.x == 0) *total += 1.0f; }\n')
+    src.write_text('extern "C" __global__ void count_atomic(float* total) '
+                   '{ atomicAdd(total, 1.0f); }\n'
+                   'extern "C" __global__ void count_plain(float* total) '
+                   '{ if (threadIdx.x == 0) *total += 1.0f; }\n')
     k = emu.build([src], tmp_path / "build")
     total = dev(np.zeros(1, np.float32))
     k["count_atomic"]((6,), (32,), (total,))
@@ -353,8 +388,12 @@ def test_planted_read_of_unwritten_shared_memory_is_poisoned(planted, emulated):
     x = rng.standard_normal((5, 100)).astype(np.float32)       # C = 100 < 256 threads
     w = rng.standard_normal(100).astype(np.float32)
     out = dev(np.zeros_like(x))
-    planted["rmsnorm_unwritten"]((5,), (256,), (dev(x), dev(w), out, np.int32(100), np.float32(1e-6)))
-    assert np.isnan(out.get()).all(), "threads 100..255 never wrote partial[]: poison must reach the sum"
+    planted["rmsnorm_unwritten"](
+        (5,), (256,), (dev(x), dev(w), out, np.int32(100), np.float32(1e-6))
+    )
+    assert np.isnan(out.get()).all(), (
+        "threads 100..255 never wrote partial[]: poison must reach the sum"
+    )
     out = dev(np.zeros_like(x))                                 # the real kernel at the same shape
     emulated["rmsnorm"]((5,), (256,), (dev(x), dev(w), out, np.int32(100), np.float32(1e-6)))
     np.testing.assert_allclose(out.get(), ops.rmsnorm(x, w, 1e-6), **TOL)
@@ -365,11 +404,17 @@ def test_planted_static_shared_memory_over_48_kb_is_refused(planted, gpu, monkey
     rng = np.random.default_rng(1)
     k_cache, v_cache, tables, *_ = paged(rng, [3], 1, 32, 16)
     q = rng.standard_normal((1, 2, 32)).astype(np.float32)
-    with pytest.raises(EmulatorError, match=r"static __shared__ memory reaches 65568 bytes .* over the 49152"):
-        kernels.paged_decode_attention(gpu(q), gpu(k_cache), gpu(v_cache), gpu(tables), gpu(np.array([3], np.int32)))
+    with pytest.raises(
+        EmulatorError, match=r"static __shared__ memory reaches 65568 bytes .* over the 49152"
+    ):
+        kernels.paged_decode_attention(
+            gpu(q), gpu(k_cache), gpu(v_cache), gpu(tables), gpu(np.array([3], np.int32))
+        )
 
 
-def test_planted_dynamic_shared_memory_is_checked_against_the_attribute_and_the_opt_in_limit(planted):
+def test_planted_dynamic_shared_memory_is_checked_against_the_attribute_and_the_opt_in_limit(
+    planted,
+):
     kernel = planted["rmsnorm_dynamic"]
     rng = np.random.default_rng(2)
     x = rng.standard_normal((3, 300)).astype(np.float32)
@@ -380,9 +425,12 @@ def test_planted_dynamic_shared_memory_is_checked_against_the_attribute_and_the_
     np.testing.assert_allclose(out.get(), ops.rmsnorm(x, w, 1e-6), **TOL)
     with pytest.raises(EmulatorError, match="launch gave 0 bytes"):
         kernel((3,), (256,), args(dev(np.zeros_like(x))))
-    with pytest.raises(EmulatorError, match=r"over the kernel's max_dynamic_shared_size_bytes \(49152\)"):
+    with pytest.raises(
+        EmulatorError, match=r"over the kernel's max_dynamic_shared_size_bytes \(49152\)"
+    ):
         kernel((3,), (256,), args(dev(np.zeros_like(x))), shared_mem=64 * 1024)
-    kernel.max_dynamic_shared_size_bytes = 100 * 1024           # raised, as a FlashAttention kernel does
+    # raised, as a FlashAttention kernel does
+    kernel.max_dynamic_shared_size_bytes = 100 * 1024
     kernel((3,), (256,), args(dev(np.zeros_like(x))), shared_mem=64 * 1024)
     with pytest.raises(EmulatorError, match=r"opt-in limit of sm_90 \(232448 bytes"):
         kernel.max_dynamic_shared_size_bytes = 240 * 1024
@@ -398,7 +446,8 @@ def test_planted_dynamic_shared_memory_is_checked_against_the_attribute_and_the_
 def test_planted_launch_outside_the_limits_is_refused(emulated, grid, block, match):
     x = dev(np.ones((2, 64), np.float32))
     with pytest.raises(EmulatorError, match=match):
-        emulated["rmsnorm"](grid, block, (x, dev(np.ones(64, np.float32)), dev(np.zeros((2, 64), np.float32)),
+        emulated["rmsnorm"](grid, block, (x, dev(np.ones(64, np.float32)),
+                                          dev(np.zeros((2, 64), np.float32)),
                                           np.int32(64), np.float32(1e-6)))
 
 
@@ -407,21 +456,31 @@ def test_planted_shuffle_outside_its_mask_is_an_error(planted, gpu, monkeypatch)
     rng = np.random.default_rng(3)
     k_cache, v_cache, tables, *_ = paged(rng, [5], 1, 32, 16)
     q = rng.standard_normal((1, 1, 32)).astype(np.float32)
-    with pytest.raises(EmulatorError, match=r"(leaves out the calling lane|outside the mask 0x0000ffff).*\n.*seed"):
-        kernels.paged_decode_attention(gpu(q), gpu(k_cache), gpu(v_cache), gpu(tables), gpu(np.array([5], np.int32)))
+    with pytest.raises(
+        EmulatorError, match=r"(leaves out the calling lane|outside the mask 0x0000ffff).*\n.*seed"
+    ):
+        kernels.paged_decode_attention(
+            gpu(q), gpu(k_cache), gpu(v_cache), gpu(tables), gpu(np.array([5], np.int32))
+        )
 
 
 def test_planted_barrier_after_an_early_return_is_an_error(planted):
     x = dev(np.ones((2, 100), np.float32))
-    with pytest.raises(EmulatorError, match=r"100 of 256 threads reached __syncthreads\(\) at line \d+ and 156 exited"):
+    with pytest.raises(
+        EmulatorError,
+        match=r"100 of 256 threads reached __syncthreads\(\) at line \d+ and 156 exited",
+    ):
         planted["rmsnorm_early_exit"]((2,), (256,), (x, dev(np.ones(100, np.float32)),
-                                                     dev(np.zeros((2, 100), np.float32)), np.int32(100),
-                                                     np.float32(1e-6)))
+                                                     dev(np.zeros((2, 100), np.float32)),
+                                                     np.int32(100), np.float32(1e-6)))
 
 
 def test_planted_deadlock_is_ended_by_the_watchdog(planted, monkeypatch):
     monkeypatch.setattr(emu, "WATCHDOG_S", 2.0)
     x = dev(np.ones((1, 64), np.float32))
-    with pytest.raises(EmulatorError, match=r"watchdog: no progress for 2 s, a deadlock: block \(0,0,0\) thread"):
-        planted["rmsnorm_deadlock"]((1,), (256,), (x, dev(np.ones(64, np.float32)), dev(np.zeros((1, 64), np.float32)),
+    with pytest.raises(
+        EmulatorError, match=r"watchdog: no progress for 2 s, a deadlock: block \(0,0,0\) thread"
+    ):
+        planted["rmsnorm_deadlock"]((1,), (256,), (x, dev(np.ones(64, np.float32)),
+                                                   dev(np.zeros((1, 64), np.float32)),
                                                    np.int32(64), np.float32(1e-6)))

@@ -112,7 +112,8 @@ def test_16_concurrent_requests_with_chunked_prefill_equal_transformers():
     # the budget of 64 tokens forces prompts over 64 tokens into several chunks
     budgets = []
     tokens, finish = run(eng, prompts, arrive_every=2,
-                         on_step=lambda e, *_: budgets.append(e.num_prefill_tokens + e.num_decode_tokens))
+                         on_step=lambda e, *_: budgets.append(e.num_prefill_tokens
+                                                              + e.num_decode_tokens))
     assert max(np.diff([0] + budgets)) <= 64                   # the token budget held every step
     for i in range(len(prompts)):
         assert tokens[str(i)] == ref[i], f"request {i} (prompt of {len(prompts[i])} tokens) differs"
@@ -138,7 +139,8 @@ def test_pool_too_small_preempts_and_results_stay_equal():
 def test_aborting_half_the_requests_frees_their_pages_at_once():
     folder, prompts, ref = reference("qwen3")
     eng = engine()
-    aborted = {str(i) for i in range(8, 16)}      # the 8 longest prompts: waiting, mid-prefill or decoding
+    # the 8 longest prompts: waiting, mid-prefill or decoding
+    aborted = {str(i) for i in range(8, 16)}
     state = {}
 
     def on_step(e, step, tokens, finish):
@@ -148,7 +150,8 @@ def test_aborting_half_the_requests_frees_their_pages_at_once():
             assert owned > 0
             for rid in aborted:
                 e.abort(rid)
-            assert e.num_free_pages() == free_before + owned       # freed at once, not at the next step
+            # freed at once, not at the next step
+            assert e.num_free_pages() == free_before + owned
             state["aborted_at"] = {rid: len(tokens[rid]) for rid in aborted}
             e.abort("no-such-request")                              # unknown ids are ignored
 
@@ -196,8 +199,10 @@ def test_all_logits_of_a_packed_batch_equal_transformers():
     eng.block_manager.allocate(other, 63)
     _, other_tokens, other_batch = build_batch([other], [63], 16)
     other_logits = eng.model.forward(other_tokens, other_batch, all_logits=True)
-    for (p, rows), got in [((p, slice(batch.query_start[i], batch.query_start[i + 1])), logits)
-                           for i, p in enumerate(prompts)] + [((other.token_ids, slice(None)), other_logits)]:
+    for (p, rows), got in [
+        ((p, slice(batch.query_start[i], batch.query_start[i + 1])), logits)
+        for i, p in enumerate(prompts)
+    ] + [((other.token_ids, slice(None)), other_logits)]:
         ref = hf_logits(folder, p)
         err = np.abs(got[rows] - ref).max() / np.abs(ref).max()
         assert err < 1e-4, f"prompt of {len(p)} tokens: relative error {err}"
@@ -209,8 +214,9 @@ def test_stop_tokens_and_max_ctx_end_requests():
     # stop at the 3rd greedy token of prompt 2 (7 tokens); prompt 7 (33 tokens) hits max_ctx 40
     stop = ref[2][2]
     first = ref[2].index(stop)
-    eng.add_request(Request("stop", prompts[2], SamplingParams(temperature=0, max_tokens=20,
-                                                                 stop_token_ids=[stop], ignore_eos=True)))
+    eng.add_request(Request("stop", prompts[2],
+                            SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop],
+                                           ignore_eos=True)))
     eng.add_request(Request("ctx", prompts[7], greedy(100)))
     out, fin = {"stop": [], "ctx": []}, {}
     while eng.has_work():

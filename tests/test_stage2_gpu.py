@@ -45,7 +45,9 @@ def host(x):
 
 
 @pytest.mark.parametrize("H,Hkv,D", HEADS + [(8, 8, 256), (2, 1, 48)])
-@pytest.mark.parametrize("P,lens", [(16, [1]), (16, [1, 16, 17, 40, 3]), (5, [3, 11, 25]), (256, [7, 300, 1])])
+@pytest.mark.parametrize(
+    "P,lens", [(16, [1]), (16, [1, 16, 17, 40, 3]), (5, [3, 11, 25]), (256, [7, 300, 1])]
+)
 def test_decode_attention_kernel_equals_twin(H, Hkv, D, P, lens):
     rng = np.random.default_rng(H + P + len(lens))
     k_cache, v_cache, tables, *_ = paged(rng, lens, Hkv, D, P)
@@ -58,7 +60,8 @@ def test_decode_attention_kernel_equals_twin(H, Hkv, D, P, lens):
 
 @pytest.mark.parametrize("H,Hkv,D", HEADS + [(8, 8, 256), (2, 1, 48)])
 @pytest.mark.parametrize("P,chunks", [(16, [(0, 1)]), (16, [(0, 17), (5, 3), (16, 16), (31, 9)]),
-                                      (5, [(0, 7), (12, 1), (3, 12)]), (256, [(0, 300), (250, 13)])])
+                                      (5, [(0, 7), (12, 1), (3, 12)]),
+                                      (256, [(0, 300), (250, 13)])])
 def test_prefill_attention_kernel_equals_twin(H, Hkv, D, P, chunks):
     rng = np.random.default_rng(H + P + len(chunks))
     lens = [b + n for b, n in chunks]
@@ -71,7 +74,9 @@ def test_prefill_attention_kernel_equals_twin(H, Hkv, D, P, chunks):
     np.testing.assert_allclose(host(got), expect, **ATT_TOL)
 
 
-@pytest.mark.parametrize("N,Hkv,D,P", [(1, 1, 32, 16), (37, 2, 32, 16), (20, 8, 128, 5), (300, 8, 128, 256)])
+@pytest.mark.parametrize(
+    "N,Hkv,D,P", [(1, 1, 32, 16), (37, 2, 32, 16), (20, 8, 128, 5), (300, 8, 128, 256)]
+)
 def test_store_kvcache_kernel_equals_twin(N, Hkv, D, P):
     rng = np.random.default_rng(N)
     NB = (N + P - 1) // P + 4
@@ -92,7 +97,9 @@ def test_rmsnorm_kernel_equals_twin(shape):
     rng = np.random.default_rng(1)
     x = rng.standard_normal(shape).astype(np.float32)
     w = rng.standard_normal(shape[-1]).astype(np.float32)
-    np.testing.assert_allclose(host(kernels.rmsnorm(*gpu(x, w), 1e-6)), ops.rmsnorm(x, w, 1e-6), **TOL)
+    np.testing.assert_allclose(
+        host(kernels.rmsnorm(*gpu(x, w), 1e-6)), ops.rmsnorm(x, w, 1e-6), **TOL
+    )
 
 
 @pytest.mark.parametrize("N,H,D", [(1, 1, 32), (9, 4, 64), (3, 16, 128), (5, 8, 256)])
@@ -102,7 +109,9 @@ def test_rope_kernel_equals_twin(N, H, D):
     positions = rng.integers(0, 4000, size=N)
     cos, sin = ops.rope_tables(4000, D, 1e6)
     expect = ops.rope(x, cos[positions], sin[positions])
-    np.testing.assert_allclose(host(kernels.rope(*gpu(x, cos[positions], sin[positions]))), expect, **TOL)
+    np.testing.assert_allclose(
+        host(kernels.rope(*gpu(x, cos[positions], sin[positions]))), expect, **TOL
+    )
 
 
 @pytest.mark.parametrize("n", [1, 33, 3000])
@@ -114,7 +123,9 @@ def test_elementwise_and_embedding_kernels_equal_twins(n):
     np.testing.assert_array_equal(host(kernels.residual_add(*gpu(g, u))), ops.residual_add(g, u))
     table = rng.standard_normal((100, 96)).astype(np.float32)
     ids = rng.integers(0, 100, size=n).astype(np.int32)
-    np.testing.assert_array_equal(host(kernels.embedding(*gpu(ids, table))), ops.embedding(ids, table))
+    np.testing.assert_array_equal(
+        host(kernels.embedding(*gpu(ids, table))), ops.embedding(ids, table)
+    )
 
 
 # ---- small shapes, for compute-sanitizer (bench/gpu_check.sh runs these under memcheck,
@@ -146,7 +157,9 @@ def test_attention_kernels_on_small_shapes_for_the_sanitizer():
     q = rng.standard_normal((len(lens), H, D)).astype(np.float32)
     ctx = np.array(lens, np.int32)
     got = kernels.paged_decode_attention(*gpu(q, k_cache, v_cache, tables, ctx))
-    np.testing.assert_allclose(host(got), ops.paged_decode_attention(q, k_cache, v_cache, tables, ctx), **ATT_TOL)
+    np.testing.assert_allclose(
+        host(got), ops.paged_decode_attention(q, k_cache, v_cache, tables, ctx), **ATT_TOL
+    )
     chunks = [(0, 5), (9, 3)]
     lens = [b + n for b, n in chunks]
     k_cache, v_cache, tables, *_ = paged(rng, lens, Hkv, D, P)
@@ -154,7 +167,9 @@ def test_attention_kernels_on_small_shapes_for_the_sanitizer():
     positions = np.concatenate([np.arange(b, b + n) for b, n in chunks]).astype(np.int32)
     q = rng.standard_normal((len(positions), H, D)).astype(np.float32)
     got = kernels.prefill_attention(*gpu(q, k_cache, v_cache, tables, token_seq, positions))
-    np.testing.assert_allclose(host(got), ops.prefill_attention(q, k_cache, v_cache, tables, token_seq, positions),
+    np.testing.assert_allclose(host(got),
+                               ops.prefill_attention(q, k_cache, v_cache, tables, token_seq,
+                                                     positions),
                                **ATT_TOL)
 
 
@@ -163,17 +178,23 @@ def test_other_kernels_on_small_shapes_for_the_sanitizer():
     rng = np.random.default_rng(8)
     x = rng.standard_normal((3, 300)).astype(np.float32)
     w = rng.standard_normal(300).astype(np.float32)
-    np.testing.assert_allclose(host(kernels.rmsnorm(*gpu(x, w), 1e-6)), ops.rmsnorm(x, w, 1e-6), **TOL)
+    np.testing.assert_allclose(
+        host(kernels.rmsnorm(*gpu(x, w), 1e-6)), ops.rmsnorm(x, w, 1e-6), **TOL
+    )
     y = rng.standard_normal((3, 300)).astype(np.float32)
     np.testing.assert_allclose(host(kernels.silu_mul(*gpu(x, y))), ops.silu_mul(x, y), **TOL)
     np.testing.assert_array_equal(host(kernels.residual_add(*gpu(x, x))), ops.residual_add(x, x))
     r = rng.standard_normal((3, 2, 32)).astype(np.float32)
     cos, sin = ops.rope_tables(64, 32, 1e6)
     pos = np.array([0, 5, 63])
-    np.testing.assert_allclose(host(kernels.rope(*gpu(r, cos[pos], sin[pos]))), ops.rope(r, cos[pos], sin[pos]), **TOL)
+    np.testing.assert_allclose(
+        host(kernels.rope(*gpu(r, cos[pos], sin[pos]))), ops.rope(r, cos[pos], sin[pos]), **TOL
+    )
     table = rng.standard_normal((10, 96)).astype(np.float32)
     ids = np.array([3, 0, 9], np.int32)
-    np.testing.assert_array_equal(host(kernels.embedding(*gpu(ids, table))), ops.embedding(ids, table))
+    np.testing.assert_array_equal(
+        host(kernels.embedding(*gpu(ids, table))), ops.embedding(ids, table)
+    )
     slots = np.array([5, -1, 12], np.int32)
     kc, vc = np.zeros((4, 4, 2, 32), np.float32), np.zeros((4, 4, 2, 32), np.float32)
     kg, vg = gpu(kc, vc)

@@ -31,7 +31,8 @@ def test_every_kernel_has_a_cu_file_with_a_header():
 # ---------------------------------------------------------------------------
 
 def paged(rng, lens: list[int], Hkv: int, D: int, P: int, spare_pages: int = 3):
-    """-> (k_cache, v_cache [NB, P, Hkv, D], block_tables [S, max_blocks], dense K, V per sequence)"""
+    """-> (k_cache, v_cache [NB, P, Hkv, D], block_tables [S, max_blocks], dense K, V per
+    sequence)"""
     need = [(n + P - 1) // P for n in lens]
     NB = sum(need) + spare_pages
     pages = rng.permutation(NB)                       # sequences get scattered pages
@@ -53,7 +54,8 @@ def paged(rng, lens: list[int], Hkv: int, D: int, P: int, spare_pages: int = 3):
 
 
 def reference_attention(q, k, v, visible: int):
-    """One query token q [H, D] over k, v [>= visible, Hkv, D]: softmax(q.k / sqrt(D)) v, float64."""
+    """One query token q [H, D] over k, v [>= visible, Hkv, D]: softmax(q.k / sqrt(D)) v,
+    float64."""
     H, D = q.shape
     group = H // k.shape[1]
     out = np.zeros((H, D))
@@ -69,7 +71,9 @@ HEADS = [(1, 1, 32), (4, 1, 64), (4, 2, 32), (16, 8, 128), (32, 8, 128)]   # (H,
 
 
 @pytest.mark.parametrize("H,Hkv,D", HEADS)
-@pytest.mark.parametrize("P,lens", [(16, [1]), (16, [1, 16, 17, 40]), (5, [3, 11, 25]), (256, [7, 300])])
+@pytest.mark.parametrize(
+    "P,lens", [(16, [1]), (16, [1, 16, 17, 40]), (5, [3, 11, 25]), (256, [7, 300])]
+)
 def test_paged_decode_attention_twin_equals_dense_attention(H, Hkv, D, P, lens):
     rng = np.random.default_rng(len(lens) * 100 + H + P)
     k_cache, v_cache, tables, K, V = paged(rng, lens, Hkv, D, P)
@@ -89,7 +93,8 @@ def test_prefill_attention_twin_equals_causal_dense_attention(H, Hkv, D, P, chun
     rng = np.random.default_rng(H * 7 + P + len(chunks))
     lens = [before + new for before, new in chunks]
     k_cache, v_cache, tables, K, V = paged(rng, lens, Hkv, D, P)
-    token_seq = np.concatenate([np.full(new, s) for s, (_, new) in enumerate(chunks)]).astype(np.int32)
+    token_seq = np.concatenate([np.full(new, s) for s, (_, new) in enumerate(chunks)])
+    token_seq = token_seq.astype(np.int32)
     positions = np.concatenate([np.arange(b, b + n) for b, n in chunks]).astype(np.int32)
     q = rng.standard_normal((len(positions), H, D)).astype(np.float32)
     out = ops.prefill_attention(q, k_cache, v_cache, tables, token_seq, positions)
@@ -102,7 +107,9 @@ def test_prefill_of_the_whole_prompt_equals_decode_of_its_last_token():
     rng = np.random.default_rng(5)
     k_cache, v_cache, tables, *_ = paged(rng, [37], 2, 64, 16)
     q = rng.standard_normal((37, 8, 64)).astype(np.float32)
-    pre = ops.prefill_attention(q, k_cache, v_cache, tables, np.zeros(37, np.int32), np.arange(37, dtype=np.int32))
+    pre = ops.prefill_attention(
+        q, k_cache, v_cache, tables, np.zeros(37, np.int32), np.arange(37, dtype=np.int32)
+    )
     dec = ops.paged_decode_attention(q[-1:], k_cache, v_cache, tables, np.array([37], np.int32))
     np.testing.assert_allclose(pre[-1:], dec, **TOL)
 
@@ -150,7 +157,9 @@ def test_rope_twin_rotates_each_token_by_its_own_position(N, H, D):
         ang = p * (1e6 ** (-np.arange(half) * 2.0 / D))
         for h in range(H):
             a, b = x[n, h, :half], x[n, h, half:]
-            expect = np.concatenate([a * np.cos(ang) - b * np.sin(ang), b * np.cos(ang) + a * np.sin(ang)])
+            expect = np.concatenate(
+                [a * np.cos(ang) - b * np.sin(ang), b * np.cos(ang) + a * np.sin(ang)]
+            )
             np.testing.assert_allclose(out[n, h], expect, rtol=1e-4, atol=1e-4)
 
 
@@ -161,7 +170,9 @@ def test_small_twins_equal_their_formulas():
     np.testing.assert_array_equal(ops.embedding(ids, table), np.stack([table[i] for i in ids]))
     g = rng.standard_normal((5, 33)).astype(np.float32)
     u = rng.standard_normal((5, 33)).astype(np.float32)
-    np.testing.assert_allclose(ops.silu_mul(g, u), g / (1 + np.exp(-g.astype(np.float64))) * u, **TOL)
+    np.testing.assert_allclose(
+        ops.silu_mul(g, u), g / (1 + np.exp(-g.astype(np.float64))) * u, **TOL
+    )
     np.testing.assert_array_equal(ops.residual_add(g, u), g + u)
 
 
@@ -173,8 +184,10 @@ def test_kernels_dispatch_numpy_arrays_to_the_twins():
     np.testing.assert_array_equal(kernels.rmsnorm(x, w, 1e-6), ops.rmsnorm(x, w, 1e-6))
     k_cache, v_cache, tables, *_ = paged(rng, [9, 20], 2, 32, 16)
     lens = np.array([9, 20], np.int32)
-    np.testing.assert_array_equal(kernels.paged_decode_attention(x[:2], k_cache, v_cache, tables, lens),
-                                  ops.paged_decode_attention(x[:2], k_cache, v_cache, tables, lens))
+    np.testing.assert_array_equal(
+        kernels.paged_decode_attention(x[:2], k_cache, v_cache, tables, lens),
+        ops.paged_decode_attention(x[:2], k_cache, v_cache, tables, lens),
+    )
 
 
 def test_twins_stage2_does_not_change_are_stage1_ops_as_parsed_code():
@@ -188,7 +201,8 @@ def test_twins_stage2_does_not_change_are_stage1_ops_as_parsed_code():
         tree = ast.parse(path.read_text())
         return {n.name: ast.dump(n) for n in tree.body if isinstance(n, ast.FunctionDef)}
 
-    one, two = functions(root / "stage1_cpu" / "ops.py"), functions(root / "stage2_batched" / "ops.py")
+    one = functions(root / "stage1_cpu" / "ops.py")
+    two = functions(root / "stage2_batched" / "ops.py")
     for name in ("rmsnorm", "rope_tables", "rope", "softmax", "route"):   # route: K.route's twin
         assert two[name] == one[name], f"ops.{name} differs from stage 1's"
     # stage 1 multiplies gate and up as one fused matrix, so its silu_mul takes [T, 2F];

@@ -16,7 +16,8 @@ from stage2_batched.sequence import Sequence, Status
 
 
 def seq(i: int, prompt_len: int, max_tokens: int = 4) -> Sequence:
-    req = Request(f"r{i}", list(range(3, 3 + prompt_len)), SamplingParams(temperature=0, max_tokens=max_tokens))
+    req = Request(f"r{i}", list(range(3, 3 + prompt_len)),
+                  SamplingParams(temperature=0, max_tokens=max_tokens))
     return Sequence.from_request(req, arrival=i)
 
 
@@ -42,7 +43,8 @@ def test_block_manager_allocates_on_demand_and_frees_everything():
     bm.allocate(a, 9)
     assert len(a.block_table) == 3
     check_ownership(bm, [a, b])
-    assert bm.can_allocate(b, 12 + 4 * 4) and not bm.can_allocate(b, 12 + 4 * 4 + 1)   # 3 own + 4 free pages
+    # 3 own + 4 free pages
+    assert bm.can_allocate(b, 12 + 4 * 4) and not bm.can_allocate(b, 12 + 4 * 4 + 1)
     with pytest.raises(RuntimeError, match="out of KV pages"):
         bm.allocate(b, 100)
     bm.free_pages(a)
@@ -101,7 +103,8 @@ def simulate(num_seqs=40, num_pages=24, page_size=4, slots=6, budget=16, seed=0,
 
 def test_scheduler_keeps_budgets_and_never_double_books_pages():
     sched, *_ = simulate(num_pages=200)      # invariants are checked every step inside
-    assert sched.max_seen == (16, 6)         # the budget and the slots were both reached, never passed
+    # the budget and the slots were both reached, never passed
+    assert sched.max_seen == (16, 6)
     assert sched.num_preemptions == 0        # plenty of pages: nobody is preempted
 
 

@@ -24,9 +24,11 @@ def test_serve_answers_concurrent_clients_with_transformers_greedy_tokens():
     proc = subprocess.Popen([sys.executable, "-m", "stage2_batched.serve", "--model", str(folder),
                              "--device", "cpu", "--addr", "127.0.0.1:0", "--max-ctx", "256",
                              "--slots", "4", "--token-budget", "32", "--page-size", "16",
-                             "--kv-memory", "0.05", "--served-model-name", "tiny", "--log-level", "warning"],
+                             "--kv-memory", "0.05", "--served-model-name", "tiny",
+                             "--log-level", "warning"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), "OPENBLAS_NUM_THREADS": "1"})
+                            env={**os.environ, "PYTHONPATH": str(ROOT),
+                                 "OPENBLAS_NUM_THREADS": "1"})
     try:
         line = proc.stdout.readline()
         m = re.search(r"http://127\.0\.0\.1:(\d+)", line)
@@ -39,7 +41,9 @@ def test_serve_answers_concurrent_clients_with_transformers_greedy_tokens():
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         # prompts of 5..60 tokens: with a budget of 32 the long ones are prefilled in chunks
         # while the short ones already decode, all in the same steps
-        prompts = [[(7 * i + 13 * j) % 5000 + 100 for j in range(n)] for i, n in enumerate((5, 19, 33, 60))]
+        prompts = [
+            [(7 * i + 13 * j) % 5000 + 100 for j in range(n)] for i, n in enumerate((5, 19, 33, 60))
+        ]
 
         def complete(ids):
             r = client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0,

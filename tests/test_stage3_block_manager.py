@@ -17,7 +17,7 @@ from common.engine import Request
 from common.sampling import SamplingParams
 from stage3_optimized.block_manager import BlockManager, sha256_key
 from stage3_optimized.scheduler import Scheduler
-from stage3_optimized.sequence import Sequence, Status
+from stage3_optimized.sequence import Sequence
 
 
 def seq(i: int, prompt: list[int], max_tokens: int = 4) -> Sequence:
@@ -52,7 +52,9 @@ def check_pool(bm: BlockManager, holders: list[Sequence]) -> None:
         for p in s.block_table:
             held[p] = held.get(p, 0) + 1
     for p in range(bm.num_pages):
-        assert bm.ref_count[p] == held.get(p, 0), f"page {p}: count {bm.ref_count[p]}, held {held.get(p, 0)}"
+        assert bm.ref_count[p] == held.get(p, 0), (
+            f"page {p}: count {bm.ref_count[p]}, held {held.get(p, 0)}"
+        )
     free, cached = set(bm.free), set(bm.cached_free)
     assert len(free) == len(bm.free) and not free & cached and not (free | cached) & set(held)
     assert len(free) + len(cached) + len(held) == bm.num_pages, "a page leaked"
@@ -173,12 +175,17 @@ def test_cache_off_never_shares_a_page():
 def test_shared_prefix_workload_hits_and_leaks_nothing():
     rng = np.random.default_rng(0)
     system = rng.integers(3, 100, size=37).tolist()
-    prompts = [system + rng.integers(3, 100, size=int(rng.integers(1, 12))).tolist() for _ in range(12)]
+    prompts = [
+        system + rng.integers(3, 100, size=int(rng.integers(1, 12))).tolist() for _ in range(12)
+    ]
     outputs = rng.integers(1, 9, size=12).tolist()
     arrivals = sorted(rng.integers(0, 30, size=12).tolist())
-    bm, sched, seqs = drive(prompts, outputs, num_pages=64, page_size=4, slots=4, budget=24, arrivals=arrivals)
+    bm, sched, seqs = drive(
+        prompts, outputs, num_pages=64, page_size=4, slots=4, budget=24, arrivals=arrivals
+    )
     later = [s for s in seqs[1:] if s.num_cached_tokens]
-    assert later and all(s.num_cached_tokens == 36 for s in later)   # 9 full pages of the system prompt
+    # 9 full pages of the system prompt
+    assert later and all(s.num_cached_tokens == 36 for s in later)
     assert bm.num_hit_tokens >= 36 * 6
 
 
@@ -187,10 +194,14 @@ def test_eviction_under_memory_pressure_keeps_the_cache_exact():
     every hit is still exact (the shadow) and no page leaks (check_pool every step)."""
     rng = np.random.default_rng(1)
     heads = [rng.integers(3, 40, size=n).tolist() for n in (9, 14, 22)]
-    prompts = [heads[i % 3] + rng.integers(3, 40, size=int(rng.integers(1, 9))).tolist() for i in range(30)]
+    prompts = [
+        heads[i % 3] + rng.integers(3, 40, size=int(rng.integers(1, 9))).tolist() for i in range(30)
+    ]
     outputs = rng.integers(1, 14, size=30).tolist()
     arrivals = sorted(rng.integers(0, 80, size=30).tolist())
-    bm, sched, seqs = drive(prompts, outputs, num_pages=14, page_size=3, slots=5, budget=12, arrivals=arrivals)
+    bm, sched, seqs = drive(
+        prompts, outputs, num_pages=14, page_size=3, slots=5, budget=12, arrivals=arrivals
+    )
     assert sched.num_preemptions > 0 and bm.num_hit_tokens > 0
 
 
@@ -206,7 +217,8 @@ def test_forced_collision_is_caught_by_the_stored_ids():
     a = seq(0, [1, 2, 3, 4, 5])
     bm.allocate(a, 5)
     compute(bm, a, 5, shadow)
-    assert len(bm.page_of) == 1                       # page 1 of a collided with page 0: kept private
+    # page 1 of a collided with page 0: kept private
+    assert len(bm.page_of) == 1
     other = seq(1, [7, 8, 3, 4, 5])                   # different first page, same hash
     assert bm.find_cached(other) == ([], [])
 

@@ -21,13 +21,10 @@ residual) must be exact.
 """
 from __future__ import annotations
 
-import ctypes
+import functools
 import gc
-import re
 import shutil
-import subprocess
 import sys
-import types
 from pathlib import Path
 
 import numpy as np
@@ -52,8 +49,14 @@ FRAGMENT_SHIM = r"""
 struct FragA { float v[16][16]; };
 struct FragB { float v[16][16]; };
 struct FragC { float v[16][16]; };
-inline float qs_bf16(unsigned short b) { unsigned u = (unsigned)b << 16; float f; std::memcpy(&f, &u, 4); return f; }
-inline void fill_zero(FragC& c) { for (int r = 0; r < 16; r++) for (int k = 0; k < 16; k++) c.v[r][k] = 0.0f; }
+inline float qs_bf16(unsigned short b)
+{
+    unsigned u = (unsigned)b << 16; float f; std::memcpy(&f, &u, 4); return f;
+}
+inline void fill_zero(FragC& c)
+{
+    for (int r = 0; r < 16; r++) for (int k = 0; k < 16; k++) c.v[r][k] = 0.0f;
+}
 inline void load_a_row(FragA& a, const unsigned short* p, unsigned ld)
 {
     for (int r = 0; r < 16; r++) for (int k = 0; k < 16; k++) a.v[r][k] = qs_bf16(p[r * ld + k]);
@@ -61,7 +64,8 @@ inline void load_a_row(FragA& a, const unsigned short* p, unsigned ld)
 template <bool COL>
 inline void load_b(FragB& b, const unsigned short* p, unsigned ld)
 {
-    for (int k = 0; k < 16; k++) for (int c = 0; c < 16; c++) b.v[k][c] = qs_bf16(COL ? p[c * ld + k] : p[k * ld + c]);
+    for (int k = 0; k < 16; k++)
+        for (int c = 0; c < 16; c++) b.v[k][c] = qs_bf16(COL ? p[c * ld + k] : p[k * ld + c]);
 }
 template <bool COL>
 inline void mma(FragC& c, const FragA& a, const FragB& b)
@@ -98,7 +102,9 @@ def emulated(tmp_path_factory):
     build = tmp_path_factory.mktemp("cuda3-emulated")
     sources = []
     for cu in sorted({CUDA_DIR / f for f in kernels.KERNEL_FILES.values()}):
-        sources.append(cu if emu.unsupported(cu.read_text()) is None else shimmed_copy(cu, build / "shimmed"))
+        sources.append(
+            cu if emu.unsupported(cu.read_text()) is None else shimmed_copy(cu, build / "shimmed")
+        )
     return emu.build(sources, build / "build")
 
 
@@ -133,7 +139,8 @@ def test_every_kernel_is_emulated(emulated):
 
 def test_embedding_starts_the_fp32_residual_stream(gpu):
     rng = np.random.default_rng(0)
-    for C in (96, 33):                                    # even: word reads; odd: one value per thread
+    # even: word reads; odd: one value per thread
+    for C in (96, 33):
         table = bf16_random(rng, (50, C))
         ids = rng.integers(0, 50, size=7).astype(np.int32)
         got = kernels.embedding(gpu(ids), gpu(table)).get()
@@ -173,9 +180,11 @@ def test_qk_norm_rope_store_equals_twin(gpu, H, Hkv, D, norm):
     on_host = ops.LayerHeads(qn, kn, cos, sin, ek[1], ev[1], H, Hkv, 1e-6)
     eq = ops.qk_norm_rope_store(qkv, on_host, pos, slots)
     assert_bf16_close(q.get(), eq)
-    assert_bf16_close(dk.get()[1].reshape(-1), ek[1].reshape(-1), min_exact=0.5)   # most slots stay 0
+    # most slots stay 0
+    assert_bf16_close(dk.get()[1].reshape(-1), ek[1].reshape(-1), min_exact=0.5)
     np.testing.assert_array_equal(dv.get(), ev)                # V rows are copied bit for bit
-    assert not dk.get()[0].any() and ev[1].any()               # the other layer untouched; V was stored
+    # the other layer untouched; V was stored
+    assert not dk.get()[0].any() and ev[1].any()
 
 
 def test_swiglu_equals_twin(gpu):
@@ -190,8 +199,9 @@ def test_linear_reads_the_weight_transposed_like_cublas(gpu):
     rng = np.random.default_rng(2)
     x, w = bf16_random(rng, (5, 96)), bf16_random(rng, (40, 96))
     assert_bf16_close(kernels.linear(gpu(x), gpu(w)).get(), ops.linear(x, w), min_exact=1.0)
-    np.testing.assert_allclose(kernels.linear(gpu(x), gpu(w), out_f32=True).get(), ops.linear(x, w, True),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        kernels.linear(gpu(x), gpu(w), out_f32=True).get(), ops.linear(x, w, True), rtol=1e-5
+    )
 
 
 def _count_launches(fn):
@@ -226,7 +236,8 @@ def check_gemv(dev, N, K, M, counted=None, kernels=kernels, ops=ops):
         (lambda: kernels.linear(dev(x), dev(w), out_f32=True).get(), ops.linear(x, w, True), "f32"),
         (lambda: kernels.rmsnorm_linear(dev(residual), dev(norm_w), 1e-6, dev(w)).get(),
          ops.rmsnorm_linear(residual, norm_w, 1e-6, w), "bf16"),
-        (lambda: kernels.rmsnorm_linear(dev(residual), dev(norm_w), 1e-6, dev(w), bias=dev(bias)).get(),
+        (lambda: kernels.rmsnorm_linear(dev(residual), dev(norm_w), 1e-6, dev(w),
+                                        bias=dev(bias)).get(),
          ops.rmsnorm_linear(residual, norm_w, 1e-6, w, bias), "bf16"),
         (lambda: kernels.linear(dev(x), dev(w), add_into=dev(stream)).get(),
          stream + ops.linear(x, w, True), "f32"),
@@ -248,7 +259,10 @@ def check_gemv_prologues(dev, kernels=kernels):
     rng = np.random.default_rng(7)
     N, K, M = 3, 1024, 20
     w = dev(bf16_random(rng, (M, K)))
-    residual, norm_w = dev(rng.standard_normal((N, K)).astype(np.float32) * 3), dev(bf16_random(rng, (K,)))
+    residual, norm_w = (
+        dev(rng.standard_normal((N, K)).astype(np.float32) * 3),
+        dev(bf16_random(rng, (K,))),
+    )
     fused = kernels.rmsnorm_linear(residual, norm_w, 1e-6, w).get()
     plain = kernels.linear(kernels.rmsnorm(residual, norm_w, 1e-6), w).get()
     np.testing.assert_array_equal(fused, plain)
@@ -338,8 +352,9 @@ def test_big_batches_take_the_unfused_path_with_the_same_arithmetic(gpu):
     N, K, M = 5, 64, 24
     w, norm_w = bf16_random(rng, (M, K)), bf16_random(rng, (K,))
     residual = rng.standard_normal((N, K)).astype(np.float32)
-    got, launches, blas = _count_launches(lambda: kernels.rmsnorm_linear(gpu(residual), gpu(norm_w), 1e-6,
-                                                                          gpu(w)).get())
+    got, launches, blas = _count_launches(
+        lambda: kernels.rmsnorm_linear(gpu(residual), gpu(norm_w), 1e-6, gpu(w)).get()
+    )
     assert (launches, blas) == (1, 1)
     assert_bf16_close(got, ops.rmsnorm_linear(residual, norm_w, 1e-6, w), min_exact=0.8)
     gate_up, stream = bf16_random(rng, (N, 2 * K)), rng.standard_normal((N, M)).astype(np.float32)
@@ -414,9 +429,10 @@ def test_a_gpu_nan_in_the_residual_stream_reaches_the_sampler_as_a_degenerate_ro
 # Qwen3's GQA ratios (0.6B: 16/8, 8B: 32/8, 30B-A3B: 32/4); a split length below, between
 # and above the tile, so a split may hold several tiles, part of one, or nothing
 DECODE_CASES = [(H, Hkv, D, P, lens, split)
-                for H, Hkv, D in [(1, 1, 32), (4, 1, 64), (16, 8, 128), (32, 8, 128), (32, 4, 64), (2, 1, 48)]
-                for P, lens, split in [(16, [1], 512), (16, [1, 16, 17, 40], 8), (5, [3, 11, 70], 45),
-                                       (256, [7, 260], 100), (5, [3, 50], 45)]
+                for H, Hkv, D in [(1, 1, 32), (4, 1, 64), (16, 8, 128), (32, 8, 128), (32, 4, 64),
+                                  (2, 1, 48)]
+                for P, lens, split in [(16, [1], 512), (16, [1, 16, 17, 40], 8),
+                                       (5, [3, 11, 70], 45), (256, [7, 260], 100), (5, [3, 50], 45)]
                 # the emulator runs a thread per CUDA thread: the wide groups get the small cases
                 if not (H >= 16 and max(lens) > 100) and not (H >= 32 and split not in (512, 45))
                 and not (H >= 32 and max(lens) == 70) and not (H < 32 and lens == [3, 50])]
@@ -432,29 +448,40 @@ def test_decode_attention_splits_and_merge_equal_twins(gpu, emulated, H, Hkv, D,
     # the split kernel alone, against its twin (fp32 partials)
     splits = (max(lens) + split - 1) // split
     S = len(lens)
-    part_out, part_ml = gpu(np.zeros((S, H, splits, D), np.float32)), gpu(np.zeros((S, H, splits, 2), np.float32))
+    part_out, part_ml = (
+        gpu(np.zeros((S, H, splits, D), np.float32)),
+        gpu(np.zeros((S, H, splits, 2), np.float32)),
+    )
     emulated["paged_decode_attention"](
         (S * Hkv, splits), (32 * (H // Hkv),),
         (gpu(q), gpu(k_cache), gpu(v_cache), gpu(tables), gpu(ctx), part_out, part_ml,
          np.int32(H), np.int32(Hkv), np.int32(D), np.int32(P), np.int32(tables.shape[1]),
-         np.int32(split), np.int32(splits), np.float32(1 / np.sqrt(D))), shared_mem=kernels.decode_shared_bytes(D))
+         np.int32(split), np.int32(splits), np.float32(1 / np.sqrt(D))),
+        shared_mem=kernels.decode_shared_bytes(D))
     e_out, e_ml = ops.decode_attention_splits(q, k_cache, v_cache, tables, ctx, split, splits)
-    used = np.arange(splits)[None, :] < ((ctx + split - 1) // split)[:, None]   # [S, splits] pieces with positions
+    # [S, splits] pieces with positions
+    used = np.arange(splits)[None, :] < ((ctx + split - 1) // split)[:, None]
     got_ml = part_ml.get()
     got_ml_u = np.moveaxis(got_ml, 2, 1)[used]                 # [pieces, H, 2]
     np.testing.assert_allclose(got_ml_u, np.moveaxis(e_ml, 2, 1)[used], rtol=2e-5, atol=1e-5)
-    np.testing.assert_allclose(np.moveaxis(part_out.get(), 2, 1)[used], np.moveaxis(e_out, 2, 1)[used],
-                               rtol=2e-5, atol=1e-4)
+    np.testing.assert_allclose(np.moveaxis(part_out.get(), 2, 1)[used],
+                               np.moveaxis(e_out, 2, 1)[used], rtol=2e-5, atol=1e-4)
     # the two kernels through kernels.py, against the one-softmax definition
-    out = kernels.paged_decode_attention(gpu(q), gpu(k_cache), gpu(v_cache), gpu(tables), gpu(ctx), split_len=split)
+    out = kernels.paged_decode_attention(
+        gpu(q), gpu(k_cache), gpu(v_cache), gpu(tables), gpu(ctx), split_len=split
+    )
     assert_bf16_close(out.get(), ops.paged_decode_attention(q, k_cache, v_cache, tables, ctx))
     # and the merge twin over the split twin is the same definition
-    assert_bf16_close(ops.merge_attention(e_out, e_ml), ops.paged_decode_attention(q, k_cache, v_cache, tables, ctx))
+    assert_bf16_close(
+        ops.merge_attention(e_out, e_ml),
+        ops.paged_decode_attention(q, k_cache, v_cache, tables, ctx),
+    )
 
 
 PREFILL_CASES = [(H, Hkv, D, P, chunks)
                  for H, Hkv, D in [(1, 1, 32), (4, 2, 64), (16, 8, 128), (2, 1, 48)]
-                 for P, chunks in [(16, [(0, 1)]), (16, [(0, 17), (5, 3), (16, 6)]), (5, [(0, 7), (12, 1), (3, 9)])]
+                 for P, chunks in [(16, [(0, 1)]), (16, [(0, 17), (5, 3), (16, 6)]),
+                                   (5, [(0, 7), (12, 1), (3, 9)])]
                  if not (H >= 16 and P == 5)]
 
 
@@ -467,8 +494,12 @@ def test_prefill_attention_equals_twin(gpu, H, Hkv, D, P, chunks):
     token_seq = np.concatenate([np.full(n, s) for s, (_, n) in enumerate(chunks)]).astype(np.int32)
     positions = np.concatenate([np.arange(b, b + n) for b, n in chunks]).astype(np.int32)
     q = bf16_random(rng, (len(positions), H, D))
-    out = kernels.prefill_attention(gpu(q), gpu(k_cache), gpu(v_cache), gpu(tables), gpu(token_seq), gpu(positions))
-    assert_bf16_close(out.get(), ops.prefill_attention(q, k_cache, v_cache, tables, token_seq, positions))
+    out = kernels.prefill_attention(
+        gpu(q), gpu(k_cache), gpu(v_cache), gpu(tables), gpu(token_seq), gpu(positions)
+    )
+    assert_bf16_close(
+        out.get(), ops.prefill_attention(q, k_cache, v_cache, tables, token_seq, positions)
+    )
 
 
 # the tensor-core kernel at awkward shapes: one token, chunks that straddle the 16-token tile
@@ -476,7 +507,8 @@ def test_prefill_attention_equals_twin(gpu, H, Hkv, D, P, chunks):
 # (8 takes two blocks of 4 heads), head dims 64 and 128
 TC_CASES = [(H, Hkv, D, P, chunks)
             for H, Hkv, D in [(1, 1, 64), (4, 2, 64), (8, 2, 128), (8, 1, 64), (2, 1, 128)]
-            for P, chunks in [(16, [(0, 1)]), (16, [(0, 17), (5, 3), (16, 6)]), (5, [(0, 33), (12, 1), (40, 9)])]
+            for P, chunks in [(16, [(0, 1)]), (16, [(0, 17), (5, 3), (16, 6)]),
+                              (5, [(0, 33), (12, 1), (40, 9)])]
             if not (D == 128 and P == 5 and H >= 8)]
 
 
@@ -506,7 +538,9 @@ def test_prefill_attention_tensor_cores_equals_twin(gpu, H, Hkv, D, P, chunks):
     np.testing.assert_allclose(g, e, rtol=2 ** -6, atol=1e-2 * float(np.abs(e).max()))
     assert float(np.mean(out == expect)) >= 0.33
     # and the plain kernel it replaces agrees with the same twin more tightly
-    plain = kernels.prefill_attention(*args, gpu(tile_start), gpu(tile_count), tensor_cores=False).get()
+    plain = kernels.prefill_attention(
+        *args, gpu(tile_start), gpu(tile_count), tensor_cores=False
+    ).get()
     assert_bf16_close(plain, expect)
 
 
@@ -532,8 +566,11 @@ def test_engine_on_emulated_kernels_equals_engine_on_twins(gpu, monkeypatch, fam
                                       num_pages=32, device=device, progress=False)
         out = {str(i): [] for i in range(len(prompts))}
         for i, p in enumerate(prompts):
-            eng.add_request(Request(str(i), p, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)))
-            while eng.has_work() and i == 0 and not out["0"]:    # the first one computes its prompt first
+            eng.add_request(
+                Request(str(i), p, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+            )
+            # the first one computes its prompt first
+            while eng.has_work() and i == 0 and not out["0"]:
                 for ev in eng.step():
                     out[ev.request_id].append(ev.token_id)
         while eng.has_work():
@@ -545,7 +582,10 @@ def test_engine_on_emulated_kernels_equals_engine_on_twins(gpu, monkeypatch, fam
     expect, cpu_eng = run("cpu")
     monkeypatch.setattr(engine_module, "array_module", lambda device: sys.modules["cupy"])
     got, eng = run("cuda")
-    assert isinstance(eng.model.cache.k_pool, emu.Dev) and isinstance(eng.weights.embed.data, emu.Dev)
+    assert (
+        isinstance(eng.model.cache.k_pool, emu.Dev)
+        and isinstance(eng.weights.embed.data, emu.Dev)
+    )
     assert eng.num_cached_tokens("2") == 8 == cpu_eng.num_cached_tokens("2")
     assert got == expect and all(len(t) == 3 for t in got.values())
 
@@ -557,8 +597,8 @@ def _graph_engine(folder, device, graphs, monkeypatch=None, **kw):
     from stage3_optimized.cuda_graphs import DecodeGraphs
     if device == "cuda":
         monkeypatch.setattr(engine_module, "array_module", lambda device: sys.modules["cupy"])
-    args = dict(max_ctx=48, slots=5, token_budget=32, page_size=4, num_pages=40, device=device, progress=False,
-                enforce_eager=True)
+    args = dict(max_ctx=48, slots=5, token_budget=32, page_size=4, num_pages=40, device=device,
+                progress=False, enforce_eager=True)
     args.update(kw)
     eng = engine_module.LLMEngine(folder, **args)
     if graphs:
@@ -570,7 +610,8 @@ def _drive(eng, prompts, lengths, params=None):
     from common.engine import Request
     from common.sampling import SamplingParams
     for i, (p, n) in enumerate(zip(prompts, lengths)):
-        eng.add_request(Request(str(i), p, params or SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)))
+        greedy = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        eng.add_request(Request(str(i), p, params or greedy))
     out = {str(i): [] for i in range(len(prompts))}
     while eng.has_work():
         for ev in eng.step():
@@ -578,7 +619,9 @@ def _drive(eng, prompts, lengths, params=None):
     return out
 
 
-def test_decode_graphs_capture_on_the_emulated_cupy_and_give_the_eager_twins_tokens(gpu, monkeypatch):
+def test_decode_graphs_capture_on_the_emulated_cupy_and_give_the_eager_twins_tokens(
+    gpu, monkeypatch
+):
     """The CUDA-graph path for real on the stand-in: CupyCapture records each bucket's step (the
     forward pass's kernel launches and ctypes cuBLAS calls, then the sampling kernel) without
     running it, and a replay runs the recorded launches again on the emulated kernels, with
@@ -601,7 +644,9 @@ def test_decode_graphs_capture_on_the_emulated_cupy_and_give_the_eager_twins_tok
     assert got == expect and [len(got[str(i)]) for i in range(3)] == lengths
 
 
-@pytest.mark.parametrize("planted", ["cupy_cublas_wrapper", "synchronize", "allocation", "host_copy"])
+@pytest.mark.parametrize(
+    "planted", ["cupy_cublas_wrapper", "synchronize", "allocation", "host_copy"]
+)
 def test_a_refused_call_planted_in_the_captured_step_fails_the_capture(gpu, monkeypatch, planted):
     """Each call CuPy (or CUDA) refuses during a capture, planted in the decode step: the capture
     fails with that call's own error, the engine says why (DecodeGraphs.error) and goes on
@@ -613,7 +658,8 @@ def test_a_refused_call_planted_in_the_captured_step_fails_the_capture(gpu, monk
     prompts, lengths = [[5, 9, 3]], [4]
     expect = _drive(_graph_engine(folder, "cpu", False), prompts, lengths)
     cp = sys.modules["cupy"]
-    plant = {"cupy_cublas_wrapper": lambda: cp.cuda.cublas.setStream(0, cp.cuda.get_current_stream().ptr),
+    plant = {"cupy_cublas_wrapper":
+             lambda: cp.cuda.cublas.setStream(0, cp.cuda.get_current_stream().ptr),
              "synchronize": lambda: cp.cuda.Device().synchronize(),
              "allocation": lambda: cp.empty(4, cp.float32),
              "host_copy": lambda: cp.asarray(np.ones(4, np.float32))}[planted]
@@ -626,7 +672,9 @@ def test_a_refused_call_planted_in_the_captured_step_fails_the_capture(gpu, monk
     monkeypatch.setattr(Model, "forward", forward)
     with pytest.warns(UserWarning, match="CUDA graph capture or replay failed"):
         got = _drive(eng, prompts, lengths)
-    message = {"cupy_cublas_wrapper": "calling cuBLAS API during stream capture is currently unsupported"}
+    message = {
+        "cupy_cublas_wrapper": "calling cuBLAS API during stream capture is currently unsupported"
+    }
     assert eng.graphs.error is not None and eng.graphs.num_replays == 0
     assert message.get(planted, "not permitted while a stream is capturing") in eng.graphs.error
     assert got == expect
@@ -670,12 +718,12 @@ def test_a_graph_replay_after_its_arrays_were_freed_is_refused(gpu, kind):
     rng = np.random.default_rng(13)
     if kind == "kernel":
         x, out, expect = gpu(bf16_random(rng, (3, 80))), gpu(np.zeros((3, 40), np.uint16)), None
-        run = lambda: kernels.swiglu(x, out=out)                          # noqa: E731
+        run = functools.partial(kernels.swiglu, x, out=out)
         expect = ops.swiglu(x.get())
     else:
         a, w = bf16_random(rng, (7, 32)), bf16_random(rng, (24, 32))
         x, wd, out = gpu(a), gpu(w), gpu(np.zeros((7, 24), np.uint16))
-        run = lambda: kernels.linear(x, wd, out=out)                      # noqa: E731
+        run = functools.partial(kernels.linear, x, wd, out=out)
         expect = ops.linear(a, w)
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
@@ -732,18 +780,24 @@ def test_a_graph_decode_step_makes_one_replay_two_copies_and_no_allocation(gpu, 
     from common.engine import Request
     from common.sampling import SamplingParams
     for i, p in enumerate([[5, 9, 3], [40, 41]]):
-        eng.add_request(Request(str(i), p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)))
+        eng.add_request(
+            Request(str(i), p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        )
     eng.step()                                                   # the prefill
     counts = []
-    for _ in range(3):                                           # warm-up + capture, then two replays
+    # warm-up + capture, then two replays
+    for _ in range(3):
         before = emu.STATE.calls.as_dict()
         eng.step()
         counts.append({k: v - before[k] for k, v in emu.STATE.calls.as_dict().items()})
     warm, replay = counts[0], counts[2]
     per_layer = 7                                                # 4 gemv, rope/store, split, merge
-    assert warm["launches"] == 2 * (L * per_layer + 3)           # + embedding, lm_head, sample; eager, then captured
+    # + embedding, lm_head, sample; eager, then captured
+    assert warm["launches"] == 2 * (L * per_layer + 3)
     assert warm["blas"] == 0 and warm["allocations"] == 0 and warm["elementwise"] == 0
-    assert replay == dict(launches=0, blas=0, allocations=0, elementwise=0, copies=2, syncs=2, graph_launches=1)
+    assert replay == dict(
+        launches=0, blas=0, allocations=0, elementwise=0, copies=2, syncs=2, graph_launches=1
+    )
     assert eng.graphs.num_replays == 2
 
 
@@ -777,24 +831,33 @@ def test_sample_kernel_equals_twin_on_the_same_uniform_numbers(gpu, V):
     for s in range(S):
         if temperature[s] <= 0:
             continue
-        if top_p[s] < 1:                                  # top_p in the middle of a step of the mass
+        # top_p in the middle of a step of the mass
+        if top_p[s] < 1:
             keep, w = ops.sampling_set(logits[s], temperature[s], top_k[s], 1.0)
             mass = np.cumsum(np.sort(w[keep].astype(np.float64))[::-1])
             top_p[s] = _wide_step(mass / mass[-1], float(top_p[s]))
         keep, w = ops.sampling_set(logits[s], temperature[s], top_k[s], top_p[s])
         run = np.cumsum(np.where(keep, w, 0).astype(np.float64))
-        u[s] = _wide_step(run[keep] / run[-1], float(u[s]))   # u in the middle of a kept token's step
+        # u in the middle of a kept token's step
+        u[s] = _wide_step(run[keep] / run[-1], float(u[s]))
     expect = ops.sample(logits, temperature, top_k, top_p, u)
     got = kernels.sample(gpu(logits), gpu(temperature), gpu(top_k), gpu(top_p), gpu(u)).get()
     np.testing.assert_array_equal(got, expect)
-    assert expect[0] == V // 3                                        # greedy: the first of the tied maxima
-    assert expect[5] == int(np.argmax(logits[5]))                     # top-k 1 is greedy whatever u is
-    sizes = [int(ops.sampling_set(logits[s], temperature[s], top_k[s], top_p[s])[0].sum()) for s in range(1, S)]
+    # greedy: the first of the tied maxima
+    assert expect[0] == V // 3
+    # top-k 1 is greedy whatever u is
+    assert expect[5] == int(np.argmax(logits[5]))
+    sizes = [
+        int(ops.sampling_set(logits[s], temperature[s], top_k[s], top_p[s])[0].sum())
+        for s in range(1, S)
+    ]
     assert sizes[0] == V and sizes[1] == min(20, V) and sizes[2] < V and sizes[3] <= min(40, V)
-    assert sizes[5] <= 3                                              # top-p 0.01 keeps the head only
+    # top-p 0.01 keeps the head only
+    assert sizes[5] <= 3
     # the twin's choices are real draws: over many u, a row's tokens follow its kept distribution
-    many = ops.sample(np.repeat(logits[1:2], 400, 0), np.full(400, 1.0, np.float32), np.zeros(400, np.int32),
-                      np.ones(400, np.float32), rng.random(400).astype(np.float32))
+    many = ops.sample(np.repeat(logits[1:2], 400, 0), np.full(400, 1.0, np.float32),
+                      np.zeros(400, np.int32), np.ones(400, np.float32),
+                      rng.random(400).astype(np.float32))
     assert len(set(many.tolist())) > 5
 
 
@@ -820,7 +883,9 @@ def test_sample_owner_finds_its_token_where_chunk_start_plus_each_weight_rounds_
     assert 16 <= got[0] < 32 and abs(int(got[0]) - int(expect[0])) <= 2, (got, expect)
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.8, 5, 0.9), (1.0, 0, 0.5)])
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p", [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.8, 5, 0.9), (1.0, 0, 0.5)]
+)
 def test_sample_degenerate_rows_give_minus_one_not_a_token(gpu, temperature, top_k, top_p):
     """All NaN (v1, greedy: id V, out of range), all -inf (v1, top-p: -1 or V - 1), one NaN or
     one +inf among finite logits: -1 from kernel and twin alike; a finite row beside them
@@ -833,8 +898,8 @@ def test_sample_degenerate_rows_give_minus_one_not_a_token(gpu, temperature, top
     logits[2, 17] = np.nan
     logits[3, 200] = np.inf
     S = len(logits)
-    args = (np.full(S, temperature, np.float32), np.full(S, top_k, np.int32), np.full(S, top_p, np.float32),
-            np.full(S, 0.37, np.float32))
+    args = (np.full(S, temperature, np.float32), np.full(S, top_k, np.int32),
+            np.full(S, top_p, np.float32), np.full(S, 0.37, np.float32))
     expect = ops.sample(logits, *args)
     got = kernels.sample(gpu(logits), *map(gpu, args)).get()
     assert expect[:4].tolist() == [-1, -1, -1, -1] and 0 <= expect[4] < V
@@ -856,7 +921,8 @@ def test_swiglu_grid_stays_within_the_limits_for_more_than_65535_rows(gpu, emula
 
 
 def test_swiglu_strides_its_rows_over_grid_y(gpu, monkeypatch):
-    """With grid.y cut to 3, every one of 11 rows is still computed (rows 3, 6, 9 by block y 0...)."""
+    """With grid.y cut to 3, every one of 11 rows is still computed (rows 3, 6, 9
+    by block y 0...)."""
     monkeypatch.setattr(kernels, "MAX_GRID_Y", 3)
     gu = bf16_random(np.random.default_rng(5), (11, 2 * 40), 2.0)
     assert_bf16_close(kernels.swiglu(gpu(gu)).get(), ops.swiglu(gu))
@@ -875,16 +941,21 @@ def test_decode_split_past_the_context_returns_without_writing(gpu, emulated):
     part_ml = gpu(np.full((2, H, splits, 2), 7.0, np.float32))
     emulated["paged_decode_attention"](
         (2 * Hkv, splits), (32 * (H // Hkv),),
-        (gpu(q), gpu(bf16_bits(k32)), gpu(bf16_bits(v32)), gpu(tables), gpu(np.array(lens, np.int32)), part_out,
-         part_ml, np.int32(H), np.int32(Hkv), np.int32(D), np.int32(P), np.int32(tables.shape[1]), np.int32(split),
-         np.int32(splits), np.float32(1 / np.sqrt(D))), shared_mem=kernels.decode_shared_bytes(D))
+        (gpu(q), gpu(bf16_bits(k32)), gpu(bf16_bits(v32)), gpu(tables),
+         gpu(np.array(lens, np.int32)), part_out, part_ml, np.int32(H), np.int32(Hkv), np.int32(D),
+         np.int32(P), np.int32(tables.shape[1]), np.int32(split), np.int32(splits),
+         np.float32(1 / np.sqrt(D))),
+        shared_mem=kernels.decode_shared_bytes(D))
     ml = part_ml.get()
     assert (ml[0, :, 1:] == 7.0).all() and (ml[1, :, 3:] == 7.0).all()        # untouched
     assert (ml[0, :, 0] != 7.0).all() and (ml[1, :, :3] != 7.0).all()         # written
 
 
 def test_decode_shared_memory_is_sized_by_the_head_dim():
-    assert kernels.decode_shared_bytes(64) == 8 * 1024 and kernels.decode_shared_bytes(128) == 16 * 1024
+    assert (
+        kernels.decode_shared_bytes(64) == 8 * 1024
+        and kernels.decode_shared_bytes(128) == 16 * 1024
+    )
     assert kernels.decode_shared_bytes(256) == 32 * 1024 <= emu.DEFAULT_DYNAMIC_SMEM
     src = (CUDA_DIR / "decode_attention.cu").read_text()
     assert "__shared__ unsigned short k_tile[TILE][MAX_D]" not in src and "extern __shared__" in src
@@ -905,14 +976,18 @@ def test_planted_swiglu_grid_stride_from_zero_is_a_race(gpu, emulated, tmp_path,
     gu = bf16_random(np.random.default_rng(7), (5, 2 * 16))
     assert_bf16_close(kernels.swiglu(gpu(gu)).get(), ops.swiglu(gu))     # the real kernel: no race
     monkeypatch.setattr(kernels, "_kernel", lambda name: planted[name])
-    with pytest.raises(emu.EmulatorError, match=r"race: block \(0,\d,0\) .* writes out\[\d+\], which block \(0,\d,0\) wrote"):
+    with pytest.raises(
+        emu.EmulatorError,
+        match=r"race: block \(0,\d,0\) .* writes out\[\d+\], which block \(0,\d,0\) wrote",
+    ):
         kernels.swiglu(gpu(gu))
 
 
 def test_engine_reports_a_degenerate_logits_row_as_an_error_for_that_request_only(monkeypatch):
     """device="cpu" (the twins): the logits of request "bad" (greedy: the device sampler) and
     "bad_host" (a repetition penalty: the host Sampler) are NaN; each gets one event, token -1
-    and finish_reason "error", and no token; "ok" gets its tokens as if alone; every page is freed."""
+    and finish_reason "error", and no token; "ok" gets its tokens as if alone; every page is
+    freed."""
     from common.engine import Request
     from common.sampling import SamplingParams
     from bench.testbed.models import make_model
@@ -921,8 +996,8 @@ def test_engine_reports_a_degenerate_logits_row_as_an_error_for_that_request_onl
     folder = make_model("qwen3")
 
     def run(poison, names):
-        eng = LLMEngine(folder, max_ctx=48, slots=4, token_budget=32, page_size=4, num_pages=40, device="cpu",
-                        progress=False, enforce_eager=True)
+        eng = LLMEngine(folder, max_ctx=48, slots=4, token_budget=32, page_size=4, num_pages=40,
+                        device="cpu", progress=False, enforce_eager=True)
         if poison:
             real_inputs, real_forward, step_seqs = eng._sampling_inputs, eng.model.forward, []
 
@@ -940,7 +1015,8 @@ def test_engine_reports_a_degenerate_logits_row_as_an_error_for_that_request_onl
             monkeypatch.setattr(eng.model, "forward", forward)
         params = {"ok": SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                   "bad": SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                  "bad_host": SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, repetition_penalty=1.1)}
+                  "bad_host": SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                             repetition_penalty=1.1)}
         for name in names:
             eng.add_request(Request(name, [5, 9, 3, 17, 40], params[name]))
         events = {name: [] for name in names}
@@ -973,7 +1049,9 @@ def test_failed_capture_keeps_the_first_error_not_end_captures():
             pass
 
         def end_capture(self):
-            raise RuntimeError("cudaErrorStreamCaptureInvalidated: operation failed due to a previous error")
+            raise RuntimeError(
+                "cudaErrorStreamCaptureInvalidated: operation failed due to a previous error"
+            )
 
     cap = CupyCapture.__new__(CupyCapture)
     cap.cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
@@ -987,7 +1065,9 @@ def test_failed_capture_keeps_the_first_error_not_end_captures():
         cap(step)
 
 
-def test_every_step_sends_its_inputs_in_one_copy_at_addresses_fixed_by_their_sizes(gpu, monkeypatch):
+def test_every_step_sends_its_inputs_in_one_copy_at_addresses_fixed_by_their_sizes(
+    gpu, monkeypatch
+):
     """StepInputs: each step (eager prefill, eager decode, graph decode) makes exactly one
     host-to-device copy, and two uploads with the same sizes put every field at the same
     address (what a graph's recorded pointers rely on)."""
@@ -1004,10 +1084,15 @@ def test_every_step_sends_its_inputs_in_one_copy_at_addresses_fixed_by_their_siz
     # the same sizes, other values: the same addresses
     from common.engine import Request
     from common.sampling import SamplingParams
-    eng.add_request(Request("x", [5, 9, 3], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)))
+    eng.add_request(
+        Request("x", [5, 9, 3], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    )
     sched = eng.scheduler.schedule()
     _, tokens, batch = build_batch(sched.seqs, sched.num_tokens, eng.page_size)
     a = eng.inputs.upload(tokens, batch)
     b = eng.inputs.upload(tokens + 1, batch)
-    assert a[0].ctypes.data == b[0].ctypes.data and a[1].block_tables.ctypes.data == b[1].block_tables.ctypes.data
+    assert (
+        a[0].ctypes.data == b[0].ctypes.data
+        and a[1].block_tables.ctypes.data == b[1].block_tables.ctypes.data
+    )
     assert (b[0].get() == tokens + 1).all()

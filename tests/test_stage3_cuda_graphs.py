@@ -40,7 +40,8 @@ class CallCapture:
 
 
 def engine(folder, graphs: bool, **kw):
-    args = dict(max_ctx=64, slots=6, token_budget=32, page_size=4, num_pages=60, device="cpu", progress=False)
+    args = dict(max_ctx=64, slots=6, token_budget=32, page_size=4, num_pages=60, device="cpu",
+                progress=False)
     args.update(kw)
     eng = LLMEngine(folder, **args)
     assert eng.graphs is None                   # device="cpu": eager unless a test puts graphs in
@@ -92,11 +93,16 @@ def test_padding_rows_write_no_slot_and_read_one_position():
     assert ptok.tolist() == tokens.tolist() + [0] * 5
     assert pb.num_decode == 8 and pb.max_context == 64 and pb.block_tables.shape == (8, 16)
     # the real rows are unchanged ...
-    assert pb.slot_mapping[:3].tolist() == [3 * 4 + 1, 9 * 4 + 0, 4 * 4 + 1] == batch.slot_mapping.tolist()
+    assert (
+        pb.slot_mapping[:3].tolist()
+        == [3 * 4 + 1, 9 * 4 + 0, 4 * 4 + 1]
+        == batch.slot_mapping.tolist()
+    )
     assert pb.positions[:3].tolist() == [5, 8, 1] and pb.context_lens[:3].tolist() == [6, 9, 2]
     np.testing.assert_array_equal(pb.block_tables[:3, :3], batch.block_tables)
     assert not pb.block_tables[:, 3:].any()
-    # ... and the padding rows store nothing (slot -1), see one position of page 0, sample nothing real
+    # ... and the padding rows store nothing (slot -1), see one position of page 0, sample nothing
+    # real
     assert pb.slot_mapping[3:].tolist() == [-1] * 5 and pb.context_lens[3:].tolist() == [1] * 5
     assert not pb.block_tables[3:].any() and pb.positions[3:].tolist() == [0] * 5
     assert pb.logits_rows.tolist() == list(range(8)) and pb.query_start.tolist() == list(range(9))
@@ -110,10 +116,12 @@ def test_padded_decode_step_writes_no_page_and_keeps_the_real_rows_logits():
     folder = make_model("qwen3")
     seqs, tokens, batch = decode_batch()
     a, b = engine(folder, False), engine(folder, False)
-    for eng in (a, b):                                          # the same, nonzero context in both pools
+    # the same, nonzero context in both pools
+    for eng in (a, b):
         rng = np.random.default_rng(0)
         for pool in (eng.model.cache.k_pool, eng.model.cache.v_pool):
-            pool[...] = rng.integers(0x3c00, 0x3f80, size=pool.shape, dtype=np.uint16)   # bf16 in [2^-7, 1)
+            # bf16 in [2^-7, 1)
+            pool[...] = rng.integers(0x3c00, 0x3f80, size=pool.shape, dtype=np.uint16)
     plain = a.model.forward(tokens, batch).copy()              # [3, V]
     ptok, pb = pad_decode_batch(tokens, batch, 6, max_blocks=16, max_context=64)
     padded = b.model.forward(ptok, pb).copy()                  # [6, V]
@@ -135,7 +143,9 @@ def test_graph_replays_give_the_eager_engines_tokens():
     def go(graphs):
         eng = engine(folder, graphs)
         for i, (p, n) in enumerate(zip(prompts, lengths)):
-            eng.add_request(Request(str(i), p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)))
+            eng.add_request(
+                Request(str(i), p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+            )
         out = {str(i): [] for i in range(len(prompts))}
         while eng.has_work():
             for ev in eng.step():
@@ -152,8 +162,9 @@ def test_graph_replays_give_the_eager_engines_tokens():
 
 
 def test_moe_models_and_eager_flag_run_without_graphs():
-    assert not DecodeGraphs.capturable(LLMEngine(make_model("qwen3_moe"), max_ctx=32, slots=2, page_size=4,
-                                                 num_pages=20, device="cpu", progress=False).model)
+    assert not DecodeGraphs.capturable(LLMEngine(make_model("qwen3_moe"), max_ctx=32, slots=2,
+                                                 page_size=4, num_pages=20, device="cpu",
+                                                 progress=False).model)
     assert DecodeGraphs.capturable(engine(make_model("qwen3"), False).model)
     ap = __import__("argparse").ArgumentParser()
     ap.add_argument("--max-ctx", type=int, default=64)

@@ -38,7 +38,8 @@ GREEDY_PROMPTS = {"qwen3": PROMPT, "qwen3_moe": [1, 2, 3], "llama": PROMPT, "qwe
 
 
 def engine(folder, **kw):
-    args = dict(max_ctx=96, slots=4, token_budget=64, page_size=4, num_pages=80, device="cpu", progress=False)
+    args = dict(max_ctx=96, slots=4, token_budget=64, page_size=4, num_pages=80, device="cpu",
+                progress=False)
     args.update(kw)
     return LLMEngine(folder, **args)
 
@@ -53,10 +54,16 @@ def all_logits(eng: LLMEngine, ids: list[int]) -> np.ndarray:
     return out
 
 
-def run(eng: LLMEngine, prompts: list[list[int]], steps: int, tag: str = "") -> dict[str, list[int]]:
+def run(
+    eng: LLMEngine, prompts: list[list[int]], steps: int, tag: str = ""
+) -> dict[str, list[int]]:
     """Greedy, EOS ignored; request ids tag + index. -> {id: tokens}"""
     for i, p in enumerate(prompts):
-        eng.add_request(Request(f"{tag}{i}", p, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)))
+        eng.add_request(
+            Request(
+                f"{tag}{i}", p, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+            )
+        )
     out = {f"{tag}{i}": [] for i in range(len(prompts))}
     while eng.has_work():
         for ev in eng.step():
@@ -72,7 +79,9 @@ def test_bf16_logits_close_to_transformers_fp32_on_bf16_weights(family):
     got = all_logits(engine(folder), PROMPT)                          # [T, V] float32
     with torch.no_grad():
         ref = hf_on_bf16_weights(folder)(torch.tensor([PROMPT])).logits[0].numpy()
-        ref_bf16 = hf_on_bf16_weights(folder, "bfloat16")(torch.tensor([PROMPT])).logits[0].float().numpy()
+        ref_bf16 = (
+            hf_on_bf16_weights(folder, "bfloat16")(torch.tensor([PROMPT])).logits[0].float().numpy()
+        )
     scale = np.abs(ref).max()
     err = np.abs(got - ref)
     rms, rms_hf = np.sqrt(np.mean(err ** 2)), np.sqrt(np.mean((ref_bf16 - ref) ** 2))
@@ -111,7 +120,8 @@ def test_greedy_tokens_match_transformers_until_a_near_tie(family):
 def test_shared_prefix_gives_the_same_tokens_as_cache_off():
     folder = make_model("qwen3")
     system = list(range(30, 53))                                      # 23 tokens: 5 full pages of 4
-    prompts = [system + [7, 8, 9], system + [60, 61], system + [70, 71, 72, 73, 74], system[:10] + [5]]
+    prompts = [system + [7, 8, 9], system + [60, 61], system + [70, 71, 72, 73, 74],
+               system[:10] + [5]]
     off = engine(folder, enable_prefix_caching=False)
     expect = run(off, prompts, 6)
     on = engine(folder)
@@ -121,7 +131,8 @@ def test_shared_prefix_gives_the_same_tokens_as_cache_off():
     assert [later[f"b{i}"] for i in range(3)] == [expect["1"], expect["2"], expect["3"]]
     assert on.num_cached_tokens("a0") == 0 and off.num_cached_tokens("1") == 0
     assert on.num_cached_tokens("b0") == 20 and on.num_cached_tokens("b1") == 20   # 5 system pages
-    assert on.num_cached_tokens("b2") == 8                            # two full pages of system[:10]
+    # two full pages of system[:10]
+    assert on.num_cached_tokens("b2") == 8
     assert on.prefix_cache_hit_rate() > 0.3
 
 
@@ -132,9 +143,12 @@ def test_full_hit_recomputes_the_last_page_and_answers_the_same():
     first = run(eng, [prompt], 5, tag="a")["a0"]
     again = run(eng, [prompt], 5, tag="b")["b0"]
     assert again == first and len(first) == 5
-    assert eng.num_cached_tokens("b0") == 12                         # 3 pages hit, the 4th recomputed
-    # the first request's output pages are cached too: its prompt + output as a new prompt hits 4 pages
-    longer = prompt + first[:4]                                      # 20 tokens: 5 pages, the 5th holds the last
+    # 3 pages hit, the 4th recomputed
+    assert eng.num_cached_tokens("b0") == 12
+    # the first request's output pages are cached too: its prompt + output as a new prompt hits
+    # 4 pages
+    # 20 tokens: 5 pages, the 5th holds the last
+    longer = prompt + first[:4]
     assert run(eng, [longer], 3, tag="c")["c0"] == run(engine(folder, enable_prefix_caching=False),
                                                         [longer], 3)["0"]
     assert eng.num_cached_tokens("c0") == 16
@@ -146,14 +160,17 @@ def test_eviction_under_memory_pressure_leaks_nothing_and_keeps_tokens():
     folder = make_model("qwen3_moe", mlp_only_layers=[1])
     rng = np.random.default_rng(3)
     heads = [rng.integers(3, 500, size=n).tolist() for n in (9, 13, 17)]
-    prompts = [heads[i % 3] + rng.integers(3, 500, size=int(rng.integers(1, 6))).tolist() for i in range(8)]
+    prompts = [
+        heads[i % 3] + rng.integers(3, 500, size=int(rng.integers(1, 6))).tolist() for i in range(8)
+    ]
     kw = dict(num_pages=14, slots=3, token_budget=16, max_ctx=40)
     expect = run(engine(folder, enable_prefix_caching=False, **kw), prompts, 7)
     eng = engine(folder, **kw)
     got = run(eng, prompts, 7)
     assert got == expect
     assert eng.block_manager.num_hit_tokens > 0 and eng.num_preemptions > 0
-    assert eng.block_manager.cached_free                              # cached pages survive the end ...
+    # cached pages survive the end ...
+    assert eng.block_manager.cached_free
     assert sum(eng.block_manager.ref_count) == 0                      # ... held by nobody
 
 
@@ -166,10 +183,12 @@ def test_device_sampling_picks_the_host_samplers_tokens_for_a_seed():
     def run(device_sampling: bool):
         eng = engine(folder)
         eng.device_sampling = device_sampling
-        params = [SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=1, max_tokens=8, ignore_eos=True),
+        params = [SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=1, max_tokens=8,
+                                 ignore_eos=True),
                   SamplingParams(temperature=1.2, seed=2, max_tokens=8, ignore_eos=True),
                   SamplingParams(temperature=0.7, top_p=0.5, seed=3, max_tokens=8, ignore_eos=True),
-                  SamplingParams(temperature=0.8, repetition_penalty=1.3, seed=4, max_tokens=8, ignore_eos=True),
+                  SamplingParams(temperature=0.8, repetition_penalty=1.3, seed=4, max_tokens=8,
+                                 ignore_eos=True),
                   SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)]
         for i, p in enumerate(params):
             eng.add_request(Request(str(i), PROMPT[: 5 + i], p))
@@ -182,4 +201,5 @@ def test_device_sampling_picks_the_host_samplers_tokens_for_a_seed():
     device, host = run(True), run(False)
     assert device == host
     greedy = run(True)["4"]
-    assert device["4"] == greedy and len(set(device["1"])) > 3      # a real draw, not a repeated argmax
+    # a real draw, not a repeated argmax
+    assert device["4"] == greedy and len(set(device["1"])) > 3

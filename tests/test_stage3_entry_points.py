@@ -27,7 +27,9 @@ def cache_off_greedy(folder, ids, steps):
     from stage3_optimized.engine import LLMEngine
     eng = LLMEngine(folder, max_ctx=256, slots=2, token_budget=64, page_size=16, num_pages=40,
                     device="cpu", progress=False, enable_prefix_caching=False)
-    eng.add_request(Request("x", ids, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)))
+    eng.add_request(
+        Request("x", ids, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True))
+    )
     out = []
     while eng.has_work():
         out += [ev.token_id for ev in eng.step()]
@@ -39,8 +41,10 @@ def test_serve_reports_cached_tokens_and_the_same_answers():
     proc = subprocess.Popen([sys.executable, "-m", "stage3_optimized.serve", "--model", str(folder),
                              "--device", "cpu", "--addr", "127.0.0.1:0", "--max-ctx", "256",
                              "--slots", "4", "--token-budget", "64", "--page-size", "16",
-                             "--kv-memory", "0.05", "--served-model-name", "tiny", "--log-level", "warning"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+                             "--kv-memory", "0.05", "--served-model-name", "tiny",
+                             "--log-level", "warning"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=ENV)
     try:
         line = proc.stdout.readline()
         m = re.search(r"http://127\.0\.0\.1:(\d+)", line)
@@ -51,7 +55,8 @@ def test_serve_reports_cached_tokens_and_the_same_answers():
             assert proc.poll() is None and time.time() < deadline, "the server did not come up"
             time.sleep(0.1)
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-        system = [(11 * j) % 5000 + 100 for j in range(40)]              # 40 tokens: 2 full pages of 16
+        # 40 tokens: 2 full pages of 16
+        system = [(11 * j) % 5000 + 100 for j in range(40)]
         first, second = system + [7, 8], system + [900, 901, 902]
 
         def complete(ids):
@@ -74,12 +79,16 @@ def test_serve_reports_cached_tokens_and_the_same_answers():
 def test_generate_sends_n_copies_and_the_copies_hit_the_cache():
     folder = make_model("qwen3", tokenizer=True)
     r = subprocess.run([sys.executable, "-m", "stage3_optimized.generate", "--model", str(folder),
-                        "--device", "cpu", "--raw", "--prompt", "the quick brown fox jumps over the lazy dog " * 3,
+                        "--device", "cpu", "--raw",
+                        "--prompt", "the quick brown fox jumps over the lazy dog " * 3,
                         "--max-tokens", "4", "--ignore-eos", "--temperature", "0", "--n", "3",
-                        "--page-size", "4", "--kv-memory", "0.02", "--max-ctx", "128", "--slots", "1"],
+                        "--page-size", "4", "--kv-memory", "0.02", "--max-ctx", "128",
+                        "--slots", "1"],
                        cwd=ROOT, capture_output=True, text=True, env=ENV, timeout=300)
     assert r.returncode == 0, r.stderr
-    m = re.search(r"\[3 x (\d+) prompt tokens \((\d+) from the prefix cache\), 12 generated", r.stderr)
+    m = re.search(
+        r"\[3 x (\d+) prompt tokens \((\d+) from the prefix cache\), 12 generated", r.stderr
+    )
     assert m, r.stderr
     n, cached = int(m.group(1)), int(m.group(2))
     # --slots 1: the copies run one after another, so copies 2 and 3 find the full pages

@@ -43,8 +43,9 @@ ON_GPU = WHY_NO_GPU is None
 EMULATED = not ON_GPU and os.environ.get("QS_GPU_DRY_RUN") == "1"    # gpu_check.sh --dry-run
 pytestmark = [pytest.mark.gpu]
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason=str(WHY_NO_GPU))
-kernel_test = pytest.mark.skipif(not (ON_GPU or EMULATED), reason=f"{WHY_NO_GPU} (the emulator runs these "
-                                 "kernels in test_stage3_cuda_emulated.py; QS_GPU_DRY_RUN=1 runs them here)")
+kernel_test = pytest.mark.skipif(not (ON_GPU or EMULATED),
+                                 reason=f"{WHY_NO_GPU} (the emulator runs these kernels in "
+                                 "test_stage3_cuda_emulated.py; QS_GPU_DRY_RUN=1 runs them here)")
 
 from bench.testbed.models import BF16_MARGIN, hf_on_bf16_weights, make_model  # noqa: E402
 from common.engine import Request                          # noqa: E402
@@ -60,7 +61,8 @@ from test_stage3_cuda_emulated import (                    # noqa: E402, F401  (
     test_qk_norm_rope_store_equals_twin as check_qk_norm_rope_store,
     test_sample_degenerate_rows_give_minus_one_not_a_token as check_sample_degenerate,
     test_sample_kernel_equals_twin_on_the_same_uniform_numbers as check_sample,
-    test_sample_owner_finds_its_token_where_chunk_start_plus_each_weight_rounds_away as check_sample_owner,
+    test_sample_owner_finds_its_token_where_chunk_start_plus_each_weight_rounds_away
+        as check_sample_owner,
     test_swiglu_equals_twin as check_swiglu)
 from test_stage3_engine import GREEDY_PROMPTS, engine, run   # noqa: E402
 
@@ -106,7 +108,8 @@ def launched(monkeypatch) -> list[str]:
 # (P = 16), most counts are below the 16-token tile, one crosses it.
 PREFILL_HEADS = [(16, 8, 128), (32, 8, 128), (14, 2, 64), (6, 1, 32)]
 PREFILL_CHUNKS = [(5, 3), (13, 11), (0, 1), (21, 20), (40, 15)]
-if EMULATED:             # the emulator's share: a group of 6 (a short second block of heads), four chunks
+# the emulator's share: a group of 6 (a short second block of heads), four chunks
+if EMULATED:
     PREFILL_HEADS, PREFILL_CHUNKS = [(6, 1, 32)], PREFILL_CHUNKS[:4]
 
 
@@ -127,13 +130,17 @@ def prefill_case(rng, H, Hkv, D, P, chunks):
 
 def check_prefill(dev, monkeypatch, H, Hkv, D, chunks, P=16):
     rng = np.random.default_rng(H * 31 + D)
-    q, k_cache, v_cache, tables, token_seq, positions, tile_start, tile_count = prefill_case(rng, H, Hkv, D, P, chunks)
+    q, k_cache, v_cache, tables, token_seq, positions, tile_start, tile_count = prefill_case(
+        rng, H, Hkv, D, P, chunks
+    )
     args = [dev(a) for a in (q, k_cache, v_cache, tables, token_seq, positions)]
     names = launched(monkeypatch)
     tc = kernels.prefill_attention(*args, dev(tile_start), dev(tile_count)).get()
     # (_tc_available's first call compiles it too: the name may come twice)
     assert set(names) == {"prefill_attention_tc"}, f"the tensor-core kernel did not run: {names}"
-    plain = kernels.prefill_attention(*args, dev(tile_start), dev(tile_count), tensor_cores=False).get()
+    plain = kernels.prefill_attention(
+        *args, dev(tile_start), dev(tile_count), tensor_cores=False
+    ).get()
     assert names[-1] == "prefill_attention"
     expect = ops.prefill_attention(q, k_cache, v_cache, tables, token_seq, positions)
     assert_bf16_close(plain, expect)
@@ -159,7 +166,8 @@ def test_tensor_core_prefill_is_available(dev):
 # ---- decode: splits of 8 positions and their merge --------------------------------------------
 
 DECODE_HEADS = PREFILL_HEADS if not EMULATED else [(14, 2, 64)]
-DECODE_CTX = [1, 8, 9, 300]                              # one position, one split exactly, one more, 38 splits
+# one position, one split exactly, one more, 38 splits
+DECODE_CTX = [1, 8, 9, 300]
 
 
 @kernel_test
@@ -171,12 +179,14 @@ def test_decode_attention_with_splits_of_8_equals_twin(dev, H, Hkv, D):
     k_cache, v_cache = bf16_bits(k32), bf16_bits(v32)
     q = bf16_random(rng, (len(lens), H, D))
     ctx = np.array(lens, np.int32)
-    out = kernels.paged_decode_attention(dev(q), dev(k_cache), dev(v_cache), dev(tables), dev(ctx), split_len=8,
-                                         max_len=max(lens) + 17)     # a grid with empty splits at the end
+    out = kernels.paged_decode_attention(dev(q), dev(k_cache), dev(v_cache), dev(tables), dev(ctx),
+                                         split_len=8,
+                                         # a grid with empty splits at the end
+                                         max_len=max(lens) + 17)
     assert_bf16_close(out.get(), ops.paged_decode_attention(q, k_cache, v_cache, tables, ctx))
 
 
-# ---- sampling, the fused kernels, the GEMM --------------------------------------------------------
+# ---- sampling, the fused kernels, the GEMM ----------------------------------------------------
 
 @kernel_test
 @pytest.mark.parametrize("V", [50, 4099, 151936] if not EMULATED else [4099])
@@ -200,8 +210,8 @@ def test_rmsnorm_equals_twin(dev, N, C):
 # gemv.cu at Qwen3-0.6B's decode shapes (the fused QKV, the output projection, gate/up, down
 # with SwiGLU in front, the lm_head: more rows than the grid's warps), 8B's MLP input (K 12,288,
 # two rows: its 48 KB of shared memory), and the emulator's small share
-GEMV_SHAPES = ([(1, 1024, 4096), (4, 2048, 1024), (2, 1024, 6144), (3, 3072, 1024), (1, 1024, 151936),
-                (2, 12288, 64)] if not EMULATED else [(2, 264, 13)])
+GEMV_SHAPES = ([(1, 1024, 4096), (4, 2048, 1024), (2, 1024, 6144), (3, 3072, 1024),
+                (1, 1024, 151936), (2, 12288, 64)] if not EMULATED else [(2, 264, 13)])
 
 
 @kernel_test
@@ -263,9 +273,12 @@ def test_stage3_attention_kernels_on_small_shapes_for_the_sanitizer(dev, monkeyp
     k32, v32, tables, *_ = paged(rng, lens, 2, 32, 16)
     q = bf16_random(rng, (3, 6, 32))
     ctx = np.array(lens, np.int32)
-    out = kernels.paged_decode_attention(dev(q), dev(bf16_bits(k32)), dev(bf16_bits(v32)), dev(tables), dev(ctx),
-                                         split_len=8)
-    assert_bf16_close(out.get(), ops.paged_decode_attention(q, bf16_bits(k32), bf16_bits(v32), tables, ctx))
+    out = kernels.paged_decode_attention(
+        dev(q), dev(bf16_bits(k32)), dev(bf16_bits(v32)), dev(tables), dev(ctx), split_len=8
+    )
+    assert_bf16_close(
+        out.get(), ops.paged_decode_attention(q, bf16_bits(k32), bf16_bits(v32), tables, ctx)
+    )
 
 
 @kernel_test
@@ -288,10 +301,12 @@ def test_stage3_other_kernels_on_small_shapes_for_the_sanitizer(dev):
 # dim 128 (Qwen3's real head dim; the tensor-core prefill at D 128), and qwen2_moe (biases,
 # a shared expert, MoE routing: eager). Few, so the engine step keeps its cap. (Seed 2: the
 # first of seeds 0-3 whose greedy tokens stay clear of a near-tie for 5 steps at that shape.)
-ENGINE_MODELS = {"qwen3": ("qwen3", {}), "qwen3_g3_d128": ("qwen3", dict(num_attention_heads=6, num_key_value_heads=2,
-                                                                        head_dim=128, seed=2)),
+ENGINE_MODELS = {"qwen3": ("qwen3", {}),
+                 "qwen3_g3_d128": ("qwen3", dict(num_attention_heads=6, num_key_value_heads=2,
+                                                 head_dim=128, seed=2)),
                  "qwen2_moe": ("qwen2_moe", {})}
-MIN_CLEAR = 5                                            # steps before the first near-tie that must agree
+# steps before the first near-tie that must agree
+MIN_CLEAR = 5
 
 
 def greedy_reference(folder, prompt, steps):
@@ -318,11 +333,16 @@ def test_engine_on_gpu_equals_transformers_until_a_near_tie(name):
     folder = make_model(family, **overrides)
     steps, prompt = 12, GREEDY_PROMPTS[family]
     expect, clear, margins = greedy_reference(folder, prompt, steps)
-    assert clear >= MIN_CLEAR, f"a near-tie after {clear} steps: this case compares too little ({margins})"
+    assert clear >= MIN_CLEAR, (
+        f"a near-tie after {clear} steps: this case compares too little ({margins})"
+    )
     eng = engine(folder, device="cuda")
     got = run(eng, [prompt], steps)["0"]
-    assert len(got) == steps and got[:clear] == expect[:clear], f"margins {np.round(margins, 3).tolist()}"
-    if family == "qwen3":                                       # dense: its decode steps were graph replays
+    assert len(got) == steps and got[:clear] == expect[:clear], (
+        f"margins {np.round(margins, 3).tolist()}"
+    )
+    # dense: its decode steps were graph replays
+    if family == "qwen3":
         assert eng.graphs is not None and eng.graphs.error is None and eng.graphs.num_replays > 0
 
 
@@ -330,7 +350,9 @@ def test_engine_reference_cases_are_clear_of_near_ties_for_five_steps():
     """The same reference on the CPU (transformers alone): each engine case above compares at
     least MIN_CLEAR tokens, so the GPU test cannot pass on a comparison of nothing."""
     for name, (family, overrides) in ENGINE_MODELS.items():
-        _, clear, margins = greedy_reference(make_model(family, **overrides), GREEDY_PROMPTS[family], MIN_CLEAR)
+        _, clear, margins = greedy_reference(
+            make_model(family, **overrides), GREEDY_PROMPTS[family], MIN_CLEAR
+        )
         assert clear >= MIN_CLEAR, (name, margins)
 
 
@@ -365,8 +387,11 @@ def test_engine_padded_bucket_on_gpu_keeps_the_real_rows_logits():
     folder = make_model("qwen3")
     eng = engine(folder, device="cuda", slots=4)
     for i, p in enumerate([list(range(40, 53)), [5, 9, 3, 17], list(range(100, 107))]):
-        eng.add_request(Request(str(i), p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)))
-    eng.step()                                                  # the prefill: everybody's first token
+        eng.add_request(
+            Request(str(i), p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        )
+    # the prefill: everybody's first token
+    eng.step()
     sched = eng.scheduler.schedule()
     seqs, tokens, batch = build_batch(sched.seqs, sched.num_tokens, eng.page_size)
     assert batch.num_decode == 3 and eng.graphs.can_run(batch)
@@ -403,4 +428,5 @@ def test_engine_graph_replay_makes_one_host_to_device_copy_on_gpu(monkeypatch):
     assert eng.inputs.pinned is not None
     got = run(eng, [[5, 9, 3], [40, 41]], 6)
     assert eng.graphs.num_replays > 0 and len(uploads) == eng.num_steps
-    assert got == run(engine(make_model("qwen3"), device="cuda", slots=2, enforce_eager=True), [[5, 9, 3], [40, 41]], 6)
+    assert got == run(engine(make_model("qwen3"), device="cuda", slots=2, enforce_eager=True),
+                      [[5, 9, 3], [40, 41]], 6)

@@ -116,7 +116,8 @@ def test_each_exercise_region_arrives_with_its_markers(rungs):
                 if f"exercise {ex} begin" in old:
                     continue
                 region = text.split(f"exercise {ex} begin", 1)[1].split(f"exercise {ex} end", 1)[0]
-                body = region.split("\n", 1)[1].rsplit("\n", 1)[0]         # the lines between the markers
+                # the lines between the markers
+                body = region.split("\n", 1)[1].rsplit("\n", 1)[0]
                 assert body.strip() and body not in old, (rung.name, ex)
                 assert ex not in found, (ex, found.get(ex), rung.name)
                 found[ex] = rung.name
@@ -165,7 +166,9 @@ def test_every_changed_cuda_file_is_one_a_rung_adds(rungs):
         for cu in (rung / "cuda").glob("*.cu"):
             before = rungs[k - 1] / "cuda" / cu.name
             if not before.is_file() or before.read_bytes() != cu.read_bytes():
-                assert cu.name in new_files, f"{rung.name}/{cu.name} changed but no kernel of it is new"
+                assert cu.name in new_files, (
+                    f"{rung.name}/{cu.name} changed but no kernel of it is new"
+                )
     for cu in (rungs[-1] / "cuda").glob("*.cu"):
         assert cu.read_bytes() == (series.STAGE3 / "cuda" / cu.name).read_bytes()
 
@@ -176,7 +179,8 @@ _oracles: dict = {}
 
 
 def oracle(family: str, bf16: bool) -> tuple[list[int], list[float]]:
-    """transformers' greedy tokens and top-two margins (fp32, on the bf16-rounded weights if bf16)."""
+    """transformers' greedy tokens and top-two margins (fp32, on the bf16-rounded weights if
+    bf16)."""
     key = (family, bf16)
     if key not in _oracles:
         import torch
@@ -215,7 +219,9 @@ def test_every_rung_gives_transformers_greedy_tokens_until_a_near_tie(packages, 
         while eng.has_work():
             got += [ev.token_id for ev in eng.step()]
         assert eng.num_free_pages() == eng.num_total_pages(), f"rung {k}: a KV page leaked"
-        assert got[:clear] == expect[:clear], f"rung {k} ({pkg.__name__}), margins {np.round(margins, 3).tolist()}"
+        assert got[:clear] == expect[:clear], (
+            f"rung {k} ({pkg.__name__}), margins {np.round(margins, 3).tolist()}"
+        )
 
 
 def test_every_rung_names_itself_in_its_banner(packages):
@@ -247,9 +253,12 @@ def test_rung_prefix_cache_from_its_lesson_on(packages):
         if k < first:
             continue
         eng = importlib.import_module(f"{pkg.__name__}.engine").LLMEngine(
-            folder, max_ctx=64, slots=2, token_budget=32, page_size=4, num_pages=40, device="cpu", progress=False)
+            folder, max_ctx=64, slots=2, token_budget=32, page_size=4, num_pages=40, device="cpu",
+            progress=False)
         for i, tail in enumerate([[7, 8], [9]]):
-            eng.add_request(Request(f"r{i}", system + tail, SamplingParams(temperature=0, max_tokens=2)))
+            eng.add_request(
+                Request(f"r{i}", system + tail, SamplingParams(temperature=0, max_tokens=2))
+            )
             while eng.has_work():
                 eng.step()
         assert eng.num_cached_tokens("r1") == 12, f"rung {k}"
@@ -275,7 +284,8 @@ def _gpu(kernels, emulated, monkeypatch):
     """The rung's kernels.py on the stand-in CuPy, cuBLAS and the emulated kernels (as in
     tests/test_stage3_cuda_emulated.py's `gpu` fixture)."""
     from bench.testbed import cuda_emulator as emu
-    monkeypatch.setattr(kernels, "GEMV_MAX_BLOCKS", 4, raising=False)   # the emulator: 256 threads a block
+    # the emulator: 256 threads a block
+    monkeypatch.setattr(kernels, "GEMV_MAX_BLOCKS", 4, raising=False)
     return emu.install(monkeypatch, kernels, emulated).dev
 
 
@@ -370,23 +380,33 @@ def _case(name, K, ops, dev, emulated):
         k32, v32, tables, *_ = paged(rng, lens, 2, 32, 16)
         kc, vc, q = as_("k_cache", k32), as_("v_cache", v32), arr("q", 3, 4, 32)
         ctx = np.array(lens, np.int32)
-        kw = {"split_len": 16} if "split_len" in K.paged_decode_attention.__code__.co_varnames else {}
+        kw = (
+            {"split_len": 16}
+            if "split_len" in K.paged_decode_attention.__code__.co_varnames
+            else {}
+        )
         out = K.paged_decode_attention(dev(q), dev(kc), dev(vc), dev(tables), dev(ctx), **kw)
         _close(out.get(), K.paged_decode_attention(q, kc, vc, tables, ctx))
     elif name in ("prefill_attention", "prefill_attention_tc"):
         chunks = [(0, 17), (5, 3)]
         k32, v32, tables, *_ = paged(rng, [b + n for b, n in chunks], 2, 64, 16)
         kc, vc = as_("k_cache", k32), as_("v_cache", v32)
-        token_seq = np.concatenate([np.full(n, s) for s, (_, n) in enumerate(chunks)]).astype(np.int32)
+        token_seq = np.concatenate([np.full(n, s) for s, (_, n) in enumerate(chunks)])
+        token_seq = token_seq.astype(np.int32)
         positions = np.concatenate([np.arange(b, b + n) for b, n in chunks]).astype(np.int32)
         q = arr("q", len(positions), 4, 64)
         args = [dev(q), dev(kc), dev(vc), dev(tables), dev(token_seq), dev(positions)]
         expect = K.prefill_attention(q, kc, vc, tables, token_seq, positions)
         if name == "prefill_attention":
-            kw = {"tensor_cores": False} if "tensor_cores" in K.prefill_attention.__code__.co_varnames else {}
+            kw = (
+                {"tensor_cores": False}
+                if "tensor_cores" in K.prefill_attention.__code__.co_varnames
+                else {}
+            )
             _close(K.prefill_attention(*args, **kw).get(), expect)
         else:
-            tiles = np.array([0, 16, 17], np.int32), np.array([16, 1, 3], np.int32)   # <= 16 tokens of one sequence
+            # <= 16 tokens of one sequence
+            tiles = np.array([0, 16, 17], np.int32), np.array([16, 1, 3], np.int32)
             got = K.prefill_attention(*args, dev(tiles[0]), dev(tiles[1])).get()
             np.testing.assert_allclose(ops.f32(got), ops.f32(expect), rtol=2 ** -6,
                                        atol=1e-2 * float(np.abs(ops.f32(expect)).max()))
@@ -398,12 +418,17 @@ def _case(name, K, ops, dev, emulated):
         top_p, u = np.ones(3, np.float32), np.array([0.3, 0.7, 0.0], np.float32)
         got = K.sample(dev(logits), dev(temperature), dev(top_k), dev(top_p), dev(u)).get()
         np.testing.assert_array_equal(got, ops.sample(logits, temperature, top_k, top_p, u))
-        assert got[0] == int(np.argmax(logits[0])) and got[1] == int(np.argmax(logits[1]))   # greedy, top-k 1
+        # greedy, top-k 1
+        assert got[0] == int(np.argmax(logits[0])) and got[1] == int(np.argmax(logits[1]))
     else:
-        raise AssertionError(f"no emulated case for the new kernel {name}: add one to tests/test_stage3_lessons.py")
+        raise AssertionError(
+            f"no emulated case for the new kernel {name}: add one to tests/test_stage3_lessons.py"
+        )
 
 
-def test_each_rungs_new_kernels_equal_its_twins_in_the_emulator(rungs, packages, monkeypatch, tmp_path):
+def test_each_rungs_new_kernels_equal_its_twins_in_the_emulator(
+    rungs, packages, monkeypatch, tmp_path
+):
     from bench.testbed import cuda_emulator as emu
     from test_stage3_cuda_emulated import shimmed_copy
     if shutil.which("g++") is None:
@@ -419,7 +444,11 @@ def test_each_rungs_new_kernels_equal_its_twins_in_the_emulator(rungs, packages,
         sources = []
         for f in sorted(set(K.KERNEL_FILES.values())):
             cu = cuda / f
-            sources.append(cu if emu.unsupported(cu.read_text()) is None else shimmed_copy(cu, tmp_path / f"r{k}"))
+            sources.append(
+                cu
+                if emu.unsupported(cu.read_text()) is None
+                else shimmed_copy(cu, tmp_path / f"r{k}")
+            )
         emulated = emu.build(sources, tmp_path / f"build{k}")
         with monkeypatch.context() as m:
             dev = _gpu(K, emulated, m)
@@ -460,7 +489,9 @@ def test_bench_lessons_counts_each_rungs_host_calls_bytes_and_flops(tmp_path, mo
     "Costs:"; each rung's predicted host time is the counts x the prices."""
     import json
     from bench import lessons
-    monkeypatch.setattr(sys, "argv", ["lessons", "--layers", "1", "--save", str(tmp_path / "l.json")])
+    monkeypatch.setattr(
+        sys, "argv", ["lessons", "--layers", "1", "--save", str(tmp_path / "l.json")]
+    )
     assert lessons.main() == 0
     rows = json.loads((tmp_path / "l.json").read_text())["rows"]
     assert [r["name"] for r in rows] == ["00-stage2"] + [p.stem for p in series.patches()]
@@ -477,7 +508,8 @@ def test_bench_lessons_counts_each_rungs_host_calls_bytes_and_flops(tmp_path, mo
     assert H["bf16-gemm-inputs"] == H["fused-mlp"]          # no conversion left
     last = R["cuda-graphs"]
     g = last["graph_host_calls"]
-    assert (g["launches"], g["blas"], g["allocations"], g["graph_launches"], g["copies"]) == (0, 0, 0, 1, 2)
+    counts = (g["launches"], g["blas"], g["allocations"], g["graph_launches"], g["copies"])
+    assert counts == (0, 0, 0, 1, 2)
     assert last["graph_host_us"] < last["host_us"] <= R["one-upload"]["host_us"]
     assert all("graph_host_us" not in r for r in rows[:-1])
     kv = lambda name: R[name]["kv_bytes_per_token"]   # noqa: E731
@@ -503,7 +535,9 @@ def test_bench_lessons_counts_each_rungs_host_calls_bytes_and_flops(tmp_path, mo
                 assert COST_WORDS[k] in costs, f"{p.name}: {k} rises to {v}, unsaid in Costs:"
 
 
-def test_bench_lessons_throughput_runs_every_rung_to_the_requested_tokens_on_cpu(packages, tmp_path):
+def test_bench_lessons_throughput_runs_every_rung_to_the_requested_tokens_on_cpu(
+    packages, tmp_path
+):
     """--throughput without a GPU (bench/gpu_check.sh's dry run): bench.gpu's tiny model and
     workload on each rung's numpy twins; every rung produces every requested token (EOS ignored)
     at a positive rate, and a rung left without its cap is skipped, not run."""
@@ -518,7 +552,9 @@ def test_bench_lessons_throughput_runs_every_rung_to_the_requested_tokens_on_cpu
     assert (tmp_path / "tiny-qwen3-0.6b-random" / "config.json").is_file()   # bench.gpu's model
     for pkg, r in zip(pkgs, rows):
         assert r["status"] == "ok" and r["device"] == "cpu", (pkg, r)
-        assert r["output_tokens"] == r["expected_tokens"] == r["requested_tokens"] == requested > 0, (pkg, r)
+        assert (
+            r["output_tokens"] == r["expected_tokens"] == r["requested_tokens"] == requested > 0
+        ), (pkg, r)
         assert r["tok_s"] > 0 and r["preemptions"] == 0, (pkg, r)
     late = lessons.throughput_all(pkgs[:2], argparse.Namespace(**dict(vars(args), deadline_s=10.0)),
                                   time.perf_counter() - 10)
@@ -538,8 +574,9 @@ def test_figures_draw_from_small_saved_results(tmp_path):
     small["command"] = "python -m bench ladder --quick"
     (res / "stage1_ladder.json").write_text(json.dumps(small))
     out = figures.draw_all(res, tmp_path / "out")
-    assert [p.name for p in out] == ["stage3_lessons.svg", "stage1_ladder.svg", "stage1_roofline.svg",
-                                   "stage1_prefill_tile.svg", "stage1_speculative.svg"]
+    assert [p.name for p in out] == ["stage3_lessons.svg", "stage1_ladder.svg",
+                                   "stage1_roofline.svg", "stage1_prefill_tile.svg",
+                                   "stage1_speculative.svg"]
     for p in out:
         text = p.read_text()
         assert text.lstrip().startswith("<?xml") and "<svg" in text and len(text) > 3000, p.name

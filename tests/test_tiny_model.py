@@ -65,13 +65,15 @@ def test_tiny_tokenizer_round_trips_text_and_the_seed_fixes_the_files(tiny, tmp_
 
 
 def test_tiny_model_command_refuses_a_folder_that_holds_files(tiny):
-    r = subprocess.run([sys.executable, "-m", "common.tiny_model", str(tiny)], capture_output=True, text=True,
-                       env=ENV, cwd=ROOT, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "common.tiny_model", str(tiny)], capture_output=True,
+                       text=True, env=ENV, cwd=ROOT, timeout=120)
     assert r.returncode == 1 and "not an empty folder" in r.stderr
     assert (tiny / "model.safetensors").is_file()                       # nothing was lost
 
 
-def chat_twice(module: str, folder: Path, extra_env: dict | None = None) -> tuple[list[tuple], float]:
+def chat_twice(
+    module: str, folder: Path, extra_env: dict | None = None
+) -> tuple[list[tuple], float]:
     """The same question twice through `python -m module` on CPU, greedy, pages of 4 positions
     -> (each turn's (prompt tokens, cached or None, generated), seconds)."""
     t0 = time.perf_counter()
@@ -93,11 +95,15 @@ def test_stage3_chat_on_cpu_shows_the_cached_prompt_tokens_of_a_repeated_turn(ti
 
 
 def test_prefix_cache_rung_chats_on_the_tiny_model_bounded_with_cached_tokens(tiny, tmp_path):
-    """Rung 02 (stage 2 + the entry points and the prefix cache), as docs/lessons/README.md runs it."""
+    """Rung 02 (stage 2 + the entry points and the prefix cache), as
+    docs/lessons/README.md runs it."""
+    # as docs/stage3.md says
     r = subprocess.run([sys.executable, "course/series.py", "packages", str(tmp_path / "rungs")],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)       # as docs/stage3.md says
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr
-    turns, seconds = chat_twice("rung02.chat", tiny, {"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path / 'rungs'}"})
+    turns, seconds = chat_twice(
+        "rung02.chat", tiny, {"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path / 'rungs'}"}
+    )
     (p1, c1, g1), (p2, c2, g2) = turns
     assert c1 is None and c2 is not None and p1 // 4 * 4 <= c2 < p2, turns
     # the work is bounded, so it takes seconds on any machine (how many: a busy one decides)

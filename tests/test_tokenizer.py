@@ -31,7 +31,8 @@ SAMPLES = [
     "whitespace    runs\t\t\ttabs   \n\n\n   \r\n\r\n  trailing   ",
     "   leading spaces and a lone\r carriage return",
     "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\nok\n</think>\n\nHello<|endoftext|>",
-    "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call> <|im_st art|> <|im_start <think",
+    "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>"
+    " <|im_st art|> <|im_start <think",
     "Café vs Cafe\u0301 (NFC), ﬁ ligature, ２ full-width, Ⅻ",
     "",
     " ",
@@ -112,8 +113,8 @@ def test_decode_round_trips_to_nfc_text(tok):
 
 def test_added_tokens_have_qwen3_ids(tok):
     assert tok.vocab_size == 151669
-    assert (tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_start|>"), tok.token_to_id("<|im_end|>")) \
-        == (151643, 151644, 151645)
+    assert (tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_start|>"),
+            tok.token_to_id("<|im_end|>")) == (151643, 151644, 151645)
     assert (tok.token_to_id("<tool_call>"), tok.token_to_id("</tool_call>")) == (151657, 151658)
     assert (tok.token_to_id("<think>"), tok.token_to_id("</think>")) == (151667, 151668)
     for text, token_id in ADDED_TOKEN_IDS.items():
@@ -137,7 +138,9 @@ def test_eos_and_bos_from_config_files(qwen3_tokenizer_dir, tmp_path):
     shutil.copytree(qwen3_tokenizer_dir, folder)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643],
                                                                "bos_token_id": 151643}))
-    (folder / "config.json").write_text(json.dumps({"eos_token_id": 151643, "bos_token_id": 151643}))
+    (folder / "config.json").write_text(
+        json.dumps({"eos_token_id": 151643, "bos_token_id": 151643})
+    )
     tok = Tokenizer(folder)
     assert tok.eos_token_ids == [151645, 151643]
     assert tok.bos_token_id == 151643
