@@ -5,8 +5,8 @@ safetensors folder, with its lines (docstrings and comments included).
 
 It runs `python -m stage1_cpu.generate --model <folder> --kernels plain --raw` in a fresh
 process (stage1_cpu.generate.main with that argv: the prompt as it is, no chat template) and
-lists the modules of this repository in sys.modules afterwards. tests/test_reading_set.py keeps the total under
-its bound and docs/stage1.md's reading list equal to the set.
+lists the modules of this repository in sys.modules afterwards. tests/test_reading_set.py keeps
+the total under its bound and docs/stage1.md's reading list equal to the set.
 """
 from __future__ import annotations
 

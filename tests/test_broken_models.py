@@ -159,7 +159,7 @@ def test_huge_layer_count_exits_2_from_the_command_line_without_hanging(tmp_path
     assert_clean_exit(r, str(folder / "config.json"), "num_hidden_layers is 4611686018427387904")
 
 
-# ----------------------------------------------------------------------------- values that make no 
+# ----------------------------------------------------------------------------- values that make no
 
 @pytest.mark.parametrize("key,value", [
     ("rms_norm_eps", -1), ("rms_norm_eps", 0), ("rms_norm_eps", float("nan")),
