@@ -321,7 +321,7 @@ def test_the_front_door_sizes():
     assert (
         lines("README.md") <= 120
         and lines("docs/benchmarks.md") <= 300
-        and lines("docs/stage1.md") <= 800
+        and lines("docs/stage1.md") <= 840      # the fast path's sections and the verify step's
     )
     assert (
         not (ROOT / "docs" / "benchmarks-log.md").exists()
