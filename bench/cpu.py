@@ -830,7 +830,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.add_argument(f"--{name}", type=int if name == "draft-tokens" else str,
                        help=f"--speculative: {what}")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return _defaults_checked(p, p.parse_args(argv), argv)
+
+
+def _defaults_checked(p: argparse.ArgumentParser, args: argparse.Namespace,
+                      argv: list[str]) -> argparse.Namespace:
+    """parse_args' result with --quick's and the others' defaults filled in, or p.error."""
     args.argv = argv
     args.shape = SHAPES[args.shape or ("quick" if args.quick else "0.6b")]
     args.threads = args.threads or ([min(2, os.cpu_count() or 1)] if args.quick else [1, 2])

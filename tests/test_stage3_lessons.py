@@ -380,11 +380,8 @@ def _case(name, K, ops, dev, emulated):
         k32, v32, tables, *_ = paged(rng, lens, 2, 32, 16)
         kc, vc, q = as_("k_cache", k32), as_("v_cache", v32), arr("q", 3, 4, 32)
         ctx = np.array(lens, np.int32)
-        kw = (
-            {"split_len": 16}
-            if "split_len" in K.paged_decode_attention.__code__.co_varnames
-            else {}
-        )
+        split = "split_len" in K.paged_decode_attention.__code__.co_varnames
+        kw = {"split_len": 16} if split else {}
         out = K.paged_decode_attention(dev(q), dev(kc), dev(vc), dev(tables), dev(ctx), **kw)
         _close(out.get(), K.paged_decode_attention(q, kc, vc, tables, ctx))
     elif name in ("prefill_attention", "prefill_attention_tc"):
@@ -398,11 +395,8 @@ def _case(name, K, ops, dev, emulated):
         args = [dev(q), dev(kc), dev(vc), dev(tables), dev(token_seq), dev(positions)]
         expect = K.prefill_attention(q, kc, vc, tables, token_seq, positions)
         if name == "prefill_attention":
-            kw = (
-                {"tensor_cores": False}
-                if "tensor_cores" in K.prefill_attention.__code__.co_varnames
-                else {}
-            )
+            plain = "tensor_cores" in K.prefill_attention.__code__.co_varnames
+            kw = {"tensor_cores": False} if plain else {}
             _close(K.prefill_attention(*args, **kw).get(), expect)
         else:
             # <= 16 tokens of one sequence

@@ -1440,6 +1440,24 @@ def _wrapper_blas(name: str):
     return call
 
 
+def _elementwise(what: str) -> None:
+    """An elementwise kernel and its output's allocation, counted (refused in a capture)."""
+    STATE.refuse(f"cupy.{what} (an elementwise kernel, and its output's allocation)")
+    STATE.calls.elementwise += 1
+    STATE.calls.allocations += 1
+
+
+def _where(condition, a, b):
+    _elementwise("where")
+    return np.where(*(np.asarray(v).view(np.ndarray) if isinstance(v, Dev) else v
+                      for v in (condition, a, b))).view(Dev)
+
+
+def _isfinite(a):
+    _elementwise("isfinite")
+    return np.isfinite(np.asarray(a).view(np.ndarray)).view(Dev)
+
+
 def fake_cupy() -> types.ModuleType:
     """The stand-in `cupy` module (and `cupy.cuda`): see the section's comment."""
     cp = types.ModuleType("cupy")
@@ -1484,20 +1502,7 @@ def fake_cupy() -> types.ModuleType:
     cp.asnumpy = lambda a: a.get() if isinstance(a, Dev) else np.asarray(a)
     cp.exp, cp.matmul = np.exp, np.matmul
 
-    def where(condition, a, b):
-        STATE.refuse("cupy.where (an elementwise kernel, and its output's allocation)")
-        STATE.calls.elementwise += 1
-        STATE.calls.allocations += 1
-        return np.where(*(np.asarray(v).view(np.ndarray) if isinstance(v, Dev) else v
-                          for v in (condition, a, b))).view(Dev)
-    cp.where = where
-
-    def isfinite(a):
-        STATE.refuse("cupy.isfinite (an elementwise kernel, and its output's allocation)")
-        STATE.calls.elementwise += 1
-        STATE.calls.allocations += 1
-        return np.isfinite(np.asarray(a).view(np.ndarray)).view(Dev)
-    cp.isfinite = isfinite
+    cp.where, cp.isfinite = _where, _isfinite
     cp.float32, cp.int32, cp.int64, cp.uint16, cp.uint32, cp.uint8 = (
         np.float32, np.int32, np.int64, np.uint16, np.uint32, np.uint8)
     cp.get_default_memory_pool = lambda: _Pool()
