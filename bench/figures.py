@@ -21,6 +21,8 @@ import json
 import sys
 from pathlib import Path
 
+from bench.common import decode_speed
+
 ROOT = Path(__file__).resolve().parent.parent
 FIGURES = ROOT / "docs" / "figures"
 
@@ -216,8 +218,7 @@ def stage1_speculative(data: dict, out: Path) -> Path:
     fig, axes = _plt().subplots(1, 2 if curves else 1, figsize=(10 if curves else 6.5, 4),
                                 squeeze=False)
     ax, rows = axes[0][0], [r for r in data["rows"] if "seconds" in r]
-    speed = {(r["engine"], r["mode"], r["task"], r["prompt"]): r["tokens"] / r["seconds"]
-             for r in rows}
+    speed = {(r["engine"], r["mode"], r["task"], r["prompt"]): decode_speed(r) for r in rows}
     for r in [r for r in rows if r["drafted"]]:
         up = (speed[(r["engine"], r["mode"], r["task"], r["prompt"])]
               / speed[(r["engine"], "plain", r["task"], r["prompt"])])
@@ -229,7 +230,7 @@ def stage1_speculative(data: dict, out: Path) -> Path:
     ax.legend(list(legend.values()), list(legend), fontsize=7,
               title="blue code, orange quote, green chat", title_fontsize=7)
     ax.axhline(1, color="0.6", lw=0.8)
-    ax.set(xlabel="drafts accepted", ylabel="output tok/s / plain decoding's")
+    ax.set(xlabel="drafts accepted", ylabel="decode tok/s / plain decoding's")
     if curves:
         ax = axes[0][1]
         for name, c in curves.items():

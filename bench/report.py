@@ -171,19 +171,22 @@ def speculative(root: Path) -> str:
                 "docs/figures/stage1_speculative.json`, then `python -m bench figures` and "
                 "`python -m bench report`.\n")
     data, total = json.loads(path.read_text()), {}
-    # a task's prompts summed: its tokens over its seconds
+    # a task's prompts summed: the tokens they decoded over the seconds it took (decode_speed's)
     for r in (r for r in data["rows"] if "seconds" in r):
         t = total.setdefault((r["task"], r["engine"], r["mode"]),
-                             dict(tokens=0, seconds=0.0, steps=0, drafted=0, accepted=0))
-        for k in t:
+                             dict(tokens=0, seconds=0.0, steps=0, drafted=0, accepted=0,
+                                  decoded=0, decode_seconds=0.0))
+        for k in ("tokens", "steps", "drafted", "accepted"):
             t[k] += r[k]
-    speed = {k: t["tokens"] / t["seconds"] for k, t in total.items()}
+        t["decoded"] += r["tokens"] - ("decode_seconds" in r)
+        t["decode_seconds"] += r.get("decode_seconds", r["seconds"])
+    speed = {k: t["decoded"] / t["decode_seconds"] for k, t in total.items()}
     body = [[e, m, task, f"{speed[k]:.1f}",
              f"{speed[k] / speed[(task, e, 'plain')]:.2f}x" if (task, e, "plain") in speed
              else "–", f"{t['tokens'] / max(t['steps'], 1):.2f}",
              f"{t['accepted'] / t['drafted']:.0%}" if t["drafted"] else "–"]
             for k, t in sorted(total.items()) for task, e, m in [k]]
-    head = ["engine", "drafts", "task", "output tok/s", "speed-up", "tokens/step",
+    head = ["engine", "drafts", "task", "decode tok/s", "speed-up", "tokens/step",
             "drafts accepted"]
     curves = data.get("verify_ms", {})         # stage 1's forward of T tokens, per model
     verify = "\n\n" + markdown_table(

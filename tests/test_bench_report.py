@@ -286,3 +286,21 @@ def test_busy_processes_end_by_themselves_when_the_benchmark_dies_outright():
     finally:
         if _state(pid) not in ("gone", "Z"):     # a loop left behind: this test's, so it stops it
             os.kill(pid, 9)
+
+
+def test_speculative_speeds_are_the_decodes_after_the_first_token(tmp_path):
+    """Rows that carry decode_seconds (the time after the first token): the table's speeds are
+    the tokens after the first over that time, so a prefill that is the same work either way
+    does not dilute the speed-up. Over all the time, the same rows read 21.7 and 1.67x."""
+    (tmp_path / "docs" / "figures").mkdir(parents=True)
+    row = lambda mode, seconds, decode, steps, drafted, accepted: dict(  # noqa: E731
+        engine="stage1", mode=mode, task="code rewrite", prompt=0, tokens=65, seconds=seconds,
+        decode_seconds=decode, steps=steps, drafted=drafted, accepted=accepted)
+    saved = dict(model="m.gguf", threads=2, peer="llama-cpp-python 0", machine="cpu", date="d",
+                 rows=[row("plain", 3.0, 2.0, 65, 0, 0), row("ngram", 1.8, 0.8, 26, 60, 39)])
+    (tmp_path / "docs" / "figures" / "stage1_speculative.json").write_text(json.dumps(saved))
+    cells = {tuple(c.strip() for c in line.strip("|").split("|"))[:2]:
+             [c.strip() for c in line.strip("|").split("|")][3:]
+             for line in report.speculative(tmp_path).splitlines() if line.startswith("| ")}
+    assert cells[("stage1", "plain")] == ["32.0", "1.00x", "1.00", "–"]
+    assert cells[("stage1", "ngram")] == ["80.0", "2.50x", "2.50", "65%"]

@@ -19,6 +19,7 @@ import httpx
 import numpy as np
 import pytest
 
+from bench.speculative import stage1_run
 from bench.testbed.models import make_model
 from common.config import ModelConfig
 from common.engine import Request
@@ -469,3 +470,17 @@ def test_chat_and_server_show_the_stats(capsys):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_bench_runs_end_at_the_end_of_turn_and_time_the_decode_apart():
+    """bench cpu --speculative's stage-1 run: a request ends as a user's does, on the model's end
+    of turn (kept, as the engine's event keeps it), and its decode is timed after the first token
+    (the prefill's step made it). A run that ignored the end of turn makes all 8 tokens."""
+    engine = SpeculativeEngine(folder_for("qwen3"), max_ctx=MAX_CTX, progress=False,
+                               kernels="plain")
+    ids = np.random.default_rng(5).integers(3, 500, 16).tolist()
+    eight = stage1_run(engine, ids, 8)
+    assert len(eight["tokens"]) == 8 and 0 < eight["decode_seconds"] < eight["seconds"]
+    engine.eos_ids = {eight["tokens"][2]} - set(eight["tokens"][:2])
+    assert engine.eos_ids, "the third token also comes earlier: pick another prompt"
+    assert stage1_run(engine, ids, 8)["tokens"] == eight["tokens"][:3]
