@@ -18,7 +18,7 @@ from bench.common import (as_users_run, check_load, decode_speed, emit_result, r
 from common.config import gguf_path
 from common.engine import Request
 from common.sampling import SamplingParams
-from stage1_cpu.draft import SpeculationStats
+from stage1_cpu.draft import PromptLookup, SpeculationStats
 
 
 def stage1_run(engine, ids: list[int], n: int) -> dict:
@@ -39,6 +39,20 @@ def stage1_run(engine, ids: list[int], n: int) -> dict:
                 steps=s.steps + 1, drafted=s.drafted, accepted=s.accepted,
                 # the drafter's estimate of a forward of T tokens (why it drafts k)
                 verify_ms=verify_ms)
+
+
+def lookup_reach(prompt: list[int], out: list[int], k: int) -> float:
+    """Tokens per step that prompt lookup would make on plain decoding's own text if every step
+    drafted k tokens and cost no more than one: each step keeps the drafts up to the first that
+    differs from the text, and one token more. The ceiling of drafting on this text, whatever a
+    step costs (the speed-up also divides by the verify step's cost, under the table)."""
+    lookup, pos, steps = PromptLookup(), 1, 0
+    while pos < len(out):
+        drafts, kept = lookup.propose(prompt + out[:pos], k), 0
+        while kept < len(drafts) and pos + kept < len(out) and drafts[kept] == out[pos + kept]:
+            kept += 1
+        pos, steps = pos + kept + 1, steps + 1
+    return (len(out) - 1) / max(steps, 1)
 
 
 def make_engine(spec: dict):
@@ -125,6 +139,7 @@ def run(args, policies: list[str], shape_model: Path, log=print) -> int:
     from common.chat_template import ChatTemplate   # here: the workers need none of these
     from common.models import resolve_model
     from common.tokenizer import Tokenizer
+    from stage1_cpu.speculative import DRAFT_TOKENS
     model = resolve_model(args.model)
     tok, template = Tokenizer(model), ChatTemplate.from_folder(model)
     prompts = {task: [tok.encode(template.render([{"role": "user", "content": p}])) for p in ps]
@@ -167,6 +182,9 @@ def run(args, policies: list[str], shape_model: Path, log=print) -> int:
     # the same tokens as stage 1's plain greedy decoding, up to the first difference
     for r in rows:
         ref, mine = plain.get((r["task"], r["prompt"]), []), r.pop("tokens", [])
+        if (r["engine"], r["mode"]) == ("stage1", "plain") and mine:
+            r["lookup_reach"] = lookup_reach(prompts[r["task"]][r["prompt"]], mine,
+                                             args.draft_tokens or DRAFT_TOKENS)
         r["tokens"], r["same_as_plain"] = len(mine), next(
             (i for i, (a, b) in enumerate(zip(ref, mine)) if a != b), min(len(ref), len(mine)))
         log(f"{r['engine']:9} {r['mode']:6} {r['task']:12} #{r['prompt']}: " + (r.get("error") or (
