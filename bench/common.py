@@ -363,10 +363,8 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--probe"]:
     _probe_server(int(sys.argv[2]), int(sys.argv[3]))
 
 
+
 def decode_speed(row: dict) -> float:
-    """A request's decode speed (bench cpu --speculative's rows): the tokens after the first over
-    the time after the first; rows saved before decode_seconds was measured: all the tokens over
-    all the time, the prefill's included."""
-    if "decode_seconds" in row:
-        return (row["tokens"] - 1) / max(row["decode_seconds"], 1e-9)
-    return row["tokens"] / row["seconds"]
+    """A request's decode tok/s (bench cpu --speculative's rows): the tokens after the first over
+    the seconds after the first."""
+    return (row["tokens"] - 1) / row["decode_seconds"]

@@ -171,26 +171,19 @@ def speculative(root: Path) -> str:
                 "docs/figures/stage1_speculative.json`, then `python -m bench figures` and "
                 "`python -m bench report`.\n")
     data, total = json.loads(path.read_text()), {}
-    # a task's prompts summed: the tokens they decoded over the seconds it took (decode_speed's)
+    # a task's prompts summed: the tokens after each first over the seconds after it
     for r in (r for r in data["rows"] if "seconds" in r):
-        t = total.setdefault((r["task"], r["engine"], r["mode"]),
-                             dict(tokens=0, seconds=0.0, steps=0, drafted=0, accepted=0,
-                                  decoded=0, decode_seconds=0.0, reach_tokens=0,
-                                  reach_steps=0.0))
-        for k in ("tokens", "steps", "drafted", "accepted"):
-            t[k] += r[k]
-        t["decoded"] += r["tokens"] - ("decode_seconds" in r)
-        t["decode_seconds"] += r.get("decode_seconds", r["seconds"])
-        # prompt lookup's reach on plain's text (tokens a step): the steps it would take
-        if "lookup_reach" in r:
-            t["reach_tokens"] += r["tokens"] - 1
-            t["reach_steps"] += (r["tokens"] - 1) / r["lookup_reach"]
+        t = total.setdefault((r["task"], r["engine"], r["mode"]), dict.fromkeys(
+            ("tokens", "decode_seconds", "steps", "drafted", "accepted", "lookup_steps"), 0))
+        for k in t:
+            t[k] += r.get(k, 0)
+        t["decoded"] = t.get("decoded", 0) + r["tokens"] - 1
     speed = {k: t["decoded"] / t["decode_seconds"] for k, t in total.items()}
     body = [[e, m, task, f"{speed[k]:.1f}",
              f"{speed[k] / speed[(task, e, 'plain')]:.2f}x" if (task, e, "plain") in speed
              else "–", f"{t['tokens'] / max(t['steps'], 1):.2f}",
              f"{t['accepted'] / t['drafted']:.0%}" if t["drafted"] else "–",
-             f"{t['reach_tokens'] / t['reach_steps']:.2f}" if t["reach_steps"] else "–"]
+             f"{t['decoded'] / t['lookup_steps']:.2f}" if t["lookup_steps"] else "–"]
             for k, t in sorted(total.items()) for task, e, m in [k]]
     head = ["engine", "drafts", "task", "decode tok/s", "speed-up", "tokens/step",
             "drafts accepted", "lookup's reach"]

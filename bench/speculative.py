@@ -41,18 +41,17 @@ def stage1_run(engine, ids: list[int], n: int) -> dict:
                 verify_ms=verify_ms)
 
 
-def lookup_reach(prompt: list[int], out: list[int], k: int) -> float:
-    """Tokens per step that prompt lookup would make on plain decoding's own text if every step
-    drafted k tokens and cost no more than one: each step keeps the drafts up to the first that
-    differs from the text, and one token more. The ceiling of drafting on this text, whatever a
-    step costs (the speed-up also divides by the verify step's cost, under the table)."""
+def lookup_steps(prompt: list[int], out: list[int], k: int) -> int:
+    """The steps prompt lookup would take to make plain decoding's text `out` (its first token
+    aside) drafting k tokens a step, each step keeping the drafts up to the first that differs,
+    and one token more: tokens over these steps is the ceiling of drafting on this text."""
     lookup, pos, steps = PromptLookup(), 1, 0
     while pos < len(out):
         drafts, kept = lookup.propose(prompt + out[:pos], k), 0
         while kept < len(drafts) and pos + kept < len(out) and drafts[kept] == out[pos + kept]:
             kept += 1
         pos, steps = pos + kept + 1, steps + 1
-    return (len(out) - 1) / max(steps, 1)
+    return steps
 
 
 def make_engine(spec: dict):
@@ -183,7 +182,7 @@ def run(args, policies: list[str], shape_model: Path, log=print) -> int:
     for r in rows:
         ref, mine = plain.get((r["task"], r["prompt"]), []), r.pop("tokens", [])
         if (r["engine"], r["mode"]) == ("stage1", "plain") and mine:
-            r["lookup_reach"] = lookup_reach(prompts[r["task"]][r["prompt"]], mine,
+            r["lookup_steps"] = lookup_steps(prompts[r["task"]][r["prompt"]], mine,
                                              args.draft_tokens or DRAFT_TOKENS)
         r["tokens"], r["same_as_plain"] = len(mine), next(
             (i for i, (a, b) in enumerate(zip(ref, mine)) if a != b), min(len(ref), len(mine)))

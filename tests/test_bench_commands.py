@@ -78,12 +78,13 @@ def test_help_lists_every_command_and_every_bench_file_serves_one():
 
 
 def test_bench_stays_within_its_line_budget():
-    """bench/ is a tool of a few commands: `wc -l bench/*` within 4,250 lines at 100 columns
+    """bench/ is a tool of a few commands: `wc -l bench/*` within 4,300 lines at 100 columns
     (docs/benchmarks.md): 3,500 with the serving and speculative benchmarks, 300 more for the
-    busy-machine runs, the verify-cost curve and the decode step's profile by part, and 450 more
-    for its lines wrapped at 100 columns."""
+    busy-machine runs, the verify-cost curve and the decode step's profile by part, 450 more
+    for its lines wrapped at 100 columns, and 50 for the speculative table's decode speeds and
+    prompt lookup's reach."""
     total = sum(len(p.read_bytes().splitlines()) for p in (ROOT / "bench").iterdir() if p.is_file())
-    assert total <= 4250, f"bench/ is {total} lines"
+    assert total <= 4300, f"bench/ is {total} lines"
 
 
 @pytest.mark.parametrize("shape,engines,kernels", [("tiny", "stage1", "plain,auto"),

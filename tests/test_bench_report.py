@@ -189,8 +189,8 @@ def test_speculative_table_measures_each_engine_against_its_own_plain_decoding(t
     run of the same prompt, tokens per forward pass and drafts accepted, from a saved run."""
     (tmp_path / "docs" / "figures").mkdir(parents=True)
     row = lambda engine, mode, seconds, steps, drafted, accepted: dict(  # noqa: E731
-        engine=engine, mode=mode, task="code rewrite", prompt=0, tokens=64, seconds=seconds,
-        steps=steps, drafted=drafted, accepted=accepted)
+        engine=engine, mode=mode, task="code rewrite", prompt=0, tokens=65, seconds=seconds + 1,
+        decode_seconds=seconds, steps=steps, drafted=drafted, accepted=accepted)
     saved = dict(model="m.gguf", threads=2, peer="llama-cpp-python 0", machine="cpu", date="d",
                  rows=[row("stage1", "plain", 2.0, 64, 0, 0),
                        row("stage1", "ngram", 0.8, 20, 60, 45),
@@ -201,10 +201,10 @@ def test_speculative_table_measures_each_engine_against_its_own_plain_decoding(t
              [c.strip() for c in line.strip("|").split("|")][3:]
              for line in report.speculative(tmp_path).splitlines() if line.startswith("| ")}
     # 80 tok/s over stage 1's own 32
-    assert cells[("stage1", "ngram")] == ["80.0", "2.50x", "3.20", "75%", "–"]
+    assert cells[("stage1", "ngram")] == ["80.0", "2.50x", "3.25", "75%", "–"]
     # over llama.cpp's own 64
-    assert cells[("llama.cpp", "lookup")] == ["42.7", "0.67x", "2.13", "40%", "–"]
-    assert cells[("stage1", "plain")] == ["32.0", "1.00x", "1.00", "–", "–"]
+    assert cells[("llama.cpp", "lookup")] == ["42.7", "0.67x", "2.17", "40%", "–"]
+    assert cells[("stage1", "plain")] == ["32.0", "1.00x", "1.02", "–", "–"]
 
 
 def test_older_saved_runs_with_read_only_rows_read_as_without_them(tmp_path):
@@ -292,15 +292,16 @@ def test_speculative_speeds_are_the_decodes_after_the_first_token(tmp_path):
     """Rows that carry decode_seconds (the time after the first token): the table's speeds are
     the tokens after the first over that time, so a prefill that is the same work either way
     does not dilute the speed-up (over all the time, the same rows read 21.7 and 1.67x); and
-    plain's rows carry prompt lookup's reach on their text, summed over a task's prompts."""
+    plain's rows carry the steps prompt lookup would take on their text: a task's reach is its
+    prompts' tokens over their steps."""
     (tmp_path / "docs" / "figures").mkdir(parents=True)
     row = lambda mode, seconds, decode, steps, drafted, accepted, **kw: dict(  # noqa: E731
         engine="stage1", mode=mode, task="code rewrite", prompt=0, tokens=65, seconds=seconds,
         decode_seconds=decode, steps=steps, drafted=drafted, accepted=accepted, **kw)
     # two prompts' plain text: prompt lookup would make 4 and 2 tokens a step (16 and 32 steps)
     saved = dict(model="m.gguf", threads=2, peer="llama-cpp-python 0", machine="cpu", date="d",
-                 rows=[row("plain", 3.0, 2.0, 65, 0, 0, lookup_reach=4.0),
-                       dict(row("plain", 3.0, 2.0, 65, 0, 0, lookup_reach=2.0), prompt=1),
+                 rows=[row("plain", 3.0, 2.0, 65, 0, 0, lookup_steps=16),
+                       dict(row("plain", 3.0, 2.0, 65, 0, 0, lookup_steps=32), prompt=1),
                        row("ngram", 1.8, 0.8, 26, 60, 39),
                        dict(row("ngram", 1.8, 0.8, 26, 60, 39), prompt=1)])
     (tmp_path / "docs" / "figures" / "stage1_speculative.json").write_text(json.dumps(saved))

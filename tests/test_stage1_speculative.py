@@ -19,7 +19,7 @@ import httpx
 import numpy as np
 import pytest
 
-from bench.speculative import lookup_reach, stage1_run
+from bench.speculative import lookup_steps, stage1_run
 from bench.testbed.models import make_model
 from common.config import ModelConfig
 from common.engine import Request
@@ -486,12 +486,12 @@ def test_bench_runs_end_at_the_end_of_turn_and_time_the_decode_apart():
     assert stage1_run(engine, ids, 8)["tokens"] == eight["tokens"][:3]
 
 
-def test_lookup_reach_counts_the_steps_prompt_lookup_would_take_on_a_text():
+def test_lookup_steps_counts_the_steps_prompt_lookup_would_take_on_a_text():
     """bench cpu --speculative's ceiling of drafting on plain's own text: the answer repeats the
-    prompt, so 5 then 4 more are one step at k = 7 (the draft runs past the text's end: 4 kept);
-    at k = 2 two steps (6 7, then 9 after the match of 6 7 8); a text with nothing to look up
-    makes one token a step."""
+    prompt, so its 4 tokens after the first are one step at k = 7 (the draft runs past the text's
+    end); two at k = 2 (6 7, then 9 after the match of 6 7 8); a text with nothing to look up
+    takes a step a token."""
     prompt = [5, 6, 7, 8, 9]
-    assert lookup_reach(prompt, [5, 6, 7, 8, 9], 7) == 4.0
-    assert lookup_reach(prompt, [5, 6, 7, 8, 9], 2) == 2.0
-    assert lookup_reach([1, 2, 3], [4, 5, 6], 7) == 1.0
+    assert lookup_steps(prompt, [5, 6, 7, 8, 9], 7) == 1
+    assert lookup_steps(prompt, [5, 6, 7, 8, 9], 2) == 2
+    assert lookup_steps([1, 2, 3], [4, 5, 6], 7) == 2
