@@ -54,14 +54,9 @@ class Weights:
     lm_head: Weight                 # [V, C] the same object as embed when tied
     final_norm: np.ndarray          # [C]
     layers: list[LayerWeights]
-    fmt: str                        # none | bf16 | int8 | int4
     # the fast path (stage1_cpu.fast.FastPath) with --kernels fast, else None
     fast: object = None
     source: str = ""                # a GGUF's types and what each became, for the banner
-
-    @property
-    def kernels(self) -> str:
-        return "fast" if self.fast else "plain"
 
 
 def choose_kernels(kernels: str, activations: str, fmt: str):
@@ -159,10 +154,6 @@ def load_weights(folder: str | Path, cfg: ModelConfig, fmt: str = "none", group_
                 L.w_down = step(q(loader.layer("w_down", i)))
             layers.append(L)
         final_norm = step(loader.glob("final_norm"))
-    if fmt == "stored":     # e.g. int4+int8: what the warm-up mark and the banner name
-        fmt = "+".join(sorted({w.fmt for l in layers for w in (l.wqkv, l.wo, l.w_gate_up, l.w_down,
-                                                                 l.experts_gate_up,
-                                                                 l.experts_down) if w}))
-    return Weights(cfg, embed, lm_head, final_norm, layers, fmt, fast,
+    return Weights(cfg, embed, lm_head, final_norm, layers, fast,
                    getattr(loader, "describe", lambda: "")())
 

@@ -33,8 +33,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .. import KERNEL_FILES
 from ..jit import numba_stamps
+from ..jit.numba_cache import KERNEL_FILES
 from ..quant import Weight
 
 # The one-region step inlines the core's row bodies and this package's kernels: every
