@@ -14,8 +14,6 @@ from common.config import ModelConfig
 from common.loader import loading, open_weights, stack
 from .quant import FORMATS, Weight, quantize
 
-KERNELS = ("auto", "plain", "fast")     # --kernels
-
 
 @dataclass
 class ExpertWeights:
@@ -60,21 +58,16 @@ class Weights:
 
 
 def choose_kernels(kernels: str, activations: str, fmt: str):
-    """--kernels auto | plain | fast -> stage1_cpu.fast.FastPath, or None for the core alone.
-    auto is fast wherever it runs (fast.available()). The import is here, lazy: nothing of
-    the fast path is loaded, let alone compiled, with plain."""
-    if kernels not in KERNELS:
-        raise ValueError(f"unknown --kernels {kernels!r}; choose one of {', '.join(KERNELS)}")
-    if kernels == "plain":
-        if activations not in ("auto", "fp32"):
-            raise ValueError(f"--activations {activations} needs the fast kernels; use "
-                             "--kernels fast or auto")
-        return None
-    from . import fast
-    why_not = fast.available()
-    if why_not and kernels == "fast":
-        raise ValueError(f"--kernels fast is not available here: {why_not}; use --kernels plain")
-    return None if why_not else fast.FastPath(fmt, activations)
+    """--kernels auto | plain | fast -> stage1_cpu.fast.FastPath, or None for the core alone
+    (fast.choose: auto is fast wherever it runs). The import is here, lazy: nothing of the fast
+    path is loaded, let alone compiled, with plain."""
+    if kernels != "plain":
+        from . import fast
+        return fast.choose(kernels, activations, fmt)
+    if activations not in ("auto", "fp32"):
+        raise ValueError(f"--activations {activations} needs the fast kernels; use "
+                         "--kernels fast or auto")
+    return None
 
 
 def to_weight(a, fmt: str, group_size: int, fast, lm_head: bool = False) -> Weight:

@@ -23,10 +23,10 @@ names an instruction is compiled only where it exists; where none does (an
 ARM64 core without dotprod, NUMBA_CPU_NAME=generic), the fast path is the one-region step on
 fp32 activations, bit for bit the core's result.
 
-The core imports this package in one place, stage1_cpu/weights.py's choose_kernels, and
-only when --kernels is fast (or auto): with plain nothing of it is loaded, let alone
-compiled. It keeps the FastPath in Weights.fast; nothing here imports the core's
-weights.py or model.py at run time (plan.py names Weights as a type only).
+The core imports this package in one place, stage1_cpu/weights.py's choose_kernels (which
+calls choose() here), and only when --kernels is fast (or auto): with plain nothing of it is
+loaded, let alone compiled. It keeps the FastPath in Weights.fast; nothing here imports the
+core's weights.py or model.py at run time (plan.py names Weights as a type only).
 """
 from __future__ import annotations
 
@@ -75,6 +75,17 @@ def available() -> str | None:
     if os.name == "posix":
         return None
     return "the one-region decode step needs a POSIX C library (usleep)"
+
+
+def choose(kernels: str, activations: str, fmt: str) -> FastPath | None:
+    """stage1_cpu/weights.py's choose_kernels for --kernels auto or fast: the fast path where it
+    runs (available()), else the core alone for auto and an error for fast."""
+    if kernels not in ("auto", "fast"):
+        raise ValueError(f"unknown --kernels {kernels!r}; choose one of auto, plain, fast")
+    why_not = available()
+    if why_not and kernels == "fast":
+        raise ValueError(f"--kernels fast is not available here: {why_not}; use --kernels plain")
+    return None if why_not else FastPath(fmt, activations)
 
 
 class FastPath:
