@@ -5,7 +5,7 @@ into one matrix each (docs/stage1.md, section 3, says why). choose_kernels picks
 or stage1_cpu.fast's FastPath: the one place the core imports the fast path."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -13,12 +13,6 @@ import numpy as np
 from common.config import ModelConfig
 from common.loader import loading, open_weights, stack
 from .quant import FORMATS, Weight, quantize
-
-
-@dataclass
-class ExpertWeights:
-    e_gate_up: Weight   # [2Fe, C]: gate_proj, up_proj stacked
-    e_down: Weight      # [C, Fe]
 
 
 @dataclass
@@ -35,13 +29,13 @@ class LayerWeights:
     w_down: Weight | None = None            # [C, F]
     # [E, C] MoE router, kept in fp32 (it is tiny and decides everything)
     router: Weight | None = None
-    experts: list[ExpertWeights] = field(default_factory=list)   # views into the two stacks below
     # [E * 2Fe, C] every routed expert's gate_up, stacked by rows
     experts_gate_up: Weight | None = None
     # [E * C, Fe] every routed expert's down, stacked by rows
     experts_down: Weight | None = None
-    # qwen2_moe: [2Fs, C] and [C, Fs], every token goes through it
-    shared_expert: ExpertWeights | None = None
+    # qwen2_moe's shared expert, a dense MLP every token goes through: [2Fs, C] and [C, Fs]
+    shared_gate_up: Weight | None = None
+    shared_down: Weight | None = None
     shared_gate: Weight | None = None       # [1, C] its sigmoid gate, fp32 like the router
 
 
@@ -128,19 +122,15 @@ def load_weights(folder: str | Path, cfg: ModelConfig, fmt: str = "none", group_
                 L.q_norm, L.k_norm = loader.layer("q_norm", i), loader.layer("k_norm", i)
             if cfg.is_moe_layer(i):
                 L.router = quantize(loader.layer("router", i), "none")
-                # one matrix per projection for all E experts, each expert a view of its rows: the
+                # one matrix per projection for all E experts, each expert a block of its rows: the
                 # one-region decode step reads the k chosen experts' rows as one work list
                 E = cfg.num_experts
                 L.experts_gate_up = stack([step(q(loader.fused(["e_gate", "e_up"], i, e)))
                                            for e in range(E)])
                 L.experts_down = stack([step(q(loader.layer("e_down", i, e))) for e in range(E)])
-                Fe2, C = L.experts_gate_up.out_features // E, L.experts_down.out_features // E
-                L.experts = [ExpertWeights(L.experts_gate_up.part(e * Fe2, (e + 1) * Fe2),
-                                           L.experts_down.part(e * C, (e + 1) * C))
-                             for e in range(E)]
                 if cfg.shared_expert_intermediate_size:
-                    L.shared_expert = ExpertWeights(step(q(loader.fused(["s_gate", "s_up"], i))),
-                                                    step(q(loader.layer("s_down", i))))
+                    L.shared_gate_up = step(q(loader.fused(["s_gate", "s_up"], i)))
+                    L.shared_down = step(q(loader.layer("s_down", i)))
                     L.shared_gate = quantize(loader.layer("shared_gate", i), "none")
             else:
                 L.w_gate_up = step(q(loader.fused(["w_gate", "w_up"], i)))

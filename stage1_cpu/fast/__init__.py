@@ -196,9 +196,7 @@ def describe(weights) -> str:
 def _matrices(weights):
     yield weights.lm_head
     for lw in weights.layers:
-        for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down):
+        for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down, lw.experts_gate_up, lw.experts_down,
+                  lw.shared_gate_up, lw.shared_down):
             if w is not None:
                 yield w
-        for ex in lw.experts + ([lw.shared_expert] if lw.shared_expert else []):
-            yield ex.e_gate_up
-            yield ex.e_down
