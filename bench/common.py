@@ -210,12 +210,11 @@ def stage1_bytes(weights, decode: bool = False) -> int:
     goes to. (Stages 2 and 3 count their own, Weights.nbytes; stage 1's weights.py only loads.)"""
     cfg = weights.config
     share = cfg.num_experts_per_tok / cfg.num_experts if decode and cfg.num_experts else 1.0
-    names = ("wqkv", "wo", "w_gate_up", "w_down", "router", "shared_gate")
+    names = ("wqkv", "wo", "w_gate_up", "w_down", "router", "shared_gate_up", "shared_down",
+             "shared_gate")
     mats = [weights.lm_head] + [getattr(l, n) for l in weights.layers for n in names]
-    mats += [m for l in weights.layers if l.shared_expert
-             for m in (l.shared_expert.e_gate_up, l.shared_expert.e_down)]
     routed = sum(l.experts_gate_up.nbytes + l.experts_down.nbytes for l in weights.layers
-                 if l.experts)
+                 if l.experts_gate_up is not None)
     return sum(w.nbytes for w in mats if w is not None) + round(routed * share)
 
 

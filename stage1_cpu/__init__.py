@@ -2,8 +2,8 @@
 INT8/INT4 group quantization, MoE routing), and beside it the fast path (stage1_cpu/fast/).
 Reading order: docs/stage1.md."""
 import os
-from pathlib import Path
 
+# numba's cache folder for stage 1 and its kernel files (jit/numba_cache.py), before numba loads
 from .jit import numba_cache
 
 # idle threads sleep: OpenBLAS's soon after a call (a core numba needs: docs/stage1.md, section 7),
@@ -11,8 +11,3 @@ from .jit import numba_cache
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 WAIT_POLICY, WAIT_WHY = "PASSIVE", "fast on a busy CPU"
 numba_cache.wait_policy(WAIT_POLICY, WAIT_WHY)
-# numba's disk cache for stage 1, one folder per clone and per target (jit/numba_cache.py)
-CACHE_DIR = numba_cache.use_folder("stage1", Path(__file__).parent,
-                                   env=("QS_FAST_ISA", "NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES"))
-# the files whose numba code the plain path compiles (the warm-up mark follows them)
-KERNEL_FILES = [Path(__file__).parent / f for f in ("norms.py", "kernels.py", "matmul.py")]

@@ -16,7 +16,6 @@ from common.config import ModelConfig
 from common.engine import Request, TokenEvent, check_prompt
 from common.sampling import NO_TOKEN, Sampler
 
-from . import CACHE_DIR, KERNEL_FILES, ops
 from .jit import numba_cache
 from .model import build_model
 from .weights import load_weights
@@ -31,7 +30,7 @@ class _Running:
     logits: np.ndarray | None = None               # [V] of the last fed position
 
 
-class LLMEngine(numba_cache.WarmUp):       # warm_up(), kernels_cold(): jit/numba_cache.py
+class LLMEngine(numba_cache.WarmUp):   # warm_up(), describe_kernels(): jit/numba_cache.py
     def __init__(self, folder: str | Path, quant: str = "none", group_size: int = 32,
                  max_ctx: int = 4096, threads: int | None = None, progress: bool = True,
                  prefill_chunk: int = 512, use_numba: bool = True, kernels: str = "auto",
@@ -76,21 +75,6 @@ class LLMEngine(numba_cache.WarmUp):       # warm_up(), kernels_cold(): jit/numb
     def reset(self) -> None:
         """Forget the cached conversation (the next prompt is prefilled from scratch)."""
         self.cached_ids = []
-
-    def describe_kernels(self) -> str:
-        """Which kernels multiply the weights and how idle threads wait, for the banner."""
-        w, threads = self.weights, numba_cache.threads()    # omp threads sleep when idle (...)
-        kernels = (w.fast.describe(w) if w.fast else "plain kernels") + f" · {threads}"
-        return f"{w.source} · {kernels}" if w.source else kernels
-
-    def warm_key(self) -> tuple | None:
-        """What the warm-up mark follows (numba_cache.WarmUp): the files the chosen kernels compile
-        from, the format, the kernels, the model kind (MoE layers run kernels of their own)."""
-        if self.model.kernels is ops:             # the numpy definitions: nothing to compile
-            return None
-        w, mlp = self.weights, "moe" if self.config.num_experts else "dense"
-        files, kinds = (w.fast.files(), w.fast.kinds(w)) if w.fast else (KERNEL_FILES, "fp32")
-        return CACHE_DIR, files, w.fmt, w.kernels, mlp, kinds
 
     def step(self) -> list[TokenEvent]:
         events = [TokenEvent(rid, -1, "abort") for rid in self.aborted]

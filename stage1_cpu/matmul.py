@@ -18,20 +18,6 @@ from .norms import FAST, _inline
 # Bit casts. numba has no float16 or bfloat16 type, so weights and scales are
 # stored as uint16 bit patterns and turned into float32 with one instruction.
 @intrinsic
-def bf16_to_f32(typingctx, bits):
-    """uint16 bfloat16 bits -> float32: bf16 is the top half of an fp32, so
-    shift left by 16 and reinterpret the bits (no rounding, exact)."""
-    sig = types.float32(types.uint16)
-
-    def codegen(context, builder, signature, args):
-        wide = builder.zext(args[0], ir.IntType(32))
-        shifted = builder.shl(wide, ir.Constant(ir.IntType(32), 16))
-        return builder.bitcast(shifted, ir.FloatType())
-
-    return sig, codegen
-
-
-@intrinsic
 def _u32_as_f32(typingctx, bits):
     """Reinterpret the 32 bits of an integer as a float32."""
     sig = types.float32(bits)
@@ -41,6 +27,13 @@ def _u32_as_f32(typingctx, bits):
                                else args[0], ir.FloatType())
 
     return sig, codegen
+
+
+@njit(inline="always", error_model="numpy")
+def bf16_to_f32(bits):
+    """uint16 bfloat16 bits -> float32: bf16 is the top half of an fp32, so
+    shift left by 16 and reinterpret the bits (no rounding, exact)."""
+    return _u32_as_f32(np.uint32(bits) << np.uint32(16))
 
 
 @njit(inline="always", error_model="numpy")

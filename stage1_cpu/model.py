@@ -80,7 +80,7 @@ class Model:
 
             # ---- MLP block ----
             h = kern.rmsnorm(x, lw.mlp_norm, eps)              # [T, C]
-            if lw.experts:
+            if lw.router is not None:                          # a MoE layer
                 x = x + self.moe(h, lw)
             else:
                 # SwiGLU: down(silu(gate(h)) * up(h)), gate and up in one matmul [T, 2F]
@@ -104,10 +104,9 @@ class Model:
         gu = self.experts(lw.experts_gate_up, h, top)
         y = self.experts(lw.experts_down, kern.silu_mul(gu), top)  # [T k, C]
         out = kern.mix(y, weight)                              # [T, C] = sum_j weight_j y_j
-        if lw.shared_expert is not None:
+        if lw.shared_gate_up is not None:
             # the shared expert: every token, weighted by sigmoid(h . shared_gate) in (0, 1)
-            ex = lw.shared_expert
-            y = ex.e_down.matmul(kern.silu_mul(ex.e_gate_up.matmul(h)))   # [T, C]
+            y = lw.shared_down.matmul(kern.silu_mul(lw.shared_gate_up.matmul(h)))   # [T, C]
             out = kern.gated_add(out, y, lw.shared_gate.matmul(h))  # gate [T, 1] in fp32
         return out
 

@@ -5,7 +5,7 @@ into one matrix each (docs/stage1.md, section 3, says why). choose_kernels picks
 or stage1_cpu.fast's FastPath: the one place the core imports the fast path."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -13,14 +13,6 @@ import numpy as np
 from common.config import ModelConfig
 from common.loader import loading, open_weights, stack
 from .quant import FORMATS, Weight, quantize
-
-KERNELS = ("auto", "plain", "fast")     # --kernels
-
-
-@dataclass
-class ExpertWeights:
-    e_gate_up: Weight   # [2Fe, C]: gate_proj, up_proj stacked
-    e_down: Weight      # [C, Fe]
 
 
 @dataclass
@@ -37,13 +29,13 @@ class LayerWeights:
     w_down: Weight | None = None            # [C, F]
     # [E, C] MoE router, kept in fp32 (it is tiny and decides everything)
     router: Weight | None = None
-    experts: list[ExpertWeights] = field(default_factory=list)   # views into the two stacks below
     # [E * 2Fe, C] every routed expert's gate_up, stacked by rows
     experts_gate_up: Weight | None = None
     # [E * C, Fe] every routed expert's down, stacked by rows
     experts_down: Weight | None = None
-    # qwen2_moe: [2Fs, C] and [C, Fs], every token goes through it
-    shared_expert: ExpertWeights | None = None
+    # qwen2_moe's shared expert, a dense MLP every token goes through: [2Fs, C] and [C, Fs]
+    shared_gate_up: Weight | None = None
+    shared_down: Weight | None = None
     shared_gate: Weight | None = None       # [1, C] its sigmoid gate, fp32 like the router
 
 
@@ -54,32 +46,22 @@ class Weights:
     lm_head: Weight                 # [V, C] the same object as embed when tied
     final_norm: np.ndarray          # [C]
     layers: list[LayerWeights]
-    fmt: str                        # none | bf16 | int8 | int4
     # the fast path (stage1_cpu.fast.FastPath) with --kernels fast, else None
     fast: object = None
     source: str = ""                # a GGUF's types and what each became, for the banner
 
-    @property
-    def kernels(self) -> str:
-        return "fast" if self.fast else "plain"
-
 
 def choose_kernels(kernels: str, activations: str, fmt: str):
-    """--kernels auto | plain | fast -> stage1_cpu.fast.FastPath, or None for the core alone.
-    auto is fast wherever it runs (fast.available()). The import is here, lazy: nothing of
-    the fast path is loaded, let alone compiled, with plain."""
-    if kernels not in KERNELS:
-        raise ValueError(f"unknown --kernels {kernels!r}; choose one of {', '.join(KERNELS)}")
-    if kernels == "plain":
-        if activations not in ("auto", "fp32"):
-            raise ValueError(f"--activations {activations} needs the fast kernels; use "
-                             "--kernels fast or auto")
-        return None
-    from . import fast
-    why_not = fast.available()
-    if why_not and kernels == "fast":
-        raise ValueError(f"--kernels fast is not available here: {why_not}; use --kernels plain")
-    return None if why_not else fast.FastPath(fmt, activations)
+    """--kernels auto | plain | fast -> stage1_cpu.fast.FastPath, or None for the core alone
+    (fast.choose: auto is fast wherever it runs). The import is here, lazy: nothing of the fast
+    path is loaded, let alone compiled, with plain."""
+    if kernels != "plain":
+        from . import fast
+        return fast.choose(kernels, activations, fmt)
+    if activations not in ("auto", "fp32"):
+        raise ValueError(f"--activations {activations} needs the fast kernels; use "
+                         "--kernels fast or auto")
+    return None
 
 
 def to_weight(a, fmt: str, group_size: int, fast, lm_head: bool = False) -> Weight:
@@ -140,29 +122,21 @@ def load_weights(folder: str | Path, cfg: ModelConfig, fmt: str = "none", group_
                 L.q_norm, L.k_norm = loader.layer("q_norm", i), loader.layer("k_norm", i)
             if cfg.is_moe_layer(i):
                 L.router = quantize(loader.layer("router", i), "none")
-                # one matrix per projection for all E experts, each expert a view of its rows: the
+                # one matrix per projection for all E experts, each expert a block of its rows: the
                 # one-region decode step reads the k chosen experts' rows as one work list
                 E = cfg.num_experts
                 L.experts_gate_up = stack([step(q(loader.fused(["e_gate", "e_up"], i, e)))
                                            for e in range(E)])
                 L.experts_down = stack([step(q(loader.layer("e_down", i, e))) for e in range(E)])
-                Fe2, C = L.experts_gate_up.out_features // E, L.experts_down.out_features // E
-                L.experts = [ExpertWeights(L.experts_gate_up.part(e * Fe2, (e + 1) * Fe2),
-                                           L.experts_down.part(e * C, (e + 1) * C))
-                             for e in range(E)]
                 if cfg.shared_expert_intermediate_size:
-                    L.shared_expert = ExpertWeights(step(q(loader.fused(["s_gate", "s_up"], i))),
-                                                    step(q(loader.layer("s_down", i))))
+                    L.shared_gate_up = step(q(loader.fused(["s_gate", "s_up"], i)))
+                    L.shared_down = step(q(loader.layer("s_down", i)))
                     L.shared_gate = quantize(loader.layer("shared_gate", i), "none")
             else:
                 L.w_gate_up = step(q(loader.fused(["w_gate", "w_up"], i)))
                 L.w_down = step(q(loader.layer("w_down", i)))
             layers.append(L)
         final_norm = step(loader.glob("final_norm"))
-    if fmt == "stored":     # e.g. int4+int8: what the warm-up mark and the banner name
-        fmt = "+".join(sorted({w.fmt for l in layers for w in (l.wqkv, l.wo, l.w_gate_up, l.w_down,
-                                                                 l.experts_gate_up,
-                                                                 l.experts_down) if w}))
-    return Weights(cfg, embed, lm_head, final_norm, layers, fmt, fast,
+    return Weights(cfg, embed, lm_head, final_norm, layers, fast,
                    getattr(loader, "describe", lambda: "")())
 

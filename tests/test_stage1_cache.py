@@ -58,15 +58,14 @@ def test_warm_mark_follows_the_kernel_files_only(tmp_path):
 
 
 def test_stage1_keys_each_path_on_the_files_it_compiles():
-    import stage1_cpu
-    from stage1_cpu.jit import numba_stamps
+    from stage1_cpu.jit import numba_cache, numba_stamps
     from stage1_cpu import fast
     from stage1_cpu.fast import decode_step  # noqa: F401  (its kernels are defined, so stamped)
-    names = {p.name for p in stage1_cpu.KERNEL_FILES}
+    names = {p.name for p in numba_cache.KERNEL_FILES}
     # ops.py, chat.py hold no numba code
     assert names == {"norms.py", "kernels.py", "matmul.py"}
     fp = fast.FastPath("int8", "fp32")
-    assert set(stage1_cpu.KERNEL_FILES) <= set(fp.files())
+    assert set(numba_cache.KERNEL_FILES) <= set(fp.files())
     assert ({"decode_step.py", "simd.py", "kernels.py", "plan.py", "blocks.py"}
             <= {p.name for p in fast.FILES})
     def group(name):
@@ -83,7 +82,7 @@ def test_stage1_keys_each_path_on_the_files_it_compiles():
             <= group("matvec.py"))
     assert not {"norms.py", "kernels.py"} & group("matvec.py")
     # the rest of fast/ keeps the stamp of every stage-1 kernel file
-    assert {p.name for p in stage1_cpu.KERNEL_FILES} <= group("attention.py")
+    assert {p.name for p in numba_cache.KERNEL_FILES} <= group("attention.py")
     # the core's own files keep numba's per-file stamp
     assert str((ROOT / "stage1_cpu/kernels.py").resolve()) not in numba_stamps._GROUPS
 

@@ -256,7 +256,7 @@ class Workspace:
         mod = importlib.util.module_from_spec(spec)
         mod.__path__ = path
         if real is not None:
-            # the real package's own names (stage1_cpu.CACHE_DIR, ...), not its submodules:
+            # the real package's own names (stage1_cpu.WAIT_POLICY, ...), not its submodules:
             # `from . import kernels` must import the workspace's kernels.py when there is one
             for key, value in vars(real).items():
                 if not key.startswith("__") and not isinstance(value, types.ModuleType):

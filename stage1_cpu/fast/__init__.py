@@ -23,18 +23,18 @@ names an instruction is compiled only where it exists; where none does (an
 ARM64 core without dotprod, NUMBA_CPU_NAME=generic), the fast path is the one-region step on
 fp32 activations, bit for bit the core's result.
 
-The core imports this package in one place, stage1_cpu/weights.py's choose_kernels, and
-only when --kernels is fast (or auto): with plain nothing of it is loaded, let alone
-compiled. It keeps the FastPath in Weights.fast; nothing here imports the core's
-weights.py or model.py at run time (plan.py names Weights as a type only).
+The core imports this package in one place, stage1_cpu/weights.py's choose_kernels (which
+calls choose() here), and only when --kernels is fast (or auto): with plain nothing of it is
+loaded, let alone compiled. It keeps the FastPath in Weights.fast; nothing here imports the
+core's weights.py or model.py at run time (plan.py names Weights as a type only).
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from .. import KERNEL_FILES
 from ..jit import numba_stamps
+from ..jit.numba_cache import KERNEL_FILES
 from ..quant import Weight
 
 # The one-region step inlines the core's row bodies and this package's kernels: every
@@ -75,6 +75,17 @@ def available() -> str | None:
     if os.name == "posix":
         return None
     return "the one-region decode step needs a POSIX C library (usleep)"
+
+
+def choose(kernels: str, activations: str, fmt: str) -> FastPath | None:
+    """stage1_cpu/weights.py's choose_kernels for --kernels auto or fast: the fast path where it
+    runs (available()), else the core alone for auto and an error for fast."""
+    if kernels not in ("auto", "fast"):
+        raise ValueError(f"unknown --kernels {kernels!r}; choose one of auto, plain, fast")
+    why_not = available()
+    if why_not and kernels == "fast":
+        raise ValueError(f"--kernels fast is not available here: {why_not}; use --kernels plain")
+    return None if why_not else FastPath(fmt, activations)
 
 
 class FastPath:
@@ -185,9 +196,7 @@ def describe(weights) -> str:
 def _matrices(weights):
     yield weights.lm_head
     for lw in weights.layers:
-        for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down):
+        for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down, lw.experts_gate_up, lw.experts_down,
+                  lw.shared_gate_up, lw.shared_down):
             if w is not None:
                 yield w
-        for ex in lw.experts + ([lw.shared_expert] if lw.shared_expert else []):
-            yield ex.e_gate_up
-            yield ex.e_down

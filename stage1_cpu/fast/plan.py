@@ -57,7 +57,7 @@ def plan(w: Weights) -> list[Phase]:
               # ---- MLP block ----
               Phase("norm", "x", "h", vec=lw.mlp_norm)]
         # SwiGLU: down(silu(gate(h)) * up(h))
-        if not lw.experts:
+        if lw.router is None:
             P += [Phase("matmul", "h", "gu", lw.w_gate_up),          # [gate | up] in one matmul
                   Phase("silu_mul", "gu", "act"),
                   Phase("matmul", "act", "down", lw.w_down),
@@ -72,10 +72,10 @@ def plan(w: Weights) -> list[Phase]:
               Phase("silu_mul", "egu", "eact"),
               Phase("experts", "eact", "ey", lw.experts_down, aux="route"),    # [k, C]
               Phase("mix", "ey", "moe", aux="route")]                # moe = sum_j weight_j ey_j
-        if lw.shared_expert is not None:                             # qwen2_moe: every token, gated
-            P += [Phase("matmul", "h", "sgu", lw.shared_expert.e_gate_up),
+        if lw.shared_gate_up is not None:                            # qwen2_moe: every token, gated
+            P += [Phase("matmul", "h", "sgu", lw.shared_gate_up),
                   Phase("silu_mul", "sgu", "sact"),
-                  Phase("matmul", "sact", "sy", lw.shared_expert.e_down),
+                  Phase("matmul", "sact", "sy", lw.shared_down),
                   Phase("matmul", "h", "sgate", lw.shared_gate),     # [1], fp32 like the router
                   Phase("gated_add", "sy", "moe", aux="sgate")]      # moe += sigmoid(sgate) * sy
         P += [Phase("add", "moe", "x")]

@@ -1,4 +1,4 @@
-"""Where numba keeps a stage's compiled kernels, and when a warm-up is due.
+"""Where numba keeps stage 1's compiled kernels, and when a warm-up is due.
 
 numba's own cache (`cache=True`) files each function's machine code under the
 source file that defines it, stamped with a hash of that file: an edit to the file
@@ -16,6 +16,7 @@ import os
 import sys
 import time
 from pathlib import Path
+
 
 def use_folder(name: str, here: Path, env: tuple[str, ...]) -> str:
     """Point numba's cache at ~/.cache/qwen3-stages/numba/<name>-<key> (or under
@@ -68,9 +69,9 @@ def warm_up(forward, max_ctx: int, mark: Path) -> float:
 
 
 class WarmUp:
-    """warm_up() and kernels_cold() for an engine (the chat and generate call them): the
-    engine gives warm_key() -> (cache folder, kernel files, *key) for warm_mark(), or None
-    when it runs no numba code, and has model.forward, max_ctx and reset()."""
+    """What stage 1's engine says and does about numba (the chat and generate call it): warm_up()
+    and kernels_cold() by the mark that warm_key() names, and the banner's describe_kernels().
+    The engine has weights, config, model (forward, kernels), max_ctx and reset()."""
 
     def warm_up(self) -> float | None:
         """Compile every kernel a conversation needs before the first prompt, unless a previous
@@ -85,6 +86,35 @@ class WarmUp:
         """True until warm_up() has run for this key, with the kernel files as they are now."""
         key = self.warm_key()
         return key is not None and not warm_mark(*key).exists()
+
+    def warm_key(self) -> tuple | None:
+        """(cache folder, kernel files, *key) for warm_mark(), or None when the model runs no
+        numba code: the files the chosen kernels compile from, the layers' format, the kernels,
+        the model kind (MoE layers run kernels of their own)."""
+        # ops.py's numpy definitions compile nothing (imported here: numpy loads after
+        # stage1_cpu/__init__.py has set OpenBLAS's variables)
+        from .. import ops
+        if self.model.kernels is ops:
+            return None
+        w, mlp = self.weights, "moe" if self.config.num_experts else "dense"
+        files, kinds = (w.fast.files(), w.fast.kinds(w)) if w.fast else (KERNEL_FILES, "fp32")
+        kernels = "fast" if w.fast else "plain"
+        return CACHE_DIR, files, layers_format(w), kernels, mlp, kinds
+
+    def describe_kernels(self) -> str:
+        """Which kernels multiply the weights and how idle threads wait, for the banner."""
+        w = self.weights
+        kernels = w.fast.describe(w) if w.fast else "plain kernels"
+        kernels += f" · {threads()}"               # omp threads sleep when idle (...)
+        return f"{w.source} · {kernels}" if w.source else kernels
+
+
+def layers_format(weights) -> str:
+    """The layers' weight format: --quant's, or for a GGUF file's blocks as stored (--quant
+    stored) the formats they hold, e.g. int4+int8."""
+    mats = [w for lw in weights.layers for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down,
+                                                 lw.experts_gate_up, lw.experts_down) if w]
+    return "+".join(sorted({w.fmt for w in mats}))
 
 
 def set_threads(n: int | None) -> int:
@@ -123,3 +153,11 @@ def threads() -> str:
     numba.get_num_threads()        # starts the threads (if no parallel kernel has) and the layer
     layer = numba.threading_layer()
     return f"{layer} threads " + (OMP_IDLE if layer == "omp" else "(OMP_WAIT_POLICY: omp only)")
+
+
+# stage 1's kernel files: the plain path compiles their numba code (the warm-up mark follows them)
+STAGE1 = Path(__file__).parent.parent
+KERNEL_FILES = [STAGE1 / f for f in ("norms.py", "kernels.py", "matmul.py")]
+# numba's disk cache for stage 1, one folder per clone and per target (set before numba loads)
+CACHE_DIR = use_folder("stage1", STAGE1,
+                       env=("QS_FAST_ISA", "NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES"))
