@@ -102,6 +102,9 @@ class DraftLength:
     PRIOR = (1.5, 0.5)          # a = 0.75 before any draft is checked: try drafting
     KEEP = 0.8                  # each step keeps 80 % of acceptance counts: a window of ~5 steps
     JUMP = 1.5                  # a step this many times off its estimate: the machine changed
+    # drafts must promise this much more than plain decoding: an estimate of the acceptance from a
+    # few steps swings with one lucky guess, and a draft that is rejected costs a longer step
+    GAIN = 1.1
     # steps between plain decoding's timings, and before drafting is tried again
     RETRY = 32
 
@@ -159,7 +162,7 @@ class DraftLength:
             return 0
         reach = 2 * max(self.cost) - 1          # drafts grow by doubling the longest step measured
         best = max((k for k in ks if k <= reach), key=self.speed)
-        if best > 0:
+        if best > 0 and self.speed(best) > self.GAIN * self.speed(0):
             self.plain_run, self.retry_after = 0, self.RETRY
             return best
         self.plain_run += 1

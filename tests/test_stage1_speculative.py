@@ -316,6 +316,19 @@ def test_draft_length_follows_what_pays():
     assert slow.choose(10) == 0
 
 
+def test_drafts_must_promise_a_tenth_more_than_plain_decoding():
+    """A draft pays when its expected tokens per second beat plain decoding's by DraftLength.GAIN:
+    at a step of 2 costing 1.15 steps, 21 % acceptance promises 5 % more (an estimate that one
+    lucky guess can make) and plain decoding goes on; 50 % promises 30 % more, and it drafts."""
+    length = speculative.DraftLength(1)
+    for T, s in ((1, 5.0), (1, 0.010), (2, 0.0115)):     # the first forward: a warm-up
+        length.update(T, s, T - 1, 0, 0.0)
+    length.acc, length.rej = 0.21, 0.79
+    assert length.speed(1) > length.speed(0) and length.choose(10) == 0
+    length.acc, length.rej = 0.5, 0.5
+    assert length.choose(10) == 1
+
+
 def simulate(cost, accept, steps=600, k_max=6, seed=0, noise=0.0):
     """A request of `steps` steps driven by DraftLength, on a planted machine: cost(T, i) the
     seconds of a step of T tokens at step i, each draft kept with probability accept(i) (prompt
