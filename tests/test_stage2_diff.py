@@ -31,6 +31,8 @@ CLAIMED = {
     "cache.store": "store through the slot mapping",
     "kern.attention": "self.attention(q, layer, batch): paged decode and prefill kernels",
     "x = x +": "kern.residual_add: the residual add is a kernel on the device",
+    "lw.router": "stage 1 tells a MoE layer by its router (its experts are two stacks), stage 2 by "
+                 "its list of experts",
 }
 
 
