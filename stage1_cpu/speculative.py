@@ -161,8 +161,9 @@ class DraftLength:
             # slow step: did the machine change?)
             return 0
         reach = 2 * max(self.cost) - 1          # drafts grow by doubling the longest step measured
-        best = max((k for k in ks if k <= reach), key=self.speed)
-        if best > 0 and self.speed(best) > self.GAIN * self.speed(0):
+        speeds = {k: self.speed(k) for k in ks if k <= reach}
+        best = max(speeds, key=speeds.get)
+        if best > 0 and speeds[best] > self.GAIN * speeds[0]:
             self.plain_run, self.retry_after = 0, self.RETRY
             return best
         self.plain_run += 1
