@@ -358,12 +358,11 @@ def rungs_table(rows: list[dict], ms: str, rate: str | None = None) -> str:
     return markdown_table(head + ["× previous", "× first"], body)
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["--probe"]:
-    _probe_server(int(sys.argv[2]), int(sys.argv[3]))
-
-
-
 def decode_speed(row: dict) -> float:
     """A request's decode tok/s (bench cpu --speculative's rows): the tokens after the first over
     the seconds after the first."""
     return (row["tokens"] - 1) / row["decode_seconds"]
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--probe"]:
+    _probe_server(int(sys.argv[2]), int(sys.argv[3]))

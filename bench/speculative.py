@@ -55,8 +55,8 @@ def lookup_steps(prompt: list[int], out: list[int], k: int) -> int:
 
 
 def make_engine(spec: dict):
-    """-> run(ids, n) -> {seconds, tokens, steps (forward passes), drafted, accepted} for one engine
-    and mode."""
+    """-> run(ids, n) -> {seconds, decode_seconds (after the first token), tokens, steps (forward
+    passes), drafted, accepted} for one engine and mode."""
     if spec["engine"] == "stage1":
         from stage1_cpu.engine import LLMEngine
         from stage1_cpu.speculative import DraftModel, SpeculativeEngine

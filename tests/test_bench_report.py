@@ -184,22 +184,28 @@ def test_ladder_matrices_have_the_model_shapes(fmt):
     assert {m.fmt for m in mats[:-1]} == {fmt}
 
 
+def speculative_cells(root: Path, rows: list[dict]) -> dict:
+    """bench report's speculative table from a run saved under root with these rows ->
+    {(engine, drafts): the cells after the task}."""
+    (root / "docs" / "figures").mkdir(parents=True)
+    saved = dict(model="m.gguf", threads=2, peer="llama-cpp-python 0", machine="cpu", date="d",
+                 rows=rows)
+    (root / "docs" / "figures" / "stage1_speculative.json").write_text(json.dumps(saved))
+    lines = [[c.strip() for c in line.strip("|").split("|")]
+             for line in report.speculative(root).splitlines() if line.startswith("| ")]
+    return {tuple(cells[:2]): cells[3:] for cells in lines}
+
+
 def test_speculative_table_measures_each_engine_against_its_own_plain_decoding(tmp_path):
-    """bench report's speculative table: output tok/s, the speed-up over the same engine's plain
+    """bench report's speculative table: decode tok/s, the speed-up over the same engine's plain
     run of the same prompt, tokens per forward pass and drafts accepted, from a saved run."""
-    (tmp_path / "docs" / "figures").mkdir(parents=True)
     row = lambda engine, mode, seconds, steps, drafted, accepted: dict(  # noqa: E731
         engine=engine, mode=mode, task="code rewrite", prompt=0, tokens=65, seconds=seconds + 1,
         decode_seconds=seconds, steps=steps, drafted=drafted, accepted=accepted)
-    saved = dict(model="m.gguf", threads=2, peer="llama-cpp-python 0", machine="cpu", date="d",
-                 rows=[row("stage1", "plain", 2.0, 64, 0, 0),
-                       row("stage1", "ngram", 0.8, 20, 60, 45),
-                       row("llama.cpp", "plain", 1.0, 64, 0, 0),
-                       row("llama.cpp", "lookup", 1.5, 30, 50, 20)])
-    (tmp_path / "docs" / "figures" / "stage1_speculative.json").write_text(json.dumps(saved))
-    cells = {tuple(c.strip() for c in line.strip("|").split("|"))[:2]:
-             [c.strip() for c in line.strip("|").split("|")][3:]
-             for line in report.speculative(tmp_path).splitlines() if line.startswith("| ")}
+    cells = speculative_cells(tmp_path, [row("stage1", "plain", 2.0, 64, 0, 0),
+                                         row("stage1", "ngram", 0.8, 20, 60, 45),
+                                         row("llama.cpp", "plain", 1.0, 64, 0, 0),
+                                         row("llama.cpp", "lookup", 1.5, 30, 50, 20)])
     # 80 tok/s over stage 1's own 32
     assert cells[("stage1", "ngram")] == ["80.0", "2.50x", "3.25", "75%", "–"]
     # over llama.cpp's own 64
@@ -294,20 +300,15 @@ def test_speculative_speeds_are_the_decodes_after_the_first_token(tmp_path):
     does not dilute the speed-up (over all the time, the same rows read 21.7 and 1.67x); and
     plain's rows carry the steps prompt lookup would take on their text: a task's reach is its
     prompts' tokens over their steps."""
-    (tmp_path / "docs" / "figures").mkdir(parents=True)
     row = lambda mode, seconds, decode, steps, drafted, accepted, **kw: dict(  # noqa: E731
         engine="stage1", mode=mode, task="code rewrite", prompt=0, tokens=65, seconds=seconds,
         decode_seconds=decode, steps=steps, drafted=drafted, accepted=accepted, **kw)
     # two prompts' plain text: prompt lookup would make 4 and 2 tokens a step (16 and 32 steps)
-    saved = dict(model="m.gguf", threads=2, peer="llama-cpp-python 0", machine="cpu", date="d",
-                 rows=[row("plain", 3.0, 2.0, 65, 0, 0, lookup_steps=16),
-                       dict(row("plain", 3.0, 2.0, 65, 0, 0, lookup_steps=32), prompt=1),
-                       row("ngram", 1.8, 0.8, 26, 60, 39),
-                       dict(row("ngram", 1.8, 0.8, 26, 60, 39), prompt=1)])
-    (tmp_path / "docs" / "figures" / "stage1_speculative.json").write_text(json.dumps(saved))
-    cells = {tuple(c.strip() for c in line.strip("|").split("|"))[:2]:
-             [c.strip() for c in line.strip("|").split("|")][3:]
-             for line in report.speculative(tmp_path).splitlines() if line.startswith("| ")}
+    cells = speculative_cells(tmp_path, [row("plain", 3.0, 2.0, 65, 0, 0, lookup_steps=16),
+                                         dict(row("plain", 3.0, 2.0, 65, 0, 0, lookup_steps=32),
+                                              prompt=1),
+                                         row("ngram", 1.8, 0.8, 26, 60, 39),
+                                         dict(row("ngram", 1.8, 0.8, 26, 60, 39), prompt=1)])
     # 128 tokens in 48 steps of prompt lookup's: 2.67 (a mean of the ratios would say 3.00)
     assert cells[("stage1", "plain")] == ["32.0", "1.00x", "1.00", "–", "2.67"]
     assert cells[("stage1", "ngram")] == ["80.0", "2.50x", "2.50", "65%", "–"]
