@@ -89,6 +89,9 @@ class DraftLength:
     (compiling, first-touch pages) and is not counted. Each request starts from the prior
     acceptance: what was accepted depends on the text.
 
+    The engine times steps of 1, 2, 4 and 8 tokens before its first request (calibrate), so that
+    request drafts from its first step at the length that pays, not after a few steps of growing.
+
     It never loses by much, on a quiet machine or a busy one, because the estimates follow the
     machine as it is now: two steps in a row that each took far more (or both far less) than their
     estimates say the machine changed (another program took a core, or gave it back), and every
@@ -123,6 +126,11 @@ class DraftLength:
 
     def new_request(self) -> None:
         self.acc, self.rej = self.PRIOR
+
+    def calibrate(self, costs: dict[int, float]) -> None:
+        """Seconds of steps of T tokens, timed before any request: the estimates to start from,
+        measured now (the steps after them are no warm-up)."""
+        self.cost, self.seen, self.steps = dict(costs), {T: 1 for T in costs}, 1
 
     @property
     def rate(self) -> float:
@@ -320,6 +328,8 @@ class SpeculativeEngine(LLMEngine):
         return events + self.more               # ... and the other tokens its verify step made
 
     def _start(self, req) -> None:
+        if not self.length.steps and not self.cached_ids:
+            self._calibrate()
         super()._start(req)
         self.last_speculation = self.stats[req.id] = SpeculationStats()
         self.length.new_request()
@@ -328,6 +338,20 @@ class SpeculativeEngine(LLMEngine):
         # the draft model's own draws (temperature > 0), apart from the request's generator
         self.draft_rng = np.random.default_rng(
             None if req.params.seed is None else [req.params.seed, 1])
+
+    def _calibrate(self) -> None:
+        """Before the first request: time steps of 1, 2, 4 and up to k_max + 1 tokens, twice (the
+        first round warms up) -> DraftLength.calibrate. Their tokens sit at positions 0..7 of an
+        empty cache, which the prompt's prefill writes over: nothing a prompt could reuse."""
+        sizes = sorted({T for T in (1, 2, 4, self.length.k_max + 1)
+                        if T <= min(self.length.k_max + 1, self.max_ctx)})
+        ids, costs = np.zeros(sizes[-1], dtype=np.int64), {}
+        for _ in range(2):
+            for T in sizes:
+                t0 = time.perf_counter()
+                self.model.forward(ids[:T], 0, all_logits=T > 1)
+                costs[T] = time.perf_counter() - t0
+        self.length.calibrate(costs)
 
     def _decode(self, r: _Running) -> TokenEvent:
         """The first token comes from the prefill's logits, as in LLMEngine; each later step feeds

@@ -409,6 +409,36 @@ def test_the_engine_times_its_verify_steps_and_stops_drafting_where_they_do_not_
     assert s.drafted > 0, "it never tried drafting"
 
 
+def test_the_engine_times_its_steps_before_the_first_request_and_drafts_from_the_first_step(
+        monkeypatch, prompts):
+    """Before its first request the engine times steps of 1, 2, 4 and 8 tokens (a planted clock:
+    T tokens cost 10 ms + 1 ms a token more), so that request's first verify step drafts already:
+    without the timing its first steps would be plain, as DraftLength grows from what it has
+    measured. The tokens stay plain greedy's."""
+    folder = folder_for("qwen3")
+    kw = dict(max_ctx=MAX_CTX, progress=False, kernels="plain")
+    plain, spec = LLMEngine(folder, **kw), SpeculativeEngine(folder, **kw)
+    clock = [0.0]
+    monkeypatch.setattr(speculative.time, "perf_counter", lambda: clock[0])
+    forward = spec.model.forward
+
+    def timed(tokens, pos, all_logits=False):
+        clock[0] += 0.010 + 0.001 * (len(tokens) - 1)
+        return forward(tokens, pos, all_logits=all_logits)
+    monkeypatch.setattr(spec.model, "forward", timed)
+    steps, update = [], spec.length.update
+    monkeypatch.setattr(spec.length, "update",
+                        lambda T, *a: steps.append((T, a[1])) or update(T, *a))
+    assert spec.length.cost == {}
+    prompt = prompts["qwen3"]["own"]
+    assert run(spec, prompt, 60) == plain_greedy(plain, prompt, 60)[0]
+    assert steps[0][1] > 0 and steps[0][0] > 1, steps[:3]     # (T, drafted): it drafted at once
+    # the calibration's timings, then the request's own steps' running means
+    assert {1, 2, 4, 8} <= set(spec.length.cost), spec.length.cost
+    assert spec.length.cost[8] == pytest.approx(0.017)
+    assert spec.length.cost[1] == pytest.approx(0.010)
+
+
 def with_tokenizer():
     """A model with Qwen3's tokenizer, the one the other test files build (made once a session)."""
     return make_model("qwen3", tokenizer=True)
