@@ -128,9 +128,12 @@ class DraftLength:
         self.acc, self.rej = self.PRIOR
 
     def calibrate(self, costs: dict[int, float]) -> None:
-        """Seconds of steps of T tokens, timed before any request: the estimates to start from,
-        measured now (the steps after them are no warm-up)."""
-        self.cost, self.seen, self.steps = dict(costs), {T: 1 for T in costs}, 1
+        """Seconds of steps of T tokens, timed before any request: the estimates to start from.
+        Plain decoding's is averaged with the plain steps that follow, as a measured one is; a
+        longer step's counts as old, so the first step of its size replaces it (a request's
+        steps sit later in the context). The steps after these are no warm-up."""
+        self.cost, self.steps = dict(costs), 1
+        self.seen = {T: 1 if T == 1 else -self.RETRY for T in costs}
 
     @property
     def rate(self) -> float:
@@ -340,18 +343,19 @@ class SpeculativeEngine(LLMEngine):
             None if req.params.seed is None else [req.params.seed, 1])
 
     def _calibrate(self) -> None:
-        """Before the first request: time steps of 1, 2, 4 and up to k_max + 1 tokens, twice (the
-        first round warms up) -> DraftLength.calibrate. Their tokens sit at positions 0..7 of an
-        empty cache, which the prompt's prefill writes over: nothing a prompt could reuse."""
+        """Before the first request: time steps of 1, 2, 4 and up to k_max + 1 tokens, a round to
+        warm up, then the median of three (one step's time swings by a fifth) ->
+        DraftLength.calibrate. Their tokens sit at positions 0..7 of an empty cache, which the
+        prompt's prefill writes over: nothing a prompt could reuse."""
         sizes = sorted({T for T in (1, 2, 4, self.length.k_max + 1)
                         if T <= min(self.length.k_max + 1, self.max_ctx)})
-        ids, costs = np.zeros(sizes[-1], dtype=np.int64), {}
-        for _ in range(2):
+        ids, times = np.zeros(sizes[-1], dtype=np.int64), {T: [] for T in sizes}
+        for _ in range(4):
             for T in sizes:
                 t0 = time.perf_counter()
                 self.model.forward(ids[:T], 0, all_logits=T > 1)
-                costs[T] = time.perf_counter() - t0
-        self.length.calibrate(costs)
+                times[T].append(time.perf_counter() - t0)
+        self.length.calibrate({T: float(np.median(t[1:])) for T, t in times.items()})
 
     def _decode(self, r: _Running) -> TokenEvent:
         """The first token comes from the prefill's logits, as in LLMEngine; each later step feeds
