@@ -18,34 +18,42 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 
 class PromptLookup:
     """Propose the k tokens that followed the latest earlier occurrence of the context's last
-    n tokens, trying n = max_n first (a longer match predicts better) and down to min_n."""
+    n tokens, trying n = max_n first (a longer match predicts better) and down to min_n.
+
+    It keeps an index, n-gram -> its latest start, of every n-gram a token follows, and adds to it
+    only the tokens that came since the last call: a step costs its new tokens, not a pass over
+    the whole context. A context that does not extend the last one (a new request) starts it
+    over."""
 
     def __init__(self, max_n: int = 3, min_n: int = 1):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"prompt lookup needs 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.max_n, self.min_n = max_n, min_n
+        self.ids: list[int] = []                  # the context the index covers
+        self.latest: dict[tuple, int] = {}        # n-gram -> the latest start a token follows
 
     def propose(self, ids, k: int) -> list[int]:
         """ids: prompt + output so far -> up to k drafted tokens ([] when nothing matches)."""
         if k < 1:
             return []
-        a = np.asarray(ids, dtype=np.int64)
-        L = len(a)
+        ids, seen = list(ids), len(self.ids)
+        if ids[:seen] != self.ids:
+            self.ids, self.latest, seen = [], {}, 0
+        L = len(ids)
+        # n-grams ending at e <= L - 1 (a token follows them), the newest last: the latest wins,
+        # and the tail itself (ending at L) is never its own match
+        for e in range(max(seen, 1), L):
+            for n in range(self.min_n, min(self.max_n, e) + 1):
+                self.latest[tuple(ids[e - n:e])] = e - n
+        self.ids = ids
         for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
-            # hits[i]: a[i:i+n] equals the last n tokens, for every start i whose match a token
-            # follows (i + n <= L - 1), so the tail itself is never its own match
-            hits = np.ones(L - n, dtype=bool)
-            for j in range(n):
-                hits &= a[j:L - n + j] == a[L - n + j]
-            found = np.flatnonzero(hits)
-            if found.size:
-                start = found[-1] + n   # the latest match: the most recent context
-                out = a[start:start + k].tolist()
+            i = self.latest.get(tuple(ids[L - n:]))
+            if i is not None:
+                start = i + n
+                out = ids[start:start + k]
                 # it ran into the present: what followed repeats (a loop of L - start tokens)
                 while len(out) < k:
                     out.append(out[len(out) - (L - start)])

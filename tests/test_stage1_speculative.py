@@ -120,6 +120,32 @@ def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
     assert PromptLookup(max_n=2, min_n=2).propose([1, 2, 9, 5, 2], 2) == []
 
 
+def test_prompt_lookup_keeps_its_index_as_the_context_grows_and_restarts_on_a_new_one():
+    """One PromptLookup over growing contexts (a request's steps: 1 to 4 tokens more each), and
+    now and then another context (a new request), proposes what a search of the whole context
+    for the latest longest match proposes, at every call."""
+    def search(ids, k, max_n=3):
+        for n in range(min(max_n, len(ids) - 1), 0, -1):
+            starts = [i for i in range(len(ids) - n) if ids[i:i + n] == ids[len(ids) - n:]]
+            if starts:
+                start, out = starts[-1] + n, []
+                while len(out) < k:
+                    out.append(ids[start + len(out)] if start + len(out) < len(ids)
+                               else out[len(out) - (len(ids) - start)])
+                return out
+        return []
+
+    rng, lookup, calls, hits = np.random.default_rng(0), PromptLookup(), 0, 0
+    for _ in range(60):
+        ids, L = rng.integers(0, 6, 70).tolist(), 1
+        while L < len(ids):
+            k = int(rng.integers(1, 9))
+            got = lookup.propose(ids[:L], k)
+            assert got == search(ids[:L], k), (ids[:L], k)
+            calls, hits, L = calls + 1, hits + bool(got), L + int(rng.integers(1, 5))
+    assert calls > 1000 and hits > calls // 2
+
+
 # ------------------------------------------------------------------ greedy: token for token
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
