@@ -89,8 +89,9 @@ class DraftLength:
     (compiling, first-touch pages) and is not counted. Each request starts from the prior
     acceptance: what was accepted depends on the text.
 
-    The engine times steps of 1, 2, 4 and 8 tokens before its first request (calibrate), so that
-    request drafts from its first step at the length that pays, not after a few steps of growing.
+    The engine times steps of 1, 2, 4 and k_max + 1 tokens before its first request (calibrate),
+    so that request drafts from its first step at the length that pays, not after a few steps of
+    growing.
 
     It never loses by much, on a quiet machine or a busy one, because the estimates follow the
     machine as it is now: two steps in a row that each took far more (or both far less) than their
@@ -345,8 +346,8 @@ class SpeculativeEngine(LLMEngine):
     def _calibrate(self) -> None:
         """Before the first request: time steps of 1, 2, 4 and up to k_max + 1 tokens, a round to
         warm up, then the median of three (one step's time swings by a fifth) ->
-        DraftLength.calibrate. Their tokens sit at positions 0..7 of an empty cache, which the
-        prompt's prefill writes over: nothing a prompt could reuse."""
+        DraftLength.calibrate. Their tokens sit in the first positions of an empty cache, which
+        the prompt's prefill writes over: nothing a prompt could reuse."""
         sizes = sorted({T for T in (1, 2, 4, self.length.k_max + 1)
                         if T <= min(self.length.k_max + 1, self.max_ctx)})
         ids, times = np.zeros(sizes[-1], dtype=np.int64), {T: [] for T in sizes}
