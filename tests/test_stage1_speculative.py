@@ -409,11 +409,9 @@ def test_drafting_never_loses_to_plain_decoding(noise, seed):
     assert after >= 2.0 * plain_after, (after, plain_after)
 
 
-def test_the_engine_times_its_verify_steps_and_stops_drafting_where_they_do_not_pay(monkeypatch,
-                                                                                    prompts):
-    """The engine's own timing feeds DraftLength: a planted clock makes every verify step of T > 1
-    tokens cost 3 steps of one. The request's clock time per token ends within 3 % of plain
-    decoding's (the few steps that try drafting again included), and its tokens are plain's."""
+def planted_clock(monkeypatch, cost):
+    """A plain engine, and a speculative one whose clock (speculative.time.perf_counter) moves
+    only by cost(T) seconds per forward of T tokens -> (plain, speculative, the clock [seconds])."""
     folder = folder_for("qwen3")
     kw = dict(max_ctx=MAX_CTX, progress=False, kernels="plain")
     plain, spec = LLMEngine(folder, **kw), SpeculativeEngine(folder, **kw)
@@ -422,9 +420,19 @@ def test_the_engine_times_its_verify_steps_and_stops_drafting_where_they_do_not_
     forward = spec.model.forward
 
     def timed(tokens, pos, all_logits=False):
-        clock[0] += 0.010 if len(tokens) == 1 else 0.030          # the planted cost of a step
+        clock[0] += cost(len(tokens))
         return forward(tokens, pos, all_logits=all_logits)
     monkeypatch.setattr(spec.model, "forward", timed)
+    return plain, spec, clock
+
+
+def test_the_engine_times_its_verify_steps_and_stops_drafting_where_they_do_not_pay(monkeypatch,
+                                                                                    prompts):
+    """The engine's own timing feeds DraftLength: a planted clock makes every verify step of T > 1
+    tokens cost 3 steps of one. The request's clock time per token ends within 3 % of plain
+    decoding's (the few steps that try drafting again included), and its tokens are plain's."""
+    # the planted cost of a step
+    plain, spec, clock = planted_clock(monkeypatch, lambda T: 0.010 if T == 1 else 0.030)
     prompt = prompts["qwen3"]["own"]
     want, _ = plain_greedy(plain, prompt, 200)
     clock[0] = 0.0
@@ -441,17 +449,7 @@ def test_the_engine_times_its_steps_before_the_first_request_and_drafts_from_the
     T tokens cost 10 ms + 1 ms a token more), so that request's first verify step drafts already:
     without the timing its first steps would be plain, as DraftLength grows from what it has
     measured. The tokens stay plain greedy's."""
-    folder = folder_for("qwen3")
-    kw = dict(max_ctx=MAX_CTX, progress=False, kernels="plain")
-    plain, spec = LLMEngine(folder, **kw), SpeculativeEngine(folder, **kw)
-    clock = [0.0]
-    monkeypatch.setattr(speculative.time, "perf_counter", lambda: clock[0])
-    forward = spec.model.forward
-
-    def timed(tokens, pos, all_logits=False):
-        clock[0] += 0.010 + 0.001 * (len(tokens) - 1)
-        return forward(tokens, pos, all_logits=all_logits)
-    monkeypatch.setattr(spec.model, "forward", timed)
+    plain, spec, _ = planted_clock(monkeypatch, lambda T: 0.010 + 0.001 * (T - 1))
     steps, update = [], spec.length.update
     monkeypatch.setattr(spec.length, "update",
                         lambda T, *a: steps.append((T, a[1])) or update(T, *a))
