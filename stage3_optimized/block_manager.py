@@ -155,6 +155,15 @@ class BlockManager:
                 key = PageKey(h, parent, chunk)           # a collision: stays unregistered
             seq.page_keys.append(key)
 
+    def forget(self, seq: Sequence) -> None:
+        """Take the registered pages that seq alone holds out of the prefix cache (before its
+        pages are freed): its logits came out degenerate (a NaN or +inf), and the keys and values
+        it computed may be what made them so. A later request computes them again. A page other
+        sequences hold too was computed before them, and served them without harm."""
+        for page in seq.block_table:
+            if self.ref_count[page] == 1 and page in self.key_of:
+                self._evict(page)
+
     def _evict(self, page: int) -> None:
         """Forget what a free cached page holds (it is about to be overwritten)."""
         key = self.key_of.pop(page)

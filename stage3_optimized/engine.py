@@ -239,7 +239,9 @@ class LLMEngine:
         for seq, token in zip(sampling, chosen):
             if token < 0:
                 # a degenerate logits row (a NaN or +inf, or all -inf: kernels.sample gives -1):
-                # no token to append or embed; the request ends with an error, the others go on
+                # no token to append or embed; the request ends with an error, the others go on,
+                # and no later request reuses the pages it computed
+                self.block_manager.forget(seq)
                 self.scheduler.finish(seq)
                 events.append(TokenEvent(seq.id, -1, "error"))
                 continue

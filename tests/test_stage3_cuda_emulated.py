@@ -1032,6 +1032,50 @@ def test_engine_reports_a_degenerate_logits_row_as_an_error_for_that_request_onl
     assert got["ok"] == alone["ok"] and len(got["ok"]) == 4 and got["ok"][-1][1] == "length"
 
 
+def test_pages_of_a_request_whose_logits_went_degenerate_leave_the_prefix_cache(monkeypatch):
+    """device="cpu" (the twins), prefix caching on, pages of 4: a request whose logits come out
+    NaN ends in an error, and a later request with the same 10-token prompt finds none of its
+    pages cached (they may hold what made the NaN) and makes the tokens a fresh engine makes;
+    after a request that ended well, the same prompt finds its 2 full pages (8 tokens) cached."""
+    from common.engine import Request
+    from common.sampling import SamplingParams
+    from bench.testbed.models import make_model
+    from stage3_optimized.engine import LLMEngine
+
+    folder, prompt = make_model("qwen3"), [5, 9, 3, 17, 40, 2, 8, 11, 30, 7]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    def engine(poison):
+        eng = LLMEngine(folder, max_ctx=48, slots=4, token_budget=32, page_size=4, num_pages=40,
+                        device="cpu", progress=False, enforce_eager=True)
+        real = eng.model.forward
+
+        def forward(tokens, batch, all_logits=False):
+            logits = real(tokens, batch, all_logits)
+            if poison[0]:
+                logits[:] = np.nan
+            return logits
+        monkeypatch.setattr(eng.model, "forward", forward)
+        return eng
+
+    def run(eng, name):
+        eng.add_request(Request(name, list(prompt), params))
+        out = []
+        while eng.has_work():
+            out += [(ev.token_id, ev.finish_reason) for ev in eng.step()]
+        return out
+
+    fresh = run(engine([False]), "fresh")
+    poison = [True]
+    eng = engine(poison)
+    assert run(eng, "bad") == [(-1, "error")]
+    poison[0] = False
+    assert run(eng, "again") == fresh and len(fresh) == 3
+    assert eng.cached_tokens["again"] == 0
+    assert run(eng, "once more") == fresh and eng.cached_tokens["once more"] == 8
+    assert eng.num_free_pages() == 40
+
+
 def test_failed_capture_keeps_the_first_error_not_end_captures():
     """A launch fails inside the capture; end_capture() then raises "capture invalidated".
     DecodeGraphs.error must name the launch's error (v1 kept end_capture's)."""
